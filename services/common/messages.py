@@ -1,0 +1,161 @@
+"""In-process messages of the engine: frozen dataclasses mirroring proto/engine.proto.
+
+The scheduler produces a ``BatchPlan`` per worker per iteration; the worker answers with a
+``StepResult``; the scheduler turns results into ``RequestOutput`` events for the front end.
+The plan carries deltas, as vLLM V1's scheduler output does: a request travels in full once
+(``NewRequestData``), then only as ``CachedRequestData`` (new block ids, tokens scheduled now).
+``services/common/convert.py`` maps these to and from protobuf at process boundaries.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import EngineSamplingParams
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped (the OpenAI API's ``finish_reason`` values)."""
+
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # aborted by the client or the server
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A tokenized request as the engine receives it.
+
+    Attributes:
+        request_id: unique among requests in flight.
+        prompt_token_ids: the prompt, ``len >= 1``.
+        sampling: token-level sampling parameters.
+        arrival_time: unix time in seconds when the front end accepted it (orders FCFS).
+        trace_context: W3C trace context carriers (``traceparent``) for the request's trace.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: EngineSamplingParams
+    arrival_time: float
+    trace_context: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request scheduled on a worker for the first time, or again after preemption.
+
+    Attributes:
+        token_ids: prompt followed by the tokens generated so far.
+        num_prompt_tokens: how many of ``token_ids`` are the prompt.
+        block_ids: the block table, logical block index -> physical block id.
+        num_computed_tokens: tokens whose K/V already sit in the blocks.
+        num_scheduled_tokens: tokens to compute in this iteration (a prefill chunk, or 1 to decode).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: EngineSamplingParams
+    trace_context: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the worker already holds: what changed since the last iteration.
+
+    Attributes:
+        new_block_ids: physical blocks appended to its block table.
+        num_computed_tokens: tokens computed before this iteration, as the scheduler counts them.
+        num_scheduled_tokens: tokens to compute in this iteration.
+    """
+
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """One iteration's work for one worker.
+
+    Attributes:
+        step_id: the scheduler's iteration counter.
+        new_requests: requests sent in full.
+        cached_requests: deltas for requests the worker holds.
+        finished_request_ids: requests whose worker state must be dropped (finished, aborted,
+            preempted) before this iteration runs.
+    """
+
+    step_id: int
+    new_requests: tuple[NewRequestData, ...] = ()
+    cached_requests: tuple[CachedRequestData, ...] = ()
+    finished_request_ids: tuple[str, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens for r in self.cached_requests
+        )
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.new_requests or self.cached_requests or self.finished_request_ids)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A token sampled for a request whose scheduled tokens reached the end of its sequence.
+
+    Attributes:
+        logprob: natural log of its probability under the distribution it was drawn from
+            (after temperature, top-k, top-p and min-p; 0.0 for greedy).
+    """
+
+    request_id: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A worker's answer to a BatchPlan: one sampled token per request that completed its prompt."""
+
+    step_id: int
+    sampled: tuple[SampledToken, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestError:
+    """Why the engine could not serve a request. ``grpc_code`` is a ``grpc.StatusCode`` value[0]."""
+
+    grpc_code: int
+    message: str
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one iteration produced for one request, for the front end.
+
+    Attributes:
+        first_output_index: position in the output of ``new_token_ids[0]`` (0 for the first token).
+        new_token_ids: tokens generated in this iteration (zero or one today).
+        finish_reason: set once, on the request's last output.
+        error: set when the request was aborted because it cannot be served.
+    """
+
+    request_id: str
+    first_output_index: int
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    error: RequestError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

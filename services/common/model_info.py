@@ -1,0 +1,90 @@
+"""What the services need to know about a model folder, read from its JSON files (no torch).
+
+A model folder is a Hugging Face folder: ``config.json``, ``*.safetensors``, tokenizer files and,
+optionally, ``generation_config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ModelFolderError(ValueError):
+    """The folder is not a usable model folder (missing files, unsupported architecture)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about a model that the gateway, scheduler and worker share.
+
+    Attributes:
+        path: the model folder.
+        architecture: ``config.json["architectures"][0]``.
+        max_model_len: context length in tokens (capped by a sliding window when the model has one).
+        vocab_size: number of token ids.
+        eos_token_ids: ids that end generation, from ``generation_config.json`` (else ``config.json``).
+        num_layers, num_kv_heads, head_dim: KV-cache geometry.
+    """
+
+    path: Path
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def kv_bytes_per_block(self, block_size: int, dtype_size: int) -> int:
+        """Bytes of K and V for one block across all layers."""
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype_size
+
+
+def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def load_model_info(path: str | Path) -> ModelInfo:
+    """Reads ``config.json`` (and ``generation_config.json`` when present) of a model folder.
+
+    Raises:
+        ModelFolderError: no ``config.json``, or an architecture pagedserve cannot run.
+    """
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelFolderError(f"{folder} has no config.json; --model takes a Hugging Face model folder")
+    config = json.loads(config_file.read_text())
+    architectures = config.get("architectures") or []
+    if not architectures or architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise ModelFolderError(
+            f"{folder}: architecture {architectures} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    generation_file = folder / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+    eos = _as_tuple(generation.get("eos_token_id", config.get("eos_token_id")))
+    max_len = int(config.get("max_position_embeddings", 2048))
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True):
+        max_len = min(max_len, int(window))  # full attention is exact only within the window
+    num_heads = int(config["num_attention_heads"])
+    return ModelInfo(
+        path=folder,
+        architecture=architectures[0],
+        max_model_len=max_len,
+        vocab_size=int(config["vocab_size"]),
+        eos_token_ids=eos,
+        num_layers=int(config["num_hidden_layers"]),
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
+    )

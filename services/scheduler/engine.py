@@ -1,0 +1,77 @@
+"""The step loop: schedule, execute, apply.
+
+``Engine`` is the same whether the workers are model runners in this process (``LocalExecutor``,
+used by ``pagedserve.llm.LLM``, the tests and the benchmarks) or worker services reached over gRPC
+(``services.scheduler.grpc_executor.GrpcExecutor``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from services.common.messages import BatchPlan, EngineRequest, RequestOutput, StepResult
+from services.scheduler.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    """What the workers answered for one iteration.
+
+    Attributes:
+        results: step results by worker id.
+        failed_worker_ids: workers that did not answer; their sequences are rescheduled elsewhere.
+    """
+
+    results: Mapping[str, StepResult]
+    failed_worker_ids: tuple[str, ...] = ()
+
+
+class Executor(Protocol):
+    """Runs one iteration's plans on the workers they are for."""
+
+    def execute(self, plans: Mapping[str, BatchPlan]) -> ExecutionResult: ...
+
+
+class PlanRunner(Protocol):
+    """A worker's model runner as seen by the engine (``services.worker.model_runner.ModelRunner``)."""
+
+    def execute(self, plan: BatchPlan) -> StepResult: ...
+
+
+class LocalExecutor:
+    """Executes plans on model runners in this process, one after another."""
+
+    def __init__(self, runners: Mapping[str, PlanRunner]) -> None:
+        self.runners = dict(runners)
+
+    def execute(self, plans: Mapping[str, BatchPlan]) -> ExecutionResult:
+        return ExecutionResult({wid: self.runners[wid].execute(plan) for wid, plan in plans.items()})
+
+
+class Engine:
+    """Drives a scheduler and an executor one iteration at a time. Not thread-safe."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queues a request (see ``Scheduler.add_request``)."""
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request and frees its blocks; False if it was not in flight."""
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration and returns what it produced for each request."""
+        scheduled = self.scheduler.schedule()
+        execution = self.executor.execute(scheduled.plans)
+        for worker_id in execution.failed_worker_ids:
+            self.scheduler.remove_worker(worker_id)
+        return self.scheduler.update_from_output(execution.results)
