@@ -1,0 +1,117 @@
+"""Per-request text state: engine token events in, client text deltas out.
+
+``RequestTextState`` joins the incremental detokenizer and the stop-string matcher for one request.
+The gRPC gateway and the in-process ``LLM.generate`` API both feed it the request's
+``RequestOutput`` events in order and send (or collect) the ``TextDelta`` it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.messages import FinishReason, RequestOutput
+from services.common.sampling_params import SamplingParams
+from services.gateway.detokenizer import IncrementalDetokenizer, TokenDecoder
+from services.gateway.stop_strings import StopStringMatcher
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What one engine output adds to a request's response.
+
+    Attributes:
+        text: text completed since the previous delta (may be ``""`` while text is held back).
+        token_ids: the output token ids this delta covers (all ids received, including the one that
+            completed a stop string).
+        finish_reason: set on the request's last delta only.
+        stop_string_matched: a stop string ended the request while the engine is still running it:
+            the caller must abort the request in the engine. False when the engine had finished
+            the request itself in the same output (``finish_reason`` is then ``STOP`` all the same).
+        num_output_tokens: output tokens received so far (the usage's completion tokens).
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    stop_string_matched: bool
+    num_output_tokens: int
+
+
+class RequestTextState:
+    """Text state of one request: detokenization, stop strings, usage.
+
+    Args:
+        tokenizer: decodes ids to text (a Hugging Face tokenizer or a ``PromptTokenizer``).
+        prompt_token_ids: the request's prompt (context for decoding the first output tokens).
+        params: the request's sampling parameters (``stop``, ``include_stop_str_in_output``,
+            ``skip_special_tokens`` are used here).
+    """
+
+    def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self._num_prompt_tokens = len(prompt_token_ids)
+        self._num_output_tokens = 0
+        self._finish_reason: FinishReason | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length in tokens (the usage's prompt tokens)."""
+        return self._num_prompt_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens received so far (the usage's completion tokens)."""
+        return self._num_output_tokens
+
+    @property
+    def finished(self) -> bool:
+        """Whether the request has had its last delta (engine finish or stop string)."""
+        return self._finish_reason is not None
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Why the request finished; None while it runs."""
+        return self._finish_reason
+
+    def process(self, output: RequestOutput) -> TextDelta:
+        """Turns the request's next engine output into a text delta.
+
+        When ``output`` finishes the request, all held-back text is flushed into the returned delta.
+        When a stop string matches, the delta's text ends there (or after it, when it is included),
+        its ``finish_reason`` is ``STOP``, and every later output is ignored: it yields an empty
+        delta with no ``finish_reason`` (check ``finished`` before sending).
+
+        Raises:
+            ValueError: ``output.first_output_index`` is past the tokens received so far (a gap).
+                Ids the state has already received (a repeated output) are skipped.
+        """
+        if self.finished:
+            return TextDelta("", (), None, False, self._num_output_tokens)
+        new_ids = self._new_token_ids(output)
+        self._num_output_tokens += len(new_ids)
+        text = self._detokenizer.add(new_ids)
+        if output.finished:
+            text += self._detokenizer.finish()
+        check = self._stops.feed(text)
+        if check.stopped:
+            self._finish_reason = FinishReason.STOP
+            return TextDelta(check.text, new_ids, FinishReason.STOP, not output.finished, self._num_output_tokens)
+        text = check.text
+        if output.finished:
+            text += self._stops.flush()
+            self._finish_reason = output.finish_reason
+        return TextDelta(text, new_ids, output.finish_reason, False, self._num_output_tokens)
+
+    def _new_token_ids(self, output: RequestOutput) -> tuple[int, ...]:
+        """The ids of ``output`` not received before."""
+        if not output.new_token_ids:
+            return ()
+        already = self._num_output_tokens - output.first_output_index
+        if already < 0:
+            raise ValueError(
+                f"request {output.request_id}: output starts at token {output.first_output_index} "
+                f"but only {self._num_output_tokens} tokens were received"
+            )
+        return tuple(output.new_token_ids[already:])

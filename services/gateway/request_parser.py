@@ -1,0 +1,78 @@
+"""Turns a client's GenerateRequest into validated parts: prompt token ids and sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.pb import generate_pb2 as gen
+from services.common.sampling_params import EngineSamplingParams, InvalidRequestError, SamplingParams
+from services.gateway.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
+
+
+def sampling_params_from_pb(msg: gen.SamplingParams) -> SamplingParams:
+    """The API message as validated SamplingParams (defaults for unset fields).
+
+    Raises:
+        InvalidRequestError: a value out of range; the message names the field.
+    """
+    defaults = SamplingParams()
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else defaults.top_p,
+        top_k=msg.top_k if msg.HasField("top_k") else defaults.top_k,
+        min_p=msg.min_p if msg.HasField("min_p") else defaults.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        min_tokens=msg.min_tokens,
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
+        skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+    )
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A client request, validated and tokenized.
+
+    Attributes:
+        prompt_token_ids: the prompt as token ids.
+        params: the client's sampling parameters (stop strings, detokenization options).
+        engine_params: the token-level parameters for the engine, ``max_tokens`` resolved.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    engine_params: EngineSamplingParams
+
+
+def prompt_token_ids_from_pb(request: gen.GenerateRequest, tokenizer: PromptTokenizer) -> tuple[list[int], str]:
+    """Tokenizes whichever prompt input the request holds; returns the ids and the field's name.
+
+    Raises:
+        InvalidRequestError: no prompt input, an empty one, an unknown chat role, invalid token ids.
+    """
+    kind = request.WhichOneof("prompt_input")
+    if kind == "prompt":
+        return tokenizer.encode_prompt(request.prompt), "prompt"
+    if kind == "chat":
+        turns = [ChatTurn(role=m.role, content=m.content) for m in request.chat.messages]
+        return tokenizer.encode_chat(turns), "chat"
+    if kind == "prompt_token_ids":
+        return tokenizer.check_token_ids(list(request.prompt_token_ids.ids)), "prompt_token_ids"
+    raise InvalidRequestError("prompt", "one of prompt, chat or prompt_token_ids must be set")
+
+
+def parse_generate_request(request: gen.GenerateRequest, tokenizer: PromptTokenizer) -> ParsedRequest:
+    """Validates and tokenizes a GenerateRequest (the gateway and the offline API share this).
+
+    Raises:
+        InvalidRequestError: any invalid field; the message names it.
+    """
+    params = sampling_params_from_pb(request.sampling_params)
+    ids, field_name = prompt_token_ids_from_pb(request, tokenizer)
+    info = tokenizer.info
+    check_prompt_length(len(ids), info.max_model_len, field_name)
+    engine_params = params.to_engine(len(ids), info.max_model_len, info.vocab_size, info.eos_token_ids)
+    return ParsedRequest(tuple(ids), params, engine_params)

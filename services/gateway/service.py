@@ -1,0 +1,124 @@
+"""The Generation gRPC service: validate, tokenize, enqueue, then stream text deltas back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import redis
+from opentelemetry import trace
+
+from services.common import telemetry
+from services.common.messages import EngineRequest, FinishReason, RequestOutput
+from services.common.pb import generate_pb2 as gen
+from services.common.pb import generate_pb2_grpc
+from services.common.sampling_params import InvalidRequestError
+from services.gateway.output_processor import RequestTextState, TextDelta
+from services.gateway.queue_producer import RequestQueueProducer
+from services.gateway.request_parser import ParsedRequest, parse_generate_request
+from services.gateway.router import OutputRouter
+from services.gateway.tokenizer import PromptTokenizer
+
+_FINISH_TO_PB = {
+    FinishReason.STOP: gen.FINISH_REASON_STOP,
+    FinishReason.LENGTH: gen.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: gen.FINISH_REASON_ABORT,
+}
+_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    """Serves Generate. Each call registers for its token events before the request is queued.
+
+    Args:
+        max_concurrent_requests: calls in flight above which new ones get RESOURCE_EXHAUSTED.
+        scheduler_grace_s: how long a call waits for a lost scheduler stream to come back before
+            failing with UNAVAILABLE.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        producer: RequestQueueProducer,
+        router: OutputRouter,
+        tracer: trace.Tracer,
+        max_concurrent_requests: int,
+        scheduler_grace_s: float = 10.0,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._producer = producer
+        self._router = router
+        self._tracer = tracer
+        self._max_concurrent = max_concurrent_requests
+        self._grace_s = scheduler_grace_s
+        self._background: set[asyncio.Task] = set()
+
+    async def Generate(self, request: gen.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
+        if self._router.num_in_flight >= self._max_concurrent:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the gateway has {self._max_concurrent} requests in flight; retry later")
+        try:
+            parsed = parse_generate_request(request, self._tokenizer)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        request_id = request.request_id or uuid.uuid4().hex
+        parent = telemetry.extract(telemetry.metadata_to_carrier(context.invocation_metadata()))
+        with self._tracer.start_as_current_span("gateway.Generate", context=parent, kind=trace.SpanKind.SERVER) as span:
+            span.set_attributes({"request_id": request_id, "prompt_tokens": len(parsed.prompt_token_ids)})
+            async for response in self._generate(request_id, parsed, context):
+                yield response
+
+    async def _generate(self, request_id: str, parsed: ParsedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
+        try:
+            outputs = self._router.register(request_id)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}")
+        state = RequestTextState(self._tokenizer, parsed.prompt_token_ids, parsed.params)
+        try:
+            engine_request = EngineRequest(request_id, parsed.prompt_token_ids, parsed.engine_params, time.time(),
+                                           telemetry.inject())
+            try:
+                await self._producer.enqueue(engine_request)
+            except redis.RedisError as exc:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot queue the request: {exc}")
+            while not state.finished:
+                output = await self._next_output(outputs, context)
+                if output.error is not None:
+                    await context.abort(_STATUS_BY_CODE.get(output.error.grpc_code, grpc.StatusCode.INTERNAL),
+                                        output.error.message)
+                delta = state.process(output)
+                if delta.stop_string_matched:
+                    self._abort_in_background(request_id)
+                if delta.text or delta.token_ids or delta.finish_reason:
+                    yield self._response(request_id, delta, state)
+        finally:
+            self._router.unregister(request_id)
+            if not state.finished:  # the client went away or the call failed
+                self._abort_in_background(request_id)
+
+    async def _next_output(self, outputs: asyncio.Queue[RequestOutput], context: grpc.aio.ServicerContext) -> RequestOutput:
+        """The next event; fails with UNAVAILABLE when the scheduler stream stays lost too long."""
+        while True:
+            try:
+                return await asyncio.wait_for(outputs.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if self._router.disconnected_for_s() > self._grace_s:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "lost the connection to the scheduler")
+
+    @staticmethod
+    def _response(request_id: str, delta: TextDelta, state: RequestTextState) -> gen.GenerateResponse:
+        response = gen.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
+        if delta.finish_reason is not None:
+            response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
+            response.usage.prompt_tokens = state.num_prompt_tokens
+            response.usage.completion_tokens = delta.num_output_tokens
+        return response
+
+    def _abort_in_background(self, request_id: str) -> None:
+        """Aborts in the scheduler without waiting (safe while the call is being cancelled)."""
+        task = asyncio.get_running_loop().create_task(self._router.abort(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,159 @@
+"""Prompt tokenization and validation with the model's own Hugging Face tokenizer.
+
+Every validation error is an ``InvalidRequestError`` whose field name is spelled as the client API
+(``proto/generate.proto``) spells it, so the gateway can answer ``INVALID_ARGUMENT`` with it as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.model_info import ModelInfo, load_model_info
+from services.common.sampling_params import InvalidRequestError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+# Field names of the three prompt inputs, as generate.proto names them.
+PROMPT_FIELD = "prompt"
+CHAT_FIELD = "chat"
+TOKEN_IDS_FIELD = "prompt_token_ids.ids"
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One chat message.
+
+    Attributes:
+        role: one of ``CHAT_ROLES``.
+        content: the message text (may be empty).
+    """
+
+    role: str
+    content: str
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, field: str) -> None:
+    """Checks that a prompt leaves room for at least one generated token.
+
+    Args:
+        num_tokens: prompt length in tokens.
+        max_model_len: the model's context length in tokens.
+        field: the prompt field the client used (``PROMPT_FIELD``, ``CHAT_FIELD``, ``TOKEN_IDS_FIELD``).
+
+    Raises:
+        InvalidRequestError: ``num_tokens >= max_model_len``; the message gives both numbers.
+    """
+    if num_tokens >= max_model_len:
+        raise InvalidRequestError(
+            field,
+            f"the prompt has {num_tokens} tokens but the model's context is {max_model_len} tokens "
+            "(the prompt must be shorter, to leave room for at least one generated token)",
+        )
+
+
+class PromptTokenizer:
+    """Turns the three kinds of prompt input into validated token ids.
+
+    Also satisfies the ``TokenDecoder`` protocol of ``services.gateway.detokenizer`` (``decode``),
+    so it can be handed to the detokenizer and to ``RequestTextState`` directly.
+
+    Args:
+        tokenizer: a loaded Hugging Face tokenizer of the model.
+        info: the model's facts; ``info.vocab_size`` (the config's, which may exceed
+            ``len(tokenizer)``) bounds valid token ids.
+    """
+
+    def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
+        self._tokenizer = tokenizer
+        self._info = info
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> PromptTokenizer:
+        """Loads the tokenizer and model facts from a local Hugging Face model folder (no hub access).
+
+        Raises:
+            services.common.model_info.ModelFolderError: no usable ``config.json``.
+            OSError: the folder has no tokenizer files.
+        """
+        from transformers import AutoTokenizer  # heavy import, kept off module import
+
+        info = load_model_info(path)
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(path)), local_files_only=True)
+        return cls(tokenizer, info)
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped Hugging Face tokenizer."""
+        return self._tokenizer
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model's facts (vocab size, EOS ids, context length)."""
+        return self._info
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model ships a chat template."""
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
+        """Decodes ids to text exactly as the Hugging Face tokenizer does."""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Tokenizes a text prompt, adding special tokens (e.g. BOS) as the tokenizer does by default.
+
+        Raises:
+            InvalidRequestError: field ``prompt``, when the text is empty or encodes to no tokens.
+        """
+        if not text:
+            raise InvalidRequestError(PROMPT_FIELD, "must not be empty")
+        ids = list(self._tokenizer.encode(text))
+        if not ids:
+            raise InvalidRequestError(PROMPT_FIELD, "encodes to no tokens")
+        return ids
+
+    def encode_chat(self, messages: Sequence[ChatTurn]) -> list[int]:
+        """Renders chat messages with the model's chat template, assistant turn opened, and tokenizes.
+
+        The template writes the special tokens itself, so none are added while tokenizing.
+
+        Raises:
+            InvalidRequestError: field ``chat`` when the model has no chat template;
+                ``chat.messages`` when there are no messages; ``chat.messages[i].role`` for a role
+                outside ``CHAT_ROLES``.
+        """
+        if not self.has_chat_template:
+            raise InvalidRequestError(CHAT_FIELD, f"model {self._info.name} has no chat template; send a prompt")
+        if not messages:
+            raise InvalidRequestError(CHAT_FIELD + ".messages", "must hold at least one message")
+        for i, turn in enumerate(messages):
+            if turn.role not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"{CHAT_FIELD}.messages[{i}].role",
+                    f"{turn.role!r} is not one of {', '.join(CHAT_ROLES)}",
+                )
+        conversation = [{"role": turn.role, "content": turn.content} for turn in messages]
+        text = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def check_token_ids(self, ids: Sequence[int]) -> list[int]:
+        """Validates client-given prompt token ids against the model's vocabulary.
+
+        Returns:
+            the ids as a list of ``int``.
+
+        Raises:
+            InvalidRequestError: ``prompt_token_ids.ids`` when empty; ``prompt_token_ids.ids[i]`` for
+                the first id outside ``[0, vocab_size)``.
+        """
+        if not ids:
+            raise InvalidRequestError(TOKEN_IDS_FIELD, "must hold at least one token id")
+        vocab_size = self._info.vocab_size
+        for i, token_id in enumerate(ids):
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(f"{TOKEN_IDS_FIELD}[{i}]", f"{token_id} is not in [0, {vocab_size})")
+        return [int(token_id) for token_id in ids]
