@@ -110,7 +110,7 @@ class SchedulerStub:
         self.StreamOutputs = channel.unary_stream(
                 '/pagedserve.engine.v1.Scheduler/StreamOutputs',
                 request_serializer=services_dot_common_dot_pb_dot_engine__pb2.StreamOutputsRequest.SerializeToString,
-                response_deserializer=services_dot_common_dot_pb_dot_engine__pb2.TokenEvent.FromString,
+                response_deserializer=services_dot_common_dot_pb_dot_engine__pb2.TokenEventBatch.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagedserve.engine.v1.Scheduler/Abort',
@@ -128,7 +128,7 @@ class SchedulerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def StreamOutputs(self, request, context):
-        """A gateway's stream of token events for the requests it queued.
+        """A gateway's stream of token events for the requests it queued, one batch per iteration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -154,7 +154,7 @@ def add_SchedulerServicer_to_server(servicer, server):
             'StreamOutputs': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamOutputs,
                     request_deserializer=services_dot_common_dot_pb_dot_engine__pb2.StreamOutputsRequest.FromString,
-                    response_serializer=services_dot_common_dot_pb_dot_engine__pb2.TokenEvent.SerializeToString,
+                    response_serializer=services_dot_common_dot_pb_dot_engine__pb2.TokenEventBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -193,7 +193,7 @@ class Scheduler:
             target,
             '/pagedserve.engine.v1.Scheduler/StreamOutputs',
             services_dot_common_dot_pb_dot_engine__pb2.StreamOutputsRequest.SerializeToString,
-            services_dot_common_dot_pb_dot_engine__pb2.TokenEvent.FromString,
+            services_dot_common_dot_pb_dot_engine__pb2.TokenEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

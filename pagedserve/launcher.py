@@ -1,0 +1,198 @@
+"""`pagedserve up`: Redis (if none answers), the scheduler, N workers and the gateway as child processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import grpc
+import redis
+
+from services.common.grpc_server import check_health
+from services.common.pb import engine_pb2 as pb
+from services.common.pb import engine_pb2_grpc
+from services.scheduler.config import SchedulerConfig
+
+
+class LaunchError(RuntimeError):
+    """The stack did not come up (a child exited, or it was not healthy in time)."""
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What `pagedserve up` starts.
+
+    Attributes:
+        model: resolved model folder.
+        workers: number of worker processes.
+        port: gateway port; the scheduler listens on ``scheduler_port``.
+        redis_url: Redis to use; a local ``redis-server`` is started when none answers there.
+        kv_cache_memory: KV memory per worker, as written on the command line (``1GiB``).
+        policy: scheduler limits.
+        threads_per_worker: torch threads of each worker.
+        data_dir: where a Redis started by us keeps its append-only file.
+        startup_timeout_s: how long to wait for everything to be healthy.
+    """
+
+    model: Path
+    workers: int
+    port: int
+    scheduler_port: int
+    redis_url: str
+    kv_cache_memory: str
+    policy: SchedulerConfig
+    threads_per_worker: int
+    data_dir: Path
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {self.workers}")
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+class Stack:
+    """The child processes of one `pagedserve up`, started in order and stopped together."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        process = subprocess.Popen(argv, start_new_session=True)
+        self.children.append((name, process))
+
+    def _service(self, name: str, *args: str) -> None:
+        self._spawn(name, [sys.executable, "-m", "pagedserve", *args])
+
+    def start(self) -> None:
+        """Starts every process and waits until the stack serves.
+
+        Raises:
+            LaunchError: a process exited, or the stack was not ready within the timeout.
+        """
+        cfg = self.config
+        self._start_redis()
+        policy = [
+            "--block-size", str(cfg.policy.block_size),
+            "--max-num-seqs", str(cfg.policy.max_num_seqs),
+            "--max-num-batched-tokens", str(cfg.policy.max_num_batched_tokens),
+        ]
+        common = ["--redis-url", cfg.redis_url]
+        self._service("scheduler", "scheduler", *common, "--host", "127.0.0.1", "--port", str(cfg.scheduler_port), *policy)
+        for i in range(cfg.workers):
+            self._service(
+                f"worker-{i}", "worker", *common, "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
+                "--kv-cache-memory", cfg.kv_cache_memory, "--block-size", str(cfg.policy.block_size),
+                "--num-threads", str(cfg.threads_per_worker),
+            )
+        self._service(
+            "gateway", "gateway", *common, "--model", str(cfg.model), "--port", str(cfg.port),
+            "--scheduler", f"127.0.0.1:{cfg.scheduler_port}",
+        )
+        self._wait_ready()
+
+    def _start_redis(self) -> None:
+        cfg = self.config
+        if redis_answers(cfg.redis_url):
+            return
+        url = urlparse(cfg.redis_url)
+        if url.hostname not in ("127.0.0.1", "localhost", "::1"):
+            raise LaunchError(f"no Redis answers at {cfg.redis_url}, and it is not a local address to start one on")
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise LaunchError("redis-server is not installed (Debian: apt-get install -y redis-server)")
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self._spawn("redis", [
+            binary, "--bind", "127.0.0.1", "--port", str(url.port or 6379), "--dir", str(cfg.data_dir),
+            "--appendonly", "yes", "--save", "", "--loglevel", "warning",
+        ])
+        self._wait(lambda: redis_answers(cfg.redis_url), "redis-server", 30)
+
+    def _wait_ready(self) -> None:
+        cfg = self.config
+        scheduler = f"127.0.0.1:{cfg.scheduler_port}"
+        self._wait(lambda: check_health(scheduler), "the scheduler", cfg.startup_timeout_s)
+        self._wait(lambda: num_workers(scheduler) >= cfg.workers, f"{cfg.workers} worker(s)", cfg.startup_timeout_s)
+        self._wait(lambda: check_health(f"127.0.0.1:{cfg.port}"), "the gateway", cfg.startup_timeout_s)
+
+    def _wait(self, ready, what: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            self.check_children()
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{what} not ready after {timeout_s:.0f} s")
+            time.sleep(0.25)
+
+    def check_children(self) -> None:
+        """Raises LaunchError if any child has exited."""
+        for name, process in self.children:
+            if process.poll() is not None:
+                raise LaunchError(f"{name} exited with status {process.returncode}")
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM to every child (gateway first, Redis last), then SIGKILL what is left."""
+        for _, process in reversed(self.children):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def num_workers(scheduler_address: str) -> int:
+    """Workers the scheduler has registered (0 when it does not answer)."""
+    try:
+        with grpc.insecure_channel(scheduler_address) as channel:
+            stats = engine_pb2_grpc.SchedulerStub(channel).GetStats(pb.GetStatsRequest(), timeout=2)
+        return len(stats.workers)
+    except grpc.RpcError:
+        return 0
+
+
+def run_stack(config: StackConfig) -> int:
+    """Starts the stack, prints where it listens, and runs until SIGINT/SIGTERM or a child exits.
+
+    Returns the process exit status: 0 after a requested stop, 1 when something failed.
+    """
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack(config)
+    status = 0
+    try:
+        stack.start()
+        print(
+            f"pagedserve is up: gateway at 127.0.0.1:{config.port} ({config.workers} worker(s), model "
+            f"{config.model.name}). Try:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "
+            f"--prompt 'What is the capital of France?'\nCtrl-C stops everything.",
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            stack.check_children()
+    except LaunchError as exc:
+        print(f"pagedserve up: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        stack.stop()
+    return status
+
+
+def default_threads_per_worker(workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // workers)

@@ -1,0 +1,215 @@
+"""The offline engine API in vLLM's manner: ``LLM(model=...).generate(prompts, sampling_params)``.
+
+It runs the same classes as the services, in one process: the scheduler and its block managers,
+``LocalExecutor`` over model runners, and the gateway's tokenizer, detokenizer and stop strings.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.messages import EngineRequest, FinishReason
+from services.common.model_files import resolve_model
+from services.common.pb import generate_pb2 as gen
+from services.common.sampling_params import SamplingParams
+from services.common.units import parse_bytes
+from services.gateway.output_processor import RequestTextState, TextDelta
+from services.gateway.request_parser import ParsedRequest, parse_generate_request
+from services.gateway.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
+from services.scheduler.config import SchedulerConfig, SchedulerStats
+from services.scheduler.engine import Engine, LocalExecutor
+from services.scheduler.scheduler import Scheduler
+
+Prompt = str | Sequence[int]
+"""A text prompt, or prompt token ids."""
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """A finished request.
+
+    Attributes:
+        text: the generated text (stop string cut unless included).
+        token_ids: the generated token ids.
+        finish_reason: ``stop``, ``length`` or ``abort``.
+        error: why the engine refused the request, when it did.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """What one ``LLM.step`` produced for one request; ``error`` when the engine refused it."""
+
+    request_id: str
+    delta: TextDelta
+    error: str | None = None
+
+
+class LLM:
+    """An in-process engine over one or more model runners.
+
+    Args:
+        model: a local Hugging Face model folder; ``None`` for the default model.
+        kv_cache_memory: KV-cache bytes per worker (an int, or a string such as ``"512MiB"``).
+        block_size, max_num_seqs, max_num_batched_tokens: scheduler limits (see SchedulerConfig).
+        num_workers: model runners, each with its own weights and KV cache.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device: torch device of the runners.
+
+    Raises:
+        ValueError: an invalid limit or size.
+        services.common.model_info.ModelFolderError: not a supported model folder.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        kv_cache_memory: int | str = "1GiB",
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        num_workers: int = 1,
+        dtype: str = "float32",
+        device: str = "cpu",
+    ) -> None:
+        import torch
+
+        from services.worker.model_runner import build_model_runner
+
+        path = resolve_model(str(model) if model else None)
+        self.tokenizer = PromptTokenizer.from_folder(path)
+        memory = parse_bytes(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
+        config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens)
+        runners = {
+            f"worker-{i}": build_model_runner(
+                path, kv_cache_memory_bytes=memory, block_size=block_size, dtype=getattr(torch, dtype), device=device
+            )
+            for i in range(num_workers)
+        }
+        scheduler = Scheduler(config)
+        for worker_id, runner in runners.items():
+            scheduler.add_worker(worker_id, runner.num_blocks)
+        self.engine = Engine(scheduler, LocalExecutor(runners))
+        self._states: dict[str, RequestTextState] = {}
+        self._prompts: dict[str, tuple[int, ...]] = {}
+        self._ids = itertools.count()
+
+    # ---- streaming interface -------------------------------------------------------------
+    def add_request(self, prompt: Prompt | Sequence[ChatTurn], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Tokenizes and queues a request; returns its id.
+
+        ``prompt`` is text, token ids, or chat turns (rendered with the chat template).
+
+        Raises:
+            InvalidRequestError: invalid prompt or parameters; the message names the field.
+        """
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            ids, field_name = self.tokenizer.encode_prompt(prompt), "prompt"
+        elif prompt and isinstance(prompt[0], ChatTurn):
+            ids, field_name = self.tokenizer.encode_chat(prompt), "chat"
+        else:
+            ids, field_name = self.tokenizer.check_token_ids(list(prompt)), "prompt_token_ids"
+        info = self.tokenizer.info
+        check_prompt_length(len(ids), info.max_model_len, field_name)
+        engine_params = params.to_engine(len(ids), info.max_model_len, info.vocab_size, info.eos_token_ids)
+        return self.add_parsed(ParsedRequest(tuple(ids), params, engine_params), request_id)
+
+    def add_parsed(self, parsed: ParsedRequest, request_id: str | None = None) -> str:
+        """Queues an already validated request; returns its id."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        self._states[request_id] = RequestTextState(self.tokenizer, parsed.prompt_token_ids, parsed.params)
+        self._prompts[request_id] = parsed.prompt_token_ids
+        self.engine.add_request(EngineRequest(request_id, parsed.prompt_token_ids, parsed.engine_params, time.time()))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request and frees its blocks; False if it was not in flight."""
+        self._states.pop(request_id, None)
+        self._prompts.pop(request_id, None)
+        return self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self) -> list[StreamDelta]:
+        """Runs one iteration; returns the text each request gained (and which ones finished)."""
+        deltas = []
+        for output in self.engine.step():
+            state = self._states.get(output.request_id)
+            if state is None:
+                continue
+            delta = state.process(output)
+            if delta.stop_string_matched:
+                self.engine.abort_request(output.request_id)
+            if delta.finish_reason is not None:
+                del self._states[output.request_id]
+                del self._prompts[output.request_id]
+            deltas.append(StreamDelta(output.request_id, delta, output.error.message if output.error else None))
+        return deltas
+
+    def stats(self) -> SchedulerStats:
+        return self.engine.scheduler.stats()
+
+    # ---- batch interface -----------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Runs every prompt to completion; outputs in prompt order.
+
+        ``prompts`` is one prompt or a list: text, or token ids (a list of ints).
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids)
+
+    def chat(self, conversations: Sequence[Sequence[ChatTurn]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Like ``generate`` for chat conversations (rendered with the model's chat template)."""
+        params = self._params_per_prompt(sampling_params, len(conversations))
+        return self._run([self.add_request(list(c), sp) for c, sp in zip(conversations, params)])
+
+    def generate_from_pb(self, request: gen.GenerateRequest) -> CompletionOutput:
+        """Runs one client-API request in-process, validated exactly as the gateway does."""
+        parsed = parse_generate_request(request, self.tokenizer)
+        return self._run([self.add_parsed(parsed, request.request_id or None)])[0]
+
+    @staticmethod
+    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return list(params)
+
+    def _run(self, request_ids: list[str]) -> list[CompletionOutput]:
+        texts = {rid: [] for rid in request_ids}
+        tokens = {rid: [] for rid in request_ids}
+        prompts = {rid: self._prompts[rid] for rid in request_ids}
+        done: dict[str, CompletionOutput] = {}
+        while len(done) < len(request_ids):
+            for item in self.step():
+                rid, delta = item.request_id, item.delta
+                if rid not in texts:
+                    continue
+                texts[rid].append(delta.text)
+                tokens[rid].extend(delta.token_ids)
+                if delta.finish_reason is not None:
+                    done[rid] = CompletionOutput(
+                        rid, prompts[rid], "".join(texts[rid]), tuple(tokens[rid]), delta.finish_reason, item.error
+                    )
+        return [done[rid] for rid in request_ids]

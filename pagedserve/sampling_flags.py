@@ -1,0 +1,41 @@
+"""The sampling flags of `pagedserve complete`, named as the API's fields."""
+
+from __future__ import annotations
+
+import argparse
+
+from services.common.pb import generate_pb2 as gen
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling (names as in the API's SamplingParams)")
+    g.add_argument("--max-tokens", type=int, help="most tokens to generate (default: the rest of the context)")
+    g.add_argument("--temperature", type=float, help="0 is greedy (default 1.0)")
+    g.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1] (default 1.0)")
+    g.add_argument("--top-k", type=int, help="keep the k most likely tokens; -1 = off (default)")
+    g.add_argument("--min-p", type=float, help="drop tokens below min_p times the top probability (default 0)")
+    g.add_argument("--seed", type=int, help="per-request seed for reproducible sampling")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS/stop tokens before this many (default 0)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-ids", type=int, nargs="+", default=[], help="stop token ids")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+    g.add_argument("--include-stop-str-in-output", action="store_true", help="keep the matched stop string")
+    g.add_argument("--keep-special-tokens", action="store_true", help="show special tokens such as <|im_end|>")
+
+
+def sampling_pb_from_args(args: argparse.Namespace) -> gen.SamplingParams:
+    """The flags as the protobuf message the gateway validates (unset flags stay unset)."""
+    msg = gen.SamplingParams(
+        min_tokens=args.min_tokens,
+        stop=args.stop,
+        stop_token_ids=args.stop_token_ids,
+        ignore_eos=args.ignore_eos,
+        include_stop_str_in_output=args.include_stop_str_in_output,
+    )
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(msg, name, value)
+    if args.keep_special_tokens:
+        msg.skip_special_tokens = False
+    return msg

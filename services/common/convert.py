@@ -1,0 +1,197 @@
+"""Conversions between the in-process dataclasses and their protobuf messages (proto/engine.proto).
+
+Every message that crosses a process boundary goes through here, so each field is mapped once.
+"""
+
+from __future__ import annotations
+
+from services.common.messages import (
+    BatchPlan,
+    CachedRequestData,
+    EngineRequest,
+    FinishReason,
+    NewRequestData,
+    RequestError,
+    RequestOutput,
+    SampledToken,
+    StepResult,
+)
+from services.common.pb import engine_pb2 as pb
+from services.common.sampling_params import EngineSamplingParams
+from services.scheduler.config import SchedulerStats, WorkerStats
+
+_FINISH_TO_PB = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
+    msg = pb.EngineSamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        min_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        eos_token_ids=params.eos_token_ids,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def sampling_from_pb(msg: pb.EngineSamplingParams) -> EngineSamplingParams:
+    return EngineSamplingParams(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        eos_token_ids=tuple(msg.eos_token_ids),
+    )
+
+
+def request_to_pb(request: EngineRequest, gateway_id: str) -> pb.QueuedRequest:
+    return pb.QueuedRequest(
+        request_id=request.request_id,
+        gateway_id=gateway_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=sampling_to_pb(request.sampling),
+        arrival_time=request.arrival_time,
+        trace_context=dict(request.trace_context),
+    )
+
+
+def request_from_pb(msg: pb.QueuedRequest) -> EngineRequest:
+    return EngineRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=tuple(msg.prompt_token_ids),
+        sampling=sampling_from_pb(msg.sampling_params),
+        arrival_time=msg.arrival_time,
+        trace_context=dict(msg.trace_context),
+    )
+
+
+def plan_to_pb(plan: BatchPlan) -> pb.BatchPlan:
+    return pb.BatchPlan(
+        step_id=plan.step_id,
+        new_requests=[
+            pb.NewRequest(
+                request_id=r.request_id,
+                token_ids=r.token_ids,
+                num_prompt_tokens=r.num_prompt_tokens,
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                sampling_params=sampling_to_pb(r.sampling),
+                trace_context=dict(r.trace_context),
+            )
+            for r in plan.new_requests
+        ],
+        cached_requests=[
+            pb.CachedRequest(
+                request_id=r.request_id,
+                new_block_ids=r.new_block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+            )
+            for r in plan.cached_requests
+        ],
+        finished_request_ids=plan.finished_request_ids,
+    )
+
+
+def plan_from_pb(msg: pb.BatchPlan) -> BatchPlan:
+    return BatchPlan(
+        step_id=msg.step_id,
+        new_requests=tuple(
+            NewRequestData(
+                request_id=r.request_id,
+                token_ids=tuple(r.token_ids),
+                num_prompt_tokens=r.num_prompt_tokens,
+                block_ids=tuple(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                sampling=sampling_from_pb(r.sampling_params),
+                trace_context=dict(r.trace_context),
+            )
+            for r in msg.new_requests
+        ),
+        cached_requests=tuple(
+            CachedRequestData(r.request_id, tuple(r.new_block_ids), r.num_computed_tokens, r.num_scheduled_tokens)
+            for r in msg.cached_requests
+        ),
+        finished_request_ids=tuple(msg.finished_request_ids),
+    )
+
+
+def step_result_to_pb(result: StepResult) -> pb.StepResult:
+    return pb.StepResult(
+        step_id=result.step_id,
+        sampled=[pb.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob) for s in result.sampled],
+    )
+
+
+def step_result_from_pb(msg: pb.StepResult) -> StepResult:
+    return StepResult(
+        step_id=msg.step_id,
+        sampled=tuple(SampledToken(s.request_id, s.token_id, s.logprob) for s in msg.sampled),
+    )
+
+
+def output_to_pb(output: RequestOutput) -> pb.TokenEvent:
+    event = pb.TokenEvent(
+        request_id=output.request_id,
+        first_output_index=output.first_output_index,
+        token_ids=output.new_token_ids,
+    )
+    if output.finish_reason is not None:
+        event.finish_reason = _FINISH_TO_PB[output.finish_reason]
+    if output.error is not None:
+        event.error.grpc_code = output.error.grpc_code
+        event.error.message = output.error.message
+    return event
+
+
+def output_from_pb(event: pb.TokenEvent) -> RequestOutput:
+    return RequestOutput(
+        request_id=event.request_id,
+        first_output_index=event.first_output_index,
+        new_token_ids=tuple(event.token_ids),
+        finish_reason=_FINISH_FROM_PB.get(event.finish_reason),
+        error=RequestError(event.error.grpc_code, event.error.message) if event.HasField("error") else None,
+    )
+
+
+def stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:
+    return pb.SchedulerStats(
+        num_waiting=stats.num_waiting,
+        num_running=stats.num_running,
+        num_preemptions=stats.num_preemptions,
+        num_steps=stats.num_steps,
+        workers=[
+            pb.WorkerStats(
+                worker_id=w.worker_id, num_blocks=w.num_blocks, num_free_blocks=w.num_free_blocks, num_running=w.num_running
+            )
+            for w in stats.workers
+        ],
+    )
+
+
+def stats_from_pb(msg: pb.SchedulerStats) -> SchedulerStats:
+    return SchedulerStats(
+        num_waiting=msg.num_waiting,
+        num_running=msg.num_running,
+        num_preemptions=msg.num_preemptions,
+        num_steps=msg.num_steps,
+        workers=tuple(WorkerStats(w.worker_id, w.num_blocks, w.num_free_blocks, w.num_running) for w in msg.workers),
+    )

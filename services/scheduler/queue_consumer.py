@@ -1,0 +1,76 @@
+"""Reads requests from the Redis stream with a consumer group (XREADGROUP), acknowledges finished ones.
+
+An entry stays pending in the group until its request finishes, so a scheduler that restarts under
+the same consumer name first re-reads what it had taken and not finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+
+from services.common import redis_keys
+from services.common.pb import engine_pb2 as pb
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """A request read from the stream, with the stream entry id to acknowledge later."""
+
+    entry_id: bytes
+    request: pb.QueuedRequest
+
+
+class RequestQueueConsumer:
+    """One consumer of the scheduler group on the request stream.
+
+    Args:
+        client: a Redis client (bytes responses).
+        consumer_name: stable across restarts of the same scheduler.
+    """
+
+    def __init__(self, client: redis.Redis, consumer_name: str) -> None:
+        self._client = client
+        self._consumer = consumer_name
+        self._backlog_done = False
+
+    def ensure_group(self) -> None:
+        """Creates the stream and the consumer group if they do not exist."""
+        try:
+            self._client.xgroup_create(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def read(self, count: int, block_ms: int) -> list[QueueEntry]:
+        """Returns up to ``count`` entries: first this consumer's unfinished backlog, then new ones.
+
+        Blocks up to ``block_ms`` milliseconds for new entries. Undecodable entries are
+        acknowledged and skipped.
+        """
+        start = "0" if not self._backlog_done else ">"
+        reply = self._client.xreadgroup(
+            redis_keys.SCHEDULER_GROUP, self._consumer, {redis_keys.REQUEST_STREAM: start},
+            count=count, block=None if start == "0" else block_ms,
+        )
+        entries = reply[0][1] if reply else []
+        if start == "0" and not entries:
+            self._backlog_done = True
+        decoded = []
+        for entry_id, fields in entries:
+            request = pb.QueuedRequest()
+            try:
+                request.ParseFromString(fields[redis_keys.REQUEST_FIELD])
+            except (KeyError, ValueError):
+                self.ack(entry_id)
+                continue
+            decoded.append(QueueEntry(entry_id, request))
+        return decoded
+
+    def ack(self, entry_id: bytes) -> None:
+        """Marks an entry done and deletes it from the stream."""
+        pipe = self._client.pipeline()
+        pipe.xack(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, entry_id)
+        pipe.xdel(redis_keys.REQUEST_STREAM, entry_id)
+        pipe.execute()

@@ -1,0 +1,75 @@
+"""Runs the scheduler process: Redis reader thread, scheduler loop thread, gRPC service."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+import redis
+
+from services.common import telemetry
+from services.common.grpc_server import add_health, bind, set_serving
+from services.common.pb import engine_pb2_grpc
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.engine import Engine
+from services.scheduler.grpc_executor import GrpcExecutor
+from services.scheduler.loop import NewEntries, SchedulerLoop
+from services.scheduler.queue_consumer import RequestQueueConsumer
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.service import SchedulerServicer
+from services.scheduler.worker_registry import WorkerRegistry
+
+log = logging.getLogger("pagedserve.scheduler")
+
+
+def _read_requests(consumer: RequestQueueConsumer, loop: SchedulerLoop, stop: threading.Event) -> None:
+    """Feeds stream entries to the loop until ``stop``; waits out Redis outages."""
+    while not stop.is_set():
+        try:
+            entries = consumer.read(count=256, block_ms=200)
+        except redis.RedisError as exc:
+            log.warning("reading the request stream failed: %s", exc)
+            stop.wait(1.0)
+            continue
+        if entries:
+            loop.submit(NewEntries(tuple(entries)))
+
+
+def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> None:
+    """Serves until ``stop`` is set. Unfinished requests stay pending in Redis for the next start.
+
+    Raises:
+        redis.RedisError: Redis unreachable at start.
+        OSError: the port cannot be bound.
+    """
+    tracer = telemetry.setup_tracing("pagedserve-scheduler")
+    client = redis.Redis.from_url(config.redis_url)
+    consumer = RequestQueueConsumer(client, config.consumer_name)
+    consumer.ensure_group()
+    executor = GrpcExecutor(config.step_timeout_s)
+    engine = Engine(Scheduler(config.policy), executor)
+    loop = SchedulerLoop(config, engine, executor, WorkerRegistry(client), consumer.ack, tracer)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
+    health = add_health(server)
+    port = bind(server, config.host, config.port)
+    server.start()
+    threads = [
+        threading.Thread(target=loop.run, args=(stop,), name="scheduler-loop", daemon=True),
+        threading.Thread(target=_read_requests, args=(consumer, loop, stop), name="request-reader", daemon=True),
+    ]
+    for thread in threads:
+        thread.start()
+    set_serving(health, True)
+    log.info("scheduler listening on %s:%d (consumer %s)", config.host, port, config.consumer_name)
+    stop.wait()
+    set_serving(health, False)
+    for thread in threads:
+        thread.join(timeout=10)
+    server.stop(grace=2).wait()
+    telemetry.shutdown_tracing()
+    if loop.error is not None:
+        raise RuntimeError("the scheduler loop failed") from loop.error

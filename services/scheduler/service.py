@@ -1,0 +1,43 @@
+"""The Scheduler gRPC service: a thin shell that hands requests to the scheduler loop."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import grpc
+
+from services.common.convert import stats_to_pb
+from services.common.pb import engine_pb2 as pb
+from services.common.pb import engine_pb2_grpc
+from services.scheduler.loop import Abort, GatewayBack, GatewayGone, SchedulerLoop
+
+
+class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
+    """StreamOutputs, Abort and GetStats over a running ``SchedulerLoop``."""
+
+    def __init__(self, loop: SchedulerLoop, abort_timeout_s: float = 30.0) -> None:
+        self._loop = loop
+        self._abort_timeout_s = abort_timeout_s
+
+    def StreamOutputs(self, request: pb.StreamOutputsRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenEventBatch]:
+        if not request.gateway_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gateway_id: must not be empty")
+        context.send_initial_metadata(())  # lets the gateway see the stream is up before any event
+        events = self._loop.streams.queue_for(request.gateway_id)
+        self._loop.submit(GatewayBack(request.gateway_id))
+        context.add_callback(lambda: self._loop.submit(GatewayGone(request.gateway_id)))
+        while context.is_active():
+            try:
+                yield events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+
+    def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        done: Future = Future()
+        self._loop.submit(Abort(request.request_id, done))
+        return pb.AbortResponse(found=done.result(timeout=self._abort_timeout_s))
+
+    def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.SchedulerStats:
+        return stats_to_pb(self._loop.stats)

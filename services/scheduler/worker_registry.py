@@ -1,0 +1,40 @@
+"""Learns the live workers from their registrations and heartbeats in Redis."""
+
+from __future__ import annotations
+
+import redis
+
+from services.common import redis_keys
+from services.common.pb import engine_pb2 as pb
+
+
+class WorkerRegistry:
+    """Reads worker registrations; a worker whose heartbeat key expired counts as gone."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._client = client
+
+    def live_workers(self) -> dict[str, pb.WorkerRegistration]:
+        """Registrations of the workers whose heartbeat is fresh, by worker id.
+
+        Stale registrations are deleted.
+
+        Raises:
+            redis.RedisError: Redis unreachable.
+        """
+        raw = self._client.hgetall(redis_keys.WORKERS_HASH)
+        registrations = {}
+        for value in raw.values():
+            reg = pb.WorkerRegistration()
+            reg.ParseFromString(value)
+            registrations[reg.worker_id] = reg
+        if not registrations:
+            return {}
+        pipe = self._client.pipeline()
+        for worker_id in registrations:
+            pipe.exists(redis_keys.worker_heartbeat_key(worker_id))
+        alive = pipe.execute()
+        stale = [wid for wid, ok in zip(registrations, alive) if not ok]
+        if stale:
+            self._client.hdel(redis_keys.WORKERS_HASH, *stale)
+        return {wid: reg for wid, reg in registrations.items() if wid not in stale}

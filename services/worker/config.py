@@ -1,0 +1,122 @@
+"""The worker service's configuration, validated at start and never changed."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.service_args import add_listen_arguments, add_model_argument, add_redis_argument, env_default
+from services.common.units import parse_bytes
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Settings of one worker process.
+
+    Attributes:
+        model: model folder.
+        redis_url: where to register.
+        host, port: where the Worker gRPC service listens (port 0 picks a free one).
+        advertise_host: the host name the scheduler uses to reach this worker.
+        worker_id: unique id of this worker process.
+        kv_cache_memory: bytes of K and V cache to allocate.
+        block_size: token slots per KV block (must equal the scheduler's).
+        dtype: weights and KV-cache dtype.
+        device: ``cpu`` or ``cuda``.
+        attention_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        num_threads: torch intra-op threads; 0 keeps torch's default.
+        heartbeat_interval_s: how often the registration is refreshed, seconds.
+
+    Raises:
+        ValueError: a value out of range.
+    """
+
+    model: Path
+    redis_url: str
+    host: str = "0.0.0.0"
+    port: int = 0
+    advertise_host: str = "127.0.0.1"
+    worker_id: str = "worker-0"
+    kv_cache_memory: int = 2**30
+    block_size: int = 16
+    dtype: str = "float32"
+    device: str = "cpu"
+    attention_backend: str = "auto"
+    num_threads: int = 0
+    heartbeat_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be positive, got {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.num_threads < 0:
+            raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("heartbeat interval must be positive")
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the worker's flags to ``parser``."""
+    add_model_argument(parser)
+    add_redis_argument(parser)
+    add_listen_arguments(parser, default_port=0)
+    parser.add_argument(
+        "--advertise-host",
+        default=env_default("PAGEDSERVE_ADVERTISE_HOST", ""),
+        help="address the scheduler dials to reach this worker (env PAGEDSERVE_ADVERTISE_HOST; "
+        "default: --host, or this machine's address when --host listens on all interfaces)",
+    )
+    parser.add_argument("--worker-id", default="", help="unique worker id (default: worker-<random>)")
+    parser.add_argument(
+        "--kv-cache-memory",
+        default=env_default("PAGEDSERVE_KV_CACHE_MEMORY", "1GiB"),
+        help="memory for the KV cache, e.g. 2GiB or 512MiB (env PAGEDSERVE_KV_CACHE_MEMORY; default %(default)s)",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype (default %(default)s)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default %(default)s)")
+    parser.add_argument(
+        "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+        help="auto: Triton on CUDA, torch on CPU (default %(default)s)",
+    )
+    parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
+
+
+def default_advertise_host(listen_host: str) -> str:
+    """The listen address itself, or this machine's address when listening on all interfaces."""
+    if listen_host not in ("0.0.0.0", "::", "[::]", ""):
+        return listen_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConfig:
+    """Builds the config from parsed flags; ``model`` is the resolved model folder."""
+    advertise = args.advertise_host or default_advertise_host(args.host)
+    return WorkerConfig(
+        model=model,
+        redis_url=args.redis_url,
+        host=args.host,
+        port=args.port,
+        advertise_host=advertise,
+        worker_id=args.worker_id or f"worker-{uuid.uuid4().hex[:8]}",
+        kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        block_size=args.block_size,
+        dtype=args.dtype,
+        device=args.device,
+        attention_backend=args.attention_backend,
+        num_threads=args.num_threads,
+    )

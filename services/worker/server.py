@@ -1,0 +1,65 @@
+"""Runs one worker process: load the model, serve Worker.Execute, register in Redis."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+import redis
+
+from services.common import telemetry
+from services.common.grpc_server import add_health, bind, set_serving
+from services.common.pb import engine_pb2 as pb
+from services.common.pb import engine_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.registration import WorkerRegistrar
+from services.worker.service import WorkerServicer
+
+log = logging.getLogger("pagedserve.worker")
+
+
+def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
+    """Serves until ``stop`` is set, then unregisters and shuts down.
+
+    Raises:
+        redis.RedisError: Redis unreachable at start.
+        OSError: the port cannot be bound.
+    """
+    import torch
+
+    from services.worker.model_runner import build_model_runner
+
+    tracer = telemetry.setup_tracing("pagedserve-worker")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    runner = build_model_runner(
+        config.model,
+        kv_cache_memory_bytes=config.kv_cache_memory,
+        block_size=config.block_size,
+        dtype=getattr(torch, config.dtype),
+        device=config.device,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, tracer), server)
+    health = add_health(server)
+    port = bind(server, config.host, config.port)
+    server.start()
+    registration = pb.WorkerRegistration(
+        worker_id=config.worker_id,
+        address=f"{config.advertise_host}:{port}",
+        num_blocks=runner.num_blocks,
+        block_size=config.block_size,
+        model=config.model.name,
+    )
+    registrar = WorkerRegistrar(redis.Redis.from_url(config.redis_url), registration, config.heartbeat_interval_s)
+    registrar.start()
+    set_serving(health, True)
+    log.info("worker %s serving %s at %s with %d KV blocks", config.worker_id, config.model.name,
+             registration.address, runner.num_blocks)
+    stop.wait()
+    set_serving(health, False)
+    registrar.stop()
+    server.stop(grace=2).wait()
+    telemetry.shutdown_tracing()

