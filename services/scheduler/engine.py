@@ -68,6 +68,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Whether ``step`` has anything to do (requests, or worker state to drop)."""
+        return self.scheduler.has_work()
+
     def step(self) -> list[RequestOutput]:
         """Runs one iteration and returns what it produced for each request."""
         scheduled = self.scheduler.schedule()

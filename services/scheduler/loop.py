@@ -110,7 +110,7 @@ class SchedulerLoop:
         while not stop.is_set():
             self._poll_workers()
             self._abort_for_gone_gateways()
-            busy = self.engine.has_unfinished_requests() and bool(self.engine.scheduler.worker_ids)
+            busy = self.engine.has_work() and bool(self.engine.scheduler.worker_ids)
             self._handle_commands(wait_s=0.0 if busy else 0.05)
             if busy:
                 self._deliver(self.engine.step())

@@ -126,7 +126,12 @@ class Scheduler:
         return True
 
     def has_unfinished_requests(self) -> bool:
+        """Requests in flight, or outputs not yet returned by ``update_from_output``."""
         return bool(self._sequences) or bool(self._outputs)
+
+    def has_work(self) -> bool:
+        """Unfinished requests, or workers still to be told to drop finished requests' state."""
+        return self.has_unfinished_requests() or any(w.dropped_ids for w in self._workers.values())
 
     def sequence(self, request_id: str) -> Sequence:
         """The in-flight sequence with this id. Raises KeyError if none."""

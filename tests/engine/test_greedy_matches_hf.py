@@ -1,0 +1,72 @@
+"""The in-process engine's greedy output equals Hugging Face greedy generate on each prompt alone:
+submitted together, arriving staggered, and under a KV cache so small that preemption happens."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.llm import LLM
+from services.common.sampling_params import SamplingParams
+from tests.engine.conftest import BASE_PROMPTS, hf_greedy
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # one 16-token block of the default model, float32
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    ids = [tokenizer.encode_prompt(p) for p in BASE_PROMPTS]
+    assert len(ids) >= 16 and len({len(i) for i in ids}) >= 10, "prompts of different lengths"
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompt_ids) -> list[list[int]]:
+    return [hf_greedy(hf_model, ids, MAX_TOKENS) for ids in prompt_ids]
+
+
+def run_staggered(llm: LLM, prompt_ids: list[list[int]], every: int) -> dict[str, list[int]]:
+    """Adds one request every ``every`` steps; returns the generated ids by prompt index."""
+    outputs: dict[int, list[int]] = {}
+    ids_by_request: dict[str, int] = {}
+    pending = list(enumerate(prompt_ids))
+    step = 0
+    while pending or llm.has_unfinished_requests():
+        if pending and step % every == 0:
+            index, ids = pending.pop(0)
+            ids_by_request[llm.add_request(ids, GREEDY)] = index
+        for item in llm.step():
+            outputs.setdefault(ids_by_request[item.request_id], []).extend(item.delta.token_ids)
+        step += 1
+    return outputs
+
+
+def test_batch_submitted_together_matches_hf(default_model, prompt_ids, reference):
+    llm = LLM(default_model, kv_cache_memory="64MiB")
+    results = llm.generate(prompt_ids, GREEDY)
+    for i, result in enumerate(results):
+        assert list(result.token_ids) == reference[i], f"prompt {i}: {BASE_PROMPTS[i][:40]!r}"
+    assert llm.stats().num_preemptions == 0
+    assert all(w.num_free_blocks == w.num_blocks for w in llm.stats().workers)
+
+
+def test_staggered_arrivals_match_hf(default_model, prompt_ids, reference):
+    llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=256, max_num_seqs=8)
+    outputs = run_staggered(llm, prompt_ids, every=2)
+    for i in range(len(prompt_ids)):
+        assert outputs[i] == reference[i], f"prompt {i}"
+
+
+def test_preemption_under_a_small_kv_cache_keeps_outputs_exact(default_model, prompt_ids, reference):
+    longest = max(len(ids) for ids in prompt_ids) + MAX_TOKENS
+    num_blocks = -(-longest // 16) + 4  # room for the longest request and a little more
+    llm = LLM(default_model, kv_cache_memory=num_blocks * BLOCK_BYTES, max_num_seqs=16)
+    assert llm.stats().workers[0].num_blocks == num_blocks
+    outputs = run_staggered(llm, prompt_ids, every=1)
+    assert llm.stats().num_preemptions > 0, "the cache was meant to be too small for all requests"
+    for i in range(len(prompt_ids)):
+        assert outputs[i] == reference[i], f"prompt {i}"
+    assert all(w.num_free_blocks == w.num_blocks for w in llm.stats().workers)
