@@ -1,0 +1,40 @@
+"""The attention backend interface: what a model layer needs from paged attention.
+
+A backend writes the step's new keys/values into the paged cache, then computes attention of the
+new tokens over their whole context. The torch backend implements it for CPU; a Triton backend
+(``kernels/``) takes the same :class:`AttentionMetadata` and plugs in through this Protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from services.worker.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over a ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache per layer."""
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Stores ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at ``metadata.slot_mapping``."""
+        ...
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Causal attention of the new tokens over their context; called after :meth:`write_kv`.
+
+        Args:
+            query: ``[num_tokens, num_heads, head_dim]``.
+            key, value: ``[num_tokens, num_kv_heads, head_dim]``, the new tokens' K/V (already in the cache).
+            key_cache, value_cache: the layer's cache, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+            metadata: the step's metadata.
+            scale: softmax scale, usually ``head_dim ** -0.5``.
+
+        Returns:
+            ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
+        """
+        ...

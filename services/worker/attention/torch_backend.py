@@ -1,0 +1,128 @@
+"""Paged attention in plain torch (the CPU backend).
+
+PagedAttention (Kwon et al., SOSP 2023, §4): keys and values live in fixed-size blocks; each
+sequence reads its context through its block table. Here the context is gathered into contiguous
+tensors and handed to ``scaled_dot_product_attention``:
+
+* decode (one new token per sequence): such sequences in a few chunks, each gathered at once
+  (``index_select`` into a reused buffer), padded to the chunk's longest context and masked;
+  grouped-query attention views the query heads of one KV head as a query "length"
+  (``[Nd, Hkv, G, D]`` against ``[Nd, Hkv, L, D]``), so K/V are never repeated per head;
+* prefill without cached context: the new K/V directly, causal;
+* prefill with cached context (chunked prefill): gather the context, causal mask offset by it.
+
+Prefills broadcast K/V over the query heads of a group with a stride-0 ``expand``, which keeps
+torch on its fused CPU attention kernel (``enable_gqa`` falls back to the unfused math path there).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.attention.metadata import AttentionMetadata, ContextPrefill, DecodeChunk
+
+
+class TorchAttentionBackend:
+    """The :class:`~services.worker.attention.backend.AttentionBackend` for CPU (works on any device).
+
+    It keeps two gather buffers that grow to the largest decode chunk seen, so the per-layer gather
+    does not allocate (large short-lived allocations cost page faults on CPU). Not thread-safe:
+    one backend per model runner.
+    """
+
+    def __init__(self) -> None:
+        self._key_buffer = torch.empty(0)
+        self._value_buffer = torch.empty(0)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Stores ``key``/``value`` ``[T, Hkv, D]`` at ``metadata.slot_mapping`` (``index_copy_`` into
+        the flat ``[num_blocks * block_size, Hkv, D]`` view of each cache)."""
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Causal attention of ``query`` ``[T, H, D]`` over the paged context; returns ``[T, H, D]``."""
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (T, H, D)
+        for chunk in metadata.decode_chunks:
+            s, e = chunk.start, chunk.end
+            out[s:e] = self._decode(query[s:e], key_cache, value_cache, chunk, scale)
+        for seq in metadata.fresh_prefills:
+            s, e = seq.query_start, seq.query_end
+            out[s:e] = _causal(query[s:e], key[s:e], value[s:e], scale)
+        for seq in metadata.context_prefills:
+            out[seq.query_start:seq.query_end] = _with_context(query, key_cache, value_cache, seq, scale)
+        return out
+
+    def _gather(self, cache: torch.Tensor, slots: torch.Tensor,
+                buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``slots`` of the flat cache into the front of ``buffer`` (grown if too small).
+
+        Returns:
+            The buffer to keep, and the gathered ``[len(slots), Hkv*D]`` view of it.
+        """
+        flat = cache.view(-1, cache.shape[2] * cache.shape[3])           # (NB*BS, Hkv*D)
+        need = slots.shape[0] * flat.shape[1]
+        if buffer.numel() < need or buffer.dtype != cache.dtype or buffer.device != cache.device:
+            buffer = torch.empty(need, dtype=cache.dtype, device=cache.device)
+        target = buffer[:need].view(slots.shape[0], flat.shape[1])        # (N, Hkv*D)
+        torch.index_select(flat, 0, slots, out=target)
+        return buffer, target
+
+    def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                chunk: DecodeChunk, scale: float) -> torch.Tensor:
+        """One new token per sequence of ``chunk``: ``query`` ``[Nd, H, D]`` -> ``[Nd, H, D]``."""
+        num_seqs, num_heads, head_dim = query.shape
+        num_kv_heads = key_cache.shape[2]
+        self._key_buffer, k = self._gather(key_cache, chunk.slot_indices, self._key_buffer)
+        self._value_buffer, v = self._gather(value_cache, chunk.slot_indices, self._value_buffer)
+        shape = (num_seqs, chunk.padded_len, num_kv_heads, head_dim)
+        k = k.view(shape).transpose(1, 2)                                 # (Nd, Hkv, L, D)
+        v = v.view(shape).transpose(1, 2)                                 # (Nd, Hkv, L, D)
+        q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (Nd, Hkv, G, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)  # (Nd, Hkv, G, D)
+        return o.reshape(num_seqs, num_heads, head_dim)                   # (Nd, H, D)
+
+
+def _grouped(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Head-major views for grouped-query attention without copying K/V per query head.
+
+    ``query`` ``[q, H, D]``, ``key``/``value`` ``[L, Hkv, D]`` -> ``[Hkv, G, q, D]`` and two
+    ``[Hkv, G, L, D]`` (stride 0 over ``G``); query head ``h`` reads KV head ``h // G``.
+    """
+    q_len, num_heads, head_dim = query.shape
+    group = num_heads // num_kv_heads
+    q = query.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)   # (Hkv, G, q, D)
+    shape = (num_kv_heads, group, key.shape[0], head_dim)
+    k = key.transpose(0, 1)[:, None].expand(shape)                        # (Hkv, G, L, D)
+    v = value.transpose(0, 1)[:, None].expand(shape)                      # (Hkv, G, L, D)
+    return q, k, v
+
+
+def _heads_last(o: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, G, q, D]`` -> ``[q, H, D]``."""
+    num_kv_heads, group, q_len, head_dim = o.shape
+    return o.permute(2, 0, 1, 3).reshape(q_len, num_kv_heads * group, head_dim)
+
+
+def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal self-attention of one sequence's new tokens: ``[q, H, D]`` x ``[q, Hkv, D]`` -> ``[q, H, D]``."""
+    q, k, v = _grouped(query, key, value, key.shape[1])
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (Hkv, G, q, D)
+    return _heads_last(o)                                                 # (q, H, D)
+
+
+def _with_context(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  seq: ContextPrefill, scale: float) -> torch.Tensor:
+    """New tokens of one sequence over its cached context plus themselves -> ``[q, H, D]``."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, seq.slot_indices)    # (L, Hkv, D)
+    v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, seq.slot_indices)  # (L, Hkv, D)
+    q, k, v = _grouped(query[seq.query_start:seq.query_end], k, v, num_kv_heads)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=seq.mask, scale=scale)  # (Hkv, G, q, D)
+    return _heads_last(o)                                                 # (q, H, D)

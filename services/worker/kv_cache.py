@@ -1,0 +1,87 @@
+"""The paged KV cache: per-layer key and value tensors split into fixed-size blocks.
+
+Layout (shared with ``kernels/`` and the attention backends), per layer and for K and V alike:
+``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
+``block_id * block_size + offset_in_block`` (PagedAttention, Kwon et al., SOSP 2023, §4.1-4.2).
+Only the worker touches these tensors; the scheduler's block manager decides which blocks a
+sequence owns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Geometry of a paged KV cache.
+
+    Attributes:
+        num_layers: transformer layers, each with its own K and V tensors.
+        num_kv_heads: key/value heads per layer.
+        head_dim: channels per head.
+        block_size: token slots per block.
+        dtype: element type of the cache.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block takes across all layers, K and V together."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
+
+
+def num_blocks_for_memory(spec: KVCacheSpec, memory_bytes: int) -> int:
+    """How many blocks of ``spec`` fit in ``memory_bytes`` (rounded down).
+
+    Raises:
+        ValueError: not even one block fits.
+    """
+    num_blocks = memory_bytes // spec.bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"a KV-cache budget of {memory_bytes} bytes holds no block: one block of {spec.block_size} "
+            f"tokens takes {spec.bytes_per_block} bytes over {spec.num_layers} layers"
+        )
+    return num_blocks
+
+
+class KVCache:
+    """Per-layer K and V tensors, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    The tensors start zeroed so that padded reads of unused slots stay finite (attention masks
+    them, and a NaN there would still poison ``0 * NaN``).
+
+    Args:
+        spec: the cache geometry.
+        num_blocks: physical blocks per layer (>= 1).
+        device: where the tensors live.
+
+    Raises:
+        ValueError: ``num_blocks < 1``.
+    """
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.spec = spec
+        self.num_blocks = num_blocks
+        shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        self.key_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(key_cache, value_cache)`` pair of layer ``index``, each ``[NB, BS, Hkv, D]``."""
+        return self.key_caches[index], self.value_caches[index]

@@ -1,0 +1,234 @@
+"""The worker's step executor: applies a BatchPlan to its per-request state, runs one forward
+pass over the paged KV cache, samples, and answers with a StepResult.
+
+Per request the worker keeps the tokens it knows (prompt + sampled), its block table and how many
+tokens have K/V in the cache. A plan carries new requests in full and running ones as deltas
+(new block ids, tokens to compute now). Sequences with one new token (decodes) go first in the
+flat batch, longest context first, so attention can batch them; results return in plan order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from services.common.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, StepResult
+from services.common.sampling_params import EngineSamplingParams
+from services.worker.attention import (AttentionBackend, TorchAttentionBackend, build_attention_metadata,
+                                       compute_positions)
+from services.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
+from services.worker.sampler import Sampler
+from services.worker.weight_loader import load_model
+
+
+class PlanMismatchError(ValueError):
+    """A BatchPlan contradicts the worker's state (unknown request, token counts that disagree, too few blocks)."""
+
+
+@dataclass
+class RequestState:
+    """What the worker holds for one request between steps (mutable; owned by the ModelRunner).
+
+    Attributes:
+        token_ids: prompt followed by every token sampled so far.
+        num_prompt_tokens: length of the prompt.
+        block_ids: the block table, logical -> physical block id.
+        num_computed_tokens: tokens whose K/V are in the cache.
+        sampling: the request's sampling parameters.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: EngineSamplingParams
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """A request and how many of its tokens this step computes."""
+
+    state: RequestState
+    num_scheduled_tokens: int
+
+    @property
+    def reaches_end(self) -> bool:
+        """Whether this step computes the last known token, so a new token is sampled."""
+        return self.state.num_computed_tokens + self.num_scheduled_tokens == len(self.state.token_ids)
+
+
+def _check_schedulable(state: RequestState, num_scheduled: int, num_blocks: int, block_size: int) -> None:
+    """Raises :class:`PlanMismatchError` if the known tokens or ``num_blocks`` cannot cover the scheduled work."""
+    end = state.num_computed_tokens + num_scheduled
+    if num_scheduled < 0 or end > len(state.token_ids):
+        raise PlanMismatchError(
+            f"request {state.request_id}: {state.num_computed_tokens} computed + {num_scheduled} scheduled "
+            f"tokens exceeds the {len(state.token_ids)} tokens the worker knows")
+    if num_blocks * block_size < end:
+        raise PlanMismatchError(
+            f"request {state.request_id}: {num_blocks} blocks of {block_size} cannot hold {end} tokens")
+
+
+def _batch_order(s: ScheduledRequest) -> tuple[bool, int]:
+    """Decodes first, longest context first (so decode chunks pad little); prefills keep plan order."""
+    is_decode = s.num_scheduled_tokens == 1
+    return (not is_decode, -s.state.num_computed_tokens if is_decode else 0)
+
+
+class ModelRunner:
+    """Executes BatchPlans on one model with one paged KV cache.
+
+    Args:
+        model: a model with ``forward(input_ids, positions, kv_cache, metadata, backend)``,
+            ``compute_logits`` and a ``dtype`` attribute.
+        kv_cache: the paged cache the plans' block ids index.
+        attention_backend: paged attention implementation.
+        sampler: turns logits into tokens.
+    """
+
+    def __init__(self, model: nn.Module, kv_cache: KVCache, attention_backend: AttentionBackend,
+                 sampler: Sampler) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention_backend = attention_backend
+        self.sampler = sampler
+        self.device = next(model.parameters()).device
+        self.requests: dict[str, RequestState] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        """Runs one iteration: drop finished requests, apply the plan, forward, sample.
+
+        Returns:
+            One :class:`SampledToken` per request whose scheduled tokens reach the end of its known
+            tokens, in plan order (new requests, then cached ones). Chunks that stop short sample nothing.
+
+        Raises:
+            PlanMismatchError: the plan contradicts the worker's state (a cached request it does not
+                hold, a new one it already holds, a computed-token count that differs from its own,
+                too few tokens or blocks). Nothing of the plan is applied then, except dropping
+                ``finished_request_ids``.
+        """
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        new_states = self._check_new(plan.new_requests)
+        held = self._check_deltas(plan.cached_requests)
+        scheduled = [ScheduledRequest(st, r.num_scheduled_tokens) for st, r in zip(new_states, plan.new_requests)]
+        for state, delta in zip(held, plan.cached_requests):
+            state.block_ids.extend(delta.new_block_ids)
+            scheduled.append(ScheduledRequest(state, delta.num_scheduled_tokens))
+        self.requests.update((st.request_id, st) for st in new_states)
+        scheduled = [s for s in scheduled if s.num_scheduled_tokens > 0]
+        if not scheduled:
+            return StepResult(step_id=plan.step_id)
+        with torch.inference_mode():
+            sampled = self._run(scheduled)
+        for s in scheduled:
+            s.state.num_computed_tokens += s.num_scheduled_tokens
+        return StepResult(step_id=plan.step_id, sampled=tuple(sampled))
+
+    def _check_new(self, requests: Sequence[NewRequestData]) -> list[RequestState]:
+        """States for the plan's new requests (not yet registered), validated."""
+        states, seen = [], set()
+        for data in requests:
+            if data.request_id in self.requests or data.request_id in seen:
+                raise PlanMismatchError(f"request {data.request_id} is new in the plan but the worker already holds it")
+            seen.add(data.request_id)
+            state = RequestState(data.request_id, list(data.token_ids), data.num_prompt_tokens,
+                                 list(data.block_ids), data.num_computed_tokens, data.sampling)
+            _check_schedulable(state, data.num_scheduled_tokens, len(state.block_ids), self.block_size)
+            states.append(state)
+        return states
+
+    def _check_deltas(self, deltas: Sequence[CachedRequestData]) -> list[RequestState]:
+        """The held states the deltas refer to, after checking each delta against its state."""
+        states = []
+        for data in deltas:
+            state = self.requests.get(data.request_id)
+            if state is None:
+                raise PlanMismatchError(f"request {data.request_id} is cached in the plan but unknown to the worker")
+            if data.num_computed_tokens != state.num_computed_tokens:
+                raise PlanMismatchError(
+                    f"request {data.request_id}: the plan says {data.num_computed_tokens} tokens are computed, "
+                    f"the worker has {state.num_computed_tokens}")
+            num_blocks = len(state.block_ids) + len(data.new_block_ids)
+            _check_schedulable(state, data.num_scheduled_tokens, num_blocks, self.block_size)
+            states.append(state)
+        return states
+
+    def _run(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
+        """Forward + sampling; appends sampled tokens to the states; returns them in ``scheduled`` order."""
+        batch = sorted(scheduled, key=_batch_order)
+        hidden = self._forward(batch)                                     # (T, hidden)
+        ends, rows, total = [], [], 0
+        for s in batch:
+            total += s.num_scheduled_tokens
+            if s.reaches_end:
+                ends.append(s)
+                rows.append(total - 1)  # the sequence's last new token predicts the next one
+        if not ends:
+            return []
+        if len(rows) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=self.device)]      # (N, hidden)
+        logits = self.model.compute_logits(hidden)                        # (N, vocab) float32
+        out = self.sampler(logits, [s.state.sampling for s in ends], [s.state.num_output_tokens for s in ends])
+        by_id = {}
+        for s, token_id, logprob in zip(ends, out.token_ids, out.logprobs):
+            s.state.token_ids.append(token_id)
+            by_id[s.state.request_id] = SampledToken(s.state.request_id, token_id, logprob)
+        return [by_id[s.state.request_id] for s in scheduled if s.state.request_id in by_id]
+
+    def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
+        """Builds the flat token batch and its metadata (index tensors made once, from lists) and runs
+        the model: hidden states ``[T, hidden]``, rows in ``batch`` order."""
+        token_ids: list[int] = []
+        for s in batch:
+            start = s.state.num_computed_tokens
+            token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens]
+        query_lens = [s.num_scheduled_tokens for s in batch]
+        context_lens = [s.state.num_computed_tokens for s in batch]
+        positions = compute_positions(query_lens, context_lens)           # (T,) int64
+        metadata = build_attention_metadata(query_lens, context_lens, [s.state.block_ids for s in batch],
+                                            positions, self.block_size, self.model.dtype, self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)  # (T,)
+        return self.model(input_ids, positions.to(self.device), self.kv_cache, metadata,
+                          self.attention_backend)                         # (T, hidden)
+
+
+def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int, block_size: int = 16,
+                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                       sampler_seed: int | None = None) -> ModelRunner:
+    """Loads the model of a Hugging Face folder and sizes a KV cache to a memory budget.
+
+    Args:
+        model_path: folder with ``config.json`` and ``*.safetensors``.
+        kv_cache_memory_bytes: bytes for K and V of all layers together.
+        block_size: token slots per block.
+        dtype: weights, activations and cache dtype.
+        device: where everything lives.
+        sampler_seed: seed of the generator for requests without their own seed.
+
+    Raises:
+        ValueError: the budget holds no block (and the loader's errors).
+    """
+    model = load_model(model_path, dtype=dtype, device=device)
+    config = model.config
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    kv_cache = KVCache(spec, num_blocks_for_memory(spec, kv_cache_memory_bytes), device=device)
+    return ModelRunner(model, kv_cache, TorchAttentionBackend(), Sampler(seed=sampler_seed, device=device))

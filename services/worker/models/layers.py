@@ -1,0 +1,83 @@
+"""Building blocks shared by the decoder models: linear, embedding, RMSNorm, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``y = x @ weight.T + bias`` with ``weight`` ``[out, in]``; storage is allocated uninitialised
+    (the weight loader fills it), which keeps building a large model fast.
+
+    Args:
+        in_features, out_features: widths.
+        bias: whether a ``[out]`` bias exists.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, in]`` -> ``[T, out]``."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table ``weight`` ``[vocab, hidden]`` (uninitialised until loaded)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` -> ``[T, hidden]``."""
+        return F.embedding(input_ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich, 2019): ``x / sqrt(mean(x**2) + eps) * weight``.
+
+    Args:
+        hidden_size: width of the normalised (last) dimension.
+        eps: added to the mean square.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``, same dtype."""
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer, 2020): ``down(silu(gate(x)) * up(x))`` with gate and up fused
+    into one ``[2 * intermediate, hidden]`` matrix (gate rows first).
+
+    Args:
+        hidden_size, intermediate_size: widths.
+        bias: whether the three projections carry biases.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``."""
+        gate_up = self.gate_up_proj(x)                                    # (T, 2I)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)          # (T, I) each
+        return self.down_proj(F.silu(gate).mul_(up))                      # (T, hidden)

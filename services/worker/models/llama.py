@@ -1,0 +1,136 @@
+"""The Llama family (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache.
+
+Decoder-only transformer (Touvron et al., 2023): pre-RMSNorm blocks of grouped-query attention
+(Ainslie et al., 2023) with rotary positions and a SwiGLU MLP. The batch is one flat run of
+tokens from many sequences without padding; attention finds each sequence's context through the
+step's :class:`AttentionMetadata`. q/k/v and gate/up projections are fused into single matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.attention import AttentionBackend, AttentionMetadata
+from services.worker.kv_cache import KVCache
+from services.worker.models.config import ModelConfig
+from services.worker.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from services.worker.models.rope import RotaryEmbedding, apply_rotary
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v rows ``[q (H*D); k (Hkv*D); v (Hkv*D)]``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.scale = config.head_dim ** -0.5
+        qkv_out = config.q_size + 2 * config.kv_size
+        self.qkv_proj = Linear(config.hidden_size, qkv_out, config.qkv_bias, dtype, device)
+        self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                caches: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``caches``."""
+        num_tokens = x.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)                                            # (T, (H+2Hkv)*D)
+        qk = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)  # (T, H+Hkv, D)
+        qk = apply_rotary(qk, cos, sin)                                   # (T, H+Hkv, D)
+        q, k = qk[:, :heads], qk[:, heads:]                               # (T, H, D), (T, Hkv, D)
+        v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)  # (T, Hkv, D)
+        key_cache, value_cache = caches
+        backend.write_kv(k, v, key_cache, value_cache, metadata)
+        o = backend.attend(q, k, v, key_cache, value_cache, metadata, self.scale)  # (T, H, D)
+        return self.o_proj(o.reshape(num_tokens, heads * dim))           # (T, hidden)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                caches: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]`` (updates ``x`` in place)."""
+        x += self.self_attn(self.input_layernorm(x), cos, sin, caches, metadata, backend)  # (T, hidden)
+        x += self.mlp(self.post_attention_layernorm(x))                   # (T, hidden)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM; weights come from :func:`services.worker.weight_loader.load_weights`.
+
+    Parameter names follow the Hugging Face ones without the ``model.`` prefix, except the fused
+    ``self_attn.qkv_proj`` (q, k, v rows) and ``mlp.gate_up_proj`` (gate, up rows); see
+    :meth:`fused_shards`. ``lm_head`` is absent when the embeddings are tied.
+
+    Args:
+        config: the parsed ``config.json``.
+        dtype: parameter and activation dtype.
+        device: where the parameters live.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
+        self.requires_grad_(False)
+
+    def fused_shards(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """For each fused module name: checkpoint module name -> ``(first_row, num_rows)`` in it."""
+        c = self.config
+        return {
+            "qkv_proj": {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
+                         "v_proj": (c.q_size + c.kv_size, c.kv_size)},
+            "gate_up_proj": {"gate_proj": (0, c.intermediate_size),
+                             "up_proj": (c.intermediate_size, c.intermediate_size)},
+        }
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                attn_metadata: AttentionMetadata, attention_backend: AttentionBackend) -> torch.Tensor:
+        """Runs the decoder over a flat token batch.
+
+        Args:
+            input_ids: int64 ``[T]``.
+            positions: int64 ``[T]``, each token's position in its sequence.
+            kv_cache: the paged cache (this step's K/V are written into it).
+            attn_metadata: the step's attention metadata (slot mapping, block tables, ...).
+            attention_backend: computes paged attention.
+
+        Returns:
+            Final-norm hidden states ``[T, hidden]`` in the model dtype.
+        """
+        x = self.embed_tokens(input_ids)                                # (T, hidden)
+        cos, sin = self.rotary(positions, self.dtype)                     # (T, 1, D/2) each
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache.layer(index), attn_metadata, attention_backend)  # (T, hidden)
+        return self.norm(x)                                               # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()                           # (N, vocab)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama layout (its sliding window is not applied: contexts are capped to it)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: the Llama layout with q/k/v biases (set by the config parser)."""

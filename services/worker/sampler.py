@@ -1,0 +1,204 @@
+"""Turns a step's logits into one token per row: greedy, or filtered sampling with per-request seeds.
+
+Per row, in order: min_tokens masking of stop tokens, then (sampled rows only) temperature,
+top-k, top-p (nucleus; Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration"),
+min-p (Nguyen et al., 2024, "Turning Up the Heat: Min-p Sampling"), and the draw.
+
+The draw is inverse-transform sampling: one uniform ``u`` per row picks the first token whose
+cumulative probability exceeds ``u`` (one random number per row instead of one per vocabulary
+entry, as an exponential race would need). A seeded request's ``u`` for its output token ``i``
+comes from a generator seeded by a hash of ``(seed, i)`` alone, so the token does not depend on
+the other rows of the batch, nor on the worker, nor on a recompute after preemption.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from services.common.sampling_params import EngineSamplingParams
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Per row: the chosen token id and its natural-log probability (0.0 for greedy rows)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def draw_seed(seed: int, output_index: int) -> int:
+    """A 63-bit generator seed derived from a request seed and an output index (BLAKE2b of both)."""
+    digest = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def stop_token_ids_to_mask(params: EngineSamplingParams) -> tuple[int, ...]:
+    """Token ids that would end the request now, hence masked while fewer than ``min_tokens`` exist."""
+    return params.stop_token_ids + (() if params.ignore_eos else params.eos_token_ids)
+
+
+def mask_stop_tokens(logits: torch.Tensor, params: Sequence[EngineSamplingParams],
+                     num_output_tokens: Sequence[int]) -> None:
+    """Sets to ``-inf`` (in place) the stop/EOS logits of rows with fewer outputs than ``min_tokens``.
+
+    Args:
+        logits: float32 ``[N, vocab]``.
+        params: per row.
+        num_output_tokens: per row, tokens generated before this one.
+    """
+    rows, cols = [], []
+    for row, (p, count) in enumerate(zip(params, num_output_tokens)):
+        if count < p.min_tokens:
+            ids = stop_token_ids_to_mask(p)
+            rows += [row] * len(ids)
+            cols += ids
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+
+def _top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                            num_candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k/top-p over each row's ``num_candidates`` largest logits.
+
+    Returns:
+        The filtered float32 ``[R, V]`` logits, and bool ``[R]``: rows whose nucleus reaches past the
+        candidates (their result is not exact and must be redone with more candidates).
+    """
+    vocab = logits.shape[1]
+    values, order = logits.topk(num_candidates, dim=-1)                    # (R, C) descending
+    rank = torch.arange(num_candidates, device=logits.device)              # (C,)
+    keep = rank[None, :] < top_k[:, None]                                  # (R, C)
+    values = values.masked_fill(~keep, float("-inf"))                      # (R, C)
+    limited = top_k < vocab                                                # (R,) all of top-k is in C
+    log_norm = torch.where(limited, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # (R,)
+    probs = (values - log_norm[:, None]).exp()                             # (R, C) renormalised
+    cumulative = probs.cumsum(dim=-1)                                      # (R, C)
+    nucleus = top_p < 1.0                                                  # (R,)
+    keep &= ~((cumulative - probs >= top_p[:, None]) & nucleus[:, None])  # first token always kept
+    incomplete = nucleus & ~limited & (cumulative[:, -1] < top_p)          # (R,)
+    filtered = torch.full_like(logits, float("-inf")).scatter_(1, order, values.masked_fill_(~keep, float("-inf")))
+    return filtered, incomplete
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      candidate_sizes: tuple[int, ...] = (256, 4096)) -> torch.Tensor:
+    """Keeps per row the ``top_k`` largest logits, then the smallest prefix (by probability) of those
+    whose renormalised mass reaches ``top_p`` (nucleus sampling, Holtzman et al., 2020); the rest
+    become ``-inf``.
+
+    Exact, without sorting the vocabulary: each row is first filtered among its largest
+    ``candidate_sizes[0]`` logits (enough whenever ``top_k`` fits, or the candidates hold ``top_p``
+    of the mass); rows whose nucleus reaches further are redone with the next size, then the
+    whole vocabulary.
+
+    Args:
+        logits: float32 ``[R, V]`` (temperature applied).
+        top_k: int64 ``[R]``, ``V`` to keep all.
+        top_p: float32 ``[R]``, 1.0 to keep all.
+        candidate_sizes: increasing candidate counts tried before the full vocabulary.
+
+    Returns:
+        A new float32 ``[R, V]``.
+    """
+    vocab = logits.shape[1]
+    finite_k = top_k[top_k < vocab]
+    largest_k = int(finite_k.max()) if finite_k.numel() else 0
+    sizes = [c for c in candidate_sizes if largest_k <= c < vocab] + [vocab]
+    out = logits.clone()
+    rows = torch.nonzero((top_k < vocab) | (top_p < 1.0)).flatten()        # rows with a filter
+    for size in sizes:
+        if rows.numel() == 0:
+            break
+        filtered, incomplete = _top_k_top_p_candidates(logits[rows], top_k[rows], top_p[rows], size)
+        out[rows] = filtered
+        rows = rows[incomplete]
+    return out
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens whose probability is below ``min_p * max probability`` of their row (in place).
+
+    ``logits`` float32 ``[R, V]``, ``min_p`` float32 ``[R]``; returns ``logits``.
+    """
+    probs = logits.softmax(dim=-1)                                        # (R, V)
+    threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values   # (R, 1)
+    return logits.masked_fill_(probs < threshold, float("-inf"))          # (R, V)
+
+
+class Sampler:
+    """Chooses the next token for each row of a logits batch.
+
+    Args:
+        seed: seeds the generator of unseeded rows (``None``: nondeterministic).
+        device: where logits arrive (the generators live there).
+    """
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[EngineSamplingParams],
+                 num_output_tokens: Sequence[int]) -> SamplerOutput:
+        """Samples one token per row.
+
+        Args:
+            logits: float32 ``[N, vocab]``; modified in place (stop-token masking).
+            params: ``N`` sampling parameter sets.
+            num_output_tokens: ``N`` counts of tokens each request generated before this one
+                (the index of the token drawn now).
+
+        Returns:
+            ``N`` token ids and logprobs, in row order.
+
+        Raises:
+            ValueError: ``params`` or ``num_output_tokens`` length differs from ``N``.
+        """
+        if not len(params) == len(num_output_tokens) == logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(num_output_tokens)} counts")
+        mask_stop_tokens(logits, params, num_output_tokens)
+        token_ids = logits.argmax(dim=-1)                                 # (N,) greedy for every row
+        logprobs = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
+        sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)       # (R,)
+            ids, lps = self._sample(logits[rows], [params[i] for i in sampled_rows],
+                                    [num_output_tokens[i] for i in sampled_rows])
+            token_ids[rows], logprobs[rows] = ids, lps
+        return SamplerOutput(token_ids.tolist(), logprobs.tolist())
+
+    def _sample(self, logits: torch.Tensor, params: list[EngineSamplingParams],
+                counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Filtered sampling of ``[R, V]`` rows -> token ids int64 ``[R]`` and logprobs float32 ``[R]``."""
+        device, vocab = logits.device, logits.shape[1]
+        temperature = torch.tensor([p.temperature for p in params], device=device)  # (R,)
+        logits = logits / temperature[:, None]                            # (R, V)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+            logits = apply_top_k_top_p(logits, top_k, top_p)              # (R, V)
+        if any(p.min_p > 0.0 for p in params):
+            apply_min_p(logits, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
+        probs = logits.softmax(dim=-1)                                    # (R, V)
+        cdf = probs.to(torch.float64).cumsum_(dim=-1)                     # (R, V)
+        target = self._uniforms(params, counts).to(torch.float64) * cdf[:, -1]  # (R,) in [0, total)
+        token_ids = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=vocab - 1)  # (R,)
+        logprobs = probs.gather(1, token_ids[:, None])[:, 0].log()        # (R,)
+        return token_ids, logprobs
+
+    def _uniforms(self, params: list[EngineSamplingParams], counts: list[int]) -> torch.Tensor:
+        """One ``U[0, 1)`` draw per row, float32 ``[R]``: from a generator seeded by ``(seed, output
+        index)`` for seeded rows, from the sampler's own generator otherwise."""
+        draws = torch.rand(len(params), generator=self._generator, device=self.device)  # (R,)
+        for i, (p, count) in enumerate(zip(params, counts)):
+            if p.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(draw_seed(p.seed, count))
+                draws[i] = torch.rand(1, generator=generator, device=self.device)[0]
+        return draws
