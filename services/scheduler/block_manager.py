@@ -63,12 +63,19 @@ class BlockManager:
         Raises:
             NoFreeBlocksError: too few free blocks; the table is unchanged.
         """
-        needed = self.num_new_blocks(request_id, num_tokens)
-        if needed > self._pool.num_free_blocks:
+        return self.allocate_blocks(request_id, self.num_new_blocks(request_id, num_tokens))
+
+    def allocate_blocks(self, request_id: str, count: int) -> tuple[int, ...]:
+        """Appends ``count`` free blocks to the request's table (creating it); returns their ids.
+
+        Raises:
+            NoFreeBlocksError: fewer than ``count`` blocks are free; the table is unchanged.
+        """
+        if count > self._pool.num_free_blocks:
             raise NoFreeBlocksError(
-                f"request {request_id!r} needs {needed} more blocks, {self._pool.num_free_blocks} free"
+                f"request {request_id!r} needs {count} more blocks, {self._pool.num_free_blocks} free"
             )
-        new_blocks = self._pool.take(needed)
+        new_blocks = self._pool.take(count)
         self._tables.setdefault(request_id, []).extend(new_blocks)
         return tuple(block.block_id for block in new_blocks)
 

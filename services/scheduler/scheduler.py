@@ -194,24 +194,26 @@ class Scheduler:
     # ---- policy pieces -------------------------------------------------------------------
     def _schedule_running(self, worker: WorkerState, draft: _PlanDraft) -> None:
         """Gives each running sequence its next tokens, oldest first, preempting when needed."""
+        blocks = worker.blocks
         for seq in list(worker.running.values()):
             if seq.worker_id != worker.worker_id or draft.token_budget == 0:
                 continue  # preempted earlier in this loop, or no budget left this iteration
             num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
-            if not self._make_room(worker, seq, seq.num_computed_tokens + num_new, draft):
+            num_blocks = blocks.num_new_blocks(seq.request_id, seq.num_computed_tokens + num_new)
+            if num_blocks and not self._make_room(worker, seq, num_blocks, draft):
                 continue
-            new_block_ids = worker.blocks.allocate_slots(seq.request_id, seq.num_computed_tokens + num_new)
+            new_block_ids = blocks.allocate_blocks(seq.request_id, num_blocks) if num_blocks else ()
             draft.cached_requests.append(
                 CachedRequestData(seq.request_id, new_block_ids, seq.num_computed_tokens, num_new)
             )
             self._advance(seq, num_new, draft)
 
-    def _make_room(self, worker: WorkerState, seq: Sequence, num_tokens: int, draft: _PlanDraft) -> bool:
-        """Preempts the newest running sequences until ``seq`` can hold ``num_tokens`` slots.
+    def _make_room(self, worker: WorkerState, seq: Sequence, num_blocks: int, draft: _PlanDraft) -> bool:
+        """Preempts the newest running sequences until ``num_blocks`` blocks are free for ``seq``.
 
         Returns False when ``seq`` itself had to be preempted.
         """
-        while not worker.blocks.can_allocate(seq.request_id, num_tokens):
+        while worker.blocks.num_free_blocks < num_blocks:
             victim = next(reversed(worker.running.values()))
             self._preempt(victim)
             draft.preempted = True  # no admissions on this worker in this iteration
