@@ -1,13 +1,22 @@
-"""`pagedserve bench`: benchmarks that measure against a baseline in the same run."""
+"""`pagedserve bench`: benchmarks that measure against a baseline in the same run.
+
+Each subcommand lives in its own module with ``add_parser(subparsers)``; modules import torch and
+the engine only when their command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 
+from pagedserve.bench import kv, overhead, serve, throughput
+
 
 def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
-    """Adds `pagedserve bench ...` (its subcommands arrive with the benchmark suite)."""
+    """Adds `pagedserve bench ...` to the top-level subcommands."""
     bench = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)",
                            description="Benchmarks: serving latency and throughput, offline throughput vs "
-                           "transformers, the cost of the service split, KV utilization.")
-    bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+                           "transformers, the cost of the service split, KV utilization. Each prints a table "
+                           "and writes every figure with --result-json.")
+    commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for module in (serve, throughput, overhead, kv):
+        module.add_parser(commands)

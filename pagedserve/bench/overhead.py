@@ -1,0 +1,147 @@
+"""`pagedserve bench overhead`: what the service split costs, measured in one run.
+
+1. The same workload (all requests at once) through the whole stack (gateway, Redis, scheduler,
+   one worker, over gRPC) and through the in-process engine with the same settings: the ratio of
+   output tokens/s.
+2. TTFT of a single request through the stack and in-process (median of ``--ttft-repeats``).
+3. The scheduler's own time per iteration (schedule + apply results, plus the protobuf encoding
+   of plans and results that the service adds) at 32, 128 and 256 running decode sequences, with
+   an instant stand-in for the model so that the model step is excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
+from pagedserve.bench.machine import machine_info, machine_line
+from pagedserve.bench.scheduler_cost import scheduler_iteration_ms
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("overhead", help="the price of the service split: stack vs in-process engine",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="model folder (default: the default model)")
+    add_dataset_arguments(p)
+    p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory of the worker (default %(default)s)")
+    p.add_argument("--ttft-repeats", type=int, default=10, help="single-request TTFT samples (default %(default)s)")
+    p.add_argument("--running", default="32,128,256",
+                   help="running-sequence counts for the scheduler timing (default %(default)s)")
+    p.add_argument("--iterations", type=int, default=200, help="scheduler iterations timed per count")
+    p.add_argument("--result-json", type=Path, help="write every figure here")
+    p.set_defaults(func=run)
+
+
+def _engine_pass(model: Path, requests: list[SampleRequest], args: argparse.Namespace, tokenizer) -> tuple[float, list[float]]:
+    """In-process: output tokens/s with all requests at once, and single-request TTFTs (ms)."""
+    from pagedserve.llm import LLM
+    from services.common.sampling_params import SamplingParams
+
+    llm = LLM(model, kv_cache_memory=args.kv_cache_memory)
+    prompt_ids = tokenizer.encode(requests[0].prompt)
+    ttfts = []
+    for _ in range(args.ttft_repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        llm.add_request(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0))
+        while llm.has_unfinished_requests():
+            llm.step()
+        ttfts.append((time.perf_counter() - start) * 1000)
+    start = time.perf_counter()
+    for r in requests:
+        llm.add_request(tokenizer.encode(r.prompt),
+                        SamplingParams(max_tokens=r.expected_output_len, temperature=0.0, ignore_eos=True))
+    while llm.has_unfinished_requests():
+        llm.step()
+    throughput = sum(r.expected_output_len for r in requests) / (time.perf_counter() - start)
+    return throughput, ttfts[1:]
+
+
+def _stack_pass(model: Path, requests: list[SampleRequest], args: argparse.Namespace) -> tuple[float, list[float]]:
+    """Through a stack started here (Redis, scheduler, one worker, gateway): the same two figures."""
+    import asyncio
+
+    from pagedserve.bench.serve import LoadSettings, run_load
+    from pagedserve.launcher import Stack, StackConfig, default_threads_per_worker
+    from services.scheduler.config import SchedulerConfig
+
+    ports = [_free_port() for _ in range(3)]
+    with tempfile.TemporaryDirectory() as data_dir:
+        stack = Stack(StackConfig(
+            model=model, workers=1, port=ports[0], scheduler_port=ports[1],
+            redis_url=f"redis://127.0.0.1:{ports[2]}/0", kv_cache_memory=args.kv_cache_memory,
+            policy=SchedulerConfig(), threads_per_worker=default_threads_per_worker(1), data_dir=Path(data_dir),
+        ))
+        try:
+            stack.start()
+            target = f"127.0.0.1:{ports[0]}"
+            single = [SampleRequest(requests[0].prompt, requests[0].prompt_len, 1)]
+            ttfts = []
+            for _ in range(args.ttft_repeats + 1):  # the first is a warm-up
+                records, _ = asyncio.run(run_load(target, single, LoadSettings(float("inf")), temperature=0.0,
+                                                  ignore_eos=True, timeout_s=600))
+                ttfts.append(records[0].ttft_s * 1000)
+            records, duration = asyncio.run(run_load(target, requests, LoadSettings(float("inf")), temperature=0.0,
+                                                     ignore_eos=True, timeout_s=3600))
+        finally:
+            stack.stop()
+    failed = [r for r in records if r.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed through the stack: {failed[0].error}")
+    return sum(r.output_tokens for r in records) / duration, ttfts[1:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from services.common.model_files import resolve_model
+
+    model = resolve_model(args.model or None)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    requests = sample_requests(dataset_spec_from_args(args), tokenizer)
+    print(f"{len(requests)} requests; stack first, then the in-process engine", flush=True)
+    stack_tps, stack_ttft = _stack_pass(model, requests, args)
+    engine_tps, engine_ttft = _engine_pass(model, requests, args, tokenizer)
+    costs = [scheduler_iteration_ms(int(n), args.iterations) for n in args.running.split(",")]
+    result = {
+        "stack_to_engine_throughput_ratio": stack_tps / engine_tps,
+        "ttft_added_ms": statistics.median(stack_ttft) - statistics.median(engine_ttft),
+        "scheduler_ms_per_iteration": {str(c.num_running): c.median_ms for c in costs},
+        "stack_output_tokens_per_s": stack_tps,
+        "engine_output_tokens_per_s": engine_tps,
+        "stack_ttft_ms": stack_ttft,
+        "engine_ttft_ms": engine_ttft,
+        "scheduler_cost": [c.__dict__ for c in costs],
+        "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
+        "machine": machine_info(),
+    }
+    _print(result, costs)
+    if args.result_json:
+        args.result_json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _print(result: dict, costs) -> None:
+    print(f"\nThe price of the service split ({machine_line(result['machine'])})")
+    print(f"{'':<28} {'stack':>10} {'in-process':>11} {'stack/in-process':>17}")
+    print(f"{'output tokens/s':<28} {result['stack_output_tokens_per_s']:>10.1f} "
+          f"{result['engine_output_tokens_per_s']:>11.1f} {result['stack_to_engine_throughput_ratio']:>17.3f}")
+    stack_ttft, engine_ttft = statistics.median(result["stack_ttft_ms"]), statistics.median(result["engine_ttft_ms"])
+    print(f"{'TTFT, one request (ms, med)':<28} {stack_ttft:>10.1f} {engine_ttft:>11.1f} "
+          f"{'+' + format(result['ttft_added_ms'], '.1f') + ' ms':>17}")
+    print(f"\n{'running sequences':<18} {'median ms':>10} {'p99 ms':>8} {'median ms +proto':>17} {'p99 ms +proto':>14}")
+    for c in costs:
+        print(f"{c.num_running:<18} {c.median_ms:>10.3f} {c.p99_ms:>8.3f} {c.median_with_proto_ms:>17.3f} "
+              f"{c.p99_with_proto_ms:>14.3f}")
