@@ -98,13 +98,21 @@ class Stack:
             self._service(
                 f"worker-{i}", "worker", *common, "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
                 "--kv-cache-memory", cfg.kv_cache_memory, "--block-size", str(cfg.policy.block_size),
-                "--num-threads", str(cfg.threads_per_worker),
+                "--num-threads", str(cfg.threads_per_worker), *self._cores_of(i),
             )
         self._service(
             "gateway", "gateway", *common, "--model", str(cfg.model), "--port", str(cfg.port),
             "--scheduler", f"127.0.0.1:{cfg.scheduler_port}",
         )
         self._wait_ready()
+
+    def _cores_of(self, worker_index: int) -> list[str]:
+        """``--cpu-affinity`` giving each worker its own cores, when they fit on this machine."""
+        threads = self.config.threads_per_worker
+        if self.config.workers * threads > (os.cpu_count() or 1):
+            return []
+        first = worker_index * threads
+        return ["--cpu-affinity", f"{first}-{first + threads - 1}"]
 
     def _start_redis(self) -> None:
         cfg = self.config

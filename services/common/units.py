@@ -25,3 +25,21 @@ def parse_bytes(text: str) -> int:
     if value <= 0:
         raise ValueError(f"size must be positive, got {text!r}")
     return value
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """Parses a CPU list such as ``"0-3,6"`` (the format of ``taskset -c``) into sorted core ids.
+
+    Raises:
+        ValueError: not a list of non-negative integers and ranges.
+    """
+    cores: set[int] = set()
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", part)
+        if match is None:
+            raise ValueError(f"cannot read {text!r} as a CPU list (examples: 0-3, 0,2,4)")
+        first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+        if last < first:
+            raise ValueError(f"empty CPU range {part!r} in {text!r}")
+        cores.update(range(first, last + 1))
+    return tuple(sorted(cores))

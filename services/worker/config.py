@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.service_args import add_listen_arguments, add_model_argument, add_redis_argument, env_default
-from services.common.units import parse_bytes
+from services.common.units import parse_bytes, parse_cpu_list
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -31,6 +31,8 @@ class WorkerConfig:
         device: ``cpu`` or ``cuda``.
         attention_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
         num_threads: torch intra-op threads; 0 keeps torch's default.
+        cpu_affinity: CPU cores this worker runs on, its OpenMP threads bound one per core (on a
+            shared machine, give each worker its own cores); empty: no binding.
         heartbeat_interval_s: how often the registration is refreshed, seconds.
 
     Raises:
@@ -49,6 +51,7 @@ class WorkerConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     num_threads: int = 0
+    cpu_affinity: tuple[int, ...] = ()
     heartbeat_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
@@ -91,6 +94,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: Triton on CUDA, torch on CPU (default %(default)s)",
     )
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
+    parser.add_argument(
+        "--cpu-affinity", default="",
+        help="run on these CPU cores (e.g. 0-3) with torch's OpenMP threads bound to them; give each worker "
+        "on a machine its own cores (default: no binding)",
+    )
 
 
 def default_advertise_host(listen_host: str) -> str:
@@ -119,4 +127,5 @@ def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConf
         device=args.device,
         attention_backend=args.attention_backend,
         num_threads=args.num_threads,
+        cpu_affinity=parse_cpu_list(args.cpu_affinity) if args.cpu_affinity else (),
     )

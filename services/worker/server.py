@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from concurrent import futures
 
@@ -20,6 +21,17 @@ from services.worker.service import WorkerServicer
 log = logging.getLogger("pagedserve.worker")
 
 
+def bind_to_cores(cores: tuple[int, ...]) -> None:
+    """Pins this process to ``cores`` and asks OpenMP to bind its threads one per core.
+
+    Must run before torch is imported: OpenMP reads its settings when it starts. Unbound OpenMP
+    threads migrating between cores made a worker step up to 1.6x slower on a 2-core machine.
+    """
+    os.sched_setaffinity(0, cores)
+    os.environ["OMP_PROC_BIND"] = "true"
+    os.environ["OMP_PLACES"] = ",".join(f"{{{core}}}" for core in cores)
+
+
 def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     """Serves until ``stop`` is set, then unregisters and shuts down.
 
@@ -27,6 +39,8 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         redis.RedisError: Redis unreachable at start.
         OSError: the port cannot be bound.
     """
+    if config.cpu_affinity:
+        bind_to_cores(config.cpu_affinity)
     import torch
 
     from services.worker.model_runner import build_model_runner

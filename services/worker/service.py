@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from opentelemetry import trace
 
 from services.common import telemetry
 from services.common.convert import plan_from_pb, step_result_to_pb
-from services.common.messages import BatchPlan
+from services.common.messages import BatchPlan, StepResult
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.scheduler.engine import PlanRunner
@@ -39,19 +39,25 @@ class RequestSpans:
 
 
 class WorkerServicer(engine_pb2_grpc.WorkerServicer):
-    """Executes the scheduler's plans one at a time."""
+    """Executes the scheduler's plans one at a time, always on the same thread.
+
+    One model thread matters on CPU: torch's OpenMP runtime keeps a thread team per calling
+    thread, and teams left by gRPC's rotating handler threads compete for the cores.
+    """
 
     def __init__(self, runner: PlanRunner, tracer: trace.Tracer) -> None:
         self._runner = runner
         self._spans = RequestSpans(tracer)
-        self._lock = threading.Lock()
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     def Execute(self, request: pb.BatchPlan, context: grpc.ServicerContext) -> pb.StepResult:
         plan = plan_from_pb(request)
-        with self._lock:
-            self._spans.update(plan)
-            try:
-                result = self._runner.execute(plan)
-            except (ValueError, KeyError) as exc:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"plan {plan.step_id} does not apply: {exc}")
+        try:
+            result = self._model_thread.submit(self._execute, plan).result()
+        except (ValueError, KeyError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"plan {plan.step_id} does not apply: {exc}")
         return step_result_to_pb(result)
+
+    def _execute(self, plan: BatchPlan) -> StepResult:
+        self._spans.update(plan)
+        return self._runner.execute(plan)

@@ -14,15 +14,8 @@ LATENCIES = ("ttft", "tpot", "itl", "e2el")
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    from services.common.model_files import prepare_default_model
-    from tests.e2e.conftest import start_stack
-
-    model = prepare_default_model()
-    stack = start_stack(tmp_path_factory.mktemp("bench-stack"), model, num_workers=1)
-    yield stack.gateway, model
-    for process in reversed(list(stack.processes.values())):
-        process.stop()
+def gateway(stack, default_model):
+    return stack.gateway, default_model
 
 
 def _check_run(run: dict, rate: float | str) -> None:

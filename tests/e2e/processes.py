@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -92,3 +94,47 @@ def scheduler_stats(address: str) -> pb.SchedulerStats:
 
 def healthy(address: str) -> bool:
     return check_health(address)
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    gateway: str
+    scheduler: str
+    processes: dict[str, Process]
+
+    def logs(self) -> str:
+        return "\n".join(f"==== {name}\n{p.log_text()[-3000:]}" for name, p in self.processes.items())
+
+
+def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "64MiB", env_extra: dict | None = None,
+                worker_threads: int = 1) -> Stack:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    redis_proc, redis_url = start_redis(tmp_path)
+    processes = {"redis": redis_proc}
+    sched_port, gw_port = free_port(), free_port()
+    scheduler = f"127.0.0.1:{sched_port}"
+    common = ["--redis-url", redis_url]
+    try:
+        processes["scheduler"] = pagedserve("scheduler", ["scheduler", *common, "--host", "127.0.0.1",
+                                                          "--port", str(sched_port)], tmp_path, env)
+        bind = num_workers * worker_threads <= (os.cpu_count() or 1)
+        for i in range(num_workers):
+            cores = ["--cpu-affinity", f"{i * worker_threads}-{(i + 1) * worker_threads - 1}"] if bind else []
+            processes[f"worker-{i}"] = pagedserve(
+                f"worker-{i}",
+                ["worker", *common, "--model", str(model), "--host", "127.0.0.1", "--port", "0",
+                 "--kv-cache-memory", kv_cache_memory, "--num-threads", str(worker_threads), "--worker-id", f"worker-{i}", *cores],
+                tmp_path, env,
+            )
+        processes["gateway"] = pagedserve("gateway", ["gateway", *common, "--model", str(model), "--host", "127.0.0.1",
+                                                      "--port", str(gw_port), "--scheduler", scheduler], tmp_path, env)
+        procs = list(processes.values())
+        wait_until(lambda: healthy(scheduler), "scheduler", 120, procs)
+        wait_until(lambda: len(scheduler_stats(scheduler).workers) == num_workers, "workers", 300, procs)
+        wait_until(lambda: healthy(f"127.0.0.1:{gw_port}"), "gateway", 120, procs)
+    except Exception:
+        for p in processes.values():
+            p.stop()
+        raise
+    return Stack(redis_url, f"127.0.0.1:{gw_port}", scheduler, processes)

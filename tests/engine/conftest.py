@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.model_files import prepare_default_model
 
 # Prompts of very different lengths (3 to ~150 tokens), written for these tests.
 BASE_PROMPTS = [
@@ -28,11 +27,6 @@ BASE_PROMPTS = [
     "In 1969, astronauts first landed on the Moon. Describe what they saw.",
     "Rust and Python differ in that",
 ]
-
-
-@pytest.fixture(scope="session")
-def default_model():
-    return prepare_default_model()
 
 
 @pytest.fixture(scope="session")

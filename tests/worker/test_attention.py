@@ -39,7 +39,9 @@ def test_decode_chunks_bound_the_gathered_positions():
                                   block_size=4, decode_chunk_tokens=96)
     assert [(c.start, c.end, c.padded_len) for c in md.decode_chunks] == [(0, 2, 44), (2, 6, 24)]
     first = md.decode_chunks[0]
-    assert first.mask.shape == (2, 1, 1, 44) and first.slot_indices.shape == (88,)
+    assert first.mask.shape == (2, 1, 1, 44)
+    # 11 whole blocks each; the second sequence needs 9, then its table padding (block 0), masked
+    assert first.block_indices.tolist() == list(range(0, 11)) + list(range(12, 21)) + [0, 0]
     assert bool((first.mask[1, 0, 0, :34] == 0).all()) and bool(torch.isinf(first.mask[1, 0, 0, 34:]).all())
 
 

@@ -25,8 +25,9 @@ class DecodeChunk:
     Attributes:
         start, end: sequence range; these sequences sit at the front of the batch, one token each.
         padded_len: context positions gathered per sequence (a multiple of the block size).
-        slot_indices: int64 ``[(end - start) * padded_len]``, cache slots to gather, sequence-major;
-            slots past a sequence's length come from its block-table padding and are masked.
+        block_indices: int64 ``[(end - start) * padded_len / block_size]``, whole cache blocks to
+            gather, sequence-major (whole blocks copy far faster than single slots); positions past
+            a sequence's length come from its last block or its block-table padding and are masked.
         mask: additive ``[end - start, 1, 1, padded_len]`` in the model dtype: 0 for a key the
             sequence may read, ``-inf`` for padding.
     """
@@ -34,7 +35,7 @@ class DecodeChunk:
     start: int
     end: int
     padded_len: int
-    slot_indices: torch.Tensor
+    block_indices: torch.Tensor
     mask: torch.Tensor
 
 
@@ -56,14 +57,15 @@ class ContextPrefill:
 
     Attributes:
         query_start, query_end: its token range in the flat batch.
-        slot_indices: int64 ``[seq_len]``, cache slots of positions ``0..seq_len-1``.
-        mask: additive ``[query_len, seq_len]`` in the model dtype, causal with the query offset
-            by the context length.
+        block_indices: int64 ``[ceil(seq_len / block_size)]``, the cache blocks holding positions
+            ``0..seq_len-1`` (gathered whole; positions past ``seq_len`` are masked).
+        mask: additive ``[query_len, padded_len]`` in the model dtype, causal with the query offset
+            by the context length (``padded_len`` = blocks x block size).
     """
 
     query_start: int
     query_end: int
-    slot_indices: torch.Tensor
+    block_indices: torch.Tensor
     mask: torch.Tensor
 
 
@@ -131,13 +133,6 @@ def _padded_block_tables(block_tables: Sequence[Sequence[int]], seq_lens: Sequen
     return torch.tensor(rows, dtype=torch.int32)
 
 
-def _slots_of_prefix(table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Slots of positions ``0..length-1`` for a padded block-table row (int64, padded to whole blocks)."""
-    offsets = torch.arange(block_size, dtype=torch.int64)                 # (BS,)
-    blocks = table_row[: -(-length // block_size)].long()                 # (nb,)
-    return (blocks[:, None] * block_size + offsets).reshape(-1)           # (nb*BS,)
-
-
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed``, ``-inf`` elsewhere, in ``dtype``."""
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
@@ -149,11 +144,10 @@ def _decode_chunk(table: torch.Tensor, seq_lens: Sequence[int], start: int, end:
     lens = seq_lens[start:end]
     num_blocks = -(-max(lens) // block_size)
     padded_len = num_blocks * block_size
-    offsets = torch.arange(block_size, dtype=torch.int64)                 # (BS,)
-    slots = table[start:end, :num_blocks].long()[:, :, None] * block_size + offsets  # (n, nb, BS)
+    blocks = table[start:end, :num_blocks].long()                         # (n, nb)
     allowed = torch.arange(padded_len)[None, :] < torch.tensor(lens)[:, None]  # (n, Lp)
     mask = _additive_mask(allowed, dtype).view(end - start, 1, 1, padded_len)  # (n, 1, 1, Lp)
-    return DecodeChunk(start, end, padded_len, slots.reshape(-1).to(device), mask.to(device))
+    return DecodeChunk(start, end, padded_len, blocks.reshape(-1).to(device), mask.to(device))
 
 
 def _decode_chunks(table: torch.Tensor, seq_lens: Sequence[int], num_decode: int, block_size: int,
@@ -182,11 +176,12 @@ def _prefills(table: torch.Tensor, query_start_loc: list[int], context_lens: Seq
         if context_lens[i] == 0:
             fresh.append(FreshPrefill(start, end))
             continue
-        k_pos = torch.arange(seq_lens[i])                                 # (L,)
+        num_blocks = -(-seq_lens[i] // block_size)
+        k_pos = torch.arange(num_blocks * block_size)                     # (Lp,)
         q_pos = torch.arange(context_lens[i], seq_lens[i])                # (q,)
-        mask = _additive_mask(k_pos[None, :] <= q_pos[:, None], dtype)    # (q, L)
-        slots = _slots_of_prefix(table[i], seq_lens[i], block_size)[: seq_lens[i]]  # (L,)
-        with_context.append(ContextPrefill(start, end, slots.to(device), mask.to(device)))
+        mask = _additive_mask(k_pos[None, :] <= q_pos[:, None], dtype)    # (q, Lp)
+        blocks = table[i, :num_blocks].long()                             # (nb,)
+        with_context.append(ContextPrefill(start, end, blocks.to(device), mask.to(device)))
     return tuple(fresh), tuple(with_context)
 
 

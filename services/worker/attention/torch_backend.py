@@ -4,8 +4,8 @@ PagedAttention (Kwon et al., SOSP 2023, §4): keys and values live in fixed-size
 sequence reads its context through its block table. Here the context is gathered into contiguous
 tensors and handed to ``scaled_dot_product_attention``:
 
-* decode (one new token per sequence): such sequences in a few chunks, each gathered at once
-  (``index_select`` into a reused buffer), padded to the chunk's longest context and masked;
+* decode (one new token per sequence): such sequences in a few chunks, each gathered at once,
+  whole blocks at a time (``index_select`` into a reused buffer), padded to the chunk's longest context and masked;
   grouped-query attention views the query heads of one KV head as a query "length"
   (``[Nd, Hkv, G, D]`` against ``[Nd, Hkv, L, D]``), so K/V are never repeated per head;
 * prefill without cached context: the new K/V directly, causal;
@@ -58,28 +58,28 @@ class TorchAttentionBackend:
             out[seq.query_start:seq.query_end] = _with_context(query, key_cache, value_cache, seq, scale)
         return out
 
-    def _gather(self, cache: torch.Tensor, slots: torch.Tensor,
+    def _gather(self, cache: torch.Tensor, blocks: torch.Tensor,
                 buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``slots`` of the flat cache into the front of ``buffer`` (grown if too small).
+        """Whole blocks ``blocks`` of the cache into the front of ``buffer`` (grown if too small).
 
         Returns:
-            The buffer to keep, and the gathered ``[len(slots), Hkv*D]`` view of it.
+            The buffer to keep, and the gathered ``[len(blocks) * BS, Hkv, D]`` view of it.
         """
-        flat = cache.view(-1, cache.shape[2] * cache.shape[3])           # (NB*BS, Hkv*D)
-        need = slots.shape[0] * flat.shape[1]
+        flat = cache.view(cache.shape[0], -1)                             # (NB, BS*Hkv*D)
+        need = blocks.shape[0] * flat.shape[1]
         if buffer.numel() < need or buffer.dtype != cache.dtype or buffer.device != cache.device:
             buffer = torch.empty(need, dtype=cache.dtype, device=cache.device)
-        target = buffer[:need].view(slots.shape[0], flat.shape[1])        # (N, Hkv*D)
-        torch.index_select(flat, 0, slots, out=target)
-        return buffer, target
+        target = buffer[:need].view(blocks.shape[0], flat.shape[1])       # (N, BS*Hkv*D)
+        torch.index_select(flat, 0, blocks, out=target)
+        return buffer, target.view(-1, cache.shape[2], cache.shape[3])    # (N*BS, Hkv, D)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 chunk: DecodeChunk, scale: float) -> torch.Tensor:
         """One new token per sequence of ``chunk``: ``query`` ``[Nd, H, D]`` -> ``[Nd, H, D]``."""
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
-        self._key_buffer, k = self._gather(key_cache, chunk.slot_indices, self._key_buffer)
-        self._value_buffer, v = self._gather(value_cache, chunk.slot_indices, self._value_buffer)
+        self._key_buffer, k = self._gather(key_cache, chunk.block_indices, self._key_buffer)
+        self._value_buffer, v = self._gather(value_cache, chunk.block_indices, self._value_buffer)
         shape = (num_seqs, chunk.padded_len, num_kv_heads, head_dim)
         k = k.view(shape).transpose(1, 2)                                 # (Nd, Hkv, L, D)
         v = v.view(shape).transpose(1, 2)                                 # (Nd, Hkv, L, D)
@@ -121,8 +121,8 @@ def _with_context(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   seq: ContextPrefill, scale: float) -> torch.Tensor:
     """New tokens of one sequence over its cached context plus themselves -> ``[q, H, D]``."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, seq.slot_indices)    # (L, Hkv, D)
-    v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, seq.slot_indices)  # (L, Hkv, D)
+    k = key_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim)    # (Lp, Hkv, D)
+    v = value_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim)  # (Lp, Hkv, D)
     q, k, v = _grouped(query[seq.query_start:seq.query_end], k, v, num_kv_heads)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=seq.mask, scale=scale)  # (Hkv, G, q, D)
     return _heads_last(o)                                                 # (q, H, D)

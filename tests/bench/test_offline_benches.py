@@ -1,0 +1,50 @@
+"""Smoke runs of `bench throughput` and `bench overhead` on tiny workloads: the report's fields are
+present and consistent. (Benchmarks themselves do not run in CI.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.model]
+
+TINY = ["--dataset-name", "random", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+        "--kv-cache-memory", "64MiB"]
+
+
+def bench(*args: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "bench", *args], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_throughput_report(tmp_path, default_model):
+    out = tmp_path / "t.json"
+    stdout = bench("throughput", "--model", str(default_model), *TINY, "--hf-batch-sizes", "2,3",
+                   "--result-json", str(out))
+    report = json.loads(out.read_text())
+    assert {"engine_output_tokens_per_s", "hf_output_tokens_per_s", "ratio"} <= report.keys()
+    assert [r["system"] for r in report["runs"]] == ["pagedserve", "hf-b2", "hf-b3"]
+    assert all(r["output_tokens"] == 12 for r in report["runs"])  # 3 requests x 4 tokens, EOS ignored
+    best = max(report["runs"][1:], key=lambda r: r["output_tokens_per_s"])
+    assert report["hf_output_tokens_per_s"] == pytest.approx(best["output_tokens_per_s"])
+    assert report["ratio"] == pytest.approx(report["engine_output_tokens_per_s"] / report["hf_output_tokens_per_s"])
+    assert "ratio pagedserve / best transformers" in stdout
+
+
+@pytest.mark.e2e
+def test_overhead_report(tmp_path, default_model):
+    out = tmp_path / "o.json"
+    bench("overhead", "--model", str(default_model), *TINY, "--ttft-repeats", "2", "--iterations", "10",
+          "--running", "4,8", "--result-json", str(out))
+    report = json.loads(out.read_text())
+    assert report["stack_to_engine_throughput_ratio"] == pytest.approx(
+        report["stack_output_tokens_per_s"] / report["engine_output_tokens_per_s"])
+    assert len(report["stack_ttft_ms"]) == len(report["engine_ttft_ms"]) == 2
+    assert isinstance(report["ttft_added_ms"], float)
+    assert set(report["scheduler_ms_per_iteration"]) == {"4", "8"}
+    assert all(c["median_ms"] <= c["p99_ms"] for c in report["scheduler_cost"])
