@@ -64,8 +64,9 @@ class LLM:
         kv_cache_memory: KV-cache bytes per worker (an int, or a string such as ``"512MiB"``).
         block_size, max_num_seqs, max_num_batched_tokens: scheduler limits (see SchedulerConfig).
         num_workers: model runners, each with its own weights and KV cache.
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        dtype: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: torch device of the runners.
+        attention_backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
 
     Raises:
         ValueError: an invalid limit or size.
@@ -81,11 +82,13 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         num_workers: int = 1,
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str = "cpu",
+        attention_backend: str = "auto",
     ) -> None:
         import torch
 
+        from services.worker.config import resolve_dtype
         from services.worker.model_runner import build_model_runner
 
         path = resolve_model(str(model) if model else None)
@@ -94,7 +97,8 @@ class LLM:
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens)
         runners = {
             f"worker-{i}": build_model_runner(
-                path, kv_cache_memory_bytes=memory, block_size=block_size, dtype=getattr(torch, dtype), device=device
+                path, kv_cache_memory_bytes=memory, block_size=block_size,
+                dtype=getattr(torch, resolve_dtype(dtype, device)), device=device, attention_backend=attention_backend,
             )
             for i in range(num_workers)
         }

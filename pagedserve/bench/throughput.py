@@ -53,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_dataset_arguments(p)
     p.add_argument("--hf-batch-sizes", default="8,16,32", help="static batch sizes for transformers (default %(default)s)")
     p.add_argument("--skip-hf", action="store_true", help="run only the engine (no baseline, no ratio)")
+    p.add_argument("--device", default="cpu", help="torch device for both systems: cpu or cuda (default %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="dtype for both systems; auto: bfloat16 on CUDA, float32 on CPU (default %(default)s)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="engine KV-cache memory (default %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine: most running sequences (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -69,7 +72,7 @@ def run_engine(model: Path, requests: list[SampleRequest], args: argparse.Namesp
     from services.common.sampling_params import SamplingParams
 
     llm = LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device)
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     total = sum(r.expected_output_len for r in requests)
     with tqdm(total=total, desc="pagedserve", unit="tok") as bar:
@@ -86,19 +89,23 @@ def run_engine(model: Path, requests: list[SampleRequest], args: argparse.Namesp
     return ThroughputRun("pagedserve", elapsed, total, sum(len(p) for p in prompts))
 
 
-def run_hf(model_dir: Path, requests: list[SampleRequest], batch_size: int, tokenizer) -> ThroughputRun:
+def run_hf(model_dir: Path, requests: list[SampleRequest], batch_size: int, tokenizer,
+           args: argparse.Namespace) -> ThroughputRun:
     """transformers generate over static batches in arrival order; left padding, greedy, EOS ignored."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from services.worker.config import resolve_dtype
+
+    dtype = getattr(torch, resolve_dtype(args.dtype, args.device))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tokenizer.padding_side = "left"
     start = time.perf_counter()
     for i in tqdm(range(0, len(requests), batch_size), desc=f"transformers b={batch_size}", unit="batch"):
         batch = requests[i:i + batch_size]
-        enc = tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True)
+        enc = tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True).to(args.device)
         longest = max(r.expected_output_len for r in batch)
         with torch.inference_mode():
             model.generate(**enc, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
@@ -131,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     engine = run_engine(model, requests, args, tokenizer)
     runs = [engine]
     if not args.skip_hf:
-        runs += [run_hf(model, requests, int(b), tokenizer) for b in args.hf_batch_sizes.split(",")]
+        runs += [run_hf(model, requests, int(b), tokenizer, args) for b in args.hf_batch_sizes.split(",")]
     hf_runs = runs[1:]
     best_hf = max(hf_runs, key=lambda r: r.output_tokens_per_s) if hf_runs else None
     info = machine_info()

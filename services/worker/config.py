@@ -11,7 +11,7 @@ from pathlib import Path
 from services.common.service_args import add_listen_arguments, add_model_argument, add_redis_argument, env_default
 from services.common.units import parse_bytes, parse_cpu_list
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -25,11 +25,13 @@ class WorkerConfig:
         host, port: where the Worker gRPC service listens (port 0 picks a free one).
         advertise_host: the host name the scheduler uses to reach this worker.
         worker_id: unique id of this worker process.
-        kv_cache_memory: bytes of K and V cache to allocate.
+        kv_cache_memory: bytes of K and V cache to allocate; ``None``: 1 GiB on CPU, on CUDA what
+            ``gpu_memory_utilization`` leaves after the weights.
         block_size: token slots per KV block (must equal the scheduler's).
-        dtype: weights and KV-cache dtype.
+        dtype: weights and KV-cache dtype; ``auto`` is bfloat16 on CUDA, float32 elsewhere.
         device: ``cpu`` or ``cuda``.
         attention_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        gpu_memory_utilization: on CUDA, the share of the GPU's memory the worker may use in all.
         num_threads: torch intra-op threads; 0 keeps torch's default.
         cpu_affinity: CPU cores this worker runs on, its OpenMP threads bound one per core (on a
             shared machine, give each worker its own cores); empty: no binding.
@@ -45,11 +47,12 @@ class WorkerConfig:
     port: int = 0
     advertise_host: str = "127.0.0.1"
     worker_id: str = "worker-0"
-    kv_cache_memory: int = 2**30
+    kv_cache_memory: int | None = None
     block_size: int = 16
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     attention_backend: str = "auto"
+    gpu_memory_utilization: float = 0.9
     num_threads: int = 0
     cpu_affinity: tuple[int, ...] = ()
     heartbeat_interval_s: float = 1.0
@@ -63,6 +66,8 @@ class WorkerConfig:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_threads < 0:
             raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
         if self.heartbeat_interval_s <= 0:
@@ -83,11 +88,15 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-id", default="", help="unique worker id (default: worker-<random>)")
     parser.add_argument(
         "--kv-cache-memory",
-        default=env_default("PAGEDSERVE_KV_CACHE_MEMORY", "1GiB"),
-        help="memory for the KV cache, e.g. 2GiB or 512MiB (env PAGEDSERVE_KV_CACHE_MEMORY; default %(default)s)",
+        default=env_default("PAGEDSERVE_KV_CACHE_MEMORY", ""),
+        help="memory for the KV cache, e.g. 2GiB or 512MiB (env PAGEDSERVE_KV_CACHE_MEMORY; default: 1GiB on "
+        "CPU, on CUDA what --gpu-memory-utilization leaves after the weights)",
     )
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="CUDA: share of the GPU's memory the worker may use (default %(default)s)")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default %(default)s)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV dtype (default %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights and KV dtype; auto: bfloat16 on CUDA, float32 on CPU (default %(default)s)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default %(default)s)")
     parser.add_argument(
         "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
@@ -99,6 +108,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="run on these CPU cores (e.g. 0-3) with torch's OpenMP threads bound to them; give each worker "
         "on a machine its own cores (default: no binding)",
     )
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` -> ``bfloat16`` on CUDA, ``float32`` elsewhere; other names unchanged."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def default_advertise_host(listen_host: str) -> str:
@@ -121,11 +137,12 @@ def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConf
         port=args.port,
         advertise_host=advertise,
         worker_id=args.worker_id or f"worker-{uuid.uuid4().hex[:8]}",
-        kv_cache_memory=parse_bytes(args.kv_cache_memory),
+        kv_cache_memory=parse_bytes(args.kv_cache_memory) if args.kv_cache_memory else None,
         block_size=args.block_size,
         dtype=args.dtype,
         device=args.device,
         attention_backend=args.attention_backend,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         num_threads=args.num_threads,
         cpu_affinity=parse_cpu_list(args.cpu_affinity) if args.cpu_affinity else (),
     )

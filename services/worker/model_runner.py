@@ -18,8 +18,8 @@ from torch import nn
 
 from services.common.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, StepResult
 from services.common.sampling_params import EngineSamplingParams
-from services.worker.attention import (AttentionBackend, TorchAttentionBackend, build_attention_metadata,
-                                       compute_positions)
+from services.worker.attention import (AttentionBackend, build_attention_metadata, compute_positions,
+                                       make_attention_backend)
 from services.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
 from services.worker.sampler import Sampler
 from services.worker.weight_loader import load_model
@@ -211,24 +211,42 @@ class ModelRunner:
                           self.attention_backend)                         # (T, hidden)
 
 
-def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int, block_size: int = 16,
+def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | None = None, block_size: int = 16,
                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                       attention_backend: str = "auto", gpu_memory_utilization: float = 0.9,
                        sampler_seed: int | None = None) -> ModelRunner:
-    """Loads the model of a Hugging Face folder and sizes a KV cache to a memory budget.
+    """Loads the model of a Hugging Face folder and sizes a KV cache.
 
     Args:
         model_path: folder with ``config.json`` and ``*.safetensors``.
-        kv_cache_memory_bytes: bytes for K and V of all layers together.
+        kv_cache_memory_bytes: bytes for K and V of all layers together. ``None``: on CUDA, what
+            ``gpu_memory_utilization`` leaves after the weights; elsewhere 1 GiB.
         block_size: token slots per block.
         dtype: weights, activations and cache dtype.
         device: where everything lives.
+        attention_backend: ``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or ``triton``.
+        gpu_memory_utilization: fraction of the GPU's memory this worker may use in all.
         sampler_seed: seed of the generator for requests without their own seed.
 
     Raises:
-        ValueError: the budget holds no block (and the loader's errors).
+        ValueError: the budget holds no block, or an unknown backend (and the loader's errors).
     """
+    backend = make_attention_backend(attention_backend, device)
     model = load_model(model_path, dtype=dtype, device=device)
     config = model.config
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    if kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = _default_kv_memory(torch.device(device), gpu_memory_utilization)
     kv_cache = KVCache(spec, num_blocks_for_memory(spec, kv_cache_memory_bytes), device=device)
-    return ModelRunner(model, kv_cache, TorchAttentionBackend(), Sampler(seed=sampler_seed, device=device))
+    return ModelRunner(model, kv_cache, backend, Sampler(seed=sampler_seed, device=device))
+
+
+def _default_kv_memory(device: torch.device, gpu_memory_utilization: float) -> int:
+    """Bytes left for the KV cache: on CUDA the share of the GPU not yet used (as vLLM sizes it)."""
+    if device.type != "cuda":
+        return 1 << 30
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return int(total * gpu_memory_utilization) - used

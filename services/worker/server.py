@@ -14,7 +14,7 @@ from services.common import telemetry
 from services.common.grpc_server import add_health, bind, set_serving
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from services.worker.config import WorkerConfig
+from services.worker.config import WorkerConfig, resolve_dtype
 from services.worker.registration import WorkerRegistrar
 from services.worker.service import WorkerServicer
 
@@ -52,8 +52,10 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         config.model,
         kv_cache_memory_bytes=config.kv_cache_memory,
         block_size=config.block_size,
-        dtype=getattr(torch, config.dtype),
+        dtype=getattr(torch, resolve_dtype(config.dtype, config.device)),
         device=config.device,
+        attention_backend=config.attention_backend,
+        gpu_memory_utilization=config.gpu_memory_utilization,
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, tracer), server)

@@ -1,10 +1,11 @@
-"""Paged attention: per-step metadata, the backend interface and the torch backend."""
+"""Paged attention: per-step metadata, the backend interface, the torch and Triton backends."""
 
-from services.worker.attention.backend import AttentionBackend
+from services.worker.attention.backend import AttentionBackend, make_attention_backend
 from services.worker.attention.metadata import (AttentionMetadata, ContextPrefill, DecodeChunk,
                                                 FreshPrefill, build_attention_metadata,
                                                 compute_positions)
 from services.worker.attention.torch_backend import TorchAttentionBackend
+from services.worker.attention.triton_backend import TritonAttentionBackend
 
 __all__ = [
     "AttentionBackend",
@@ -13,6 +14,8 @@ __all__ = [
     "DecodeChunk",
     "FreshPrefill",
     "TorchAttentionBackend",
+    "TritonAttentionBackend",
     "build_attention_metadata",
     "compute_positions",
+    "make_attention_backend",
 ]

@@ -38,3 +38,23 @@ class AttentionBackend(Protocol):
             ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
         """
         ...
+
+
+def make_attention_backend(name: str, device: torch.device | str):
+    """The backend called ``name`` (``auto``, ``torch`` or ``triton``) for ``device``.
+
+    ``auto`` is Triton on CUDA and torch elsewhere.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    from services.worker.attention.torch_backend import TorchAttentionBackend
+    from services.worker.attention.triton_backend import TritonAttentionBackend
+
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        return TritonAttentionBackend()
+    raise ValueError(f"attention backend must be auto, torch or triton, got {name!r}")

@@ -1,0 +1,40 @@
+"""Paged attention with the Triton kernels of ``kernels/`` (the GPU backend).
+
+The kernels read K/V straight from the blocks through the block table (no gathered copies):
+a decode-only batch uses the paged decode kernel (flash-decoding split for few, long sequences);
+any batch with a prefill or chunk uses the prefill/extend kernel, which also handles the batch's
+one-token sequences. On a CPU they run only under ``TRITON_INTERPRET=1`` (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.attention.metadata import AttentionMetadata
+
+
+class TritonAttentionBackend:
+    """The :class:`~services.worker.attention.backend.AttentionBackend` built on ``kernels/``.
+
+    Raises (from the kernels, before launch): ``ValueError``/``TypeError`` on shapes, dtypes or
+    devices the kernels do not take (e.g. a head_dim that is not a power of two).
+    """
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Scatters ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``metadata.slot_mapping``."""
+        from kernels import write_kv_cache
+
+        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Causal attention of ``query`` ``[T, H, D]`` over the paged context -> ``[T, H, D]``."""
+        from kernels import paged_decode_attention, paged_prefill_attention
+
+        if metadata.max_query_len == 1:
+            return paged_decode_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                                          scale, max_seq_len=metadata.max_seq_len)
+        return paged_prefill_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                                       metadata.query_start_loc, scale, metadata.max_query_len)
