@@ -1,14 +1,20 @@
 """Block manager: the block tables of one worker's sequences, and the only code that changes
 reference counts.
 
-PagedAttention (Kwon et al., SOSP 2023, §4.2-4.3): a sequence's KV cache lives in fixed-size
+PagedAttention (Kwon et al., SOSP 2023, §4.2-4.4): a sequence's KV cache lives in fixed-size
 blocks that need not be contiguous; its block table maps logical block i (token positions
 ``[i * block_size, (i + 1) * block_size)``) to a physical block id. Blocks are allocated as the
-sequence grows, so at most ``block_size - 1`` slots per sequence are ever empty.
+sequence grows, shared by reference count between sequences with the same prefix (forked samples,
+cached prompts), copied on write when a shared, partly filled block is written, and swapped to
+CPU blocks under memory pressure. ``PrefixCachingBlockManager`` adds automatic prefix caching.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from services.scheduler.block_hash import BlockHash, hash_full_blocks, sha256
 from services.scheduler.block_pool import Block, BlockPool, NoFreeBlocksError
 
 
@@ -17,23 +23,47 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass(frozen=True)
+class CachedPrefix:
+    """Cached full blocks that hold the start of a prompt (found, not yet taken).
+
+    Attributes:
+        blocks: the blocks, in order.
+        num_tokens: tokens they hold (``len(blocks) * block_size``).
+    """
+
+    blocks: tuple[Block, ...] = ()
+    num_tokens: int = 0
+
+    @property
+    def num_free(self) -> int:
+        """Hits that sit in the free list: taking them makes that many fewer blocks free."""
+        return sum(1 for block in self.blocks if block.ref_count == 0)
+
+
+NO_PREFIX = CachedPrefix()
+
+
 class BlockManager:
-    """Allocates and frees the blocks of one worker's KV cache, by request id.
+    """Allocates, shares, copies, swaps and frees the blocks of one worker, by request id.
 
     Args:
-        num_blocks: the worker's capacity in blocks.
+        num_blocks: the worker's KV capacity in blocks.
         block_size: token slots per block.
+        num_cpu_blocks: CPU blocks for swap preemption (0: no swapping).
 
     Raises:
         ValueError: a non-positive size.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self._pool = BlockPool(num_blocks)
+        self._cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self._tables: dict[str, list[Block]] = {}
+        self._swapped: dict[str, list[Block]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -43,27 +73,43 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return self._pool.num_free_blocks
 
-    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks to add so that the request's table holds ``num_tokens`` slots in all."""
-        held = len(self._tables.get(request_id, ()))
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return self._cpu_pool.num_free_blocks if self._cpu_pool else 0
+
+    # ---- allocation ----------------------------------------------------------------------
+    def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:
+        """Cached blocks holding the start of ``token_ids``; none without prefix caching."""
+        return NO_PREFIX
+
+    def num_new_blocks(self, request_id: str, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> int:
+        """Blocks to take from the free list so the request's table holds ``num_tokens`` slots."""
+        held = len(self._tables.get(request_id, ())) + len(prefix.blocks)
         return max(0, blocks_for_tokens(num_tokens, self.block_size) - held)
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        """Whether enough blocks are free to grow the request's table to ``num_tokens`` slots."""
-        return self.num_new_blocks(request_id, num_tokens) <= self._pool.num_free_blocks
+    def can_allocate(self, request_id: str, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> bool:
+        """Whether the table can grow to ``num_tokens`` slots (after taking ``prefix``) right now."""
+        return self.num_new_blocks(request_id, num_tokens, prefix) <= self._pool.num_free_blocks - prefix.num_free
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> tuple[int, ...]:
-        """Grows (or creates) the request's block table to hold ``num_tokens`` slots in all.
+    def allocate_slots(self, request_id: str, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> tuple[int, ...]:
+        """Grows (or creates) the request's table to hold ``num_tokens`` slots in all.
 
-        This is both "allocate" for a new sequence and "append slots" for a running one.
+        This is both "allocate" for a new sequence (taking the cached ``prefix`` first) and
+        "append slots" for a running one.
 
         Returns:
-            The ids of the blocks added, in table order (empty when the last block had room).
+            The ids of the blocks taken from the free list, in table order.
 
         Raises:
             NoFreeBlocksError: too few free blocks; the table is unchanged.
         """
-        return self.allocate_blocks(request_id, self.num_new_blocks(request_id, num_tokens))
+        if not self.can_allocate(request_id, num_tokens, prefix):
+            raise NoFreeBlocksError(f"request {request_id!r} cannot grow to {num_tokens} slots")
+        count = self.num_new_blocks(request_id, num_tokens, prefix)
+        if prefix.blocks:
+            self._pool.touch(list(prefix.blocks))
+            self._tables.setdefault(request_id, []).extend(prefix.blocks)
+        return self.allocate_blocks(request_id, count)
 
     def allocate_blocks(self, request_id: str, count: int) -> tuple[int, ...]:
         """Appends ``count`` free blocks to the request's table (creating it); returns their ids.
@@ -71,26 +117,113 @@ class BlockManager:
         Raises:
             NoFreeBlocksError: fewer than ``count`` blocks are free; the table is unchanged.
         """
-        if count > self._pool.num_free_blocks:
-            raise NoFreeBlocksError(
-                f"request {request_id!r} needs {count} more blocks, {self._pool.num_free_blocks} free"
-            )
         new_blocks = self._pool.take(count)
         self._tables.setdefault(request_id, []).extend(new_blocks)
         return tuple(block.block_id for block in new_blocks)
 
+    def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
+                          extra: bytes = b"") -> None:
+        """Makes the request's full blocks among its first ``num_tokens`` slots findable (no-op here)."""
+
+    # ---- sharing -------------------------------------------------------------------------
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Gives ``child_id`` the parent's blocks by reference (parallel sampling).
+
+        Raises:
+            ValueError: the child already holds blocks.
+        """
+        if child_id in self._tables:
+            raise ValueError(f"request {child_id!r} already holds blocks")
+        blocks = list(self._tables.get(parent_id, ()))
+        self._pool.touch(blocks)
+        self._tables[child_id] = blocks
+
+    def needs_copy_on_write(self, request_id: str, first_write: int) -> bool:
+        """Whether writing slot ``first_write`` lands in a block other tables also hold."""
+        table = self._tables.get(request_id, [])
+        index = first_write // self.block_size
+        return index < len(table) and table[index].ref_count > 1
+
+    def copy_on_write(self, request_id: str, first_write: int) -> tuple[tuple[int, int], ...]:
+        """Gives the request its own copy of the shared block that slot ``first_write`` lands in.
+
+        Returns:
+            ``((source block, new block),)`` for the worker to copy, or ``()`` when not shared.
+
+        Raises:
+            NoFreeBlocksError: no free block for the copy.
+        """
+        if not self.needs_copy_on_write(request_id, first_write):
+            return ()
+        table = self._tables[request_id]
+        index = first_write // self.block_size
+        (copy,) = self._pool.take(1)
+        shared, table[index] = table[index], copy
+        self._pool.release([shared])
+        return ((shared.block_id, copy.block_id),)
+
+    # ---- swapping ------------------------------------------------------------------------
+    def can_swap_out(self, request_id: str) -> bool:
+        return self._cpu_pool is not None and len(self._tables.get(request_id, ())) <= self._cpu_pool.num_free_blocks
+
+    def swap_out(self, request_id: str) -> tuple[tuple[int, int], ...]:
+        """Moves the request's table to CPU blocks and frees its device blocks.
+
+        Returns:
+            ``(device block, cpu block)`` pairs for the worker to copy before the blocks are reused.
+
+        Raises:
+            NoFreeBlocksError: too few CPU blocks (check ``can_swap_out``).
+        """
+        if not self.can_swap_out(request_id):
+            raise NoFreeBlocksError(f"no CPU room to swap out {request_id!r}")
+        device = self._tables.pop(request_id)
+        cpu = self._cpu_pool.take(len(device))
+        self._swapped[request_id] = cpu
+        self._pool.release(device[::-1])
+        return tuple((d.block_id, c.block_id) for d, c in zip(device, cpu))
+
+    def can_swap_in(self, request_id: str) -> bool:
+        return len(self._swapped.get(request_id, ())) <= self._pool.num_free_blocks
+
+    def swap_in(self, request_id: str) -> tuple[tuple[int, int], ...]:
+        """Moves a swapped-out request back to device blocks.
+
+        Returns:
+            ``(cpu block, device block)`` pairs for the worker to copy before the step runs.
+
+        Raises:
+            NoFreeBlocksError: too few device blocks (check ``can_swap_in``).
+        """
+        cpu = self._swapped[request_id]
+        device = self._pool.take(len(cpu))
+        del self._swapped[request_id]
+        self._tables[request_id] = device
+        self._cpu_pool.release(cpu[::-1])
+        return tuple((c.block_id, d.block_id) for c, d in zip(cpu, device))
+
+    def is_swapped(self, request_id: str) -> bool:
+        return request_id in self._swapped
+
+    # ---- release and inspection ----------------------------------------------------------
     def free(self, request_id: str) -> None:
-        """Drops the request's table and its reference to each block (tail first).
+        """Drops the request's table (device or swapped) and its reference to each block, tail first.
 
         Unknown ids are ignored, so freeing twice is harmless.
         """
         blocks = self._tables.pop(request_id, None)
         if blocks:
             self._pool.release(blocks[::-1])
+        cpu = self._swapped.pop(request_id, None)
+        if cpu:
+            self._cpu_pool.release(cpu[::-1])
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The request's physical block ids in logical order (empty when it holds none)."""
         return tuple(block.block_id for block in self._tables.get(request_id, ()))
+
+    def cpu_block_table(self, request_id: str) -> tuple[int, ...]:
+        return tuple(block.block_id for block in self._swapped.get(request_id, ()))
 
     def ref_count(self, block_id: int) -> int:
         """How many block tables hold ``block_id``."""
@@ -100,9 +233,83 @@ class BlockManager:
         """Free block ids, next to be allocated first (O(n): for tests and debugging)."""
         return self._pool.free_queue.block_ids()
 
+    def free_cpu_block_ids(self) -> list[int]:
+        return self._cpu_pool.free_queue.block_ids() if self._cpu_pool else []
+
     def request_ids(self) -> list[str]:
-        """Requests that hold blocks."""
+        """Requests that hold device blocks."""
         return list(self._tables)
 
+    def swapped_request_ids(self) -> list[str]:
+        return list(self._swapped)
 
-__all__ = ["BlockManager", "NoFreeBlocksError", "blocks_for_tokens"]
+
+class PrefixCachingBlockManager(BlockManager):
+    """A block manager with automatic prefix caching (vLLM's APC).
+
+    Full blocks are keyed by a chained hash of their tokens (and ``extra``, e.g. a cache salt);
+    a new request takes references to the cached blocks that hold the start of its prompt and
+    computes only the rest. Freed cached blocks stay findable until evicted, least recently used
+    first. ``hash_fn`` can be replaced (tests use colliding ones).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 hash_fn: Callable[[bytes], bytes] = sha256) -> None:
+        super().__init__(num_blocks, block_size, num_cpu_blocks)
+        self._hash_fn = hash_fn
+        self._hashes: dict[str, list[BlockHash]] = {}  # per request: hashes of its cached blocks
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
+
+    def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:
+        """The longest cached prefix of ``token_ids``, short of the whole: at least one token
+        must be computed to get the next token's logits, so a full hit drops its last block."""
+        hashes = hash_full_blocks(token_ids, self.block_size, extra, self._hash_fn)
+        hits = self._pool.lookup(hashes)
+        if len(hits) * self.block_size >= len(token_ids):
+            hits = hits[:-1]
+        self.num_queried_tokens += len(token_ids)
+        self.num_hit_tokens += len(hits) * self.block_size
+        return CachedPrefix(tuple(hits), len(hits) * self.block_size)
+
+    def allocate_slots(self, request_id: str, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> tuple[int, ...]:
+        new_block_ids = super().allocate_slots(request_id, num_tokens, prefix)
+        if prefix.blocks and request_id not in self._hashes:
+            self._hashes[request_id] = [block.block_hash for block in prefix.blocks]
+        return new_block_ids
+
+    def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
+                          extra: bytes = b"") -> None:
+        """Caches the request's blocks that ``num_tokens`` computed (or scheduled) slots fill."""
+        table = self._tables.get(request_id, [])
+        hashes = self._hashes.setdefault(request_id, [])
+        num_full = min(num_tokens // self.block_size, len(table))
+        if num_full <= len(hashes):
+            return
+        tokens = token_ids()
+        start = hashes[-1] if hashes else None
+        new = hash_full_blocks(tokens[:num_full * self.block_size], self.block_size, extra, self._hash_fn,
+                               start=start, first_block=len(hashes))
+        for index, block_hash in enumerate(new, start=len(hashes)):
+            self._pool.cache(table[index], block_hash, table[index - 1] if index else None)
+        hashes.extend(new)
+
+    def free(self, request_id: str) -> None:
+        self._hashes.pop(request_id, None)
+        super().free(request_id)
+
+    def swap_out(self, request_id: str) -> tuple[tuple[int, int], ...]:
+        self._hashes.pop(request_id, None)  # its device blocks are no longer its own
+        return super().swap_out(request_id)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._pool.num_cached_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        return self._pool.num_evictions
+
+
+__all__ = ["BlockManager", "CachedPrefix", "NO_PREFIX", "NoFreeBlocksError", "PrefixCachingBlockManager",
+           "blocks_for_tokens"]

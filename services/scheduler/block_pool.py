@@ -2,11 +2,15 @@
 
 The free list is a doubly linked list threaded through the blocks themselves (as in vLLM V1's
 block pool), so taking the head, appending at the tail and unlinking a block from the middle are
-all O(1). Freed blocks go to the tail, so the head is always the least recently freed block: the
-order an LRU eviction of cached blocks will need.
+all O(1). Freed blocks go to the tail, so the head is always the least recently freed block.
+
+With prefix caching, a full block keeps its content hash after it is freed: it stays findable
+until it is taken again from the head of the free list (evicted, least recently used first).
 """
 
 from __future__ import annotations
+
+from services.scheduler.block_hash import BlockHash
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -19,15 +23,23 @@ class Block:
     Attributes:
         block_id: index into the worker's KV-cache tensors, ``0 <= block_id < num_blocks``.
         ref_count: how many block tables hold this block (0 when free).
+        block_hash: its content hash once it is full and cached; cleared when it is evicted.
+        parent, parent_generation: the block that held the previous tokens when this one was
+            cached, and that block's generation then (a hit must follow the same chain of blocks).
+        generation: how often this block has been evicted (its content replaced).
         prev_free, next_free: neighbours in the free list; ``None`` when not linked.
     """
 
-    __slots__ = ("block_id", "ref_count", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent", "parent_generation", "generation",
+                 "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.prev_free: Block | None = None
+        self.block_hash: BlockHash | None = None
+        self.parent: Block | None = None
+        self.parent_generation = 0
+        self.generation = 0
         self.next_free: Block | None = None
 
     def __repr__(self) -> str:
@@ -102,10 +114,10 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All physical blocks of one worker, with reference counts and the free list.
+    """All physical blocks of one worker: reference counts, the free list, the prefix cache.
 
     Args:
-        num_blocks: the worker's KV capacity in blocks, ``>= 1``.
+        num_blocks: the worker's capacity in blocks, ``>= 1``.
 
     Raises:
         ValueError: ``num_blocks < 1``.
@@ -116,6 +128,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self._cached: dict[bytes, Block] = {}  # digest -> the block holding that content
+        self.num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -123,10 +137,17 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no table holds (cached ones included: they are evicted when taken)."""
         return len(self.free_queue)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def take(self, count: int) -> list[Block]:
-        """Takes ``count`` free blocks (oldest freed first), each with ``ref_count`` 1.
+        """Takes ``count`` free blocks (least recently freed first), each with ``ref_count`` 1.
+
+        A taken block that was cached is evicted: its hash is forgotten.
 
         Raises:
             NoFreeBlocksError: fewer than ``count`` blocks are free; nothing is taken.
@@ -135,13 +156,23 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {count} blocks, {len(self.free_queue)} free")
         taken = [self.free_queue.popleft() for _ in range(count)]
         for block in taken:
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_count = 1
         return taken
 
-    def release(self, blocks: list[Block]) -> None:
-        """Drops one reference to each block; blocks that reach 0 go to the back of the free list.
+    def touch(self, blocks: list[Block]) -> None:
+        """Takes one more reference to each block (a cache hit, or a fork); free ones leave the free list."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
 
-        Pass a sequence's blocks tail first, so that its last blocks are reused first.
+    def release(self, blocks: list[Block]) -> None:
+        """Drops one reference to each block; blocks that reach 0 go to the back of the free list
+        (and stay cached if they have a hash).
+
+        Pass a sequence's blocks tail first, so that its last blocks are evicted first.
 
         Raises:
             ValueError: a block that is already free.
@@ -152,3 +183,40 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
+
+    def cache(self, block: Block, block_hash: BlockHash, parent: Block | None) -> None:
+        """Records that a held, full ``block`` holds ``block_hash``'s content, computed after ``parent``.
+
+        A block keeps its first hash; content already cached in another block is not cached twice.
+        """
+        if block.block_hash is None and block_hash.digest not in self._cached:
+            block.block_hash = block_hash
+            block.parent = parent
+            block.parent_generation = parent.generation if parent is not None else 0
+            self._cached[block_hash.digest] = block
+
+    def lookup(self, hashes: list[BlockHash]) -> list[Block]:
+        """The cached blocks of the longest prefix of ``hashes``.
+
+        Every hit is checked beyond its hash: same token ids, and cached right after the previous
+        hit (same block, same generation), so a hash collision can shorten a hit but never return
+        a block computed for other tokens.
+        """
+        hits: list[Block] = []
+        for block_hash in hashes:
+            block = self._cached.get(block_hash.digest)
+            parent = hits[-1] if hits else None
+            if (block is None or block.block_hash != block_hash or block.parent is not parent
+                    or (parent is not None and block.parent_generation != parent.generation)):
+                break
+            hits.append(block)
+        return hits
+
+    def _evict(self, block: Block) -> None:
+        assert block.block_hash is not None
+        if self._cached.get(block.block_hash.digest) is block:
+            del self._cached[block.block_hash.digest]
+        block.block_hash = None
+        block.parent = None
+        block.generation += 1
+        self.num_evictions += 1
