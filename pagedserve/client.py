@@ -21,22 +21,42 @@ FINISH_REASON_NAMES = {
 
 
 @dataclass
-class Completion:
-    """What a completion accumulated; printed as JSON by --json."""
-
+class Sample:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    """What a completion accumulated; printed as JSON by --json (sample 0 at the top, every
+    sample under ``choices`` when ``--n`` asked for more than one)."""
+
+    samples: list[Sample] = field(default_factory=lambda: [Sample()])
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
+    def sample(self, index: int) -> Sample:
+        while len(self.samples) <= index:
+            self.samples.append(Sample())
+        return self.samples[index]
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
     def to_json(self) -> str:
-        return json.dumps({
-            "text": self.text,
-            "token_ids": self.token_ids,
-            "finish_reason": self.finish_reason,
+        first = self.samples[0]
+        body = {
+            "text": first.text,
+            "token_ids": first.token_ids,
+            "finish_reason": first.finish_reason,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
-        })
+        }
+        if len(self.samples) > 1:
+            body["choices"] = [{"index": i, "text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason}
+                               for i, s in enumerate(self.samples)]
+        return json.dumps(body)
 
 
 def build_request(args: argparse.Namespace) -> gen.GenerateRequest:
@@ -59,12 +79,14 @@ def stream_completion(target: str, request: gen.GenerateRequest, timeout_s: floa
     completion = Completion()
     with grpc.insecure_channel(target) as channel:
         for response in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout_s):
-            completion.text += response.text
-            completion.token_ids.extend(response.token_ids)
-            if echo and response.text:
+            sample = completion.sample(response.index)
+            sample.text += response.text
+            sample.token_ids.extend(response.token_ids)
+            if echo and response.text and response.index == 0:
                 print(response.text, end="", flush=True)
             if response.finish_reason:
-                completion.finish_reason = FINISH_REASON_NAMES[response.finish_reason]
+                sample.finish_reason = FINISH_REASON_NAMES[response.finish_reason]
+            if response.HasField("usage"):
                 completion.prompt_tokens = response.usage.prompt_tokens
                 completion.completion_tokens = response.usage.completion_tokens
     return completion
@@ -76,13 +98,14 @@ def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -
 
     llm = LLM(model=args.model or None)
     result = llm.generate_from_pb(request)
-    return Completion(
-        text=result.text,
-        token_ids=list(result.token_ids),
-        finish_reason=result.finish_reason.value if result.finish_reason else None,
-        prompt_tokens=len(result.prompt_token_ids),
-        completion_tokens=len(result.token_ids),
-    )
+    if result.error:
+        raise EngineRefusal(result.error)
+    samples = [Sample(s.text, list(s.token_ids), s.finish_reason.value) for s in result.samples]
+    return Completion(samples, len(result.prompt_token_ids), sum(len(s.token_ids) for s in samples))
+
+
+class EngineRefusal(RuntimeError):
+    """The in-process engine refused the request (it cannot fit in the KV cache)."""
 
 
 def run_complete(args: argparse.Namespace) -> int:
@@ -97,11 +120,19 @@ def run_complete(args: argparse.Namespace) -> int:
                 print(completion.text, end="")
         else:
             completion = stream_completion(args.target, request, args.timeout, echo=not args.json)
+    except EngineRefusal as exc:
+        print(f"error: RESOURCE_EXHAUSTED: {exc}", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:
         print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except InvalidRequestError as exc:
         print(f"error: INVALID_ARGUMENT: {exc}", file=sys.stderr)
         return 1
-    print(completion.to_json() if args.json else "")
+    if args.json:
+        print(completion.to_json())
+        return 0
+    for i, sample in enumerate(completion.samples[1:], start=1):
+        print(f"\n--- sample {i} ---\n{sample.text}", end="")
+    print()
     return 0

@@ -17,7 +17,8 @@ from services.common.model_files import resolve_model
 from services.common.pb import generate_pb2 as gen
 from services.common.sampling_params import SamplingParams
 from services.common.units import parse_bytes
-from services.gateway.output_processor import RequestTextState, TextDelta
+from services.gateway.output_processor import TextDelta
+from services.gateway.request_samples import RequestSamples
 from services.gateway.request_parser import ParsedRequest, parse_generate_request
 from services.gateway.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
 from services.scheduler.config import SchedulerConfig, SchedulerStats
@@ -29,30 +30,53 @@ Prompt = str | Sequence[int]
 
 
 @dataclass(frozen=True)
-class CompletionOutput:
-    """A finished request.
+class SampleOutput:
+    """One sample of a finished request.
 
     Attributes:
         text: the generated text (stop string cut unless included).
         token_ids: the generated token ids.
         finish_reason: ``stop``, ``length`` or ``abort``.
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """A finished request: its ``n`` samples (``text``, ``token_ids`` and ``finish_reason`` are sample 0's).
+
+    Attributes:
         error: why the engine refused the request, when it did.
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason
+    samples: tuple[SampleOutput, ...]
     error: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.samples[0].text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.samples[0].token_ids
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        return self.samples[0].finish_reason
 
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """What one ``LLM.step`` produced for one request; ``error`` when the engine refused it."""
+    """What one ``LLM.step`` produced for one sample of a request; ``error`` when the engine refused it."""
 
     request_id: str
     delta: TextDelta
+    sample_index: int = 0
     error: str | None = None
 
 
@@ -67,6 +91,8 @@ class LLM:
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: torch device of the runners.
         attention_backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+        enable_chunked_prefill, enable_prefix_caching, preemption_mode, policy: see SchedulerConfig.
+        swap_space: CPU bytes per worker for swapped-out blocks (``preemption_mode="swap"``).
 
     Raises:
         ValueError: an invalid limit or size.
@@ -85,6 +111,11 @@ class LLM:
         dtype: str = "auto",
         device: str = "cpu",
         attention_backend: str = "auto",
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        preemption_mode: str = "recompute",
+        swap_space: int | str = 0,
+        policy: str = "fcfs",
     ) -> None:
         import torch
 
@@ -94,19 +125,22 @@ class LLM:
         path = resolve_model(str(model) if model else None)
         self.tokenizer = PromptTokenizer.from_folder(path)
         memory = parse_bytes(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
-        config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens)
+        swap = parse_bytes(swap_space) if isinstance(swap_space, str) else swap_space
+        config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+                                 enable_prefix_caching, preemption_mode, policy)
         runners = {
             f"worker-{i}": build_model_runner(
                 path, kv_cache_memory_bytes=memory, block_size=block_size,
                 dtype=getattr(torch, resolve_dtype(dtype, device)), device=device, attention_backend=attention_backend,
+                swap_space_bytes=swap,
             )
             for i in range(num_workers)
         }
         scheduler = Scheduler(config)
         for worker_id, runner in runners.items():
-            scheduler.add_worker(worker_id, runner.num_blocks)
+            scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks)
         self.engine = Engine(scheduler, LocalExecutor(runners))
-        self._states: dict[str, RequestTextState] = {}
+        self._states: dict[str, RequestSamples] = {}
         self._prompts: dict[str, tuple[int, ...]] = {}
         self._ids = itertools.count()
 
@@ -135,7 +169,7 @@ class LLM:
     def add_parsed(self, parsed: ParsedRequest, request_id: str | None = None) -> str:
         """Queues an already validated request; returns its id."""
         request_id = request_id or f"req-{next(self._ids)}"
-        self._states[request_id] = RequestTextState(self.tokenizer, parsed.prompt_token_ids, parsed.params)
+        self._states[request_id] = RequestSamples(self.tokenizer, parsed.prompt_token_ids, parsed.params)
         self._prompts[request_id] = parsed.prompt_token_ids
         self.engine.add_request(EngineRequest(request_id, parsed.prompt_token_ids, parsed.engine_params, time.time()))
         return request_id
@@ -150,7 +184,7 @@ class LLM:
         return self.engine.has_unfinished_requests()
 
     def step(self) -> list[StreamDelta]:
-        """Runs one iteration; returns the text each request gained (and which ones finished)."""
+        """Runs one iteration; returns the text each sample gained (and which ones finished)."""
         deltas = []
         for output in self.engine.step():
             state = self._states.get(output.request_id)
@@ -158,11 +192,12 @@ class LLM:
                 continue
             delta = state.process(output)
             if delta.stop_string_matched:
-                self.engine.abort_request(output.request_id)
-            if delta.finish_reason is not None:
+                self.engine.abort_request(output.request_id, output.sample_index)
+            if state.finished:
                 del self._states[output.request_id]
                 del self._prompts[output.request_id]
-            deltas.append(StreamDelta(output.request_id, delta, output.error.message if output.error else None))
+            error = output.error.message if output.error else None
+            deltas.append(StreamDelta(output.request_id, delta, output.sample_index, error))
         return deltas
 
     def stats(self) -> SchedulerStats:
@@ -201,19 +236,27 @@ class LLM:
         return list(params)
 
     def _run(self, request_ids: list[str]) -> list[CompletionOutput]:
-        texts = {rid: [] for rid in request_ids}
-        tokens = {rid: [] for rid in request_ids}
+        n = {rid: len(self._states[rid].samples) for rid in request_ids}
+        texts = {(rid, i): [] for rid in request_ids for i in range(n[rid])}
+        tokens = {key: [] for key in texts}
+        reasons: dict[tuple[str, int], FinishReason] = {}
+        errors: dict[str, str] = {}
         prompts = {rid: self._prompts[rid] for rid in request_ids}
-        done: dict[str, CompletionOutput] = {}
-        while len(done) < len(request_ids):
+        while len(reasons) < len(texts):
             for item in self.step():
-                rid, delta = item.request_id, item.delta
-                if rid not in texts:
+                key = (item.request_id, item.sample_index)
+                if key not in texts:
                     continue
-                texts[rid].append(delta.text)
-                tokens[rid].extend(delta.token_ids)
-                if delta.finish_reason is not None:
-                    done[rid] = CompletionOutput(
-                        rid, prompts[rid], "".join(texts[rid]), tuple(tokens[rid]), delta.finish_reason, item.error
-                    )
-        return [done[rid] for rid in request_ids]
+                texts[key].append(item.delta.text)
+                tokens[key].extend(item.delta.token_ids)
+                if item.error:
+                    errors[item.request_id] = item.error
+                    reasons.update({(item.request_id, i): FinishReason.ABORT for i in range(n[item.request_id])})
+                elif item.delta.finish_reason is not None:
+                    reasons[key] = item.delta.finish_reason
+        return [
+            CompletionOutput(rid, prompts[rid], tuple(
+                SampleOutput("".join(texts[(rid, i)]), tuple(tokens[(rid, i)]), reasons[(rid, i)]) for i in range(n[rid])
+            ), errors.get(rid))
+            for rid in request_ids
+        ]

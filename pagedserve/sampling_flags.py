@@ -21,6 +21,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
     g.add_argument("--include-stop-str-in-output", action="store_true", help="keep the matched stop string")
     g.add_argument("--keep-special-tokens", action="store_true", help="show special tokens such as <|im_end|>")
+    g.add_argument("--n", type=int, help="samples of the prompt, sharing its KV blocks (default 1)")
 
 
 def sampling_pb_from_args(args: argparse.Namespace) -> gen.SamplingParams:
@@ -32,7 +33,7 @@ def sampling_pb_from_args(args: argparse.Namespace) -> gen.SamplingParams:
         ignore_eos=args.ignore_eos,
         include_stop_str_in_output=args.include_stop_str_in_output,
     )
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n"):
         value = getattr(args, name)
         if value is not None:
             setattr(msg, name, value)

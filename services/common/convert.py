@@ -39,6 +39,7 @@ def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
         stop_token_ids=params.stop_token_ids,
         ignore_eos=params.ignore_eos,
         eos_token_ids=params.eos_token_ids,
+        n=params.n,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -57,6 +58,7 @@ def sampling_from_pb(msg: pb.EngineSamplingParams) -> EngineSamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         eos_token_ids=tuple(msg.eos_token_ids),
+        n=max(1, msg.n),
     )
 
 
@@ -68,6 +70,8 @@ def request_to_pb(request: EngineRequest, gateway_id: str) -> pb.QueuedRequest:
         sampling_params=sampling_to_pb(request.sampling),
         arrival_time=request.arrival_time,
         trace_context=dict(request.trace_context),
+        priority=request.priority,
+        cache_salt=request.cache_salt,
     )
 
 
@@ -78,7 +82,17 @@ def request_from_pb(msg: pb.QueuedRequest) -> EngineRequest:
         sampling=sampling_from_pb(msg.sampling_params),
         arrival_time=msg.arrival_time,
         trace_context=dict(msg.trace_context),
+        priority=msg.priority,
+        cache_salt=msg.cache_salt,
     )
+
+
+def _copies_to_pb(pairs: tuple[tuple[int, int], ...]) -> list[pb.BlockCopy]:
+    return [pb.BlockCopy(source=source, target=target) for source, target in pairs]
+
+
+def _copies_from_pb(copies) -> tuple[tuple[int, int], ...]:
+    return tuple((c.source, c.target) for c in copies)
 
 
 def plan_to_pb(plan: BatchPlan) -> pb.BatchPlan:
@@ -107,6 +121,9 @@ def plan_to_pb(plan: BatchPlan) -> pb.BatchPlan:
             for r in plan.cached_requests
         ],
         finished_request_ids=plan.finished_request_ids,
+        blocks_to_swap_out=_copies_to_pb(plan.blocks_to_swap_out),
+        blocks_to_swap_in=_copies_to_pb(plan.blocks_to_swap_in),
+        blocks_to_copy=_copies_to_pb(plan.blocks_to_copy),
     )
 
 
@@ -131,20 +148,24 @@ def plan_from_pb(msg: pb.BatchPlan) -> BatchPlan:
             for r in msg.cached_requests
         ),
         finished_request_ids=tuple(msg.finished_request_ids),
+        blocks_to_swap_out=_copies_from_pb(msg.blocks_to_swap_out),
+        blocks_to_swap_in=_copies_from_pb(msg.blocks_to_swap_in),
+        blocks_to_copy=_copies_from_pb(msg.blocks_to_copy),
     )
 
 
 def step_result_to_pb(result: StepResult) -> pb.StepResult:
     return pb.StepResult(
         step_id=result.step_id,
-        sampled=[pb.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob) for s in result.sampled],
+        sampled=[pb.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob,
+                                 sample_index=s.sample_index) for s in result.sampled],
     )
 
 
 def step_result_from_pb(msg: pb.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id,
-        sampled=tuple(SampledToken(s.request_id, s.token_id, s.logprob) for s in msg.sampled),
+        sampled=tuple(SampledToken(s.request_id, s.token_id, s.logprob, s.sample_index) for s in msg.sampled),
     )
 
 
@@ -153,6 +174,7 @@ def output_to_pb(output: RequestOutput) -> pb.TokenEvent:
         request_id=output.request_id,
         first_output_index=output.first_output_index,
         token_ids=output.new_token_ids,
+        sample_index=output.sample_index,
     )
     if output.finish_reason is not None:
         event.finish_reason = _FINISH_TO_PB[output.finish_reason]
@@ -169,6 +191,7 @@ def output_from_pb(event: pb.TokenEvent) -> RequestOutput:
         new_token_ids=tuple(event.token_ids),
         finish_reason=_FINISH_FROM_PB.get(event.finish_reason),
         error=RequestError(event.error.grpc_code, event.error.message) if event.HasField("error") else None,
+        sample_index=event.sample_index,
     )
 
 
@@ -180,10 +203,15 @@ def stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:
         num_steps=stats.num_steps,
         workers=[
             pb.WorkerStats(
-                worker_id=w.worker_id, num_blocks=w.num_blocks, num_free_blocks=w.num_free_blocks, num_running=w.num_running
+                worker_id=w.worker_id, num_blocks=w.num_blocks, num_free_blocks=w.num_free_blocks,
+                num_running=w.num_running, num_swapped=w.num_swapped, num_cached_blocks=w.num_cached_blocks,
             )
             for w in stats.workers
         ],
+        num_swapped=stats.num_swapped,
+        num_swap_preemptions=stats.num_swap_preemptions,
+        prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits,
     )
 
 
@@ -193,5 +221,10 @@ def stats_from_pb(msg: pb.SchedulerStats) -> SchedulerStats:
         num_running=msg.num_running,
         num_preemptions=msg.num_preemptions,
         num_steps=msg.num_steps,
-        workers=tuple(WorkerStats(w.worker_id, w.num_blocks, w.num_free_blocks, w.num_running) for w in msg.workers),
+        workers=tuple(WorkerStats(w.worker_id, w.num_blocks, w.num_free_blocks, w.num_running, w.num_swapped,
+                                  w.num_cached_blocks) for w in msg.workers),
+        num_swapped=msg.num_swapped,
+        num_swap_preemptions=msg.num_swap_preemptions,
+        prefix_cache_queries=msg.prefix_cache_queries,
+        prefix_cache_hits=msg.prefix_cache_hits,
     )

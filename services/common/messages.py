@@ -34,6 +34,8 @@ class EngineRequest:
         sampling: token-level sampling parameters.
         arrival_time: unix time in seconds when the front end accepted it (orders FCFS).
         trace_context: W3C trace context carriers (``traceparent``) for the request's trace.
+        priority: lower runs first under the priority policy (ignored by FCFS).
+        cache_salt: mixed into prefix-cache hashes: only requests with the same salt share blocks.
     """
 
     request_id: str
@@ -41,6 +43,8 @@ class EngineRequest:
     sampling: EngineSamplingParams
     arrival_time: float
     trace_context: Mapping[str, str] = field(default_factory=dict)
+    priority: int = 0
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -90,13 +94,19 @@ class BatchPlan:
         new_requests: requests sent in full.
         cached_requests: deltas for requests the worker holds.
         finished_request_ids: requests whose worker state must be dropped (finished, aborted,
-            preempted) before this iteration runs.
+            preempted, swapped out) before this iteration runs.
+        blocks_to_swap_out: ``(device block, cpu block)`` copies to make first.
+        blocks_to_swap_in: ``(cpu block, device block)`` copies to make next.
+        blocks_to_copy: ``(source block, destination block)`` device copies (copy-on-write), last.
     """
 
     step_id: int
     new_requests: tuple[NewRequestData, ...] = ()
     cached_requests: tuple[CachedRequestData, ...] = ()
     finished_request_ids: tuple[str, ...] = ()
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -106,7 +116,8 @@ class BatchPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new_requests or self.cached_requests or self.finished_request_ids)
+        return not (self.new_requests or self.cached_requests or self.finished_request_ids
+                    or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
 @dataclass(frozen=True)
@@ -116,11 +127,14 @@ class SampledToken:
     Attributes:
         logprob: natural log of its probability under the distribution it was drawn from
             (after temperature, top-k, top-p and min-p; 0.0 for greedy).
+        sample_index: which of the request's ``n`` samples (a request with ``n > 1`` gets ``n``
+            tokens from its prompt's logits, one per sample; otherwise 0).
     """
 
     request_id: str
     token_id: int
     logprob: float
+    sample_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,8 +160,9 @@ class RequestOutput:
     Attributes:
         first_output_index: position in the output of ``new_token_ids[0]`` (0 for the first token).
         new_token_ids: tokens generated in this iteration (zero or one today).
-        finish_reason: set once, on the request's last output.
+        finish_reason: set once per sample, on its last output.
         error: set when the request was aborted because it cannot be served.
+        sample_index: which of the request's ``n`` samples the tokens belong to.
     """
 
     request_id: str
@@ -155,6 +170,7 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     error: RequestError | None = None
+    sample_index: int = 0
 
     @property
     def finished(self) -> bool:

@@ -5,10 +5,13 @@ Field names and defaults follow vLLM's ``SamplingParams`` and the OpenAI API.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 
 _PREFIX = "sampling_params."  # field names as the client API spells them
+MAX_N = 64  # most samples per request
 
 
 class InvalidRequestError(ValueError):
@@ -44,6 +47,7 @@ class EngineSamplingParams:
         stop_token_ids: ids that finish the request (reason ``stop``) once sampled.
         ignore_eos: do not stop at ``eos_token_ids``.
         eos_token_ids: the model's EOS ids, from its generation config.
+        n: samples to draw for the prompt; they share the prompt's KV blocks.
     """
 
     max_tokens: int
@@ -56,6 +60,7 @@ class EngineSamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    n: int = 1
 
     @property
     def is_greedy(self) -> bool:
@@ -90,6 +95,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
 
     def __post_init__(self) -> None:
         p = _PREFIX
@@ -111,6 +117,8 @@ class SamplingParams:
             )
         if any(not s for s in self.stop):
             raise InvalidRequestError(p + "stop", "stop strings must not be empty")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(p + "n", f"must be in [1, {MAX_N}], got {self.n}")
 
     def to_engine(
         self,
@@ -152,4 +160,23 @@ class SamplingParams:
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             eos_token_ids=tuple(eos_token_ids),
+            n=self.n,
         )
+
+
+def child_sampling(parent: EngineSamplingParams, sample_index: int) -> EngineSamplingParams:
+    """Sample ``i``'s parameters: ``n = 1`` and, for a seeded request, a seed of its own.
+
+    The worker draws sample i's first token with the same derived seed, so each sample is one
+    reproducible stream whatever else runs.
+    """
+    seed = parent.seed if parent.seed is None else derive_seed(parent.seed, sample_index)
+    return dataclasses.replace(parent, n=1, seed=seed)
+
+
+def derive_seed(seed: int, sample_index: int) -> int:
+    """Sample 0 keeps the request's seed; sample i > 0 gets a 63-bit hash of (seed, i)."""
+    if sample_index == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{sample_index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

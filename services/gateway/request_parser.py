@@ -29,6 +29,7 @@ def sampling_params_from_pb(msg: gen.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
+        n=msg.n if msg.HasField("n") else 1,
     )
 
 
@@ -40,11 +41,14 @@ class ParsedRequest:
         prompt_token_ids: the prompt as token ids.
         params: the client's sampling parameters (stop strings, detokenization options).
         engine_params: the token-level parameters for the engine, ``max_tokens`` resolved.
+        priority, cache_salt: scheduling priority and prefix-cache salt.
     """
 
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     engine_params: EngineSamplingParams
+    priority: int = 0
+    cache_salt: str = ""
 
 
 def prompt_token_ids_from_pb(request: gen.GenerateRequest, tokenizer: PromptTokenizer) -> tuple[list[int], str]:
@@ -75,4 +79,4 @@ def parse_generate_request(request: gen.GenerateRequest, tokenizer: PromptTokeni
     info = tokenizer.info
     check_prompt_length(len(ids), info.max_model_len, field_name)
     engine_params = params.to_engine(len(ids), info.max_model_len, info.vocab_size, info.eos_token_ids)
-    return ParsedRequest(tuple(ids), params, engine_params)
+    return ParsedRequest(tuple(ids), params, engine_params, request.priority, request.cache_salt)

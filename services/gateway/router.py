@@ -50,10 +50,13 @@ class OutputRouter:
     def num_in_flight(self) -> int:
         return len(self._queues)
 
-    async def abort(self, request_id: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
-        """Asks the scheduler to stop a request and free its blocks (errors are logged)."""
+    async def abort(self, request_id: str, sample_index: int | None = None) -> None:
+        """Asks the scheduler to stop a request (or one sample) and free its blocks (errors are logged)."""
+        message = pb.AbortRequest(request_id=request_id)
+        if sample_index is not None:
+            message.sample_index = sample_index
         try:
-            await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=30, metadata=metadata)
+            await self._stub.Abort(message, timeout=30)
         except grpc.RpcError as exc:
             log.warning("abort of %s failed: %s", request_id, exc)
 

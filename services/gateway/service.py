@@ -16,9 +16,10 @@ from services.common.messages import EngineRequest, FinishReason, RequestOutput
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
 from services.common.sampling_params import InvalidRequestError
-from services.gateway.output_processor import RequestTextState, TextDelta
+from services.gateway.output_processor import TextDelta
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.request_parser import ParsedRequest, parse_generate_request
+from services.gateway.request_samples import RequestSamples
 from services.gateway.router import OutputRouter
 from services.gateway.tokenizer import PromptTokenizer
 
@@ -76,10 +77,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             outputs = self._router.register(request_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}")
-        state = RequestTextState(self._tokenizer, parsed.prompt_token_ids, parsed.params)
+        state = RequestSamples(self._tokenizer, parsed.prompt_token_ids, parsed.params)
         try:
             engine_request = EngineRequest(request_id, parsed.prompt_token_ids, parsed.engine_params, time.time(),
-                                           telemetry.inject())
+                                           telemetry.inject(), parsed.priority, parsed.cache_salt)
             try:
                 await self._producer.enqueue(engine_request)
             except redis.RedisError as exc:
@@ -91,9 +92,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                         output.error.message)
                 delta = state.process(output)
                 if delta.stop_string_matched:
-                    self._abort_in_background(request_id)
+                    self._abort_in_background(request_id, output.sample_index)
                 if delta.text or delta.token_ids or delta.finish_reason:
-                    yield self._response(request_id, delta, state)
+                    yield self._response(request_id, output.sample_index, delta, state)
         finally:
             self._router.unregister(request_id)
             if not state.finished:  # the client went away or the call failed
@@ -109,16 +110,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "lost the connection to the scheduler")
 
     @staticmethod
-    def _response(request_id: str, delta: TextDelta, state: RequestTextState) -> gen.GenerateResponse:
-        response = gen.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
+    def _response(request_id: str, sample_index: int, delta: TextDelta, state: RequestSamples) -> gen.GenerateResponse:
+        response = gen.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
+                                        index=sample_index)
         if delta.finish_reason is not None:
             response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
+        if state.finished:
             response.usage.prompt_tokens = state.num_prompt_tokens
-            response.usage.completion_tokens = delta.num_output_tokens
+            response.usage.completion_tokens = state.num_output_tokens
         return response
 
-    def _abort_in_background(self, request_id: str) -> None:
+    def _abort_in_background(self, request_id: str, sample_index: int | None = None) -> None:
         """Aborts in the scheduler without waiting (safe while the call is being cancelled)."""
-        task = asyncio.get_running_loop().create_task(self._router.abort(request_id))
+        task = asyncio.get_running_loop().create_task(self._router.abort(request_id, sample_index))
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -126,15 +126,16 @@ class BlockManager:
         """Makes the request's full blocks among its first ``num_tokens`` slots findable (no-op here)."""
 
     # ---- sharing -------------------------------------------------------------------------
-    def fork(self, parent_id: str, child_id: str) -> None:
-        """Gives ``child_id`` the parent's blocks by reference (parallel sampling).
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """Gives ``child_id`` the parent's blocks holding its first ``num_tokens`` slots, by reference
+        (parallel sampling).
 
         Raises:
             ValueError: the child already holds blocks.
         """
         if child_id in self._tables:
             raise ValueError(f"request {child_id!r} already holds blocks")
-        blocks = list(self._tables.get(parent_id, ()))
+        blocks = list(self._tables.get(parent_id, ()))[:blocks_for_tokens(num_tokens, self.block_size)]
         self._pool.touch(blocks)
         self._tables[child_id] = blocks
 

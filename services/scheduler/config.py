@@ -15,27 +15,36 @@ class SchedulerConfig:
     Attributes:
         block_size: token slots per KV-cache block; every worker must use the same.
         max_num_seqs: most sequences running on one worker at once.
-        max_num_batched_tokens: most tokens (prefill chunks + decodes) one worker computes in one
-            iteration. Prompts longer than this are prefilled in chunks over several iterations.
+        max_num_batched_tokens: most tokens (decodes + prefill chunks) one worker computes in one
+            iteration. Decodes are served first; prefill chunks fill the rest.
+        enable_chunked_prefill: prefill prompts longer than what is left of the budget over several
+            iterations; without it a prompt is prefilled whole or waits (and one longer than the
+            budget is refused).
+        enable_prefix_caching: share cached full blocks between requests with the same prefix.
+        preemption_mode: ``recompute`` (free the blocks, prefill again later) or ``swap`` (copy
+            them to the worker's CPU blocks and back; recompute when CPU blocks run out).
+        policy: ``fcfs`` or ``priority`` (see services/scheduler/policy.py).
 
     Raises:
-        ValueError: a non-positive limit, or a token budget smaller than ``max_num_seqs`` (every
-            running sequence must be able to decode in the same iteration).
+        ValueError: a non-positive limit, an unknown mode or policy.
     """
 
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
-                f"max_num_seqs ({self.max_num_seqs})"
-            )
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,8 @@ class WorkerStats:
     num_blocks: int
     num_free_blocks: int
     num_running: int
+    num_swapped: int = 0
+    num_cached_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +68,10 @@ class SchedulerStats:
     num_preemptions: int
     num_steps: int
     workers: tuple[WorkerStats, ...]
+    num_swapped: int = 0
+    num_swap_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # of which found cached
 
 
 @dataclass(frozen=True)
@@ -120,13 +135,28 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs,
                         help="most sequences running on one worker at once (default %(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens,
-                        help="token budget of one iteration on one worker; longer prompts are prefilled "
-                        "in chunks (default %(default)s)")
+                        help="token budget of one iteration on one worker: decodes first, then prefill "
+                        "chunks (default %(default)s)")
+    parser.add_argument("--no-chunked-prefill", action="store_true",
+                        help="prefill each prompt whole in one iteration (prompts longer than the budget are refused)")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="do not share cached prompt blocks between requests")
+    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=defaults.preemption_mode,
+                        help="how to take blocks back when they run out (default %(default)s); swap needs "
+                        "workers with --swap-space")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=defaults.policy,
+                        help="fcfs, or priority (lower request priority runs first) (default %(default)s)")
 
 
 def policy_from_args(args: argparse.Namespace) -> SchedulerConfig:
     return SchedulerConfig(
-        block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        enable_prefix_caching=not args.no_prefix_caching,
+        preemption_mode=args.preemption_mode,
+        policy=args.scheduling_policy,
     )
 
 

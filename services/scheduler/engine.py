@@ -61,9 +61,9 @@ class Engine:
         """Queues a request (see ``Scheduler.add_request``)."""
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stops a request and frees its blocks; False if it was not in flight."""
-        return self.scheduler.abort_request(request_id)
+    def abort_request(self, request_id: str, sample_index: int | None = None) -> bool:
+        """Stops a request (or one of its samples) and frees its blocks; False if it was not in flight."""
+        return self.scheduler.abort_request(request_id, sample_index)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

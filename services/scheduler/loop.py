@@ -37,7 +37,10 @@ class NewEntries:
 
 @dataclass(frozen=True)
 class Abort:
+    """Abort a request, or only one of its samples when ``sample_index`` is set."""
+
     request_id: str
+    sample_index: int | None
     done: Future
 
 
@@ -135,7 +138,7 @@ class SchedulerLoop:
             for entry in command.entries:
                 self._add(entry)
         elif isinstance(command, Abort):
-            command.done.set_result(self._abort(command.request_id))
+            command.done.set_result(self._abort(command.request_id, command.sample_index))
         elif isinstance(command, GatewayGone):
             self._gateways_gone[command.gateway_id] = time.monotonic()
         else:
@@ -163,8 +166,10 @@ class SchedulerLoop:
         self._routes[request.request_id] = _Route(entry.request.gateway_id, entry.entry_id, span)
         self.engine.add_request(request)
 
-    def _abort(self, request_id: str) -> bool:
-        found = self.engine.abort_request(request_id)
+    def _abort(self, request_id: str, sample_index: int | None = None) -> bool:
+        found = self.engine.abort_request(request_id, sample_index)
+        if sample_index is not None and self.engine.scheduler.has_request(request_id):
+            return found  # other samples go on
         route = self._routes.pop(request_id, None)
         if route is not None:
             route.span.add_event("aborted")
@@ -181,8 +186,8 @@ class SchedulerLoop:
             batches.setdefault(route.gateway_id, []).append(output_to_pb(output))
             if output.first_output_index == 0 and output.new_token_ids:
                 route.span.add_event("first_token")
-            if output.finished:
-                del self._routes[output.request_id]
+            if output.finished and not self.engine.scheduler.has_request(output.request_id):
+                del self._routes[output.request_id]  # its last sample finished
                 route.span.set_attribute("finish_reason", output.finish_reason.value)
                 self._close(route)
         for gateway_id, events in batches.items():
@@ -223,8 +228,9 @@ class SchedulerLoop:
                           scheduler.config.block_size)
                 self._dead_workers.add(worker_id)
                 continue
-            log.info("worker %s at %s joined with %d blocks", worker_id, reg.address, reg.num_blocks)
+            log.info("worker %s at %s joined with %d blocks (%d CPU blocks)", worker_id, reg.address,
+                     reg.num_blocks, reg.num_cpu_blocks)
             self._executor.add_worker(worker_id, reg.address)
-            scheduler.add_worker(worker_id, reg.num_blocks)
+            scheduler.add_worker(worker_id, reg.num_blocks, reg.num_cpu_blocks)
             self._added_workers.add(worker_id)
         self.stats = scheduler.stats()

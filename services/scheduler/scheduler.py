@@ -1,18 +1,18 @@
 """Iteration-level scheduling (Orca, Yu et al., OSDI 2022, §3) over paged KV blocks (vLLM).
 
-Each iteration, per worker: running sequences get their next tokens first (one decode token, or
-the next prefill chunk), preempting the newest running sequence when blocks run out; then waiting
-sequences are admitted first-come first-served onto the worker with the most free blocks, under
-``max_num_seqs`` and the ``max_num_batched_tokens`` budget. Preemption is by recompute: the victim
-frees its blocks and returns to the front of the waiting queue to be prefilled again (prompt and
-the tokens it had generated).
+Each iteration, per worker: running sequences that decode get their token first, then running
+sequences in the middle of a chunked prefill get the next chunk; when blocks run out, the last
+running sequence in the policy's order is preempted (by recompute, or by swapping its blocks to
+CPU memory). Then swapped-out sequences come back, and waiting sequences are admitted in the
+policy's order onto the worker with the most free blocks, taking cached prefix blocks first,
+under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from services.common.messages import (
     BatchPlan,
@@ -24,35 +24,14 @@ from services.common.messages import (
     RequestOutput,
     StepResult,
 )
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.block_manager import NO_PREFIX, CachedPrefix, blocks_for_tokens
 from services.scheduler.config import SchedulerConfig, SchedulerStats, WorkerStats
+from services.scheduler.parallel_sampling import Forks
+from services.scheduler.policy import POLICIES
 from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.worker_state import PlanDraft, WorkerState
 
 GRPC_RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class WorkerState:
-    """The scheduler's view of one worker: its block manager and the sequences running on it.
-
-    ``running`` keeps admission order, so its last entry is the newest: the preemption victim.
-    ``dropped_ids`` are requests whose worker-side state must be dropped with the next plan.
-    """
-
-    def __init__(self, worker_id: str, num_blocks: int, block_size: int) -> None:
-        self.worker_id = worker_id
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.running: OrderedDict[str, Sequence] = OrderedDict()
-        self.dropped_ids: list[str] = []
-
-
-@dataclass
-class _PlanDraft:
-    """One worker's plan while the iteration is being scheduled."""
-
-    token_budget: int
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
-    preempted: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,59 +50,78 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self._policy = POLICIES[config.policy]
         self._workers: dict[str, WorkerState] = {}
         self._sequences: dict[str, Sequence] = {}
-        self._waiting: OrderedDict[str, Sequence] = OrderedDict()
+        self._waiting = self._policy.make_queue()
+        self._forks = Forks()
         self._outputs: list[RequestOutput] = []  # produced outside update_from_output
         self._step_id = 0
         self._num_preemptions = 0
+        self._num_swap_preemptions = 0
 
     # ---- workers -------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, num_blocks: int) -> None:
-        """Registers a worker with ``num_blocks`` KV blocks. Raises ValueError if already known."""
+    def add_worker(self, worker_id: str, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Registers a worker with ``num_blocks`` KV blocks (and CPU blocks for swapping).
+
+        Raises:
+            ValueError: the id is already registered.
+        """
         if worker_id in self._workers:
             raise ValueError(f"worker {worker_id!r} is already registered")
-        self._workers[worker_id] = WorkerState(worker_id, num_blocks, self.config.block_size)
+        self._workers[worker_id] = WorkerState(worker_id, num_blocks, num_cpu_blocks, self.config)
 
     def remove_worker(self, worker_id: str) -> None:
         """Forgets a worker (gone or failed); its sequences go back to the front of the queue."""
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             return
-        for seq in reversed(worker.running.values()):
-            self._requeue_front(seq)
+        for seq in reversed([*worker.running.values(), *worker.swapped.values()]):
+            self._requeue(seq)
 
     @property
     def worker_ids(self) -> list[str]:
         return list(self._workers)
 
-    def requests_on(self, worker_id: str) -> Iterable[str]:
+    def block_manager(self, worker_id: str):
+        return self._workers[worker_id].blocks
+
+    def requests_on(self, worker_id: str) -> list[str]:
         """Ids of the sequences running on a worker."""
         return list(self._workers[worker_id].running)
 
-    def block_manager(self, worker_id: str) -> BlockManager:
-        return self._workers[worker_id].blocks
-
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
-        """Queues a request at the back of the waiting queue.
+        """Queues a request.
 
         Raises:
             ValueError: a request with this id is already in flight.
         """
-        if request.request_id in self._sequences:
+        if request.request_id in self._sequences or self._forks.knows(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already in flight")
         seq = Sequence(request)
         self._sequences[request.request_id] = seq
-        self._waiting[request.request_id] = seq
+        self._waiting.push(seq)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Finishes a request now and frees its blocks. Returns False if it was not in flight."""
-        seq = self._sequences.get(request_id)
-        if seq is None:
-            return False
-        self._finish(seq, FinishReason.ABORT)
-        return True
+    def abort_request(self, request_id: str, sample_index: int | None = None) -> bool:
+        """Finishes a request now (all its samples, or only ``sample_index``) and frees its blocks.
+
+        Returns False if nothing of it was in flight.
+        """
+        if sample_index is None:
+            ids = self._forks.sequence_ids(request_id) or [request_id]
+        else:
+            ids = [request_id if sample_index == 0 else f"{request_id}#{sample_index}"]
+        found = [self._sequences[i] for i in ids if i in self._sequences]
+        for seq in found:
+            self._finish(seq, FinishReason.ABORT)
+        if sample_index is None:
+            self._forks.forget(request_id)
+        return bool(found)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether any sample of the client's request ``request_id`` is still in flight."""
+        return request_id in self._sequences or self._forks.knows(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or outputs not yet returned by ``update_from_output``."""
@@ -141,20 +139,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decides who runs in this iteration, with which blocks; one plan per busy worker."""
         self._step_id += 1
-        drafts = {wid: _PlanDraft(self.config.max_num_batched_tokens) for wid in self._workers}
+        drafts = {wid: PlanDraft(self.config.max_num_batched_tokens) for wid in self._workers}
         for worker in self._workers.values():
             self._schedule_running(worker, drafts[worker.worker_id])
+            self._schedule_swapped(worker, drafts[worker.worker_id])
         self._schedule_waiting(drafts)
         plans = {}
         for worker in self._workers.values():
-            draft = drafts[worker.worker_id]
-            plan = BatchPlan(
-                step_id=self._step_id,
-                new_requests=tuple(draft.new_requests),
-                cached_requests=tuple(draft.cached_requests),
-                finished_request_ids=tuple(worker.dropped_ids),
-            )
-            worker.dropped_ids.clear()
+            plan = worker.take_plan(self._step_id, drafts[worker.worker_id])
             if not plan.is_empty:
                 plans[worker.worker_id] = plan
         return SchedulerOutput(self._step_id, plans)
@@ -163,151 +155,199 @@ class Scheduler:
         """Applies sampled tokens; finished sequences free their blocks now.
 
         Returns:
-            One output per request that got a token or finished, plus earlier rejections.
+            One output per sample that got a token or finished, plus earlier rejections.
         """
         outputs, self._outputs = self._outputs, []
         for result in results.values():
-            for sampled in result.sampled:
+            # samples 1..n-1 first: they fork from sample 0, which may finish on its own token
+            for sampled in sorted(result.sampled, key=lambda s: s.sample_index == 0):
                 seq = self._sequences.get(sampled.request_id)
                 if seq is None or seq.status is not SequenceStatus.RUNNING:
                     continue  # aborted while the step ran
-                index = seq.num_output_tokens
-                reason = seq.append_token(sampled.token_id)
-                if reason is not None:
-                    self._finish(seq, reason)
-                outputs.append(RequestOutput(seq.request_id, index, (sampled.token_id,), reason))
+                if sampled.sample_index > 0:
+                    seq = self._forks.add_child(seq, sampled.sample_index, self._sequences, self._waiting)
+                outputs.append(self._append(seq, sampled.token_id))
         return outputs
 
     def stats(self) -> SchedulerStats:
-        workers = tuple(
-            WorkerStats(w.worker_id, w.blocks.num_blocks, w.blocks.num_free_blocks, len(w.running))
-            for w in self._workers.values()
-        )
+        workers = tuple(w.stats() for w in self._workers.values())
+        queries = sum(getattr(w.blocks, "num_queried_tokens", 0) for w in self._workers.values())
+        hits = sum(getattr(w.blocks, "num_hit_tokens", 0) for w in self._workers.values())
         return SchedulerStats(
             num_waiting=len(self._waiting),
             num_running=sum(w.num_running for w in workers),
             num_preemptions=self._num_preemptions,
             num_steps=self._step_id,
             workers=workers,
+            num_swapped=sum(w.num_swapped for w in workers),
+            num_swap_preemptions=self._num_swap_preemptions,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
         )
 
     # ---- policy pieces -------------------------------------------------------------------
-    def _schedule_running(self, worker: WorkerState, draft: _PlanDraft) -> None:
-        """Gives each running sequence its next tokens, oldest first, preempting when needed."""
-        blocks = worker.blocks
-        for seq in list(worker.running.values()):
-            if seq.worker_id != worker.worker_id or draft.token_budget == 0:
-                continue  # preempted earlier in this loop, or no budget left this iteration
-            num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
-            num_blocks = blocks.num_new_blocks(seq.request_id, seq.num_computed_tokens + num_new)
-            if num_blocks and not self._make_room(worker, seq, num_blocks, draft):
+    def _schedule_running(self, worker: WorkerState, draft: PlanDraft) -> None:
+        """Decodes first, then prefill chunks, each in the policy's order; preempts from the back."""
+        ordered = self._policy.running_order(worker.running)
+        queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] +
+                      [s for s in ordered if s.num_uncomputed_tokens > 1])
+        while queue and draft.token_budget > 0:
+            seq = queue.popleft()
+            num_new = self._num_new_tokens(seq, draft)
+            if num_new == 0:
                 continue
-            new_block_ids = blocks.allocate_blocks(seq.request_id, num_blocks) if num_blocks else ()
+            total = seq.num_computed_tokens + num_new
+            while worker.blocks.num_new_blocks(seq.request_id, total) > worker.blocks.num_free_blocks:
+                victim = queue.pop() if queue else seq
+                self._preempt(worker, victim, draft)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            new_block_ids = worker.blocks.allocate_slots(seq.request_id, total)
             draft.cached_requests.append(
-                CachedRequestData(seq.request_id, new_block_ids, seq.num_computed_tokens, num_new)
-            )
-            self._advance(seq, num_new, draft)
+                CachedRequestData(seq.request_id, new_block_ids, seq.num_computed_tokens, num_new))
+            self._advance(worker, seq, num_new, draft)
 
-    def _make_room(self, worker: WorkerState, seq: Sequence, num_blocks: int, draft: _PlanDraft) -> bool:
-        """Preempts the newest running sequences until ``num_blocks`` blocks are free for ``seq``.
+    def _schedule_swapped(self, worker: WorkerState, draft: PlanDraft) -> None:
+        """Brings swapped-out sequences back (oldest first) while blocks, budget and room allow."""
+        blocks = worker.blocks
+        for seq in list(worker.swapped.values()):
+            if draft.preempted or draft.token_budget == 0 or len(worker.running) >= self.config.max_num_seqs:
+                return
+            num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
+            total = seq.num_computed_tokens + num_new
+            needed = max(len(blocks.cpu_block_table(seq.request_id)), blocks_for_tokens(total, blocks.block_size))
+            if needed > blocks.num_free_blocks:
+                return
+            draft.swap_in.extend(blocks.swap_in(seq.request_id))
+            blocks.allocate_slots(seq.request_id, total)
+            del worker.swapped[seq.request_id]
+            self._start_on(worker, seq, draft, num_new)
 
-        Returns False when ``seq`` itself had to be preempted.
-        """
-        while worker.blocks.num_free_blocks < num_blocks:
-            victim = next(reversed(worker.running.values()))
-            self._preempt(victim)
-            draft.preempted = True  # no admissions on this worker in this iteration
-            if victim is seq:
-                return False
-        return True
-
-    def _schedule_waiting(self, drafts: dict[str, _PlanDraft]) -> None:
-        """Admits waiting sequences in arrival order until one does not fit."""
-        while self._waiting:
-            seq = next(iter(self._waiting.values()))
+    def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
+        """Admits waiting sequences in the policy's order until one does not fit."""
+        while len(self._waiting):
+            seq = self._waiting.peek()
             if not self._fits_any_worker(seq):
                 continue  # rejected and removed from the queue
             worker = self._pick_worker(drafts)
             if worker is None:
                 return
             draft = drafts[worker.worker_id]
-            num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
-            if not worker.blocks.can_allocate(seq.request_id, num_new):
+            if self._forks.try_fork(seq, worker, draft, self._sequences):
+                self._waiting.remove(seq.request_id)
+                self._start_on(worker, seq, draft, num_new=1)
+                continue
+            prefix = self._cached_prefix(worker, seq)
+            num_new = self._num_new_tokens(seq, draft, prefix.num_tokens)
+            total = prefix.num_tokens + num_new
+            if num_new == 0 or not worker.blocks.can_allocate(seq.request_id, total, prefix):
                 return
-            worker.blocks.allocate_slots(seq.request_id, num_new)
-            del self._waiting[seq.request_id]
-            seq.status, seq.worker_id = SequenceStatus.RUNNING, worker.worker_id
-            worker.running[seq.request_id] = seq
-            draft.new_requests.append(
-                NewRequestData(
-                    request_id=seq.request_id,
-                    token_ids=seq.all_token_ids(),
-                    num_prompt_tokens=seq.num_prompt_tokens,
-                    block_ids=worker.blocks.block_table(seq.request_id),
-                    num_computed_tokens=seq.num_computed_tokens,
-                    num_scheduled_tokens=num_new,
-                    sampling=seq.request.sampling,
-                    trace_context=seq.request.trace_context,
-                )
-            )
-            self._advance(seq, num_new, draft)
+            worker.blocks.allocate_slots(seq.request_id, total, prefix)
+            self._waiting.remove(seq.request_id)
+            seq.num_computed_tokens = prefix.num_tokens
+            self._start_on(worker, seq, draft, num_new)
 
-    def _pick_worker(self, drafts: dict[str, _PlanDraft]) -> WorkerState | None:
+    def _cached_prefix(self, worker: WorkerState, seq: Sequence) -> CachedPrefix:
+        if not self.config.enable_prefix_caching:
+            return NO_PREFIX
+        return worker.blocks.find_cached_prefix(seq.all_token_ids(), seq.request.cache_salt.encode())
+
+    def _num_new_tokens(self, seq: Sequence, draft: PlanDraft, num_computed: int | None = None) -> int:
+        """Tokens to compute now: all that remain, or a chunk; 0 when an unchunked prefill must wait."""
+        remaining = seq.num_tokens - (seq.num_computed_tokens if num_computed is None else num_computed)
+        if remaining > draft.token_budget and not self.config.enable_chunked_prefill:
+            return 0
+        return min(remaining, draft.token_budget)
+
+    def _pick_worker(self, drafts: dict[str, PlanDraft]) -> WorkerState | None:
         """The worker with the most free blocks among those that can take another sequence now."""
         eligible = [
-            w
-            for w in self._workers.values()
-            if not drafts[w.worker_id].preempted
-            and drafts[w.worker_id].token_budget > 0
+            w for w in self._workers.values()
+            if not drafts[w.worker_id].preempted and drafts[w.worker_id].token_budget > 0
             and len(w.running) < self.config.max_num_seqs
         ]
         return max(eligible, key=lambda w: w.blocks.num_free_blocks, default=None)
 
     def _fits_any_worker(self, seq: Sequence) -> bool:
-        """Rejects (finishes with an error) a sequence no worker could ever hold; True if it fits."""
+        """Rejects (finishes with an error) a sequence no worker could ever run; True if it fits."""
         if not self._workers:
             return True  # wait for workers to register
         capacity = max(w.blocks.num_blocks for w in self._workers.values()) * self.config.block_size
-        if seq.max_slots <= capacity:
+        if seq.max_slots > capacity:
+            reason = (f"the request needs {seq.max_slots} KV slots (prompt + max_tokens), more than the "
+                      f"largest worker's {capacity}")
+        elif not self.config.enable_chunked_prefill and seq.num_tokens > self.config.max_num_batched_tokens:
+            reason = (f"the prompt has {seq.num_tokens} tokens, more than max_num_batched_tokens "
+                      f"({self.config.max_num_batched_tokens}) and chunked prefill is off")
+        else:
             return True
-        error = RequestError(
-            GRPC_RESOURCE_EXHAUSTED,
-            f"the request needs {seq.max_slots} KV slots (prompt + max_tokens), "
-            f"more than the largest worker's {capacity}",
-        )
         self._finish(seq, FinishReason.ABORT)
-        self._outputs.append(RequestOutput(seq.request_id, seq.num_output_tokens, (), FinishReason.ABORT, error))
+        self._outputs.append(RequestOutput(seq.output_request_id, seq.num_output_tokens, (), FinishReason.ABORT,
+                                           RequestError(GRPC_RESOURCE_EXHAUSTED, reason), seq.sample_index))
         return False
 
     # ---- state changes -------------------------------------------------------------------
-    @staticmethod
-    def _advance(seq: Sequence, num_new: int, draft: _PlanDraft) -> None:
+    def _start_on(self, worker: WorkerState, seq: Sequence, draft: PlanDraft, num_new: int) -> None:
+        """Makes ``seq`` run on ``worker`` and sends it in full (it is new to the worker)."""
+        seq.status, seq.worker_id = SequenceStatus.RUNNING, worker.worker_id
+        worker.running[seq.request_id] = seq
+        draft.new_requests.append(NewRequestData(
+            request_id=seq.request_id,
+            token_ids=seq.all_token_ids(),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            block_ids=worker.blocks.block_table(seq.request_id),
+            num_computed_tokens=seq.num_computed_tokens,
+            num_scheduled_tokens=num_new,
+            sampling=seq.sampling,
+            trace_context=seq.request.trace_context,
+        ))
+        self._advance(worker, seq, num_new, draft)
+
+    def _advance(self, worker: WorkerState, seq: Sequence, num_new: int, draft: PlanDraft) -> None:
         seq.num_computed_tokens += num_new
         draft.token_budget -= num_new
+        if self.config.enable_prefix_caching:
+            worker.blocks.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_computed_tokens,
+                                            seq.request.cache_salt.encode())
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: frees the blocks; the sequence waits at the front of the queue."""
+    def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
+        index = seq.num_output_tokens
+        reason = seq.append_token(token_id)
+        if reason is not None:
+            self._finish(seq, reason)
+        return RequestOutput(seq.output_request_id, index, (token_id,), reason, None, seq.sample_index)
+
+    def _preempt(self, worker: WorkerState, seq: Sequence, draft: PlanDraft) -> None:
+        """Takes a running sequence's blocks back: swap when asked and possible, else recompute."""
         self._num_preemptions += 1
         seq.num_preemptions += 1
-        self._requeue_front(seq)
+        draft.preempted = True  # no admissions on this worker in this iteration
+        if self.config.preemption_mode == "swap" and worker.blocks.can_swap_out(seq.request_id):
+            self._num_swap_preemptions += 1
+            draft.swap_out.extend(worker.blocks.swap_out(seq.request_id))
+            del worker.running[seq.request_id]
+            worker.dropped_ids.append(seq.request_id)  # sent in full again when swapped back in
+            worker.swapped[seq.request_id] = seq
+            seq.status = SequenceStatus.SWAPPED
+            return
+        self._requeue(seq)
 
-    def _requeue_front(self, seq: Sequence) -> None:
+    def _requeue(self, seq: Sequence) -> None:
+        """Recompute preemption: frees the blocks; the sequence waits ahead of later arrivals."""
         worker = self._workers.get(seq.worker_id) if seq.worker_id else None
         if worker is not None:
-            worker.blocks.free(seq.request_id)
-            worker.running.pop(seq.request_id, None)
-            worker.dropped_ids.append(seq.request_id)
+            worker.release(seq.request_id)
         seq.status, seq.worker_id, seq.num_computed_tokens = SequenceStatus.WAITING, None, 0
-        self._waiting[seq.request_id] = seq
-        self._waiting.move_to_end(seq.request_id, last=False)
+        self._waiting.push_preempted(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Marks a sequence finished and frees its blocks in this iteration."""
-        if seq.status is SequenceStatus.RUNNING and seq.worker_id in self._workers:
-            worker = self._workers[seq.worker_id]
-            worker.blocks.free(seq.request_id)
-            del worker.running[seq.request_id]
-            worker.dropped_ids.append(seq.request_id)
-        self._waiting.pop(seq.request_id, None)
+        worker = self._workers.get(seq.worker_id) if seq.worker_id else None
+        if worker is not None:
+            worker.release(seq.request_id)
+        self._waiting.remove(seq.request_id)
         seq.status, seq.finish_reason, seq.worker_id = SequenceStatus.FINISHED, reason, None
         del self._sequences[seq.request_id]
+        self._forks.finished(seq)

@@ -5,28 +5,42 @@ from __future__ import annotations
 import enum
 
 from services.common.messages import EngineRequest, FinishReason
+from services.common.sampling_params import EngineSamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and queued again; holds no blocks
     RUNNING = "running"  # placed on a worker, holds blocks there
+    SWAPPED = "swapped"  # preempted by swapping: its blocks wait in its worker's CPU memory
     FINISHED = "finished"
 
 
 class Sequence:
     """Mutable scheduling state of one request. Only the scheduler changes it.
 
+    A request with ``n > 1`` samples runs as one sequence per sample: the request's own (sample 0)
+    and children forked from it after the prompt (``services/scheduler/parallel_sampling.py``).
+
     Attributes:
         request: the immutable request as it arrived.
+        request_id: this sequence's id in the engine (the request's id for sample 0,
+            ``"<request id>#<i>"`` for sample i); block tables and worker state are keyed by it.
+        sample_index: which of the request's ``n`` samples this is.
+        sampling: its sampling parameters (a child's seed is derived from the request's).
+        fork_parent: for a child not yet running: the sequence it forks from.
         output_token_ids: tokens generated so far.
         num_computed_tokens: tokens (of prompt + output) whose K/V are in the worker's cache,
             counting the tokens scheduled in the current iteration.
-        worker_id: the worker holding its blocks while running; ``None`` otherwise.
+        worker_id: the worker holding its blocks while running or swapped; ``None`` otherwise.
         num_preemptions: how often its blocks were taken back.
     """
 
     __slots__ = (
         "request",
+        "request_id",
+        "sample_index",
+        "sampling",
+        "fork_parent",
         "output_token_ids",
         "status",
         "num_computed_tokens",
@@ -35,8 +49,13 @@ class Sequence:
         "num_preemptions",
     )
 
-    def __init__(self, request: EngineRequest) -> None:
+    def __init__(self, request: EngineRequest, sample_index: int = 0,
+                 sampling: EngineSamplingParams | None = None) -> None:
         self.request = request
+        self.sample_index = sample_index
+        self.request_id = request.request_id if sample_index == 0 else f"{request.request_id}#{sample_index}"
+        self.sampling = sampling or request.sampling
+        self.fork_parent: Sequence | None = None
         self.output_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
@@ -45,7 +64,8 @@ class Sequence:
         self.num_preemptions = 0
 
     @property
-    def request_id(self) -> str:
+    def output_request_id(self) -> str:
+        """The client's request id, which every sample's outputs carry."""
         return self.request.request_id
 
     @property
@@ -69,7 +89,7 @@ class Sequence:
     @property
     def max_slots(self) -> int:
         """Slots the sequence can ever need: the last sampled token is never fed back."""
-        return self.num_prompt_tokens + self.request.sampling.max_tokens - 1
+        return self.num_prompt_tokens + self.sampling.max_tokens - 1
 
     def all_token_ids(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids + tuple(self.output_token_ids)
@@ -77,7 +97,7 @@ class Sequence:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Adds a sampled token; returns why the sequence is now finished, if it is."""
         self.output_token_ids.append(token_id)
-        sampling = self.request.sampling
+        sampling = self.sampling
         if sampling.stops_at(token_id, len(self.output_token_ids)):
             return FinishReason.STOP
         if len(self.output_token_ids) >= sampling.max_tokens:

@@ -36,7 +36,8 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         done: Future = Future()
-        self._loop.submit(Abort(request.request_id, done))
+        sample_index = request.sample_index if request.HasField("sample_index") else None
+        self._loop.submit(Abort(request.request_id, sample_index, done))
         return pb.AbortResponse(found=done.result(timeout=self._abort_timeout_s))
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.SchedulerStats:

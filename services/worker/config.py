@@ -32,6 +32,7 @@ class WorkerConfig:
         device: ``cpu`` or ``cuda``.
         attention_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
         gpu_memory_utilization: on CUDA, the share of the GPU's memory the worker may use in all.
+        swap_space: bytes of CPU memory for blocks swapped out by swap preemption (0: none).
         num_threads: torch intra-op threads; 0 keeps torch's default.
         cpu_affinity: CPU cores this worker runs on, its OpenMP threads bound one per core (on a
             shared machine, give each worker its own cores); empty: no binding.
@@ -53,6 +54,7 @@ class WorkerConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     gpu_memory_utilization: float = 0.9
+    swap_space: int = 0
     num_threads: int = 0
     cpu_affinity: tuple[int, ...] = ()
     heartbeat_interval_s: float = 1.0
@@ -94,6 +96,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="CUDA: share of the GPU's memory the worker may use (default %(default)s)")
+    parser.add_argument("--swap-space", default="0",
+                        help="CPU memory for swapped-out KV blocks (scheduler --preemption-mode swap), e.g. 4GiB "
+                        "(default: none)")
     parser.add_argument("--block-size", type=int, default=16, help="token slots per KV block (default %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="weights and KV dtype; auto: bfloat16 on CUDA, float32 on CPU (default %(default)s)")
@@ -143,6 +148,7 @@ def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConf
         device=args.device,
         attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=parse_bytes(args.swap_space) if args.swap_space not in ("", "0") else 0,
         num_threads=args.num_threads,
         cpu_affinity=parse_cpu_list(args.cpu_affinity) if args.cpu_affinity else (),
     )

@@ -9,6 +9,8 @@ sequence owns.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 import torch
@@ -60,23 +62,47 @@ class KVCache:
     The tensors start zeroed so that padded reads of unused slots stay finite (attention masks
     them, and a NaN there would still poison ``0 * NaN``).
 
+    Swap space (for swap preemption) is a second set of the same tensors with ``num_cpu_blocks``
+    blocks in CPU memory; the scheduler's plans say which blocks to copy out and back.
+
     Args:
         spec: the cache geometry.
         num_blocks: physical blocks per layer (>= 1).
         device: where the tensors live.
+        num_cpu_blocks: swap blocks in CPU memory (0: none).
 
     Raises:
         ValueError: ``num_blocks < 1``.
     """
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str = "cpu",
+                 num_cpu_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.key_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+        cpu_shape = (num_cpu_blocks, *shape[1:])
+        self.cpu_key_caches = [torch.zeros(cpu_shape, dtype=spec.dtype) for _ in range(spec.num_layers if num_cpu_blocks else 0)]
+        self.cpu_value_caches = [torch.zeros(cpu_shape, dtype=spec.dtype) for _ in range(spec.num_layers if num_cpu_blocks else 0)]
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copies device blocks to CPU blocks: ``(device block, cpu block)`` pairs, every layer."""
+        _copy_pairs(self.key_caches, self.cpu_key_caches, pairs)
+        _copy_pairs(self.value_caches, self.cpu_value_caches, pairs)
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copies CPU blocks to device blocks: ``(cpu block, device block)`` pairs, every layer."""
+        _copy_pairs(self.cpu_key_caches, self.key_caches, pairs)
+        _copy_pairs(self.cpu_value_caches, self.value_caches, pairs)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copies device blocks to device blocks (copy-on-write): ``(source, destination)`` pairs."""
+        _copy_pairs(self.key_caches, self.key_caches, pairs)
+        _copy_pairs(self.value_caches, self.value_caches, pairs)
 
     @property
     def block_size(self) -> int:
@@ -85,3 +111,14 @@ class KVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``(key_cache, value_cache)`` pair of layer ``index``, each ``[NB, BS, Hkv, D]``."""
         return self.key_caches[index], self.value_caches[index]
+
+
+def _copy_pairs(sources: list[torch.Tensor], targets: list[torch.Tensor], pairs: Sequence[tuple[int, int]]) -> None:
+    """``targets[l][dst] = sources[l][src]`` for every layer ``l`` and pair; sources are read first."""
+    if not pairs:
+        return
+    src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+    dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+    for source, target in zip(sources, targets):
+        rows = source.index_select(0, src.to(source.device))             # (P, BS, Hkv, D)
+        target.index_copy_(0, dst.to(target.device), rows.to(target.device))

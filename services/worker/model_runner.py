@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from services.common.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, StepResult
-from services.common.sampling_params import EngineSamplingParams
+from services.common.sampling_params import EngineSamplingParams, child_sampling
 from services.worker.attention import (AttentionBackend, build_attention_metadata, compute_positions,
                                        make_attention_backend)
 from services.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
@@ -84,6 +84,21 @@ def _batch_order(s: ScheduledRequest) -> tuple[bool, int]:
     return (not is_decode, -s.state.num_computed_tokens if is_decode else 0)
 
 
+def _expand_samples(ends: Sequence[ScheduledRequest]) -> tuple[list[int], list[EngineSamplingParams], list[int],
+                                                                 list[tuple[ScheduledRequest, int]]]:
+    """Logits rows to sample from: one per request, or ``n`` for a prompt with ``n > 1`` samples
+    (sample ``i`` with its own derived seed, see ``child_sampling``)."""
+    rows, params, counts, samples = [], [], [], []
+    for row, s in enumerate(ends):
+        first_of_many = s.state.num_output_tokens == 0 and s.state.sampling.n > 1
+        for index in range(s.state.sampling.n if first_of_many else 1):
+            rows.append(row)
+            params.append(child_sampling(s.state.sampling, index) if first_of_many else s.state.sampling)
+            counts.append(s.state.num_output_tokens)
+            samples.append((s, index))
+    return rows, params, counts, samples
+
+
 class ModelRunner:
     """Executes BatchPlans on one model with one paged KV cache.
 
@@ -109,6 +124,10 @@ class ModelRunner:
         return self.kv_cache.num_blocks
 
     @property
+    def num_cpu_blocks(self) -> int:
+        return self.kv_cache.num_cpu_blocks
+
+    @property
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
@@ -127,6 +146,9 @@ class ModelRunner:
         """
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
+        self.kv_cache.swap_out(plan.blocks_to_swap_out)
+        self.kv_cache.swap_in(plan.blocks_to_swap_in)
+        self.kv_cache.copy_blocks(plan.blocks_to_copy)
         new_states = self._check_new(plan.new_requests)
         held = self._check_deltas(plan.cached_requests)
         scheduled = [ScheduledRequest(st, r.num_scheduled_tokens) for st, r in zip(new_states, plan.new_requests)]
@@ -187,12 +209,16 @@ class ModelRunner:
         if len(rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, device=self.device)]      # (N, hidden)
         logits = self.model.compute_logits(hidden)                        # (N, vocab) float32
-        out = self.sampler(logits, [s.state.sampling for s in ends], [s.state.num_output_tokens for s in ends])
-        by_id = {}
-        for s, token_id, logprob in zip(ends, out.token_ids, out.logprobs):
-            s.state.token_ids.append(token_id)
-            by_id[s.state.request_id] = SampledToken(s.state.request_id, token_id, logprob)
-        return [by_id[s.state.request_id] for s in scheduled if s.state.request_id in by_id]
+        rows, params, counts, samples = _expand_samples(ends)
+        if len(rows) > len(ends):
+            logits = logits[torch.tensor(rows, device=logits.device)]    # (N', vocab): n rows per n-sample prompt
+        out = self.sampler(logits, params, counts)
+        by_id: dict[str, list[SampledToken]] = {}
+        for (s, index), token_id, logprob in zip(samples, out.token_ids, out.logprobs):
+            if index == 0:
+                s.state.token_ids.append(token_id)
+            by_id.setdefault(s.state.request_id, []).append(SampledToken(s.state.request_id, token_id, logprob, index))
+        return [t for s in scheduled for t in by_id.get(s.state.request_id, ())]
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Builds the flat token batch and its metadata (index tensors made once, from lists) and runs
@@ -214,7 +240,7 @@ class ModelRunner:
 def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | None = None, block_size: int = 16,
                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                        attention_backend: str = "auto", gpu_memory_utilization: float = 0.9,
-                       sampler_seed: int | None = None) -> ModelRunner:
+                       swap_space_bytes: int = 0, sampler_seed: int | None = None) -> ModelRunner:
     """Loads the model of a Hugging Face folder and sizes a KV cache.
 
     Args:
@@ -226,6 +252,7 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         device: where everything lives.
         attention_backend: ``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or ``triton``.
         gpu_memory_utilization: fraction of the GPU's memory this worker may use in all.
+        swap_space_bytes: CPU memory for swapped-out blocks (swap preemption); 0: none.
         sampler_seed: seed of the generator for requests without their own seed.
 
     Raises:
@@ -237,7 +264,8 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
     if kv_cache_memory_bytes is None:
         kv_cache_memory_bytes = _default_kv_memory(torch.device(device), gpu_memory_utilization)
-    kv_cache = KVCache(spec, num_blocks_for_memory(spec, kv_cache_memory_bytes), device=device)
+    kv_cache = KVCache(spec, num_blocks_for_memory(spec, kv_cache_memory_bytes), device=device,
+                       num_cpu_blocks=swap_space_bytes // spec.bytes_per_block)
     return ModelRunner(model, kv_cache, backend, Sampler(seed=sampler_seed, device=device))
 
 

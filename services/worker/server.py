@@ -56,6 +56,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         device=config.device,
         attention_backend=config.attention_backend,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        swap_space_bytes=config.swap_space,
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, tracer), server)
@@ -68,6 +69,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         num_blocks=runner.num_blocks,
         block_size=config.block_size,
         model=config.model.name,
+        num_cpu_blocks=runner.num_cpu_blocks,
     )
     registrar = WorkerRegistrar(redis.Redis.from_url(config.redis_url), registration, config.heartbeat_interval_s)
     registrar.start()

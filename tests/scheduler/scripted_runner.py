@@ -1,57 +1,83 @@
 """A stand-in for a worker's model runner in scheduler unit tests.
 
-It keeps worker-side state the way the real ModelRunner does (and checks every delta against it),
-and "samples" a token that is a pure function of the sequence so far, so recompute after
-preemption must reproduce the same output. Integration tests use the real model instead.
+It keeps worker-side state the way the real ModelRunner does (checking every delta against it),
+keeps a model of the KV cache in which a slot holds the whole prefix up to its token (as K/V
+depend on it), makes the plan's swap and copy-on-write copies, and checks in every step that each
+sequence's context reads back exactly its tokens. Its "sampled" token is a pure function of the
+sequence so far, so recompute after preemption must reproduce the same output. Integration tests
+use the real model instead.
 """
 
 from services.common.messages import BatchPlan, SampledToken, StepResult
 
 
-def next_token(tokens: list[int]) -> int:
-    """Deterministic stand-in for greedy decoding; never returns EOS (id 2)."""
-    return (sum(tokens) * 31 + len(tokens) * 7) % 97 + 3
+def next_token(tokens: list[int], sample_index: int = 0) -> int:
+    """Deterministic stand-in for decoding; never returns EOS (id 2)."""
+    return (sum(tokens) * 31 + len(tokens) * 7 + sample_index * 13) % 97 + 3
 
 
-def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+def reference_output(prompt: list[int], max_tokens: int, sample_index: int = 0) -> list[int]:
     tokens = list(prompt)
-    for _ in range(max_tokens):
-        tokens.append(next_token(tokens))
+    for i in range(max_tokens):
+        tokens.append(next_token(tokens, sample_index if i == 0 else 0))
     return tokens[len(prompt):]
 
 
 class ScriptedRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.state: dict[str, dict] = {}
         self.plans: list[BatchPlan] = []
+        self.device = {b: [None] * block_size for b in range(num_blocks)}
+        self.cpu = {b: [None] * block_size for b in range(num_cpu_blocks)}
 
     def execute(self, plan: BatchPlan) -> StepResult:
         self.plans.append(plan)
         for rid in plan.finished_request_ids:
             self.state.pop(rid, None)
+        for device_block, cpu_block in plan.blocks_to_swap_out:
+            self.cpu[cpu_block] = list(self.device[device_block])
+        for cpu_block, device_block in plan.blocks_to_swap_in:
+            self.device[device_block] = list(self.cpu[cpu_block])
+        for source, target in plan.blocks_to_copy:
+            self.device[target] = list(self.device[source])
         for new in plan.new_requests:
             assert new.request_id not in self.state, f"{new.request_id} sent in full twice"
-            self.state[new.request_id] = dict(
-                tokens=list(new.token_ids), table=list(new.block_ids), computed=new.num_computed_tokens
-            )
+            self.state[new.request_id] = dict(tokens=list(new.token_ids), table=list(new.block_ids),
+                                              computed=new.num_computed_tokens, prompt=new.num_prompt_tokens,
+                                              n=new.sampling.n)
         for cached in plan.cached_requests:
             st = self.state[cached.request_id]
             assert st["computed"] == cached.num_computed_tokens
             st["table"].extend(cached.new_block_ids)
-        sampled = []
         scheduled = [(r.request_id, r.num_scheduled_tokens) for r in plan.new_requests + plan.cached_requests]
-        used_blocks: set[int] = set()
+        for rid, num in scheduled:  # every layer writes the step's K/V before any attention reads
+            self._write(self.state[rid], num)
+        sampled = []
         for rid, num in scheduled:
             st = self.state[rid]
             st["computed"] += num
-            assert st["computed"] <= len(st["tokens"])
-            assert len(st["table"]) * self.block_size >= st["computed"], "too few blocks for the slots"
-            assert not used_blocks & set(st["table"]), "two running requests share a block"
-            assert all(0 <= b < self.num_blocks for b in st["table"])
-            used_blocks |= set(st["table"])
+            self._check_context(rid, st)
             if st["computed"] == len(st["tokens"]):
-                token = next_token(st["tokens"])
-                st["tokens"].append(token)
-                sampled.append(SampledToken(rid, token, 0.0))
+                n = st["n"] if len(st["tokens"]) == st["prompt"] else 1
+                tokens = [next_token(st["tokens"], i) for i in range(n)]
+                sampled += [SampledToken(rid, t, 0.0, i) for i, t in enumerate(tokens)]
+                st["tokens"].append(tokens[0])
         return StepResult(plan.step_id, tuple(sampled))
+
+    def _slot(self, st: dict, pos: int) -> tuple[list, int]:
+        table = st["table"]
+        assert pos // self.block_size < len(table), "too few blocks for the slots"
+        block = table[pos // self.block_size]
+        assert 0 <= block < self.num_blocks
+        return self.device[block], pos % self.block_size
+
+    def _write(self, st: dict, num: int) -> None:
+        for pos in range(st["computed"], st["computed"] + num):
+            block, offset = self._slot(st, pos)
+            block[offset] = tuple(st["tokens"][:pos + 1])
+
+    def _check_context(self, rid: str, st: dict) -> None:
+        for pos in range(st["computed"]):
+            block, offset = self._slot(st, pos)
+            assert block[offset] == tuple(st["tokens"][:pos + 1]), f"{rid} reads a wrong slot at {pos}"

@@ -70,7 +70,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(self._resident()))
         child = f"r{self.next_id}"
         self.next_id += 1
-        self.bm.fork(parent, child)
+        self.bm.fork(parent, child, len(self.tokens[parent]))
         self.tokens[child] = list(self.tokens[parent])
 
     @precondition(lambda self: self.tokens)

@@ -85,7 +85,7 @@ def test_a_hit_must_follow_the_chain_it_was_cached_on():
 def test_fork_shares_blocks_and_copy_on_write_splits_the_partial_one():
     bm = BlockManager(num_blocks=8, block_size=4)
     bm.allocate_slots("p", 6)  # blocks 0 (full), 1 (half)
-    bm.fork("p", "c")
+    bm.fork("p", "c", 6)
     assert bm.block_table("c") == (0, 1) and [bm.ref_count(i) for i in (0, 1)] == [2, 2]
     assert bm.needs_copy_on_write("c", 6) and not bm.needs_copy_on_write("c", 8)
     assert bm.copy_on_write("c", 6) == ((1, 2),)

@@ -1,0 +1,72 @@
+"""Parallel sampling (``n > 1``): one prompt, ``n`` samples sharing its KV blocks.
+
+The request runs as one sequence until its prompt is computed; the worker then samples ``n``
+tokens from the prompt's logits. Sample 0 continues as the request's own sequence; samples
+1..n-1 become child sequences, each with its own seed stream. A child is forked from its parent
+on the parent's worker: it shares the prompt's blocks by reference count and gets a copy of the
+partly filled last prompt block before anyone writes into it (copy-on-write; PagedAttention,
+Kwon et al., SOSP 2023, §4.4). A child whose parent no longer runs is prefilled like any request
+(prefix caching still shares the prompt's full blocks).
+"""
+
+from __future__ import annotations
+
+from services.common.sampling_params import child_sampling
+from services.scheduler.sequence import Sequence, SequenceStatus
+from services.scheduler.worker_state import PlanDraft, WorkerState
+
+
+class Forks:
+    """The samples of every request with ``n > 1``, by the client's request id."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, list[str]] = {}  # client request id -> ids of its live sequences
+
+    def knows(self, request_id: str) -> bool:
+        return request_id in self._groups
+
+    def sequence_ids(self, request_id: str) -> list[str]:
+        return list(self._groups.get(request_id, ()))
+
+    def add_child(self, parent: Sequence, sample_index: int, sequences: dict[str, Sequence], waiting) -> Sequence:
+        """Creates sample ``sample_index`` of ``parent``'s request, queued ahead of later arrivals."""
+        child = Sequence(parent.request, sample_index, child_sampling(parent.request.sampling, sample_index))
+        child.fork_parent = parent
+        sequences[child.request_id] = child
+        group = self._groups.setdefault(parent.output_request_id, [parent.request_id])
+        group.append(child.request_id)
+        waiting.push_preempted(child)
+        return child
+
+    def try_fork(self, seq: Sequence, worker: WorkerState, draft: PlanDraft, sequences: dict[str, Sequence]) -> bool:
+        """Places a waiting child on its parent's worker by sharing the prompt's blocks.
+
+        On success the child holds the prompt's blocks (its own copy of a partial last one, the
+        copy listed in ``draft.copies``) and room for its first token, and counts the prompt as
+        computed. False (nothing changed) when ``seq`` is no child, its parent is gone or runs
+        elsewhere, or no block is free for the copy.
+        """
+        parent = seq.fork_parent
+        seq.fork_parent = None  # one chance: afterwards the child runs as a plain sequence
+        blocks = worker.blocks
+        if (parent is None or parent.status is not SequenceStatus.RUNNING or parent.worker_id != worker.worker_id
+                or sequences.get(parent.request_id) is not parent or blocks.num_free_blocks < 1
+                or seq.num_tokens != seq.num_prompt_tokens + 1):
+            return False
+        prompt_len = seq.num_prompt_tokens
+        blocks.fork(parent.request_id, seq.request_id, prompt_len)
+        draft.copies.extend(blocks.copy_on_write(seq.request_id, prompt_len))
+        blocks.allocate_slots(seq.request_id, prompt_len + 1)
+        seq.num_computed_tokens = prompt_len
+        return True
+
+    def finished(self, seq: Sequence) -> None:
+        group = self._groups.get(seq.output_request_id)
+        if group is not None and seq.request_id in group:
+            group.remove(seq.request_id)
+            if not group:
+                del self._groups[seq.output_request_id]
+
+    def forget(self, request_id: str) -> None:
+        self._groups.pop(request_id, None)
+

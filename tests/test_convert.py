@@ -1,0 +1,43 @@
+"""Every field survives the trip dataclass -> protobuf -> dataclass."""
+
+from services.common import convert
+from services.common.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, NewRequestData,
+                                      RequestError, RequestOutput, SampledToken, StepResult)
+from services.common.sampling_params import EngineSamplingParams
+from services.scheduler.config import SchedulerStats, WorkerStats
+
+SAMPLING = EngineSamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125, seed=42,
+                                min_tokens=2, stop_token_ids=(5, 6), ignore_eos=True, eos_token_ids=(2,), n=3)
+
+
+def test_request_round_trip():
+    request = EngineRequest("r", (1, 2, 3), SAMPLING, 12.5, {"traceparent": "00-ab"}, priority=-3, cache_salt="s")
+    assert convert.request_from_pb(convert.request_to_pb(request, "g")) == request
+    assert convert.request_to_pb(request, "g").gateway_id == "g"
+
+
+def test_unseeded_sampling_stays_unseeded():
+    params = EngineSamplingParams(max_tokens=1)
+    assert convert.sampling_from_pb(convert.sampling_to_pb(params)) == params
+
+
+def test_plan_round_trip():
+    plan = BatchPlan(
+        step_id=7,
+        new_requests=(NewRequestData("a", (1, 2), 1, (4, 5), 1, 1, SAMPLING, {"k": "v"}),),
+        cached_requests=(CachedRequestData("b", (9,), 16, 1),),
+        finished_request_ids=("c",),
+        blocks_to_swap_out=((1, 2),),
+        blocks_to_swap_in=((3, 4), (5, 6)),
+        blocks_to_copy=((7, 8),),
+    )
+    assert convert.plan_from_pb(convert.plan_to_pb(plan)) == plan
+
+
+def test_results_outputs_and_stats_round_trip():
+    result = StepResult(3, (SampledToken("a", 11, -0.5, 2),))
+    assert convert.step_result_from_pb(convert.step_result_to_pb(result)) == result
+    output = RequestOutput("a", 4, (11,), FinishReason.LENGTH, RequestError(8, "too big"), 2)
+    assert convert.output_from_pb(convert.output_to_pb(output)) == output
+    stats = SchedulerStats(1, 2, 3, 4, (WorkerStats("w", 10, 5, 2, 1, 3),), 1, 2, 100, 40)
+    assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats
