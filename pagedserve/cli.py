@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from urllib.parse import urlparse
 
 from services.common.service_args import add_model_argument, add_redis_argument, env_default
 
@@ -27,25 +28,30 @@ def _stop_on_signals() -> threading.Event:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    """`pagedserve up`: the whole stack as child processes."""
     from pagedserve.launcher import StackConfig, default_threads_per_worker, run_stack
     from services.common.model_files import default_cache_dir
     from services.scheduler.config import policy_from_args
 
+    redis_port = urlparse(args.redis_url).port or 6379
     config = StackConfig(
         model=_resolve_model(args.model),
         workers=args.workers,
+        host=args.host,
         port=args.port,
         scheduler_port=args.scheduler_port,
         redis_url=args.redis_url,
         kv_cache_memory=args.kv_cache_memory,
+        swap_space=args.swap_space,
         policy=policy_from_args(args),
         threads_per_worker=args.threads_per_worker or default_threads_per_worker(args.workers),
-        data_dir=default_cache_dir() / "redis",
+        data_dir=default_cache_dir() / f"redis-{redis_port}",
     )
     return run_stack(config)
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
+    """`pagedserve scheduler`: the scheduler service alone."""
     from services.scheduler.config import scheduler_config_from_args
     from services.scheduler.server import serve_scheduler
 
@@ -54,6 +60,7 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    """`pagedserve worker`: one worker service."""
     from services.worker.config import worker_config_from_args
     from services.worker.server import serve_worker
 
@@ -62,6 +69,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    """`pagedserve gateway`: the gateway service alone."""
     from services.gateway.config import gateway_config_from_args
     from services.gateway.server import serve_gateway
 
@@ -71,12 +79,14 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_complete(args: argparse.Namespace) -> int:
+    """`pagedserve complete`: one streamed request."""
     from pagedserve.client import run_complete
 
     return run_complete(args)
 
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
+    """`pagedserve prepare-model`: build the default model folder, print its path."""
     from services.common.model_files import prepare_default_model
 
     print(prepare_default_model(Path(args.cache_dir) if args.cache_dir else None))
@@ -84,6 +94,7 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
+    """`pagedserve health`: exit 0 when the target answers SERVING."""
     from services.common.grpc_server import check_health
 
     serving = check_health(args.target, timeout_s=args.timeout)
@@ -92,6 +103,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: every command and its flags."""
     from pagedserve.sampling_flags import add_sampling_arguments
     from services.gateway.config import add_gateway_arguments
     from services.scheduler.config import add_policy_arguments, add_scheduler_arguments
@@ -108,10 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_argument(up)
     add_redis_argument(up)
     up.add_argument("--workers", type=int, default=1, help="number of worker processes (default %(default)s)")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="gateway listen address; 0.0.0.0 serves other machines too (default %(default)s)")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default %(default)s)")
     up.add_argument("--scheduler-port", type=int, default=50052, help="scheduler port (default %(default)s)")
     up.add_argument("--kv-cache-memory", default=env_default("PAGEDSERVE_KV_CACHE_MEMORY", "1GiB"),
                     help="KV-cache memory per worker, e.g. 2GiB (default %(default)s)")
+    up.add_argument("--swap-space", default="0",
+                    help="CPU memory per worker for swapped-out KV blocks (--preemption-mode swap), e.g. 2GiB")
     up.add_argument("--threads-per-worker", type=int, default=0,
                     help="torch threads per worker (default: CPU cores / workers)")
     add_policy_arguments(up)
@@ -158,12 +174,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parses ``argv``; an unknown flag is reported with the usage of the command it was given to."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `pagedserve` console script."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     try:
         sys.exit(args.func(args))
     except ValueError as exc:  # invalid configuration
         print(f"pagedserve {args.command}: {exc}", file=sys.stderr)
         sys.exit(2)
+    except (OSError, ConnectionError) as exc:  # a port in use, Redis away, a missing file
+        print(f"pagedserve {args.command}: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)

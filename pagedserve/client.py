@@ -112,8 +112,8 @@ def run_complete(args: argparse.Namespace) -> int:
     """Runs `pagedserve complete`; returns the exit status (1 on a server error)."""
     from services.common.sampling_params import InvalidRequestError
 
-    request = build_request(args)
     try:
+        request = build_request(args)
         if args.offline:
             completion = offline_completion(args, request)
             if not args.json:
@@ -124,7 +124,7 @@ def run_complete(args: argparse.Namespace) -> int:
         print(f"error: RESOURCE_EXHAUSTED: {exc}", file=sys.stderr)
         return 1
     except grpc.RpcError as exc:
-        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except InvalidRequestError as exc:
         print(f"error: INVALID_ARGUMENT: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ import redis
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import SchedulerConfig, policy_to_args
 
 
 class LaunchError(RuntimeError):
@@ -33,9 +33,11 @@ class StackConfig:
     Attributes:
         model: resolved model folder.
         workers: number of worker processes.
+        host: the gateway's listen address (127.0.0.1: this machine only; 0.0.0.0: every interface).
         port: gateway port; the scheduler listens on ``scheduler_port``.
         redis_url: Redis to use; a local ``redis-server`` is started when none answers there.
         kv_cache_memory: KV memory per worker, as written on the command line (``1GiB``).
+        swap_space: CPU memory per worker for swapped-out blocks (``0``: none).
         policy: scheduler limits.
         threads_per_worker: torch threads of each worker.
         data_dir: where a Redis started by us keeps its append-only file.
@@ -44,10 +46,12 @@ class StackConfig:
 
     model: Path
     workers: int
+    host: str
     port: int
     scheduler_port: int
     redis_url: str
     kv_cache_memory: str
+    swap_space: str
     policy: SchedulerConfig
     threads_per_worker: int
     data_dir: Path
@@ -87,21 +91,17 @@ class Stack:
         """
         cfg = self.config
         self._start_redis()
-        policy = [
-            "--block-size", str(cfg.policy.block_size),
-            "--max-num-seqs", str(cfg.policy.max_num_seqs),
-            "--max-num-batched-tokens", str(cfg.policy.max_num_batched_tokens),
-        ]
+        policy = policy_to_args(cfg.policy)
         common = ["--redis-url", cfg.redis_url]
         self._service("scheduler", "scheduler", *common, "--host", "127.0.0.1", "--port", str(cfg.scheduler_port), *policy)
         for i in range(cfg.workers):
             self._service(
                 f"worker-{i}", "worker", *common, "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
                 "--kv-cache-memory", cfg.kv_cache_memory, "--block-size", str(cfg.policy.block_size),
-                "--num-threads", str(cfg.threads_per_worker), *self._cores_of(i),
+                "--num-threads", str(cfg.threads_per_worker), "--swap-space", cfg.swap_space, *self._cores_of(i),
             )
         self._service(
-            "gateway", "gateway", *common, "--model", str(cfg.model), "--port", str(cfg.port),
+            "gateway", "gateway", *common, "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
             "--scheduler", f"127.0.0.1:{cfg.scheduler_port}",
         )
         self._wait_ready()
@@ -187,9 +187,9 @@ def run_stack(config: StackConfig) -> int:
     try:
         stack.start()
         print(
-            f"pagedserve is up: gateway at 127.0.0.1:{config.port} ({config.workers} worker(s), model "
+            f"pagedserve is up: gateway at {config.host}:{config.port} ({config.workers} worker(s), model "
             f"{config.model.name}). Try:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "
-            f"--prompt 'What is the capital of France?'\nCtrl-C stops everything.",
+            f"--temperature 0 --prompt 'What is the capital of France?'\nCtrl-C stops everything.",
             flush=True,
         )
         while not stop.wait(0.5):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common.pb import generate_pb2 as gen
+from services.common.sampling_params import InvalidRequestError
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +37,10 @@ def sampling_pb_from_args(args: argparse.Namespace) -> gen.SamplingParams:
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n"):
         value = getattr(args, name)
         if value is not None:
-            setattr(msg, name, value)
+            try:
+                setattr(msg, name, value)
+            except ValueError as exc:  # outside the field's protobuf type (int32, uint64)
+                raise InvalidRequestError(f"sampling_params.{name}", f"{value} is out of range") from exc
     if args.keep_special_tokens:
         msg.skip_special_tokens = False
     return msg

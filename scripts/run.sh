@@ -11,7 +11,8 @@ PORT=${PAGEDSERVE_PORT:-50051}
 log=$(mktemp)
 pagedserve up --port "$PORT" "$@" > >(tee "$log") 2>&1 &
 stack=$!
-trap 'kill -INT $stack 2>/dev/null; wait $stack' INT TERM EXIT
+trap 'kill -INT $stack 2>/dev/null; wait $stack; rm -f "$log"' EXIT
+trap 'exit 130' INT TERM
 until grep -q "pagedserve is up" "$log"; do
   if ! kill -0 $stack 2>/dev/null; then echo "the stack failed to start" >&2; exit 1; fi
   sleep 1

@@ -30,6 +30,7 @@ def test_plan_round_trip():
         blocks_to_swap_out=((1, 2),),
         blocks_to_swap_in=((3, 4), (5, 6)),
         blocks_to_copy=((7, 8),),
+        scheduler_id="s1",
     )
     assert convert.plan_from_pb(convert.plan_to_pb(plan)) == plan
 

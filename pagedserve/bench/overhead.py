@@ -72,8 +72,8 @@ def _stack_pass(model: Path, requests: list[SampleRequest], args: argparse.Names
     ports = [_free_port() for _ in range(3)]
     with tempfile.TemporaryDirectory() as data_dir:
         stack = Stack(StackConfig(
-            model=model, workers=1, port=ports[0], scheduler_port=ports[1],
-            redis_url=f"redis://127.0.0.1:{ports[2]}/0", kv_cache_memory=args.kv_cache_memory,
+            model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
+            redis_url=f"redis://127.0.0.1:{ports[2]}/0", kv_cache_memory=args.kv_cache_memory, swap_space="0",
             policy=SchedulerConfig(), threads_per_worker=default_threads_per_worker(1), data_dir=Path(data_dir),
         ))
         try:

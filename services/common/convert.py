@@ -29,6 +29,7 @@ _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
 def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
+    """EngineSamplingParams -> pb.EngineSamplingParams (seed set only when given)."""
     msg = pb.EngineSamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
@@ -47,6 +48,7 @@ def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
 
 
 def sampling_from_pb(msg: pb.EngineSamplingParams) -> EngineSamplingParams:
+    """pb.EngineSamplingParams -> EngineSamplingParams (an unset seed stays ``None``, n 0 reads as 1)."""
     return EngineSamplingParams(
         max_tokens=msg.max_tokens,
         temperature=msg.temperature,
@@ -63,6 +65,7 @@ def sampling_from_pb(msg: pb.EngineSamplingParams) -> EngineSamplingParams:
 
 
 def request_to_pb(request: EngineRequest, gateway_id: str) -> pb.QueuedRequest:
+    """An EngineRequest as the Redis record, tagged with the gateway that waits for its tokens."""
     return pb.QueuedRequest(
         request_id=request.request_id,
         gateway_id=gateway_id,
@@ -76,6 +79,7 @@ def request_to_pb(request: EngineRequest, gateway_id: str) -> pb.QueuedRequest:
 
 
 def request_from_pb(msg: pb.QueuedRequest) -> EngineRequest:
+    """The Redis record -> EngineRequest (the gateway id is routing, not part of the request)."""
     return EngineRequest(
         request_id=msg.request_id,
         prompt_token_ids=tuple(msg.prompt_token_ids),
@@ -88,14 +92,17 @@ def request_from_pb(msg: pb.QueuedRequest) -> EngineRequest:
 
 
 def _copies_to_pb(pairs: tuple[tuple[int, int], ...]) -> list[pb.BlockCopy]:
+    """``(source, target)`` block pairs -> repeated pb.BlockCopy."""
     return [pb.BlockCopy(source=source, target=target) for source, target in pairs]
 
 
 def _copies_from_pb(copies) -> tuple[tuple[int, int], ...]:
+    """repeated pb.BlockCopy -> ``(source, target)`` block pairs."""
     return tuple((c.source, c.target) for c in copies)
 
 
 def plan_to_pb(plan: BatchPlan) -> pb.BatchPlan:
+    """BatchPlan -> pb.BatchPlan (scheduler to worker)."""
     return pb.BatchPlan(
         step_id=plan.step_id,
         new_requests=[
@@ -124,10 +131,12 @@ def plan_to_pb(plan: BatchPlan) -> pb.BatchPlan:
         blocks_to_swap_out=_copies_to_pb(plan.blocks_to_swap_out),
         blocks_to_swap_in=_copies_to_pb(plan.blocks_to_swap_in),
         blocks_to_copy=_copies_to_pb(plan.blocks_to_copy),
+        scheduler_id=plan.scheduler_id,
     )
 
 
 def plan_from_pb(msg: pb.BatchPlan) -> BatchPlan:
+    """pb.BatchPlan -> BatchPlan (in the worker)."""
     return BatchPlan(
         step_id=msg.step_id,
         new_requests=tuple(
@@ -151,10 +160,12 @@ def plan_from_pb(msg: pb.BatchPlan) -> BatchPlan:
         blocks_to_swap_out=_copies_from_pb(msg.blocks_to_swap_out),
         blocks_to_swap_in=_copies_from_pb(msg.blocks_to_swap_in),
         blocks_to_copy=_copies_from_pb(msg.blocks_to_copy),
+        scheduler_id=msg.scheduler_id,
     )
 
 
 def step_result_to_pb(result: StepResult) -> pb.StepResult:
+    """StepResult -> pb.StepResult (worker to scheduler)."""
     return pb.StepResult(
         step_id=result.step_id,
         sampled=[pb.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob,
@@ -163,6 +174,7 @@ def step_result_to_pb(result: StepResult) -> pb.StepResult:
 
 
 def step_result_from_pb(msg: pb.StepResult) -> StepResult:
+    """pb.StepResult -> StepResult (in the scheduler)."""
     return StepResult(
         step_id=msg.step_id,
         sampled=tuple(SampledToken(s.request_id, s.token_id, s.logprob, s.sample_index) for s in msg.sampled),
@@ -170,6 +182,7 @@ def step_result_from_pb(msg: pb.StepResult) -> StepResult:
 
 
 def output_to_pb(output: RequestOutput) -> pb.TokenEvent:
+    """RequestOutput -> pb.TokenEvent (scheduler to gateway)."""
     event = pb.TokenEvent(
         request_id=output.request_id,
         first_output_index=output.first_output_index,
@@ -185,6 +198,7 @@ def output_to_pb(output: RequestOutput) -> pb.TokenEvent:
 
 
 def output_from_pb(event: pb.TokenEvent) -> RequestOutput:
+    """pb.TokenEvent -> RequestOutput (in the gateway)."""
     return RequestOutput(
         request_id=event.request_id,
         first_output_index=event.first_output_index,
@@ -196,6 +210,7 @@ def output_from_pb(event: pb.TokenEvent) -> RequestOutput:
 
 
 def stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:
+    """SchedulerStats -> pb.SchedulerStats (GetStats)."""
     return pb.SchedulerStats(
         num_waiting=stats.num_waiting,
         num_running=stats.num_running,
@@ -216,6 +231,7 @@ def stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:
 
 
 def stats_from_pb(msg: pb.SchedulerStats) -> SchedulerStats:
+    """pb.SchedulerStats -> SchedulerStats (clients of GetStats)."""
     return SchedulerStats(
         num_waiting=msg.num_waiting,
         num_running=msg.num_running,

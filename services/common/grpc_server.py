@@ -32,13 +32,20 @@ def check_health(target: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
+SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
+"""Options for every pagedserve server: a port another process holds is an error, not shared."""
+
+
 def bind(server: grpc.Server | grpc.aio.Server, host: str, port: int) -> int:
     """Binds an insecure port and returns the port actually bound (useful with port 0).
 
     Raises:
         OSError: the address cannot be bound.
     """
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpc's way of saying the address is taken
+        raise OSError(f"cannot listen on {host}:{port}: the port is in use or the address is not local") from exc
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     return bound

@@ -98,6 +98,8 @@ class BatchPlan:
         blocks_to_swap_out: ``(device block, cpu block)`` copies to make first.
         blocks_to_swap_in: ``(cpu block, device block)`` copies to make next.
         blocks_to_copy: ``(source block, destination block)`` device copies (copy-on-write), last.
+        scheduler_id: the scheduler instance that made the plan; a worker that sees a new one
+            drops every request it holds (the old scheduler's accounting is gone).
     """
 
     step_id: int
@@ -107,6 +109,7 @@ class BatchPlan:
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
+    scheduler_id: str = ""
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -12,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import telemetry
-from services.common.grpc_server import bind
+from services.common.grpc_server import SERVER_OPTIONS, bind
 from services.common.pb import generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.queue_producer import RequestQueueProducer
@@ -43,12 +43,12 @@ async def serve_gateway(config: GatewayConfig) -> None:
     """
     tracer = telemetry.setup_tracing("pagedserve-gateway")
     tokenizer = PromptTokenizer.from_folder(config.model)
-    redis_client = aioredis.Redis.from_url(config.redis_url)
+    redis_client = aioredis.Redis.from_url(config.redis_url, socket_connect_timeout=2, socket_timeout=10)
     producer = RequestQueueProducer(redis_client, config.gateway_id)
     channel = grpc.aio.insecure_channel(config.scheduler_address)
     router = OutputRouter(channel, config.gateway_id)
 
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     servicer = GenerationServicer(tokenizer, producer, router, tracer, config.max_concurrent_requests)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -58,6 +58,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request: gen.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
+        """Validates, queues and streams one request (see proto/generate.proto for the statuses)."""
         if self._router.num_in_flight >= self._max_concurrent:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the gateway has {self._max_concurrent} requests in flight; retry later")
@@ -65,6 +66,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             parsed = parse_generate_request(request, self._tokenizer)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self._router.disconnected_for_s() > self._grace_s:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is unreachable; retry later")
         request_id = request.request_id or uuid.uuid4().hex
         parent = telemetry.extract(telemetry.metadata_to_carrier(context.invocation_metadata()))
         with self._tracer.start_as_current_span("gateway.Generate", context=parent, kind=trace.SpanKind.SERVER) as span:

@@ -160,6 +160,18 @@ def policy_from_args(args: argparse.Namespace) -> SchedulerConfig:
     )
 
 
+def policy_to_args(config: SchedulerConfig) -> list[str]:
+    """The flags that ``policy_from_args`` reads back into ``config`` (for launching a scheduler)."""
+    args = ["--block-size", str(config.block_size), "--max-num-seqs", str(config.max_num_seqs),
+            "--max-num-batched-tokens", str(config.max_num_batched_tokens),
+            "--preemption-mode", config.preemption_mode, "--scheduling-policy", config.policy]
+    if not config.enable_chunked_prefill:
+        args.append("--no-chunked-prefill")
+    if not config.enable_prefix_caching:
+        args.append("--no-prefix-caching")
+    return args
+
+
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerServiceConfig:
     return SchedulerServiceConfig(
         redis_url=args.redis_url,

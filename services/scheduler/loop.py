@@ -90,6 +90,8 @@ class SchedulerLoop:
         self._dead_workers: set[str] = set()  # failed a step; not taken back under the same id
         self._next_worker_poll = 0.0
         self._gateways_gone: dict[str, float] = {}  # gateway id -> monotonic time its stream closed
+        self._gateways_live: set[str] = set()
+        self._early_aborts: dict[str, float] = {}  # aborted before their entry was read -> when
         self.stats: SchedulerStats = engine.scheduler.stats()
         self.error: Exception | None = None
 
@@ -140,13 +142,16 @@ class SchedulerLoop:
         elif isinstance(command, Abort):
             command.done.set_result(self._abort(command.request_id, command.sample_index))
         elif isinstance(command, GatewayGone):
+            self._gateways_live.discard(command.gateway_id)
             self._gateways_gone[command.gateway_id] = time.monotonic()
         else:
+            self._gateways_live.add(command.gateway_id)
             self._gateways_gone.pop(command.gateway_id, None)
 
     def _abort_for_gone_gateways(self) -> None:
         """Aborts the requests of gateways whose stream has been closed longer than the grace period."""
         deadline = time.monotonic() - self.config.gateway_grace_s
+        self._early_aborts = {r: t for r, t in self._early_aborts.items() if t >= deadline - 60}
         for gateway_id in [g for g, since in self._gateways_gone.items() if since < deadline]:
             del self._gateways_gone[gateway_id]
             self.streams.close(gateway_id)
@@ -158,6 +163,12 @@ class SchedulerLoop:
         request = request_from_pb(entry.request)
         if request.request_id in self._routes:
             return  # already in flight (read again after a reconnect)
+        if self._early_aborts.pop(request.request_id, None) is not None:
+            self._ack(entry.entry_id)  # its client gave up before we read it
+            return
+        gateway_id = entry.request.gateway_id
+        if gateway_id not in self._gateways_live:
+            self._gateways_gone.setdefault(gateway_id, time.monotonic())  # aborted unless it connects in time
         span = self._tracer.start_span(
             "scheduler.request", context=telemetry.extract(request.trace_context),
             attributes={"request_id": request.request_id, "prompt_tokens": len(request.prompt_token_ids)},
@@ -168,6 +179,8 @@ class SchedulerLoop:
 
     def _abort(self, request_id: str, sample_index: int | None = None) -> bool:
         found = self.engine.abort_request(request_id, sample_index)
+        if not found and request_id not in self._routes:
+            self._early_aborts[request_id] = time.monotonic()
         if sample_index is not None and self.engine.scheduler.has_request(request_id):
             return found  # other samples go on
         route = self._routes.pop(request_id, None)

@@ -49,11 +49,14 @@ class Forks:
         parent = seq.fork_parent
         seq.fork_parent = None  # one chance: afterwards the child runs as a plain sequence
         blocks = worker.blocks
+        prompt_len = seq.num_prompt_tokens
         if (parent is None or parent.status is not SequenceStatus.RUNNING or parent.worker_id != worker.worker_id
                 or sequences.get(parent.request_id) is not parent or blocks.num_free_blocks < 1
-                or seq.num_tokens != seq.num_prompt_tokens + 1):
+                or seq.num_tokens != prompt_len + 1):
             return False
-        prompt_len = seq.num_prompt_tokens
+        computed_before_this_step = parent.num_computed_tokens - draft.scheduled.get(parent.request_id, 0)
+        if computed_before_this_step < prompt_len:
+            return False  # the parent is recomputing its prompt in this very step: nothing to share yet
         blocks.fork(parent.request_id, seq.request_id, prompt_len)
         draft.copies.extend(blocks.copy_on_write(seq.request_id, prompt_len))
         blocks.allocate_slots(seq.request_id, prompt_len + 1)

@@ -33,7 +33,7 @@ class RequestQueueConsumer:
     def __init__(self, client: redis.Redis, consumer_name: str) -> None:
         self._client = client
         self._consumer = consumer_name
-        self._backlog_done = False
+        self._backlog_cursor: bytes | None = b"0"  # where to continue reading our pending entries; None when done
 
     def ensure_group(self) -> None:
         """Creates the stream and the consumer group if they do not exist."""
@@ -49,20 +49,26 @@ class RequestQueueConsumer:
         Blocks up to ``block_ms`` milliseconds for new entries. Undecodable entries are
         acknowledged and skipped.
         """
-        start = "0" if not self._backlog_done else ">"
-        reply = self._client.xreadgroup(
-            redis_keys.SCHEDULER_GROUP, self._consumer, {redis_keys.REQUEST_STREAM: start},
-            count=count, block=None if start == "0" else block_ms,
-        )
-        entries = reply[0][1] if reply else []
-        if start == "0" and not entries:
-            self._backlog_done = True
+        if self._backlog_cursor is not None:  # pending entries come back on every read from an id: page once
+            entries = self._xreadgroup(self._backlog_cursor, count, block_ms=None)
+            if entries:
+                self._backlog_cursor = entries[-1][0]
+                return self._decode(entries)
+            self._backlog_cursor = None
+        return self._decode(self._xreadgroup(">", count, block_ms))
+
+    def _xreadgroup(self, start: bytes | str, count: int, block_ms: int | None) -> list:
+        reply = self._client.xreadgroup(redis_keys.SCHEDULER_GROUP, self._consumer,
+                                        {redis_keys.REQUEST_STREAM: start}, count=count, block=block_ms)
+        return reply[0][1] if reply else []
+
+    def _decode(self, entries: list) -> list[QueueEntry]:
         decoded = []
         for entry_id, fields in entries:
             request = pb.QueuedRequest()
             try:
-                request.ParseFromString(fields[redis_keys.REQUEST_FIELD])
-            except (KeyError, ValueError):
+                request.ParseFromString((fields or {})[redis_keys.REQUEST_FIELD])
+            except (KeyError, ValueError):  # deleted or not ours: drop it
                 self.ack(entry_id)
                 continue
             decoded.append(QueueEntry(entry_id, request))

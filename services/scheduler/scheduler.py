@@ -10,6 +10,7 @@ under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 
 from __future__ import annotations
 
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
+        self.instance_id = uuid.uuid4().hex  # workers drop state made for another scheduler
         self._policy = POLICIES[config.policy]
         self._workers: dict[str, WorkerState] = {}
         self._sequences: dict[str, Sequence] = {}
@@ -146,7 +148,7 @@ class Scheduler:
         self._schedule_waiting(drafts)
         plans = {}
         for worker in self._workers.values():
-            plan = worker.take_plan(self._step_id, drafts[worker.worker_id])
+            plan = worker.take_plan(self._step_id, drafts[worker.worker_id], self.instance_id)
             if not plan.is_empty:
                 plans[worker.worker_id] = plan
         return SchedulerOutput(self._step_id, plans)
@@ -198,6 +200,9 @@ class Scheduler:
                 continue
             total = seq.num_computed_tokens + num_new
             while worker.blocks.num_new_blocks(seq.request_id, total) > worker.blocks.num_free_blocks:
+                if not queue and len(worker.running) == 1:
+                    self._out_of_memory(seq)  # alone, and the whole cache is its: like the end of the context
+                    break
                 victim = queue.pop() if queue else seq
                 self._preempt(worker, victim, draft)
                 if victim is seq:
@@ -275,9 +280,9 @@ class Scheduler:
         if not self._workers:
             return True  # wait for workers to register
         capacity = max(w.blocks.num_blocks for w in self._workers.values()) * self.config.block_size
-        if seq.max_slots > capacity:
-            reason = (f"the request needs {seq.max_slots} KV slots (prompt + max_tokens), more than the "
-                      f"largest worker's {capacity}")
+        if seq.num_tokens > capacity:
+            reason = (f"the prompt needs {seq.num_tokens} KV slots, more than the largest worker's KV cache "
+                      f"holds ({capacity})")
         elif not self.config.enable_chunked_prefill and seq.num_tokens > self.config.max_num_batched_tokens:
             reason = (f"the prompt has {seq.num_tokens} tokens, more than max_num_batched_tokens "
                       f"({self.config.max_num_batched_tokens}) and chunked prefill is off")
@@ -308,6 +313,7 @@ class Scheduler:
     def _advance(self, worker: WorkerState, seq: Sequence, num_new: int, draft: PlanDraft) -> None:
         seq.num_computed_tokens += num_new
         draft.token_budget -= num_new
+        draft.scheduled[seq.request_id] = num_new
         if self.config.enable_prefix_caching:
             worker.blocks.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_computed_tokens,
                                             seq.request.cache_salt.encode())
@@ -318,6 +324,12 @@ class Scheduler:
         if reason is not None:
             self._finish(seq, reason)
         return RequestOutput(seq.output_request_id, index, (token_id,), reason, None, seq.sample_index)
+
+    def _out_of_memory(self, seq: Sequence) -> None:
+        """Finishes a sequence that fills its worker's whole cache, with reason ``length``."""
+        self._finish(seq, FinishReason.LENGTH)
+        self._outputs.append(RequestOutput(seq.output_request_id, seq.num_output_tokens, (), FinishReason.LENGTH,
+                                           None, seq.sample_index))
 
     def _preempt(self, worker: WorkerState, seq: Sequence, draft: PlanDraft) -> None:
         """Takes a running sequence's blocks back: swap when asked and possible, else recompute."""

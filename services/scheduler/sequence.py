@@ -86,11 +86,6 @@ class Sequence:
         """Tokens still to compute: the rest of the prompt (or all after preemption), else 1."""
         return self.num_tokens - self.num_computed_tokens
 
-    @property
-    def max_slots(self) -> int:
-        """Slots the sequence can ever need: the last sampled token is never fed back."""
-        return self.num_prompt_tokens + self.sampling.max_tokens - 1
-
     def all_token_ids(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids + tuple(self.output_token_ids)
 

@@ -10,8 +10,9 @@ import grpc
 import redis
 
 from services.common import telemetry
-from services.common.grpc_server import add_health, bind, set_serving
+from services.common.grpc_server import SERVER_OPTIONS, add_health, bind, set_serving
 from services.common.pb import engine_pb2_grpc
+from services.common.redis_wait import connect_redis
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.engine import Engine
 from services.scheduler.grpc_executor import GrpcExecutor
@@ -41,18 +42,18 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     """Serves until ``stop`` is set. Unfinished requests stay pending in Redis for the next start.
 
     Raises:
-        redis.RedisError: Redis unreachable at start.
+        ConnectionError: Redis did not answer at start.
         OSError: the port cannot be bound.
     """
     tracer = telemetry.setup_tracing("pagedserve-scheduler")
-    client = redis.Redis.from_url(config.redis_url)
+    client = connect_redis(config.redis_url, stop)
     consumer = RequestQueueConsumer(client, config.consumer_name)
     consumer.ensure_group()
     executor = GrpcExecutor(config.step_timeout_s)
     engine = Engine(Scheduler(config.policy), executor)
     loop = SchedulerLoop(config, engine, executor, WorkerRegistry(client), consumer.ack, tracer)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=SERVER_OPTIONS)
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     health = add_health(server)
     port = bind(server, config.host, config.port)

@@ -22,6 +22,7 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
         self._abort_timeout_s = abort_timeout_s
 
     def StreamOutputs(self, request: pb.StreamOutputsRequest, context: grpc.ServicerContext) -> Iterator[pb.TokenEventBatch]:
+        """Streams the token events of one gateway's requests until the gateway goes away."""
         if not request.gateway_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gateway_id: must not be empty")
         context.send_initial_metadata(())  # lets the gateway see the stream is up before any event
@@ -35,10 +36,12 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
                 continue
 
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
+        """Aborts a request (or one sample) in the loop and waits until it is done."""
         done: Future = Future()
         sample_index = request.sample_index if request.HasField("sample_index") else None
         self._loop.submit(Abort(request.request_id, sample_index, done))
         return pb.AbortResponse(found=done.result(timeout=self._abort_timeout_s))
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.SchedulerStats:
+        """The loop's latest snapshot of queues and KV occupancy."""
         return stats_to_pb(self._loop.stats)

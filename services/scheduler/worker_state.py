@@ -19,9 +19,11 @@ class PlanDraft:
         token_budget: tokens still free in this iteration.
         preempted: a sequence was preempted here this iteration (no admissions then).
         swap_out, swap_in, copies: block copies for the worker, in the order it makes them.
+        scheduled: tokens scheduled per sequence in this iteration.
     """
 
     token_budget: int
+    scheduled: dict[str, int] = field(default_factory=dict)
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     preempted: bool = False
@@ -52,9 +54,10 @@ class WorkerState:
             self.dropped_ids.append(request_id)
         self.swapped.pop(request_id, None)
 
-    def take_plan(self, step_id: int, draft: PlanDraft) -> BatchPlan:
+    def take_plan(self, step_id: int, draft: PlanDraft, scheduler_id: str) -> BatchPlan:
         """The iteration's plan for this worker; clears the pending drops."""
         plan = BatchPlan(
+            scheduler_id=scheduler_id,
             step_id=step_id,
             new_requests=tuple(draft.new_requests),
             cached_requests=tuple(draft.cached_requests),

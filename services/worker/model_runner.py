@@ -118,6 +118,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = next(model.parameters()).device
         self.requests: dict[str, RequestState] = {}
+        self._scheduler_id = ""
 
     @property
     def num_blocks(self) -> int:
@@ -144,6 +145,9 @@ class ModelRunner:
                 too few tokens or blocks). Nothing of the plan is applied then, except dropping
                 ``finished_request_ids``.
         """
+        if plan.scheduler_id != self._scheduler_id:  # a restarted scheduler: nothing held is valid
+            self.requests.clear()
+            self._scheduler_id = plan.scheduler_id
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         self.kv_cache.swap_out(plan.blocks_to_swap_out)

@@ -8,12 +8,12 @@ import threading
 from concurrent import futures
 
 import grpc
-import redis
 
 from services.common import telemetry
-from services.common.grpc_server import add_health, bind, set_serving
+from services.common.grpc_server import SERVER_OPTIONS, add_health, bind, set_serving
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
+from services.common.redis_wait import connect_redis
 from services.worker.config import WorkerConfig, resolve_dtype
 from services.worker.registration import WorkerRegistrar
 from services.worker.service import WorkerServicer
@@ -36,7 +36,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     """Serves until ``stop`` is set, then unregisters and shuts down.
 
     Raises:
-        redis.RedisError: Redis unreachable at start.
+        ConnectionError: Redis did not answer at start.
         OSError: the port cannot be bound.
     """
     if config.cpu_affinity:
@@ -58,7 +58,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         gpu_memory_utilization=config.gpu_memory_utilization,
         swap_space_bytes=config.swap_space,
     )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
     engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, tracer), server)
     health = add_health(server)
     port = bind(server, config.host, config.port)
@@ -71,7 +71,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         model=config.model.name,
         num_cpu_blocks=runner.num_cpu_blocks,
     )
-    registrar = WorkerRegistrar(redis.Redis.from_url(config.redis_url), registration, config.heartbeat_interval_s)
+    registrar = WorkerRegistrar(connect_redis(config.redis_url, stop), registration, config.heartbeat_interval_s)
     registrar.start()
     set_serving(health, True)
     log.info("worker %s serving %s at %s with %d KV blocks", config.worker_id, config.model.name,

@@ -51,6 +51,7 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     def Execute(self, request: pb.BatchPlan, context: grpc.ServicerContext) -> pb.StepResult:
+        """Runs one plan; a plan that contradicts the worker's state is FAILED_PRECONDITION."""
         plan = plan_from_pb(request)
         try:
             result = self._model_thread.submit(self._execute, plan).result()

@@ -61,10 +61,10 @@ def test_stack_keeps_serving_after_bad_input(stack):
     assert_all_blocks_free(stack)
 
 
-def test_request_larger_than_any_worker_is_resource_exhausted(stack):
-    # 64 MiB of KV per worker holds 91 blocks = 1,456 tokens; the context (8,192) allows this request.
+def test_prompt_larger_than_any_worker_is_resource_exhausted(stack):
+    # 64 MiB of KV per worker holds 91 blocks = 1,456 tokens; the context (8,192) allows this prompt.
     with pytest.raises(grpc.RpcError) as info:
-        stream(stack.gateway, prompt_request("Tell me a long story.", max_tokens=6000))
+        stream(stack.gateway, prompt_request("Tell me a long story. " * 400, max_tokens=4))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert_all_blocks_free(stack)
 

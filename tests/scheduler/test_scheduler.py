@@ -155,7 +155,7 @@ def test_abort_frees_blocks_and_tells_the_worker():
 
 def test_request_larger_than_any_worker_is_rejected_with_resource_exhausted():
     engine, _ = make_engine({"w0": 4})
-    engine.add_request(request("huge", 10, 10))  # 19 slots > 16
+    engine.add_request(request("huge", 17, 10))  # a 17-token prompt, 16 slots
     engine.add_request(request("ok", 2, 1))
     outputs = engine.step()
     assert outputs[0].request_id == "huge" and outputs[0].finish_reason is FinishReason.ABORT
@@ -216,11 +216,21 @@ def test_random_workloads_are_exact_and_leak_nothing(specs, num_blocks, budget):
         assert step < 5000
     for i, (p, m, _, _) in enumerate(specs):
         rid = f"r{i}"
-        if finished.get(rid) is FinishReason.LENGTH:
-            assert outputs[rid] == reference_output(list(request(rid, p, m).prompt_token_ids), m)
+        if finished.get(rid) is FinishReason.LENGTH:  # max_tokens, or the worker's whole cache
+            expected = reference_output(list(request(rid, p, m).prompt_token_ids), m)
+            assert outputs[rid] == expected[: len(outputs[rid])]
     assert_all_free(engine)
 
 
 def specs_abort(specs, step):
     """Aborts request i at step 3*i+2 when its abort flag is set."""
     return [(f"r{i}", None, True) for i, s in enumerate(specs) if s[3] and step == 3 * i + 2]
+
+
+def test_a_sequence_that_fills_its_worker_alone_finishes_with_length():
+    engine, _ = make_engine({"w0": 4})  # 16 slots
+    engine.add_request(request("long", 4, 100))
+    outputs = run_to_completion(engine)
+    assert outputs["long"] == reference_output(list(request("long", 4, 100).prompt_token_ids), 13)
+    assert engine.scheduler.stats().num_preemptions == 0
+    assert_all_free(engine)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fservices/common/pb/engine.proto\x12\x14pagedserve.engine.v1\"\xea\x01\n\x14\x45ngineSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\t\n\x01n\x18\x0b \x01(\rB\x07\n\x05_seed\"\xd5\x02\n\rQueuedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x43\n\x0fsampling_params\x18\x04 \x01(\x0b\x32*.pagedserve.engine.v1.EngineSamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\x12L\n\rtrace_context\x18\x06 \x03(\x0b\x32\x35.pagedserve.engine.v1.QueuedRequest.TraceContextEntry\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x87\x01\n\x12WorkerRegistration\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\"\xe1\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x43\n\x0fsampling_params\x18\x07 \x01(\x0b\x32*.pagedserve.engine.v1.EngineSamplingParams\x12I\n\rtrace_context\x18\x08 \x03(\x0b\x32\x32.pagedserve.engine.v1.NewRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"u\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\r\"+\n\tBlockCopy\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\"\xe2\x02\n\tBatchPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x36\n\x0cnew_requests\x18\x02 \x03(\x0b\x32 .pagedserve.engine.v1.NewRequest\x12<\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32#.pagedserve.engine.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12;\n\x12\x62locks_to_swap_out\x18\x05 \x03(\x0b\x32\x1f.pagedserve.engine.v1.BlockCopy\x12:\n\x11\x62locks_to_swap_in\x18\x06 \x03(\x0b\x32\x1f.pagedserve.engine.v1.BlockCopy\x12\x37\n\x0e\x62locks_to_copy\x18\x07 \x03(\x0b\x32\x1f.pagedserve.engine.v1.BlockCopy\"[\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x14\n\x0csample_index\x18\x04 \x01(\r\"R\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x33\n\x07sampled\x18\x02 \x03(\x0b\x32\".pagedserve.engine.v1.SampledToken\"*\n\x14StreamOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"2\n\x0cRequestError\x12\x11\n\tgrpc_code\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd3\x01\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x66irst_output_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".pagedserve.engine.v1.FinishReason\x12\x31\n\x05\x65rror\x18\x05 \x01(\x0b\x32\".pagedserve.engine.v1.RequestError\x12\x14\n\x0csample_index\x18\x06 \x01(\r\"C\n\x0fTokenEventBatch\x12\x30\n\x06\x65vents\x18\x01 \x03(\x0b\x32 .pagedserve.engine.v1.TokenEvent\"N\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x0csample_index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_sample_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\x92\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\"\x86\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\x04\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12\x32\n\x07workers\x18\x05 \x03(\x0b\x32!.pagedserve.engine.v1.WorkerStats\x12\x13\n\x0bnum_swapped\x18\x06 \x01(\r\x12\x1c\n\x14num_swap_preemptions\x18\x07 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32V\n\x06Worker\x12L\n\x07\x45xecute\x12\x1f.pagedserve.engine.v1.BatchPlan\x1a .pagedserve.engine.v1.StepResult2\x9c\x02\n\tScheduler\x12\x64\n\rStreamOutputs\x12*.pagedserve.engine.v1.StreamOutputsRequest\x1a%.pagedserve.engine.v1.TokenEventBatch0\x01\x12P\n\x05\x41\x62ort\x12\".pagedserve.engine.v1.AbortRequest\x1a#.pagedserve.engine.v1.AbortResponse\x12W\n\x08GetStats\x12%.pagedserve.engine.v1.GetStatsRequest\x1a$.pagedserve.engine.v1.SchedulerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fservices/common/pb/engine.proto\x12\x14pagedserve.engine.v1\"\xea\x01\n\x14\x45ngineSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\t\n\x01n\x18\x0b \x01(\rB\x07\n\x05_seed\"\xd5\x02\n\rQueuedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\ngateway_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x43\n\x0fsampling_params\x18\x04 \x01(\x0b\x32*.pagedserve.engine.v1.EngineSamplingParams\x12\x14\n\x0c\x61rrival_time\x18\x05 \x01(\x01\x12L\n\rtrace_context\x18\x06 \x03(\x0b\x32\x35.pagedserve.engine.v1.QueuedRequest.TraceContextEntry\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x87\x01\n\x12WorkerRegistration\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05model\x18\x05 \x01(\t\x12\x16\n\x0enum_cpu_blocks\x18\x06 \x01(\r\"\xe1\x02\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\r\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x43\n\x0fsampling_params\x18\x07 \x01(\x0b\x32*.pagedserve.engine.v1.EngineSamplingParams\x12I\n\rtrace_context\x18\x08 \x03(\x0b\x32\x32.pagedserve.engine.v1.NewRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"u\n\rCachedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\r\"+\n\tBlockCopy\x12\x0e\n\x06source\x18\x01 \x01(\r\x12\x0e\n\x06target\x18\x02 \x01(\r\"\xf8\x02\n\tBatchPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x36\n\x0cnew_requests\x18\x02 \x03(\x0b\x32 .pagedserve.engine.v1.NewRequest\x12<\n\x0f\x63\x61\x63hed_requests\x18\x03 \x03(\x0b\x32#.pagedserve.engine.v1.CachedRequest\x12\x1c\n\x14\x66inished_request_ids\x18\x04 \x03(\t\x12;\n\x12\x62locks_to_swap_out\x18\x05 \x03(\x0b\x32\x1f.pagedserve.engine.v1.BlockCopy\x12:\n\x11\x62locks_to_swap_in\x18\x06 \x03(\x0b\x32\x1f.pagedserve.engine.v1.BlockCopy\x12\x37\n\x0e\x62locks_to_copy\x18\x07 \x03(\x0b\x32\x1f.pagedserve.engine.v1.BlockCopy\x12\x14\n\x0cscheduler_id\x18\x08 \x01(\t\"[\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x14\n\x0csample_index\x18\x04 \x01(\r\"R\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x33\n\x07sampled\x18\x02 \x03(\x0b\x32\".pagedserve.engine.v1.SampledToken\"*\n\x14StreamOutputsRequest\x12\x12\n\ngateway_id\x18\x01 \x01(\t\"2\n\x0cRequestError\x12\x11\n\tgrpc_code\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd3\x01\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x66irst_output_index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x39\n\rfinish_reason\x18\x04 \x01(\x0e\x32\".pagedserve.engine.v1.FinishReason\x12\x31\n\x05\x65rror\x18\x05 \x01(\x0b\x32\".pagedserve.engine.v1.RequestError\x12\x14\n\x0csample_index\x18\x06 \x01(\r\"C\n\x0fTokenEventBatch\x12\x30\n\x06\x65vents\x18\x01 \x03(\x0b\x32 .pagedserve.engine.v1.TokenEvent\"N\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x0csample_index\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_sample_index\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\x92\x01\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x05 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x06 \x01(\r\"\x86\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x03 \x01(\x04\x12\x11\n\tnum_steps\x18\x04 \x01(\x04\x12\x32\n\x07workers\x18\x05 \x03(\x0b\x32!.pagedserve.engine.v1.WorkerStats\x12\x13\n\x0bnum_swapped\x18\x06 \x01(\r\x12\x1c\n\x14num_swap_preemptions\x18\x07 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x08 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\t \x01(\x04*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32V\n\x06Worker\x12L\n\x07\x45xecute\x12\x1f.pagedserve.engine.v1.BatchPlan\x1a .pagedserve.engine.v1.StepResult2\x9c\x02\n\tScheduler\x12\x64\n\rStreamOutputs\x12*.pagedserve.engine.v1.StreamOutputsRequest\x1a%.pagedserve.engine.v1.TokenEventBatch0\x01\x12P\n\x05\x41\x62ort\x12\".pagedserve.engine.v1.AbortRequest\x1a#.pagedserve.engine.v1.AbortResponse\x12W\n\x08GetStats\x12%.pagedserve.engine.v1.GetStatsRequest\x1a$.pagedserve.engine.v1.SchedulerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUEUEDREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_NEWREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_NEWREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2754
-  _globals['_FINISHREASON']._serialized_end=2874
+  _globals['_FINISHREASON']._serialized_start=2776
+  _globals['_FINISHREASON']._serialized_end=2896
   _globals['_ENGINESAMPLINGPARAMS']._serialized_start=58
   _globals['_ENGINESAMPLINGPARAMS']._serialized_end=292
   _globals['_QUEUEDREQUEST']._serialized_start=295
@@ -54,31 +54,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKCOPY']._serialized_start=1251
   _globals['_BLOCKCOPY']._serialized_end=1294
   _globals['_BATCHPLAN']._serialized_start=1297
-  _globals['_BATCHPLAN']._serialized_end=1651
-  _globals['_SAMPLEDTOKEN']._serialized_start=1653
-  _globals['_SAMPLEDTOKEN']._serialized_end=1744
-  _globals['_STEPRESULT']._serialized_start=1746
-  _globals['_STEPRESULT']._serialized_end=1828
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=1830
-  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=1872
-  _globals['_REQUESTERROR']._serialized_start=1874
-  _globals['_REQUESTERROR']._serialized_end=1924
-  _globals['_TOKENEVENT']._serialized_start=1927
-  _globals['_TOKENEVENT']._serialized_end=2138
-  _globals['_TOKENEVENTBATCH']._serialized_start=2140
-  _globals['_TOKENEVENTBATCH']._serialized_end=2207
-  _globals['_ABORTREQUEST']._serialized_start=2209
-  _globals['_ABORTREQUEST']._serialized_end=2287
-  _globals['_ABORTRESPONSE']._serialized_start=2289
-  _globals['_ABORTRESPONSE']._serialized_end=2319
-  _globals['_GETSTATSREQUEST']._serialized_start=2321
-  _globals['_GETSTATSREQUEST']._serialized_end=2338
-  _globals['_WORKERSTATS']._serialized_start=2341
-  _globals['_WORKERSTATS']._serialized_end=2487
-  _globals['_SCHEDULERSTATS']._serialized_start=2490
-  _globals['_SCHEDULERSTATS']._serialized_end=2752
-  _globals['_WORKER']._serialized_start=2876
-  _globals['_WORKER']._serialized_end=2962
-  _globals['_SCHEDULER']._serialized_start=2965
-  _globals['_SCHEDULER']._serialized_end=3249
+  _globals['_BATCHPLAN']._serialized_end=1673
+  _globals['_SAMPLEDTOKEN']._serialized_start=1675
+  _globals['_SAMPLEDTOKEN']._serialized_end=1766
+  _globals['_STEPRESULT']._serialized_start=1768
+  _globals['_STEPRESULT']._serialized_end=1850
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_start=1852
+  _globals['_STREAMOUTPUTSREQUEST']._serialized_end=1894
+  _globals['_REQUESTERROR']._serialized_start=1896
+  _globals['_REQUESTERROR']._serialized_end=1946
+  _globals['_TOKENEVENT']._serialized_start=1949
+  _globals['_TOKENEVENT']._serialized_end=2160
+  _globals['_TOKENEVENTBATCH']._serialized_start=2162
+  _globals['_TOKENEVENTBATCH']._serialized_end=2229
+  _globals['_ABORTREQUEST']._serialized_start=2231
+  _globals['_ABORTREQUEST']._serialized_end=2309
+  _globals['_ABORTRESPONSE']._serialized_start=2311
+  _globals['_ABORTRESPONSE']._serialized_end=2341
+  _globals['_GETSTATSREQUEST']._serialized_start=2343
+  _globals['_GETSTATSREQUEST']._serialized_end=2360
+  _globals['_WORKERSTATS']._serialized_start=2363
+  _globals['_WORKERSTATS']._serialized_end=2509
+  _globals['_SCHEDULERSTATS']._serialized_start=2512
+  _globals['_SCHEDULERSTATS']._serialized_end=2774
+  _globals['_WORKER']._serialized_start=2898
+  _globals['_WORKER']._serialized_end=2984
+  _globals['_SCHEDULER']._serialized_start=2987
+  _globals['_SCHEDULER']._serialized_end=3271
 # @@protoc_insertion_point(module_scope)

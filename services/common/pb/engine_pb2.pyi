@@ -135,7 +135,7 @@ class BlockCopy(_message.Message):
     def __init__(self, source: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class BatchPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "scheduler_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class BatchPlan(_message.Message):
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -150,7 +151,8 @@ class BatchPlan(_message.Message):
     blocks_to_swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    scheduler_id: str
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("request_id", "token_id", "logprob", "sample_index")

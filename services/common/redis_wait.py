@@ -1,0 +1,32 @@
+"""Waiting for Redis at start, so services can be started in any order."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+log = logging.getLogger("pagedserve")
+
+
+def connect_redis(url: str, stop: threading.Event, timeout_s: float = 120.0) -> redis.Redis:
+    """A client for ``url`` once Redis answers a PING; logs while it waits.
+
+    Raises:
+        ConnectionError: Redis did not answer within ``timeout_s`` (or ``stop`` was set).
+    """
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30)
+    waited = 0.0
+    while not stop.is_set():
+        try:
+            client.ping()
+            return client
+        except redis.RedisError as exc:
+            if waited >= timeout_s:
+                raise ConnectionError(f"Redis at {url} did not answer for {timeout_s:.0f} s: {exc}") from exc
+            if waited % 10 == 0:
+                log.warning("waiting for Redis at %s (%s)", url, exc)
+            stop.wait(1.0)
+            waited += 1.0
+    raise ConnectionError(f"stopped while waiting for Redis at {url}")

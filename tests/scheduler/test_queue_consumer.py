@@ -1,0 +1,56 @@
+"""The Redis request stream with a real redis-server: a restarted scheduler re-reads its
+unfinished requests once, then goes on to new ones."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from services.common import redis_keys
+from services.common.pb import engine_pb2 as pb
+from services.scheduler.queue_consumer import RequestQueueConsumer
+from tests.e2e.processes import start_redis
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    process, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield redis.Redis.from_url(url)
+    process.stop()
+
+
+def put(client: redis.Redis, request_id: str) -> None:
+    record = pb.QueuedRequest(request_id=request_id, prompt_token_ids=[1]).SerializeToString()
+    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: record})
+
+
+def ids(entries) -> list[str]:
+    return [e.request.request_id for e in entries]
+
+
+def test_restart_rereads_unfinished_then_reads_new(client):
+    first = RequestQueueConsumer(client, "scheduler-0")
+    first.ensure_group()
+    for rid in ("a", "b", "c"):
+        put(client, rid)
+    taken = first.read(count=10, block_ms=100)
+    assert ids(taken) == ["a", "b", "c"]
+    first.ack(taken[0].entry_id)  # a finished; b and c did not when the scheduler died
+
+    restarted = RequestQueueConsumer(client, "scheduler-0")
+    restarted.ensure_group()
+    assert ids(restarted.read(count=1, block_ms=100)) == ["b"]  # the backlog, page by page
+    assert ids(restarted.read(count=1, block_ms=100)) == ["c"]
+    put(client, "d")
+    assert ids(restarted.read(count=10, block_ms=100)) == ["d"]  # backlog done: new requests
+    assert ids(restarted.read(count=10, block_ms=100)) == []
+
+
+def test_an_entry_deleted_while_pending_is_dropped(client):
+    consumer = RequestQueueConsumer(client, "scheduler-1")
+    consumer.ensure_group()
+    put(client, "e")
+    (entry,) = consumer.read(count=10, block_ms=100)
+    client.xdel(redis_keys.REQUEST_STREAM, entry.entry_id)
+    again = RequestQueueConsumer(client, "scheduler-1")
+    assert again.read(count=10, block_ms=100) == []
