@@ -28,7 +28,8 @@ def reference(hf_model, prompt_ids) -> list[list[int]]:
     return [hf_greedy(hf_model, ids, MAX_TOKENS) for ids in prompt_ids]
 
 
-def run_staggered(llm: LLM, prompt_ids: list[list[int]], every: int) -> dict[str, list[int]]:
+def run_staggered(llm: LLM, prompt_ids: list[list[int]], every: int,
+                  params: SamplingParams = GREEDY) -> dict[int, list[int]]:
     """Adds one request every ``every`` steps; returns the generated ids by prompt index."""
     outputs: dict[int, list[int]] = {}
     ids_by_request: dict[str, int] = {}
@@ -37,7 +38,7 @@ def run_staggered(llm: LLM, prompt_ids: list[list[int]], every: int) -> dict[str
     while pending or llm.has_unfinished_requests():
         if pending and step % every == 0:
             index, ids = pending.pop(0)
-            ids_by_request[llm.add_request(ids, GREEDY)] = index
+            ids_by_request[llm.add_request(ids, params)] = index
         for item in llm.step():
             outputs.setdefault(ids_by_request[item.request_id], []).extend(item.delta.token_ids)
         step += 1

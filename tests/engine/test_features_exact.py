@@ -1,0 +1,102 @@
+"""Greedy outputs on the real model are the same with and without each KV-memory feature:
+prefix caching, chunked prefill, swap and recompute preemption, all together with staggered
+arrivals; and n=4 samples share their prompt's blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.llm import LLM
+from services.common.sampling_params import SamplingParams
+from tests.engine.conftest import BASE_PROMPTS
+from tests.engine.test_greedy_matches_hf import BLOCK_BYTES, run_staggered
+
+pytestmark = pytest.mark.model
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode_prompt(p) for p in BASE_PROMPTS[:12]]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(default_model, prompts) -> list[tuple[int, ...]]:
+    """No feature at all: whole prompts, no caching, a cache big enough for everyone."""
+    llm = LLM(default_model, kv_cache_memory="64MiB", enable_prefix_caching=False, enable_chunked_prefill=False)
+    return [r.token_ids for r in llm.generate(prompts, GREEDY)]
+
+
+def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, tokenizer):
+    system = tokenizer.encode_prompt(" ".join(f"Rule {i}: be brief, exact and kind." for i in range(90)))[:1000]
+    assert len(system) == 1000
+    questions = [tokenizer.encode_prompt(f" Question {i}: what is {i} plus {i}?") for i in range(16)]
+    prompts = [system + q for q in questions]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    cached = LLM(default_model, kv_cache_memory="128MiB")
+    with_cache = []
+    for p in prompts:  # one after another, so each later request finds the system prompt cached
+        with_cache.append(cached.generate(p, params)[0].token_ids)
+    stats = cached.stats()
+    assert stats.prefix_cache_hits >= 15 * 992  # 62 full blocks of the system prompt, per later request
+    uncached = LLM(default_model, kv_cache_memory="128MiB", enable_prefix_caching=False)
+    assert [r.token_ids for r in uncached.generate(prompts, params)] == with_cache
+    assert uncached.stats().prefix_cache_hits == 0
+
+
+@pytest.mark.parametrize("budget", [7, 16, 64])
+def test_chunked_prefill_budgets(default_model, prompts, plain_outputs, budget):
+    llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=budget, max_num_seqs=budget,
+              enable_prefix_caching=False)
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == plain_outputs
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_modes_under_a_small_cache(default_model, prompts, plain_outputs, mode):
+    longest = max(len(p) for p in prompts) + GREEDY.max_tokens
+    blocks = -(-longest // 16) + 3
+    llm = LLM(default_model, kv_cache_memory=blocks * BLOCK_BYTES, swap_space=64 * BLOCK_BYTES,
+              preemption_mode=mode, enable_prefix_caching=False)
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == plain_outputs
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert (stats.num_swap_preemptions > 0) == (mode == "swap")
+
+
+def test_all_features_together_with_staggered_arrivals(default_model, tokenizer, prompts, plain_outputs):
+    long = tokenizer.encode_prompt(BASE_PROMPTS[15])  # ~130 tokens: 8 full blocks to share
+    long_alone = LLM(default_model, kv_cache_memory="64MiB", enable_prefix_caching=False).generate(long, GREEDY)[0]
+    llm = LLM(default_model, kv_cache_memory=(-(-(len(long) + 12) // 16)) * BLOCK_BYTES, swap_space=64 * BLOCK_BYTES,
+              preemption_mode="swap", max_num_batched_tokens=48, max_num_seqs=16, policy="priority")
+    outputs = run_staggered(llm, [long, long, *prompts], every=1, params=GREEDY)
+    assert [tuple(outputs[i + 2]) for i in range(len(prompts))] == plain_outputs
+    assert tuple(outputs[0]) == tuple(outputs[1]) == long_alone.token_ids
+    stats = llm.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+def test_four_seeded_samples_share_the_prompt_blocks(default_model, tokenizer):
+    llm = LLM(default_model, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    prompt = tokenizer.encode_prompt("A lighthouse keeper lives alone on a rock far out at sea. One night a storm "
+                                     "comes, and a small boat appears in the beam. Write one line of what happens next:")
+    assert len(prompt) > 32  # two full blocks to share, and a partial one to copy
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=2024, n=4, ignore_eos=True)
+    request_id = llm.add_request(prompt, params)
+    peak_used = 0
+    first_block_refs = 0
+    while llm.has_unfinished_requests():
+        llm.step()
+        stats = llm.stats().workers[0]
+        peak_used = max(peak_used, stats.num_blocks - stats.num_free_blocks)
+        table = llm.engine.scheduler.block_manager("worker-0").block_table(request_id)
+        if table:
+            first_block_refs = max(first_block_refs, llm.engine.scheduler.block_manager("worker-0").ref_count(table[0]))
+    assert first_block_refs == 4  # the prompt's full blocks are held by all four samples
+    independent = -(-(len(prompt) + 16) // 16) * 4
+    assert peak_used < independent
+    result = llm.generate(prompt, params)[0]
+    samples = [s.token_ids for s in result.samples]
+    assert len(samples) == 4 and len(set(samples)) == 4  # four different samples
+    again = LLM(default_model, kv_cache_memory="64MiB").generate(prompt, params)[0]
+    assert [s.token_ids for s in again.samples] == samples  # reproducible with the seed
