@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.bench import kv, overhead, serve, throughput
+from pagedserve.bench import kv, kv_features, overhead, serve, throughput
 
 
 def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
@@ -20,3 +20,4 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for module in (serve, throughput, overhead, kv):
         module.add_parser(commands)
+    kv_features.add_parsers(commands)

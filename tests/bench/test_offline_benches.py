@@ -48,3 +48,21 @@ def test_overhead_report(tmp_path, default_model):
     assert isinstance(report["ttft_added_ms"], float)
     assert set(report["scheduler_ms_per_iteration"]) == {"4", "8"}
     assert all(c["median_ms"] <= c["p99_ms"] for c in report["scheduler_cost"])
+
+
+def test_feature_benchmark_reports(tmp_path, default_model):
+    cases = {
+        "prefix-cache": (["--prefix-len", "40", "--suffix-len", "4", "--requests", "2"], {"ttft_ratio"}),
+        "parallel-sampling": (["--prompt-len", "40", "--output-len", "4"], {"kv_ratio"}),
+        "chunked-prefill": (["--decoders", "2", "--decode-len", "6", "--long-prompts", "1", "--long-len", "40",
+                             "--budget", "16"], {"p99_itl_ratio", "throughput_ratio"}),
+    }
+    for name, (flags, keys) in cases.items():
+        out = tmp_path / f"{name}.json"
+        bench(name, "--model", str(default_model), "--kv-cache-memory", "64MiB", *flags, "--result-json", str(out))
+        report = json.loads(out.read_text())
+        assert keys <= report.keys(), name
+        assert all(report[k] > 0 for k in keys), name
+    sampling = json.loads((tmp_path / "parallel-sampling.json").read_text())
+    assert sampling["kv_ratio"] == pytest.approx(sampling["parallel_peak_blocks"] / sampling["independent_peak_blocks"])
+    assert sampling["parallel_peak_blocks"] < sampling["independent_peak_blocks"]
