@@ -6,7 +6,8 @@ blocks that need not be contiguous; its block table maps logical block i (token 
 ``[i * block_size, (i + 1) * block_size)``) to a physical block id. Blocks are allocated as the
 sequence grows, shared by reference count between sequences with the same prefix (forked samples,
 cached prompts), copied on write when a shared, partly filled block is written, and swapped to
-CPU blocks under memory pressure. ``PrefixCachingBlockManager`` adds automatic prefix caching.
+CPU blocks under memory pressure. ``services/scheduler/prefix_caching.py`` adds automatic prefix
+caching on top.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.block_hash import BlockHash, hash_full_blocks, sha256
 from services.scheduler.block_pool import Block, BlockPool, NoFreeBlocksError
 
 
@@ -245,72 +245,4 @@ class BlockManager:
         return list(self._swapped)
 
 
-class PrefixCachingBlockManager(BlockManager):
-    """A block manager with automatic prefix caching (vLLM's APC).
-
-    Full blocks are keyed by a chained hash of their tokens (and ``extra``, e.g. a cache salt);
-    a new request takes references to the cached blocks that hold the start of its prompt and
-    computes only the rest. Freed cached blocks stay findable until evicted, least recently used
-    first. ``hash_fn`` can be replaced (tests use colliding ones).
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 hash_fn: Callable[[bytes], bytes] = sha256) -> None:
-        super().__init__(num_blocks, block_size, num_cpu_blocks)
-        self._hash_fn = hash_fn
-        self._hashes: dict[str, list[BlockHash]] = {}  # per request: hashes of its cached blocks
-        self.num_queried_tokens = 0
-        self.num_hit_tokens = 0
-
-    def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:
-        """The longest cached prefix of ``token_ids``, short of the whole: at least one token
-        must be computed to get the next token's logits, so a full hit drops its last block."""
-        hashes = hash_full_blocks(token_ids, self.block_size, extra, self._hash_fn)
-        hits = self._pool.lookup(hashes)
-        if len(hits) * self.block_size >= len(token_ids):
-            hits = hits[:-1]
-        self.num_queried_tokens += len(token_ids)
-        self.num_hit_tokens += len(hits) * self.block_size
-        return CachedPrefix(tuple(hits), len(hits) * self.block_size)
-
-    def allocate_slots(self, request_id: str, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> tuple[int, ...]:
-        new_block_ids = super().allocate_slots(request_id, num_tokens, prefix)
-        if prefix.blocks and request_id not in self._hashes:
-            self._hashes[request_id] = [block.block_hash for block in prefix.blocks]
-        return new_block_ids
-
-    def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
-                          extra: bytes = b"") -> None:
-        """Caches the request's blocks that ``num_tokens`` computed (or scheduled) slots fill."""
-        table = self._tables.get(request_id, [])
-        hashes = self._hashes.setdefault(request_id, [])
-        num_full = min(num_tokens // self.block_size, len(table))
-        if num_full <= len(hashes):
-            return
-        tokens = token_ids()
-        start = hashes[-1] if hashes else None
-        new = hash_full_blocks(tokens[:num_full * self.block_size], self.block_size, extra, self._hash_fn,
-                               start=start, first_block=len(hashes))
-        for index, block_hash in enumerate(new, start=len(hashes)):
-            self._pool.cache(table[index], block_hash, table[index - 1] if index else None)
-        hashes.extend(new)
-
-    def free(self, request_id: str) -> None:
-        self._hashes.pop(request_id, None)
-        super().free(request_id)
-
-    def swap_out(self, request_id: str) -> tuple[tuple[int, int], ...]:
-        self._hashes.pop(request_id, None)  # its device blocks are no longer its own
-        return super().swap_out(request_id)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self._pool.num_cached_blocks
-
-    @property
-    def num_evictions(self) -> int:
-        return self._pool.num_evictions
-
-
-__all__ = ["BlockManager", "CachedPrefix", "NO_PREFIX", "NoFreeBlocksError", "PrefixCachingBlockManager",
-           "blocks_for_tokens"]
+__all__ = ["BlockManager", "CachedPrefix", "NO_PREFIX", "NoFreeBlocksError", "blocks_for_tokens"]

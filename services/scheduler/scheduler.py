@@ -26,11 +26,12 @@ from services.common.messages import (
     StepResult,
 )
 from services.scheduler.block_manager import NO_PREFIX, CachedPrefix, blocks_for_tokens
-from services.scheduler.config import SchedulerConfig, SchedulerStats, WorkerStats
+from services.scheduler.config import SchedulerConfig, SchedulerStats
+from services.scheduler.limits import num_new_tokens, rejection_reason
 from services.scheduler.parallel_sampling import Forks
 from services.scheduler.policy import POLICIES
 from services.scheduler.sequence import Sequence, SequenceStatus
-from services.scheduler.worker_state import PlanDraft, WorkerState
+from services.scheduler.worker_state import PlanDraft, WorkerState, pick_worker, scheduler_stats
 
 GRPC_RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -172,20 +173,8 @@ class Scheduler:
         return outputs
 
     def stats(self) -> SchedulerStats:
-        workers = tuple(w.stats() for w in self._workers.values())
-        queries = sum(getattr(w.blocks, "num_queried_tokens", 0) for w in self._workers.values())
-        hits = sum(getattr(w.blocks, "num_hit_tokens", 0) for w in self._workers.values())
-        return SchedulerStats(
-            num_waiting=len(self._waiting),
-            num_running=sum(w.num_running for w in workers),
-            num_preemptions=self._num_preemptions,
-            num_steps=self._step_id,
-            workers=workers,
-            num_swapped=sum(w.num_swapped for w in workers),
-            num_swap_preemptions=self._num_swap_preemptions,
-            prefix_cache_queries=queries,
-            prefix_cache_hits=hits,
-        )
+        return scheduler_stats(self._workers.values(), len(self._waiting), self._step_id, self._num_preemptions,
+                               self._num_swap_preemptions)
 
     # ---- policy pieces -------------------------------------------------------------------
     def _schedule_running(self, worker: WorkerState, draft: PlanDraft) -> None:
@@ -195,7 +184,7 @@ class Scheduler:
                       [s for s in ordered if s.num_uncomputed_tokens > 1])
         while queue and draft.token_budget > 0:
             seq = queue.popleft()
-            num_new = self._num_new_tokens(seq, draft)
+            num_new = num_new_tokens(seq, draft.token_budget, self.config)
             if num_new == 0:
                 continue
             total = seq.num_computed_tokens + num_new
@@ -236,7 +225,7 @@ class Scheduler:
             seq = self._waiting.peek()
             if not self._fits_any_worker(seq):
                 continue  # rejected and removed from the queue
-            worker = self._pick_worker(drafts)
+            worker = pick_worker(self._workers.values(), drafts, self.config.max_num_seqs)
             if worker is None:
                 return
             draft = drafts[worker.worker_id]
@@ -245,7 +234,7 @@ class Scheduler:
                 self._start_on(worker, seq, draft, num_new=1)
                 continue
             prefix = self._cached_prefix(worker, seq)
-            num_new = self._num_new_tokens(seq, draft, prefix.num_tokens)
+            num_new = num_new_tokens(seq, draft.token_budget, self.config, prefix.num_tokens)
             total = prefix.num_tokens + num_new
             if num_new == 0 or not worker.blocks.can_allocate(seq.request_id, total, prefix):
                 return
@@ -259,34 +248,10 @@ class Scheduler:
             return NO_PREFIX
         return worker.blocks.find_cached_prefix(seq.all_token_ids(), seq.request.cache_salt.encode())
 
-    def _num_new_tokens(self, seq: Sequence, draft: PlanDraft, num_computed: int | None = None) -> int:
-        """Tokens to compute now: all that remain, or a chunk; 0 when an unchunked prefill must wait."""
-        remaining = seq.num_tokens - (seq.num_computed_tokens if num_computed is None else num_computed)
-        if remaining > draft.token_budget and not self.config.enable_chunked_prefill:
-            return 0
-        return min(remaining, draft.token_budget)
-
-    def _pick_worker(self, drafts: dict[str, PlanDraft]) -> WorkerState | None:
-        """The worker with the most free blocks among those that can take another sequence now."""
-        eligible = [
-            w for w in self._workers.values()
-            if not drafts[w.worker_id].preempted and drafts[w.worker_id].token_budget > 0
-            and len(w.running) < self.config.max_num_seqs
-        ]
-        return max(eligible, key=lambda w: w.blocks.num_free_blocks, default=None)
-
     def _fits_any_worker(self, seq: Sequence) -> bool:
         """Rejects (finishes with an error) a sequence no worker could ever run; True if it fits."""
-        if not self._workers:
-            return True  # wait for workers to register
-        capacity = max(w.blocks.num_blocks for w in self._workers.values()) * self.config.block_size
-        if seq.num_tokens > capacity:
-            reason = (f"the prompt needs {seq.num_tokens} KV slots, more than the largest worker's KV cache "
-                      f"holds ({capacity})")
-        elif not self.config.enable_chunked_prefill and seq.num_tokens > self.config.max_num_batched_tokens:
-            reason = (f"the prompt has {seq.num_tokens} tokens, more than max_num_batched_tokens "
-                      f"({self.config.max_num_batched_tokens}) and chunked prefill is off")
-        else:
+        reason = rejection_reason(seq, [w.blocks.num_blocks for w in self._workers.values()], self.config)
+        if reason is None:
             return True
         self._finish(seq, FinishReason.ABORT)
         self._outputs.append(RequestOutput(seq.output_request_id, seq.num_output_tokens, (), FinishReason.ABORT,
@@ -338,11 +303,7 @@ class Scheduler:
         draft.preempted = True  # no admissions on this worker in this iteration
         if self.config.preemption_mode == "swap" and worker.blocks.can_swap_out(seq.request_id):
             self._num_swap_preemptions += 1
-            draft.swap_out.extend(worker.blocks.swap_out(seq.request_id))
-            del worker.running[seq.request_id]
-            worker.dropped_ids.append(seq.request_id)  # sent in full again when swapped back in
-            worker.swapped[seq.request_id] = seq
-            seq.status = SequenceStatus.SWAPPED
+            worker.swap_out(seq, draft)
             return
         self._requeue(seq)
 

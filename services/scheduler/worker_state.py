@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.common.messages import BatchPlan, CachedRequestData, NewRequestData
-from services.scheduler.block_manager import BlockManager, PrefixCachingBlockManager
-from services.scheduler.config import SchedulerConfig, WorkerStats
-from services.scheduler.sequence import Sequence
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.prefix_caching import PrefixCachingBlockManager
+from services.scheduler.config import SchedulerConfig, SchedulerStats, WorkerStats
+from services.scheduler.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -54,6 +56,15 @@ class WorkerState:
             self.dropped_ids.append(request_id)
         self.swapped.pop(request_id, None)
 
+    def swap_out(self, seq: Sequence, draft: PlanDraft) -> None:
+        """Swap preemption: the sequence's blocks go to CPU memory; the worker drops its state and
+        gets it in full again when the sequence is swapped back in."""
+        draft.swap_out.extend(self.blocks.swap_out(seq.request_id))
+        del self.running[seq.request_id]
+        self.dropped_ids.append(seq.request_id)
+        self.swapped[seq.request_id] = seq
+        seq.status = SequenceStatus.SWAPPED
+
     def take_plan(self, step_id: int, draft: PlanDraft, scheduler_id: str) -> BatchPlan:
         """The iteration's plan for this worker; clears the pending drops."""
         plan = BatchPlan(
@@ -78,3 +89,32 @@ class WorkerState:
             num_swapped=len(self.swapped),
             num_cached_blocks=getattr(self.blocks, "num_cached_blocks", 0),
         )
+
+
+def scheduler_stats(workers: Iterable[WorkerState], num_waiting: int, num_steps: int, num_preemptions: int,
+                    num_swap_preemptions: int) -> SchedulerStats:
+    """A snapshot of the queues and of every worker's KV occupancy and prefix-cache counters."""
+    states = list(workers)
+    per_worker = tuple(w.stats() for w in states)
+    return SchedulerStats(
+        num_waiting=num_waiting,
+        num_running=sum(w.num_running for w in per_worker),
+        num_preemptions=num_preemptions,
+        num_steps=num_steps,
+        workers=per_worker,
+        num_swapped=sum(w.num_swapped for w in per_worker),
+        num_swap_preemptions=num_swap_preemptions,
+        prefix_cache_queries=sum(getattr(w.blocks, "num_queried_tokens", 0) for w in states),
+        prefix_cache_hits=sum(getattr(w.blocks, "num_hit_tokens", 0) for w in states),
+    )
+
+
+def pick_worker(workers: Iterable[WorkerState], drafts: dict[str, PlanDraft], max_num_seqs: int) -> WorkerState | None:
+    """The worker with the most free blocks among those that can take another sequence now
+    (none that preempted in this iteration, has no budget left, or runs ``max_num_seqs``)."""
+    eligible = [
+        w for w in workers
+        if not drafts[w.worker_id].preempted and drafts[w.worker_id].token_budget > 0
+        and len(w.running) < max_num_seqs
+    ]
+    return max(eligible, key=lambda w: w.blocks.num_free_blocks, default=None)

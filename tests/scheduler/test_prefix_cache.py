@@ -4,7 +4,8 @@ reference counts."""
 import pytest
 
 from services.scheduler.block_hash import hash_full_blocks
-from services.scheduler.block_manager import BlockManager, NoFreeBlocksError, PrefixCachingBlockManager
+from services.scheduler.block_manager import BlockManager, NoFreeBlocksError
+from services.scheduler.prefix_caching import PrefixCachingBlockManager
 
 
 def tokens(n: int, start: int = 100) -> list[int]:
