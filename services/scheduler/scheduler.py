@@ -188,7 +188,8 @@ class Scheduler:
             if num_new == 0:
                 continue
             total = seq.num_computed_tokens + num_new
-            while worker.blocks.num_new_blocks(seq.request_id, total) > worker.blocks.num_free_blocks:
+            needed = worker.blocks.num_new_blocks(seq.request_id, total)
+            while needed > worker.blocks.num_free_blocks:
                 if not queue and len(worker.running) == 1:
                     self._out_of_memory(seq)  # alone, and the whole cache is its: like the end of the context
                     break
@@ -198,7 +199,7 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            new_block_ids = worker.blocks.allocate_slots(seq.request_id, total)
+            new_block_ids = worker.blocks.allocate_blocks(seq.request_id, needed) if needed else ()
             draft.cached_requests.append(
                 CachedRequestData(seq.request_id, new_block_ids, seq.num_computed_tokens, num_new))
             self._advance(worker, seq, num_new, draft)
@@ -276,12 +277,14 @@ class Scheduler:
         self._advance(worker, seq, num_new, draft)
 
     def _advance(self, worker: WorkerState, seq: Sequence, num_new: int, draft: PlanDraft) -> None:
+        before = seq.num_computed_tokens
         seq.num_computed_tokens += num_new
         draft.token_budget -= num_new
         draft.scheduled[seq.request_id] = num_new
-        if self.config.enable_prefix_caching:
+        block_size = self.config.block_size
+        if self.config.enable_prefix_caching and before // block_size != seq.num_computed_tokens // block_size:
             worker.blocks.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_computed_tokens,
-                                            seq.request.cache_salt.encode())
+                                            seq.request.cache_salt.encode())  # a block just filled up
 
     def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
         index = seq.num_output_tokens

@@ -41,6 +41,7 @@ class Sequence:
         "sample_index",
         "sampling",
         "fork_parent",
+        "num_prompt_tokens",
         "output_token_ids",
         "status",
         "num_computed_tokens",
@@ -56,6 +57,7 @@ class Sequence:
         self.request_id = request.request_id if sample_index == 0 else f"{request.request_id}#{sample_index}"
         self.sampling = sampling or request.sampling
         self.fork_parent: Sequence | None = None
+        self.num_prompt_tokens = len(request.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
@@ -67,10 +69,6 @@ class Sequence:
     def output_request_id(self) -> str:
         """The client's request id, which every sample's outputs carry."""
         return self.request.request_id
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
