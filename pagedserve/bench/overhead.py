@@ -3,7 +3,10 @@
 1. The same workload (all requests at once) through the whole stack (gateway, Redis, scheduler,
    one worker, over gRPC) and through the in-process engine with the same settings: the ratio of
    output tokens/s.
-2. TTFT of a single request through the stack and in-process (median of ``--ttft-repeats``).
+2. TTFT of a single request through the stack and in-process (median of ``--ttft-repeats``
+   prompts, each unique so that no prefix-cache hit shortens it).
+The two sides take turns, request by request for TTFT and pass by pass (``--rounds``) for
+throughput, so that a slow spell of a shared machine falls on both alike.
 3. The scheduler's own time per iteration (schedule + apply results, plus the protobuf encoding
    of plans and results that the service adds) at 32, 128 and 256 running decode sequences, with
    an instant stand-in for the model so that the model step is excluded.
@@ -12,7 +15,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -29,7 +34,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="", help="model folder (default: the default model)")
     add_dataset_arguments(p)
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory of the worker (default %(default)s)")
+    p.add_argument("--threads-per-worker", type=int, default=0,
+                   help="model threads on both sides, pinned to the first cores (default: every core); fewer "
+                        "than the cores leaves the rest to the gateway, scheduler, Redis and this client")
     p.add_argument("--ttft-repeats", type=int, default=10, help="single-request TTFT samples (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="throughput passes per side, taken in turns (default %(default)s)")
     p.add_argument("--running", default="32,128,256",
                    help="running-sequence counts for the scheduler timing (default %(default)s)")
     p.add_argument("--iterations", type=int, default=200, help="scheduler iterations timed per count")
@@ -37,36 +47,102 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _engine_pass(model: Path, requests: list[SampleRequest], args: argparse.Namespace, tokenizer) -> tuple[float, list[float]]:
-    """In-process: output tokens/s with all requests at once, and single-request TTFTs (ms)."""
-    from pagedserve.llm import LLM
-    from services.common.sampling_params import SamplingParams
+class _InProcess:
+    """The in-process engine, on the cores the stack's worker gets."""
 
-    llm = LLM(model, kv_cache_memory=args.kv_cache_memory)
-    prompt_ids = tokenizer.encode(requests[0].prompt)
-    ttfts = []
-    for _ in range(args.ttft_repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        llm.add_request(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0))
-        while llm.has_unfinished_requests():
-            llm.step()
-        ttfts.append((time.perf_counter() - start) * 1000)
-    start = time.perf_counter()
-    for r in requests:
-        llm.add_request(tokenizer.encode(r.prompt),
-                        SamplingParams(max_tokens=r.expected_output_len, temperature=0.0, ignore_eos=True))
-    while llm.has_unfinished_requests():
-        llm.step()
-    throughput = sum(r.expected_output_len for r in requests) / (time.perf_counter() - start)
-    return throughput, ttfts[1:]
+    def __init__(self, model: Path, args: argparse.Namespace) -> None:
+        import torch
+
+        from pagedserve.llm import LLM
+
+        self.cores = range(_threads(args))
+        torch.set_num_threads(len(self.cores))
+        self.llm = LLM(model, kv_cache_memory=args.kv_cache_memory)
+
+    @contextlib.contextmanager
+    def _on_worker_cores(self):
+        """Runs the model on this thread on the cores the stack's worker has, as long as it steps."""
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.cores)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
+
+    def ttft_ms(self, prompt: str) -> float:
+        """Time to the first token of ``prompt`` sent alone (ms)."""
+        from services.common.sampling_params import SamplingParams
+
+        with self._on_worker_cores():
+            start = time.perf_counter()
+            self.llm.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+            while self.llm.has_unfinished_requests():
+                self.llm.step()
+            return (time.perf_counter() - start) * 1000
+
+    def run(self, requests: list[SampleRequest]) -> tuple[int, float]:
+        """All ``requests`` at once; returns (output tokens, seconds)."""
+        from services.common.sampling_params import SamplingParams
+
+        with self._on_worker_cores():
+            start = time.perf_counter()
+            for r in requests:
+                self.llm.add_request(r.prompt, SamplingParams(max_tokens=r.expected_output_len, temperature=0.0,
+                                                              ignore_eos=True))
+            while self.llm.has_unfinished_requests():
+                self.llm.step()
+            return sum(r.expected_output_len for r in requests), time.perf_counter() - start
 
 
-def _stack_pass(model: Path, requests: list[SampleRequest], args: argparse.Namespace) -> tuple[float, list[float]]:
-    """Through a stack started here (Redis, scheduler, one worker, gateway): the same two figures."""
-    import asyncio
+class _ThroughStack:
+    """The same two measurements through a running gateway."""
 
-    from pagedserve.bench.serve import LoadSettings, run_load
-    from pagedserve.launcher import Stack, StackConfig, default_threads_per_worker
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def ttft_ms(self, prompt: str) -> float:
+        records, _ = self._load([SampleRequest(prompt, 0, 1)], timeout_s=600)
+        return records[0].ttft_s * 1000
+
+    def run(self, requests: list[SampleRequest]) -> tuple[int, float]:
+        records, duration = self._load(requests, timeout_s=3600)
+        failed = [r for r in records if r.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} requests failed through the stack: {failed[0].error}")
+        return sum(r.output_tokens for r in records), duration
+
+    def _load(self, requests: list[SampleRequest], timeout_s: float):
+        import asyncio
+
+        from pagedserve.bench.serve import LoadSettings, run_load
+
+        return asyncio.run(run_load(self.target, requests, LoadSettings(float("inf")), temperature=0.0,
+                                    ignore_eos=True, timeout_s=timeout_s))
+
+
+def _measure(sides: dict, requests: list[SampleRequest], args: argparse.Namespace) -> dict:
+    """Alternates the sides so that a slow spell of a shared machine hits both alike.
+
+    TTFT prompts are the workload's prompts, each made unique by a numbered first line so that no
+    prefix-cache hit shortens them; the first of them warms both sides up and is not counted.
+    """
+    ttfts: dict[str, list[float]] = {name: [] for name in sides}
+    for i in range(args.ttft_repeats + 1):
+        prompt = f"Request {i}.\n{requests[i % len(requests)].prompt}"
+        for name, side in sides.items():
+            ttfts[name].append(side.ttft_ms(prompt))
+    totals = {name: [0, 0.0] for name in sides}
+    for _ in range(args.rounds):
+        for name, side in sides.items():
+            tokens, seconds = side.run(requests)
+            totals[name][0] += tokens
+            totals[name][1] += seconds
+    return {name: (totals[name][0] / totals[name][1], ttfts[name][1:]) for name in sides}
+
+
+def _measure_both(model: Path, requests: list[SampleRequest], args: argparse.Namespace) -> dict:
+    """Starts a stack (Redis, scheduler, one worker, gateway) and the in-process engine; measures both."""
+    from pagedserve.launcher import Stack, StackConfig
     from services.scheduler.config import SchedulerConfig
 
     ports = [_free_port() for _ in range(3)]
@@ -74,25 +150,23 @@ def _stack_pass(model: Path, requests: list[SampleRequest], args: argparse.Names
         stack = Stack(StackConfig(
             model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
             redis_url=f"redis://127.0.0.1:{ports[2]}/0", kv_cache_memory=args.kv_cache_memory, swap_space="0",
-            policy=SchedulerConfig(), threads_per_worker=default_threads_per_worker(1), data_dir=Path(data_dir),
+            policy=SchedulerConfig(), threads_per_worker=_threads(args), data_dir=Path(data_dir),
         ))
         try:
             stack.start()
-            target = f"127.0.0.1:{ports[0]}"
-            single = [SampleRequest(requests[0].prompt, requests[0].prompt_len, 1)]
-            ttfts = []
-            for _ in range(args.ttft_repeats + 1):  # the first is a warm-up
-                records, _ = asyncio.run(run_load(target, single, LoadSettings(float("inf")), temperature=0.0,
-                                                  ignore_eos=True, timeout_s=600))
-                ttfts.append(records[0].ttft_s * 1000)
-            records, duration = asyncio.run(run_load(target, requests, LoadSettings(float("inf")), temperature=0.0,
-                                                     ignore_eos=True, timeout_s=3600))
+            sides = {"stack": _ThroughStack(f"127.0.0.1:{ports[0]}"), "engine": _InProcess(model, args)}
+            return _measure(sides, requests, args)
         finally:
             stack.stop()
-    failed = [r for r in records if r.error]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed through the stack: {failed[0].error}")
-    return sum(r.output_tokens for r in records) / duration, ttfts[1:]
+
+
+def _threads(args: argparse.Namespace) -> int:
+    from pagedserve.launcher import default_threads_per_worker
+
+    cores = os.cpu_count() or 1
+    if args.threads_per_worker > cores:
+        raise SystemExit(f"--threads-per-worker {args.threads_per_worker} is more than this machine's {cores} cores")
+    return args.threads_per_worker or default_threads_per_worker(1)
 
 
 def _free_port() -> int:
@@ -111,9 +185,9 @@ def run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model or None)
     tokenizer = AutoTokenizer.from_pretrained(model)
     requests = sample_requests(dataset_spec_from_args(args), tokenizer)
-    print(f"{len(requests)} requests; stack first, then the in-process engine", flush=True)
-    stack_tps, stack_ttft = _stack_pass(model, requests, args)
-    engine_tps, engine_ttft = _engine_pass(model, requests, args, tokenizer)
+    print(f"{len(requests)} requests; the stack and the in-process engine take turns", flush=True)
+    measured = _measure_both(model, requests, args)
+    (stack_tps, stack_ttft), (engine_tps, engine_ttft) = measured["stack"], measured["engine"]
     costs = [scheduler_iteration_ms(int(n), args.iterations) for n in args.running.split(",")]
     result = {
         "stack_to_engine_throughput_ratio": stack_tps / engine_tps,
@@ -121,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
         "scheduler_ms_per_iteration": {str(c.num_running): c.median_ms for c in costs},
         "stack_output_tokens_per_s": stack_tps,
         "engine_output_tokens_per_s": engine_tps,
+        "model_threads": _threads(args),
         "stack_ttft_ms": stack_ttft,
         "engine_ttft_ms": engine_ttft,
         "scheduler_cost": [c.__dict__ for c in costs],
@@ -134,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(result: dict, costs) -> None:
-    print(f"\nThe price of the service split ({machine_line(result['machine'])})")
+    print(f"\nThe price of the service split ({machine_line(result['machine'])}; "
+          f"{result['model_threads']} model thread(s) on each side)")
     print(f"{'':<28} {'stack':>10} {'in-process':>11} {'stack/in-process':>17}")
     print(f"{'output tokens/s':<28} {result['stack_output_tokens_per_s']:>10.1f} "
           f"{result['engine_output_tokens_per_s']:>11.1f} {result['stack_to_engine_throughput_ratio']:>17.3f}")
