@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -200,6 +201,13 @@ def run_stack(config: StackConfig) -> int:
     finally:
         stack.stop()
     return status
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def default_threads_per_worker(workers: int) -> int:

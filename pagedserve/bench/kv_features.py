@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pagedserve.bench.in_process import ttft_ms
 from pagedserve.bench.machine import machine_info, machine_line
 
 
@@ -77,27 +78,16 @@ def _write(args: argparse.Namespace, result: dict) -> None:
         args.result_json.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def _ttft_ms(llm, prompt: list[int]) -> float:
-    """Time for one request alone to produce its first token, in ms."""
-    from services.common.sampling_params import SamplingParams
-
-    start = time.perf_counter()
-    llm.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-    while llm.has_unfinished_requests():
-        llm.step()
-    return (time.perf_counter() - start) * 1000
-
-
 def run_prefix_cache(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     prefix = _random_ids(rng, args.prefix_len)
     prompts = [prefix + _random_ids(rng, args.suffix_len) for _ in range(args.requests)]
     uncached_llm = _llm(args, enable_prefix_caching=False)
     cached_llm = _llm(args)
-    _ttft_ms(uncached_llm, _random_ids(rng, 64))  # warm-up
-    _ttft_ms(cached_llm, prefix + _random_ids(rng, args.suffix_len))  # warm-up that also caches the prefix
-    uncached = [_ttft_ms(uncached_llm, p) for p in prompts]
-    cached = [_ttft_ms(cached_llm, p) for p in prompts]
+    ttft_ms(uncached_llm, _random_ids(rng, 64))  # warm-up
+    ttft_ms(cached_llm, prefix + _random_ids(rng, args.suffix_len))  # warm-up that also caches the prefix
+    uncached = [ttft_ms(uncached_llm, p) for p in prompts]
+    cached = [ttft_ms(cached_llm, p) for p in prompts]
     ratio = statistics.median(cached) / statistics.median(uncached)
     print(f"\nPrefix caching: TTFT of a {args.prefix_len}+{args.suffix_len}-token prompt, median of {args.requests}")
     print(f"{'uncached ms':>12} {'cached ms':>10} {'cached/uncached':>16}")

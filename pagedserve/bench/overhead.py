@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
+from pagedserve.bench.in_process import ttft_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.scheduler_cost import scheduler_iteration_ms
 
@@ -71,14 +72,8 @@ class _InProcess:
 
     def ttft_ms(self, prompt: str) -> float:
         """Time to the first token of ``prompt`` sent alone (ms)."""
-        from services.common.sampling_params import SamplingParams
-
         with self._on_worker_cores():
-            start = time.perf_counter()
-            self.llm.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-            while self.llm.has_unfinished_requests():
-                self.llm.step()
-            return (time.perf_counter() - start) * 1000
+            return ttft_ms(self.llm, prompt)
 
     def run(self, requests: list[SampleRequest]) -> tuple[int, float]:
         """All ``requests`` at once; returns (output tokens, seconds)."""
@@ -142,10 +137,10 @@ def _measure(sides: dict, requests: list[SampleRequest], args: argparse.Namespac
 
 def _measure_both(model: Path, requests: list[SampleRequest], args: argparse.Namespace) -> dict:
     """Starts a stack (Redis, scheduler, one worker, gateway) and the in-process engine; measures both."""
-    from pagedserve.launcher import Stack, StackConfig
+    from pagedserve.launcher import Stack, StackConfig, free_port
     from services.scheduler.config import SchedulerConfig
 
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     with tempfile.TemporaryDirectory() as data_dir:
         stack = Stack(StackConfig(
             model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
@@ -167,14 +162,6 @@ def _threads(args: argparse.Namespace) -> int:
     if args.threads_per_worker > cores:
         raise SystemExit(f"--threads-per-worker {args.threads_per_worker} is more than this machine's {cores} cores")
     return args.threads_per_worker or default_threads_per_worker(1)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -64,6 +64,8 @@ class BlockManager:
         self._cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks > 0 else None
         self._tables: dict[str, list[Block]] = {}
         self._swapped: dict[str, list[Block]] = {}
+        self.num_queried_tokens = 0  # prefix-cache lookups, in tokens (stay 0 without prefix caching)
+        self.num_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -76,6 +78,15 @@ class BlockManager:
     @property
     def num_free_cpu_blocks(self) -> int:
         return self._cpu_pool.num_free_blocks if self._cpu_pool else 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by their hash (0 without prefix caching)."""
+        return self._pool.num_cached_blocks
+
+    @property
+    def num_evictions(self) -> int:
+        return self._pool.num_evictions
 
     # ---- allocation ----------------------------------------------------------------------
     def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:

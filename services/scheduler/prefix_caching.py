@@ -14,12 +14,10 @@ from services.scheduler.block_manager import NO_PREFIX, BlockManager, CachedPref
 
 
 class PrefixCachingBlockManager(BlockManager):
-    """A block manager with automatic prefix caching (vLLM's APC).
+    """A block manager with automatic prefix caching (see the module docstring).
 
-    Full blocks are keyed by a chained hash of their tokens (and ``extra``, e.g. a cache salt);
-    a new request takes references to the cached blocks that hold the start of its prompt and
-    computes only the rest. Freed cached blocks stay findable until evicted, least recently used
-    first. ``hash_fn`` can be replaced (tests use colliding ones).
+    ``extra`` keys (a cache salt) enter the hash chain with the tokens. ``hash_fn`` can be
+    replaced (tests use colliding ones).
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
@@ -27,8 +25,6 @@ class PrefixCachingBlockManager(BlockManager):
         super().__init__(num_blocks, block_size, num_cpu_blocks)
         self._hash_fn = hash_fn
         self._hashes: dict[str, list[BlockHash]] = {}  # per request: hashes of its cached blocks
-        self.num_queried_tokens = 0
-        self.num_hit_tokens = 0
 
     def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:
         """The longest cached prefix of ``token_ids``, short of the whole: at least one token
@@ -70,11 +66,3 @@ class PrefixCachingBlockManager(BlockManager):
     def swap_out(self, request_id: str) -> tuple[tuple[int, int], ...]:
         self._hashes.pop(request_id, None)  # its device blocks are no longer its own
         return super().swap_out(request_id)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self._pool.num_cached_blocks
-
-    @property
-    def num_evictions(self) -> int:
-        return self._pool.num_evictions

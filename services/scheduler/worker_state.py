@@ -87,7 +87,7 @@ class WorkerState:
             num_free_blocks=self.blocks.num_free_blocks,
             num_running=len(self.running),
             num_swapped=len(self.swapped),
-            num_cached_blocks=getattr(self.blocks, "num_cached_blocks", 0),
+            num_cached_blocks=self.blocks.num_cached_blocks,
         )
 
 
@@ -104,8 +104,8 @@ def scheduler_stats(workers: Iterable[WorkerState], num_waiting: int, num_steps:
         workers=per_worker,
         num_swapped=sum(w.num_swapped for w in per_worker),
         num_swap_preemptions=num_swap_preemptions,
-        prefix_cache_queries=sum(getattr(w.blocks, "num_queried_tokens", 0) for w in states),
-        prefix_cache_hits=sum(getattr(w.blocks, "num_hit_tokens", 0) for w in states),
+        prefix_cache_queries=sum(w.blocks.num_queried_tokens for w in states),
+        prefix_cache_hits=sum(w.blocks.num_hit_tokens for w in states),
     )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -14,15 +13,10 @@ from pathlib import Path
 
 import grpc
 
+from pagedserve.launcher import free_port
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(ready: Callable[[], bool], what: str, timeout_s: float, processes: list["Process"] = ()) -> None:

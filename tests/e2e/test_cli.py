@@ -12,7 +12,7 @@ import time
 import pytest
 
 from services.common.grpc_server import check_health
-from tests.e2e.processes import free_port
+from pagedserve.launcher import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
