@@ -15,7 +15,7 @@ from services.common.service_args import add_model_argument, add_redis_argument,
 
 
 def _resolve_model(model: str) -> Path:
-    from services.common.model_files import resolve_model
+    from pagedserve.model_files import resolve_model
 
     return resolve_model(model or None)
 
@@ -30,7 +30,7 @@ def _stop_on_signals() -> threading.Event:
 def cmd_up(args: argparse.Namespace) -> int:
     """`pagedserve up`: the whole stack as child processes."""
     from pagedserve.launcher import StackConfig, default_threads_per_worker, run_stack
-    from services.common.model_files import default_cache_dir
+    from pagedserve.model_files import default_cache_dir
     from services.scheduler.config import policy_from_args
 
     redis_port = urlparse(args.redis_url).port or 6379
@@ -87,7 +87,7 @@ def cmd_complete(args: argparse.Namespace) -> int:
 
 def cmd_prepare_model(args: argparse.Namespace) -> int:
     """`pagedserve prepare-model`: build the default model folder, print its path."""
-    from services.common.model_files import prepare_default_model
+    from pagedserve.model_files import prepare_default_model
 
     print(prepare_default_model(Path(args.cache_dir) if args.cache_dir else None))
     return 0

@@ -97,7 +97,10 @@ def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -
     from pagedserve.llm import LLM
 
     llm = LLM(model=args.model or None)
-    result = llm.generate_from_pb(request)
+    from services.gateway.request_parser import parse_generate_request
+
+    parsed = parse_generate_request(request, llm.tokenizer)  # validated exactly as the gateway does
+    result = llm.run_to_completion([llm.add_parsed(parsed, request.request_id or None)])[0]
     if result.error:
         raise EngineRefusal(result.error)
     samples = [Sample(s.text, list(s.token_ids), s.finish_reason.value) for s in result.samples]
@@ -110,7 +113,7 @@ class EngineRefusal(RuntimeError):
 
 def run_complete(args: argparse.Namespace) -> int:
     """Runs `pagedserve complete`; returns the exit status (1 on a server error)."""
-    from services.common.sampling_params import InvalidRequestError
+    from pagedserve.engine.sampling_params import InvalidRequestError
 
     try:
         request = build_request(args)

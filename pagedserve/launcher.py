@@ -20,7 +20,8 @@ import redis
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from services.scheduler.config import SchedulerConfig, policy_to_args
+from pagedserve.engine.config import SchedulerConfig
+from services.scheduler.config import policy_to_args
 
 
 class LaunchError(RuntimeError):

@@ -12,18 +12,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.messages import EngineRequest, FinishReason
-from services.common.model_files import resolve_model
-from services.common.pb import generate_pb2 as gen
-from services.common.sampling_params import SamplingParams
-from services.common.units import parse_bytes
-from services.gateway.output_processor import TextDelta
-from services.gateway.request_samples import RequestSamples
-from services.gateway.request_parser import ParsedRequest, parse_generate_request
-from services.gateway.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
-from services.scheduler.config import SchedulerConfig, SchedulerStats
-from services.scheduler.engine import Engine, LocalExecutor
-from services.scheduler.scheduler import Scheduler
+from pagedserve.engine.messages import EngineRequest, FinishReason
+from pagedserve.model_files import resolve_model
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.units import parse_bytes
+from pagedserve.text.output_processor import TextDelta
+from pagedserve.text.request_samples import ParsedRequest, RequestSamples
+from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
+from pagedserve.engine.config import SchedulerConfig, SchedulerStats
+from pagedserve.engine.engine import Engine, LocalExecutor
+from pagedserve.engine.scheduler import Scheduler
 
 Prompt = str | Sequence[int]
 """A text prompt, or prompt token ids."""
@@ -96,7 +94,7 @@ class LLM:
 
     Raises:
         ValueError: an invalid limit or size.
-        services.common.model_info.ModelFolderError: not a supported model folder.
+        pagedserve.engine.model_info.ModelFolderError: not a supported model folder.
     """
 
     def __init__(
@@ -119,8 +117,8 @@ class LLM:
     ) -> None:
         import torch
 
-        from services.worker.config import resolve_dtype
-        from services.worker.model_runner import build_model_runner
+        from pagedserve.engine.model_runner import resolve_dtype
+        from pagedserve.engine.model_runner import build_model_runner
 
         path = resolve_model(str(model) if model else None)
         self.tokenizer = PromptTokenizer.from_folder(path)
@@ -214,18 +212,13 @@ class LLM:
             prompts = [prompts]
         params = self._params_per_prompt(sampling_params, len(prompts))
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
-        return self._run(ids)
+        return self.run_to_completion(ids)
 
     def chat(self, conversations: Sequence[Sequence[ChatTurn]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
         """Like ``generate`` for chat conversations (rendered with the model's chat template)."""
         params = self._params_per_prompt(sampling_params, len(conversations))
-        return self._run([self.add_request(list(c), sp) for c, sp in zip(conversations, params)])
-
-    def generate_from_pb(self, request: gen.GenerateRequest) -> CompletionOutput:
-        """Runs one client-API request in-process, validated exactly as the gateway does."""
-        parsed = parse_generate_request(request, self.tokenizer)
-        return self._run([self.add_parsed(parsed, request.request_id or None)])[0]
+        return self.run_to_completion([self.add_request(list(c), sp) for c, sp in zip(conversations, params)])
 
     @staticmethod
     def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
@@ -235,7 +228,8 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
         return list(params)
 
-    def _run(self, request_ids: list[str]) -> list[CompletionOutput]:
+    def run_to_completion(self, request_ids: list[str]) -> list[CompletionOutput]:
+        """Steps the engine until every request in ``request_ids`` finished; outputs in that order."""
         n = {rid: len(self._states[rid].samples) for rid in request_ids}
         texts = {(rid, i): [] for rid in request_ids for i in range(n[rid])}
         tokens = {key: [] for key in texts}

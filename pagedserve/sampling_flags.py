@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from services.common.pb import generate_pb2 as gen
-from services.common.sampling_params import InvalidRequestError
+from pagedserve.engine.sampling_params import InvalidRequestError
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

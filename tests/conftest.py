@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.model_files import prepare_default_model
+from pagedserve.model_files import prepare_default_model
 from tests.e2e.processes import start_stack
 
 

@@ -1,10 +1,10 @@
 """Every field survives the trip dataclass -> protobuf -> dataclass."""
 
 from services.common import convert
-from services.common.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, NewRequestData,
+from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, NewRequestData,
                                       RequestError, RequestOutput, SampledToken, StepResult)
-from services.common.sampling_params import EngineSamplingParams
-from services.scheduler.config import SchedulerStats, WorkerStats
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.config import SchedulerStats, WorkerStats
 
 SAMPLING = EngineSamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125, seed=42,
                                 min_tokens=2, stop_token_ids=(5, 6), ignore_eos=True, eos_token_ids=(2,), n=3)

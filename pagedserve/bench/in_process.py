@@ -9,7 +9,7 @@ from collections.abc import Sequence
 def ttft_ms(llm, prompt: str | Sequence[int]) -> float:
     """Time for ``prompt`` (text or token ids), sent alone to an idle ``llm``, to get its first
     token, in ms (greedy, one output token)."""
-    from services.common.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     llm.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))

@@ -73,7 +73,7 @@ def simulate(lengths: Sequence[tuple[int, int]], num_blocks: int, block_size: in
     Raises:
         ValueError: a request that cannot fit in the whole cache, or a non-positive length.
     """
-    from services.scheduler.block_manager import BlockManager, blocks_for_tokens
+    from pagedserve.engine.block_manager import BlockManager, blocks_for_tokens
 
     for prompt, output in lengths:
         if prompt < 1 or output < 1:
@@ -183,8 +183,8 @@ def run_kv(args: argparse.Namespace) -> int:
 
     from pagedserve.bench.datasets import DatasetError, dataset_spec_from_args, sample_requests
     from pagedserve.bench.report import write_json
-    from services.common.model_files import resolve_model
-    from services.common.model_info import load_model_info
+    from pagedserve.model_files import resolve_model
+    from pagedserve.engine.model_info import load_model_info
 
     try:
         model = resolve_model(args.model or None)

@@ -111,7 +111,7 @@ def _peak_blocks(llm, prompts_and_params) -> int:
 
 
 def run_parallel_sampling(args: argparse.Namespace) -> int:
-    from services.common.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
     prompt = _random_ids(random.Random(args.seed), args.prompt_len)
     one = SamplingParams(max_tokens=args.output_len, temperature=1.0, seed=args.seed, ignore_eos=True)
@@ -132,7 +132,7 @@ def _decode_under_arrivals(llm, args: argparse.Namespace) -> tuple[list[float], 
 
     Returns the decoders' inter-token latencies (ms) and the output tokens/s of the whole run.
     """
-    from services.common.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
     rng = random.Random(args.seed)
     decode = SamplingParams(max_tokens=args.decode_len, temperature=0.0, ignore_eos=True)

@@ -77,7 +77,7 @@ class _InProcess:
 
     def run(self, requests: list[SampleRequest]) -> tuple[int, float]:
         """All ``requests`` at once; returns (output tokens, seconds)."""
-        from services.common.sampling_params import SamplingParams
+        from pagedserve.engine.sampling_params import SamplingParams
 
         with self._on_worker_cores():
             start = time.perf_counter()
@@ -138,7 +138,7 @@ def _measure(sides: dict, requests: list[SampleRequest], args: argparse.Namespac
 def _measure_both(model: Path, requests: list[SampleRequest], args: argparse.Namespace) -> dict:
     """Starts a stack (Redis, scheduler, one worker, gateway) and the in-process engine; measures both."""
     from pagedserve.launcher import Stack, StackConfig, free_port
-    from services.scheduler.config import SchedulerConfig
+    from pagedserve.engine.config import SchedulerConfig
 
     ports = [free_port() for _ in range(3)]
     with tempfile.TemporaryDirectory() as data_dir:
@@ -167,7 +167,7 @@ def _threads(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from services.common.model_files import resolve_model
+    from pagedserve.model_files import resolve_model
 
     model = resolve_model(args.model or None)
     tokenizer = AutoTokenizer.from_pretrained(model)

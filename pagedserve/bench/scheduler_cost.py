@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.convert import plan_from_pb, plan_to_pb, step_result_from_pb, step_result_to_pb
-from services.common.messages import BatchPlan, EngineRequest, SampledToken, StepResult
-from services.common.sampling_params import EngineSamplingParams
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.scheduler import Scheduler
+from pagedserve.engine.messages import BatchPlan, EngineRequest, SampledToken, StepResult
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)

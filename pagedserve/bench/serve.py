@@ -192,7 +192,7 @@ def _load_samples(args: argparse.Namespace) -> tuple[Path, list[SampleRequest]]:
     from transformers import AutoTokenizer
 
     from pagedserve.bench.datasets import dataset_spec_from_args, sample_requests
-    from services.common.model_files import resolve_model
+    from pagedserve.model_files import resolve_model
 
     model = resolve_model(args.model or None)
     tokenizer = AutoTokenizer.from_pretrained(str(model))

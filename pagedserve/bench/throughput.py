@@ -69,7 +69,7 @@ def run_engine(model: Path, requests: list[SampleRequest], args: argparse.Namesp
     from tqdm import tqdm
 
     from pagedserve.llm import LLM
-    from services.common.sampling_params import SamplingParams
+    from pagedserve.engine.sampling_params import SamplingParams
 
     llm = LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device)
@@ -96,7 +96,7 @@ def run_hf(model_dir: Path, requests: list[SampleRequest], batch_size: int, toke
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from services.worker.config import resolve_dtype
+    from pagedserve.engine.model_runner import resolve_dtype
 
     dtype = getattr(torch, resolve_dtype(args.dtype, args.device))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
@@ -128,7 +128,7 @@ def print_table(runs: list[ThroughputRun], best_hf: ThroughputRun | None, engine
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from services.common.model_files import resolve_model
+    from pagedserve.model_files import resolve_model
 
     model = resolve_model(args.model or None)
     tokenizer = AutoTokenizer.from_pretrained(model)

@@ -5,7 +5,7 @@ Every message that crosses a process boundary goes through here, so each field i
 
 from __future__ import annotations
 
-from services.common.messages import (
+from pagedserve.engine.messages import (
     BatchPlan,
     CachedRequestData,
     EngineRequest,
@@ -17,8 +17,8 @@ from services.common.messages import (
     StepResult,
 )
 from services.common.pb import engine_pb2 as pb
-from services.common.sampling_params import EngineSamplingParams
-from services.scheduler.config import SchedulerStats, WorkerStats
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.config import SchedulerStats, WorkerStats
 
 _FINISH_TO_PB = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,

@@ -6,7 +6,7 @@ import redis.asyncio as aioredis
 
 from services.common import redis_keys
 from services.common.convert import request_to_pb
-from services.common.messages import EngineRequest
+from pagedserve.engine.messages import EngineRequest
 
 
 class RequestQueueProducer:

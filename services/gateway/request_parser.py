@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from services.common.pb import generate_pb2 as gen
-from services.common.sampling_params import EngineSamplingParams, InvalidRequestError, SamplingParams
-from services.gateway.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
+from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.text.request_samples import ParsedRequest
+from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
 
 
 def sampling_params_from_pb(msg: gen.SamplingParams) -> SamplingParams:
@@ -31,24 +30,6 @@ def sampling_params_from_pb(msg: gen.SamplingParams) -> SamplingParams:
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         n=msg.n if msg.HasField("n") else 1,
     )
-
-
-@dataclass(frozen=True)
-class ParsedRequest:
-    """A client request, validated and tokenized.
-
-    Attributes:
-        prompt_token_ids: the prompt as token ids.
-        params: the client's sampling parameters (stop strings, detokenization options).
-        engine_params: the token-level parameters for the engine, ``max_tokens`` resolved.
-        priority, cache_salt: scheduling priority and prefix-cache salt.
-    """
-
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    engine_params: EngineSamplingParams
-    priority: int = 0
-    cache_salt: str = ""
 
 
 def prompt_token_ids_from_pb(request: gen.GenerateRequest, tokenizer: PromptTokenizer) -> tuple[list[int], str]:

@@ -9,7 +9,7 @@ import time
 import grpc
 
 from services.common.convert import output_from_pb
-from services.common.messages import RequestOutput
+from pagedserve.engine.messages import RequestOutput
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 

@@ -18,7 +18,7 @@ from services.gateway.config import GatewayConfig
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter
 from services.gateway.service import GenerationServicer
-from services.gateway.tokenizer import PromptTokenizer
+from pagedserve.text.tokenizer import PromptTokenizer
 
 log = logging.getLogger("pagedserve.gateway")
 

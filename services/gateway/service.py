@@ -12,16 +12,16 @@ import redis
 from opentelemetry import trace
 
 from services.common import telemetry
-from services.common.messages import EngineRequest, FinishReason, RequestOutput
+from pagedserve.engine.messages import EngineRequest, FinishReason, RequestOutput
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
-from services.common.sampling_params import InvalidRequestError
-from services.gateway.output_processor import TextDelta
+from pagedserve.engine.sampling_params import InvalidRequestError
+from pagedserve.text.output_processor import TextDelta
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.request_parser import ParsedRequest, parse_generate_request
-from services.gateway.request_samples import RequestSamples
+from pagedserve.text.request_samples import RequestSamples
 from services.gateway.router import OutputRouter
-from services.gateway.tokenizer import PromptTokenizer
+from pagedserve.text.tokenizer import PromptTokenizer
 
 _FINISH_TO_PB = {
     FinishReason.STOP: gen.FINISH_REASON_STOP,

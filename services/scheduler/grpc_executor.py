@@ -8,9 +8,9 @@ from collections.abc import Mapping
 import grpc
 
 from services.common.convert import plan_to_pb, step_result_from_pb
-from services.common.messages import BatchPlan, StepResult
+from pagedserve.engine.messages import BatchPlan, StepResult
 from services.common.pb import engine_pb2_grpc
-from services.scheduler.engine import ExecutionResult
+from pagedserve.engine.engine import ExecutionResult
 
 log = logging.getLogger("pagedserve.scheduler")
 

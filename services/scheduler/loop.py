@@ -18,10 +18,11 @@ from opentelemetry import trace
 
 from services.common import telemetry
 from services.common.convert import output_to_pb, request_from_pb
-from services.common.messages import RequestOutput
+from pagedserve.engine.messages import RequestOutput
 from services.common.pb import engine_pb2 as pb
-from services.scheduler.config import SchedulerServiceConfig, SchedulerStats
-from services.scheduler.engine import Engine
+from pagedserve.engine.config import SchedulerStats
+from services.scheduler.config import SchedulerServiceConfig
+from pagedserve.engine.engine import Engine
 from services.scheduler.gateway_streams import GatewayStreams
 from services.scheduler.grpc_executor import GrpcExecutor
 from services.scheduler.queue_consumer import QueueEntry

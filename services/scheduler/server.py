@@ -14,11 +14,11 @@ from services.common.grpc_server import SERVER_OPTIONS, add_health, bind, set_se
 from services.common.pb import engine_pb2_grpc
 from services.common.redis_wait import connect_redis
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.engine import Engine
+from pagedserve.engine.engine import Engine
 from services.scheduler.grpc_executor import GrpcExecutor
 from services.scheduler.loop import NewEntries, SchedulerLoop
 from services.scheduler.queue_consumer import RequestQueueConsumer
-from services.scheduler.scheduler import Scheduler
+from pagedserve.engine.scheduler import Scheduler
 from services.scheduler.service import SchedulerServicer
 from services.scheduler.worker_registry import WorkerRegistry
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.service_args import add_listen_arguments, add_model_argument, add_redis_argument, env_default
-from services.common.units import parse_bytes, parse_cpu_list
+from pagedserve.units import parse_bytes, parse_cpu_list
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -113,13 +113,6 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="run on these CPU cores (e.g. 0-3) with torch's OpenMP threads bound to them; give each worker "
         "on a machine its own cores (default: no binding)",
     )
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """``auto`` -> ``bfloat16`` on CUDA, ``float32`` elsewhere; other names unchanged."""
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def default_advertise_host(listen_host: str) -> str:

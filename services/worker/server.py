@@ -14,7 +14,8 @@ from services.common.grpc_server import SERVER_OPTIONS, add_health, bind, set_se
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.redis_wait import connect_redis
-from services.worker.config import WorkerConfig, resolve_dtype
+from pagedserve.engine.model_runner import resolve_dtype
+from services.worker.config import WorkerConfig
 from services.worker.registration import WorkerRegistrar
 from services.worker.service import WorkerServicer
 
@@ -43,7 +44,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         bind_to_cores(config.cpu_affinity)
     import torch
 
-    from services.worker.model_runner import build_model_runner
+    from pagedserve.engine.model_runner import build_model_runner
 
     tracer = telemetry.setup_tracing("pagedserve-worker")
     if config.num_threads:

@@ -9,10 +9,10 @@ from opentelemetry import trace
 
 from services.common import telemetry
 from services.common.convert import plan_from_pb, step_result_to_pb
-from services.common.messages import BatchPlan, StepResult
+from pagedserve.engine.messages import BatchPlan, StepResult
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from services.scheduler.engine import PlanRunner
+from pagedserve.engine.engine import PlanRunner
 
 
 class RequestSpans:

@@ -9,8 +9,8 @@ import pytest
 def offline_outputs(default_model):
     """Greedy outputs of the in-process engine for QUESTIONS (the reference for the stack)."""
     from pagedserve.llm import LLM
-    from services.common.sampling_params import SamplingParams
-    from services.gateway.tokenizer import ChatTurn
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.text.tokenizer import ChatTurn
 
     llm = LLM(default_model, kv_cache_memory="64MiB")
     params = SamplingParams(max_tokens=24, temperature=0.0)

@@ -40,7 +40,7 @@ def hf_model(default_model):
 
 @pytest.fixture(scope="session")
 def tokenizer(default_model):
-    from services.gateway.tokenizer import PromptTokenizer
+    from pagedserve.text.tokenizer import PromptTokenizer
 
     return PromptTokenizer.from_folder(default_model)
 

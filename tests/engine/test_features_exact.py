@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.llm import LLM
-from services.common.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import BASE_PROMPTS
 from tests.engine.test_greedy_matches_hf import BLOCK_BYTES, run_staggered
 

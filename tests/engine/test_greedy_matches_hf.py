@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.llm import LLM
-from services.common.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import BASE_PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.model

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.llm import LLM
-from services.common.sampling_params import SamplingParams
+from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import BASE_PROMPTS
 
 pytestmark = pytest.mark.model

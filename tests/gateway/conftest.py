@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from services.common.model_files import prepare_default_model
-from services.gateway.tokenizer import PromptTokenizer
+from pagedserve.model_files import prepare_default_model
+from pagedserve.text.tokenizer import PromptTokenizer
 
 OUTPUTS_FILE = Path(__file__).with_name("model_outputs.json")
 

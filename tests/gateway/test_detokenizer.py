@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.gateway.detokenizer import MAX_PENDING_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
+from pagedserve.text.detokenizer import MAX_PENDING_TOKENS, PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
 FAST = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.messages import FinishReason, RequestOutput
-from services.common.sampling_params import SamplingParams
-from services.gateway.output_processor import RequestTextState, TextDelta
+from pagedserve.engine.messages import FinishReason, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.text.output_processor import RequestTextState, TextDelta
 
 EOS = 2
 

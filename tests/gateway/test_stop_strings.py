@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.gateway.stop_strings import StopCheck, StopStringMatcher
+from pagedserve.text.stop_strings import StopCheck, StopStringMatcher
 
 
 def run(stops, include, deltas) -> tuple[list[str], StopCheck | None]:

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from services.common.sampling_params import InvalidRequestError
-from services.gateway.tokenizer import (
+from pagedserve.engine.sampling_params import InvalidRequestError
+from pagedserve.text.tokenizer import (
     CHAT_FIELD,
     PROMPT_FIELD,
     TOKEN_IDS_FIELD,

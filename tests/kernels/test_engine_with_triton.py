@@ -7,13 +7,13 @@ import random
 
 import pytest
 
-from services.common.messages import EngineRequest
-from services.common.sampling_params import EngineSamplingParams
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import Engine, LocalExecutor
-from services.scheduler.scheduler import Scheduler
-from services.worker.attention import TritonAttentionBackend
-from services.worker.model_runner import build_model_runner
+from pagedserve.engine.messages import EngineRequest
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.engine import Engine, LocalExecutor
+from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.attention import TritonAttentionBackend
+from pagedserve.engine.model_runner import build_model_runner
 from tests.worker.tiny_models import save_tiny_model
 
 BLOCK = 8
@@ -48,7 +48,7 @@ def test_triton_backend_matches_torch_backend(tiny):
 
 
 def test_auto_picks_torch_on_cpu(tiny):
-    from services.worker.attention import TorchAttentionBackend, make_attention_backend
+    from pagedserve.engine.attention import TorchAttentionBackend, make_attention_backend
 
     assert isinstance(make_attention_backend("auto", "cpu"), TorchAttentionBackend)
     assert isinstance(make_attention_backend("triton", "cpu"), TritonAttentionBackend)

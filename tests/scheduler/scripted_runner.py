@@ -8,7 +8,7 @@ sequence so far, so recompute after preemption must reproduce the same output. I
 use the real model instead.
 """
 
-from services.common.messages import BatchPlan, SampledToken, StepResult
+from pagedserve.engine.messages import BatchPlan, SampledToken, StepResult
 
 
 def next_token(tokens: list[int], sample_index: int = 0) -> int:

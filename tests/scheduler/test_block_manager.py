@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.scheduler.block_manager import BlockManager, NoFreeBlocksError, blocks_for_tokens
-from services.scheduler.block_pool import BlockPool, FreeBlockQueue, Block
+from pagedserve.engine.block_manager import BlockManager, NoFreeBlocksError, blocks_for_tokens
+from pagedserve.engine.block_pool import BlockPool, FreeBlockQueue, Block
 
 
 def test_blocks_for_tokens():

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.scheduler.prefix_caching import PrefixCachingBlockManager
+from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
 
 BLOCK, DEVICE, CPU = 2, 12, 8
 PROMPTS = st.lists(st.integers(0, 2), min_size=1, max_size=9)  # few distinct tokens: many shared prefixes

@@ -4,7 +4,8 @@ import argparse
 
 import pytest
 
-from services.scheduler.config import SchedulerConfig, add_policy_arguments, policy_from_args, policy_to_args
+from pagedserve.engine.config import SchedulerConfig
+from services.scheduler.config import add_policy_arguments, policy_from_args, policy_to_args
 
 
 @pytest.mark.parametrize("config", [

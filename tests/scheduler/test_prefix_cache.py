@@ -3,9 +3,9 @@ reference counts."""
 
 import pytest
 
-from services.scheduler.block_hash import hash_full_blocks
-from services.scheduler.block_manager import BlockManager, NoFreeBlocksError
-from services.scheduler.prefix_caching import PrefixCachingBlockManager
+from pagedserve.engine.block_hash import hash_full_blocks
+from pagedserve.engine.block_manager import BlockManager, NoFreeBlocksError
+from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
 
 
 def tokens(n: int, start: int = 100) -> list[int]:

@@ -8,11 +8,11 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.messages import EngineRequest, FinishReason
-from services.common.sampling_params import EngineSamplingParams
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.engine import Engine, LocalExecutor
-from services.scheduler.scheduler import Scheduler
+from pagedserve.engine.messages import EngineRequest, FinishReason
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.engine import Engine, LocalExecutor
+from pagedserve.engine.scheduler import Scheduler
 from tests.scheduler.scripted_runner import ScriptedRunner, reference_output
 
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.reference import paged_attention_ref
-from services.worker.attention import TorchAttentionBackend, build_attention_metadata, compute_positions
-from services.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
+from pagedserve.engine.attention import TorchAttentionBackend, build_attention_metadata, compute_positions
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
 
 
 def test_metadata_conventions():

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from services.worker.attention import TorchAttentionBackend
-from services.worker.weight_loader import load_model
+from pagedserve.engine.attention import TorchAttentionBackend
+from pagedserve.engine.weight_loader import load_model
 from tests.worker.tiny_models import (forward_step, hf_logits, hf_model, make_cache, relative_errors,
                                       rewrite_config, save_tiny_model)
 
@@ -94,7 +94,7 @@ def test_dynamic_ntk_past_max_position_matches_transformers_cached_decode(tmp_pa
 def test_default_model_matches_transformers():
     from transformers import AutoTokenizer
 
-    from services.common.model_files import prepare_default_model
+    from pagedserve.model_files import prepare_default_model
 
     folder = prepare_default_model()
     tokenizer = AutoTokenizer.from_pretrained(folder)

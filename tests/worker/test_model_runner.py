@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from services.common.messages import BatchPlan, CachedRequestData, NewRequestData, StepResult
-from services.common.sampling_params import EngineSamplingParams
-from services.worker.model_runner import PlanMismatchError, build_model_runner
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, StepResult
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.model_runner import PlanMismatchError, build_model_runner
 from tests.worker.tiny_models import GREEDY, MiniScheduler, hf_greedy, hf_model, save_tiny_model
 
 BLOCK = 4

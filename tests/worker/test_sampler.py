@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from services.common.sampling_params import EngineSamplingParams
-from services.worker.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.sampler import Sampler, apply_min_p, apply_top_k_top_p
 
 PROBS = [0.5, 0.25, 0.15, 0.1]
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.worker.models import UnsupportedArchitectureError
-from services.worker.weight_loader import WeightLoadError, load_model
+from pagedserve.engine.models import UnsupportedArchitectureError
+from pagedserve.engine.weight_loader import WeightLoadError, load_model
 from tests.worker.tiny_models import rewrite_config, save_tiny_model
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from services.common.messages import BatchPlan, CachedRequestData, NewRequestData, StepResult
-from services.common.sampling_params import EngineSamplingParams
-from services.worker.attention import build_attention_metadata, compute_positions
-from services.worker.kv_cache import KVCache, KVCacheSpec
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, StepResult
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.attention import build_attention_metadata, compute_positions
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)

@@ -10,7 +10,7 @@ until it is taken again from the head of the free list (evicted, least recently 
 
 from __future__ import annotations
 
-from services.scheduler.block_hash import BlockHash
+from pagedserve.engine.block_hash import BlockHash
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -1,11 +1,11 @@
 """Paged attention: per-step metadata, the backend interface, the torch and Triton backends."""
 
-from services.worker.attention.backend import AttentionBackend, make_attention_backend
-from services.worker.attention.metadata import (AttentionMetadata, ContextPrefill, DecodeChunk,
+from pagedserve.engine.attention.backend import AttentionBackend, make_attention_backend
+from pagedserve.engine.attention.metadata import (AttentionMetadata, ContextPrefill, DecodeChunk,
                                                 FreshPrefill, build_attention_metadata,
                                                 compute_positions)
-from services.worker.attention.torch_backend import TorchAttentionBackend
-from services.worker.attention.triton_backend import TritonAttentionBackend
+from pagedserve.engine.attention.torch_backend import TorchAttentionBackend
+from pagedserve.engine.attention.triton_backend import TritonAttentionBackend
 
 __all__ = [
     "AttentionBackend",

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.messages import FinishReason, RequestOutput
-from services.common.sampling_params import SamplingParams
-from services.gateway.detokenizer import IncrementalDetokenizer, TokenDecoder
-from services.gateway.stop_strings import StopStringMatcher
+from pagedserve.engine.messages import FinishReason, RequestOutput
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.text.detokenizer import IncrementalDetokenizer, TokenDecoder
+from pagedserve.text.stop_strings import StopStringMatcher
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.sequence import Sequence
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.sequence import Sequence
 
 
 def num_new_tokens(seq: Sequence, token_budget: int, config: SchedulerConfig, num_computed: int | None = None) -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.sampling_params import EngineSamplingParams
+from pagedserve.engine.sampling_params import EngineSamplingParams
 
 
 @dataclass(frozen=True)

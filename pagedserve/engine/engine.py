@@ -11,8 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.common.messages import BatchPlan, EngineRequest, RequestOutput, StepResult
-from services.scheduler.scheduler import Scheduler
+from pagedserve.engine.messages import BatchPlan, EngineRequest, RequestOutput, StepResult
+from pagedserve.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Executor(Protocol):
 
 
 class PlanRunner(Protocol):
-    """A worker's model runner as seen by the engine (``services.worker.model_runner.ModelRunner``)."""
+    """A worker's model runner as seen by the engine (``pagedserve.engine.model_runner.ModelRunner``)."""
 
     def execute(self, plan: BatchPlan) -> StepResult: ...
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.common.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, StepResult
-from services.common.sampling_params import EngineSamplingParams, child_sampling
-from services.worker.attention import (AttentionBackend, build_attention_metadata, compute_positions,
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, StepResult
+from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
+from pagedserve.engine.attention import (AttentionBackend, build_attention_metadata, compute_positions,
                                        make_attention_backend)
-from services.worker.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
-from services.worker.sampler import Sampler
-from services.worker.weight_loader import load_model
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
+from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.weight_loader import load_model
 
 
 class PlanMismatchError(ValueError):
@@ -239,6 +239,13 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)  # (T,)
         return self.model(input_ids, positions.to(self.device), self.kv_cache, metadata,
                           self.attention_backend)                         # (T, hidden)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` -> ``bfloat16`` on CUDA, ``float32`` elsewhere; other names unchanged."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | None = None, block_size: int = 16,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.scheduler.sequence import Sequence
+from pagedserve.engine.sequence import Sequence
 
 
 class WaitingQueue(Protocol):

@@ -6,11 +6,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.common.messages import BatchPlan, CachedRequestData, NewRequestData
-from services.scheduler.block_manager import BlockManager
-from services.scheduler.prefix_caching import PrefixCachingBlockManager
-from services.scheduler.config import SchedulerConfig, SchedulerStats, WorkerStats
-from services.scheduler.sequence import Sequence, SequenceStatus
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData
+from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
+from pagedserve.engine.config import SchedulerConfig, SchedulerStats, WorkerStats
+from pagedserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

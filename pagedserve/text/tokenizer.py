@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.model_info import ModelInfo, load_model_info
-from services.common.sampling_params import InvalidRequestError
+from pagedserve.engine.model_info import ModelInfo, load_model_info
+from pagedserve.engine.sampling_params import InvalidRequestError
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -57,7 +57,7 @@ def check_prompt_length(num_tokens: int, max_model_len: int, field: str) -> None
 class PromptTokenizer:
     """Turns the three kinds of prompt input into validated token ids.
 
-    Also satisfies the ``TokenDecoder`` protocol of ``services.gateway.detokenizer`` (``decode``),
+    Also satisfies the ``TokenDecoder`` protocol of ``pagedserve.text.detokenizer`` (``decode``),
     so it can be handed to the detokenizer and to ``RequestTextState`` directly.
 
     Args:
@@ -75,7 +75,7 @@ class PromptTokenizer:
         """Loads the tokenizer and model facts from a local Hugging Face model folder (no hub access).
 
         Raises:
-            services.common.model_info.ModelFolderError: no usable ``config.json``.
+            pagedserve.engine.model_info.ModelFolderError: no usable ``config.json``.
             OSError: the folder has no tokenizer files.
         """
         from transformers import AutoTokenizer  # heavy import, kept off module import

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.metadata import AttentionMetadata
 
 
 class TritonAttentionBackend:
-    """The :class:`~services.worker.attention.backend.AttentionBackend` built on ``kernels/``.
+    """The :class:`~pagedserve.engine.attention.backend.AttentionBackend` built on ``kernels/``.
 
     Raises (from the kernels, before launch): ``ValueError``/``TypeError`` on shapes, dtypes or
     devices the kernels do not take (e.g. a head_dim that is not a power of two).

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.attention import AttentionBackend, AttentionMetadata
-from services.worker.kv_cache import KVCache
-from services.worker.models.config import ModelConfig
-from services.worker.models.layers import Embedding, GatedMLP, Linear, RMSNorm
-from services.worker.models.rope import RotaryEmbedding, apply_rotary
+from pagedserve.engine.attention import AttentionBackend, AttentionMetadata
+from pagedserve.engine.kv_cache import KVCache
+from pagedserve.engine.models.config import ModelConfig
+from pagedserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -67,7 +67,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM; weights come from :func:`services.worker.weight_loader.load_weights`.
+    """A Llama-family causal LM; weights come from :func:`pagedserve.engine.weight_loader.load_weights`.
 
     Parameter names follow the Hugging Face ones without the ``model.`` prefix, except the fused
     ``self_attn.qkv_proj`` (q, k, v rows) and ``mlp.gate_up_proj`` (gate, up rows); see

@@ -6,7 +6,7 @@ blocks that need not be contiguous; its block table maps logical block i (token 
 ``[i * block_size, (i + 1) * block_size)``) to a physical block id. Blocks are allocated as the
 sequence grows, shared by reference count between sequences with the same prefix (forked samples,
 cached prompts), copied on write when a shared, partly filled block is written, and swapped to
-CPU blocks under memory pressure. ``services/scheduler/prefix_caching.py`` adds automatic prefix
+CPU blocks under memory pressure. ``pagedserve/engine/prefix_caching.py`` adds automatic prefix
 caching on top.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.scheduler.block_pool import Block, BlockPool, NoFreeBlocksError
+from pagedserve.engine.block_pool import Block, BlockPool, NoFreeBlocksError
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.common.messages import (
+from pagedserve.engine.messages import (
     BatchPlan,
     CachedRequestData,
     EngineRequest,
@@ -25,13 +25,13 @@ from services.common.messages import (
     RequestOutput,
     StepResult,
 )
-from services.scheduler.block_manager import NO_PREFIX, CachedPrefix, blocks_for_tokens
-from services.scheduler.config import SchedulerConfig, SchedulerStats
-from services.scheduler.limits import num_new_tokens, rejection_reason
-from services.scheduler.parallel_sampling import Forks
-from services.scheduler.policy import POLICIES
-from services.scheduler.sequence import Sequence, SequenceStatus
-from services.scheduler.worker_state import PlanDraft, WorkerState, pick_worker, scheduler_stats
+from pagedserve.engine.block_manager import NO_PREFIX, CachedPrefix, blocks_for_tokens
+from pagedserve.engine.config import SchedulerConfig, SchedulerStats
+from pagedserve.engine.limits import num_new_tokens, rejection_reason
+from pagedserve.engine.parallel_sampling import Forks
+from pagedserve.engine.policy import POLICIES
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.worker_state import PlanDraft, WorkerState, pick_worker, scheduler_stats
 
 GRPC_RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED
 

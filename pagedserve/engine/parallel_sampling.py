@@ -11,9 +11,9 @@ Kwon et al., SOSP 2023, §4.4). A child whose parent no longer runs is prefilled
 
 from __future__ import annotations
 
-from services.common.sampling_params import child_sampling
-from services.scheduler.sequence import Sequence, SequenceStatus
-from services.scheduler.worker_state import PlanDraft, WorkerState
+from pagedserve.engine.sampling_params import child_sampling
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.worker_state import PlanDraft, WorkerState
 
 
 class Forks:

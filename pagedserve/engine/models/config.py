@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.worker.models.rope_config import RopeConfig, parse_rope_config
+from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
 
 
 class ModelConfigError(ValueError):

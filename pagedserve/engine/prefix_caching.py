@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from services.scheduler.block_hash import BlockHash, hash_full_blocks, sha256
-from services.scheduler.block_manager import NO_PREFIX, BlockManager, CachedPrefix
+from pagedserve.engine.block_hash import BlockHash, hash_full_blocks, sha256
+from pagedserve.engine.block_manager import NO_PREFIX, BlockManager, CachedPrefix
 
 
 class PrefixCachingBlockManager(BlockManager):

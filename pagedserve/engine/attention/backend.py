@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from services.worker.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
@@ -48,8 +48,8 @@ def make_attention_backend(name: str, device: torch.device | str):
     Raises:
         ValueError: an unknown name.
     """
-    from services.worker.attention.torch_backend import TorchAttentionBackend
-    from services.worker.attention.triton_backend import TritonAttentionBackend
+    from pagedserve.engine.attention.torch_backend import TorchAttentionBackend
+    from pagedserve.engine.attention.triton_backend import TritonAttentionBackend
 
     if name == "auto":
         name = "triton" if torch.device(device).type == "cuda" else "torch"

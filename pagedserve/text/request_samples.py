@@ -1,13 +1,32 @@
-"""The text state of a whole request: one ``RequestTextState`` per sample (``n`` of them)."""
+"""A validated request (``ParsedRequest``) and its text state: one ``RequestTextState`` per sample."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from services.common.messages import RequestOutput
-from services.common.sampling_params import SamplingParams
-from services.gateway.detokenizer import TokenDecoder
-from services.gateway.output_processor import RequestTextState, TextDelta
+from pagedserve.engine.messages import RequestOutput
+from pagedserve.engine.sampling_params import EngineSamplingParams, SamplingParams
+from pagedserve.text.detokenizer import TokenDecoder
+from pagedserve.text.output_processor import RequestTextState, TextDelta
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A client request, validated and tokenized.
+
+    Attributes:
+        prompt_token_ids: the prompt as token ids.
+        params: the client's sampling parameters (stop strings, detokenization options).
+        engine_params: the token-level parameters for the engine, ``max_tokens`` resolved.
+        priority, cache_salt: scheduling priority and prefix-cache salt.
+    """
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    engine_params: EngineSamplingParams
+    priority: int = 0
+    cache_salt: str = ""
 
 
 class RequestSamples:

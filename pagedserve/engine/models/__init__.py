@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from services.worker.models.config import ModelConfig, ModelConfigError, load_model_config, parse_model_config
-from services.worker.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from pagedserve.engine.models.config import ModelConfig, ModelConfigError, load_model_config, parse_model_config
+from pagedserve.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 MODEL_CLASSES: Mapping[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,

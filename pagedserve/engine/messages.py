@@ -13,7 +13,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.common.sampling_params import EngineSamplingParams
+from pagedserve.engine.sampling_params import EngineSamplingParams
 
 
 class FinishReason(enum.Enum):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 
-from services.common.messages import EngineRequest, FinishReason
-from services.common.sampling_params import EngineSamplingParams
+from pagedserve.engine.messages import EngineRequest, FinishReason
+from pagedserve.engine.sampling_params import EngineSamplingParams
 
 
 class SequenceStatus(enum.Enum):
@@ -19,7 +19,7 @@ class Sequence:
     """Mutable scheduling state of one request. Only the scheduler changes it.
 
     A request with ``n > 1`` samples runs as one sequence per sample: the request's own (sample 0)
-    and children forked from it after the prompt (``services/scheduler/parallel_sampling.py``).
+    and children forked from it after the prompt (``pagedserve/engine/parallel_sampling.py``).
 
     Attributes:
         request: the immutable request as it arrived.

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from services.worker.models.rope_config import DynamicNTKRope, LinearRope, Llama3Rope, RopeConfig, YarnRope
+from pagedserve.engine.models.rope_config import DynamicNTKRope, LinearRope, Llama3Rope, RopeConfig, YarnRope
 
 
 def _base_inv_freq(theta: float | torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.worker.attention.metadata import AttentionMetadata, ContextPrefill, DecodeChunk
+from pagedserve.engine.attention.metadata import AttentionMetadata, ContextPrefill, DecodeChunk
 
 
 class TorchAttentionBackend:
-    """The :class:`~services.worker.attention.backend.AttentionBackend` for CPU (works on any device).
+    """The :class:`~pagedserve.engine.attention.backend.AttentionBackend` for CPU (works on any device).
 
     It keeps two gather buffers that grow to the largest decode chunk seen, so the per-layer gather
     does not allocate (large short-lived allocations cost page faults on CPU). Not thread-safe:
