@@ -176,7 +176,7 @@ class LLM:
         """Stops a request and frees its blocks; False if it was not in flight."""
         self._states.pop(request_id, None)
         self._prompts.pop(request_id, None)
-        return self.engine.abort_request(request_id)
+        return bool(self.engine.abort_request(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return self.engine.has_unfinished_requests()

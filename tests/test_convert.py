@@ -2,7 +2,7 @@
 
 from services.common import convert
 from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, NewRequestData,
-                                      RequestError, RequestOutput, SampledToken, StepResult)
+                                      RequestError, RequestOutput, SampledToken, SequenceId, StepResult)
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerStats, WorkerStats
 
@@ -24,19 +24,19 @@ def test_unseeded_sampling_stays_unseeded():
 def test_plan_round_trip():
     plan = BatchPlan(
         step_id=7,
-        new_requests=(NewRequestData("a", (1, 2), 1, (4, 5), 1, 1, SAMPLING, {"k": "v"}),),
-        cached_requests=(CachedRequestData("b", (9,), 16, 1),),
-        finished_request_ids=("c",),
+        new_requests=(NewRequestData(SequenceId("a", 2), (1, 2), 1, (4, 5), 1, 1, SAMPLING, {"k": "v"}),),
+        cached_requests=(CachedRequestData(SequenceId("b"), (9,), 16, 1),),
+        finished_seq_ids=(SequenceId("c"), SequenceId("c", 3)),
         blocks_to_swap_out=((1, 2),),
         blocks_to_swap_in=((3, 4), (5, 6)),
         blocks_to_copy=((7, 8),),
-        scheduler_id="s1",
+        session_id="s1",
     )
     assert convert.plan_from_pb(convert.plan_to_pb(plan)) == plan
 
 
 def test_results_outputs_and_stats_round_trip():
-    result = StepResult(3, (SampledToken("a", 11, -0.5, 2),))
+    result = StepResult(3, (SampledToken(SequenceId("a", 0), 11, -0.5, 2),))
     assert convert.step_result_from_pb(convert.step_result_to_pb(result)) == result
     output = RequestOutput("a", 4, (11,), FinishReason.LENGTH, RequestError(8, "too big"), 2)
     assert convert.output_from_pb(convert.output_to_pb(output)) == output

@@ -61,8 +61,9 @@ class Engine:
         """Queues a request (see ``Scheduler.add_request``)."""
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str, sample_index: int | None = None) -> bool:
-        """Stops a request (or one of its samples) and frees its blocks; False if it was not in flight."""
+    def abort_request(self, request_id: str, sample_index: int | None = None) -> list[RequestOutput]:
+        """Stops a request (or one of its samples) and frees its blocks; returns the final outputs
+        of the samples that were in flight (none if it had finished)."""
         return self.scheduler.abort_request(request_id, sample_index)
 
     def has_unfinished_requests(self) -> bool:
@@ -73,9 +74,9 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one iteration and returns what it produced for each request."""
-        scheduled = self.scheduler.schedule()
+        """Runs one iteration on every worker and returns what it produced for each request."""
+        scheduled = self.scheduler.schedule(self.scheduler.worker_ids)
         execution = self.executor.execute(scheduled.plans)
         for worker_id in execution.failed_worker_ids:
             self.scheduler.remove_worker(worker_id)
-        return self.scheduler.update_from_output(execution.results)
+        return [*scheduled.outputs, *self.scheduler.update_from_output(execution.results)]

@@ -46,6 +46,29 @@ class EngineRequest:
     priority: int = 0
     cache_salt: str = ""
 
+    def __post_init__(self) -> None:
+        """Raises ValueError for a request no scheduler could serve (the gateway never makes one)."""
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt is empty")
+        if self.sampling.max_tokens < 1 or self.sampling.n < 1:
+            raise ValueError(f"request {self.request_id!r}: max_tokens and n must be at least 1")
+
+
+@dataclass(frozen=True, order=True)
+class SequenceId:
+    """The engine's key for one sequence: sample ``sample_index`` of request ``request_id``.
+
+    A request with ``n`` samples runs as ``n`` sequences (sample 0 first, samples 1..n-1 forked
+    after the prompt). The key is typed, not a concatenated string, so no request id a client
+    could send can name another request's sample.
+    """
+
+    request_id: str
+    sample_index: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.request_id}/{self.sample_index}"
+
 
 @dataclass(frozen=True)
 class NewRequestData:
@@ -57,9 +80,10 @@ class NewRequestData:
         block_ids: the block table, logical block index -> physical block id.
         num_computed_tokens: tokens whose K/V already sit in the blocks.
         num_scheduled_tokens: tokens to compute in this iteration (a prefill chunk, or 1 to decode).
+        sampling: the sequence's sampling parameters (stop token ids only when ``min_tokens`` needs them).
     """
 
-    request_id: str
+    seq_id: SequenceId
     token_ids: tuple[int, ...]
     num_prompt_tokens: int
     block_ids: tuple[int, ...]
@@ -68,10 +92,15 @@ class NewRequestData:
     sampling: EngineSamplingParams
     trace_context: Mapping[str, str] = field(default_factory=dict)
 
+    @property
+    def request_id(self) -> str:
+        """The request the sequence is a sample of."""
+        return self.seq_id.request_id
+
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """A request the worker already holds: what changed since the last iteration.
+    """A sequence the worker already holds: what changed since the last iteration.
 
     Attributes:
         new_block_ids: physical blocks appended to its block table.
@@ -79,10 +108,15 @@ class CachedRequestData:
         num_scheduled_tokens: tokens to compute in this iteration.
     """
 
-    request_id: str
+    seq_id: SequenceId
     new_block_ids: tuple[int, ...]
     num_computed_tokens: int
     num_scheduled_tokens: int
+
+    @property
+    def request_id(self) -> str:
+        """The request the sequence is a sample of."""
+        return self.seq_id.request_id
 
 
 @dataclass(frozen=True)
@@ -93,23 +127,24 @@ class BatchPlan:
         step_id: the scheduler's iteration counter.
         new_requests: requests sent in full.
         cached_requests: deltas for requests the worker holds.
-        finished_request_ids: requests whose worker state must be dropped (finished, aborted,
+        finished_seq_ids: sequences whose worker state must be dropped (finished, aborted,
             preempted, swapped out) before this iteration runs.
         blocks_to_swap_out: ``(device block, cpu block)`` copies to make first.
         blocks_to_swap_in: ``(cpu block, device block)`` copies to make next.
         blocks_to_copy: ``(source block, destination block)`` device copies (copy-on-write), last.
-        scheduler_id: the scheduler instance that made the plan; a worker that sees a new one
-            drops every request it holds (the old scheduler's accounting is gone).
+        session_id: the scheduler's session with this worker, new each time a scheduler admits
+            (or re-admits) it; a worker that sees a new one drops every sequence it holds (the
+            accounting they were made under is gone).
     """
 
     step_id: int
     new_requests: tuple[NewRequestData, ...] = ()
     cached_requests: tuple[CachedRequestData, ...] = ()
-    finished_request_ids: tuple[str, ...] = ()
+    finished_seq_ids: tuple[SequenceId, ...] = ()
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()
     blocks_to_copy: tuple[tuple[int, int], ...] = ()
-    scheduler_id: str = ""
+    session_id: str = ""
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -119,25 +154,32 @@ class BatchPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.new_requests or self.cached_requests or self.finished_request_ids
+        return not (self.new_requests or self.cached_requests or self.finished_seq_ids
                     or self.blocks_to_swap_out or self.blocks_to_swap_in or self.blocks_to_copy)
 
 
 @dataclass(frozen=True)
 class SampledToken:
-    """A token sampled for a request whose scheduled tokens reached the end of its sequence.
+    """A token sampled for a sequence whose scheduled tokens reached the end of its known tokens.
 
     Attributes:
+        seq_id: the sequence that ran.
         logprob: natural log of its probability under the distribution it was drawn from
             (after temperature, top-k, top-p and min-p; 0.0 for greedy).
-        sample_index: which of the request's ``n`` samples (a request with ``n > 1`` gets ``n``
-            tokens from its prompt's logits, one per sample; otherwise 0).
+        sample_index: the sample the token belongs to: the sequence's own, except for the first
+            tokens of a prompt with ``n > 1``, which start samples 0..n-1 (``n`` tokens from the
+            prompt's logits, one per sample).
     """
 
-    request_id: str
+    seq_id: SequenceId
     token_id: int
     logprob: float
     sample_index: int = 0
+
+    @property
+    def request_id(self) -> str:
+        """The request the sequence is a sample of."""
+        return self.seq_id.request_id
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, StepResult
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, SequenceId, StepResult
 from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
 from pagedserve.engine.attention import (AttentionBackend, build_attention_metadata, compute_positions,
                                        make_attention_backend)
@@ -31,9 +31,10 @@ class PlanMismatchError(ValueError):
 
 @dataclass
 class RequestState:
-    """What the worker holds for one request between steps (mutable; owned by the ModelRunner).
+    """What the worker holds for one sequence between steps (mutable; owned by the ModelRunner).
 
     Attributes:
+        seq_id: the sequence (a sample of a request).
         token_ids: prompt followed by every token sampled so far.
         num_prompt_tokens: length of the prompt.
         block_ids: the block table, logical -> physical block id.
@@ -41,7 +42,7 @@ class RequestState:
         sampling: the request's sampling parameters.
     """
 
-    request_id: str
+    seq_id: SequenceId
     token_ids: list[int]
     num_prompt_tokens: int
     block_ids: list[int]
@@ -71,11 +72,11 @@ def _check_schedulable(state: RequestState, num_scheduled: int, num_blocks: int,
     end = state.num_computed_tokens + num_scheduled
     if num_scheduled < 0 or end > len(state.token_ids):
         raise PlanMismatchError(
-            f"request {state.request_id}: {state.num_computed_tokens} computed + {num_scheduled} scheduled "
+            f"sequence {state.seq_id}: {state.num_computed_tokens} computed + {num_scheduled} scheduled "
             f"tokens exceeds the {len(state.token_ids)} tokens the worker knows")
     if num_blocks * block_size < end:
         raise PlanMismatchError(
-            f"request {state.request_id}: {num_blocks} blocks of {block_size} cannot hold {end} tokens")
+            f"sequence {state.seq_id}: {num_blocks} blocks of {block_size} cannot hold {end} tokens")
 
 
 def _batch_order(s: ScheduledRequest) -> tuple[bool, int]:
@@ -86,8 +87,9 @@ def _batch_order(s: ScheduledRequest) -> tuple[bool, int]:
 
 def _expand_samples(ends: Sequence[ScheduledRequest]) -> tuple[list[int], list[EngineSamplingParams], list[int],
                                                                  list[tuple[ScheduledRequest, int]]]:
-    """Logits rows to sample from: one per request, or ``n`` for a prompt with ``n > 1`` samples
-    (sample ``i`` with its own derived seed, see ``child_sampling``)."""
+    """Logits rows to sample from: one per sequence, or ``n`` for a prompt with ``n > 1`` samples
+    (sample ``i`` with its own derived seed, see ``child_sampling``); each with the sample index
+    its token belongs to."""
     rows, params, counts, samples = [], [], [], []
     for row, s in enumerate(ends):
         first_of_many = s.state.num_output_tokens == 0 and s.state.sampling.n > 1
@@ -95,7 +97,7 @@ def _expand_samples(ends: Sequence[ScheduledRequest]) -> tuple[list[int], list[E
             rows.append(row)
             params.append(child_sampling(s.state.sampling, index) if first_of_many else s.state.sampling)
             counts.append(s.state.num_output_tokens)
-            samples.append((s, index))
+            samples.append((s, index if first_of_many else s.state.seq_id.sample_index))
     return rows, params, counts, samples
 
 
@@ -117,8 +119,8 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.sampler = sampler
         self.device = next(model.parameters()).device
-        self.requests: dict[str, RequestState] = {}
-        self._scheduler_id = ""
+        self.requests: dict[SequenceId, RequestState] = {}
+        self._session_id = ""
 
     @property
     def num_blocks(self) -> int:
@@ -143,13 +145,13 @@ class ModelRunner:
             PlanMismatchError: the plan contradicts the worker's state (a cached request it does not
                 hold, a new one it already holds, a computed-token count that differs from its own,
                 too few tokens or blocks). Nothing of the plan is applied then, except dropping
-                ``finished_request_ids``.
+                ``finished_seq_ids``.
         """
-        if plan.scheduler_id != self._scheduler_id:  # a restarted scheduler: nothing held is valid
+        if plan.session_id != self._session_id:  # a new scheduler session: nothing held is valid
             self.requests.clear()
-            self._scheduler_id = plan.scheduler_id
-        for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
+            self._session_id = plan.session_id
+        for seq_id in plan.finished_seq_ids:
+            self.requests.pop(seq_id, None)
         self.kv_cache.swap_out(plan.blocks_to_swap_out)
         self.kv_cache.swap_in(plan.blocks_to_swap_in)
         self.kv_cache.copy_blocks(plan.blocks_to_copy)
@@ -159,7 +161,7 @@ class ModelRunner:
         for state, delta in zip(held, plan.cached_requests):
             state.block_ids.extend(delta.new_block_ids)
             scheduled.append(ScheduledRequest(state, delta.num_scheduled_tokens))
-        self.requests.update((st.request_id, st) for st in new_states)
+        self.requests.update((st.seq_id, st) for st in new_states)
         scheduled = [s for s in scheduled if s.num_scheduled_tokens > 0]
         if not scheduled:
             return StepResult(step_id=plan.step_id)
@@ -173,10 +175,10 @@ class ModelRunner:
         """States for the plan's new requests (not yet registered), validated."""
         states, seen = [], set()
         for data in requests:
-            if data.request_id in self.requests or data.request_id in seen:
-                raise PlanMismatchError(f"request {data.request_id} is new in the plan but the worker already holds it")
-            seen.add(data.request_id)
-            state = RequestState(data.request_id, list(data.token_ids), data.num_prompt_tokens,
+            if data.seq_id in self.requests or data.seq_id in seen:
+                raise PlanMismatchError(f"sequence {data.seq_id} is new in the plan but the worker already holds it")
+            seen.add(data.seq_id)
+            state = RequestState(data.seq_id, list(data.token_ids), data.num_prompt_tokens,
                                  list(data.block_ids), data.num_computed_tokens, data.sampling)
             _check_schedulable(state, data.num_scheduled_tokens, len(state.block_ids), self.block_size)
             states.append(state)
@@ -186,12 +188,12 @@ class ModelRunner:
         """The held states the deltas refer to, after checking each delta against its state."""
         states = []
         for data in deltas:
-            state = self.requests.get(data.request_id)
+            state = self.requests.get(data.seq_id)
             if state is None:
-                raise PlanMismatchError(f"request {data.request_id} is cached in the plan but unknown to the worker")
+                raise PlanMismatchError(f"sequence {data.seq_id} is cached in the plan but unknown to the worker")
             if data.num_computed_tokens != state.num_computed_tokens:
                 raise PlanMismatchError(
-                    f"request {data.request_id}: the plan says {data.num_computed_tokens} tokens are computed, "
+                    f"sequence {data.seq_id}: the plan says {data.num_computed_tokens} tokens are computed, "
                     f"the worker has {state.num_computed_tokens}")
             num_blocks = len(state.block_ids) + len(data.new_block_ids)
             _check_schedulable(state, data.num_scheduled_tokens, num_blocks, self.block_size)
@@ -217,12 +219,13 @@ class ModelRunner:
         if len(rows) > len(ends):
             logits = logits[torch.tensor(rows, device=logits.device)]    # (N', vocab): n rows per n-sample prompt
         out = self.sampler(logits, params, counts)
-        by_id: dict[str, list[SampledToken]] = {}
+        by_id: dict[SequenceId, list[SampledToken]] = {}
         for (s, index), token_id, logprob in zip(samples, out.token_ids, out.logprobs):
-            if index == 0:
+            seq_id = s.state.seq_id
+            if index == seq_id.sample_index:  # the sequence's own token (other ones start forked samples)
                 s.state.token_ids.append(token_id)
-            by_id.setdefault(s.state.request_id, []).append(SampledToken(s.state.request_id, token_id, logprob, index))
-        return [t for s in scheduled for t in by_id.get(s.state.request_id, ())]
+            by_id.setdefault(seq_id, []).append(SampledToken(seq_id, token_id, logprob, index))
+        return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())]
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Builds the flat token batch and its metadata (index tensors made once, from lists) and runs

@@ -11,34 +11,36 @@ Kwon et al., SOSP 2023, §4.4). A child whose parent no longer runs is prefilled
 
 from __future__ import annotations
 
+from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sampling_params import child_sampling
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
 
 
 class Forks:
-    """The samples of every request with ``n > 1``, by the client's request id."""
+    """The live samples of every request with ``n > 1``, by request id."""
 
     def __init__(self) -> None:
-        self._groups: dict[str, list[str]] = {}  # client request id -> ids of its live sequences
+        self._groups: dict[str, list[SequenceId]] = {}  # request id -> its live sequences
 
     def knows(self, request_id: str) -> bool:
         return request_id in self._groups
 
-    def sequence_ids(self, request_id: str) -> list[str]:
+    def sequence_ids(self, request_id: str) -> list[SequenceId]:
         return list(self._groups.get(request_id, ()))
 
-    def add_child(self, parent: Sequence, sample_index: int, sequences: dict[str, Sequence], waiting) -> Sequence:
+    def add_child(self, parent: Sequence, sample_index: int, sequences: dict[SequenceId, Sequence], waiting) -> Sequence:
         """Creates sample ``sample_index`` of ``parent``'s request, queued ahead of later arrivals."""
         child = Sequence(parent.request, sample_index, child_sampling(parent.request.sampling, sample_index))
         child.fork_parent = parent
-        sequences[child.request_id] = child
-        group = self._groups.setdefault(parent.output_request_id, [parent.request_id])
-        group.append(child.request_id)
+        sequences[child.seq_id] = child
+        group = self._groups.setdefault(parent.request_id, [parent.seq_id])
+        group.append(child.seq_id)
         waiting.push_preempted(child)
         return child
 
-    def try_fork(self, seq: Sequence, worker: WorkerState, draft: PlanDraft, sequences: dict[str, Sequence]) -> bool:
+    def try_fork(self, seq: Sequence, worker: WorkerState, draft: PlanDraft,
+                 sequences: dict[SequenceId, Sequence]) -> bool:
         """Places a waiting child on its parent's worker by sharing the prompt's blocks.
 
         On success the child holds the prompt's blocks (its own copy of a partial last one, the
@@ -51,24 +53,24 @@ class Forks:
         blocks = worker.blocks
         prompt_len = seq.num_prompt_tokens
         if (parent is None or parent.status is not SequenceStatus.RUNNING or parent.worker_id != worker.worker_id
-                or sequences.get(parent.request_id) is not parent or blocks.num_free_blocks < 1
+                or sequences.get(parent.seq_id) is not parent or blocks.num_free_blocks < 1
                 or seq.num_tokens != prompt_len + 1):
             return False
-        computed_before_this_step = parent.num_computed_tokens - draft.scheduled.get(parent.request_id, 0)
+        computed_before_this_step = parent.num_computed_tokens - draft.scheduled.get(parent.seq_id, 0)
         if computed_before_this_step < prompt_len:
             return False  # the parent is recomputing its prompt in this very step: nothing to share yet
-        blocks.fork(parent.request_id, seq.request_id, prompt_len)
-        draft.copies.extend(blocks.copy_on_write(seq.request_id, prompt_len))
-        blocks.allocate_slots(seq.request_id, prompt_len + 1)
+        blocks.fork(parent.seq_id, seq.seq_id, prompt_len)
+        draft.copies.extend(blocks.copy_on_write(seq.seq_id, prompt_len))
+        blocks.allocate_slots(seq.seq_id, prompt_len + 1)
         seq.num_computed_tokens = prompt_len
         return True
 
     def finished(self, seq: Sequence) -> None:
-        group = self._groups.get(seq.output_request_id)
-        if group is not None and seq.request_id in group:
-            group.remove(seq.request_id)
+        group = self._groups.get(seq.request_id)
+        if group is not None and seq.seq_id in group:
+            group.remove(seq.seq_id)
             if not group:
-                del self._groups[seq.output_request_id]
+                del self._groups[seq.request_id]
 
     def forget(self, request_id: str) -> None:
         self._groups.pop(request_id, None)

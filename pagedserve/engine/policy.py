@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sequence import Sequence
 
 
@@ -29,7 +30,7 @@ class WaitingQueue(Protocol):
     def peek(self) -> Sequence:
         """The sequence to admit next. Raises IndexError when empty."""
 
-    def remove(self, request_id: str) -> None:
+    def remove(self, seq_id: SequenceId) -> None:
         """Drops a sequence (aborted or admitted); unknown ids are ignored."""
 
     def __len__(self) -> int: ...
@@ -41,22 +42,22 @@ class FcfsQueue:
     """Arrival order; preempted sequences go back to the front."""
 
     def __init__(self) -> None:
-        self._queue: OrderedDict[str, Sequence] = OrderedDict()
+        self._queue: OrderedDict[SequenceId, Sequence] = OrderedDict()
 
     def push(self, seq: Sequence) -> None:
-        self._queue[seq.request_id] = seq
+        self._queue[seq.seq_id] = seq
 
     def push_preempted(self, seq: Sequence) -> None:
-        self._queue[seq.request_id] = seq
-        self._queue.move_to_end(seq.request_id, last=False)
+        self._queue[seq.seq_id] = seq
+        self._queue.move_to_end(seq.seq_id, last=False)
 
     def peek(self) -> Sequence:
         if not self._queue:
             raise IndexError("the waiting queue is empty")
         return next(iter(self._queue.values()))
 
-    def remove(self, request_id: str) -> None:
-        self._queue.pop(request_id, None)
+    def remove(self, seq_id: SequenceId) -> None:
+        self._queue.pop(seq_id, None)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -70,19 +71,19 @@ class PriorityQueue:
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, Sequence]] = []
-        self._live: dict[str, int] = {}  # request id -> tie-break number of its live heap entry
+        self._live: dict[SequenceId, int] = {}  # sequence -> tie-break number of its live heap entry
         self._counter = itertools.count()
 
     def push(self, seq: Sequence) -> None:
         number = next(self._counter)
-        self._live[seq.request_id] = number
+        self._live[seq.seq_id] = number
         heapq.heappush(self._heap, (seq.request.priority, seq.request.arrival_time, number, seq))
 
     def push_preempted(self, seq: Sequence) -> None:
         self.push(seq)  # its priority and arrival time already put it ahead of later arrivals
 
     def _drop_dead(self) -> None:
-        while self._heap and self._live.get(self._heap[0][3].request_id) != self._heap[0][2]:
+        while self._heap and self._live.get(self._heap[0][3].seq_id) != self._heap[0][2]:
             heapq.heappop(self._heap)
 
     def peek(self) -> Sequence:
@@ -91,22 +92,22 @@ class PriorityQueue:
             raise IndexError("the waiting queue is empty")
         return self._heap[0][3]
 
-    def remove(self, request_id: str) -> None:
-        self._live.pop(request_id, None)
+    def remove(self, seq_id: SequenceId) -> None:
+        self._live.pop(seq_id, None)
 
     def __len__(self) -> int:
         return len(self._live)
 
     def __iter__(self) -> Iterator[Sequence]:
-        return iter([entry[3] for entry in sorted(self._heap) if self._live.get(entry[3].request_id) == entry[2]])
+        return iter([entry[3] for entry in sorted(self._heap) if self._live.get(entry[3].seq_id) == entry[2]])
 
 
-def admission_order(running: OrderedDict[str, Sequence]) -> list[Sequence]:
+def admission_order(running: OrderedDict[SequenceId, Sequence]) -> list[Sequence]:
     """FCFS: running sequences in the order they were admitted."""
     return list(running.values())
 
 
-def priority_order(running: OrderedDict[str, Sequence]) -> list[Sequence]:
+def priority_order(running: OrderedDict[SequenceId, Sequence]) -> list[Sequence]:
     """Priority: lowest ``(priority, arrival_time)`` first."""
     return sorted(running.values(), key=lambda s: (s.request.priority, s.request.arrival_time))
 
@@ -122,7 +123,7 @@ class SchedulingPolicy:
 
     name: str
     make_queue: Callable[[], WaitingQueue]
-    running_order: Callable[[OrderedDict[str, Sequence]], list[Sequence]]
+    running_order: Callable[[OrderedDict[SequenceId, Sequence]], list[Sequence]]
 
 
 FCFS = SchedulingPolicy("fcfs", FcfsQueue, admission_order)

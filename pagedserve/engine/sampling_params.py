@@ -66,6 +66,13 @@ class EngineSamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def for_worker(self) -> EngineSamplingParams:
+        """What a worker needs of these parameters: stop and EOS ids only while ``min_tokens``
+        masks them (deciding that a sequence stopped is the scheduler's business)."""
+        if self.min_tokens > 0 or not (self.stop_token_ids or self.eos_token_ids):
+            return self
+        return dataclasses.replace(self, stop_token_ids=(), eos_token_ids=())
+
     def stops_at(self, token_id: int, num_output_tokens: int) -> bool:
         """Whether sampling ``token_id`` as output number ``num_output_tokens`` (1-based) ends the request."""
         if num_output_tokens <= self.min_tokens:

@@ -10,9 +10,8 @@ under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 
 from __future__ import annotations
 
-import uuid
-from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from pagedserve.engine.messages import (
@@ -23,6 +22,7 @@ from pagedserve.engine.messages import (
     NewRequestData,
     RequestError,
     RequestOutput,
+    SequenceId,
     StepResult,
 )
 from pagedserve.engine.block_manager import NO_PREFIX, CachedPrefix, blocks_for_tokens
@@ -38,27 +38,36 @@ GRPC_RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """The plans of one iteration, keyed by worker id (workers with nothing to do are left out)."""
+    """What one ``schedule`` call produced.
 
-    step_id: int
+    Attributes:
+        plans: one plan per worker that has something to do, keyed by worker id.
+        outputs: outputs made while scheduling (requests refused as too large for any worker,
+            sequences that filled a whole worker and end with ``length``).
+    """
+
     plans: Mapping[str, BatchPlan]
+    outputs: tuple[RequestOutput, ...] = ()
 
 
 class Scheduler:
     """Owns the sequences, the waiting queue and one block manager per worker.
+
+    Each worker runs its own step pipeline: ``schedule`` drafts plans for the workers it is given
+    (those not busy with a step), and ``update_from_output`` applies one worker's result whenever
+    it arrives, so a slow worker never holds back another.
 
     Not thread-safe: one thread calls it (the engine loop).
     """
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.instance_id = uuid.uuid4().hex  # workers drop state made for another scheduler
         self._policy = POLICIES[config.policy]
         self._workers: dict[str, WorkerState] = {}
-        self._sequences: dict[str, Sequence] = {}
+        self._sequences: dict[SequenceId, Sequence] = {}
         self._waiting = self._policy.make_queue()
         self._forks = Forks()
-        self._outputs: list[RequestOutput] = []  # produced outside update_from_output
+        self._outputs: list[RequestOutput] = []  # made while scheduling, returned by schedule()
         self._step_id = 0
         self._num_preemptions = 0
         self._num_swap_preemptions = 0
@@ -75,7 +84,8 @@ class Scheduler:
         self._workers[worker_id] = WorkerState(worker_id, num_blocks, num_cpu_blocks, self.config)
 
     def remove_worker(self, worker_id: str) -> None:
-        """Forgets a worker (gone or failed); its sequences go back to the front of the queue."""
+        """Forgets a worker (gone or failed); its sequences go back to the front of the queue and
+        are recomputed elsewhere (or on the same worker when it is admitted again)."""
         worker = self._workers.pop(worker_id, None)
         if worker is None:
             return
@@ -89,8 +99,8 @@ class Scheduler:
     def block_manager(self, worker_id: str):
         return self._workers[worker_id].blocks
 
-    def requests_on(self, worker_id: str) -> list[str]:
-        """Ids of the sequences running on a worker."""
+    def requests_on(self, worker_id: str) -> list[SequenceId]:
+        """The sequences running on a worker."""
         return list(self._workers[worker_id].running)
 
     # ---- requests ------------------------------------------------------------------------
@@ -100,74 +110,81 @@ class Scheduler:
         Raises:
             ValueError: a request with this id is already in flight.
         """
-        if request.request_id in self._sequences or self._forks.knows(request.request_id):
+        if self.has_request(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already in flight")
         seq = Sequence(request)
-        self._sequences[request.request_id] = seq
+        self._sequences[seq.seq_id] = seq
         self._waiting.push(seq)
 
-    def abort_request(self, request_id: str, sample_index: int | None = None) -> bool:
+    def abort_request(self, request_id: str, sample_index: int | None = None,
+                      error: RequestError | None = None) -> list[RequestOutput]:
         """Finishes a request now (all its samples, or only ``sample_index``) and frees its blocks.
 
-        Returns False if nothing of it was in flight.
+        Returns:
+            The final output (reason ``abort``, with ``error`` if given) of every sample that was
+            in flight; empty if none was.
         """
         if sample_index is None:
-            ids = self._forks.sequence_ids(request_id) or [request_id]
+            ids = self._forks.sequence_ids(request_id) or [SequenceId(request_id, 0)]
         else:
-            ids = [request_id if sample_index == 0 else f"{request_id}#{sample_index}"]
+            ids = [SequenceId(request_id, sample_index)]
         found = [self._sequences[i] for i in ids if i in self._sequences]
         for seq in found:
             self._finish(seq, FinishReason.ABORT)
         if sample_index is None:
             self._forks.forget(request_id)
-        return bool(found)
+        return [RequestOutput(seq.request_id, seq.num_output_tokens, (), FinishReason.ABORT, error, seq.sample_index)
+                for seq in found]
 
     def has_request(self, request_id: str) -> bool:
-        """Whether any sample of the client's request ``request_id`` is still in flight."""
-        return request_id in self._sequences or self._forks.knows(request_id)
+        """Whether any sample of request ``request_id`` is still in flight."""
+        return SequenceId(request_id, 0) in self._sequences or self._forks.knows(request_id)
+
+    def waiting_requests(self) -> list[str]:
+        """Ids of the requests with a sample waiting to be admitted, in queue order."""
+        return list(dict.fromkeys(seq.request_id for seq in self._waiting))
 
     def has_unfinished_requests(self) -> bool:
-        """Requests in flight, or outputs not yet returned by ``update_from_output``."""
-        return bool(self._sequences) or bool(self._outputs)
+        """Requests in flight."""
+        return bool(self._sequences)
 
     def has_work(self) -> bool:
         """Unfinished requests, or workers still to be told to drop finished requests' state."""
         return self.has_unfinished_requests() or any(w.dropped_ids for w in self._workers.values())
 
-    def sequence(self, request_id: str) -> Sequence:
+    def sequence(self, seq_id: SequenceId) -> Sequence:
         """The in-flight sequence with this id. Raises KeyError if none."""
-        return self._sequences[request_id]
+        return self._sequences[seq_id]
 
     # ---- one iteration -------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Decides who runs in this iteration, with which blocks; one plan per busy worker."""
+    def schedule(self, worker_ids: Collection[str]) -> SchedulerOutput:
+        """Decides what runs next on each of ``worker_ids`` (unknown ids are ignored), with which
+        blocks; waiting requests are admitted onto these workers only."""
         self._step_id += 1
-        drafts = {wid: PlanDraft(self.config.max_num_batched_tokens) for wid in self._workers}
-        for worker in self._workers.values():
+        workers = [self._workers[w] for w in worker_ids if w in self._workers]
+        drafts = {w.worker_id: PlanDraft(self.config.max_num_batched_tokens) for w in workers}
+        for worker in workers:
             self._schedule_running(worker, drafts[worker.worker_id])
             self._schedule_swapped(worker, drafts[worker.worker_id])
-        self._schedule_waiting(drafts)
-        plans = {}
-        for worker in self._workers.values():
-            plan = worker.take_plan(self._step_id, drafts[worker.worker_id], self.instance_id)
-            if not plan.is_empty:
-                plans[worker.worker_id] = plan
-        return SchedulerOutput(self._step_id, plans)
+        self._schedule_waiting(workers, drafts)
+        plans = {w.worker_id: w.take_plan(drafts[w.worker_id]) for w in workers if w.has_plan(drafts[w.worker_id])}
+        outputs, self._outputs = tuple(self._outputs), []
+        return SchedulerOutput(plans, outputs)
 
     def update_from_output(self, results: Mapping[str, StepResult]) -> list[RequestOutput]:
         """Applies sampled tokens; finished sequences free their blocks now.
 
         Returns:
-            One output per sample that got a token or finished, plus earlier rejections.
+            One output per sample that got a token or finished.
         """
-        outputs, self._outputs = self._outputs, []
+        outputs = []
         for result in results.values():
-            # samples 1..n-1 first: they fork from sample 0, which may finish on its own token
-            for sampled in sorted(result.sampled, key=lambda s: s.sample_index == 0):
-                seq = self._sequences.get(sampled.request_id)
+            # forked samples first: they fork from sample 0, which may finish on its own token
+            for sampled in sorted(result.sampled, key=lambda s: s.sample_index == s.seq_id.sample_index):
+                seq = self._sequences.get(sampled.seq_id)
                 if seq is None or seq.status is not SequenceStatus.RUNNING:
                     continue  # aborted while the step ran
-                if sampled.sample_index > 0:
+                if sampled.sample_index != seq.sample_index:
                     seq = self._forks.add_child(seq, sampled.sample_index, self._sequences, self._waiting)
                 outputs.append(self._append(seq, sampled.token_id))
         return outputs
@@ -188,7 +205,7 @@ class Scheduler:
             if num_new == 0:
                 continue
             total = seq.num_computed_tokens + num_new
-            needed = worker.blocks.num_new_blocks(seq.request_id, total)
+            needed = worker.blocks.num_new_blocks(seq.seq_id, total)
             while needed > worker.blocks.num_free_blocks:
                 if not queue and len(worker.running) == 1:
                     self._out_of_memory(seq)  # alone, and the whole cache is its: like the end of the context
@@ -199,9 +216,9 @@ class Scheduler:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 continue
-            new_block_ids = worker.blocks.allocate_blocks(seq.request_id, needed) if needed else ()
+            new_block_ids = worker.blocks.allocate_blocks(seq.seq_id, needed) if needed else ()
             draft.cached_requests.append(
-                CachedRequestData(seq.request_id, new_block_ids, seq.num_computed_tokens, num_new))
+                CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new))
             self._advance(worker, seq, num_new, draft)
 
     def _schedule_swapped(self, worker: WorkerState, draft: PlanDraft) -> None:
@@ -212,37 +229,47 @@ class Scheduler:
                 return
             num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
             total = seq.num_computed_tokens + num_new
-            needed = max(len(blocks.cpu_block_table(seq.request_id)), blocks_for_tokens(total, blocks.block_size))
+            needed = max(len(blocks.cpu_block_table(seq.seq_id)), blocks_for_tokens(total, blocks.block_size))
             if needed > blocks.num_free_blocks:
                 return
-            draft.swap_in.extend(blocks.swap_in(seq.request_id))
-            blocks.allocate_slots(seq.request_id, total)
-            del worker.swapped[seq.request_id]
+            draft.swap_in.extend(blocks.swap_in(seq.seq_id))
+            blocks.allocate_slots(seq.seq_id, total)
+            del worker.swapped[seq.seq_id]
             self._start_on(worker, seq, draft, num_new)
 
-    def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
+    def _schedule_waiting(self, workers: list[WorkerState], drafts: dict[str, PlanDraft]) -> None:
         """Admits waiting sequences in the policy's order until one does not fit."""
         while len(self._waiting):
             seq = self._waiting.peek()
             if not self._fits_any_worker(seq):
                 continue  # rejected and removed from the queue
-            worker = pick_worker(self._workers.values(), drafts, self.config.max_num_seqs)
+            worker = self._place(seq, workers, drafts)
             if worker is None:
                 return
             draft = drafts[worker.worker_id]
             if self._forks.try_fork(seq, worker, draft, self._sequences):
-                self._waiting.remove(seq.request_id)
+                self._waiting.remove(seq.seq_id)
                 self._start_on(worker, seq, draft, num_new=1)
                 continue
             prefix = self._cached_prefix(worker, seq)
             num_new = num_new_tokens(seq, draft.token_budget, self.config, prefix.num_tokens)
             total = prefix.num_tokens + num_new
-            if num_new == 0 or not worker.blocks.can_allocate(seq.request_id, total, prefix):
+            if num_new == 0 or not worker.blocks.can_allocate(seq.seq_id, total, prefix):
                 return
-            worker.blocks.allocate_slots(seq.request_id, total, prefix)
-            self._waiting.remove(seq.request_id)
+            worker.blocks.allocate_slots(seq.seq_id, total, prefix)
+            self._waiting.remove(seq.seq_id)
             seq.num_computed_tokens = prefix.num_tokens
             self._start_on(worker, seq, draft, num_new)
+
+    def _place(self, seq: Sequence, workers: list[WorkerState], drafts: dict[str, PlanDraft]) -> WorkerState | None:
+        """Where to admit ``seq`` now: a forked sample on its parent's worker (waiting while that
+        worker is busy with a step), anything else on the worker with the most free blocks."""
+        parent = seq.fork_parent
+        if parent is not None and parent.status is SequenceStatus.RUNNING:
+            if parent.worker_id not in drafts:
+                return None
+            workers = [self._workers[parent.worker_id]]
+        return pick_worker(workers, drafts, self.config.max_num_seqs)
 
     def _cached_prefix(self, worker: WorkerState, seq: Sequence) -> CachedPrefix:
         if not self.config.enable_prefix_caching:
@@ -255,7 +282,7 @@ class Scheduler:
         if reason is None:
             return True
         self._finish(seq, FinishReason.ABORT)
-        self._outputs.append(RequestOutput(seq.output_request_id, seq.num_output_tokens, (), FinishReason.ABORT,
+        self._outputs.append(RequestOutput(seq.request_id, seq.num_output_tokens, (), FinishReason.ABORT,
                                            RequestError(GRPC_RESOURCE_EXHAUSTED, reason), seq.sample_index))
         return False
 
@@ -263,15 +290,15 @@ class Scheduler:
     def _start_on(self, worker: WorkerState, seq: Sequence, draft: PlanDraft, num_new: int) -> None:
         """Makes ``seq`` run on ``worker`` and sends it in full (it is new to the worker)."""
         seq.status, seq.worker_id = SequenceStatus.RUNNING, worker.worker_id
-        worker.running[seq.request_id] = seq
+        worker.running[seq.seq_id] = seq
         draft.new_requests.append(NewRequestData(
-            request_id=seq.request_id,
+            seq_id=seq.seq_id,
             token_ids=seq.all_token_ids(),
             num_prompt_tokens=seq.num_prompt_tokens,
-            block_ids=worker.blocks.block_table(seq.request_id),
+            block_ids=worker.blocks.block_table(seq.seq_id),
             num_computed_tokens=seq.num_computed_tokens,
             num_scheduled_tokens=num_new,
-            sampling=seq.sampling,
+            sampling=seq.sampling.for_worker(),
             trace_context=seq.request.trace_context,
         ))
         self._advance(worker, seq, num_new, draft)
@@ -280,10 +307,10 @@ class Scheduler:
         before = seq.num_computed_tokens
         seq.num_computed_tokens += num_new
         draft.token_budget -= num_new
-        draft.scheduled[seq.request_id] = num_new
+        draft.scheduled[seq.seq_id] = num_new
         block_size = self.config.block_size
         if self.config.enable_prefix_caching and before // block_size != seq.num_computed_tokens // block_size:
-            worker.blocks.cache_full_blocks(seq.request_id, seq.all_token_ids, seq.num_computed_tokens,
+            worker.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens,
                                             seq.request.cache_salt.encode())  # a block just filled up
 
     def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
@@ -291,12 +318,12 @@ class Scheduler:
         reason = seq.append_token(token_id)
         if reason is not None:
             self._finish(seq, reason)
-        return RequestOutput(seq.output_request_id, index, (token_id,), reason, None, seq.sample_index)
+        return RequestOutput(seq.request_id, index, (token_id,), reason, None, seq.sample_index)
 
     def _out_of_memory(self, seq: Sequence) -> None:
         """Finishes a sequence that fills its worker's whole cache, with reason ``length``."""
         self._finish(seq, FinishReason.LENGTH)
-        self._outputs.append(RequestOutput(seq.output_request_id, seq.num_output_tokens, (), FinishReason.LENGTH,
+        self._outputs.append(RequestOutput(seq.request_id, seq.num_output_tokens, (), FinishReason.LENGTH,
                                            None, seq.sample_index))
 
     def _preempt(self, worker: WorkerState, seq: Sequence, draft: PlanDraft) -> None:
@@ -304,7 +331,7 @@ class Scheduler:
         self._num_preemptions += 1
         seq.num_preemptions += 1
         draft.preempted = True  # no admissions on this worker in this iteration
-        if self.config.preemption_mode == "swap" and worker.blocks.can_swap_out(seq.request_id):
+        if self.config.preemption_mode == "swap" and worker.blocks.can_swap_out(seq.seq_id):
             self._num_swap_preemptions += 1
             worker.swap_out(seq, draft)
             return
@@ -314,7 +341,7 @@ class Scheduler:
         """Recompute preemption: frees the blocks; the sequence waits ahead of later arrivals."""
         worker = self._workers.get(seq.worker_id) if seq.worker_id else None
         if worker is not None:
-            worker.release(seq.request_id)
+            worker.release(seq.seq_id)
         seq.status, seq.worker_id, seq.num_computed_tokens = SequenceStatus.WAITING, None, 0
         self._waiting.push_preempted(seq)
 
@@ -322,8 +349,8 @@ class Scheduler:
         """Marks a sequence finished and frees its blocks in this iteration."""
         worker = self._workers.get(seq.worker_id) if seq.worker_id else None
         if worker is not None:
-            worker.release(seq.request_id)
-        self._waiting.remove(seq.request_id)
+            worker.release(seq.seq_id)
+        self._waiting.remove(seq.seq_id)
         seq.status, seq.finish_reason, seq.worker_id = SequenceStatus.FINISHED, reason, None
-        del self._sequences[seq.request_id]
+        del self._sequences[seq.seq_id]
         self._forks.finished(seq)

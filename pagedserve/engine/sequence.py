@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from pagedserve.engine.messages import EngineRequest, FinishReason
+from pagedserve.engine.messages import EngineRequest, FinishReason, SequenceId
 from pagedserve.engine.sampling_params import EngineSamplingParams
 
 
@@ -23,9 +23,8 @@ class Sequence:
 
     Attributes:
         request: the immutable request as it arrived.
-        request_id: this sequence's id in the engine (the request's id for sample 0,
-            ``"<request id>#<i>"`` for sample i); block tables and worker state are keyed by it.
-        sample_index: which of the request's ``n`` samples this is.
+        seq_id: this sequence's key in the engine (request id, sample index); block tables and
+            worker state are keyed by it.
         sampling: its sampling parameters (a child's seed is derived from the request's).
         fork_parent: for a child not yet running: the sequence it forks from.
         output_token_ids: tokens generated so far.
@@ -37,8 +36,7 @@ class Sequence:
 
     __slots__ = (
         "request",
-        "request_id",
-        "sample_index",
+        "seq_id",
         "sampling",
         "fork_parent",
         "num_prompt_tokens",
@@ -53,8 +51,7 @@ class Sequence:
     def __init__(self, request: EngineRequest, sample_index: int = 0,
                  sampling: EngineSamplingParams | None = None) -> None:
         self.request = request
-        self.sample_index = sample_index
-        self.request_id = request.request_id if sample_index == 0 else f"{request.request_id}#{sample_index}"
+        self.seq_id = SequenceId(request.request_id, sample_index)
         self.sampling = sampling or request.sampling
         self.fork_parent: Sequence | None = None
         self.num_prompt_tokens = len(request.prompt_token_ids)
@@ -66,9 +63,14 @@ class Sequence:
         self.num_preemptions = 0
 
     @property
-    def output_request_id(self) -> str:
-        """The client's request id, which every sample's outputs carry."""
+    def request_id(self) -> str:
+        """The request's id, which every sample's outputs carry."""
         return self.request.request_id
+
+    @property
+    def sample_index(self) -> int:
+        """Which of the request's ``n`` samples this is."""
+        return self.seq_id.sample_index
 
     @property
     def num_output_tokens(self) -> int:
@@ -99,6 +101,6 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, worker={self.worker_id})"
         )

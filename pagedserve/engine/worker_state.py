@@ -6,7 +6,9 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData
+import uuid
+
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId
 from pagedserve.engine.block_manager import BlockManager
 from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
 from pagedserve.engine.config import SchedulerConfig, SchedulerStats, WorkerStats
@@ -25,7 +27,7 @@ class PlanDraft:
     """
 
     token_budget: int
-    scheduled: dict[str, int] = field(default_factory=dict)
+    scheduled: dict[SequenceId, int] = field(default_factory=dict)
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     preempted: bool = False
@@ -37,42 +39,52 @@ class PlanDraft:
 class WorkerState:
     """One worker: its block manager, the sequences running and swapped out on it.
 
-    ``running`` keeps admission order. ``dropped_ids`` are requests whose worker-side state must
-    be dropped with the next plan (finished, aborted, preempted, swapped out).
+    ``running`` keeps admission order. ``dropped_ids`` are sequences whose worker-side state must
+    be dropped with the next plan (finished, aborted, preempted, swapped out). ``session_id`` is
+    new for every admission of the worker: its plans carry it, and a worker that sees a new one
+    drops everything it holds.
     """
 
     def __init__(self, worker_id: str, num_blocks: int, num_cpu_blocks: int, config: SchedulerConfig) -> None:
         self.worker_id = worker_id
         manager = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
         self.blocks: BlockManager = manager(num_blocks, config.block_size, num_cpu_blocks)
-        self.running: OrderedDict[str, Sequence] = OrderedDict()
-        self.swapped: OrderedDict[str, Sequence] = OrderedDict()
-        self.dropped_ids: list[str] = []
+        self.session_id = uuid.uuid4().hex
+        self.running: OrderedDict[SequenceId, Sequence] = OrderedDict()
+        self.swapped: OrderedDict[SequenceId, Sequence] = OrderedDict()
+        self.dropped_ids: list[SequenceId] = []
+        self.num_steps = 0
 
-    def release(self, request_id: str) -> None:
+    def release(self, seq_id: SequenceId) -> None:
         """Frees a sequence's blocks here (device or swapped) and tells the worker to drop it."""
-        self.blocks.free(request_id)
-        if self.running.pop(request_id, None) is not None:
-            self.dropped_ids.append(request_id)
-        self.swapped.pop(request_id, None)
+        self.blocks.free(seq_id)
+        if self.running.pop(seq_id, None) is not None:
+            self.dropped_ids.append(seq_id)
+        self.swapped.pop(seq_id, None)
 
     def swap_out(self, seq: Sequence, draft: PlanDraft) -> None:
         """Swap preemption: the sequence's blocks go to CPU memory; the worker drops its state and
         gets it in full again when the sequence is swapped back in."""
-        draft.swap_out.extend(self.blocks.swap_out(seq.request_id))
-        del self.running[seq.request_id]
-        self.dropped_ids.append(seq.request_id)
-        self.swapped[seq.request_id] = seq
+        draft.swap_out.extend(self.blocks.swap_out(seq.seq_id))
+        del self.running[seq.seq_id]
+        self.dropped_ids.append(seq.seq_id)
+        self.swapped[seq.seq_id] = seq
         seq.status = SequenceStatus.SWAPPED
 
-    def take_plan(self, step_id: int, draft: PlanDraft, scheduler_id: str) -> BatchPlan:
-        """The iteration's plan for this worker; clears the pending drops."""
+    def has_plan(self, draft: PlanDraft) -> bool:
+        """Whether the worker has anything to do: work in ``draft``, or sequences to drop."""
+        return bool(draft.new_requests or draft.cached_requests or draft.swap_out or draft.swap_in
+                    or draft.copies or self.dropped_ids)
+
+    def take_plan(self, draft: PlanDraft) -> BatchPlan:
+        """The iteration's plan for this worker; clears the pending drops and counts the step."""
+        self.num_steps += 1
         plan = BatchPlan(
-            scheduler_id=scheduler_id,
-            step_id=step_id,
+            session_id=self.session_id,
+            step_id=self.num_steps,
             new_requests=tuple(draft.new_requests),
             cached_requests=tuple(draft.cached_requests),
-            finished_request_ids=tuple(self.dropped_ids),
+            finished_seq_ids=tuple(self.dropped_ids),
             blocks_to_swap_out=tuple(draft.swap_out),
             blocks_to_swap_in=tuple(draft.swap_in),
             blocks_to_copy=tuple(draft.copies),

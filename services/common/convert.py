@@ -14,6 +14,7 @@ from pagedserve.engine.messages import (
     RequestError,
     RequestOutput,
     SampledToken,
+    SequenceId,
     StepResult,
 )
 from services.common.pb import engine_pb2 as pb
@@ -91,6 +92,14 @@ def request_from_pb(msg: pb.QueuedRequest) -> EngineRequest:
     )
 
 
+def _seq_to_pb(seq_id: SequenceId) -> pb.SequenceId:
+    return pb.SequenceId(request_id=seq_id.request_id, sample_index=seq_id.sample_index)
+
+
+def _seq_from_pb(msg: pb.SequenceId) -> SequenceId:
+    return SequenceId(msg.request_id, msg.sample_index)
+
+
 def _copies_to_pb(pairs: tuple[tuple[int, int], ...]) -> list[pb.BlockCopy]:
     """``(source, target)`` block pairs -> repeated pb.BlockCopy."""
     return [pb.BlockCopy(source=source, target=target) for source, target in pairs]
@@ -107,7 +116,7 @@ def plan_to_pb(plan: BatchPlan) -> pb.BatchPlan:
         step_id=plan.step_id,
         new_requests=[
             pb.NewRequest(
-                request_id=r.request_id,
+                seq_id=_seq_to_pb(r.seq_id),
                 token_ids=r.token_ids,
                 num_prompt_tokens=r.num_prompt_tokens,
                 block_ids=r.block_ids,
@@ -120,18 +129,18 @@ def plan_to_pb(plan: BatchPlan) -> pb.BatchPlan:
         ],
         cached_requests=[
             pb.CachedRequest(
-                request_id=r.request_id,
+                seq_id=_seq_to_pb(r.seq_id),
                 new_block_ids=r.new_block_ids,
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
             )
             for r in plan.cached_requests
         ],
-        finished_request_ids=plan.finished_request_ids,
+        finished_seq_ids=[_seq_to_pb(s) for s in plan.finished_seq_ids],
         blocks_to_swap_out=_copies_to_pb(plan.blocks_to_swap_out),
         blocks_to_swap_in=_copies_to_pb(plan.blocks_to_swap_in),
         blocks_to_copy=_copies_to_pb(plan.blocks_to_copy),
-        scheduler_id=plan.scheduler_id,
+        session_id=plan.session_id,
     )
 
 
@@ -141,7 +150,7 @@ def plan_from_pb(msg: pb.BatchPlan) -> BatchPlan:
         step_id=msg.step_id,
         new_requests=tuple(
             NewRequestData(
-                request_id=r.request_id,
+                seq_id=_seq_from_pb(r.seq_id),
                 token_ids=tuple(r.token_ids),
                 num_prompt_tokens=r.num_prompt_tokens,
                 block_ids=tuple(r.block_ids),
@@ -153,14 +162,14 @@ def plan_from_pb(msg: pb.BatchPlan) -> BatchPlan:
             for r in msg.new_requests
         ),
         cached_requests=tuple(
-            CachedRequestData(r.request_id, tuple(r.new_block_ids), r.num_computed_tokens, r.num_scheduled_tokens)
+            CachedRequestData(_seq_from_pb(r.seq_id), tuple(r.new_block_ids), r.num_computed_tokens, r.num_scheduled_tokens)
             for r in msg.cached_requests
         ),
-        finished_request_ids=tuple(msg.finished_request_ids),
+        finished_seq_ids=tuple(_seq_from_pb(s) for s in msg.finished_seq_ids),
         blocks_to_swap_out=_copies_from_pb(msg.blocks_to_swap_out),
         blocks_to_swap_in=_copies_from_pb(msg.blocks_to_swap_in),
         blocks_to_copy=_copies_from_pb(msg.blocks_to_copy),
-        scheduler_id=msg.scheduler_id,
+        session_id=msg.session_id,
     )
 
 
@@ -168,7 +177,7 @@ def step_result_to_pb(result: StepResult) -> pb.StepResult:
     """StepResult -> pb.StepResult (worker to scheduler)."""
     return pb.StepResult(
         step_id=result.step_id,
-        sampled=[pb.SampledToken(request_id=s.request_id, token_id=s.token_id, logprob=s.logprob,
+        sampled=[pb.SampledToken(seq_id=_seq_to_pb(s.seq_id), token_id=s.token_id, logprob=s.logprob,
                                  sample_index=s.sample_index) for s in result.sampled],
     )
 
@@ -177,7 +186,7 @@ def step_result_from_pb(msg: pb.StepResult) -> StepResult:
     """pb.StepResult -> StepResult (in the scheduler)."""
     return StepResult(
         step_id=msg.step_id,
-        sampled=tuple(SampledToken(s.request_id, s.token_id, s.logprob, s.sample_index) for s in msg.sampled),
+        sampled=tuple(SampledToken(_seq_from_pb(s.seq_id), s.token_id, s.logprob, s.sample_index) for s in msg.sampled),
     )
 
 

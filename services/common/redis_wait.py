@@ -6,6 +6,8 @@ import logging
 import threading
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 log = logging.getLogger("pagedserve")
 
@@ -16,7 +18,10 @@ def connect_redis(url: str, stop: threading.Event, timeout_s: float = 120.0) -> 
     Raises:
         ConnectionError: Redis did not answer within ``timeout_s`` (or ``stop`` was set).
     """
-    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30)
+    # Retries reconnect after Redis restarts (a pooled connection to the old server is dead).
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=5,
+                                  retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
+                                  retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     waited = 0.0
     while not stop.is_set():
         try:

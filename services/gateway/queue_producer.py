@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
+import redis
 import redis.asyncio as aioredis
 
 from services.common import redis_keys
 from services.common.convert import request_to_pb
 from pagedserve.engine.messages import EngineRequest
+
+log = logging.getLogger("pagedserve.gateway")
 
 
 class RequestQueueProducer:
@@ -16,14 +21,21 @@ class RequestQueueProducer:
         self._client = client
         self._gateway_id = gateway_id
 
-    async def enqueue(self, request: EngineRequest) -> None:
-        """Queues a request for the scheduler.
+    async def enqueue(self, request: EngineRequest) -> bytes:
+        """Queues a request for the scheduler; returns its stream entry id.
 
         Raises:
             redis.RedisError: Redis unreachable.
         """
         record = request_to_pb(request, self._gateway_id).SerializeToString()
-        await self._client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: record})
+        return await self._client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: record})
+
+    async def forget(self, entry_id: bytes) -> None:
+        """Deletes a request's stream entry (its client went away); Redis errors are logged."""
+        try:
+            await self._client.xdel(redis_keys.REQUEST_STREAM, entry_id)
+        except redis.RedisError as exc:
+            log.warning("could not delete stream entry %r: %s", entry_id, exc)
 
     async def ping(self) -> bool:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 import grpc
 
@@ -16,8 +17,15 @@ from services.common.pb import engine_pb2_grpc
 log = logging.getLogger("pagedserve.gateway")
 
 
+MAX_ORPHAN_ABORTS = 4096
+"""Most recently aborted orphans remembered, so each is aborted once."""
+
+
 class OutputRouter:
     """Holds the StreamOutputs call to the scheduler (reconnecting when it breaks) and routes events.
+
+    Tokens of a request that no call here waits for (an orphan: its client already got an error,
+    and a restarted scheduler runs it again) make the router abort it in the scheduler.
 
     Args:
         channel: an asyncio gRPC channel to the scheduler.
@@ -28,15 +36,21 @@ class OutputRouter:
         self._stub = engine_pb2_grpc.SchedulerStub(channel)
         self._gateway_id = gateway_id
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._orphans: OrderedDict[str, None] = OrderedDict()
+        self._background: set[asyncio.Task] = set()
         self.connected = asyncio.Event()
         self._disconnected_at = time.monotonic()  # not yet connected counts as disconnected
 
-    def register(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        """A queue that receives the request's outputs. Raises ValueError if already registered."""
-        if request_id in self._queues:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+    def register(self, key: str) -> asyncio.Queue[RequestOutput]:
+        """A queue that receives the outputs of the request with this (gateway-made, unique) key.
+
+        Raises:
+            ValueError: the key is registered already (a bug: keys are new per submission).
+        """
+        if key in self._queues:
+            raise ValueError(f"request {key!r} is registered already")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request_id] = queue
+        self._queues[key] = queue
         return queue
 
     def unregister(self, request_id: str) -> None:
@@ -86,3 +100,14 @@ class OutputRouter:
             queue = self._queues.get(event.request_id)
             if queue is not None:
                 queue.put_nowait(output_from_pb(event))
+            elif not event.finish_reason and event.request_id not in self._orphans:
+                self._abort_orphan(event.request_id)
+
+    def _abort_orphan(self, key: str) -> None:
+        log.info("aborting %s: no call waits for its tokens", key)
+        self._orphans[key] = None
+        if len(self._orphans) > MAX_ORPHAN_ABORTS:
+            self._orphans.popitem(last=False)
+        task = asyncio.get_running_loop().create_task(self.abort(key))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -7,13 +7,16 @@ import logging
 import signal
 
 import grpc
+import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import telemetry
 from services.common.grpc_server import SERVER_OPTIONS, bind
-from services.common.pb import generate_pb2, generate_pb2_grpc
+from services.common.pb import engine_pb2, generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter
@@ -23,12 +26,23 @@ from pagedserve.text.tokenizer import PromptTokenizer
 log = logging.getLogger("pagedserve.gateway")
 
 GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+SCHEDULER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
-async def _watch_health(servicer: health.aio.HealthServicer, router: OutputRouter, producer: RequestQueueProducer) -> None:
-    """SERVING while the scheduler stream is up and Redis answers."""
+async def _scheduler_ready(stub: health_pb2_grpc.HealthStub) -> bool:
+    """Whether the scheduler has a worker up (its Scheduler service's health status)."""
+    try:
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=2.0)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def _watch_health(servicer: health.aio.HealthServicer, router: OutputRouter, producer: RequestQueueProducer,
+                        scheduler_health: health_pb2_grpc.HealthStub) -> None:
+    """SERVING while the scheduler stream is up, the scheduler has a worker and Redis answers."""
     while True:
-        ok = router.connected.is_set() and await producer.ping()
+        ok = router.connected.is_set() and await _scheduler_ready(scheduler_health) and await producer.ping()
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         await servicer.set("", status)
         await servicer.set(GENERATION_SERVICE, status)
@@ -43,7 +57,11 @@ async def serve_gateway(config: GatewayConfig) -> None:
     """
     tracer = telemetry.setup_tracing("pagedserve-gateway")
     tokenizer = PromptTokenizer.from_folder(config.model)
-    redis_client = aioredis.Redis.from_url(config.redis_url, socket_connect_timeout=2, socket_timeout=10)
+    # Retries reconnect after Redis restarts (a pooled connection to the old server is dead).
+    redis_client = aioredis.Redis.from_url(
+        config.redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=5,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     producer = RequestQueueProducer(redis_client, config.gateway_id)
     channel = grpc.aio.insecure_channel(config.scheduler_address)
     router = OutputRouter(channel, config.gateway_id)
@@ -58,7 +76,8 @@ async def serve_gateway(config: GatewayConfig) -> None:
     )
     port = bind(server, config.host, config.port)
     await server.start()
-    tasks = [asyncio.create_task(router.run()), asyncio.create_task(_watch_health(health_servicer, router, producer))]
+    watch = _watch_health(health_servicer, router, producer, health_pb2_grpc.HealthStub(channel))
+    tasks = [asyncio.create_task(router.run()), asyncio.create_task(watch)]
     log.info("gateway %s listening on %s:%d, scheduler %s, model %s", config.gateway_id, config.host, port,
              config.scheduler_address, config.model.name)
 

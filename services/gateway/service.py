@@ -68,40 +68,47 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._router.disconnected_for_s() > self._grace_s:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is unreachable; retry later")
-        request_id = request.request_id or uuid.uuid4().hex
+        # The request's identity across gateway, Redis and scheduler is made here, new for every
+        # submission: the client's request_id is only a label, so a reused one can never receive
+        # another submission's tokens.
+        key = uuid.uuid4().hex
+        label = request.request_id or key
         parent = telemetry.extract(telemetry.metadata_to_carrier(context.invocation_metadata()))
         with self._tracer.start_as_current_span("gateway.Generate", context=parent, kind=trace.SpanKind.SERVER) as span:
-            span.set_attributes({"request_id": request_id, "prompt_tokens": len(parsed.prompt_token_ids)})
-            async for response in self._generate(request_id, parsed, context):
+            span.set_attributes({"request_id": key, "client_request_id": label,
+                                 "prompt_tokens": len(parsed.prompt_token_ids)})
+            async for response in self._generate(key, label, parsed, context):
                 yield response
 
-    async def _generate(self, request_id: str, parsed: ParsedRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
-        try:
-            outputs = self._router.register(request_id)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id: {exc}")
+    async def _generate(self, key: str, label: str, parsed: ParsedRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
+        outputs = self._router.register(key)
         state = RequestSamples(self._tokenizer, parsed.prompt_token_ids, parsed.params)
+        entry_id: bytes | None = None
         try:
-            engine_request = EngineRequest(request_id, parsed.prompt_token_ids, parsed.engine_params, time.time(),
+            engine_request = EngineRequest(key, parsed.prompt_token_ids, parsed.engine_params, time.time(),
                                            telemetry.inject(), parsed.priority, parsed.cache_salt)
             try:
-                await self._producer.enqueue(engine_request)
+                entry_id = await self._producer.enqueue(engine_request)
             except redis.RedisError as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot queue the request: {exc}")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot queue the request (Redis: {exc}); retry later")
             while not state.finished:
                 output = await self._next_output(outputs, context)
                 if output.error is not None:
-                    await context.abort(_STATUS_BY_CODE.get(output.error.grpc_code, grpc.StatusCode.INTERNAL),
+                    await context.abort(_STATUS_BY_CODE.get(output.error.grpc_code, grpc.StatusCode.UNAVAILABLE),
                                         output.error.message)
-                delta = state.process(output)
+                try:
+                    delta = state.process(output)
+                except ValueError as exc:  # tokens missing from the stream: the request cannot go on exactly
+                    await context.abort(grpc.StatusCode.ABORTED, f"the token stream broke ({exc}); retry")
                 if delta.stop_string_matched:
-                    self._abort_in_background(request_id, output.sample_index)
+                    self._abort_in_background(key, output.sample_index)
                 if delta.text or delta.token_ids or delta.finish_reason:
-                    yield self._response(request_id, output.sample_index, delta, state)
+                    yield self._response(label, output.sample_index, delta, state)
         finally:
-            self._router.unregister(request_id)
-            if not state.finished:  # the client went away or the call failed
-                self._abort_in_background(request_id)
+            self._router.unregister(key)
+            if not state.finished:  # the client went away or the call failed: nothing may run for it
+                self._abort_in_background(key, forget_entry=entry_id)
 
     async def _next_output(self, outputs: asyncio.Queue[RequestOutput], context: grpc.aio.ServicerContext) -> RequestOutput:
         """The next event; fails with UNAVAILABLE when the scheduler stream stays lost too long."""
@@ -123,8 +130,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             response.usage.completion_tokens = state.num_output_tokens
         return response
 
-    def _abort_in_background(self, request_id: str, sample_index: int | None = None) -> None:
-        """Aborts in the scheduler without waiting (safe while the call is being cancelled)."""
-        task = asyncio.get_running_loop().create_task(self._router.abort(request_id, sample_index))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    def _abort_in_background(self, key: str, sample_index: int | None = None, forget_entry: bytes | None = None) -> None:
+        """Aborts in the scheduler without waiting (safe while the call is being cancelled); with
+        ``forget_entry``, also deletes the request's stream entry so that a scheduler restarted
+        later does not run it for nobody."""
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._router.abort(key, sample_index))]
+        if forget_entry is not None:
+            tasks.append(loop.create_task(self._producer.forget(forget_entry)))
+        for task in tasks:
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)

@@ -19,8 +19,13 @@ class SchedulerServiceConfig:
         consumer_name: this scheduler's name in the Redis consumer group; keep it across restarts
             so that unfinished requests are picked up again.
         policy: per-iteration limits.
-        step_timeout_s: longest a worker may take for one iteration before it counts as failed.
-        worker_poll_interval_s: how often registrations are re-read from Redis.
+        step_timeout_s: longest a worker may take for one iteration before the step counts as
+            failed (the worker is reset and admitted again), seconds.
+        worker_poll_interval_s: how often registrations are re-read from Redis, seconds.
+        worker_gone_after_s: how long a worker's registration may be missing (a Redis restart)
+            before the worker counts as gone, seconds.
+        no_worker_timeout_s: while no worker has been up for this long, waiting requests fail
+            with UNAVAILABLE (and new ones at once), seconds.
         gateway_grace_s: how long a gateway's requests survive its output stream being closed
             (long enough for it to reconnect), seconds.
 
@@ -35,6 +40,8 @@ class SchedulerServiceConfig:
     policy: SchedulerConfig = SchedulerConfig()
     step_timeout_s: float = 120.0
     worker_poll_interval_s: float = 0.5
+    worker_gone_after_s: float = 5.0
+    no_worker_timeout_s: float = 30.0
     gateway_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -42,7 +49,8 @@ class SchedulerServiceConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if not self.consumer_name:
             raise ValueError("--consumer-name must not be empty")
-        if min(self.step_timeout_s, self.worker_poll_interval_s, self.gateway_grace_s) <= 0:
+        if min(self.step_timeout_s, self.worker_poll_interval_s, self.worker_gone_after_s,
+               self.no_worker_timeout_s, self.gateway_grace_s) <= 0:
             raise ValueError("timeouts and intervals must be positive")
 
 
@@ -58,7 +66,12 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--step-timeout", type=float, default=120.0,
-        help="seconds a worker may take for one iteration before it counts as failed (default %(default)s)",
+        help="seconds a worker may take for one iteration before the step counts as failed; the worker "
+        "is then reset and admitted again, its sequences recomputed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--no-worker-timeout", type=float, default=30.0,
+        help="seconds requests wait while no worker is up before failing with UNAVAILABLE (default %(default)s)",
     )
 
 
@@ -115,4 +128,5 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerServiceConf
         consumer_name=args.consumer_name,
         policy=policy_from_args(args),
         step_timeout_s=args.step_timeout,
+        no_worker_timeout_s=args.no_worker_timeout,
     )

@@ -1,55 +1,81 @@
-"""Executes plans on worker services over gRPC, all workers in parallel."""
+"""Sends plans to worker services over gRPC, one step in flight per worker, answers as they come."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
-from services.common.convert import plan_to_pb, step_result_from_pb
 from pagedserve.engine.messages import BatchPlan, StepResult
+from services.common.convert import plan_to_pb, step_result_from_pb
 from services.common.pb import engine_pb2_grpc
-from pagedserve.engine.engine import ExecutionResult
 
 log = logging.getLogger("pagedserve.scheduler")
 
 
-class GrpcExecutor:
-    """Sends each worker its plan with ``Worker.Execute`` and waits for every answer.
+@dataclass(frozen=True)
+class StepDone:
+    """A worker's answer to one plan: its result, or why the step failed.
 
-    A worker that fails or times out is reported in ``failed_worker_ids`` and forgotten.
-
-    Args:
-        step_timeout_s: longest one iteration may take on a worker, seconds.
+    Attributes:
+        worker_id: the worker that ran the plan.
+        session_id: the plan's session (an answer from an older session of the worker is stale).
+        result: the step's result; ``None`` when the step failed.
+        error: what went wrong (gRPC status and details) when it failed.
     """
 
-    def __init__(self, step_timeout_s: float) -> None:
+    worker_id: str
+    session_id: str
+    result: StepResult | None
+    error: str = ""
+
+
+class GrpcExecutor:
+    """Runs each worker's step pipeline: ``submit`` sends a plan with ``Worker.Execute`` without
+    waiting; ``on_done`` is called (on a gRPC thread) with the answer.
+
+    Args:
+        step_timeout_s: longest one step may take on a worker before it counts as failed, seconds.
+        on_done: receives every answer, failed or not.
+    """
+
+    def __init__(self, step_timeout_s: float, on_done: Callable[[StepDone], None]) -> None:
         self._timeout = step_timeout_s
+        self._on_done = on_done
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.WorkerStub] = {}
 
     def add_worker(self, worker_id: str, address: str) -> None:
+        """Opens a channel to a worker. Raises ValueError if the id is already connected."""
+        if worker_id in self._channels:
+            raise ValueError(f"worker {worker_id!r} is already connected")
         channel = grpc.insecure_channel(address)
         self._channels[worker_id] = channel
         self._stubs[worker_id] = engine_pb2_grpc.WorkerStub(channel)
 
     def remove_worker(self, worker_id: str) -> None:
+        """Closes the worker's channel (a step in flight fails with CANCELLED)."""
         self._stubs.pop(worker_id, None)
         channel = self._channels.pop(worker_id, None)
         if channel is not None:
             channel.close()
 
-    def execute(self, plans: Mapping[str, BatchPlan]) -> ExecutionResult:
-        calls = {wid: self._stubs[wid].Execute.future(plan_to_pb(plan), timeout=self._timeout) for wid, plan in plans.items()}
-        results: dict[str, StepResult] = {}
-        failed: list[str] = []
-        for wid, call in calls.items():
-            try:
-                results[wid] = step_result_from_pb(call.result())
-            except grpc.RpcError as exc:
-                log.error("worker %s failed step %d: %s", wid, plans[wid].step_id, exc)
-                failed.append(wid)
-        for wid in failed:
-            self.remove_worker(wid)
-        return ExecutionResult(results, tuple(failed))
+    def submit(self, worker_id: str, plan: BatchPlan) -> None:
+        """Sends ``plan`` to its worker; the answer goes to ``on_done``.
+
+        Raises:
+            KeyError: the worker is not connected.
+        """
+        call = self._stubs[worker_id].Execute.future(plan_to_pb(plan), timeout=self._timeout)
+        call.add_done_callback(lambda c: self._on_done(self._answer(worker_id, plan, c)))
+
+    @staticmethod
+    def _answer(worker_id: str, plan: BatchPlan, call: grpc.Future) -> StepDone:
+        try:
+            return StepDone(worker_id, plan.session_id, step_result_from_pb(call.result()))
+        except grpc.RpcError as exc:
+            return StepDone(worker_id, plan.session_id, None, f"{exc.code().name}: {exc.details()}")
+        except grpc.FutureCancelledError:
+            return StepDone(worker_id, plan.session_id, None, "CANCELLED")

@@ -1,7 +1,9 @@
 """The scheduler process's main loop: requests in from Redis, plans out to workers, tokens to gateways.
 
-Only the loop thread touches the engine. Other threads (the Redis reader, gRPC handlers) talk to
-it through a queue of commands.
+Only the loop thread touches the engine. Other threads (the Redis reader, gRPC handlers, the
+gRPC callbacks that carry the workers' answers) talk to it through one queue of commands. Each
+worker has its own step pipeline: whenever a worker is idle it gets its next plan, and its answer
+is applied as soon as it arrives, so a long prefill on one worker never holds back another.
 """
 
 from __future__ import annotations
@@ -10,25 +12,28 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
+import grpc
 from opentelemetry import trace
 
+from pagedserve.engine.messages import RequestError, RequestOutput
+from pagedserve.engine.scheduler import Scheduler
 from services.common import telemetry
 from services.common.convert import output_to_pb, request_from_pb
-from pagedserve.engine.messages import RequestOutput
 from services.common.pb import engine_pb2 as pb
-from pagedserve.engine.config import SchedulerStats
 from services.scheduler.config import SchedulerServiceConfig
-from pagedserve.engine.engine import Engine
 from services.scheduler.gateway_streams import GatewayStreams
-from services.scheduler.grpc_executor import GrpcExecutor
+from services.scheduler.grpc_executor import GrpcExecutor, StepDone
+from services.scheduler.membership import WorkerMembership
 from services.scheduler.queue_consumer import QueueEntry
 from services.scheduler.worker_registry import WorkerRegistry
 
 log = logging.getLogger("pagedserve.scheduler")
+
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class GatewayBack:
     gateway_id: str
 
 
+Command = NewEntries | Abort | GatewayGone | GatewayBack | StepDone
+
+
 @dataclass
 class _Route:
     """Where a request came from and where its tokens go."""
@@ -67,65 +75,82 @@ class _Route:
 
 
 class SchedulerLoop:
-    """Runs the engine and connects it to Redis, the workers and the gateways."""
+    """Runs the scheduler and connects it to Redis, the workers and the gateways.
 
-    def __init__(
-        self,
-        config: SchedulerServiceConfig,
-        engine: Engine,
-        executor: GrpcExecutor,
-        registry: WorkerRegistry,
-        ack: Callable[[bytes], None],
-        tracer: trace.Tracer,
-    ) -> None:
+    Args:
+        set_ready: called with whether any worker is up (the scheduler's readiness).
+    """
+
+    def __init__(self, config: SchedulerServiceConfig, scheduler: Scheduler, registry: WorkerRegistry,
+                 ack: Callable[[bytes], None], tracer: trace.Tracer, set_ready: Callable[[bool], None]) -> None:
         self.config = config
-        self.engine = engine
+        self.scheduler = scheduler
         self.streams = GatewayStreams()
-        self._executor = executor
+        self.executor = GrpcExecutor(config.step_timeout_s, self.submit)
+        self.membership = WorkerMembership(scheduler, self.executor, config.worker_gone_after_s)
         self._registry = registry
         self._ack = ack
         self._tracer = tracer
-        self._commands: queue.Queue = queue.Queue()
+        self._set_ready = set_ready
+        self._commands: queue.Queue[Command] = queue.Queue()
         self._routes: dict[str, _Route] = {}
-        self._added_workers: set[str] = set()
-        self._dead_workers: set[str] = set()  # failed a step; not taken back under the same id
+        self._in_flight: dict[str, str] = {}  # worker id -> session id of the plan it is running
         self._next_worker_poll = 0.0
+        self._no_workers_since: float | None = time.monotonic()
         self._gateways_gone: dict[str, float] = {}  # gateway id -> monotonic time its stream closed
         self._gateways_live: set[str] = set()
         self._early_aborts: dict[str, float] = {}  # aborted before their entry was read -> when
-        self.stats: SchedulerStats = engine.scheduler.stats()
+        self.stats = scheduler.stats()
         self.error: Exception | None = None
 
-    def submit(self, command: NewEntries | Abort | GatewayGone | GatewayBack) -> None:
+    def submit(self, command: Command) -> None:
         """Hands a command to the loop thread (thread-safe)."""
         self._commands.put(command)
 
     def run(self, stop: threading.Event) -> None:
-        """Loops until ``stop`` is set: schedule, execute, apply, deliver.
-
-        An unexpected exception is logged, kept in ``self.error`` and stops the process.
-        """
+        """Loops until ``stop`` is set. An unexpected exception is logged, kept in ``self.error``
+        and stops the process."""
         try:
-            self._run(stop)
+            while not stop.is_set():
+                self._poll_workers()
+                self._abort_for_gone_gateways()
+                self._fail_without_workers()
+                self._dispatch()
+                self._handle_commands(wait_s=0.05)
+                self.stats = self.scheduler.stats()
         except Exception as exc:
             log.exception("scheduler loop failed")
             self.error = exc
             stop.set()
 
-    def _run(self, stop: threading.Event) -> None:
-        while not stop.is_set():
-            self._poll_workers()
-            self._abort_for_gone_gateways()
-            busy = self.engine.has_work() and bool(self.engine.scheduler.worker_ids)
-            self._handle_commands(wait_s=0.0 if busy else 0.05)
-            if busy:
-                self._deliver(self.engine.step())
-                self.stats = self.engine.scheduler.stats()
+    # ---- the step pipelines --------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Schedules every idle worker and sends each its plan."""
+        if not self.scheduler.has_work():
+            return
+        idle = [w for w in self.scheduler.worker_ids if w not in self._in_flight]
+        if not idle:
+            return
+        scheduled = self.scheduler.schedule(idle)
+        self._deliver(list(scheduled.outputs))
+        for worker_id, plan in scheduled.plans.items():
+            self._in_flight[worker_id] = plan.session_id
+            self.executor.submit(worker_id, plan)
+
+    def _step_done(self, done: StepDone) -> None:
+        if self._in_flight.get(done.worker_id) != done.session_id:
+            return  # an answer from a session that was reset meanwhile
+        del self._in_flight[done.worker_id]
+        if done.result is None:
+            self.membership.step_failed(done.worker_id, done.error)
+            return
+        self.membership.step_succeeded(done.worker_id)
+        self._deliver(self.scheduler.update_from_output({done.worker_id: done.result}))
 
     # ---- commands ------------------------------------------------------------------------
     def _handle_commands(self, wait_s: float) -> None:
         try:
-            command = self._commands.get(timeout=wait_s) if wait_s else self._commands.get_nowait()
+            command = self._commands.get(timeout=wait_s)
         except queue.Empty:
             return
         while True:
@@ -133,11 +158,12 @@ class SchedulerLoop:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                break
-        self.stats = self.engine.scheduler.stats()
+                return
 
-    def _handle(self, command: NewEntries | Abort | GatewayGone | GatewayBack) -> None:
-        if isinstance(command, NewEntries):
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, StepDone):
+            self._step_done(command)
+        elif isinstance(command, NewEntries):
             for entry in command.entries:
                 self._add(entry)
         elif isinstance(command, Abort):
@@ -160,9 +186,25 @@ class SchedulerLoop:
                 log.info("aborting %s: its gateway %s is gone", request_id, gateway_id)
                 self._abort(request_id)
 
+    def _fail_without_workers(self) -> None:
+        """Fails every waiting request with UNAVAILABLE once no worker has been up for the timeout."""
+        since = self._no_workers_since
+        if since is None or time.monotonic() - since < self.config.no_worker_timeout_s:
+            return
+        error = RequestError(UNAVAILABLE, f"no worker has been available for {self.config.no_worker_timeout_s:g} s; "
+                                          "start a worker (pagedserve worker) and retry")
+        for request_id in self.scheduler.waiting_requests():
+            log.warning("failing %s: no worker is up", request_id)
+            self._deliver(self.scheduler.abort_request(request_id, error=error))
+
     def _add(self, entry: QueueEntry) -> None:
-        request = request_from_pb(entry.request)
-        if request.request_id in self._routes:
+        try:
+            request = request_from_pb(entry.request)
+        except ValueError as exc:  # a record no gateway of ours writes: drop it, keep serving
+            log.error("dropping stream entry %r: %s", entry.entry_id, exc)
+            self._ack(entry.entry_id)
+            return
+        if request.request_id in self._routes or self.scheduler.has_request(request.request_id):
             return  # already in flight (read again after a reconnect)
         if self._early_aborts.pop(request.request_id, None) is not None:
             self._ack(entry.entry_id)  # its client gave up before we read it
@@ -175,23 +217,22 @@ class SchedulerLoop:
             attributes={"request_id": request.request_id, "prompt_tokens": len(request.prompt_token_ids)},
         )
         request = replace(request, trace_context=telemetry.inject(trace.set_span_in_context(span)))
-        self._routes[request.request_id] = _Route(entry.request.gateway_id, entry.entry_id, span)
-        self.engine.add_request(request)
+        self._routes[request.request_id] = _Route(gateway_id, entry.entry_id, span)
+        self.scheduler.add_request(request)
 
     def _abort(self, request_id: str, sample_index: int | None = None) -> bool:
-        found = self.engine.abort_request(request_id, sample_index)
-        if not found and request_id not in self._routes:
+        """Aborts a request (or one sample); its gateway gets the final ABORT outputs."""
+        outputs = self.scheduler.abort_request(request_id, sample_index)
+        if not outputs and request_id not in self._routes:
             self._early_aborts[request_id] = time.monotonic()
-        if sample_index is not None and self.engine.scheduler.has_request(request_id):
-            return found  # other samples go on
-        route = self._routes.pop(request_id, None)
-        if route is not None:
-            route.span.add_event("aborted")
-            self._close(route)
-        return found
+        self._deliver(outputs)
+        return bool(outputs)
 
     # ---- outputs -------------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Sends outputs to their gateways, one batch per gateway; closes the routes of requests
+        that have no sample left in flight (after the whole batch, so that every sample's last
+        output goes out)."""
         batches: dict[str, list[pb.TokenEvent]] = {}
         for output in outputs:
             route = self._routes.get(output.request_id)
@@ -200,10 +241,11 @@ class SchedulerLoop:
             batches.setdefault(route.gateway_id, []).append(output_to_pb(output))
             if output.first_output_index == 0 and output.new_token_ids:
                 route.span.add_event("first_token")
-            if output.finished and not self.engine.scheduler.has_request(output.request_id):
-                del self._routes[output.request_id]  # its last sample finished
-                route.span.set_attribute("finish_reason", output.finish_reason.value)
-                self._close(route)
+            if output.finished:
+                route.span.add_event("sample_finished", {"finish_reason": output.finish_reason.value})
+        for request_id in {o.request_id for o in outputs}:
+            if request_id in self._routes and not self.scheduler.has_request(request_id):
+                self._close(self._routes.pop(request_id))
         for gateway_id, events in batches.items():
             self.streams.publish(gateway_id, pb.TokenEventBatch(events=events))
 
@@ -222,29 +264,15 @@ class SchedulerLoop:
         self._next_worker_poll = now + self.config.worker_poll_interval_s
         try:
             live = self._registry.live_workers()
-        except Exception as exc:
+        except Exception as exc:  # Redis down: keep the workers we have
             log.warning("cannot read worker registrations: %s", exc)
             return
-        scheduler = self.engine.scheduler
-        known = set(scheduler.worker_ids)
-        self._dead_workers |= self._added_workers - known  # removed by the engine after a failed step
-        self._added_workers &= known
-        for worker_id in known - live.keys():
-            log.info("worker %s is gone; its sequences are rescheduled", worker_id)
-            scheduler.remove_worker(worker_id)
-            self._executor.remove_worker(worker_id)
-            self._added_workers.discard(worker_id)
-        for worker_id, reg in live.items():
-            if worker_id in known or worker_id in self._dead_workers:
-                continue
-            if reg.block_size != scheduler.config.block_size:
-                log.error("worker %s uses block size %d, the scheduler %d: ignored", worker_id, reg.block_size,
-                          scheduler.config.block_size)
-                self._dead_workers.add(worker_id)
-                continue
-            log.info("worker %s at %s joined with %d blocks (%d CPU blocks)", worker_id, reg.address,
-                     reg.num_blocks, reg.num_cpu_blocks)
-            self._executor.add_worker(worker_id, reg.address)
-            scheduler.add_worker(worker_id, reg.num_blocks, reg.num_cpu_blocks)
-            self._added_workers.add(worker_id)
-        self.stats = scheduler.stats()
+        self.membership.sync(live)
+        for worker_id in [w for w in self._in_flight if w not in self.scheduler.worker_ids]:
+            del self._in_flight[worker_id]  # dropped: its answer is stale
+        has_workers = bool(self.scheduler.worker_ids)
+        if has_workers:
+            self._no_workers_since = None
+        elif self._no_workers_since is None:
+            self._no_workers_since = now
+        self._set_ready(has_workers)

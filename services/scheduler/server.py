@@ -9,20 +9,21 @@ from concurrent import futures
 import grpc
 import redis
 
+from pagedserve.engine.scheduler import Scheduler
 from services.common import telemetry
 from services.common.grpc_server import SERVER_OPTIONS, add_health, bind, set_serving
-from services.common.pb import engine_pb2_grpc
+from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.redis_wait import connect_redis
 from services.scheduler.config import SchedulerServiceConfig
-from pagedserve.engine.engine import Engine
-from services.scheduler.grpc_executor import GrpcExecutor
 from services.scheduler.loop import NewEntries, SchedulerLoop
 from services.scheduler.queue_consumer import RequestQueueConsumer
-from pagedserve.engine.scheduler import Scheduler
 from services.scheduler.service import SchedulerServicer
 from services.scheduler.worker_registry import WorkerRegistry
 
 log = logging.getLogger("pagedserve.scheduler")
+
+SCHEDULER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+"""Its health status is the scheduler's readiness: SERVING while at least one worker is up."""
 
 
 def _read_requests(consumer: RequestQueueConsumer, loop: SchedulerLoop, stop: threading.Event) -> None:
@@ -30,12 +31,29 @@ def _read_requests(consumer: RequestQueueConsumer, loop: SchedulerLoop, stop: th
     while not stop.is_set():
         try:
             entries = consumer.read(count=256, block_ms=200)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            log.warning("the request stream's consumer group is gone (Redis restarted empty?); creating it again")
+            _retry_until_stopped(consumer.ensure_group, stop)
+            continue
         except redis.RedisError as exc:
             log.warning("reading the request stream failed: %s", exc)
             stop.wait(1.0)
             continue
         if entries:
             loop.submit(NewEntries(tuple(entries)))
+
+
+def _retry_until_stopped(action, stop: threading.Event) -> None:
+    """Runs ``action`` until it succeeds (Redis errors are retried every second) or ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            action()
+            return
+        except redis.RedisError as exc:
+            log.warning("Redis: %s; retrying", exc)
+            stop.wait(1.0)
 
 
 def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> None:
@@ -49,13 +67,12 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     client = connect_redis(config.redis_url, stop)
     consumer = RequestQueueConsumer(client, config.consumer_name)
     consumer.ensure_group()
-    executor = GrpcExecutor(config.step_timeout_s)
-    engine = Engine(Scheduler(config.policy), executor)
-    loop = SchedulerLoop(config, engine, executor, WorkerRegistry(client), consumer.ack, tracer)
-
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=SERVER_OPTIONS)
-    engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     health = add_health(server)
+    set_serving(health, False, SCHEDULER_SERVICE)  # until a worker is admitted
+    loop = SchedulerLoop(config, Scheduler(config.policy), WorkerRegistry(client), consumer.ack, tracer,
+                         set_ready=lambda ready: set_serving(health, ready, SCHEDULER_SERVICE))
+    engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     port = bind(server, config.host, config.port)
     server.start()
     threads = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from concurrent import futures
 
 import grpc
@@ -71,6 +72,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         block_size=config.block_size,
         model=config.model.name,
         num_cpu_blocks=runner.num_cpu_blocks,
+        instance_id=uuid.uuid4().hex,
     )
     registrar = WorkerRegistrar(connect_redis(config.redis_url, stop), registration, config.heartbeat_interval_s)
     registrar.start()

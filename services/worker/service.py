@@ -9,33 +9,34 @@ from opentelemetry import trace
 
 from services.common import telemetry
 from services.common.convert import plan_from_pb, step_result_to_pb
-from pagedserve.engine.messages import BatchPlan, StepResult
+from pagedserve.engine.messages import BatchPlan, SequenceId, StepResult
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from pagedserve.engine.engine import PlanRunner
 
 
 class RequestSpans:
-    """One span per request on this worker: opened when it arrives in a plan, closed when dropped."""
+    """One span per sequence on this worker: opened when it arrives in a plan, closed when dropped."""
 
     def __init__(self, tracer: trace.Tracer) -> None:
         self._tracer = tracer
-        self._spans: dict[str, trace.Span] = {}
+        self._spans: dict[SequenceId, trace.Span] = {}
 
     def update(self, plan: BatchPlan) -> None:
-        for request_id in plan.finished_request_ids:
-            span = self._spans.pop(request_id, None)
+        for seq_id in plan.finished_seq_ids:
+            span = self._spans.pop(seq_id, None)
             if span is not None:
                 span.end()
         for new in plan.new_requests:
-            if new.request_id in self._spans:
+            if new.seq_id in self._spans:
                 continue
             span = self._tracer.start_span(
                 "worker.request",
                 context=telemetry.extract(new.trace_context),
-                attributes={"request_id": new.request_id, "num_tokens": len(new.token_ids)},
+                attributes={"request_id": new.request_id, "sample_index": new.seq_id.sample_index,
+                            "num_tokens": len(new.token_ids)},
             )
-            self._spans[new.request_id] = span
+            self._spans[new.seq_id] = span
 
 
 class WorkerServicer(engine_pb2_grpc.WorkerServicer):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.llm import LLM
+from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import BASE_PROMPTS
 from tests.engine.test_greedy_matches_hf import BLOCK_BYTES, run_staggered
@@ -89,7 +90,7 @@ def test_four_seeded_samples_share_the_prompt_blocks(default_model, tokenizer):
         llm.step()
         stats = llm.stats().workers[0]
         peak_used = max(peak_used, stats.num_blocks - stats.num_free_blocks)
-        table = llm.engine.scheduler.block_manager("worker-0").block_table(request_id)
+        table = llm.engine.scheduler.block_manager("worker-0").block_table(SequenceId(request_id))
         if table:
             first_block_refs = max(first_block_refs, llm.engine.scheduler.block_manager("worker-0").ref_count(table[0]))
     assert first_block_refs == 4  # the prompt's full blocks are held by all four samples

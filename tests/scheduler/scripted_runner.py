@@ -33,7 +33,7 @@ class ScriptedRunner:
 
     def execute(self, plan: BatchPlan) -> StepResult:
         self.plans.append(plan)
-        for rid in plan.finished_request_ids:
+        for rid in plan.finished_seq_ids:
             self.state.pop(rid, None)
         for device_block, cpu_block in plan.blocks_to_swap_out:
             self.cpu[cpu_block] = list(self.device[device_block])
@@ -42,15 +42,15 @@ class ScriptedRunner:
         for source, target in plan.blocks_to_copy:
             self.device[target] = list(self.device[source])
         for new in plan.new_requests:
-            assert new.request_id not in self.state, f"{new.request_id} sent in full twice"
-            self.state[new.request_id] = dict(tokens=list(new.token_ids), table=list(new.block_ids),
+            assert new.seq_id not in self.state, f"{new.seq_id} sent in full twice"
+            self.state[new.seq_id] = dict(tokens=list(new.token_ids), table=list(new.block_ids),
                                               computed=new.num_computed_tokens, prompt=new.num_prompt_tokens,
                                               n=new.sampling.n)
         for cached in plan.cached_requests:
-            st = self.state[cached.request_id]
+            st = self.state[cached.seq_id]
             assert st["computed"] == cached.num_computed_tokens
             st["table"].extend(cached.new_block_ids)
-        scheduled = [(r.request_id, r.num_scheduled_tokens) for r in plan.new_requests + plan.cached_requests]
+        scheduled = [(r.seq_id, r.num_scheduled_tokens) for r in plan.new_requests + plan.cached_requests]
         for rid, num in scheduled:  # every layer writes the step's K/V before any attention reads
             self._write(self.state[rid], num)
         sampled = []
@@ -59,9 +59,10 @@ class ScriptedRunner:
             st["computed"] += num
             self._check_context(rid, st)
             if st["computed"] == len(st["tokens"]):
-                n = st["n"] if len(st["tokens"]) == st["prompt"] else 1
-                tokens = [next_token(st["tokens"], i) for i in range(n)]
-                sampled += [SampledToken(rid, t, 0.0, i) for i, t in enumerate(tokens)]
+                first_of_many = len(st["tokens"]) == st["prompt"] and st["n"] > 1
+                indexes = range(st["n"]) if first_of_many else [rid.sample_index]
+                tokens = [next_token(st["tokens"], i if first_of_many else 0) for i in indexes]
+                sampled += [SampledToken(rid, t, 0.0, i) for i, t in zip(indexes, tokens)]
                 st["tokens"].append(tokens[0])
         return StepResult(plan.step_id, tuple(sampled))
 

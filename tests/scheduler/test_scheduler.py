@@ -5,7 +5,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.engine.messages import EngineRequest, FinishReason
+from pagedserve.engine.messages import EngineRequest, FinishReason, SequenceId
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
@@ -50,23 +50,23 @@ def test_first_plan_sends_requests_in_full_then_deltas():
     engine, runners = make_engine({"w0": 16})
     engine.add_request(request("a", 5, 4))
     engine.add_request(request("b", 3, 4))
-    plan = engine.scheduler.schedule().plans["w0"]
-    assert [(r.request_id, r.block_ids, r.num_computed_tokens, r.num_scheduled_tokens) for r in plan.new_requests] == [
+    plan = engine.scheduler.schedule(["w0"]).plans["w0"]
+    assert [(r.seq_id.request_id, r.block_ids, r.num_computed_tokens, r.num_scheduled_tokens) for r in plan.new_requests] == [
         ("a", (0, 1), 0, 5),
         ("b", (2,), 0, 3),
     ]
-    assert plan.cached_requests == () and plan.finished_request_ids == ()
+    assert plan.cached_requests == () and plan.finished_seq_ids == ()
     engine.scheduler.update_from_output({"w0": runners["w0"].execute(plan)})
-    plan = engine.scheduler.schedule().plans["w0"]
+    plan = engine.scheduler.schedule(["w0"]).plans["w0"]
     assert plan.new_requests == ()
     # a: 6 tokens, slot 5 is in block 1; b: 4 tokens, slot 3 still in block 2
-    assert [(c.request_id, c.new_block_ids, c.num_computed_tokens, c.num_scheduled_tokens) for c in plan.cached_requests] == [
+    assert [(c.seq_id.request_id, c.new_block_ids, c.num_computed_tokens, c.num_scheduled_tokens) for c in plan.cached_requests] == [
         ("a", (), 5, 1),
         ("b", (), 3, 1),
     ]
     engine.scheduler.update_from_output({"w0": runners["w0"].execute(plan)})
-    plan = engine.scheduler.schedule().plans["w0"]
-    assert [(c.request_id, c.new_block_ids) for c in plan.cached_requests] == [("a", ()), ("b", (3,))]
+    plan = engine.scheduler.schedule(["w0"]).plans["w0"]
+    assert [(c.seq_id.request_id, c.new_block_ids) for c in plan.cached_requests] == [("a", ()), ("b", (3,))]
 
 
 def test_outputs_match_reference_and_blocks_are_freed():
@@ -112,7 +112,7 @@ def test_preemption_recomputes_newest_and_outputs_stay_exact():
     assert_all_free(engine)
     resumed = [n for p in runners["w0"].plans for n in p.new_requests if n.num_prompt_tokens < len(n.token_ids)]
     assert resumed, "a preempted sequence was resumed with its generated tokens"
-    assert all(n.request_id in {r for p in runners["w0"].plans for r in p.finished_request_ids} for n in resumed)
+    assert all(n.seq_id in {r for p in runners["w0"].plans for r in p.finished_seq_ids} for n in resumed)
 
 
 def test_newest_running_sequence_is_the_victim():
@@ -123,8 +123,8 @@ def test_newest_running_sequence_is_the_victim():
         engine.step()
     assert engine.scheduler.stats().num_preemptions == 0
     engine.step()  # slot 8 needs a third block for "old": the newest, "new", is preempted
-    assert engine.scheduler.sequence("new").num_preemptions == 1
-    assert engine.scheduler.sequence("old").num_preemptions == 0
+    assert engine.scheduler.sequence(SequenceId("new")).num_preemptions == 1
+    assert engine.scheduler.sequence(SequenceId("old")).num_preemptions == 0
 
 
 def test_new_sequences_go_to_the_worker_with_most_free_blocks():
@@ -132,9 +132,9 @@ def test_new_sequences_go_to_the_worker_with_most_free_blocks():
     engine.add_request(request("a", 16, 2))  # 4 blocks -> w1 (12 free), then w1 has 8
     engine.add_request(request("b", 4, 2))  # tie 8/8: first registered wins
     engine.add_request(request("c", 4, 2))  # w0 has 7 free, w1 8 -> w1
-    out = engine.scheduler.schedule()
-    assert [n.request_id for n in out.plans["w1"].new_requests] == ["a", "c"]
-    assert [n.request_id for n in out.plans["w0"].new_requests] == ["b"]
+    out = engine.scheduler.schedule(["w0", "w1"])
+    assert [n.seq_id.request_id for n in out.plans["w1"].new_requests] == ["a", "c"]
+    assert [n.seq_id.request_id for n in out.plans["w0"].new_requests] == ["b"]
 
 
 def test_abort_frees_blocks_and_tells_the_worker():
@@ -142,11 +142,11 @@ def test_abort_frees_blocks_and_tells_the_worker():
     engine.add_request(request("a", 6, 10))
     engine.add_request(request("b", 2, 10))
     engine.step()
-    assert engine.abort_request("a") and not engine.abort_request("zzz")
+    assert engine.abort_request("a") and engine.abort_request("zzz") == []
     assert engine.scheduler.block_manager("w0").num_free_blocks == 7
     engine.step()
-    assert runners["w0"].plans[-1].finished_request_ids == ("a",)
-    assert "a" not in runners["w0"].state
+    assert runners["w0"].plans[-1].finished_seq_ids == (SequenceId("a"),)
+    assert SequenceId("a") not in runners["w0"].state
     engine.abort_request("b")
     engine.add_request(request("c", 1, 1))
     run_to_completion(engine)

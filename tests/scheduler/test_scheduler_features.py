@@ -8,7 +8,7 @@ import dataclasses
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.engine.messages import EngineRequest, FinishReason
+from pagedserve.engine.messages import EngineRequest, FinishReason, SequenceId
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
@@ -122,8 +122,8 @@ def test_priority_orders_admission_and_picks_the_lowest_priority_victim():
     assert [n.request_id for n in runners["w"].plans[0].new_requests] == ["high", "mid", "low"]
     run(engine, outputs)
     assert engine.scheduler.stats().num_preemptions > 0
-    first_victim = next(rid for p in runners["w"].plans for rid in p.finished_request_ids)
-    assert first_victim == "low"
+    first_victim = next(s for p in runners["w"].plans for s in p.finished_seq_ids)
+    assert first_victim == SequenceId("low")
     for rid, start in (("low", 1), ("high", 2), ("mid", 3)):
         assert outputs[(rid, 0)] == reference_output(prompt(4, start), 12)
 
@@ -148,9 +148,9 @@ def test_parallel_samples_share_the_prompt_and_copy_the_partial_block():
     engine.add_request(req("p", prompt(10), 5, n=3))
     outputs = run(engine)
     plans = runners["w"].plans
-    children = [n for p in plans for n in p.new_requests if n.request_id.startswith("p#")]
-    parent = [n for p in plans for n in p.new_requests if n.request_id == "p"][0]
-    assert sorted(c.request_id for c in children) == ["p#1", "p#2"]
+    children = [n for p in plans for n in p.new_requests if n.seq_id.sample_index > 0]
+    parent = [n for p in plans for n in p.new_requests if n.seq_id == SequenceId("p", 0)][0]
+    assert sorted(c.seq_id for c in children) == [SequenceId("p", 1), SequenceId("p", 2)]
     for child in children:
         assert child.block_ids[:2] == parent.block_ids[:2]  # the full prompt blocks, shared
         assert child.block_ids[2] != parent.block_ids[2] and child.num_computed_tokens == 10

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, StepResult
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId, StepResult
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.model_runner import PlanMismatchError, build_model_runner
 from tests.worker.tiny_models import GREEDY, MiniScheduler, hf_greedy, hf_model, save_tiny_model
@@ -99,21 +99,21 @@ def test_empty_plan_returns_empty_result(tiny):
 
 def test_plan_mismatches_raise(tiny):
     runner = _runner(tiny[0])
-    new = NewRequestData("r", (5, 6, 7), 3, (4,), 0, 3, GREEDY)
+    new = NewRequestData(SequenceId("r"), (5, 6, 7), 3, (4,), 0, 3, GREEDY)
     runner.execute(BatchPlan(1, new_requests=(new,)))
     with pytest.raises(PlanMismatchError, match="computed"):
-        runner.execute(BatchPlan(2, cached_requests=(CachedRequestData("r", (), 2, 1),)))
+        runner.execute(BatchPlan(2, cached_requests=(CachedRequestData(SequenceId("r"), (), 2, 1),)))
     with pytest.raises(PlanMismatchError, match="unknown"):
-        runner.execute(BatchPlan(2, cached_requests=(CachedRequestData("nope", (), 0, 1),)))
+        runner.execute(BatchPlan(2, cached_requests=(CachedRequestData(SequenceId("nope"), (), 0, 1),)))
     with pytest.raises(PlanMismatchError, match="already holds"):
         runner.execute(BatchPlan(2, new_requests=(new,)))
     with pytest.raises(PlanMismatchError, match="cannot hold"):  # 5 tokens need a second block
-        runner.execute(BatchPlan(2, new_requests=(NewRequestData("x", (1, 2, 3, 4, 5), 5, (8,), 0, 5, GREEDY),)))
+        runner.execute(BatchPlan(2, new_requests=(NewRequestData(SequenceId("x"), (1, 2, 3, 4, 5), 5, (8,), 0, 5, GREEDY),)))
     with pytest.raises(PlanMismatchError, match="exceeds"):  # r knows 4 tokens: prompt + 1 sampled
-        runner.execute(BatchPlan(2, cached_requests=(CachedRequestData("r", (9,), 3, 2),)))
-    result = runner.execute(BatchPlan(3, cached_requests=(CachedRequestData("r", (), 3, 1),)))
+        runner.execute(BatchPlan(2, cached_requests=(CachedRequestData(SequenceId("r"), (9,), 3, 2),)))
+    result = runner.execute(BatchPlan(3, cached_requests=(CachedRequestData(SequenceId("r"), (), 3, 1),)))
     assert [s.request_id for s in result.sampled] == ["r"]  # failed plans left the state intact
-    runner.execute(BatchPlan(4, finished_request_ids=("r",)))
+    runner.execute(BatchPlan(4, finished_seq_ids=(SequenceId("r"),)))
     assert "r" not in runner.requests and "x" not in runner.requests
 
 

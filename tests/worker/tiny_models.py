@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, StepResult
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId, StepResult
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.attention import build_attention_metadata, compute_positions
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
@@ -156,12 +156,12 @@ class MiniScheduler:
             added = [self.free.pop() for _ in range(max(need, 0))]
             r.blocks += added
             if r.sent:
-                cached.append(CachedRequestData(rid, tuple(added), r.computed, n))
+                cached.append(CachedRequestData(SequenceId(rid), tuple(added), r.computed, n))
             else:
-                new.append(NewRequestData(rid, tuple(r.tokens), r.num_prompt, tuple(r.blocks), r.computed, n,
+                new.append(NewRequestData(SequenceId(rid), tuple(r.tokens), r.num_prompt, tuple(r.blocks), r.computed, n,
                                           r.params))
         self.step_id += 1
-        finished, self.pending_finished = tuple(self.pending_finished), []
+        finished, self.pending_finished = tuple(SequenceId(r) for r in self.pending_finished), []
         return BatchPlan(self.step_id, tuple(new), tuple(cached), finished)
 
     def step(self, schedule: dict[str, int]) -> StepResult:

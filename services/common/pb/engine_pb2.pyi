@@ -72,23 +72,33 @@ class QueuedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "address", "num_blocks", "block_size", "model", "num_cpu_blocks")
+    __slots__ = ("worker_id", "address", "num_blocks", "block_size", "model", "num_cpu_blocks", "instance_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     num_blocks: int
     block_size: int
     model: str
     num_cpu_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class SequenceId(_message.Message):
+    __slots__ = ("request_id", "sample_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sample_index: int
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling_params", "trace_context")
+    __slots__ = ("seq_id", "token_ids", "num_prompt_tokens", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling_params", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -96,7 +106,7 @@ class NewRequest(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,7 +114,7 @@ class NewRequest(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    seq_id: SequenceId
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -112,19 +122,19 @@ class NewRequest(_message.Message):
     num_scheduled_tokens: int
     sampling_params: EngineSamplingParams
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[_Union[SequenceId, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("seq_id", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    seq_id: SequenceId
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[_Union[SequenceId, _Mapping]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("source", "target")
@@ -135,36 +145,36 @@ class BlockCopy(_message.Message):
     def __init__(self, source: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class BatchPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_request_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "scheduler_id")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "session_id")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
-    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
-    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    finished_seq_ids: _containers.RepeatedCompositeFieldContainer[SequenceId]
     blocks_to_swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    scheduler_id: str
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[_Union[SequenceId, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("request_id", "token_id", "logprob", "sample_index")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("seq_id", "token_id", "logprob", "sample_index")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    seq_id: SequenceId
     token_id: int
     logprob: float
     sample_index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    def __init__(self, seq_id: _Optional[_Union[SequenceId, _Mapping]] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled")

@@ -1,0 +1,124 @@
+"""Which workers the scheduler uses: the one owner of admitting, resetting and dropping them.
+
+A worker is known by its id and by the instance id it registers with (new at every start of its
+process). Every change of membership is logged.
+
+- A registered worker is admitted: a connection, and a fresh block manager in the scheduler.
+- A worker whose step failed (gRPC error, ``--step-timeout``, a plan it refused) is reset: its
+  sequences go back to the queue to be recomputed, and it is admitted again after a back-off
+  (1 s, doubling up to 30 s while it keeps failing) if it is still registered. Its new session id
+  makes it drop everything it held.
+- A worker that registers with another instance id (it restarted) is reset at once.
+- A worker whose registration is missing longer than ``gone_after_s`` is dropped; a shorter gap
+  (Redis restarted empty, the worker registers again) changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from pagedserve.engine.scheduler import Scheduler
+from services.common.pb import engine_pb2 as pb
+from services.scheduler.grpc_executor import GrpcExecutor
+
+log = logging.getLogger("pagedserve.scheduler")
+
+FIRST_BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class _Member:
+    instance_id: str
+    address: str
+    missing_since: float | None = None
+
+
+@dataclass
+class _Backoff:
+    until: float
+    delay_s: float
+
+
+class WorkerMembership:
+    """Keeps the scheduler's workers and the executor's connections in step with the registrations.
+
+    Args:
+        scheduler: the engine scheduler (its block managers are made and dropped here).
+        executor: the connections to the workers.
+        gone_after_s: how long a registration may be missing before the worker is dropped.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, scheduler: Scheduler, executor: GrpcExecutor, gone_after_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._scheduler = scheduler
+        self._executor = executor
+        self._gone_after_s = gone_after_s
+        self._clock = clock
+        self._members: dict[str, _Member] = {}
+        self._backoff: dict[str, _Backoff] = {}
+        self._refused: dict[str, str] = {}  # worker id -> instance id refused (logged once)
+
+    @property
+    def worker_ids(self) -> list[str]:
+        return list(self._members)
+
+    def sync(self, live: Mapping[str, pb.WorkerRegistration]) -> None:
+        """Admits new and restarted workers, drops those whose registration stayed missing."""
+        now = self._clock()
+        for worker_id, member in list(self._members.items()):
+            reg = live.get(worker_id)
+            if reg is None:
+                member.missing_since = member.missing_since or now
+                if now - member.missing_since > self._gone_after_s:
+                    self._drop(worker_id, f"its registration has been missing for {self._gone_after_s:g} s")
+            elif (reg.instance_id, reg.address) != (member.instance_id, member.address):
+                self._drop(worker_id, f"it restarted (instance {reg.instance_id} at {reg.address})")
+            else:
+                member.missing_since = None
+        for worker_id, reg in live.items():
+            if worker_id not in self._members and self._may_admit(worker_id, reg, now):
+                self._admit(reg)
+
+    def step_failed(self, worker_id: str, error: str) -> None:
+        """Resets a worker whose step failed; it is admitted again after a back-off."""
+        if worker_id not in self._members:
+            return
+        delay = min(self._backoff[worker_id].delay_s * 2, MAX_BACKOFF_S) if worker_id in self._backoff else FIRST_BACKOFF_S
+        self._backoff[worker_id] = _Backoff(self._clock() + delay, delay)
+        self._drop(worker_id, f"a step failed ({error}); admitting it again in {delay:g} s if it is registered")
+
+    def step_succeeded(self, worker_id: str) -> None:
+        """A worker that answers again starts over with the shortest back-off."""
+        self._backoff.pop(worker_id, None)
+
+    def _may_admit(self, worker_id: str, reg: pb.WorkerRegistration, now: float) -> bool:
+        backoff = self._backoff.get(worker_id)
+        if backoff is not None and now < backoff.until:
+            return False
+        block_size = self._scheduler.config.block_size
+        if reg.block_size != block_size:
+            if self._refused.get(worker_id) != reg.instance_id:
+                self._refused[worker_id] = reg.instance_id
+                log.error("worker %s uses block size %d, the scheduler %d: not admitted; restart it with "
+                          "--block-size %d", worker_id, reg.block_size, block_size, block_size)
+            return False
+        return True
+
+    def _admit(self, reg: pb.WorkerRegistration) -> None:
+        self._executor.add_worker(reg.worker_id, reg.address)
+        self._scheduler.add_worker(reg.worker_id, reg.num_blocks, reg.num_cpu_blocks)
+        self._members[reg.worker_id] = _Member(reg.instance_id, reg.address)
+        log.info("worker %s (instance %s) at %s admitted with %d blocks (%d CPU blocks); %d worker(s) now",
+                 reg.worker_id, reg.instance_id, reg.address, reg.num_blocks, reg.num_cpu_blocks, len(self._members))
+
+    def _drop(self, worker_id: str, why: str) -> None:
+        del self._members[worker_id]
+        self._scheduler.remove_worker(worker_id)
+        self._executor.remove_worker(worker_id)
+        log.warning("worker %s dropped: %s; its sequences are recomputed elsewhere; %d worker(s) now",
+                    worker_id, why, len(self._members))
