@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from services.common.auth import cluster_channel
 from services.common.convert import plan_to_pb, step_result_from_pb
 from pagedserve.engine.messages import BatchPlan, StepResult
 from services.common.pb import engine_pb2_grpc
@@ -22,15 +23,17 @@ class GrpcExecutor:
 
     Args:
         step_timeout_s: longest one iteration may take on a worker, seconds.
+        cluster_token: sent with every call (workers refuse calls without it).
     """
 
-    def __init__(self, step_timeout_s: float) -> None:
+    def __init__(self, step_timeout_s: float, cluster_token: str) -> None:
         self._timeout = step_timeout_s
+        self._token = cluster_token
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.WorkerStub] = {}
 
     def add_worker(self, worker_id: str, address: str) -> None:
-        channel = grpc.insecure_channel(address)
+        channel = cluster_channel(address, self._token)
         self._channels[worker_id] = channel
         self._stubs[worker_id] = engine_pb2_grpc.WorkerStub(channel)
 

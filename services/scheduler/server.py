@@ -10,7 +10,8 @@ import grpc
 import redis
 
 from services.common import telemetry
-from services.common.grpc_server import SERVER_OPTIONS, add_health, bind, set_serving
+from services.common.auth import CLUSTER_TOKEN_KEY, MetadataAuthInterceptor
+from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bind, set_serving
 from services.common.pb import engine_pb2_grpc
 from services.common.redis_wait import connect_redis
 from services.scheduler.config import SchedulerServiceConfig
@@ -49,11 +50,12 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     client = connect_redis(config.redis_url, stop)
     consumer = RequestQueueConsumer(client, config.consumer_name)
     consumer.ensure_group()
-    executor = GrpcExecutor(config.step_timeout_s)
+    executor = GrpcExecutor(config.step_timeout_s, config.cluster_token)
     engine = Engine(Scheduler(config.policy), executor)
     loop = SchedulerLoop(config, engine, executor, WorkerRegistry(client), consumer.ack, tracer)
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=SERVER_OPTIONS)
+    auth = MetadataAuthInterceptor(CLUSTER_TOKEN_KEY, config.cluster_token, "cluster token")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     health = add_health(server)
     port = bind(server, config.host, config.port)
