@@ -185,8 +185,9 @@ class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._details(client_call_details), request)
 
 
-class _AioAddMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds fixed metadata to every unary-request call of an asyncio channel."""
+class _AioMetadata:
+    """Adds fixed metadata to the calls of an asyncio channel (one subclass per kind of call:
+    grpc.aio files an interceptor under the first kind it implements only)."""
 
     def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
         self._metadata = metadata
@@ -196,11 +197,19 @@ class _AioAddMetadata(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStream
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                           details.wait_for_ready)
 
+
+class _AioUnaryUnaryMetadata(_AioMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
 
+
+class _AioUnaryStreamMetadata(_AioMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(self._details(client_call_details), request)
+
+
+def _aio_interceptors(metadata: tuple[tuple[str, str], ...]) -> list[grpc.aio.ClientInterceptor]:
+    return [_AioUnaryUnaryMetadata(metadata), _AioUnaryStreamMetadata(metadata)]
 
 
 def cluster_channel(target: str, token: str) -> grpc.Channel:
@@ -212,9 +221,9 @@ def cluster_channel(target: str, token: str) -> grpc.Channel:
 def cluster_aio_channel(target: str, token: str) -> grpc.aio.Channel:
     """``cluster_channel`` for asyncio code."""
     return grpc.aio.insecure_channel(target, options=INTERNAL_CHANNEL_OPTIONS,
-                                     interceptors=[_AioAddMetadata(cluster_metadata(token))])
+                                     interceptors=_aio_interceptors(cluster_metadata(token)))
 
 
 def gateway_aio_interceptors(api_key: str) -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors that send ``api_key`` to a gateway (none when ``api_key`` is "")."""
-    return [_AioAddMetadata(bearer_metadata(api_key))] if api_key else []
+    return _aio_interceptors(bearer_metadata(api_key)) if api_key else []
