@@ -77,6 +77,23 @@ def test_complete_without_the_api_key_is_refused(up):
     assert "UNAUTHENTICATED" in result.stderr
 
 
+def test_bench_serve_sends_the_api_key(up):
+    import asyncio
+
+    from pagedserve.bench.datasets import SampleRequest
+    from pagedserve.bench.serve import LoadSettings, run_load
+
+    samples = [SampleRequest("Once upon a time", 4, 3)] * 2
+
+    def errors(api_key: str) -> list:
+        records, _ = asyncio.run(run_load(up["target"], samples, LoadSettings(float("inf")), temperature=0.0,
+                                          ignore_eos=True, timeout_s=120, api_key=api_key))
+        return [r.error for r in records]
+
+    assert errors(API_KEY) == [None, None]
+    assert errors("") == ["UNAUTHENTICATED", "UNAUTHENTICATED"]
+
+
 def test_secrets_are_not_in_the_command_lines_of_ups_children(up):
     children = subprocess.run(["pgrep", "-P", str(up["process"].pid)], capture_output=True, text=True).stdout.split()
     assert len(children) == 4  # redis-server, scheduler, worker, gateway
