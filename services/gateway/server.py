@@ -83,6 +83,9 @@ async def serve_gateway(config: GatewayConfig) -> None:
     log.info("gateway %s listening on %s:%d (%s, %s), scheduler %s, model %s", config.gateway_id, config.host, port,
              "TLS" if credentials else "plaintext", "API key required" if config.api_key else "no API key",
              config.scheduler_address, config.model.name)
+    if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key: anyone who reaches this port can generate "
+                    "(set --api-key-file or PAGEDSERVE_API_KEY)", config.host)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
