@@ -29,18 +29,26 @@ def _stop_on_signals() -> threading.Event:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """`pagedserve up`: the whole stack as child processes."""
+    import secrets
+
     from pagedserve.launcher import StackConfig, default_threads_per_worker, run_stack
     from pagedserve.model_files import default_cache_dir
+    from services.common.auth import cluster_token_from_args
+    from services.common.service_args import redis_url_from_args
+    from services.gateway.config import api_key_from_args
     from services.scheduler.config import policy_from_args
 
-    redis_port = urlparse(args.redis_url).port or 6379
+    redis_url = redis_url_from_args(args)
+    redis_port = urlparse(redis_url).port or 6379
     config = StackConfig(
         model=_resolve_model(args.model),
         workers=args.workers,
         host=args.host,
         port=args.port,
         scheduler_port=args.scheduler_port,
-        redis_url=args.redis_url,
+        redis_url=redis_url,
+        cluster_token=cluster_token_from_args(args) or secrets.token_hex(32),
+        api_key=api_key_from_args(args),
         kv_cache_memory=args.kv_cache_memory,
         swap_space=args.swap_space,
         policy=policy_from_args(args),
@@ -95,17 +103,20 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """`pagedserve health`: exit 0 when the target answers SERVING."""
+    from pagedserve.client import tls_credentials
     from services.common.grpc_server import check_health
 
-    serving = check_health(args.target, timeout_s=args.timeout)
+    serving = check_health(args.target, timeout_s=args.timeout, credentials=tls_credentials(args))
     print("SERVING" if serving else "NOT_SERVING")
     return 0 if serving else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command line: every command and its flags."""
+    from pagedserve.client import add_client_tls_arguments
     from pagedserve.sampling_flags import add_sampling_arguments
-    from services.gateway.config import add_gateway_arguments
+    from services.common.auth import add_cluster_token_arguments
+    from services.gateway.config import add_api_key_arguments, add_gateway_arguments
     from services.scheduler.config import add_policy_arguments, add_scheduler_arguments
     from services.worker.config import add_worker_arguments
 
@@ -130,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU memory per worker for swapped-out KV blocks (--preemption-mode swap), e.g. 2GiB")
     up.add_argument("--threads-per-worker", type=int, default=0,
                     help="torch threads per worker (default: CPU cores / workers)")
+    add_api_key_arguments(up)
+    add_cluster_token_arguments(up, required=False)
     add_policy_arguments(up)
     up.set_defaults(func=cmd_up)
 
@@ -152,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="print one JSON object at the end: text, token_ids, finish_reason, usage")
     complete.add_argument("--offline", action="store_true", help="run in-process on the engine, no services")
     complete.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
+    complete.add_argument("--api-key", default=env_default("PAGEDSERVE_API_KEY", ""),
+                          help="the gateway's API key, sent as `authorization: Bearer KEY` (env PAGEDSERVE_API_KEY)")
+    add_client_tls_arguments(complete)
     add_model_argument(complete)
     add_sampling_arguments(complete)
     complete.set_defaults(func=cmd_complete)
@@ -166,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Check a pagedserve service's gRPC health (for container health checks).")
     health.add_argument("--target", required=True, help="service HOST:PORT")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds (default %(default)s)")
+    add_client_tls_arguments(health)
     health.set_defaults(func=cmd_health)
 
     from pagedserve.bench.cli import add_bench_parser

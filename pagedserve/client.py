@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagedserve.sampling_flags import sampling_pb_from_args
+from services.common.auth import bearer_metadata
+from services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
 
@@ -70,15 +72,44 @@ def build_request(args: argparse.Namespace) -> gen.GenerateRequest:
     return request
 
 
-def stream_completion(target: str, request: gen.GenerateRequest, timeout_s: float, echo: bool) -> Completion:
+def add_client_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tls`` and ``--tls-ca-file``: reach a gateway that serves TLS."""
+    parser.add_argument("--tls", action="store_true", help="connect with TLS, trusting the system's CAs")
+    parser.add_argument("--tls-ca-file", default="",
+                        help="connect with TLS, trusting the CA certificate(s) in this PEM file (implies --tls)")
+
+
+def tls_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS channel credentials the flags ask for, or None for plaintext.
+
+    Raises:
+        OSError: the CA file cannot be read.
+    """
+    if args.tls_ca_file:
+        return grpc.ssl_channel_credentials(root_certificates=open(args.tls_ca_file, "rb").read())
+    return grpc.ssl_channel_credentials() if args.tls else None
+
+
+def gateway_channel(target: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    """A channel to a gateway (TLS when ``credentials`` are given) with the client API's size limits."""
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=CLIENT_API_CHANNEL_OPTIONS)
+    return grpc.insecure_channel(target, options=CLIENT_API_CHANNEL_OPTIONS)
+
+
+def stream_completion(target: str, request: gen.GenerateRequest, timeout_s: float, echo: bool, api_key: str = "",
+                      credentials: grpc.ChannelCredentials | None = None) -> Completion:
     """Calls Generate and accumulates the stream; prints text deltas as they come when ``echo``.
+
+    ``api_key`` is sent as ``authorization: Bearer`` when not empty; ``credentials`` make it TLS.
 
     Raises:
         grpc.RpcError: the server refused or failed the request.
     """
     completion = Completion()
-    with grpc.insecure_channel(target) as channel:
-        for response in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout_s):
+    with gateway_channel(target, credentials) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        for response in stub.Generate(request, timeout=timeout_s, metadata=bearer_metadata(api_key)):
             sample = completion.sample(response.index)
             sample.text += response.text
             sample.token_ids.extend(response.token_ids)
@@ -122,12 +153,16 @@ def run_complete(args: argparse.Namespace) -> int:
             if not args.json:
                 print(completion.text, end="")
         else:
-            completion = stream_completion(args.target, request, args.timeout, echo=not args.json)
+            completion = stream_completion(args.target, request, args.timeout, echo=not args.json,
+                                           api_key=args.api_key, credentials=tls_credentials(args))
     except EngineRefusal as exc:
         print(f"error: RESOURCE_EXHAUSTED: {exc}", file=sys.stderr)
         return 1
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # an unreadable --tls-ca-file
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     except InvalidRequestError as exc:
         print(f"error: INVALID_ARGUMENT: {exc}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -10,17 +11,19 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import unquote, urlparse
 
 import grpc
 import redis
 
+from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from pagedserve.engine.config import SchedulerConfig
+from services.common.service_args import redact_url
 from services.scheduler.config import policy_to_args
 
 
@@ -37,13 +40,17 @@ class StackConfig:
         workers: number of worker processes.
         host: the gateway's listen address (127.0.0.1: this machine only; 0.0.0.0: every interface).
         port: gateway port; the scheduler listens on ``scheduler_port``.
-        redis_url: Redis to use; a local ``redis-server`` is started when none answers there.
+        redis_url: Redis to use; a local ``redis-server`` is started when none answers there (with
+            the URL's password, if any). Children get it through the environment, not argv.
         kv_cache_memory: KV memory per worker, as written on the command line (``1GiB``).
         swap_space: CPU memory per worker for swapped-out blocks (``0``: none).
         policy: scheduler limits.
         threads_per_worker: torch threads of each worker.
         data_dir: where a Redis started by us keeps its append-only file.
         startup_timeout_s: how long to wait for everything to be healthy.
+        cluster_token: secret shared by the services (default: a new random one); children get it
+            through the environment, so `ps` does not show it.
+        api_key: when not empty, the gateway's clients must send it (``authorization: Bearer``).
     """
 
     model: Path
@@ -51,13 +58,15 @@ class StackConfig:
     host: str
     port: int
     scheduler_port: int
-    redis_url: str
+    redis_url: str = field(repr=False)
     kv_cache_memory: str
     swap_space: str
     policy: SchedulerConfig
     threads_per_worker: int
     data_dir: Path
     startup_timeout_s: float = 600.0
+    cluster_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    api_key: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -78,12 +87,22 @@ class Stack:
         self.config = config
         self.children: list[tuple[str, subprocess.Popen]] = []
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
-        process = subprocess.Popen(argv, start_new_session=True)
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, stdin_text: str = "") -> None:
+        process = subprocess.Popen(argv, start_new_session=True, env=env,
+                                   stdin=subprocess.PIPE if stdin_text else None, text=bool(stdin_text))
+        if stdin_text:
+            process.stdin.write(stdin_text)
+            process.stdin.close()
         self.children.append((name, process))
 
     def _service(self, name: str, *args: str) -> None:
-        self._spawn(name, [sys.executable, "-m", "pagedserve", *args])
+        """A pagedserve service; its secrets travel in the environment, where only this user can read them."""
+        env = {**os.environ, "PAGEDSERVE_REDIS_URL": self.config.redis_url,
+               "PAGEDSERVE_CLUSTER_TOKEN": self.config.cluster_token}
+        env.pop("PAGEDSERVE_API_KEY", None)
+        if name == "gateway" and self.config.api_key:
+            env["PAGEDSERVE_API_KEY"] = self.config.api_key
+        self._spawn(name, [sys.executable, "-m", "pagedserve", *args], env)
 
     def start(self) -> None:
         """Starts every process and waits until the stack serves.
@@ -94,16 +113,15 @@ class Stack:
         cfg = self.config
         self._start_redis()
         policy = policy_to_args(cfg.policy)
-        common = ["--redis-url", cfg.redis_url]
-        self._service("scheduler", "scheduler", *common, "--host", "127.0.0.1", "--port", str(cfg.scheduler_port), *policy)
+        self._service("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(cfg.scheduler_port), *policy)
         for i in range(cfg.workers):
             self._service(
-                f"worker-{i}", "worker", *common, "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
+                f"worker-{i}", "worker", "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
                 "--kv-cache-memory", cfg.kv_cache_memory, "--block-size", str(cfg.policy.block_size),
                 "--num-threads", str(cfg.threads_per_worker), "--swap-space", cfg.swap_space, *self._cores_of(i),
             )
         self._service(
-            "gateway", "gateway", *common, "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
+            "gateway", "gateway", "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
             "--scheduler", f"127.0.0.1:{cfg.scheduler_port}",
         )
         self._wait_ready()
@@ -122,22 +140,22 @@ class Stack:
             return
         url = urlparse(cfg.redis_url)
         if url.hostname not in ("127.0.0.1", "localhost", "::1"):
-            raise LaunchError(f"no Redis answers at {cfg.redis_url}, and it is not a local address to start one on")
+            raise LaunchError(f"no Redis answers at {redact_url(cfg.redis_url)}, and it is not a local address to "
+                              "start one on")
         binary = shutil.which("redis-server")
         if binary is None:
             raise LaunchError("redis-server is not installed (Debian: apt-get install -y redis-server)")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
-        self._spawn("redis", [
-            binary, "--bind", "127.0.0.1", "--port", str(url.port or 6379), "--dir", str(cfg.data_dir),
-            "--appendonly", "yes", "--save", "", "--loglevel", "warning",
-        ])
+        # "-": the settings come on stdin, so that a password never shows in `ps`
+        self._spawn("redis", [binary, "-"], stdin_text=redis_settings(url.port or 6379, cfg.data_dir, url))
         self._wait(lambda: redis_answers(cfg.redis_url), "redis-server", 30)
 
     def _wait_ready(self) -> None:
         cfg = self.config
         scheduler = f"127.0.0.1:{cfg.scheduler_port}"
         self._wait(lambda: check_health(scheduler), "the scheduler", cfg.startup_timeout_s)
-        self._wait(lambda: num_workers(scheduler) >= cfg.workers, f"{cfg.workers} worker(s)", cfg.startup_timeout_s)
+        self._wait(lambda: num_workers(scheduler, cfg.cluster_token) >= cfg.workers, f"{cfg.workers} worker(s)",
+                   cfg.startup_timeout_s)
         self._wait(lambda: check_health(f"127.0.0.1:{cfg.port}"), "the gateway", cfg.startup_timeout_s)
 
     def _wait(self, ready, what: str, timeout_s: float) -> None:
@@ -166,10 +184,30 @@ class Stack:
                 process.wait()
 
 
-def num_workers(scheduler_address: str) -> int:
+def redis_settings(port: int, data_dir: Path, url) -> str:
+    """redis-server configuration (file syntax) for a local Redis at ``port`` that requires the
+    password of the parsed ``url``, if it has one (for its user name, if not ``default``)."""
+    lines = ["bind 127.0.0.1", f"port {port}", f"dir {_quoted(str(data_dir))}", "appendonly yes", 'save ""',
+             "loglevel warning"]
+    if url.password:
+        password, user = unquote(url.password), unquote(url.username or "")
+        if user and user != "default":
+            lines.append(f"user {_quoted(user)} on {_quoted('>' + password)} ~* &* +@all")
+        else:
+            lines.append(f"requirepass {_quoted(password)}")
+    return "\n".join(lines) + "\n"
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a double-quoted redis.conf string."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def num_workers(scheduler_address: str, cluster_token: str) -> int:
     """Workers the scheduler has registered (0 when it does not answer)."""
     try:
-        with grpc.insecure_channel(scheduler_address) as channel:
+        with cluster_channel(scheduler_address, cluster_token) as channel:
             stats = engine_pb2_grpc.SchedulerStub(channel).GetStats(pb.GetStatsRequest(), timeout=2)
         return len(stats.workers)
     except grpc.RpcError:
@@ -188,9 +226,10 @@ def run_stack(config: StackConfig) -> int:
     status = 0
     try:
         stack.start()
+        key_note = " (with PAGEDSERVE_API_KEY set to the API key)" if config.api_key else ""
         print(
             f"pagedserve is up: gateway at {config.host}:{config.port} ({config.workers} worker(s), model "
-            f"{config.model.name}). Try:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "
+            f"{config.model.name}). Try{key_note}:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "
             f"--temperature 0 --prompt 'What is the capital of France?'\nCtrl-C stops everything.",
             flush=True,
         )

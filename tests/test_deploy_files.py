@@ -91,3 +91,21 @@ def test_dockerfile_copies_real_paths_and_installs_torch_first():
 def test_console_script_points_at_the_cli():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'pagedserve = "pagedserve.cli:main"' in pyproject
+
+
+def test_only_the_gateway_and_jaeger_are_published_and_only_on_localhost(compose):
+    published = {name: svc["ports"] for name, svc in compose["services"].items() if "ports" in svc}
+    assert set(published) == {"gateway", "jaeger"}
+    assert published["gateway"] == ["127.0.0.1:50051:50051"]
+    assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports)
+
+
+def test_services_listen_in_their_container_and_need_a_cluster_token(compose):
+    services = pagedserve_services(compose)
+    for name in ("gateway", "scheduler", "worker"):
+        assert build_parser().parse_args(services[name]["command"]).host == "0.0.0.0", name
+        token = services[name]["environment"]["PAGEDSERVE_CLUSTER_TOKEN"]
+        assert re.fullmatch(r"\$\{PAGEDSERVE_CLUSTER_TOKEN:\?[^$}]+\}", token), (name, token)  # compose stops without it
+    assert services["gateway"]["environment"]["PAGEDSERVE_API_KEY"] == "${PAGEDSERVE_API_KEY:-}"
+    assert "PAGEDSERVE_API_KEY" not in services["scheduler"]["environment"]
+    assert ".env" in (ROOT / ".gitignore").read_text().split()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -101,9 +102,9 @@ async def _one_request(stub, request, sample: SampleRequest, start: float, timeo
 
 
 async def run_load(target: str, samples: Sequence[SampleRequest], load: LoadSettings, *, temperature: float,
-                   ignore_eos: bool, timeout_s: float, progress=None,
-                   connect_timeout_s: float = 10.0) -> tuple[list[RequestRecord], float]:
-    """Sends ``samples`` to the gateway at ``target`` as ``load`` says.
+                   ignore_eos: bool, timeout_s: float, progress=None, connect_timeout_s: float = 10.0,
+                   api_key: str = "") -> tuple[list[RequestRecord], float]:
+    """Sends ``samples`` to the gateway at ``target`` as ``load`` says (with ``api_key``, if any).
 
     Returns:
         The records in sample order, and the duration (s) from the first send to the last reply.
@@ -113,12 +114,15 @@ async def run_load(target: str, samples: Sequence[SampleRequest], load: LoadSett
     """
     import grpc
 
+    from services.common.auth import gateway_aio_interceptors
+    from services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
     from services.common.pb import generate_pb2 as gen
     from services.common.pb import generate_pb2_grpc
 
     offsets = arrival_offsets(len(samples), load)
     semaphore = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with grpc.aio.insecure_channel(target, options=CLIENT_API_CHANNEL_OPTIONS,
+                                         interceptors=gateway_aio_interceptors(api_key)) as channel:
         try:
             await asyncio.wait_for(channel.channel_ready(), connect_timeout_s)
         except asyncio.TimeoutError as exc:
@@ -214,7 +218,8 @@ def _run_one(args: argparse.Namespace, samples: list[SampleRequest], load: LoadS
     label = "inf" if math.isinf(load.request_rate) else f"{load.request_rate:g}"
     with tqdm(total=len(samples), desc=f"rate {label} req/s", unit="req", disable=args.disable_tqdm) as bar:
         records, duration = asyncio.run(run_load(args.target, samples, load, temperature=args.temperature,
-                                                 ignore_eos=args.ignore_eos, timeout_s=args.timeout, progress=bar))
+                                                 ignore_eos=args.ignore_eos, timeout_s=args.timeout, progress=bar,
+                                                 api_key=args.api_key))
     return RunResult(load, compute_metrics(records, duration), error_counts(records), tuple(records))
 
 
@@ -269,6 +274,8 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
         description="Send a prompt set to a running gateway over streaming gRPC and report vLLM's serving "
         "metrics: throughput (req/s, tok/s) and mean/median/p90/p99 of TTFT, TPOT, ITL and E2EL (ms).")
     p.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT (default %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY", ""),
+                   help="the gateway's API key (env PAGEDSERVE_API_KEY)")
     p.add_argument("--model", default="", help="model folder whose tokenizer measures prompt lengths "
                    "(default: the default model, SmolLM2-135M-Instruct)")
     add_dataset_arguments(p)

@@ -1,4 +1,4 @@
-"""Building blocks every gRPC service uses: health checking and address helpers."""
+"""Building blocks every gRPC service uses: health checking, message-size limits, binding."""
 
 from __future__ import annotations
 
@@ -22,28 +22,63 @@ def set_serving(servicer: health.HealthServicer, serving: bool, service_name: st
     servicer.set(service_name, status)
 
 
-def check_health(target: str, timeout_s: float = 1.0) -> bool:
-    """True when the gRPC server at ``target`` (host:port) answers SERVING."""
+def check_health(target: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """True when the gRPC server at ``target`` (host:port) answers SERVING.
+
+    ``credentials``: TLS credentials for a server that listens with TLS (default: plaintext).
+    """
     try:
-        with grpc.insecure_channel(target) as channel:
+        channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+        with channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         return reply.status == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
 
 
-SERVER_OPTIONS = (("grpc.so_reuseport", 0),)
-"""Options for every pagedserve server: a port another process holds is an error, not shared."""
+MiB = 1 << 20
+
+CLIENT_API_MAX_MESSAGE_BYTES = 16 * MiB
+"""Largest message, in bytes, the gateway's client API accepts or sends (a GenerateRequest with a
+long prompt as text or token ids; responses are small deltas)."""
+
+INTERNAL_MAX_MESSAGE_BYTES = 64 * MiB
+"""Largest message, in bytes, between the services: a BatchPlan carries new requests in full (256
+new 8k-token requests are about 10 MB) and a TokenEventBatch one event per running request."""
 
 
-def bind(server: grpc.Server | grpc.aio.Server, host: str, port: int) -> int:
-    """Binds an insecure port and returns the port actually bound (useful with port 0).
+def message_size_options(max_bytes: int) -> tuple[tuple[str, int], ...]:
+    """gRPC options that cap received and sent messages at ``max_bytes`` (larger: RESOURCE_EXHAUSTED)."""
+    return (("grpc.max_receive_message_length", max_bytes), ("grpc.max_send_message_length", max_bytes))
+
+
+def server_options(max_message_bytes: int) -> tuple[tuple[str, int], ...]:
+    """Options for a pagedserve server: a port another process holds is an error, not shared;
+    messages up to ``max_message_bytes``."""
+    return (("grpc.so_reuseport", 0), *message_size_options(max_message_bytes))
+
+
+CLIENT_API_SERVER_OPTIONS = server_options(CLIENT_API_MAX_MESSAGE_BYTES)
+"""The gateway's server."""
+CLIENT_API_CHANNEL_OPTIONS = message_size_options(CLIENT_API_MAX_MESSAGE_BYTES)
+"""Channels of clients to the gateway (`pagedserve complete`, `bench serve`)."""
+INTERNAL_SERVER_OPTIONS = server_options(INTERNAL_MAX_MESSAGE_BYTES)
+"""The scheduler's and the workers' servers."""
+INTERNAL_CHANNEL_OPTIONS = message_size_options(INTERNAL_MAX_MESSAGE_BYTES)
+"""Channels between services (gateway to scheduler, scheduler to workers, GetStats callers)."""
+
+
+def bind(server: grpc.Server | grpc.aio.Server, host: str, port: int,
+         credentials: grpc.ServerCredentials | None = None) -> int:
+    """Binds a port (with TLS when ``credentials`` is given) and returns the port actually bound
+    (useful with port 0).
 
     Raises:
         OSError: the address cannot be bound.
     """
+    address = f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc's way of saying the address is taken
         raise OSError(f"cannot listen on {host}:{port}: the port is in use or the address is not local") from exc
     if bound == 0:

@@ -9,6 +9,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from services.common.service_args import redact_url
+
 log = logging.getLogger("pagedserve")
 
 
@@ -22,6 +24,7 @@ def connect_redis(url: str, stop: threading.Event, timeout_s: float = 120.0) -> 
     client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=5,
                                   retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
                                   retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+    shown = redact_url(url)
     waited = 0.0
     while not stop.is_set():
         try:
@@ -29,9 +32,9 @@ def connect_redis(url: str, stop: threading.Event, timeout_s: float = 120.0) -> 
             return client
         except redis.RedisError as exc:
             if waited >= timeout_s:
-                raise ConnectionError(f"Redis at {url} did not answer for {timeout_s:.0f} s: {exc}") from exc
+                raise ConnectionError(f"Redis at {shown} did not answer for {timeout_s:.0f} s: {exc}") from exc
             if waited % 10 == 0:
-                log.warning("waiting for Redis at %s (%s)", url, exc)
+                log.warning("waiting for Redis at %s (%s)", shown, exc)
             stop.wait(1.0)
             waited += 1.0
-    raise ConnectionError(f"stopped while waiting for Redis at {url}")
+    raise ConnectionError(f"stopped while waiting for Redis at {shown}")

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.service_args import add_listen_arguments, add_model_argument, add_redis_argument, env_default
+from services.common.auth import (
+    MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args, read_secret,
+)
+from services.common.service_args import (
+    add_listen_arguments, add_model_argument, add_redis_argument, env_default, redis_url_from_args,
+)
 
 
 @dataclass(frozen=True)
@@ -16,23 +21,31 @@ class GatewayConfig:
 
     Attributes:
         model: model folder (for its tokenizer, chat template, context length and EOS ids).
-        redis_url: where requests are queued.
+        redis_url: where requests are queued (may hold a password: print it with ``redact_url``).
         scheduler_address: host:port of the Scheduler service (token events, aborts).
+        cluster_token: secret sent to the scheduler with every call.
         host, port: where the Generation service listens.
+        api_key: when not empty, every Generation call must carry ``authorization: Bearer API_KEY``.
+        tls_cert_file, tls_key_file: PEM certificate chain and private key; when given, the gateway
+            serves TLS only.
         gateway_id: unique id of this gateway; the scheduler routes tokens by it.
         max_concurrent_requests: requests in flight above which new ones get RESOURCE_EXHAUSTED.
 
     Raises:
-        ValueError: a value out of range.
+        ValueError: a value out of range, no cluster token, or only one of the TLS files.
     """
 
     model: Path
-    redis_url: str
+    redis_url: str = field(repr=False)
     scheduler_address: str
-    host: str = "0.0.0.0"
+    cluster_token: str = field(repr=False)
+    host: str = "127.0.0.1"
     port: int = 50051
     gateway_id: str = "gateway-0"
     max_concurrent_requests: int = 1024
+    api_key: str = field(default="", repr=False)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -41,13 +54,21 @@ class GatewayConfig:
             raise ValueError(f"--scheduler must be HOST:PORT, got {self.scheduler_address!r}")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be positive, got {self.max_concurrent_requests}")
+        if not self.cluster_token:
+            raise ValueError(MISSING_CLUSTER_TOKEN)
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("--tls-cert-file and --tls-key-file go together")
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the gateway's flags to ``parser``."""
     add_model_argument(parser)
     add_redis_argument(parser)
+    add_cluster_token_arguments(parser)
     add_listen_arguments(parser, default_port=50051)
+    add_api_key_arguments(parser)
+    parser.add_argument("--tls-cert-file", default="", help="PEM certificate (chain) to serve TLS with")
+    parser.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
     parser.add_argument(
         "--scheduler",
         default=env_default("PAGEDSERVE_SCHEDULER", "127.0.0.1:50052"),
@@ -60,12 +81,36 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--api-key`` (env PAGEDSERVE_API_KEY) and ``--api-key-file``: for the gateway and `pagedserve up`."""
+    parser.add_argument(
+        "--api-key", default=env_default("PAGEDSERVE_API_KEY", ""),
+        help="clients must send `authorization: Bearer KEY` (env PAGEDSERVE_API_KEY; default: no key); on the "
+        "command line it is visible in `ps`, prefer the file or the variable",
+    )
+    parser.add_argument("--api-key-file", default="", help="file holding the API key (takes precedence over --api-key)")
+
+
+def api_key_from_args(args: argparse.Namespace) -> str:
+    """The API key the flags name ("" when none). Raises as ``read_secret``."""
+    return read_secret(args.api_key, args.api_key_file, "the API key")
+
+
 def gateway_config_from_args(args: argparse.Namespace, model: Path) -> GatewayConfig:
-    """Builds the config from parsed flags; ``model`` is the resolved model folder."""
+    """Builds the config from parsed flags; ``model`` is the resolved model folder.
+
+    Raises:
+        ValueError: a value out of range, no cluster token, or only one of the TLS files.
+        OSError: a secret file cannot be read.
+    """
     return GatewayConfig(
         model=model,
-        redis_url=args.redis_url,
+        redis_url=redis_url_from_args(args),
         scheduler_address=args.scheduler,
+        cluster_token=cluster_token_from_args(args),
+        api_key=api_key_from_args(args),
+        tls_cert_file=Path(args.tls_cert_file) if args.tls_cert_file else None,
+        tls_key_file=Path(args.tls_key_file) if args.tls_key_file else None,
         host=args.host,
         port=args.port,
         gateway_id=args.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}",

@@ -15,7 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import telemetry
-from services.common.grpc_server import SERVER_OPTIONS, bind
+from services.common.auth import API_KEY_KEY, AioMetadataAuthInterceptor, cluster_aio_channel
+from services.common.grpc_server import CLIENT_API_SERVER_OPTIONS, bind
 from services.common.pb import engine_pb2, generate_pb2, generate_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.queue_producer import RequestQueueProducer
@@ -49,12 +50,32 @@ async def _watch_health(servicer: health.aio.HealthServicer, router: OutputRoute
         await asyncio.sleep(1.0)
 
 
+def _server_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the configured PEM files, or None for plaintext.
+
+    Raises:
+        OSError: a file cannot be read.
+    """
+    if config.tls_cert_file is None or config.tls_key_file is None:
+        return None
+    return grpc.ssl_server_credentials([(config.tls_key_file.read_bytes(), config.tls_cert_file.read_bytes())])
+
+
+def _new_server(config: GatewayConfig) -> grpc.aio.Server:
+    """An asyncio server with the client API's limits, checking the API key when there is one."""
+    interceptors = []
+    if config.api_key:
+        interceptors.append(AioMetadataAuthInterceptor(API_KEY_KEY, f"Bearer {config.api_key}", "API key"))
+    return grpc.aio.server(interceptors=interceptors, options=CLIENT_API_SERVER_OPTIONS)
+
+
 async def serve_gateway(config: GatewayConfig) -> None:
     """Serves until SIGINT or SIGTERM.
 
     Raises:
-        OSError: the port cannot be bound, or the model folder has no tokenizer.
+        OSError: the port cannot be bound, the model folder has no tokenizer, or a TLS file cannot be read.
     """
+    credentials = _server_credentials(config)
     tracer = telemetry.setup_tracing("pagedserve-gateway")
     tokenizer = PromptTokenizer.from_folder(config.model)
     # Retries reconnect after Redis restarts (a pooled connection to the old server is dead).
@@ -63,10 +84,10 @@ async def serve_gateway(config: GatewayConfig) -> None:
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     producer = RequestQueueProducer(redis_client, config.gateway_id)
-    channel = grpc.aio.insecure_channel(config.scheduler_address)
+    channel = cluster_aio_channel(config.scheduler_address, config.cluster_token)
     router = OutputRouter(channel, config.gateway_id)
 
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    server = _new_server(config)
     servicer = GenerationServicer(tokenizer, producer, router, tracer, config.max_concurrent_requests)
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -74,12 +95,16 @@ async def serve_gateway(config: GatewayConfig) -> None:
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, credentials)
     await server.start()
     watch = _watch_health(health_servicer, router, producer, health_pb2_grpc.HealthStub(channel))
     tasks = [asyncio.create_task(router.run()), asyncio.create_task(watch)]
-    log.info("gateway %s listening on %s:%d, scheduler %s, model %s", config.gateway_id, config.host, port,
+    log.info("gateway %s listening on %s:%d (%s, %s), scheduler %s, model %s", config.gateway_id, config.host, port,
+             "TLS" if credentials else "plaintext", "API key required" if config.api_key else "no API key",
              config.scheduler_address, config.model.name)
+    if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key: anyone who reaches this port can generate "
+                    "(set --api-key-file or PAGEDSERVE_API_KEY)", config.host)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

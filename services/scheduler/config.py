@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.engine.config import SchedulerConfig
-from services.common.service_args import add_listen_arguments, add_redis_argument
+from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args
+from services.common.service_args import add_listen_arguments, add_redis_argument, redis_url_from_args
 
 
 @dataclass(frozen=True)
@@ -14,7 +15,10 @@ class SchedulerServiceConfig:
     """Settings of the scheduler process.
 
     Attributes:
-        redis_url: Redis with the request stream and worker registrations.
+        redis_url: Redis with the request stream and worker registrations (may hold a password:
+            print it with ``redact_url``).
+        cluster_token: secret every caller of the Scheduler service must send, and this scheduler
+            sends to workers.
         host, port: where the Scheduler gRPC service listens.
         consumer_name: this scheduler's name in the Redis consumer group; keep it across restarts
             so that unfinished requests are picked up again.
@@ -30,11 +34,12 @@ class SchedulerServiceConfig:
             (long enough for it to reconnect), seconds.
 
     Raises:
-        ValueError: a value out of range.
+        ValueError: a value out of range, or no cluster token.
     """
 
-    redis_url: str
-    host: str = "0.0.0.0"
+    redis_url: str = field(repr=False)
+    cluster_token: str = field(repr=False)
+    host: str = "127.0.0.1"
     port: int = 50052
     consumer_name: str = "scheduler-0"
     policy: SchedulerConfig = SchedulerConfig()
@@ -52,11 +57,14 @@ class SchedulerServiceConfig:
         if min(self.step_timeout_s, self.worker_poll_interval_s, self.worker_gone_after_s,
                self.no_worker_timeout_s, self.gateway_grace_s) <= 0:
             raise ValueError("timeouts and intervals must be positive")
+        if not self.cluster_token:
+            raise ValueError(MISSING_CLUSTER_TOKEN)
 
 
 def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the scheduler's flags to ``parser``."""
     add_redis_argument(parser)
+    add_cluster_token_arguments(parser)
     add_listen_arguments(parser, default_port=50052)
     add_policy_arguments(parser)
     parser.add_argument(
@@ -121,8 +129,15 @@ def policy_to_args(config: SchedulerConfig) -> list[str]:
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerServiceConfig:
+    """Builds the config from parsed flags.
+
+    Raises:
+        ValueError: a value out of range, or no cluster token.
+        OSError: a secret file cannot be read.
+    """
     return SchedulerServiceConfig(
-        redis_url=args.redis_url,
+        redis_url=redis_url_from_args(args),
+        cluster_token=cluster_token_from_args(args),
         host=args.host,
         port=args.port,
         consumer_name=args.consumer_name,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.auth import cluster_channel
 from pagedserve.engine.messages import BatchPlan, StepResult
 from services.common.convert import plan_to_pb, step_result_from_pb
 from services.common.pb import engine_pb2_grpc
@@ -38,11 +39,13 @@ class GrpcExecutor:
 
     Args:
         step_timeout_s: longest one step may take on a worker before it counts as failed, seconds.
+        cluster_token: sent with every call (workers refuse calls without it).
         on_done: receives every answer, failed or not.
     """
 
-    def __init__(self, step_timeout_s: float, on_done: Callable[[StepDone], None]) -> None:
+    def __init__(self, step_timeout_s: float, cluster_token: str, on_done: Callable[[StepDone], None]) -> None:
         self._timeout = step_timeout_s
+        self._token = cluster_token
         self._on_done = on_done
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.WorkerStub] = {}
@@ -51,7 +54,7 @@ class GrpcExecutor:
         """Opens a channel to a worker. Raises ValueError if the id is already connected."""
         if worker_id in self._channels:
             raise ValueError(f"worker {worker_id!r} is already connected")
-        channel = grpc.insecure_channel(address)
+        channel = cluster_channel(address, self._token)
         self._channels[worker_id] = channel
         self._stubs[worker_id] = engine_pb2_grpc.WorkerStub(channel)
 

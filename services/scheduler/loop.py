@@ -86,7 +86,7 @@ class SchedulerLoop:
         self.config = config
         self.scheduler = scheduler
         self.streams = GatewayStreams()
-        self.executor = GrpcExecutor(config.step_timeout_s, self.submit)
+        self.executor = GrpcExecutor(config.step_timeout_s, config.cluster_token, self.submit)
         self.membership = WorkerMembership(scheduler, self.executor, config.worker_gone_after_s)
         self._registry = registry
         self._ack = ack

@@ -11,7 +11,8 @@ import redis
 
 from pagedserve.engine.scheduler import Scheduler
 from services.common import telemetry
-from services.common.grpc_server import SERVER_OPTIONS, add_health, bind, set_serving
+from services.common.auth import CLUSTER_TOKEN_KEY, MetadataAuthInterceptor
+from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bind, set_serving
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.redis_wait import connect_redis
 from services.scheduler.config import SchedulerServiceConfig
@@ -67,7 +68,8 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     client = connect_redis(config.redis_url, stop)
     consumer = RequestQueueConsumer(client, config.consumer_name)
     consumer.ensure_group()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), options=SERVER_OPTIONS)
+    auth = MetadataAuthInterceptor(CLUSTER_TOKEN_KEY, config.cluster_token, "cluster token")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
     health = add_health(server)
     set_serving(health, False, SCHEDULER_SERVICE)  # until a worker is admitted
     loop = SchedulerLoop(config, Scheduler(config.policy), WorkerRegistry(client), consumer.ack, tracer,

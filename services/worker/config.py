@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import socket
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.service_args import add_listen_arguments, add_model_argument, add_redis_argument, env_default
+from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args
+from services.common.service_args import (
+    add_listen_arguments, add_model_argument, add_redis_argument, env_default, redis_url_from_args,
+)
 from pagedserve.units import parse_bytes, parse_cpu_list
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -21,7 +24,8 @@ class WorkerConfig:
 
     Attributes:
         model: model folder.
-        redis_url: where to register.
+        redis_url: where to register (may hold a password: print it with ``redact_url``).
+        cluster_token: secret the scheduler must send with every Execute.
         host, port: where the Worker gRPC service listens (port 0 picks a free one).
         advertise_host: the host name the scheduler uses to reach this worker.
         worker_id: unique id of this worker process.
@@ -39,12 +43,13 @@ class WorkerConfig:
         heartbeat_interval_s: how often the registration is refreshed, seconds.
 
     Raises:
-        ValueError: a value out of range.
+        ValueError: a value out of range, or no cluster token.
     """
 
     model: Path
-    redis_url: str
-    host: str = "0.0.0.0"
+    redis_url: str = field(repr=False)
+    cluster_token: str = field(repr=False)
+    host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str = "127.0.0.1"
     worker_id: str = "worker-0"
@@ -74,12 +79,15 @@ class WorkerConfig:
             raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
+        if not self.cluster_token:
+            raise ValueError(MISSING_CLUSTER_TOKEN)
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the worker's flags to ``parser``."""
     add_model_argument(parser)
     add_redis_argument(parser)
+    add_cluster_token_arguments(parser)
     add_listen_arguments(parser, default_port=0)
     parser.add_argument(
         "--advertise-host",
@@ -126,11 +134,17 @@ def default_advertise_host(listen_host: str) -> str:
 
 
 def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConfig:
-    """Builds the config from parsed flags; ``model`` is the resolved model folder."""
+    """Builds the config from parsed flags; ``model`` is the resolved model folder.
+
+    Raises:
+        ValueError: a value out of range, or no cluster token.
+        OSError: a secret file cannot be read.
+    """
     advertise = args.advertise_host or default_advertise_host(args.host)
     return WorkerConfig(
         model=model,
-        redis_url=args.redis_url,
+        redis_url=redis_url_from_args(args),
+        cluster_token=cluster_token_from_args(args),
         host=args.host,
         port=args.port,
         advertise_host=advertise,

@@ -11,7 +11,8 @@ from concurrent import futures
 import grpc
 
 from services.common import telemetry
-from services.common.grpc_server import SERVER_OPTIONS, add_health, bind, set_serving
+from services.common.auth import CLUSTER_TOKEN_KEY, MetadataAuthInterceptor
+from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bind, set_serving
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.redis_wait import connect_redis
@@ -60,7 +61,8 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         gpu_memory_utilization=config.gpu_memory_utilization,
         swap_space_bytes=config.swap_space,
     )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
+    auth = MetadataAuthInterceptor(CLUSTER_TOKEN_KEY, config.cluster_token, "cluster token")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
     engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, tracer), server)
     health = add_health(server)
     port = bind(server, config.host, config.port)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -11,12 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-
 from pagedserve.launcher import free_port
+from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
+
+CLUSTER_TOKEN = secrets.token_hex(32)
+"""The cluster token of every stack the tests start (services get it as PAGEDSERVE_CLUSTER_TOKEN)."""
 
 
 def wait_until(ready: Callable[[], bool], what: str, timeout_s: float, processes: list["Process"] = ()) -> None:
@@ -81,8 +84,8 @@ def pagedserve(name: str, args: list[str], log_dir: Path, env: dict | None = Non
     return Process(name, [sys.executable, "-m", "pagedserve", *args], log_dir, env)
 
 
-def scheduler_stats(address: str) -> pb.SchedulerStats:
-    with grpc.insecure_channel(address) as channel:
+def scheduler_stats(address: str, cluster_token: str = CLUSTER_TOKEN) -> pb.SchedulerStats:
+    with cluster_channel(address, cluster_token) as channel:
         return engine_pb2_grpc.SchedulerStub(channel).GetStats(pb.GetStatsRequest(), timeout=5)
 
 
@@ -96,6 +99,8 @@ class Stack:
     gateway: str
     scheduler: str
     processes: dict[str, Process]
+    env: dict[str, str]
+    """The services' environment (holds the cluster token), for starting more of them."""
 
     def logs(self) -> str:
         return "\n".join(f"==== {name}\n{p.log_text()[-3000:]}" for name, p in self.processes.items())
@@ -103,7 +108,7 @@ class Stack:
 
 def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "64MiB", env_extra: dict | None = None,
                 worker_threads: int = 1) -> Stack:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN, **(env_extra or {})}
     redis_proc, redis_url = start_redis(tmp_path)
     processes = {"redis": redis_proc}
     sched_port, gw_port = free_port(), free_port()
@@ -131,4 +136,4 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
         for p in processes.values():
             p.stop()
         raise
-    return Stack(redis_url, f"127.0.0.1:{gw_port}", scheduler, processes)
+    return Stack(redis_url, f"127.0.0.1:{gw_port}", scheduler, processes, env)

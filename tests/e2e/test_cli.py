@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import redis
 
 from services.common.grpc_server import check_health
 from pagedserve.launcher import free_port
@@ -22,16 +24,22 @@ def pagedserve(*args: str, env: dict, timeout: float = 300) -> subprocess.Comple
                           env=env, timeout=timeout)
 
 
+REDIS_PASSWORD = "redis-pw-5f3a9c"
+API_KEY = "cli-api-key-77e1"
+
+
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, default_model):
+    """`pagedserve up` with an API key and a Redis password, both given through the environment."""
     tmp = tmp_path_factory.mktemp("up")
-    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp), "PYTHONUNBUFFERED": "1"}
     port, scheduler_port, redis_port = free_port(), free_port(), free_port()
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "PAGEDSERVE_API_KEY": API_KEY,
+           "PAGEDSERVE_REDIS_URL": f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_port}/0"}
+    env.pop("PAGEDSERVE_CLUSTER_TOKEN", None)  # up makes one
     log = open(tmp / "up.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--port", str(port),
-         "--scheduler-port", str(scheduler_port), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
-         "--model", str(default_model), "--kv-cache-memory", "64MiB"],
+         "--scheduler-port", str(scheduler_port), "--model", str(default_model), "--kv-cache-memory", "64MiB"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     deadline = time.monotonic() + 300
@@ -60,6 +68,49 @@ def test_complete_json_matches_offline(up, default_model):
     assert online == offline
     assert online["usage"]["completion_tokens"] == len(online["token_ids"]) > 0
     assert online["finish_reason"] in ("stop", "length")
+
+
+def test_complete_without_the_api_key_is_refused(up):
+    env = {k: v for k, v in up["env"].items() if k != "PAGEDSERVE_API_KEY"}
+    result = pagedserve("complete", "--target", up["target"], "--prompt", "Hi", "--max-tokens", "4", env=env)
+    assert result.returncode == 1
+    assert "UNAUTHENTICATED" in result.stderr
+
+
+def test_bench_serve_sends_the_api_key(up):
+    import asyncio
+
+    from pagedserve.bench.datasets import SampleRequest
+    from pagedserve.bench.serve import LoadSettings, run_load
+
+    samples = [SampleRequest("Once upon a time", 4, 3)] * 2
+
+    def errors(api_key: str) -> list:
+        records, _ = asyncio.run(run_load(up["target"], samples, LoadSettings(float("inf")), temperature=0.0,
+                                          ignore_eos=True, timeout_s=120, api_key=api_key))
+        return [r.error for r in records]
+
+    assert errors(API_KEY) == [None, None]
+    assert errors("") == ["UNAUTHENTICATED", "UNAUTHENTICATED"]
+
+
+def test_secrets_are_not_in_the_command_lines_of_ups_children(up):
+    children = subprocess.run(["pgrep", "-P", str(up["process"].pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 4  # redis-server, scheduler, worker, gateway
+    cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children]
+    prefix = b"PAGEDSERVE_CLUSTER_TOKEN="
+    tokens = {entry[len(prefix):] for pid in children for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+              if entry.startswith(prefix)}
+    assert len(tokens) == 1  # one token, shared by the services through their environment
+    token = tokens.pop()
+    assert len(token) == 64
+    assert sum(b"redis-server" in c for c in cmdlines) == 1
+    for cmdline in cmdlines:
+        assert token not in cmdline
+        assert REDIS_PASSWORD.encode() not in cmdline and API_KEY.encode() not in cmdline
+    assert REDIS_PASSWORD not in up["log"].read_text()
+    with pytest.raises(redis.AuthenticationError):  # the Redis that up started wants the URL's password
+        redis.Redis(host="127.0.0.1", port=up["ports"][2]).ping()
 
 
 def test_complete_reports_server_errors_by_status_name(up):

@@ -4,7 +4,6 @@ restarted scheduler serves new requests."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 
@@ -31,10 +30,9 @@ def restart_scheduler(stack, log_dir) -> None:
     old.popen.send_signal(signal.SIGKILL)  # a crash: no goodbye to anyone
     old.popen.wait()
     port = stack.scheduler.rsplit(":", 1)[1]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stack.processes["scheduler"] = pagedserve("scheduler-restarted", [
         "scheduler", "--redis-url", stack.redis_url, "--host", "127.0.0.1", "--port", port,
-        "--consumer-name", "scheduler-0"], log_dir, env)
+        "--consumer-name", "scheduler-0"], log_dir, stack.env)
     wait_until(lambda: healthy(stack.scheduler), "restarted scheduler", 60, [stack.processes["scheduler"]])
 
 
