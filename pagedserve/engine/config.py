@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class PreemptionMode(enum.Enum):
+    """How blocks are taken back from a running sequence when they run out (vLLM §4.5)."""
+
+    RECOMPUTE = "recompute"  # free them; the sequence is prefilled again later
+    SWAP = "swap"  # copy them to the worker's CPU blocks and back later
+
+
+class SchedulingPolicy(enum.Enum):
+    """The waiting queue's order and whom to preempt (``pagedserve/engine/policy.py``)."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
 
 
 @dataclass(frozen=True)
@@ -31,17 +46,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    policy: str = "fcfs"
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be fcfs or priority, got {self.policy!r}")
+        # The enums' values are accepted too (flags, ``LLM(policy="priority")``).
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
 
 
 @dataclass(frozen=True)

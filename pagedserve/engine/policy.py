@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagedserve.engine.config import SchedulingPolicy
 from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sequence import Sequence
 
@@ -113,7 +114,7 @@ def priority_order(running: OrderedDict[SequenceId, Sequence]) -> list[Sequence]
 
 
 @dataclass(frozen=True)
-class SchedulingPolicy:
+class Policy:
     """A waiting-queue order and a running order that belong together.
 
     Running sequences are served in ``running_order``; when blocks run out, the last of that
@@ -121,11 +122,11 @@ class SchedulingPolicy:
     latest-arrived (priority) sequence, and never one already served in the iteration.
     """
 
-    name: str
+    name: SchedulingPolicy
     make_queue: Callable[[], WaitingQueue]
     running_order: Callable[[OrderedDict[SequenceId, Sequence]], list[Sequence]]
 
 
-FCFS = SchedulingPolicy("fcfs", FcfsQueue, admission_order)
-PRIORITY = SchedulingPolicy("priority", PriorityQueue, priority_order)
+FCFS = Policy(SchedulingPolicy.FCFS, FcfsQueue, admission_order)
+PRIORITY = Policy(SchedulingPolicy.PRIORITY, PriorityQueue, priority_order)
 POLICIES = {policy.name: policy for policy in (FCFS, PRIORITY)}

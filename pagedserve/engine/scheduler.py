@@ -14,19 +14,9 @@ from collections import deque
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from pagedserve.engine.messages import (
-    BatchPlan,
-    CachedRequestData,
-    EngineRequest,
-    FinishReason,
-    NewRequestData,
-    RequestError,
-    RequestOutput,
-    SequenceId,
-    StepResult,
-)
-from pagedserve.engine.block_manager import NO_PREFIX, CachedPrefix, blocks_for_tokens
-from pagedserve.engine.config import SchedulerConfig, SchedulerStats
+from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
+from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, RequestError,
+                                        RequestOutput, SequenceId, StepResult)
 from pagedserve.engine.limits import num_new_tokens, rejection_reason
 from pagedserve.engine.parallel_sampling import Forks
 from pagedserve.engine.policy import POLICIES
@@ -165,7 +155,8 @@ class Scheduler:
         drafts = {w.worker_id: PlanDraft(self.config.max_num_batched_tokens) for w in workers}
         for worker in workers:
             self._schedule_running(worker, drafts[worker.worker_id])
-            self._schedule_swapped(worker, drafts[worker.worker_id])
+            for seq, num_new in worker.swap_in(drafts[worker.worker_id], self.config.max_num_seqs):
+                worker.start(seq, drafts[worker.worker_id], num_new)
         self._schedule_waiting(workers, drafts)
         plans = {w.worker_id: w.take_plan(drafts[w.worker_id]) for w in workers if w.has_plan(drafts[w.worker_id])}
         outputs, self._outputs = tuple(self._outputs), []
@@ -219,23 +210,7 @@ class Scheduler:
             new_block_ids = worker.blocks.allocate_blocks(seq.seq_id, needed) if needed else ()
             draft.cached_requests.append(
                 CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new))
-            self._advance(worker, seq, num_new, draft)
-
-    def _schedule_swapped(self, worker: WorkerState, draft: PlanDraft) -> None:
-        """Brings swapped-out sequences back (oldest first) while blocks, budget and room allow."""
-        blocks = worker.blocks
-        for seq in list(worker.swapped.values()):
-            if draft.preempted or draft.token_budget == 0 or len(worker.running) >= self.config.max_num_seqs:
-                return
-            num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
-            total = seq.num_computed_tokens + num_new
-            needed = max(len(blocks.cpu_block_table(seq.seq_id)), blocks_for_tokens(total, blocks.block_size))
-            if needed > blocks.num_free_blocks:
-                return
-            draft.swap_in.extend(blocks.swap_in(seq.seq_id))
-            blocks.allocate_slots(seq.seq_id, total)
-            del worker.swapped[seq.seq_id]
-            self._start_on(worker, seq, draft, num_new)
+            worker.advance(seq, num_new, draft)
 
     def _schedule_waiting(self, workers: list[WorkerState], drafts: dict[str, PlanDraft]) -> None:
         """Admits waiting sequences in the policy's order until one does not fit."""
@@ -249,9 +224,9 @@ class Scheduler:
             draft = drafts[worker.worker_id]
             if self._forks.try_fork(seq, worker, draft, self._sequences):
                 self._waiting.remove(seq.seq_id)
-                self._start_on(worker, seq, draft, num_new=1)
+                worker.start(seq, draft, num_new=1)
                 continue
-            prefix = self._cached_prefix(worker, seq)
+            prefix = worker.cached_prefix(seq)
             num_new = num_new_tokens(seq, draft.token_budget, self.config, prefix.num_tokens)
             total = prefix.num_tokens + num_new
             if num_new == 0 or not worker.blocks.can_allocate(seq.seq_id, total, prefix):
@@ -259,7 +234,7 @@ class Scheduler:
             worker.blocks.allocate_slots(seq.seq_id, total, prefix)
             self._waiting.remove(seq.seq_id)
             seq.num_computed_tokens = prefix.num_tokens
-            self._start_on(worker, seq, draft, num_new)
+            worker.start(seq, draft, num_new)
 
     def _place(self, seq: Sequence, workers: list[WorkerState], drafts: dict[str, PlanDraft]) -> WorkerState | None:
         """Where to admit ``seq`` now: a forked sample on its parent's worker (waiting while that
@@ -270,11 +245,6 @@ class Scheduler:
                 return None
             workers = [self._workers[parent.worker_id]]
         return pick_worker(workers, drafts, self.config.max_num_seqs)
-
-    def _cached_prefix(self, worker: WorkerState, seq: Sequence) -> CachedPrefix:
-        if not self.config.enable_prefix_caching:
-            return NO_PREFIX
-        return worker.blocks.find_cached_prefix(seq.all_token_ids(), seq.request.cache_salt.encode())
 
     def _fits_any_worker(self, seq: Sequence) -> bool:
         """Rejects (finishes with an error) a sequence no worker could ever run; True if it fits."""
@@ -287,32 +257,6 @@ class Scheduler:
         return False
 
     # ---- state changes -------------------------------------------------------------------
-    def _start_on(self, worker: WorkerState, seq: Sequence, draft: PlanDraft, num_new: int) -> None:
-        """Makes ``seq`` run on ``worker`` and sends it in full (it is new to the worker)."""
-        seq.status, seq.worker_id = SequenceStatus.RUNNING, worker.worker_id
-        worker.running[seq.seq_id] = seq
-        draft.new_requests.append(NewRequestData(
-            seq_id=seq.seq_id,
-            token_ids=seq.all_token_ids(),
-            num_prompt_tokens=seq.num_prompt_tokens,
-            block_ids=worker.blocks.block_table(seq.seq_id),
-            num_computed_tokens=seq.num_computed_tokens,
-            num_scheduled_tokens=num_new,
-            sampling=seq.sampling.for_worker(),
-            trace_context=seq.request.trace_context,
-        ))
-        self._advance(worker, seq, num_new, draft)
-
-    def _advance(self, worker: WorkerState, seq: Sequence, num_new: int, draft: PlanDraft) -> None:
-        before = seq.num_computed_tokens
-        seq.num_computed_tokens += num_new
-        draft.token_budget -= num_new
-        draft.scheduled[seq.seq_id] = num_new
-        block_size = self.config.block_size
-        if self.config.enable_prefix_caching and before // block_size != seq.num_computed_tokens // block_size:
-            worker.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens,
-                                            seq.request.cache_salt.encode())  # a block just filled up
-
     def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
         index = seq.num_output_tokens
         reason = seq.append_token(token_id)
@@ -331,7 +275,7 @@ class Scheduler:
         self._num_preemptions += 1
         seq.num_preemptions += 1
         draft.preempted = True  # no admissions on this worker in this iteration
-        if self.config.preemption_mode == "swap" and worker.blocks.can_swap_out(seq.seq_id):
+        if self.config.preemption_mode is PreemptionMode.SWAP and worker.blocks.can_swap_out(seq.seq_id):
             self._num_swap_preemptions += 1
             worker.swap_out(seq, draft)
             return

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import uuid
 
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId
-from pagedserve.engine.block_manager import BlockManager
+from pagedserve.engine.block_manager import NO_PREFIX, BlockManager, CachedPrefix, blocks_for_tokens
 from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
 from pagedserve.engine.config import SchedulerConfig, SchedulerStats, WorkerStats
 from pagedserve.engine.sequence import Sequence, SequenceStatus
@@ -47,6 +47,7 @@ class WorkerState:
 
     def __init__(self, worker_id: str, num_blocks: int, num_cpu_blocks: int, config: SchedulerConfig) -> None:
         self.worker_id = worker_id
+        self.config = config
         manager = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
         self.blocks: BlockManager = manager(num_blocks, config.block_size, num_cpu_blocks)
         self.session_id = uuid.uuid4().hex
@@ -61,6 +62,59 @@ class WorkerState:
         if self.running.pop(seq_id, None) is not None:
             self.dropped_ids.append(seq_id)
         self.swapped.pop(seq_id, None)
+
+    def start(self, seq: Sequence, draft: PlanDraft, num_new: int) -> None:
+        """Makes ``seq`` (its blocks allocated here) run on this worker, sent in full: it is new to it."""
+        seq.status, seq.worker_id = SequenceStatus.RUNNING, self.worker_id
+        self.running[seq.seq_id] = seq
+        draft.new_requests.append(NewRequestData(
+            seq_id=seq.seq_id,
+            token_ids=seq.all_token_ids(),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            block_ids=self.blocks.block_table(seq.seq_id),
+            num_computed_tokens=seq.num_computed_tokens,
+            num_scheduled_tokens=num_new,
+            sampling=seq.sampling.for_worker(),
+            trace_context=seq.request.trace_context,
+        ))
+        self.advance(seq, num_new, draft)
+
+    def advance(self, seq: Sequence, num_new: int, draft: PlanDraft) -> None:
+        """Counts ``num_new`` tokens of ``seq`` as computed in this step; caches blocks that filled up."""
+        before = seq.num_computed_tokens
+        seq.num_computed_tokens += num_new
+        draft.token_budget -= num_new
+        draft.scheduled[seq.seq_id] = num_new
+        block_size = self.config.block_size
+        if self.config.enable_prefix_caching and before // block_size != seq.num_computed_tokens // block_size:
+            self.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens,
+                                          seq.request.cache_salt.encode())
+
+    def cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The longest cached start of ``seq``'s tokens here (none when prefix caching is off)."""
+        if not self.config.enable_prefix_caching:
+            return NO_PREFIX
+        return self.blocks.find_cached_prefix(seq.all_token_ids(), seq.request.cache_salt.encode())
+
+    def swap_in(self, draft: PlanDraft, max_num_seqs: int) -> list[tuple[Sequence, int]]:
+        """Brings swapped-out sequences back (oldest first) while blocks, budget and room allow;
+        returns each with the tokens to compute now (start them with ``start``)."""
+        back, blocks = [], self.blocks
+        budget, room = draft.token_budget, max_num_seqs - len(self.running)
+        for seq in list(self.swapped.values()):
+            if draft.preempted or budget == 0 or room == 0:
+                break
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            total = seq.num_computed_tokens + num_new
+            needed = max(len(blocks.cpu_block_table(seq.seq_id)), blocks_for_tokens(total, blocks.block_size))
+            if needed > blocks.num_free_blocks:
+                break
+            draft.swap_in.extend(blocks.swap_in(seq.seq_id))
+            blocks.allocate_slots(seq.seq_id, total)
+            del self.swapped[seq.seq_id]
+            back.append((seq, num_new))
+            budget, room = budget - num_new, room - 1
+        return back
 
     def swap_out(self, seq: Sequence, draft: PlanDraft) -> None:
         """Swap preemption: the sequence's blocks go to CPU memory; the worker drops its state and

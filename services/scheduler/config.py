@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args
 from services.common.service_args import add_listen_arguments, add_redis_argument, redis_url_from_args
 
@@ -97,10 +97,10 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill each prompt whole in one iteration (prompts longer than the budget are refused)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="do not share cached prompt blocks between requests")
-    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=defaults.preemption_mode,
+    parser.add_argument("--preemption-mode", choices=[m.value for m in PreemptionMode], default=defaults.preemption_mode.value,
                         help="how to take blocks back when they run out (default %(default)s); swap needs "
                         "workers with --swap-space")
-    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=defaults.policy,
+    parser.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy], default=defaults.policy.value,
                         help="fcfs, or priority (lower request priority runs first) (default %(default)s)")
 
 
@@ -120,7 +120,7 @@ def policy_to_args(config: SchedulerConfig) -> list[str]:
     """The flags that ``policy_from_args`` reads back into ``config`` (for launching a scheduler)."""
     args = ["--block-size", str(config.block_size), "--max-num-seqs", str(config.max_num_seqs),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens),
-            "--preemption-mode", config.preemption_mode, "--scheduling-policy", config.policy]
+            "--preemption-mode", config.preemption_mode.value, "--scheduling-policy", config.policy.value]
     if not config.enable_chunked_prefill:
         args.append("--no-chunked-prefill")
     if not config.enable_prefix_caching:

@@ -69,7 +69,7 @@ def test_workers_refuse_execute_without_the_cluster_token(stack):
     for address in addresses:
         for token in BAD_TOKENS:
             with grpc.insecure_channel(address) as channel:
-                plan = pb.BatchPlan(step_id=1, scheduler_id="intruder")
+                plan = pb.BatchPlan(step_id=1, session_id="intruder")
                 call = lambda: engine_pb2_grpc.WorkerStub(channel).Execute(plan, metadata=token_metadata(token), timeout=10)  # noqa: E731
                 assert status_of(call) == grpc.StatusCode.UNAUTHENTICATED
         assert check_health(address)
