@@ -64,7 +64,14 @@ CLIENT_API_CHANNEL_OPTIONS = message_size_options(CLIENT_API_MAX_MESSAGE_BYTES)
 """Channels of clients to the gateway (`pagedserve complete`, `bench serve`)."""
 INTERNAL_SERVER_OPTIONS = server_options(INTERNAL_MAX_MESSAGE_BYTES)
 """The scheduler's and the workers' servers."""
-INTERNAL_CHANNEL_OPTIONS = message_size_options(INTERNAL_MAX_MESSAGE_BYTES)
+RECONNECT_BACKOFF_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+"""A restarted service is reached again within a second (gRPC's default back-off grows to 120 s)."""
+
+INTERNAL_CHANNEL_OPTIONS = message_size_options(INTERNAL_MAX_MESSAGE_BYTES) + RECONNECT_BACKOFF_OPTIONS
 """Channels between services (gateway to scheduler, scheduler to workers, GetStats callers)."""
 
 

@@ -201,3 +201,28 @@ def test_all_features_together_stay_exact(specs, mode, policy, budget):
                 continue
             assert got == reference_output(list(r.prompt_token_ids), r.sampling.max_tokens, sample)[: len(got)]
     assert all_free(engine)
+
+
+def test_a_request_id_that_looks_like_a_sample_is_its_own_request():
+    """Issue #9, defect 2: ids were "<id>#<i>" strings, so a request "p#1" collided with sample 1 of "p"."""
+    for order in (("p", "p#1"), ("q#1", "q")):
+        engine, runners = make({"w": 64})
+        for rid in order:
+            engine.add_request(req(rid, prompt(6), 5, n=2 if "#" not in rid else 1))
+        outputs = run(engine)
+        samples = {rid: 2 if "#" not in rid else 1 for rid in order}
+        assert sorted(outputs) == sorted((rid, i) for rid, n in samples.items() for i in range(n))
+        for (rid, i), tokens in outputs.items():
+            assert tokens == reference_output(prompt(6), 5, sample_index=i)
+        assert all_free(engine)
+
+
+def test_workers_get_stop_token_ids_only_while_min_tokens_needs_them():
+    """Issue #9, defect 4: stop ids are the scheduler's business; a worker needs them only to mask."""
+    engine, runners = make({"w": 64})
+    engine.add_request(req("plain", prompt(5), 3, stop_token_ids=tuple(range(3, 40))))
+    engine.add_request(req("masked", prompt(5, 1), 3, stop_token_ids=(7,), min_tokens=2))
+    engine.step()
+    sent = {n.request_id: n.sampling for n in runners["w"].plans[0].new_requests}
+    assert sent["plain"].stop_token_ids == () and sent["plain"].eos_token_ids == ()
+    assert sent["masked"].stop_token_ids == (7,) and sent["masked"].eos_token_ids == (2,)

@@ -1,0 +1,113 @@
+"""WorkerMembership: failed steps reset and re-admit, restarts by instance id, registration gaps."""
+
+from __future__ import annotations
+
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.messages import EngineRequest, SequenceId
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from services.common.pb import engine_pb2 as pb
+from services.scheduler.membership import WorkerMembership
+
+
+class Connections:
+    """Records what the membership asks of the executor (the real one opens gRPC channels)."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, str] = {}
+
+    def add_worker(self, worker_id: str, address: str) -> None:
+        assert worker_id not in self.open
+        self.open[worker_id] = address
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.open.pop(worker_id, None)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reg(worker_id: str, instance: str = "i1", blocks: int = 8, block_size: int = 16) -> pb.WorkerRegistration:
+    return pb.WorkerRegistration(worker_id=worker_id, address=f"{worker_id}:1", num_blocks=blocks,
+                                 block_size=block_size, instance_id=instance)
+
+
+def make():
+    scheduler, connections, clock = Scheduler(SchedulerConfig()), Connections(), Clock()
+    return scheduler, connections, clock, WorkerMembership(scheduler, connections, gone_after_s=5.0, clock=clock)
+
+
+def test_a_failed_step_resets_the_worker_and_readmits_it_after_a_backoff():
+    scheduler, connections, clock, members = make()
+    members.sync({"w": reg("w")})
+    scheduler.add_request(EngineRequest("r", (1, 2, 3), EngineSamplingParams(max_tokens=4), 0.0))
+    plan = scheduler.schedule(["w"]).plans["w"]
+    members.step_failed("w", "DEADLINE_EXCEEDED")
+    assert scheduler.worker_ids == [] and connections.open == {}
+    assert scheduler.waiting_requests() == ["r"]  # requeued, to be recomputed
+    members.sync({"w": reg("w")})
+    assert scheduler.worker_ids == []  # still backing off
+    clock.now += 1.01
+    members.sync({"w": reg("w")})
+    assert scheduler.worker_ids == ["w"]
+    again = scheduler.schedule(["w"]).plans["w"]
+    assert again.session_id != plan.session_id  # the worker drops what it held
+    assert [n.seq_id for n in again.new_requests] == [SequenceId("r")] and again.new_requests[0].num_computed_tokens == 0
+
+
+def test_backoff_doubles_while_a_worker_keeps_failing_and_resets_after_success():
+    scheduler, _, clock, members = make()
+    delays = []
+    for _ in range(3):
+        members.sync({"w": reg("w")})
+        start = clock.now
+        members.step_failed("w", "UNAVAILABLE")
+        while not scheduler.worker_ids:
+            clock.now += 0.25
+            members.sync({"w": reg("w")})
+        delays.append(clock.now - start)
+    assert delays == [1.0, 2.0, 4.0]
+    members.step_succeeded("w")
+    start = clock.now
+    members.step_failed("w", "UNAVAILABLE")
+    clock.now += 1.0
+    members.sync({"w": reg("w")})
+    assert scheduler.worker_ids == ["w"] and clock.now - start == 1.0
+
+
+def test_a_restarted_worker_is_reset_by_its_new_instance_id():
+    scheduler, connections, _, members = make()
+    members.sync({"w": reg("w", "i1")})
+    first = scheduler.schedule(["w"])  # nothing to do: no plan
+    assert first.plans == {}
+    session = scheduler.block_manager("w")
+    members.sync({"w": reg("w", "i2")})
+    assert scheduler.worker_ids == ["w"] and scheduler.block_manager("w") is not session
+    assert connections.open == {"w": "w:1"}
+
+
+def test_a_short_registration_gap_changes_nothing_a_long_one_drops_the_worker():
+    scheduler, _, clock, members = make()
+    members.sync({"w": reg("w"), "v": reg("v")})
+    manager = scheduler.block_manager("w")
+    members.sync({"v": reg("v")})  # Redis restarted empty: w registers again within a second
+    clock.now += 1.0
+    members.sync({"w": reg("w"), "v": reg("v")})
+    assert sorted(scheduler.worker_ids) == ["v", "w"] and scheduler.block_manager("w") is manager
+    members.sync({"v": reg("v")})
+    clock.now += 5.5
+    members.sync({"v": reg("v")})
+    assert scheduler.worker_ids == ["v"]
+
+
+def test_a_worker_with_another_block_size_is_not_admitted():
+    scheduler, connections, _, members = make()
+    members.sync({"w": reg("w", block_size=32)})
+    assert scheduler.worker_ids == [] and connections.open == {}
+    members.sync({"w": reg("w", "i2", block_size=16)})  # restarted with the right size
+    assert scheduler.worker_ids == ["w"]
