@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedserve.engine.model_info import ModelInfo, load_model_info
 from pagedserve.engine.sampling_params import InvalidRequestError
+from pagedserve.text.chat_encoding import ChatEncoder
 from pagedserve.text.request_limits import RequestLimits, check_count, check_text_bytes
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -72,6 +73,7 @@ class PromptTokenizer:
         self._tokenizer = tokenizer
         self._info = info
         self._limits = limits
+        self._chat = ChatEncoder(tokenizer) if self.has_chat_template else None
 
     @classmethod
     def from_folder(cls, path: str | Path, limits: RequestLimits = RequestLimits()) -> PromptTokenizer:
@@ -134,7 +136,9 @@ class PromptTokenizer:
     def encode_chat(self, messages: Sequence[ChatTurn]) -> list[int]:
         """Renders chat messages with the model's chat template, assistant turn opened, and tokenizes.
 
-        The template writes the special tokens itself, so none are added while tokenizing.
+        The template writes the special tokens itself, so none are added while tokenizing;
+        special-token text inside a content is tokenized as plain text (``chat_encoding``), so a
+        message cannot open or close turns.
 
         Raises:
             InvalidRequestError: field ``chat`` when the model has no chat template;
@@ -143,12 +147,10 @@ class PromptTokenizer:
                 outside ``CHAT_ROLES``; ``chat.messages[i].content`` for a content over
                 ``max_prompt_bytes``. All checked before rendering.
         """
-        if not self.has_chat_template:
+        if self._chat is None:
             raise InvalidRequestError(CHAT_FIELD, f"model {self._info.name} has no chat template; send a prompt")
         self._check_chat(messages)
-        conversation = [{"role": turn.role, "content": turn.content} for turn in messages]
-        text = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return self._chat.encode([{"role": turn.role, "content": turn.content} for turn in messages])
 
     def _check_chat(self, messages: Sequence[ChatTurn]) -> None:
         """The chat's size and role checks (see ``encode_chat``)."""
