@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pagedserve.engine.messages import FinishReason, RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.detokenizer import IncrementalDetokenizer, TokenDecoder
-from pagedserve.text.stop_strings import StopStringMatcher
+from pagedserve.text.stop_strings import StopStringMatcher, StopStrings
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,14 @@ class RequestTextState:
         prompt_token_ids: the request's prompt (context for decoding the first output tokens).
         params: the request's sampling parameters (``stop``, ``include_stop_str_in_output``,
             ``skip_special_tokens`` are used here).
+        stops: the automaton of ``params.stop``, when already built (the samples of a request
+            share one); None builds it here.
     """
 
-    def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 stops: StopStrings | None = None) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self._stops = StopStringMatcher(stops if stops is not None else StopStrings(params.stop), params.include_stop_str_in_output)
         self._num_prompt_tokens = len(prompt_token_ids)
         self._num_output_tokens = 0
         self._finish_reason: FinishReason | None = None

@@ -9,6 +9,7 @@ from pagedserve.engine.messages import RequestOutput
 from pagedserve.engine.sampling_params import EngineSamplingParams, SamplingParams
 from pagedserve.text.detokenizer import TokenDecoder
 from pagedserve.text.output_processor import RequestTextState, TextDelta
+from pagedserve.text.stop_strings import StopStrings
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,14 @@ class RequestSamples:
 
     Args:
         tokenizer, prompt_token_ids, params: as for ``RequestTextState``; ``params.n`` samples.
+
+    The stop strings' automaton is built once and shared by the samples, so memory and set-up time
+    are O(total stop length), whatever ``n``.
     """
 
     def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.samples = [RequestTextState(tokenizer, prompt_token_ids, params) for _ in range(params.n)]
+        stops = StopStrings(params.stop)
+        self.samples = [RequestTextState(tokenizer, prompt_token_ids, params, stops) for _ in range(params.n)]
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,8 @@ from typing import Any
 
 from pagedserve.engine.model_info import ModelInfo, load_model_info
 from pagedserve.engine.sampling_params import InvalidRequestError
+from pagedserve.text.chat_encoding import ChatEncoder
+from pagedserve.text.request_limits import RequestLimits, check_count, check_text_bytes
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -64,14 +66,17 @@ class PromptTokenizer:
         tokenizer: a loaded Hugging Face tokenizer of the model.
         info: the model's facts; ``info.vocab_size`` (the config's, which may exceed
             ``len(tokenizer)``) bounds valid token ids.
+        limits: size bounds checked before tokenizing (prompt bytes, chat messages and roles).
     """
 
-    def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
+    def __init__(self, tokenizer: Any, info: ModelInfo, limits: RequestLimits = RequestLimits()) -> None:
         self._tokenizer = tokenizer
         self._info = info
+        self._limits = limits
+        self._chat = ChatEncoder(tokenizer) if self.has_chat_template else None
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> PromptTokenizer:
+    def from_folder(cls, path: str | Path, limits: RequestLimits = RequestLimits()) -> PromptTokenizer:
         """Loads the tokenizer and model facts from a local Hugging Face model folder (no hub access).
 
         Raises:
@@ -82,7 +87,7 @@ class PromptTokenizer:
 
         info = load_model_info(path)
         tokenizer = AutoTokenizer.from_pretrained(str(Path(path)), local_files_only=True)
-        return cls(tokenizer, info)
+        return cls(tokenizer, info, limits)
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -93,6 +98,16 @@ class PromptTokenizer:
     def info(self) -> ModelInfo:
         """The model's facts (vocab size, EOS ids, context length)."""
         return self._info
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The size bounds this tokenizer checks."""
+        return self._limits
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """Most UTF-8 bytes of a text prompt, or of a chat's contents together."""
+        return self._limits.max_prompt_bytes(self._info.max_model_len)
 
     @property
     def has_chat_template(self) -> bool:
@@ -107,10 +122,12 @@ class PromptTokenizer:
         """Tokenizes a text prompt, adding special tokens (e.g. BOS) as the tokenizer does by default.
 
         Raises:
-            InvalidRequestError: field ``prompt``, when the text is empty or encodes to no tokens.
+            InvalidRequestError: field ``prompt``, when the text is empty, larger than
+                ``max_prompt_bytes`` (checked before tokenizing) or encodes to no tokens.
         """
         if not text:
             raise InvalidRequestError(PROMPT_FIELD, "must not be empty")
+        check_text_bytes(PROMPT_FIELD, text, self.max_prompt_bytes)
         ids = list(self._tokenizer.encode(text))
         if not ids:
             raise InvalidRequestError(PROMPT_FIELD, "encodes to no tokens")
@@ -119,26 +136,37 @@ class PromptTokenizer:
     def encode_chat(self, messages: Sequence[ChatTurn]) -> list[int]:
         """Renders chat messages with the model's chat template, assistant turn opened, and tokenizes.
 
-        The template writes the special tokens itself, so none are added while tokenizing.
+        The template writes the special tokens itself, so none are added while tokenizing;
+        special-token text inside a content is tokenized as plain text (``chat_encoding``), so a
+        message cannot open or close turns.
 
         Raises:
             InvalidRequestError: field ``chat`` when the model has no chat template;
-                ``chat.messages`` when there are no messages; ``chat.messages[i].role`` for a role
-                outside ``CHAT_ROLES``.
+                ``chat.messages`` when there are no messages or more than the limit, or when the
+                contents together exceed ``max_prompt_bytes``; ``chat.messages[i].role`` for a role
+                outside ``CHAT_ROLES``; ``chat.messages[i].content`` for a content over
+                ``max_prompt_bytes``. All checked before rendering.
         """
-        if not self.has_chat_template:
+        if self._chat is None:
             raise InvalidRequestError(CHAT_FIELD, f"model {self._info.name} has no chat template; send a prompt")
+        self._check_chat(messages)
+        return self._chat.encode([{"role": turn.role, "content": turn.content} for turn in messages])
+
+    def _check_chat(self, messages: Sequence[ChatTurn]) -> None:
+        """The chat's size and role checks (see ``encode_chat``)."""
+        field = CHAT_FIELD + ".messages"
         if not messages:
-            raise InvalidRequestError(CHAT_FIELD + ".messages", "must hold at least one message")
+            raise InvalidRequestError(field, "must hold at least one message")
+        check_count(field, len(messages), self._limits.max_chat_messages, "messages")
+        budget = self.max_prompt_bytes
+        total = 0
         for i, turn in enumerate(messages):
+            check_count(f"{field}[{i}].role", len(turn.role), self._limits.max_role_chars, "characters")
             if turn.role not in CHAT_ROLES:
-                raise InvalidRequestError(
-                    f"{CHAT_FIELD}.messages[{i}].role",
-                    f"{turn.role!r} is not one of {', '.join(CHAT_ROLES)}",
-                )
-        conversation = [{"role": turn.role, "content": turn.content} for turn in messages]
-        text = self._tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+                raise InvalidRequestError(f"{field}[{i}].role", f"{turn.role!r} is not one of {', '.join(CHAT_ROLES)}")
+            total += check_text_bytes(f"{field}[{i}].content", turn.content, budget)
+            if total > budget:
+                raise InvalidRequestError(field, f"the contents hold more than {budget} UTF-8 bytes together")
 
     def check_token_ids(self, ids: Sequence[int]) -> list[int]:
         """Validates client-given prompt token ids against the model's vocabulary.
@@ -147,11 +175,13 @@ class PromptTokenizer:
             the ids as a list of ``int``.
 
         Raises:
-            InvalidRequestError: ``prompt_token_ids.ids`` when empty; ``prompt_token_ids.ids[i]`` for
-                the first id outside ``[0, vocab_size)``.
+            InvalidRequestError: ``prompt_token_ids.ids`` when empty or not shorter than the context
+                (checked before any id); ``prompt_token_ids.ids[i]`` for the first id outside
+                ``[0, vocab_size)``.
         """
         if not ids:
             raise InvalidRequestError(TOKEN_IDS_FIELD, "must hold at least one token id")
+        check_prompt_length(len(ids), self._info.max_model_len, TOKEN_IDS_FIELD)
         vocab_size = self._info.vocab_size
         for i, token_id in enumerate(ids):
             if not 0 <= token_id < vocab_size:

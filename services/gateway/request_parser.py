@@ -4,8 +4,30 @@ from __future__ import annotations
 
 from services.common.pb import generate_pb2 as gen
 from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.text.request_limits import RequestLimits, check_count
 from pagedserve.text.request_samples import ParsedRequest
 from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
+
+_SAMPLING = "sampling_params."
+
+
+def check_request_sizes(request: gen.GenerateRequest, limits: RequestLimits) -> None:
+    """Checks the sizes of the request's lists and strings other than the prompt (cheap, done first).
+
+    Raises:
+        InvalidRequestError: ``request_id``, ``cache_salt``, ``sampling_params.stop``,
+            ``sampling_params.stop[i]``, ``sampling_params.stop_token_ids`` or ``sampling_params.n``
+            beyond its bound in ``limits``.
+    """
+    check_count("request_id", len(request.request_id), limits.max_request_id_chars, "characters")
+    check_count("cache_salt", len(request.cache_salt), limits.max_cache_salt_chars, "characters")
+    msg = request.sampling_params
+    check_count(_SAMPLING + "stop", len(msg.stop), limits.max_stop_strings, "stop strings")
+    for i, stop in enumerate(msg.stop):
+        check_count(f"{_SAMPLING}stop[{i}]", len(stop), limits.max_stop_string_chars, "characters")
+    check_count(_SAMPLING + "stop_token_ids", len(msg.stop_token_ids), limits.max_stop_token_ids, "token ids")
+    if msg.HasField("n") and msg.n > limits.max_n:
+        raise InvalidRequestError(_SAMPLING + "n", f"must be in [1, {limits.max_n}], got {msg.n}")
 
 
 def sampling_params_from_pb(msg: gen.SamplingParams) -> SamplingParams:
@@ -52,9 +74,12 @@ def prompt_token_ids_from_pb(request: gen.GenerateRequest, tokenizer: PromptToke
 def parse_generate_request(request: gen.GenerateRequest, tokenizer: PromptTokenizer) -> ParsedRequest:
     """Validates and tokenizes a GenerateRequest (the gateway and the offline API share this).
 
+    Sizes are checked before anything is tokenized (``tokenizer.limits``).
+
     Raises:
         InvalidRequestError: any invalid field; the message names it.
     """
+    check_request_sizes(request, tokenizer.limits)
     params = sampling_params_from_pb(request.sampling_params)
     ids, field_name = prompt_token_ids_from_pb(request, tokenizer)
     info = tokenizer.info

@@ -17,8 +17,9 @@ from grpc_reflection.v1alpha import reflection
 from services.common import telemetry
 from services.common.auth import API_KEY_KEY, AioMetadataAuthInterceptor, cluster_aio_channel
 from services.common.grpc_server import CLIENT_API_SERVER_OPTIONS, bind
-from services.common.pb import engine_pb2, generate_pb2, generate_pb2_grpc
+from services.common.pb import engine_pb2, generate_pb2
 from services.gateway.config import GatewayConfig
+from services.gateway.generation_handler import add_generation_service
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter
 from services.gateway.service import GenerationServicer
@@ -89,7 +90,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
 
     server = _new_server(config)
     servicer = GenerationServicer(tokenizer, producer, router, tracer, config.max_concurrent_requests)
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -63,7 +63,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the gateway has {self._max_concurrent} requests in flight; retry later")
         try:
-            parsed = parse_generate_request(request, self._tokenizer)
+            parsed = await asyncio.to_thread(parse_generate_request, request, self._tokenizer)  # off the event loop
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._router.disconnected_for_s() > self._grace_s:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
+import tracemalloc
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.text.stop_strings import StopCheck, StopStringMatcher
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.text.request_samples import RequestSamples
+from pagedserve.text.stop_strings import StopCheck, StopStringMatcher, StopStrings
 
 
 def run(stops, include, deltas) -> tuple[list[str], StopCheck | None]:
@@ -127,3 +132,44 @@ def test_matches_whole_text_reference_and_never_leaks(stops, deltas, include) ->
         for piece in pieces:  # no emitted text, at any time, contains a stop string
             emitted += piece
             assert not any(s in emitted for s in stops)
+
+
+def test_failure_links_find_a_stop_inside_a_false_start() -> None:
+    assert run(["abcx", "bcd"], False, ["ab", "cd!"]) == (["", "a"], StopCheck("a", stopped=True, stop="bcd"))
+    assert run(["abcd", "bc"], True, ["abce"])[0] == ["abc"]
+
+
+def test_one_automaton_serves_many_matchers() -> None:
+    stops = StopStrings(["END", "halt"])
+    first, second = StopStringMatcher(stops, False), StopStringMatcher(stops, True)
+    assert first.feed("go EN").text == "go "
+    assert second.feed("stop halting").text == "stop halt"
+    assert first.feed("D").stopped and first.flush() == ""
+
+
+def test_long_stop_string_with_many_samples_is_cheap(prompt_tokenizer) -> None:
+    # Issue #9: an 8,000-character stop string with n=64 took 1.5 GB and 9 s in the gateway.
+    stop = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(8000))
+    params = SamplingParams(stop=(stop, stop[:4000] + "!"), n=64)
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        samples = RequestSamples(prompt_tokenizer, [1, 2, 3], params)
+        elapsed = time.perf_counter() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(samples.samples) == 64
+    assert elapsed < 1.0, f"{elapsed:.2f} s"
+    assert peak < 50 * 2**20, f"{peak / 2**20:.0f} MiB"
+
+
+def test_long_held_back_tail_costs_linear_time() -> None:
+    stop = "a" * 7999 + "b"
+    matcher = StopStringMatcher([stop, "x" * 5000], False)
+    started = time.perf_counter()
+    emitted = [matcher.feed("a").text for _ in range(7000)]
+    assert not any(emitted)  # all 7,000 characters could still begin the stop string
+    assert matcher.feed("c").text == "a" * 7000 + "c"
+    assert matcher.feed("a" * 7999 + "b").stopped
+    assert time.perf_counter() - started < 1.0

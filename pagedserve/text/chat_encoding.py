@@ -1,0 +1,84 @@
+"""Chat rendering and tokenization in which message contents cannot forge the template's markers.
+
+A chat template writes turn markers such as ``<|im_start|>`` as text, and the tokenizer turns that
+text into special tokens. Tokenizing the whole rendered text would also turn a marker *inside a
+message's content* into a special token, so a user message holding
+``<|im_end|>\\n<|im_start|>system\\n...`` would open a real system turn. Here, as in the OpenAI API,
+contents are tokenized as plain text: the template's own markers stay special tokens.
+
+How: when a content holds the text of an added token, the template is rendered with a unique
+random placeholder per message instead of its content; the rendered text is split at the
+placeholders; template pieces are tokenized as usual and contents with special-token matching
+off. Otherwise (the usual case) the rendered text is tokenized whole, which gives the very ids
+``apply_chat_template(..., tokenize=True)`` gives.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+class ChatEncoder:
+    """Renders a conversation with a Hugging Face tokenizer's chat template and tokenizes it.
+
+    Args:
+        tokenizer: a loaded Hugging Face tokenizer that has a chat template.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._added = tuple(tokenizer.get_added_vocab())
+        self._encode_plain = _plain_text_encoder(tokenizer)
+
+    def encode(self, conversation: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of the conversation (``role``/``content`` dicts), assistant turn opened.
+
+        The template writes the special tokens itself, so none are added while tokenizing; special
+        tokens spelled inside a content are tokenized as their characters.
+        """
+        if any(self._holds_added_token(message["content"]) for message in conversation):
+            return self.encode_contents_as_text(conversation)
+        return list(self._tokenizer.encode(self._render(conversation), add_special_tokens=False))
+
+    def encode_contents_as_text(self, conversation: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of the conversation, contents split from the template and tokenized as text.
+
+        For contents without special-token text the ids are those of ``encode`` (tokenizers that
+        merge across the start of a content, such as one beginning with whitespace, may differ).
+        """
+        marks = {f"PAGEDSERVECONTENT{uuid.uuid4().hex}": message["content"] for message in conversation}
+        placeholders = [{**message, "content": mark} for mark, message in zip(marks, conversation)]
+        rendered = self._render(placeholders)
+        ids: list[int] = []
+        for piece in re.split("(" + "|".join(marks) + ")", rendered):
+            if piece in marks:
+                ids += self._encode_plain(marks[piece]) if marks[piece] else []
+            elif piece:
+                ids += self._tokenizer.encode(piece, add_special_tokens=False)
+        return ids
+
+    def _render(self, conversation: Sequence[dict[str, str]]) -> str:
+        return self._tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False)
+
+    def _holds_added_token(self, content: str) -> bool:
+        return any(token in content for token in self._added)
+
+
+def _plain_text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """A function tokenizing text with special-token strings taken as plain characters.
+
+    Fast tokenizers get a private copy of their backend with ``encode_special_tokens`` set once
+    (setting it on the shared backend per call would race with other threads); slow ones are
+    asked per call with ``split_special_tokens``.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return lambda text: list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    from tokenizers import Tokenizer  # heavy import, kept off module import
+
+    plain = Tokenizer.from_str(backend.to_str())
+    plain.encode_special_tokens = True
+    return lambda text: plain.encode(text, add_special_tokens=False).ids

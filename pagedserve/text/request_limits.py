@@ -1,0 +1,79 @@
+"""Bounds on the size of every list and string a client may send (checked before any costly work).
+
+A request beyond a bound is refused with ``InvalidRequestError`` (gRPC ``INVALID_ARGUMENT``) whose
+message starts with the field's name. The gRPC server's own message-size limit comes first: an
+oversized message never reaches these checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.engine.sampling_params import MAX_N, InvalidRequestError
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Size bounds of a ``GenerateRequest``; the defaults are the gateway's.
+
+    Attributes:
+        prompt_bytes_per_context_token: a text prompt (or the chat contents together) may hold at
+            most ``max_model_len * prompt_bytes_per_context_token`` UTF-8 bytes (8192 * 32 = 256 KiB
+            for the default model). No tokenizer packs 32 bytes of text into one token on average,
+            so a prompt refused here would also be refused for its token count; it is refused
+            before the tokenizer spends time on it.
+        max_chat_messages: most messages in ``chat.messages``.
+        max_role_chars: longest ``chat.messages[i].role`` in characters (roles are short words).
+        max_stop_strings: most entries in ``sampling_params.stop``.
+        max_stop_string_chars: longest stop string, in characters.
+        max_stop_token_ids: most entries in ``sampling_params.stop_token_ids``.
+        max_request_id_chars: longest ``request_id``, in characters.
+        max_cache_salt_chars: longest ``cache_salt``, in characters.
+        max_n: most samples per request (``sampling_params.n``; ``SamplingParams`` enforces it).
+
+    Prompt token ids are bounded by the context itself: fewer than ``max_model_len`` of them,
+    counted before any id is looked at.
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+
+    prompt_bytes_per_context_token: int = 32
+    max_chat_messages: int = 1024
+    max_role_chars: int = 32
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
+    max_request_id_chars: int = 256
+    max_cache_salt_chars: int = 256
+    max_n: int = MAX_N
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"RequestLimits.{name} must be at least 1, got {value}")
+
+    def max_prompt_bytes(self, max_model_len: int) -> int:
+        """Most UTF-8 bytes of prompt text for a model whose context is ``max_model_len`` tokens."""
+        return max_model_len * self.prompt_bytes_per_context_token
+
+
+def check_count(field: str, count: int, limit: int, what: str) -> None:
+    """Raises ``InvalidRequestError(field, ...)`` when ``count > limit`` (``what`` names the unit)."""
+    if count > limit:
+        raise InvalidRequestError(field, f"holds {count} {what}; at most {limit} are allowed")
+
+
+def check_text_bytes(field: str, text: str, limit: int) -> int:
+    """Returns the UTF-8 size of ``text`` in bytes.
+
+    Raises:
+        InvalidRequestError: more than ``limit`` bytes; a text with more characters than ``limit``
+            is refused without being encoded (every character takes at least one byte).
+    """
+    if len(text) > limit:
+        raise InvalidRequestError(field, f"holds {len(text)} characters, more than the {limit} UTF-8 bytes allowed")
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise InvalidRequestError(field, f"holds {size} UTF-8 bytes; at most {limit} are allowed")
+    return size
