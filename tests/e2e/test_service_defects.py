@@ -197,3 +197,32 @@ def test_without_workers_requests_fail_fast_and_health_says_so(one_worker_stack,
     wait_until(lambda: healthy(stack.gateway), "gateway SERVING again", 120, [stack.processes["worker-0"]])
     assert stream(stack.gateway, chat_request(QUESTIONS[1], max_tokens=4))[-1].finish_reason
     assert_all_blocks_free(stack)
+
+
+def test_a_long_prefill_on_one_worker_does_not_stall_the_other(stack):
+    """Defect 8: workers ran in lockstep, so one worker's long prefill froze every other worker's streams."""
+    arrivals: list[float] = []
+    first = threading.Event()
+
+    def decode_stream() -> None:
+        with grpc.insecure_channel(stack.gateway) as channel:
+            for _ in generate_pb2_grpc.GenerationStub(channel).Generate(
+                    chat_request(QUESTIONS[7], max_tokens=120, ignore_eos=True), timeout=300):
+                arrivals.append(time.monotonic())
+                first.set()
+
+    thread = threading.Thread(target=decode_stream)
+    thread.start()
+    assert first.wait(120)
+    time.sleep(0.5)
+    # A 1,400-token prompt: placed on the other worker (the one with the most free blocks).
+    long_prompt = gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=[100 + i % 5000 for i in range(1400)]),
+                                      sampling_params=gen.SamplingParams(max_tokens=1, temperature=0.0))
+    sent = time.monotonic()
+    stream(stack.gateway, long_prompt)
+    prefill_s = time.monotonic() - sent
+    thread.join(300)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if a >= sent and b <= sent + prefill_s]
+    assert gaps, "the decode stream produced nothing while the prefill ran"
+    assert max(gaps) < 0.5 * prefill_s, (max(gaps), prefill_s)
+    assert_all_blocks_free(stack)
