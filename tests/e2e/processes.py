@@ -107,7 +107,9 @@ class Stack:
 
 
 def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "64MiB", env_extra: dict | None = None,
-                worker_threads: int = 1) -> Stack:
+                worker_threads: int = 1, scheduler_args: list[str] = ()) -> Stack:
+    """Starts redis-server, a scheduler (``scheduler_args`` are added to its flags, e.g.
+    ``["--step-timeout", "3"]``), ``num_workers`` workers and a gateway, and waits until all are up."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN, **(env_extra or {})}
     redis_proc, redis_url = start_redis(tmp_path)
     processes = {"redis": redis_proc}
@@ -116,7 +118,7 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
     common = ["--redis-url", redis_url]
     try:
         processes["scheduler"] = pagedserve("scheduler", ["scheduler", *common, "--host", "127.0.0.1",
-                                                          "--port", str(sched_port)], tmp_path, env)
+                                                          "--port", str(sched_port), *scheduler_args], tmp_path, env)
         bind = num_workers * worker_threads <= (os.cpu_count() or 1)
         for i in range(num_workers):
             cores = ["--cpu-affinity", f"{i * worker_threads}-{(i + 1) * worker_threads - 1}"] if bind else []
