@@ -12,7 +12,8 @@ every stream is decoding, and then checks:
   reference;
 - a new request through the gateway succeeds within ``RECOVERY_BOUND_S`` of the fault (the time
   is measured and printed: run with ``-s`` to see the summary);
-- at the end the scheduler's GetStats shows nothing running or waiting and every KV block free.
+- at the end the scheduler's GetStats shows nothing running or waiting and every KV block free,
+  and Redis holds no request entry and nothing pending in the consumer group.
 
 What each fault is expected to do is stated in its test's docstring.
 """
@@ -20,7 +21,7 @@ What each fault is expected to do is stated in its test's docstring.
 from __future__ import annotations
 
 import contextlib
-import os
+import re
 import shutil
 import signal
 import threading
@@ -29,7 +30,9 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+import redis
 
+from services.common import redis_keys
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import Process, Stack, healthy, pagedserve, scheduler_stats, start_stack, wait_until
@@ -119,10 +122,11 @@ def start_scheduler(stack: Stack, log_dir, name: str, extra: list[str] = ()) -> 
     return proc
 
 
-def start_gateway(stack: Stack, model, log_dir, name: str) -> Process:
+def start_gateway(stack: Stack, model, log_dir, name: str, gateway_id: str = "") -> Process:
     port = stack.gateway.rsplit(":", 1)[1]
+    same_id = ["--gateway-id", gateway_id] if gateway_id else []
     proc = pagedserve(name, ["gateway", "--redis-url", stack.redis_url, "--model", str(model), "--host", "127.0.0.1",
-                             "--port", port, "--scheduler", stack.scheduler], log_dir, stack.env)
+                             "--port", port, "--scheduler", stack.scheduler, *same_id], log_dir, stack.env)
     stack.processes[name] = proc
     return proc
 
@@ -238,9 +242,19 @@ def blocks_free(stack: Stack) -> bool:
         w.num_free_blocks == w.num_blocks for w in stats.workers)
 
 
+def redis_clean(stack: Stack) -> bool:
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        pending = client.xpending(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)["pending"]
+        return pending == 0 and client.xlen(redis_keys.REQUEST_STREAM) == 0
+    finally:
+        client.close()
+
+
 def assert_no_leak(stack: Stack, num_workers: int, timeout_s: float = 30.0) -> None:
     wait_until(lambda: len(scheduler_stats(stack.scheduler).workers) == num_workers, f"{num_workers} worker(s)", 30)
     wait_until(lambda: blocks_free(stack), "every KV block free, nothing running or waiting", timeout_s)
+    wait_until(lambda: redis_clean(stack), "no request entry left in Redis", 10)
 
 
 # ---- the faults --------------------------------------------------------------------------------
@@ -281,6 +295,33 @@ def test_kill_the_only_worker_and_start_another(tmp_path, default_model, referen
             "of_which_after_new_worker_start_s": round(recovery - (started_at - fault_at), 2), "blocks_leaked": 0}
 
 
+def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, default_model, reference):
+    """kill -9 the only worker with --no-worker-timeout 3 and start none. Expected: the 8 requests
+    go back to waiting and fail with UNAVAILABLE within the timeout + heartbeat expiry (3 s) +
+    back-off (<= 2 s) + slack (15 s in all), a request sent then fails with UNAVAILABLE at once,
+    and once a worker is started new requests succeed."""
+    with own_stack(tmp_path, default_model, num_workers=1, scheduler_args=["--no-worker-timeout", "3"]) as stack:
+        calls = start_streams(stack.gateway)
+        fault_at = time.monotonic()
+        kill(stack, "worker-0")
+        for call in calls:
+            call.thread.join(max(0.0, fault_at + 15 - time.monotonic()))
+        figures = finish_streams(calls, reference, fault_at, allowed={grpc.StatusCode.UNAVAILABLE})
+        assert figures["completed_identical"] == 0 and figures["last_stream_end_s"] < 15, figures
+        sent_at = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused, grpc.insecure_channel(stack.gateway) as channel:
+            list(generate_pb2_grpc.GenerationStub(channel).Generate(chat_request(QUESTIONS[3], max_tokens=4), timeout=10))
+        refused_after = round(time.monotonic() - sent_at, 2)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and refused_after < 3, (refused.value, refused_after)
+        start_worker(stack, default_model, "worker-0", tmp_path, "worker-0-new")
+        started_at = time.monotonic()
+        recovery = probe(stack.gateway, started_at)
+        assert_no_leak(stack, num_workers=1)
+        RESULTS["2b kill only worker, none started (--no-worker-timeout 3)"] = {
+            **figures, "new_request_refused_after_s": refused_after,
+            "new_request_ok_after_worker_start_s": recovery, "blocks_leaked": 0}
+
+
 def test_kill_and_restart_the_scheduler(tmp_path, default_model, reference):
     """kill -9 the scheduler and restart it at once (same --consumer-name, same port). Expected:
     the restarted scheduler re-reads the 8 pending entries and recomputes them, the gateway drops
@@ -315,6 +356,7 @@ def test_kill_redis_and_restart_it_empty(tmp_path, default_model, reference):
         assert_no_leak(stack, num_workers=1)
         scheduler_log = stack.processes["scheduler"].log_text()
         assert "dropped" not in scheduler_log, "a worker was dropped although it registered again in time"
+        assert "consumer group is gone" in scheduler_log, "the scheduler did not notice the empty Redis"
         RESULTS["4 kill Redis, restart empty"] = {**figures, "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
@@ -345,6 +387,33 @@ def test_kill_and_restart_the_gateway(tmp_path, default_model, reference):
         RESULTS["5 kill + restart gateway"] = {
             **figures, "running_in_scheduler_after_kill": running_after_kill, "aborted_for_gone_gateway": aborted,
             "all_blocks_free_after_s": freed_after, "new_request_ok_after_s": recovery, "blocks_leaked": 0}
+
+
+def test_kill_and_restart_the_gateway_with_the_same_id(tmp_path, default_model, reference):
+    """As above, but the gateway comes back with the same --gateway-id, within the grace period.
+    Expected: the scheduler keeps the dead gateway's requests (its stream came back in time) and
+    sends their tokens to the new gateway, which has no call waiting for them and aborts each
+    orphan: every block is free well before the grace period would have ended."""
+    long_streams = [160] * NUM_STREAMS
+    with own_stack(tmp_path, default_model, num_workers=1) as stack:
+        gateway_id = re.search(r"gateway (\S+) listening", stack.processes["gateway"].log_text()).group(1)
+        calls = start_streams(stack.gateway, long_streams)
+        fault_at = time.monotonic()
+        kill(stack, "gateway")
+        start_gateway(stack, default_model, tmp_path, "gateway-restarted", gateway_id)
+        recovery = probe(stack.gateway, fault_at)
+        figures = finish_streams(calls, reference, fault_at,
+                                 allowed={grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+        assert figures["completed_identical"] == 0
+        wait_until(lambda: blocks_free(stack), "blocks of the dead gateway's requests freed",
+                   max(1.0, fault_at + GATEWAY_GRACE_S + LEAK_SLACK_S - time.monotonic()))
+        freed_after = round(time.monotonic() - fault_at, 2)
+        assert_no_leak(stack, num_workers=1)
+        orphans = stack.processes["gateway-restarted"].log_text().count("no call waits for its tokens")
+        assert orphans == NUM_STREAMS, f"{orphans} orphans aborted by the restarted gateway"
+        RESULTS["5b kill + restart gateway, same id"] = {
+            **figures, "orphans_aborted_by_new_gateway": orphans, "all_blocks_free_after_s": freed_after,
+            "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
 def test_worker_step_times_out_without_dying(tmp_path, default_model, reference):
