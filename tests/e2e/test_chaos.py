@@ -463,3 +463,26 @@ def test_redis_paused(tmp_path, default_model, reference):
             **figures, "new_request_ok_after_s": recovery,
             "of_which_after_SIGCONT_s": round(recovery - (resumed_at - fault_at), 2),
             "worker_dropped": "dropped" in stack.processes["scheduler"].log_text(), "blocks_leaked": 0}
+
+
+def test_redis_paused_longer_than_the_socket_timeout(tmp_path, default_model, reference):
+    """SIGSTOP Redis for 12 s, longer than the services' 10 s socket timeout, then SIGCONT.
+    Expected: Redis calls time out and are retried; all 8 complete token-identical (the scheduler
+    loop waits on Redis meanwhile, so their tokens stall) and new requests succeed after SIGCONT."""
+    with own_stack(tmp_path, default_model, num_workers=1) as stack:
+        calls = start_streams(stack.gateway)
+        redis_proc = stack.processes["redis"]
+        fault_at = time.monotonic()
+        redis_proc.popen.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(12)
+        finally:
+            redis_proc.popen.send_signal(signal.SIGCONT)
+        resumed_at = time.monotonic()
+        recovery = probe(stack.gateway, fault_at)
+        figures = finish_streams(calls, reference, fault_at, allowed=set())
+        assert_no_leak(stack, num_workers=1)
+        RESULTS["7b Redis SIGSTOP 12 s"] = {
+            **figures, "new_request_ok_after_s": recovery,
+            "of_which_after_SIGCONT_s": round(recovery - (resumed_at - fault_at), 2),
+            "worker_dropped": "dropped" in stack.processes["scheduler"].log_text(), "blocks_leaked": 0}
