@@ -108,6 +108,8 @@ class Stack:
 
 def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "64MiB", env_extra: dict | None = None,
                 worker_threads: int = 1, scheduler_args: tuple[str, ...] = ()) -> Stack:
+    """Starts redis-server, a scheduler (``scheduler_args`` are added to its flags, e.g.
+    ``["--step-timeout", "3"]``), ``num_workers`` workers and a gateway, and waits until all are up."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN, **(env_extra or {})}
     redis_proc, redis_url = start_redis(tmp_path)
     processes = {"redis": redis_proc}
