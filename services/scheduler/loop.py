@@ -1,7 +1,8 @@
 """The scheduler process's main loop: requests in from Redis, plans out to workers, tokens to gateways.
 
-Only the loop thread touches the engine. Other threads (the Redis reader, gRPC handlers, the
-gRPC callbacks that carry the workers' answers) talk to it through one queue of commands. Each
+Only the loop thread touches the engine, and it never waits on Redis: other threads (the Redis
+reader, the registration watcher, the acknowledger, gRPC handlers, the gRPC callbacks that carry
+the workers' answers) talk to it through queues, so a Redis that hangs stalls no token. Each
 worker has its own step pipeline: whenever a worker is idle it gets its next plan, and its answer
 is applied as soon as it arrives, so a long prefill on one worker never holds back another.
 """
@@ -12,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -62,7 +63,14 @@ class GatewayBack:
     gateway_id: str
 
 
-Command = NewEntries | Abort | GatewayGone | GatewayBack | StepDone
+@dataclass(frozen=True)
+class Registrations:
+    """The live workers' registrations, as just read from Redis."""
+
+    live: Mapping[str, pb.WorkerRegistration]
+
+
+Command = NewEntries | Abort | GatewayGone | GatewayBack | StepDone | Registrations
 
 
 @dataclass
@@ -93,9 +101,9 @@ class SchedulerLoop:
         self._tracer = tracer
         self._set_ready = set_ready
         self._commands: queue.Queue[Command] = queue.Queue()
+        self._acks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._routes: dict[str, _Route] = {}
         self._in_flight: dict[str, str] = {}  # worker id -> session id of the plan it is running
-        self._next_worker_poll = 0.0
         self._no_workers_since: float | None = time.monotonic()
         self._gateways_gone: dict[str, float] = {}  # gateway id -> monotonic time its stream closed
         self._gateways_live: set[str] = set()
@@ -112,7 +120,6 @@ class SchedulerLoop:
         and stops the process."""
         try:
             while not stop.is_set():
-                self._poll_workers()
                 self._abort_for_gone_gateways()
                 self._fail_without_workers()
                 self._dispatch()
@@ -163,6 +170,8 @@ class SchedulerLoop:
     def _handle(self, command: Command) -> None:
         if isinstance(command, StepDone):
             self._step_done(command)
+        elif isinstance(command, Registrations):
+            self._update_workers(command.live)
         elif isinstance(command, NewEntries):
             for entry in command.entries:
                 self._add(entry)
@@ -202,12 +211,12 @@ class SchedulerLoop:
             request = request_from_pb(entry.request)
         except ValueError as exc:  # a record no gateway of ours writes: drop it, keep serving
             log.error("dropping stream entry %r: %s", entry.entry_id, exc)
-            self._ack(entry.entry_id)
+            self._acks.put(entry.entry_id)
             return
         if request.request_id in self._routes or self.scheduler.has_request(request.request_id):
             return  # already in flight (read again after a reconnect)
         if self._early_aborts.pop(request.request_id, None) is not None:
-            self._ack(entry.entry_id)  # its client gave up before we read it
+            self._acks.put(entry.entry_id)  # its client gave up before we read it
             return
         gateway_id = entry.request.gateway_id
         if gateway_id not in self._gateways_live:
@@ -251,22 +260,37 @@ class SchedulerLoop:
 
     def _close(self, route: _Route) -> None:
         route.span.end()
-        try:
-            self._ack(route.entry_id)
-        except Exception as exc:  # Redis down: the entry is re-read after a restart and deduplicated
-            log.warning("could not acknowledge %r: %s", route.entry_id, exc)
+        self._acks.put(route.entry_id)
+
+    # ---- threads of their own: Redis I/O -------------------------------------------------
+    def acknowledge(self, stop: threading.Event) -> None:
+        """Acknowledges finished requests' stream entries until ``stop`` (run on its own thread).
+
+        An entry that cannot be acknowledged (Redis down) stays pending: a restarted scheduler reads
+        it again, and the gateway, which no longer waits for it, aborts it.
+        """
+        while not stop.is_set():
+            try:
+                entry_id = self._acks.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                self._ack(entry_id)
+            except Exception as exc:
+                log.warning("could not acknowledge %r: %s", entry_id, exc)
+
+    def watch_registrations(self, stop: threading.Event) -> None:
+        """Reads the worker registrations every ``worker_poll_interval_s`` and hands them to the
+        loop, until ``stop`` (run on its own thread). While Redis is down the workers stay as they are."""
+        while not stop.wait(self.config.worker_poll_interval_s):
+            try:
+                self.submit(Registrations(self._registry.live_workers()))
+            except Exception as exc:
+                log.warning("cannot read worker registrations: %s", exc)
 
     # ---- workers -------------------------------------------------------------------------
-    def _poll_workers(self) -> None:
+    def _update_workers(self, live: Mapping[str, pb.WorkerRegistration]) -> None:
         now = time.monotonic()
-        if now < self._next_worker_poll:
-            return
-        self._next_worker_poll = now + self.config.worker_poll_interval_s
-        try:
-            live = self._registry.live_workers()
-        except Exception as exc:  # Redis down: keep the workers we have
-            log.warning("cannot read worker registrations: %s", exc)
-            return
         self.membership.sync(live)
         for worker_id in [w for w in self._in_flight if w not in self.scheduler.worker_ids]:
             del self._in_flight[worker_id]  # dropped: its answer is stale

@@ -80,6 +80,8 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     threads = [
         threading.Thread(target=loop.run, args=(stop,), name="scheduler-loop", daemon=True),
         threading.Thread(target=_read_requests, args=(consumer, loop, stop), name="request-reader", daemon=True),
+        threading.Thread(target=loop.watch_registrations, args=(stop,), name="registrations", daemon=True),
+        threading.Thread(target=loop.acknowledge, args=(stop,), name="acknowledger", daemon=True),
     ]
     for thread in threads:
         thread.start()
