@@ -77,6 +77,5 @@ class Engine:
         """Runs one iteration on every worker and returns what it produced for each request."""
         scheduled = self.scheduler.schedule(self.scheduler.worker_ids)
         execution = self.executor.execute(scheduled.plans)
-        for worker_id in execution.failed_worker_ids:
-            self.scheduler.remove_worker(worker_id)
-        return [*scheduled.outputs, *self.scheduler.update_from_output(execution.results)]
+        lost = [out for worker_id in execution.failed_worker_ids for out in self.scheduler.remove_worker(worker_id)]
+        return [*scheduled.outputs, *lost, *self.scheduler.update_from_output(execution.results)]

@@ -5,7 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.messages import RequestError
 from pagedserve.engine.sequence import Sequence
+
+GRPC_RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED
+GRPC_UNAVAILABLE = 14  # grpc.StatusCode.UNAVAILABLE
+MAX_WORKER_LOSSES = 3
+"""A sequence whose worker failed or went away this often ends instead of being recomputed again."""
 
 
 def num_new_tokens(seq: Sequence, token_budget: int, config: SchedulerConfig, num_computed: int | None = None) -> int:
@@ -32,3 +38,18 @@ def rejection_reason(seq: Sequence, worker_blocks: Seq[int], config: SchedulerCo
         return (f"the prompt has {seq.num_tokens} tokens, more than max_num_batched_tokens "
                 f"({config.max_num_batched_tokens}) and chunked prefill is off")
     return None
+
+
+def rejection_error(seq: Sequence, worker_blocks: Seq[int], config: SchedulerConfig) -> RequestError | None:
+    """``rejection_reason`` as the error the request ends with (RESOURCE_EXHAUSTED), or ``None``."""
+    reason = rejection_reason(seq, worker_blocks, config)
+    return None if reason is None else RequestError(GRPC_RESOURCE_EXHAUSTED, reason)
+
+
+def worker_loss_error(seq: Sequence) -> RequestError | None:
+    """The error ``seq`` ends with once it has lost ``MAX_WORKER_LOSSES`` workers (a request that
+    brings down every worker it runs on must not go on forever), or ``None``."""
+    if seq.num_worker_losses < MAX_WORKER_LOSSES:
+        return None
+    return RequestError(GRPC_UNAVAILABLE, f"the workers running this request failed {seq.num_worker_losses} "
+                                          "times; retry later")

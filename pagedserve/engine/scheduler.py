@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
 from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, RequestError,
                                         RequestOutput, SequenceId, StepResult)
-from pagedserve.engine.limits import num_new_tokens, rejection_reason
+from pagedserve.engine.limits import num_new_tokens, rejection_error, worker_loss_error
 from pagedserve.engine.parallel_sampling import Forks
 from pagedserve.engine.policy import POLICIES
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_state import PlanDraft, WorkerState, pick_worker, scheduler_stats
 
-GRPC_RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @dataclass(frozen=True)
@@ -73,14 +72,21 @@ class Scheduler:
             raise ValueError(f"worker {worker_id!r} is already registered")
         self._workers[worker_id] = WorkerState(worker_id, num_blocks, num_cpu_blocks, self.config)
 
-    def remove_worker(self, worker_id: str) -> None:
+    def remove_worker(self, worker_id: str) -> list[RequestOutput]:
         """Forgets a worker (gone or failed); its sequences go back to the front of the queue and
-        are recomputed elsewhere (or on the same worker when it is admitted again)."""
+        are recomputed elsewhere (or on the same worker when it is admitted again).
+
+        Returns:
+            Final outputs of the sequences that end instead (``limits.worker_loss_error``).
+        """
         worker = self._workers.pop(worker_id, None)
-        if worker is None:
-            return
-        for seq in reversed([*worker.running.values(), *worker.swapped.values()]):
+        outputs: list[RequestOutput] = []
+        for seq in reversed([*worker.running.values(), *worker.swapped.values()] if worker else []):
+            seq.num_worker_losses += 1
             self._requeue(seq)
+            if (error := worker_loss_error(seq)) is not None:
+                outputs += self.abort_request(seq.request_id, seq.sample_index, error)
+        return outputs
 
     @property
     def worker_ids(self) -> list[str]:
@@ -247,14 +253,11 @@ class Scheduler:
         return pick_worker(workers, drafts, self.config.max_num_seqs)
 
     def _fits_any_worker(self, seq: Sequence) -> bool:
-        """Rejects (finishes with an error) a sequence no worker could ever run; True if it fits."""
-        reason = rejection_reason(seq, [w.blocks.num_blocks for w in self._workers.values()], self.config)
-        if reason is None:
-            return True
-        self._finish(seq, FinishReason.ABORT)
-        self._outputs.append(RequestOutput(seq.request_id, seq.num_output_tokens, (), FinishReason.ABORT,
-                                           RequestError(GRPC_RESOURCE_EXHAUSTED, reason), seq.sample_index))
-        return False
+        """Ends (with RESOURCE_EXHAUSTED) a sequence no worker could ever run; True if it fits."""
+        error = rejection_error(seq, [w.blocks.num_blocks for w in self._workers.values()], self.config)
+        if error is not None:
+            self._outputs += self.abort_request(seq.request_id, seq.sample_index, error)
+        return error is None
 
     # ---- state changes -------------------------------------------------------------------
     def _append(self, seq: Sequence, token_id: int) -> RequestOutput:

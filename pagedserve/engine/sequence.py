@@ -32,6 +32,7 @@ class Sequence:
             counting the tokens scheduled in the current iteration.
         worker_id: the worker holding its blocks while running or swapped; ``None`` otherwise.
         num_preemptions: how often its blocks were taken back.
+        num_worker_losses: how often the worker running it failed or went away.
     """
 
     __slots__ = (
@@ -46,6 +47,7 @@ class Sequence:
         "worker_id",
         "finish_reason",
         "num_preemptions",
+        "num_worker_losses",
     )
 
     def __init__(self, request: EngineRequest, sample_index: int = 0,
@@ -61,6 +63,7 @@ class Sequence:
         self.worker_id: str | None = None
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.num_worker_losses = 0
 
     @property
     def request_id(self) -> str:

@@ -149,7 +149,7 @@ class SchedulerLoop:
             return  # an answer from a session that was reset meanwhile
         del self._in_flight[done.worker_id]
         if done.result is None:
-            self.membership.step_failed(done.worker_id, done.error)
+            self._deliver(self.membership.step_failed(done.worker_id, done.error))
             return
         self.membership.step_succeeded(done.worker_id)
         self._deliver(self.scheduler.update_from_output({done.worker_id: done.result}))
@@ -291,7 +291,7 @@ class SchedulerLoop:
     # ---- workers -------------------------------------------------------------------------
     def _update_workers(self, live: Mapping[str, pb.WorkerRegistration]) -> None:
         now = time.monotonic()
-        self.membership.sync(live)
+        self._deliver(self.membership.sync(live))
         for worker_id in [w for w in self._in_flight if w not in self.scheduler.worker_ids]:
             del self._in_flight[worker_id]  # dropped: its answer is stale
         has_workers = bool(self.scheduler.worker_ids)

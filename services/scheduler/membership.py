@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from pagedserve.engine.messages import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.grpc_executor import GrpcExecutor
@@ -67,30 +68,36 @@ class WorkerMembership:
     def worker_ids(self) -> list[str]:
         return list(self._members)
 
-    def sync(self, live: Mapping[str, pb.WorkerRegistration]) -> None:
-        """Admits new and restarted workers, drops those whose registration stayed missing."""
-        now = self._clock()
+    def sync(self, live: Mapping[str, pb.WorkerRegistration]) -> list[RequestOutput]:
+        """Admits new and restarted workers, drops those whose registration stayed missing.
+
+        Returns:
+            Final outputs of requests ended because their workers kept failing (``Scheduler.remove_worker``).
+        """
+        now, outputs = self._clock(), []
         for worker_id, member in list(self._members.items()):
             reg = live.get(worker_id)
             if reg is None:
                 member.missing_since = member.missing_since or now
                 if now - member.missing_since > self._gone_after_s:
-                    self._drop(worker_id, f"its registration has been missing for {self._gone_after_s:g} s")
+                    outputs += self._drop(worker_id, f"its registration has been missing for {self._gone_after_s:g} s")
             elif (reg.instance_id, reg.address) != (member.instance_id, member.address):
-                self._drop(worker_id, f"it restarted (instance {reg.instance_id} at {reg.address})")
+                outputs += self._drop(worker_id, f"it restarted (instance {reg.instance_id} at {reg.address})")
             else:
                 member.missing_since = None
         for worker_id, reg in live.items():
             if worker_id not in self._members and self._may_admit(worker_id, reg, now):
                 self._admit(reg)
+        return outputs
 
-    def step_failed(self, worker_id: str, error: str) -> None:
-        """Resets a worker whose step failed; it is admitted again after a back-off."""
+    def step_failed(self, worker_id: str, error: str) -> list[RequestOutput]:
+        """Resets a worker whose step failed; it is admitted again after a back-off. Returns what
+        ``Scheduler.remove_worker`` returns."""
         if worker_id not in self._members:
-            return
+            return []
         delay = min(self._backoff[worker_id].delay_s * 2, MAX_BACKOFF_S) if worker_id in self._backoff else FIRST_BACKOFF_S
         self._backoff[worker_id] = _Backoff(self._clock() + delay, delay)
-        self._drop(worker_id, f"a step failed ({error}); admitting it again in {delay:g} s if it is registered")
+        return self._drop(worker_id, f"a step failed ({error}); admitting it again in {delay:g} s if it is registered")
 
     def step_succeeded(self, worker_id: str) -> None:
         """A worker that answers again starts over with the shortest back-off."""
@@ -116,9 +123,10 @@ class WorkerMembership:
         log.info("worker %s (instance %s) at %s admitted with %d blocks (%d CPU blocks); %d worker(s) now",
                  reg.worker_id, reg.instance_id, reg.address, reg.num_blocks, reg.num_cpu_blocks, len(self._members))
 
-    def _drop(self, worker_id: str, why: str) -> None:
+    def _drop(self, worker_id: str, why: str) -> list[RequestOutput]:
         del self._members[worker_id]
-        self._scheduler.remove_worker(worker_id)
+        outputs = self._scheduler.remove_worker(worker_id)
         self._executor.remove_worker(worker_id)
         log.warning("worker %s dropped: %s; its sequences are recomputed elsewhere; %d worker(s) now",
                     worker_id, why, len(self._members))
+        return outputs

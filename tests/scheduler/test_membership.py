@@ -111,3 +111,19 @@ def test_a_worker_with_another_block_size_is_not_admitted():
     assert scheduler.worker_ids == [] and connections.open == {}
     members.sync({"w": reg("w", "i2", block_size=16)})  # restarted with the right size
     assert scheduler.worker_ids == ["w"]
+
+
+def test_a_request_that_loses_three_workers_ends_with_unavailable():
+    """Nothing hangs: a request whose workers keep failing (a poison request) ends after three losses."""
+    scheduler, _, clock, members = make()
+    scheduler.add_request(EngineRequest("poison", (1, 2, 3), EngineSamplingParams(max_tokens=4), 0.0))
+    outputs = []
+    for _ in range(3):
+        members.sync({"w": reg("w")})
+        assert scheduler.schedule(["w"]).plans["w"].new_requests[0].request_id == "poison"
+        outputs = members.step_failed("w", "UNAVAILABLE")
+        clock.now += 60
+    [final] = outputs
+    assert final.request_id == "poison" and final.finish_reason.value == "abort"
+    assert final.error.grpc_code == 14 and "3 times" in final.error.message
+    assert not scheduler.has_unfinished_requests()
