@@ -220,3 +220,17 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one ``schedule`` call produced.
+
+    Attributes:
+        plans: one plan per worker that has something to do, keyed by worker id.
+        outputs: outputs made while scheduling (requests refused as too large for any worker,
+            sequences that filled a whole worker and end with ``length``).
+    """
+
+    plans: Mapping[str, BatchPlan]
+    outputs: tuple[RequestOutput, ...] = ()

@@ -12,31 +12,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
 from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, RequestError,
-                                        RequestOutput, SequenceId, StepResult)
+                                        RequestOutput, SchedulerOutput, SequenceId, StepResult)
 from pagedserve.engine.limits import num_new_tokens, rejection_error, worker_loss_error
 from pagedserve.engine.parallel_sampling import Forks
 from pagedserve.engine.policy import POLICIES
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_state import PlanDraft, WorkerState, pick_worker, scheduler_stats
 
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """What one ``schedule`` call produced.
-
-    Attributes:
-        plans: one plan per worker that has something to do, keyed by worker id.
-        outputs: outputs made while scheduling (requests refused as too large for any worker,
-            sequences that filled a whole worker and end with ``length``).
-    """
-
-    plans: Mapping[str, BatchPlan]
-    outputs: tuple[RequestOutput, ...] = ()
 
 
 class Scheduler:
