@@ -62,10 +62,6 @@ def sampling_params(draw, valid: bool) -> gen.SamplingParams:
         setattr(msg, flag, draw(st.booleans()))
     if draw(st.booleans()):
         msg.skip_special_tokens = draw(st.booleans())
-    if msg.n > 1 and msg.max_tokens == 1:
-        # Known defect found by this test, left to the engine's owners: through the stack, a request
-        # with n > 1 and max_tokens 1 never finishes (the offline LLM finishes it).
-        msg.max_tokens = 2
     return msg
 
 
@@ -140,8 +136,9 @@ def test_fuzzed_requests_get_deliberate_statuses(stack, message, twice):
     copies = 2 if twice else 1  # the same request (and request_id) twice at once
     with ThreadPoolExecutor(copies) as pool:
         codes = list(pool.map(lambda m: call(stack.gateway, m), [message] * copies))
-    for code in codes:
-        assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), (code, message)
+    for code in codes:  # nothing hangs: every answer within the 60 s deadline, and deliberate
+        assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED), (
+            code, message)
 
 
 def test_stack_serves_correctly_after_fuzzing(stack, offline_outputs):
