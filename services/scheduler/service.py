@@ -40,7 +40,10 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
         done: Future = Future()
         sample_index = request.sample_index if request.HasField("sample_index") else None
         self._loop.submit(Abort(request.request_id, sample_index, done))
-        return pb.AbortResponse(found=done.result(timeout=self._abort_timeout_s))
+        try:
+            return pb.AbortResponse(found=done.result(timeout=self._abort_timeout_s))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler did not answer in {self._abort_timeout_s:g} s; retry")
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.SchedulerStats:
         """The loop's latest snapshot of queues and KV occupancy."""
