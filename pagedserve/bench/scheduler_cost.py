@@ -33,8 +33,8 @@ class IterationCost:
 
 def _instant_result(plan: BatchPlan) -> StepResult:
     """Samples token 7 for every scheduled request (every request decodes once prompts are in)."""
-    scheduled = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.cached_requests]
-    return StepResult(plan.step_id, tuple(SampledToken(rid, 7, 0.0) for rid in scheduled))
+    scheduled = [r.seq_id for r in plan.new_requests] + [r.seq_id for r in plan.cached_requests]
+    return StepResult(plan.step_id, tuple(SampledToken(s, 7, 0.0, s.sample_index) for s in scheduled))
 
 
 def scheduler_iteration_ms(num_running: int, iterations: int, prompt_len: int = 32) -> IterationCost:
@@ -47,12 +47,12 @@ def scheduler_iteration_ms(num_running: int, iterations: int, prompt_len: int = 
     params = EngineSamplingParams(max_tokens=iterations + 10, ignore_eos=True)
     for i in range(num_running):
         scheduler.add_request(EngineRequest(f"r{i}", tuple(range(100, 100 + prompt_len)), params, float(i)))
-    first = scheduler.schedule()  # every prompt in one iteration
+    first = scheduler.schedule(["w0"])  # every prompt in one iteration
     scheduler.update_from_output({"w0": _instant_result(first.plans["w0"])})
     plain, with_proto = [], []
     for _ in range(iterations):
         t0 = time.perf_counter()
-        plan = scheduler.schedule().plans["w0"]
+        plan = scheduler.schedule(["w0"]).plans["w0"]
         t1 = time.perf_counter()
         wire = plan_to_pb(plan).SerializeToString()
         t2 = time.perf_counter()
