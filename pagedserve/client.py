@@ -138,6 +138,13 @@ def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -
     return Completion(samples, len(result.prompt_token_ids), sum(len(s.token_ids) for s in samples))
 
 
+HINTS = {
+    grpc.StatusCode.UNAUTHENTICATED: " (pass the gateway's key with --api-key or PAGEDSERVE_API_KEY)",
+    grpc.StatusCode.UNAVAILABLE: " (is the stack up? `pagedserve up` starts it; --target names the gateway)",
+}
+"""What to do about a status, appended to its message."""
+
+
 class EngineRefusal(RuntimeError):
     """The in-process engine refused the request (it cannot fit in the KV cache)."""
 
@@ -159,7 +166,8 @@ def run_complete(args: argparse.Namespace) -> int:
         print(f"error: RESOURCE_EXHAUSTED: {exc}", file=sys.stderr)
         return 1
     except grpc.RpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = HINTS.get(exc.code(), "")
+        print(f"error: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
     except OSError as exc:  # an unreadable --tls-ca-file
         print(f"error: {exc}", file=sys.stderr)

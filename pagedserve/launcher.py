@@ -86,6 +86,8 @@ class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self.children: list[tuple[str, subprocess.Popen]] = []
+        self._specs: dict[str, tuple[list[str], dict[str, str] | None, str]] = {}
+        self._restarts: dict[str, list[float]] = {}
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, stdin_text: str = "") -> None:
         process = subprocess.Popen(argv, start_new_session=True, env=env,
@@ -93,7 +95,8 @@ class Stack:
         if stdin_text:
             process.stdin.write(stdin_text)
             process.stdin.close()
-        self.children.append((name, process))
+        self._specs[name] = (argv, env, stdin_text)
+        self.children = [(n, p) for n, p in self.children if n != name] + [(name, process)]
 
     def _service(self, name: str, *args: str) -> None:
         """A pagedserve service; its secrets travel in the environment, where only this user can read them."""
@@ -146,6 +149,7 @@ class Stack:
         if binary is None:
             raise LaunchError("redis-server is not installed (Debian: apt-get install -y redis-server)")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        cfg.data_dir.chmod(0o700)  # its append-only file holds every queued prompt
         # "-": the settings come on stdin, so that a password never shows in `ps`
         self._spawn("redis", [binary, "-"], stdin_text=redis_settings(url.port or 6379, cfg.data_dir, url))
         self._wait(lambda: redis_answers(cfg.redis_url), "redis-server", 30)
@@ -172,6 +176,26 @@ class Stack:
             if process.poll() is not None:
                 raise LaunchError(f"{name} exited with status {process.returncode}")
 
+    def restart_exited(self) -> None:
+        """Starts again every child that exited (the others keep serving meanwhile: a worker's
+        sequences are recomputed on the rest).
+
+        Raises:
+            LaunchError: a child exited ``MAX_RESTARTS`` times within a minute.
+        """
+        now = time.monotonic()
+        for name, process in list(self.children):
+            if process.poll() is None:
+                continue
+            recent = [t for t in self._restarts.get(name, []) if now - t < 60] + [now]
+            if len(recent) > MAX_RESTARTS:
+                raise LaunchError(f"{name} keeps exiting (status {process.returncode}, {MAX_RESTARTS} restarts "
+                                  "within a minute); see its output above")
+            self._restarts[name] = recent
+            print(f"pagedserve up: {name} exited with status {process.returncode}; starting it again",
+                  file=sys.stderr, flush=True)
+            self._spawn(name, *self._specs[name])
+
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM to every child (gateway first, Redis last), then SIGKILL what is left."""
         for _, process in reversed(self.children):
@@ -182,6 +206,10 @@ class Stack:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+MAX_RESTARTS = 5
+"""Restarts of one child within a minute after which `pagedserve up` gives up."""
 
 
 def redis_settings(port: int, data_dir: Path, url) -> str:
@@ -234,7 +262,7 @@ def run_stack(config: StackConfig) -> int:
             flush=True,
         )
         while not stop.wait(0.5):
-            stack.check_children()
+            stack.restart_exited()
     except LaunchError as exc:
         print(f"pagedserve up: {exc}", file=sys.stderr, flush=True)
         status = 1

@@ -30,6 +30,11 @@ class InvalidRequestError(ValueError):
         self.reason = reason
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal one
+overflows them to inf."""
+
+
 @dataclass(frozen=True)
 class EngineSamplingParams:
     """Token-level sampling parameters, as the scheduler and the worker's sampler use them.
@@ -158,7 +163,7 @@ class SamplingParams:
                 raise InvalidRequestError(p + f"stop_token_ids[{i}]", f"{token_id} is not in [0, {vocab_size})")
         return EngineSamplingParams(
             max_tokens=max_tokens,
-            temperature=self.temperature,
+            temperature=0.0 if self.temperature < GREEDY_BELOW else self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,

@@ -18,9 +18,12 @@ import hmac
 from collections.abc import Iterable
 from pathlib import Path
 
+import hashlib
+
 import grpc
 
 from services.common.grpc_server import INTERNAL_CHANNEL_OPTIONS
+from services.common.pb import engine_pb2 as pb
 from services.common.service_args import env_default
 
 CLUSTER_TOKEN_KEY = "x-pagedserve-cluster-token"
@@ -73,9 +76,21 @@ def add_cluster_token_arguments(parser: argparse.ArgumentParser, required: bool 
                         help="file holding the cluster token (takes precedence over --cluster-token)")
 
 
+MIN_CLUSTER_TOKEN_CHARS = 16
+"""A shorter cluster token is refused: it would be guessable."""
+
+
 def cluster_token_from_args(args: argparse.Namespace) -> str:
-    """The cluster token the flags name ("" when none). Raises as ``read_secret``."""
-    return read_secret(args.cluster_token, args.cluster_token_file, "the cluster token")
+    """The cluster token the flags name ("" when none).
+
+    Raises:
+        ValueError: a token shorter than ``MIN_CLUSTER_TOKEN_CHARS`` (and as ``read_secret``).
+    """
+    token = read_secret(args.cluster_token, args.cluster_token_file, "the cluster token")
+    if token and len(token) < MIN_CLUSTER_TOKEN_CHARS:
+        raise ValueError(f"the cluster token has {len(token)} characters, fewer than {MIN_CLUSTER_TOKEN_CHARS}; "
+                         "make one with `openssl rand -hex 32`")
+    return token
 
 
 def cluster_metadata(token: str) -> tuple[tuple[str, str], ...]:
@@ -227,3 +242,21 @@ def cluster_aio_channel(target: str, token: str) -> grpc.aio.Channel:
 def gateway_aio_interceptors(api_key: str) -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors that send ``api_key`` to a gateway (none when ``api_key`` is "")."""
     return _aio_interceptors(bearer_metadata(api_key)) if api_key else []
+
+
+def _registration_mac(registration: pb.WorkerRegistration, cluster_token: str) -> bytes:
+    unsigned = pb.WorkerRegistration()
+    unsigned.CopyFrom(registration)
+    unsigned.ClearField("signature")
+    return hmac.new(cluster_token.encode(), unsigned.SerializeToString(deterministic=True), hashlib.sha256).digest()
+
+
+def sign_registration(registration: pb.WorkerRegistration, cluster_token: str) -> None:
+    """Sets ``registration.signature``: only holders of the cluster token can register a worker, so
+    a writer to Redis cannot make the scheduler send plans (and the token) to an address of its own."""
+    registration.signature = _registration_mac(registration, cluster_token)
+
+
+def registration_is_signed(registration: pb.WorkerRegistration, cluster_token: str) -> bool:
+    """Whether ``registration`` was signed with ``cluster_token`` (compared in constant time)."""
+    return hmac.compare_digest(registration.signature, _registration_mac(registration, cluster_token))

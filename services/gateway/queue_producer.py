@@ -30,6 +30,13 @@ class RequestQueueProducer:
         record = request_to_pb(request, self._gateway_id).SerializeToString()
         return await self._client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: record})
 
+    async def lost(self, entry_id: bytes) -> bool:
+        """Whether the entry is gone from the stream (False when Redis cannot say)."""
+        try:
+            return not await self._client.xrange(redis_keys.REQUEST_STREAM, entry_id, entry_id)
+        except redis.RedisError:
+            return False
+
     async def forget(self, entry_id: bytes) -> None:
         """Deletes a request's stream entry (its client went away); Redis errors are logged."""
         try:

@@ -86,7 +86,11 @@ class OutputRouter:
                 async for batch in call:
                     self._dispatch(batch)
             except grpc.RpcError as exc:
-                log.warning("scheduler stream broke (%s); reconnecting", exc.code())
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    log.error("the scheduler refused this gateway's cluster token: give the gateway the scheduler's "
+                              "(--cluster-token-file, --cluster-token or PAGEDSERVE_CLUSTER_TOKEN); retrying")
+                else:
+                    log.warning("scheduler stream broke (%s); reconnecting", exc.code())
             finally:
                 if self.connected.is_set():
                     self._disconnected_at = time.monotonic()

@@ -18,6 +18,7 @@ from services.common import telemetry
 from services.common.auth import API_KEY_KEY, AioMetadataAuthInterceptor, cluster_aio_channel
 from services.common.grpc_server import CLIENT_API_SERVER_OPTIONS, bind
 from services.common.pb import engine_pb2, generate_pb2
+from services.common.service_args import redact_url
 from services.gateway.config import GatewayConfig
 from services.gateway.generation_handler import add_generation_service
 from services.gateway.queue_producer import RequestQueueProducer
@@ -98,6 +99,9 @@ async def serve_gateway(config: GatewayConfig) -> None:
     )
     port = bind(server, config.host, config.port, credentials)
     await server.start()
+    if not await producer.ping():
+        log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "
+                    "NOT_SERVING meanwhile)", redact_url(config.redis_url))
     watch = _watch_health(health_servicer, router, producer, health_pb2_grpc.HealthStub(channel))
     tasks = [asyncio.create_task(router.run()), asyncio.create_task(watch)]
     log.info("gateway %s listening on %s:%d (%s, %s), scheduler %s, model %s", config.gateway_id, config.host, port,

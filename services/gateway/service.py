@@ -29,6 +29,8 @@ _FINISH_TO_PB = {
     FinishReason.ABORT: gen.FINISH_REASON_ABORT,
 }
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
+LOST_CHECK_S = 5
+"""How often a request no scheduler has taken yet checks that its stream entry still exists, seconds."""
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -74,26 +76,33 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         key = uuid.uuid4().hex
         label = request.request_id or key
         parent = telemetry.extract(telemetry.metadata_to_carrier(context.invocation_metadata()))
-        with self._tracer.start_as_current_span("gateway.Generate", context=parent, kind=trace.SpanKind.SERVER) as span:
-            span.set_attributes({"request_id": key, "client_request_id": label,
-                                 "prompt_tokens": len(parsed.prompt_token_ids)})
-            async for response in self._generate(key, label, parsed, context):
+        # Not made the current span: an async generator that yields must not attach contexts.
+        span = self._tracer.start_span("gateway.Generate", context=parent, kind=trace.SpanKind.SERVER,
+                                       attributes={"request_id": key, "client_request_id": label,
+                                                   "prompt_tokens": len(parsed.prompt_token_ids)})
+        try:
+            async for response in self._generate(key, label, parsed, span, context):
                 yield response
+        finally:
+            span.end()
 
-    async def _generate(self, key: str, label: str, parsed: ParsedRequest,
+    async def _generate(self, key: str, label: str, parsed: ParsedRequest, span: trace.Span,
                         context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
         outputs = self._router.register(key)
         state = RequestSamples(self._tokenizer, parsed.prompt_token_ids, parsed.params)
         entry_id: bytes | None = None
         try:
             engine_request = EngineRequest(key, parsed.prompt_token_ids, parsed.engine_params, time.time(),
-                                           telemetry.inject(), parsed.priority, parsed.cache_salt)
+                                           telemetry.inject(trace.set_span_in_context(span)), parsed.priority,
+                                           parsed.cache_salt)
             try:
                 entry_id = await self._producer.enqueue(engine_request)
             except redis.RedisError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot queue the request (Redis: {exc}); retry later")
+            accepted = False  # until the scheduler's first event: the request may still be lost with Redis
             while not state.finished:
-                output = await self._next_output(outputs, context)
+                output = await self._next_output(outputs, context, None if accepted else entry_id)
+                accepted = True
                 if output.error is not None:
                     await context.abort(_STATUS_BY_CODE.get(output.error.grpc_code, grpc.StatusCode.UNAVAILABLE),
                                         output.error.message)
@@ -110,14 +119,22 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             if not state.finished:  # the client went away or the call failed: nothing may run for it
                 self._abort_in_background(key, forget_entry=entry_id)
 
-    async def _next_output(self, outputs: asyncio.Queue[RequestOutput], context: grpc.aio.ServicerContext) -> RequestOutput:
-        """The next event; fails with UNAVAILABLE when the scheduler stream stays lost too long."""
+    async def _next_output(self, outputs: asyncio.Queue[RequestOutput], context: grpc.aio.ServicerContext,
+                           unread_entry: bytes | None) -> RequestOutput:
+        """The next event. Fails with UNAVAILABLE when the scheduler stream stays lost too long, or
+        when ``unread_entry`` (the request's stream entry, while no scheduler has taken it) has
+        vanished from Redis (Redis restarted empty): then no scheduler will ever run it."""
+        waited_s = 0
         while True:
             try:
                 return await asyncio.wait_for(outputs.get(), timeout=1.0)
             except asyncio.TimeoutError:
+                waited_s += 1
                 if self._router.disconnected_for_s() > self._grace_s:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "lost the connection to the scheduler")
+                if unread_entry is not None and waited_s % LOST_CHECK_S == 0 and await self._producer.lost(unread_entry):
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "the request was lost before a scheduler took it (Redis restarted?); retry")
 
     @staticmethod
     def _response(request_id: str, sample_index: int, delta: TextDelta, state: RequestSamples) -> gen.GenerateResponse:

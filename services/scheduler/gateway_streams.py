@@ -4,28 +4,54 @@ from __future__ import annotations
 
 import queue
 import threading
+from dataclasses import dataclass, field
 
 from services.common.pb import engine_pb2 as pb
 
 
+@dataclass
+class _Stream:
+    generation: int
+    events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+
 class GatewayStreams:
-    """The loop publishes batches for a gateway; that gateway's StreamOutputs call drains them.
+    """The loop publishes batches for a gateway; that gateway's newest StreamOutputs call drains them.
 
     A gateway's queue exists from its first event or subscription until it is closed, so events
-    produced while a gateway reconnects wait for it.
+    produced while a gateway reconnects wait for it. A new subscription under the same gateway id
+    (a reconnect whose old stream is not yet known to be dead) takes over the queue and its
+    pending events; the older call sees it is no longer current and ends, and its end does not
+    count as the gateway going away.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queues: dict[str, queue.SimpleQueue[pb.TokenEventBatch]] = {}
+        self._streams: dict[str, _Stream] = {}
+        self._generations = 0
 
-    def queue_for(self, gateway_id: str) -> queue.SimpleQueue[pb.TokenEventBatch]:
+    def subscribe(self, gateway_id: str) -> tuple[int, queue.SimpleQueue[pb.TokenEventBatch]]:
+        """Makes a new current stream for ``gateway_id``; returns its generation and its queue."""
         with self._lock:
-            return self._queues.setdefault(gateway_id, queue.SimpleQueue())
+            self._generations += 1
+            new = _Stream(self._generations)
+            old = self._streams.get(gateway_id)
+            while old is not None and not old.events.empty():
+                new.events.put(old.events.get_nowait())
+            self._streams[gateway_id] = new
+            return new.generation, new.events
+
+    def is_current(self, gateway_id: str, generation: int) -> bool:
+        """Whether the subscription ``generation`` is still the gateway's current stream."""
+        with self._lock:
+            stream = self._streams.get(gateway_id)
+            return stream is not None and stream.generation == generation
 
     def publish(self, gateway_id: str, batch: pb.TokenEventBatch) -> None:
-        self.queue_for(gateway_id).put(batch)
+        with self._lock:
+            stream = self._streams.setdefault(gateway_id, _Stream(0))
+        stream.events.put(batch)
 
     def close(self, gateway_id: str) -> None:
         with self._lock:
-            self._queues.pop(gateway_id, None)
+            self._streams.pop(gateway_id, None)

@@ -53,14 +53,17 @@ class Abort:
 
 @dataclass(frozen=True)
 class GatewayGone:
-    """A gateway's output stream closed; its requests are aborted unless it returns in time."""
+    """A gateway's output stream (subscription ``generation``) closed; unless a newer one is open,
+    its requests are aborted unless it returns in time."""
 
     gateway_id: str
+    generation: int
 
 
 @dataclass(frozen=True)
 class GatewayBack:
     gateway_id: str
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -178,8 +181,9 @@ class SchedulerLoop:
         elif isinstance(command, Abort):
             command.done.set_result(self._abort(command.request_id, command.sample_index))
         elif isinstance(command, GatewayGone):
-            self._gateways_live.discard(command.gateway_id)
-            self._gateways_gone[command.gateway_id] = time.monotonic()
+            if self.streams.is_current(command.gateway_id, command.generation):  # not replaced by a newer stream
+                self._gateways_live.discard(command.gateway_id)
+                self._gateways_gone[command.gateway_id] = time.monotonic()
         else:
             self._gateways_live.add(command.gateway_id)
             self._gateways_gone.pop(command.gateway_id, None)
@@ -228,6 +232,7 @@ class SchedulerLoop:
         request = replace(request, trace_context=telemetry.inject(trace.set_span_in_context(span)))
         self._routes[request.request_id] = _Route(gateway_id, entry.entry_id, span)
         self.scheduler.add_request(request)
+        self._deliver([RequestOutput(request.request_id, 0, ())])  # taken: the gateway stops watching Redis
 
     def _abort(self, request_id: str, sample_index: int | None = None) -> bool:
         """Aborts a request (or one sample); its gateway gets the final ABORT outputs."""

@@ -72,7 +72,7 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
     health = add_health(server)
     set_serving(health, False, SCHEDULER_SERVICE)  # until a worker is admitted
-    loop = SchedulerLoop(config, Scheduler(config.policy), WorkerRegistry(client), consumer.ack, tracer,
+    loop = SchedulerLoop(config, Scheduler(config.policy), WorkerRegistry(client, config.cluster_token), consumer.ack, tracer,
                          set_ready=lambda ready: set_serving(health, ready, SCHEDULER_SERVICE))
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     port = bind(server, config.host, config.port)

@@ -26,10 +26,11 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
         if not request.gateway_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gateway_id: must not be empty")
         context.send_initial_metadata(())  # lets the gateway see the stream is up before any event
-        events = self._loop.streams.queue_for(request.gateway_id)
-        self._loop.submit(GatewayBack(request.gateway_id))
-        context.add_callback(lambda: self._loop.submit(GatewayGone(request.gateway_id)))
-        while context.is_active():
+        streams, gateway_id = self._loop.streams, request.gateway_id
+        generation, events = streams.subscribe(gateway_id)
+        self._loop.submit(GatewayBack(gateway_id, generation))
+        context.add_callback(lambda: self._loop.submit(GatewayGone(gateway_id, generation)))
+        while context.is_active() and streams.is_current(gateway_id, generation):
             try:
                 yield events.get(timeout=0.5)
             except queue.Empty:

@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 
 from services.common import telemetry
-from services.common.auth import CLUSTER_TOKEN_KEY, MetadataAuthInterceptor
+from services.common.auth import CLUSTER_TOKEN_KEY, MetadataAuthInterceptor, sign_registration
 from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bind, set_serving
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
@@ -76,6 +76,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         num_cpu_blocks=runner.num_cpu_blocks,
         instance_id=uuid.uuid4().hex,
     )
+    sign_registration(registration, config.cluster_token)
     registrar = WorkerRegistrar(connect_redis(config.redis_url, stop), registration, config.heartbeat_interval_s)
     registrar.start()
     set_serving(health, True)

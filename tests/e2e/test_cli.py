@@ -119,6 +119,21 @@ def test_complete_reports_server_errors_by_status_name(up):
     assert "INVALID_ARGUMENT" in result.stderr and "sampling_params.top_p" in result.stderr
 
 
+def test_up_starts_a_crashed_worker_again(up):
+    """A worker killed under `up` no longer takes the whole stack down (issue #9 review)."""
+    children = subprocess.run(["pgrep", "-P", str(up["process"].pid)], capture_output=True, text=True).stdout.split()
+    [worker] = [pid for pid in children if b"\0worker\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(int(worker), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while "worker-0 exited with status -9; starting it again" not in up["log"].read_text():
+        assert time.monotonic() < deadline, up["log"].read_text()[-3000:]
+        time.sleep(0.5)
+    assert up["process"].poll() is None
+    result = pagedserve("complete", "--target", up["target"], "--chat", "--prompt", "What is the capital of France?",
+                        "--temperature", "0", "--max-tokens", "24", env=up["env"])
+    assert result.returncode == 0 and "Paris" in result.stdout, result.stderr
+
+
 def test_ctrl_c_stops_every_process(up):
     process = up["process"]
     process.send_signal(signal.SIGINT)

@@ -5,6 +5,7 @@ Each test names the defect it reproduces; each failed on the code before its fix
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,7 @@ import pytest
 import redis
 
 from services.common import redis_keys
-from services.common.auth import CLUSTER_TOKEN_KEY
+from services.common.auth import CLUSTER_TOKEN_KEY, sign_registration
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.pb import generate_pb2 as gen
@@ -226,3 +227,85 @@ def test_a_long_prefill_on_one_worker_does_not_stall_the_other(stack):
     assert gaps, "the decode stream produced nothing while the prefill ran"
     assert max(gaps) < 0.5 * prefill_s, (max(gaps), prefill_s)
     assert_all_blocks_free(stack)
+
+
+class RecordingWorker(engine_pb2_grpc.WorkerServicer):
+    """A stranger's gRPC server posing as a worker: records the metadata of every call it gets."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def Execute(self, request, context):
+        self.calls.append(dict(context.invocation_metadata()))
+        return pb.StepResult(step_id=request.step_id)
+
+
+@pytest.mark.parametrize("signing_token", ["", "not-the-cluster-token-0123456789"])
+def test_a_registration_written_to_redis_without_the_token_is_ignored(stack, signing_token):
+    """Review finding: anyone who could write to Redis could register a worker, then receive plans
+    (every prompt, and the cluster token) and answer with forged tokens."""
+    fake = RecordingWorker()
+    server = grpc.server(ThreadPoolExecutor(2))
+    engine_pb2_grpc.add_WorkerServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    client = redis.Redis.from_url(stack.redis_url)
+    reg = pb.WorkerRegistration(worker_id="evil", address=f"127.0.0.1:{port}", num_blocks=100000, block_size=16,
+                                instance_id="evil-1")
+    if signing_token:
+        sign_registration(reg, signing_token)
+    try:
+        for _ in range(8):  # keep it fresh for 4 s: eight registry polls
+            client.hset(redis_keys.WORKERS_HASH, "evil", reg.SerializeToString())
+            client.set(redis_keys.worker_heartbeat_key("evil"), b"1", px=3000)
+            time.sleep(0.5)
+        assert stream(stack.gateway, chat_request(QUESTIONS[0], max_tokens=4))[-1].finish_reason
+        assert sorted(w.worker_id for w in scheduler_stats(stack.scheduler).workers) == ["worker-0", "worker-1"]
+        assert fake.calls == []
+    finally:
+        client.hdel(redis_keys.WORKERS_HASH, "evil")
+        server.stop(0)
+
+
+def _gateway_id(stack) -> str:
+    return next(line.split("gateway ", 1)[1].split(" ", 1)[0] for line in
+                stack.processes["gateway"].log_text().splitlines() if " listening on " in line)
+
+
+def test_a_second_output_stream_for_a_gateway_does_not_wedge_it(stack):
+    """Review finding: a second StreamOutputs under a live gateway's id split its events, and when
+    it closed the gateway counted as gone: after the grace period nothing reached it any more."""
+    metadata = ((CLUSTER_TOKEN_KEY, CLUSTER_TOKEN),)
+    with grpc.insecure_channel(stack.scheduler) as channel:
+        intruder = engine_pb2_grpc.SchedulerStub(channel).StreamOutputs(
+            pb.StreamOutputsRequest(gateway_id=_gateway_id(stack)), metadata=metadata, timeout=60)
+        time.sleep(2.0)
+        intruder.cancel()
+    time.sleep(11.0)  # past the scheduler's 10 s grace for a gateway whose stream closed
+    started = time.monotonic()
+    responses = stream(stack.gateway, chat_request(QUESTIONS[2], max_tokens=8))
+    assert responses[-1].finish_reason and time.monotonic() - started < 30
+    assert_all_blocks_free(stack)
+
+
+def test_a_request_lost_with_redis_before_any_scheduler_took_it_fails_fast(one_worker_stack):
+    """Review finding: a request whose stream entry vanished (Redis restarted empty) before a
+    scheduler read it waited silently until the client's deadline."""
+    stack = one_worker_stack
+    scheduler = stack.processes["scheduler"].popen
+    scheduler.send_signal(signal.SIGSTOP)
+    try:
+        with grpc.insecure_channel(stack.gateway) as channel:
+            call = generate_pb2_grpc.GenerationStub(channel).Generate(chat_request(QUESTIONS[3], max_tokens=4),
+                                                                     timeout=60)
+            time.sleep(1.0)
+            redis.Redis.from_url(stack.redis_url).flushall()
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+    finally:
+        scheduler.send_signal(signal.SIGCONT)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "lost" in info.value.details()
+    assert time.monotonic() - started < 12
+    wait_until(lambda: healthy(stack.gateway), "gateway SERVING", 60)
+    assert stream(stack.gateway, chat_request(QUESTIONS[3], max_tokens=4))[-1].finish_reason
