@@ -45,7 +45,11 @@ def test_every_service_command_parses_with_the_cli(compose):
 def test_services_reach_each_other_by_compose_names(compose):
     services = pagedserve_services(compose)
     env = compose["x-pagedserve"]["environment"]
-    assert env["PAGEDSERVE_REDIS_URL"].startswith("redis://redis:")
+    url = env["PAGEDSERVE_REDIS_URL"]  # with the password from .env, which Redis requires
+    assert url.startswith("redis://:${PAGEDSERVE_REDIS_PASSWORD:?") and url.endswith("@redis:6379/0")
+    redis_service = compose["services"]["redis"]
+    assert "--requirepass" in " ".join(redis_service["command"])
+    assert redis_service["environment"]["REDISCLI_AUTH"].startswith("${PAGEDSERVE_REDIS_PASSWORD:?")
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
     gateway = build_parser().parse_args(services["gateway"]["command"])
     scheduler = build_parser().parse_args(services["scheduler"]["command"])
