@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.bench import kv, kv_features, overhead, serve, throughput
+from pagedserve.bench import kv, kv_features, overhead, profile, serve, throughput
 
 
 def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
@@ -18,6 +18,6 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
                            "transformers, the cost of the service split, KV utilization. Each prints a table "
                            "and writes every figure with --result-json.")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    for module in (serve, throughput, overhead, kv):
+    for module in (serve, throughput, overhead, kv, profile):
         module.add_parser(commands)
     kv_features.add_parsers(commands)

@@ -68,3 +68,16 @@ def test_feature_benchmark_reports(tmp_path, default_model):
     sampling = json.loads((tmp_path / "parallel-sampling.json").read_text())
     assert sampling["kv_ratio"] == pytest.approx(sampling["parallel_peak_blocks"] / sampling["independent_peak_blocks"])
     assert sampling["parallel_peak_blocks"] < sampling["independent_peak_blocks"]
+
+
+def test_profile_report_accounts_for_the_step(tmp_path, default_model):
+    out = tmp_path / "p.json"
+    stdout = bench("profile", "--model", str(default_model), "--batches", "1,4", "--prefill-len", "32",
+                   "--context-len", "16", "--steps", "2", "--kv-cache-memory", "64MiB", "--result-json", str(out))
+    cases = json.loads(out.read_text())["cases"]
+    assert list(cases) == ["decode x1", "decode x4", "prefill 32"]
+    for case in cases.values():
+        pieces = sum(case[k] for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "attention"))
+        assert 0 < pieces < case["forward"] <= case["step"]
+        assert case["gemm_floor"]["layers"] > 0 and case["gemm_floor"]["lm_head"] > 0
+    assert "| step / GEMM floor |" in stdout

@@ -1,0 +1,195 @@
+"""`pagedserve bench profile`: where one engine step's time goes, beside the GEMM floor.
+
+For decode batches (default 1, 16, 64, 256 sequences of ``--context-len`` tokens) and one prefill
+(default 512 tokens), the in-process engine runs a few timed steps with timers around each piece:
+the model runner's phases (attention metadata, forward, logits, sampling, and the rest: plan
+application and Python glue), and inside the forward the embedding, the norms, rotary, each GEMM
+group (qkv, o, gate_up, down), the KV-cache write and attention. Beside them, the GEMM floor: the
+same matmul shapes timed alone with ``torch.mm`` in the same run (the least the step could cost
+without faster GEMMs). Times are milliseconds per step, medians over the timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from pagedserve.bench.machine import machine_info, machine_line
+
+GEMMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+PIECES = ("embed", "norm", "rotary", *GEMMS, "write_kv", "attention", "lm_head")
+
+
+class StepTimers:
+    """Wall-clock milliseconds per piece, accumulated until ``take`` (CPU work is synchronous)."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = defaultdict(float)
+
+    def wrap(self, label: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.ms[label] += (time.perf_counter() - start) * 1000
+        return timed
+
+    def take(self) -> dict[str, float]:
+        out, self.ms = dict(self.ms), defaultdict(float)
+        return out
+
+
+def instrument(runner, timers: StepTimers) -> None:
+    """Puts timers around the runner's phases and the model's pieces (this runner only)."""
+    from pagedserve.engine import model_runner as mr
+
+    model = runner.model
+    model.embed_tokens.forward = timers.wrap("embed", model.embed_tokens.forward)
+    model.rotary.forward = timers.wrap("rotary", model.rotary.forward)
+    model.norm.forward = timers.wrap("norm", model.norm.forward)
+    for layer in model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.forward = timers.wrap("norm", norm.forward)
+        for name, linear in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+            linear.forward = timers.wrap(name, linear.forward)
+    backend = runner.attention_backend
+    backend.write_kv = timers.wrap("write_kv", backend.write_kv)
+    backend.attend = timers.wrap("attention", backend.attend)
+    model.compute_logits = timers.wrap("lm_head", model.compute_logits)
+    mr.build_attention_metadata = timers.wrap("metadata", mr.build_attention_metadata)
+    runner._forward = timers.wrap("forward", runner._forward)
+    sampler = runner.sampler
+    runner.sampler = timers.wrap("sampling", sampler.__call__)
+    runner.execute = timers.wrap("step", runner.execute)
+
+
+def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, repeats: int = 5) -> dict[str, float]:
+    """``torch.mm`` alone on each GEMM group's shapes for ``num_tokens`` rows, ms per step.
+
+    Every layer gets weights of its own, as in the model, so a small batch pays for streaming all
+    of them from memory (one shared matrix would stay in cache and flatter the floor).
+    """
+    import torch
+
+    hidden, inter = config.hidden_size, config.intermediate_size
+    shapes = {"qkv_proj": (hidden, config.q_size + 2 * config.kv_size), "o_proj": (config.q_size, hidden),
+              "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+    weights = {name: [torch.randn(k, n) for _ in range(config.num_layers)] for name, (k, n) in shapes.items()}
+    inputs = {name: torch.randn(num_tokens, k) for name, (k, _) in shapes.items()}
+
+    def all_layers() -> None:
+        for layer in range(config.num_layers):
+            for name in shapes:
+                torch.mm(inputs[name], weights[name][layer])
+
+    floor = {"layers": _best_ms(all_layers, repeats)}
+    x, w = torch.randn(num_logit_rows, hidden), torch.randn(hidden, config.vocab_size)
+    floor["lm_head"] = _best_ms(lambda: torch.mm(x, w), repeats)
+    return floor
+
+
+def _best_ms(fn: Callable, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, (time.perf_counter() - start) * 1000)
+    return best
+
+
+def profile_case(llm, timers: StepTimers, batch: int, context_len: int, decode: bool, steps: int) -> dict:
+    """Runs ``batch`` sequences to their decode phase (untimed), then times ``steps`` steps; for a
+    prefill case, times the step that prefills one ``context_len``-token prompt."""
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    # Long enough that no sequence finishes before every one is decoding; aborted afterwards.
+    params = SamplingParams(max_tokens=steps + 2 * context_len + 64, temperature=0.0, ignore_eos=True)
+    ids = [llm.add_request([100 + (i * 7 + j) % 40000 for j in range(context_len)], params) for i in range(batch)]
+    if decode:
+        while llm.stats().workers[0].num_running < batch or llm.engine.scheduler.waiting_requests():
+            llm.step()
+        llm.step()  # the first decode step of everyone, untimed
+    timers.take()
+    per_step: list[dict[str, float]] = []
+    for _ in range(steps if decode else 1):
+        llm.step()
+        per_step.append(timers.take())
+    for request_id in ids:
+        llm.abort(request_id)
+    llm.step()  # the workers drop the aborted sequences
+    timers.take()
+    keys = {k for s in per_step for k in s}
+    return {k: statistics.median(s.get(k, 0.0) for s in per_step) for k in keys}
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Profiles every case and returns the figures (printed as a table by ``main``)."""
+    import torch
+
+    from pagedserve.llm import LLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    llm = LLM(args.model or None, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
+              max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False)
+    runner = llm.engine.executor.runners["worker-0"]
+    timers = StepTimers()
+    instrument(runner, timers)
+    cases = [(f"decode x{b}", b, args.context_len, True) for b in args.batches]
+    cases.append((f"prefill {args.prefill_len}", 1, args.prefill_len, False))
+    results = {}
+    for name, batch, context, decode in cases:
+        pieces = profile_case(llm, timers, batch, context, decode, args.steps)
+        rows = batch if decode else context
+        pieces["gemm_floor"] = gemm_floor_ms(runner.model.config, rows, batch)
+        results[name] = pieces
+        print(f"  {name}: step {pieces.get('step', 0):.1f} ms", flush=True)
+    return {"machine": machine_line(machine_info()), "threads": torch.get_num_threads(), "cases": results}
+
+
+def format_table(report: dict) -> str:
+    """Markdown: one column per case, one row per piece, then the GEMM floor and the ratio."""
+    cases = report["cases"]
+    header = "| ms per step | " + " | ".join(cases) + " |\n|---|" + "---:|" * len(cases) + "\n"
+    rows = []
+    for label in ("step", "metadata", "forward", *PIECES, "sampling"):
+        rows.append(f"| {label} | " + " | ".join(f"{c.get(label, 0.0):.2f}" for c in cases.values()) + " |")
+    rest = [c.get("step", 0) - sum(c.get(k, 0.0) for k in ("metadata", "forward", "lm_head", "sampling"))
+            for c in cases.values()]
+    rows.append("| rest of the step (plan, glue) | " + " | ".join(f"{r:.2f}" for r in rest) + " |")
+    floors = [sum(c["gemm_floor"].values()) for c in cases.values()]
+    rows.append("| **GEMM floor** (torch.mm alone) | " + " | ".join(f"{f:.2f}" for f in floors) + " |")
+    rows.append("| step / GEMM floor | " + " | ".join(
+        f"{c.get('step', 0) / f:.2f}x" for c, f in zip(cases.values(), floors)) + " |")
+    return header + "\n".join(rows) + "\n"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="per-step time breakdown of the engine beside the GEMM floor",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="model folder (default: the default model)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64, 256],
+                   help="decode batch sizes, comma-separated (default 1,16,64,256)")
+    p.add_argument("--context-len", type=int, default=64, help="tokens of each decoding sequence (default %(default)s)")
+    p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill case (default %(default)s)")
+    p.add_argument("--steps", type=int, default=5, help="timed decode steps per case (default %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory (default %(default)s)")
+    p.add_argument("--result-json", default="", help="write every figure to this file")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run(args)
+    print(f"\n{report['machine']}, {report['threads']} torch threads\n\n{format_table(report)}")
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(report, indent=2))
+    return 0
