@@ -30,7 +30,7 @@ from services.scheduler.gateway_streams import GatewayStreams
 from services.scheduler.grpc_executor import GrpcExecutor, StepDone
 from services.scheduler.membership import WorkerMembership
 from services.scheduler.queue_consumer import QueueEntry
-from services.scheduler.worker_registry import WorkerRegistry
+from services.scheduler.redis_io import Acknowledger
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -92,24 +92,23 @@ class SchedulerLoop:
         set_ready: called with whether any worker is up (the scheduler's readiness).
     """
 
-    def __init__(self, config: SchedulerServiceConfig, scheduler: Scheduler, registry: WorkerRegistry,
-                 ack: Callable[[bytes], None], tracer: trace.Tracer, set_ready: Callable[[bool], None]) -> None:
+    def __init__(self, config: SchedulerServiceConfig, scheduler: Scheduler, ack: Callable[[bytes], None],
+                 tracer: trace.Tracer, set_ready: Callable[[bool], None]) -> None:
         self.config = config
         self.scheduler = scheduler
         self.streams = GatewayStreams()
         self.executor = GrpcExecutor(config.step_timeout_s, config.cluster_token, self.submit)
         self.membership = WorkerMembership(scheduler, self.executor, config.worker_gone_after_s)
-        self._registry = registry
-        self._ack = ack
         self._tracer = tracer
         self._set_ready = set_ready
         self._commands: queue.Queue[Command] = queue.Queue()
-        self._acks: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self.acks = Acknowledger(ack)  # runs on a thread of its own: the loop never waits on Redis
         self._routes: dict[str, _Route] = {}
         self._in_flight: dict[str, str] = {}  # worker id -> session id of the plan it is running
         self._no_workers_since: float | None = time.monotonic()
         self._gateways_gone: dict[str, float] = {}  # gateway id -> monotonic time its stream closed
         self._gateways_live: set[str] = set()
+        self._parked: dict[str, dict[str, QueueEntry]] = {}  # gateway id -> request id -> entry read before it connected
         self._early_aborts: dict[str, float] = {}  # aborted before their entry was read -> when
         self.stats = scheduler.stats()
         self.error: Exception | None = None
@@ -187,6 +186,8 @@ class SchedulerLoop:
         else:
             self._gateways_live.add(command.gateway_id)
             self._gateways_gone.pop(command.gateway_id, None)
+            for entry in self._parked.pop(command.gateway_id, {}).values():
+                self._add(entry)
 
     def _abort_for_gone_gateways(self) -> None:
         """Aborts the requests of gateways whose stream has been closed longer than the grace period."""
@@ -195,6 +196,11 @@ class SchedulerLoop:
         for gateway_id in [g for g, since in self._gateways_gone.items() if since < deadline]:
             del self._gateways_gone[gateway_id]
             self.streams.close(gateway_id)
+            parked = self._parked.pop(gateway_id, {})
+            if parked:
+                log.info("dropping %d request(s) of gateway %s, which never connected", len(parked), gateway_id)
+            for entry in parked.values():
+                self.acks.put(entry.entry_id)
             for request_id in [r for r, route in self._routes.items() if route.gateway_id == gateway_id]:
                 log.info("aborting %s: its gateway %s is gone", request_id, gateway_id)
                 self._abort(request_id)
@@ -215,16 +221,18 @@ class SchedulerLoop:
             request = request_from_pb(entry.request)
         except ValueError as exc:  # a record no gateway of ours writes: drop it, keep serving
             log.error("dropping stream entry %r: %s", entry.entry_id, exc)
-            self._acks.put(entry.entry_id)
+            self.acks.put(entry.entry_id)
             return
         if request.request_id in self._routes or self.scheduler.has_request(request.request_id):
             return  # already in flight (read again after a reconnect)
         if self._early_aborts.pop(request.request_id, None) is not None:
-            self._acks.put(entry.entry_id)  # its client gave up before we read it
+            self.acks.put(entry.entry_id)  # its client gave up before we read it
             return
         gateway_id = entry.request.gateway_id
-        if gateway_id not in self._gateways_live:
-            self._gateways_gone.setdefault(gateway_id, time.monotonic())  # aborted unless it connects in time
+        if gateway_id not in self._gateways_live:  # run only once its gateway listens: orphans cost nothing
+            self._gateways_gone.setdefault(gateway_id, time.monotonic())  # dropped unless it connects in time
+            self._parked.setdefault(gateway_id, {})[request.request_id] = entry
+            return
         span = self._tracer.start_span(
             "scheduler.request", context=telemetry.extract(request.trace_context),
             attributes={"request_id": request.request_id, "prompt_tokens": len(request.prompt_token_ids)},
@@ -265,33 +273,7 @@ class SchedulerLoop:
 
     def _close(self, route: _Route) -> None:
         route.span.end()
-        self._acks.put(route.entry_id)
-
-    # ---- threads of their own: Redis I/O -------------------------------------------------
-    def acknowledge(self, stop: threading.Event) -> None:
-        """Acknowledges finished requests' stream entries until ``stop`` (run on its own thread).
-
-        An entry that cannot be acknowledged (Redis down) stays pending: a restarted scheduler reads
-        it again, and the gateway, which no longer waits for it, aborts it.
-        """
-        while not stop.is_set():
-            try:
-                entry_id = self._acks.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            try:
-                self._ack(entry_id)
-            except Exception as exc:
-                log.warning("could not acknowledge %r: %s", entry_id, exc)
-
-    def watch_registrations(self, stop: threading.Event) -> None:
-        """Reads the worker registrations every ``worker_poll_interval_s`` and hands them to the
-        loop, until ``stop`` (run on its own thread). While Redis is down the workers stay as they are."""
-        while not stop.wait(self.config.worker_poll_interval_s):
-            try:
-                self.submit(Registrations(self._registry.live_workers()))
-            except Exception as exc:
-                log.warning("cannot read worker registrations: %s", exc)
+        self.acks.put(route.entry_id)
 
     # ---- workers -------------------------------------------------------------------------
     def _update_workers(self, live: Mapping[str, pb.WorkerRegistration]) -> None:

@@ -16,7 +16,8 @@ from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bin
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.redis_wait import connect_redis
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.loop import NewEntries, SchedulerLoop
+from services.scheduler.loop import NewEntries, Registrations, SchedulerLoop
+from services.scheduler.redis_io import watch_registrations
 from services.scheduler.queue_consumer import RequestQueueConsumer
 from services.scheduler.service import SchedulerServicer
 from services.scheduler.worker_registry import WorkerRegistry
@@ -72,16 +73,19 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
     health = add_health(server)
     set_serving(health, False, SCHEDULER_SERVICE)  # until a worker is admitted
-    loop = SchedulerLoop(config, Scheduler(config.policy), WorkerRegistry(client, config.cluster_token), consumer.ack, tracer,
+    loop = SchedulerLoop(config, Scheduler(config.policy), consumer.ack, tracer,
                          set_ready=lambda ready: set_serving(health, ready, SCHEDULER_SERVICE))
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     port = bind(server, config.host, config.port)
     server.start()
+    registry = WorkerRegistry(client, config.cluster_token)
     threads = [
         threading.Thread(target=loop.run, args=(stop,), name="scheduler-loop", daemon=True),
         threading.Thread(target=_read_requests, args=(consumer, loop, stop), name="request-reader", daemon=True),
-        threading.Thread(target=loop.watch_registrations, args=(stop,), name="registrations", daemon=True),
-        threading.Thread(target=loop.acknowledge, args=(stop,), name="acknowledger", daemon=True),
+        threading.Thread(target=watch_registrations, name="registrations", daemon=True,
+                         args=(registry, lambda live: loop.submit(Registrations(live)), config.worker_poll_interval_s,
+                               stop)),
+        threading.Thread(target=loop.acks.run, args=(stop,), name="acknowledger", daemon=True),
     ]
     for thread in threads:
         thread.start()

@@ -325,3 +325,18 @@ def test_a_request_lost_with_redis_before_any_scheduler_took_it_fails_fast(one_w
     assert time.monotonic() - started < 12
     wait_until(lambda: healthy(stack.gateway), "gateway SERVING", 60)
     assert stream(stack.gateway, chat_request(QUESTIONS[3], max_tokens=4))[-1].finish_reason
+
+
+def test_requests_of_a_gateway_that_never_connects_never_run(stack):
+    """A restarted stack found a previous run's requests in Redis and ran them for nobody until
+    their gateway's grace ran out; now they wait, without running, and are dropped then."""
+    client = redis.Redis.from_url(stack.redis_url)
+    record = pb.QueuedRequest(request_id="left-from-yesterday", gateway_id="gateway-gone", prompt_token_ids=[1] * 40,
+                              sampling_params=pb.EngineSamplingParams(max_tokens=400, ignore_eos=True))
+    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: record.SerializeToString()})
+    steps_before = scheduler_stats(stack.scheduler).num_steps
+    time.sleep(2.0)
+    stats = scheduler_stats(stack.scheduler)
+    assert (stats.num_steps, stats.num_running, stats.num_waiting) == (steps_before, 0, 0)
+    wait_until(lambda: client.xlen(redis_keys.REQUEST_STREAM) == 0, "the entry dropped after the grace", 20)
+    assert scheduler_stats(stack.scheduler).num_steps == steps_before
