@@ -46,7 +46,8 @@ class StepTimers:
 
 
 def instrument(runner, timers: StepTimers) -> None:
-    """Puts timers around the runner's phases and the model's pieces (this runner only)."""
+    """Puts timers around the runner's phases and the model's pieces. The attention-metadata
+    builder is wrapped for the whole module: for a benchmark process, not a server."""
     from pagedserve.engine import model_runner as mr
 
     model = runner.model

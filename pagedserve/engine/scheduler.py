@@ -80,6 +80,11 @@ class Scheduler:
     def block_manager(self, worker_id: str):
         return self._workers[worker_id].blocks
 
+    def session_id(self, worker_id: str) -> str | None:
+        """The session the worker's plans carry now (new at every ``add_worker``); None if unknown."""
+        worker = self._workers.get(worker_id)
+        return worker.session_id if worker else None
+
     def requests_on(self, worker_id: str) -> list[SequenceId]:
         """The sequences running on a worker."""
         return list(self._workers[worker_id].running)
@@ -146,8 +151,7 @@ class Scheduler:
         drafts = {w.worker_id: PlanDraft(self.config.max_num_batched_tokens) for w in workers}
         for worker in workers:
             self._schedule_running(worker, drafts[worker.worker_id])
-            for seq, num_new in worker.swap_in(drafts[worker.worker_id], self.config.max_num_seqs):
-                worker.start(seq, drafts[worker.worker_id], num_new)
+            worker.swap_in(drafts[worker.worker_id], self.config.max_num_seqs)
         self._schedule_waiting(workers, drafts)
         plans = {w.worker_id: w.take_plan(drafts[w.worker_id]) for w in workers if w.has_plan(drafts[w.worker_id])}
         outputs, self._outputs = tuple(self._outputs), []

@@ -96,25 +96,22 @@ class WorkerState:
             return NO_PREFIX
         return self.blocks.find_cached_prefix(seq.all_token_ids(), seq.request.cache_salt.encode())
 
-    def swap_in(self, draft: PlanDraft, max_num_seqs: int) -> list[tuple[Sequence, int]]:
-        """Brings swapped-out sequences back (oldest first) while blocks, budget and room allow;
-        returns each with the tokens to compute now (start them with ``start``)."""
-        back, blocks = [], self.blocks
-        budget, room = draft.token_budget, max_num_seqs - len(self.running)
+    def swap_in(self, draft: PlanDraft, max_num_seqs: int) -> None:
+        """Brings swapped-out sequences back and starts them (oldest first) while blocks, budget
+        and room allow."""
+        blocks = self.blocks
         for seq in list(self.swapped.values()):
-            if draft.preempted or budget == 0 or room == 0:
-                break
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            if draft.preempted or draft.token_budget == 0 or len(self.running) >= max_num_seqs:
+                return
+            num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
             total = seq.num_computed_tokens + num_new
             needed = max(len(blocks.cpu_block_table(seq.seq_id)), blocks_for_tokens(total, blocks.block_size))
             if needed > blocks.num_free_blocks:
-                break
+                return
             draft.swap_in.extend(blocks.swap_in(seq.seq_id))
             blocks.allocate_slots(seq.seq_id, total)
             del self.swapped[seq.seq_id]
-            back.append((seq, num_new))
-            budget, room = budget - num_new, room - 1
-        return back
+            self.start(seq, draft, num_new)
 
     def swap_out(self, seq: Sequence, draft: PlanDraft) -> None:
         """Swap preemption: the sequence's blocks go to CPU memory; the worker drops its state and

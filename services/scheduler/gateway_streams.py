@@ -49,7 +49,9 @@ class GatewayStreams:
 
     def publish(self, gateway_id: str, batch: pb.TokenEventBatch) -> None:
         with self._lock:
-            stream = self._streams.setdefault(gateway_id, _Stream(0))
+            stream = self._streams.get(gateway_id)
+            if stream is None:  # no subscription yet: the events wait for one
+                stream = self._streams[gateway_id] = _Stream(0)
         stream.events.put(batch)
 
     def close(self, gateway_id: str) -> None:

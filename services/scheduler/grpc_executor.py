@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,8 +11,6 @@ from services.common.auth import cluster_channel
 from pagedserve.engine.messages import BatchPlan, StepResult
 from services.common.convert import plan_to_pb, step_result_from_pb
 from services.common.pb import engine_pb2_grpc
-
-log = logging.getLogger("pagedserve.scheduler")
 
 
 @dataclass(frozen=True)

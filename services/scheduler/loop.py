@@ -104,7 +104,7 @@ class SchedulerLoop:
         self._commands: queue.Queue[Command] = queue.Queue()
         self.acks = Acknowledger(ack)  # runs on a thread of its own: the loop never waits on Redis
         self._routes: dict[str, _Route] = {}
-        self._in_flight: dict[str, str] = {}  # worker id -> session id of the plan it is running
+        self._in_flight: set[str] = set()  # session ids of the plans being run (one per worker session)
         self._no_workers_since: float | None = time.monotonic()
         self._gateways_gone: dict[str, float] = {}  # gateway id -> monotonic time its stream closed
         self._gateways_live: set[str] = set()
@@ -137,19 +137,19 @@ class SchedulerLoop:
         """Schedules every idle worker and sends each its plan."""
         if not self.scheduler.has_work():
             return
-        idle = [w for w in self.scheduler.worker_ids if w not in self._in_flight]
+        idle = [w for w in self.scheduler.worker_ids if self.scheduler.session_id(w) not in self._in_flight]
         if not idle:
             return
         scheduled = self.scheduler.schedule(idle)
         self._deliver(list(scheduled.outputs))
         for worker_id, plan in scheduled.plans.items():
-            self._in_flight[worker_id] = plan.session_id
+            self._in_flight.add(plan.session_id)
             self.executor.submit(worker_id, plan)
 
     def _step_done(self, done: StepDone) -> None:
-        if self._in_flight.get(done.worker_id) != done.session_id:
-            return  # an answer from a session that was reset meanwhile
-        del self._in_flight[done.worker_id]
+        self._in_flight.discard(done.session_id)
+        if done.session_id != self.scheduler.session_id(done.worker_id):
+            return  # an answer from a session that was reset meanwhile (the worker failed or restarted)
         if done.result is None:
             self._deliver(self.membership.step_failed(done.worker_id, done.error))
             return
@@ -279,8 +279,6 @@ class SchedulerLoop:
     def _update_workers(self, live: Mapping[str, pb.WorkerRegistration]) -> None:
         now = time.monotonic()
         self._deliver(self.membership.sync(live))
-        for worker_id in [w for w in self._in_flight if w not in self.scheduler.worker_ids]:
-            del self._in_flight[worker_id]  # dropped: its answer is stale
         has_workers = bool(self.scheduler.worker_ids)
         if has_workers:
             self._no_workers_since = None

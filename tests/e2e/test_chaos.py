@@ -361,6 +361,19 @@ def test_kill_redis_and_restart_it_empty(tmp_path, default_model, reference):
         RESULTS["4 kill Redis, restart empty"] = {**figures, "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
+def end_of_dead_gateways_calls(stack, calls, reference, fault_at: float) -> tuple[dict, float]:
+    """The calls of a killed gateway all failed (UNAVAILABLE or CANCELLED); every block is free
+    within the grace period plus slack. Returns the streams' figures and when the blocks were free."""
+    figures = finish_streams(calls, reference, fault_at,
+                             allowed={grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+    assert figures["completed_identical"] == 0
+    wait_until(lambda: blocks_free(stack), "blocks of the dead gateway's requests freed",
+               max(1.0, fault_at + GATEWAY_GRACE_S + LEAK_SLACK_S - time.monotonic()))
+    freed_after = round(time.monotonic() - fault_at, 2)
+    assert_no_leak(stack, num_workers=1)
+    return figures, freed_after
+
+
 def test_kill_and_restart_the_gateway(tmp_path, default_model, reference):
     """kill -9 the gateway and restart it on the same port (a new gateway id). Expected: its 8
     client calls fail at once with UNAVAILABLE (the connection dropped; CANCELLED is accepted too);
@@ -377,13 +390,7 @@ def test_kill_and_restart_the_gateway(tmp_path, default_model, reference):
         running_after_kill = scheduler_stats(stack.scheduler).num_running
         start_gateway(stack, default_model, tmp_path, "gateway-restarted")
         recovery = probe(stack.gateway, fault_at)
-        figures = finish_streams(calls, reference, fault_at,
-                                 allowed={grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-        assert figures["completed_identical"] == 0
-        wait_until(lambda: blocks_free(stack), "blocks of the dead gateway's requests freed",
-                   max(1.0, fault_at + GATEWAY_GRACE_S + LEAK_SLACK_S - time.monotonic()))
-        freed_after = round(time.monotonic() - fault_at, 2)
-        assert_no_leak(stack, num_workers=1)
+        figures, freed_after = end_of_dead_gateways_calls(stack, calls, reference, fault_at)
         aborted = stack.processes["scheduler"].log_text().count("its gateway")
         RESULTS["5 kill + restart gateway"] = {
             **figures, "running_in_scheduler_after_kill": running_after_kill, "aborted_for_gone_gateway": aborted,
@@ -403,13 +410,7 @@ def test_kill_and_restart_the_gateway_with_the_same_id(tmp_path, default_model, 
         kill(stack, "gateway")
         start_gateway(stack, default_model, tmp_path, "gateway-restarted", gateway_id)
         recovery = probe(stack.gateway, fault_at)
-        figures = finish_streams(calls, reference, fault_at,
-                                 allowed={grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
-        assert figures["completed_identical"] == 0
-        wait_until(lambda: blocks_free(stack), "blocks of the dead gateway's requests freed",
-                   max(1.0, fault_at + GATEWAY_GRACE_S + LEAK_SLACK_S - time.monotonic()))
-        freed_after = round(time.monotonic() - fault_at, 2)
-        assert_no_leak(stack, num_workers=1)
+        figures, freed_after = end_of_dead_gateways_calls(stack, calls, reference, fault_at)
         orphans = stack.processes["gateway-restarted"].log_text().count("no call waits for its tokens")
         if recovery < GATEWAY_GRACE_S:  # (a gateway slower to restart finds them aborted by the grace period)
             assert orphans == NUM_STREAMS, f"{orphans} orphans aborted by the restarted gateway"
