@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.bench import kv, kv_features, overhead, profile, serve, throughput
+from pagedserve.bench import kv, kv_features, overhead, peers, profile, serve, throughput
 
 
 def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
     """Adds `pagedserve bench ...` to the top-level subcommands."""
     bench = sub.add_parser("bench", help="benchmarks (each compares against a baseline in the same run)",
                            description="Benchmarks: serving latency and throughput, offline throughput vs "
-                           "transformers, the cost of the service split, KV utilization. Each prints a table "
-                           "and writes every figure with --result-json.")
+                           "transformers and vs vLLM CPU and llama.cpp, the cost of the service split, KV "
+                           "utilization. Each prints a table and writes every figure with --result-json.")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    for module in (serve, throughput, overhead, kv, profile):
+    for module in (serve, throughput, peers, overhead, kv, profile):
         module.add_parser(commands)
     kv_features.add_parsers(commands)

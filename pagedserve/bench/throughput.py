@@ -56,37 +56,58 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="torch device for both systems: cpu or cuda (default %(default)s)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype for both systems; auto: bfloat16 on CUDA, float32 on CPU (default %(default)s)")
-    p.add_argument("--kv-cache-memory", default="2GiB", help="engine KV-cache memory (default %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="engine: most running sequences (default %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="engine: tokens per iteration (default %(default)s)")
+    add_engine_arguments(p)
     p.add_argument("--result-json", type=Path, help="write every figure here")
     p.set_defaults(func=run)
 
 
-def run_engine(model: Path, requests: list[SampleRequest], args: argparse.Namespace, tokenizer) -> ThroughputRun:
-    """All requests submitted at once to the in-process engine; time until the last one finishes."""
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The in-process engine's limits, shared with `bench peers`."""
+    p.add_argument("--kv-cache-memory", default="2GiB", help="engine KV-cache memory (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="engine: most running sequences (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="engine: tokens per iteration (default %(default)s)")
+
+
+def build_engine(model: Path, args: argparse.Namespace):
+    """The in-process engine (``pagedserve.llm.LLM``) with the limits, dtype and device in ``args``."""
+    from pagedserve.llm import LLM
+
+    return LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device)
+
+
+def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],
+                outputs: list[list[int]] | None = None) -> ThroughputRun:
+    """All requests submitted at once to ``llm`` (greedy, EOS ignored, each its own output length);
+    wall time until the last one finishes, seconds. ``outputs``, when given, receives each request's
+    generated token ids, in request order."""
     from tqdm import tqdm
 
-    from pagedserve.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
 
-    llm = LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device)
-    prompts = [tokenizer.encode(r.prompt) for r in requests]
     total = sum(r.expected_output_len for r in requests)
+    generated: dict[str, list[int]] = {}
     with tqdm(total=total, desc="pagedserve", unit="tok") as bar:
         start = time.perf_counter()
-        for ids, r in zip(prompts, requests):
-            llm.add_request(ids, SamplingParams(max_tokens=r.expected_output_len, temperature=0.0, ignore_eos=True))
+        order = [llm.add_request(ids, SamplingParams(max_tokens=r.expected_output_len, temperature=0.0,
+                                                     ignore_eos=True)) for ids, r in zip(prompts, requests)]
         produced = 0
         while llm.has_unfinished_requests():
             for item in llm.step():
+                generated.setdefault(item.request_id, []).extend(item.delta.token_ids)
                 produced += len(item.delta.token_ids)
                 bar.update(len(item.delta.token_ids))
         elapsed = time.perf_counter() - start
     assert produced == total, f"engine produced {produced} tokens, expected {total}"
+    if outputs is not None:
+        outputs.extend(generated.get(request_id, []) for request_id in order)
     return ThroughputRun("pagedserve", elapsed, total, sum(len(p) for p in prompts))
+
+
+def run_engine(model: Path, requests: list[SampleRequest], args: argparse.Namespace, tokenizer) -> ThroughputRun:
+    """All requests submitted at once to the in-process engine; time until the last one finishes."""
+    return time_engine(build_engine(model, args), [tokenizer.encode(r.prompt) for r in requests], requests)
 
 
 def run_hf(model_dir: Path, requests: list[SampleRequest], batch_size: int, tokenizer,

@@ -1,0 +1,178 @@
+"""`pagedserve bench peers`: offline throughput and greedy agreement, pagedserve vs vLLM CPU and llama.cpp.
+
+The same sampled requests (the prompts' token ids, each request's own output length, EOS ignored,
+greedy, float32) run through:
+
+  pagedserve  the in-process engine, all requests submitted at once (as `bench throughput` runs it);
+  vllm        vLLM's offline LLM.generate, in a subprocess of the Python given by --vllm-python
+              (a separate vLLM CPU install; the driver is pagedserve/bench/vllm_driver.py);
+  llama.cpp   a running llama-server given by --llama-server-url, all requests sent at once.
+
+Each system gets one untimed warm-up request first. A peer is skipped when its option is not given.
+The table gives each system's elapsed seconds, output and total (prompt + output) tokens/s, the ratio
+of pagedserve's output tokens/s to the system's, and how many requests generated exactly the same
+token ids as pagedserve (with the median position of the first differing token when not all did:
+float32 sums in another order can flip a near-tie and the texts part from there).
+Installing the peers: docs/benchmarks.md, "Peers: vLLM CPU and llama.cpp (`bench peers`)".
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
+from pagedserve.bench.machine import machine_info, machine_line
+from pagedserve.bench.peer_systems import (PeerError, SystemRun, check_vllm_python, kv_cache_gib,
+                                           llama_server_props, run_llama_server, run_vllm)
+from pagedserve.bench.report import format_table, write_json
+from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
+
+WARMUP_TOKEN_IDS = list(range(1000, 1032))
+"""The warm-up prompt: 32 token ids no sampled prompt starts with, so no prefix cache is primed."""
+WARMUP_TOKENS = 4
+"""Tokens the warm-up request generates."""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "peers", help="offline throughput and greedy agreement: the in-process engine vs vLLM CPU and llama.cpp",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="", help="HF model folder (default: the default model); llama-server "
+                   "must serve the same model, converted to GGUF f32")
+    add_dataset_arguments(p)
+    g = p.add_argument_group("peers (each one is skipped when its option is not given)")
+    g.add_argument("--vllm-python", metavar="PYTHON",
+                   help="the python of a vLLM CPU install, e.g. /work/peers/vllm-venv/bin/python")
+    g.add_argument("--llama-server-url", metavar="URL", help="a running llama-server, e.g. http://127.0.0.1:8091")
+    g = p.add_argument_group("pagedserve engine (vLLM gets the same sequence and batch limits, and the KV-cache "
+                             "memory rounded up to whole GiB)")
+    add_engine_arguments(g)
+    p.add_argument("--result-json", type=Path, help="write settings, machine, every figure and per-request matches")
+    p.set_defaults(func=run, dtype="float32", device="cpu")
+
+
+def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> int | None:
+    """The first position (0-based, in generated tokens) where ``other`` differs from ``reference``,
+    the shorter length when one is a prefix of the other, or None when they are equal."""
+    for i, (a, b) in enumerate(zip(reference, other)):
+        if a != b:
+            return i
+    return None if len(reference) == len(other) else min(len(reference), len(other))
+
+
+def match_summary(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> dict:
+    """How far each request's ``outputs`` agree with ``reference``.
+
+    Returns:
+        ``same``: requests with identical token ids; ``first_mismatch``: per request, the first
+        differing position (None when identical); ``first_mismatch_median``: the median of those
+        positions over the differing requests (None when all are identical).
+    """
+    positions = [first_mismatch(r, o) for r, o in zip(reference, outputs, strict=True)]
+    differing = [p for p in positions if p is not None]
+    return {"same": len(positions) - len(differing), "first_mismatch": positions,
+            "first_mismatch_median": statistics.median(differing) if differing else None}
+
+
+def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleRequest],
+                   args: argparse.Namespace) -> SystemRun:
+    """The in-process engine, after one warm-up request; its memory is freed before the peers run."""
+    import gc
+
+    from pagedserve.engine.sampling_params import SamplingParams
+
+    llm = build_engine(model, args)
+    llm.add_request(WARMUP_TOKEN_IDS, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True))
+    while llm.has_unfinished_requests():
+        llm.step()
+    outputs: list[list[int]] = []
+    run = time_engine(llm, prompts, requests, outputs)
+    del llm
+    gc.collect()
+    return SystemRun(run, outputs, {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory})
+
+
+def vllm_spec(model: Path, prompts: list[list[int]], requests: list[SampleRequest], args: argparse.Namespace) -> dict:
+    """The vLLM driver's settings: pagedserve's limits, float32, a context that fits every request."""
+    from pagedserve.units import parse_bytes
+
+    longest = max(len(p) + r.expected_output_len for p, r in zip(prompts, requests))
+    return {"model": str(model), "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": max(2048, longest), "kv_cache_gib": kv_cache_gib(parse_bytes(args.kv_cache_memory)),
+            "warmup_token_ids": WARMUP_TOKEN_IDS, "warmup_tokens": WARMUP_TOKENS}
+
+
+def table(runs: list[SystemRun], matches: dict[str, dict], n: int) -> str:
+    """The result table: one row per system, pagedserve first."""
+    engine = runs[0].run
+    rows = []
+    for s in runs:
+        m = matches.get(s.run.system)
+        same = f"{m['same']}/{n}" if m else "reference"
+        rows.append([s.run.system, s.run.elapsed_s, s.run.output_tokens_per_s, s.run.total_tokens_per_s,
+                     engine.output_tokens_per_s / s.run.output_tokens_per_s, same,
+                     m["first_mismatch_median"] if m else None])
+    return format_table(["system", "elapsed s", "output tok/s", "total tok/s", "pagedserve / it",
+                         "same greedy ids", "first mismatch median"], rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except PeerError as exc:
+        print(f"pagedserve bench peers: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from pagedserve.model_files import resolve_model
+
+    if args.vllm_python:  # fail before the long engine run, not after it
+        check_vllm_python(args.vllm_python)
+    if args.llama_server_url:
+        llama_server_props(args.llama_server_url)
+    model = resolve_model(args.model or None)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    requests = sample_requests(dataset_spec_from_args(args), tokenizer)
+    prompts = [tokenizer.encode(r.prompt) for r in requests]
+    max_tokens = [r.expected_output_len for r in requests]
+    print(f"{len(requests)} requests: {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens")
+    runs = [run_pagedserve(model, prompts, requests, args)]
+    if args.vllm_python:
+        runs.append(run_vllm(args.vllm_python, vllm_spec(model, prompts, requests, args), prompts, max_tokens))
+    if args.llama_server_url:
+        runs.append(run_llama_server(args.llama_server_url, prompts, max_tokens, WARMUP_TOKEN_IDS, WARMUP_TOKENS))
+    matches = {s.run.system: match_summary(runs[0].outputs, s.outputs) for s in runs[1:]}
+    machine = machine_info()
+    print(f"\nOffline throughput and greedy agreement, float32 ({machine_line(machine)})")
+    print(table(runs, matches, len(requests)))
+    for s in runs:
+        if s.run.output_tokens != sum(max_tokens):
+            print(f"note: {s.run.system} generated {s.run.output_tokens} tokens, {sum(max_tokens)} asked for")
+    if args.result_json:
+        write_json(args.result_json, result(args, machine, runs, matches, requests))
+    return 0
+
+
+def result(args: argparse.Namespace, machine: dict, runs: list[SystemRun], matches: dict[str, dict],
+           requests: list[SampleRequest]) -> dict:
+    """Everything the run measured, for --result-json (tokens/s per second of wall time)."""
+    engine = runs[0].run
+    systems = []
+    for s in runs:
+        systems.append({**vars(s.run), "output_tokens_per_s": s.run.output_tokens_per_s,
+                        "total_tokens_per_s": s.run.total_tokens_per_s,
+                        "pagedserve_ratio": engine.output_tokens_per_s / s.run.output_tokens_per_s,
+                        "info": s.info, "match": matches.get(s.run.system)})
+    return {"num_requests": len(requests),
+            "requests": [{"prompt_len": r.prompt_len, "output_len": r.expected_output_len} for r in requests],
+            "systems": systems, "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
+            "machine": machine}

