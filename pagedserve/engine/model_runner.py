@@ -264,7 +264,7 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         block_size: token slots per block.
         dtype: weights, activations and cache dtype.
         device: where everything lives.
-        attention_backend: ``auto`` (Triton on CUDA, torch elsewhere), ``torch`` or ``triton``.
+        attention_backend: ``auto`` (Triton on CUDA, the C++ op elsewhere), ``cpu``, ``torch`` or ``triton``.
         gpu_memory_utilization: fraction of the GPU's memory this worker may use in all.
         swap_space_bytes: CPU memory for swapped-out blocks (swap preemption); 0: none.
         sampler_seed: seed of the generator for requests without their own seed.

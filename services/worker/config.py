@@ -12,10 +12,10 @@ from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_argume
 from services.common.service_args import (
     add_listen_arguments, add_model_argument, add_redis_argument, env_default, redis_url_from_args,
 )
+from pagedserve.engine.config import ATTENTION_BACKENDS
 from pagedserve.units import parse_bytes, parse_cpu_list
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class WorkerConfig:
         block_size: token slots per KV block (must equal the scheduler's).
         dtype: weights and KV-cache dtype; ``auto`` is bfloat16 on CUDA, float32 elsewhere.
         device: ``cpu`` or ``cuda``.
-        attention_backend: ``auto`` (Triton on CUDA, torch on CPU), ``torch`` or ``triton``.
+        attention_backend: ``auto`` (Triton on CUDA, the C++ op on CPU), ``cpu``, ``torch`` or ``triton``.
         gpu_memory_utilization: on CUDA, the share of the GPU's memory the worker may use in all.
         swap_space: bytes of CPU memory for blocks swapped out by swap preemption (0: none).
         num_threads: torch intra-op threads; 0 keeps torch's default.
@@ -113,7 +113,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default %(default)s)")
     parser.add_argument(
         "--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-        help="auto: Triton on CUDA, torch on CPU (default %(default)s)",
+        help="auto: Triton on CUDA; on CPU the compiled C++ op for decodes (cpu), or plain torch if it cannot be built (default %(default)s)",
     )
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     parser.add_argument(

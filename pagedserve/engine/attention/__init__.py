@@ -1,6 +1,7 @@
-"""Paged attention: per-step metadata, the backend interface, the torch and Triton backends."""
+"""Paged attention: per-step metadata, the backend interface, the CPU (C++ op), torch and Triton backends."""
 
 from pagedserve.engine.attention.backend import AttentionBackend, make_attention_backend
+from pagedserve.engine.attention.cpu_backend import CpuAttentionBackend
 from pagedserve.engine.attention.metadata import (AttentionMetadata, ContextPrefill, DecodeChunk,
                                                 FreshPrefill, build_attention_metadata,
                                                 compute_positions)
@@ -11,6 +12,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "ContextPrefill",
+    "CpuAttentionBackend",
     "DecodeChunk",
     "FreshPrefill",
     "TorchAttentionBackend",

@@ -1,8 +1,9 @@
 """The attention backend interface: what a model layer needs from paged attention.
 
 A backend writes the step's new keys/values into the paged cache, then computes attention of the
-new tokens over their whole context. The torch backend implements it for CPU; a Triton backend
-(``kernels/``) takes the same :class:`AttentionMetadata` and plugs in through this Protocol.
+new tokens over their whole context. The torch backend implements it on any device; the CPU backend
+adds a compiled C++ op for decodes; a Triton backend (``kernels/``) takes the same
+:class:`AttentionMetadata` and plugs in through this Protocol.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Protocol
 import torch
 
 from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.config import ATTENTION_BACKENDS
 
 
 class AttentionBackend(Protocol):
@@ -41,20 +43,25 @@ class AttentionBackend(Protocol):
 
 
 def make_attention_backend(name: str, device: torch.device | str):
-    """The backend called ``name`` (``auto``, ``torch`` or ``triton``) for ``device``.
+    """The backend called ``name`` (``auto``, ``cpu``, ``torch`` or ``triton``) for ``device``.
 
-    ``auto`` is Triton on CUDA and torch elsewhere.
+    ``auto`` is Triton on CUDA and elsewhere ``cpu``: the compiled C++ op for decodes (built on first
+    use, see ``cpu_op.py``), or ``torch`` with a warning when the op cannot be built. ``cpu`` is the
+    same choice asked for explicitly.
 
     Raises:
         ValueError: an unknown name.
     """
+    from pagedserve.engine.attention.cpu_backend import CpuAttentionBackend
+    from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
     from pagedserve.engine.attention.torch_backend import TorchAttentionBackend
     from pagedserve.engine.attention.triton_backend import TritonAttentionBackend
 
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" else "torch"
-    if name == "torch":
-        return TorchAttentionBackend()
+        name = "triton" if torch.device(device).type == "cuda" else "cpu"
     if name == "triton":
         return TritonAttentionBackend()
-    raise ValueError(f"attention backend must be auto, torch or triton, got {name!r}")
+    op = load_cpu_attention_op() if name == "cpu" else None
+    return CpuAttentionBackend(op) if op is not None else TorchAttentionBackend()

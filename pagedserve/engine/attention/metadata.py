@@ -82,6 +82,8 @@ class AttentionMetadata:
         max_query_len: longest new-token run of a sequence.
         max_seq_len: longest context.
         block_size: token slots per block.
+        num_decode_seqs: the leading sequences with one new token each (decodes); the batch's first
+            ``num_decode_seqs`` tokens are theirs.
         decode_chunks: the leading one-token sequences in chunks gathered at once (torch backend
             helper; a chunk's gathered K/V stay in the CPU caches between gather and attention).
         fresh_prefills, context_prefills: the other sequences (torch backend helpers).
@@ -94,6 +96,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    num_decode_seqs: int
     decode_chunks: tuple[DecodeChunk, ...]
     fresh_prefills: tuple[FreshPrefill, ...]
     context_prefills: tuple[ContextPrefill, ...]
@@ -232,6 +235,7 @@ def build_attention_metadata(
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         block_size=block_size,
+        num_decode_seqs=num_decode,
         decode_chunks=_decode_chunks(table, seq_lens, num_decode, block_size, decode_chunk_tokens, dtype, device),
         fresh_prefills=fresh,
         context_prefills=with_context,

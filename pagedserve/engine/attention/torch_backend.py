@@ -51,11 +51,7 @@ class TorchAttentionBackend:
         for chunk in metadata.decode_chunks:
             s, e = chunk.start, chunk.end
             out[s:e] = self._decode(query[s:e], key_cache, value_cache, chunk, scale)
-        for seq in metadata.fresh_prefills:
-            s, e = seq.query_start, seq.query_end
-            out[s:e] = _causal(query[s:e], key[s:e], value[s:e], scale)
-        for seq in metadata.context_prefills:
-            out[seq.query_start:seq.query_end] = _with_context(query, key_cache, value_cache, seq, scale)
+        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale)
         return out
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor,
@@ -108,6 +104,18 @@ def _heads_last(o: torch.Tensor) -> torch.Tensor:
     """``[Hkv, G, q, D]`` -> ``[q, H, D]``."""
     num_kv_heads, group, q_len, head_dim = o.shape
     return o.permute(2, 0, 1, 3).reshape(q_len, num_kv_heads * group, head_dim)
+
+
+def attend_prefills(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
+                    scale: float) -> None:
+    """Writes into ``out`` ``[T, H, D]`` the attention of every sequence after the leading decodes:
+    fresh prefills on their new K/V, prefills with cached context on a gathered copy of it."""
+    for seq in metadata.fresh_prefills:
+        s, e = seq.query_start, seq.query_end
+        out[s:e] = _causal(query[s:e], key[s:e], value[s:e], scale)
+    for seq in metadata.context_prefills:
+        out[seq.query_start:seq.query_end] = _with_context(query, key_cache, value_cache, seq, scale)
 
 
 def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""Paged attention on CPU with the compiled C++ op (``csrc/paged_attention_cpu.cpp``) for decodes.
+
+Decodes (one new token per sequence) read K/V in place through the block table: no gathered copy,
+no padding to the longest context in a chunk. Prefills, with or without cached context, go to the
+torch backend's paths (fused ``scaled_dot_product_attention``): with many query rows per key a
+GEMM-based kernel beats the op's vector loops on CPU (measured in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedserve.engine.attention.cpu_op import LANES, PagedAttentionOp
+from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, attend_prefills
+
+
+class CpuAttentionBackend:
+    """The :class:`~pagedserve.engine.attention.backend.AttentionBackend` for CPU with the C++ op.
+
+    A head size that is not a multiple of 16 (the op's vector width) falls back to the torch
+    backend for the whole step.
+
+    Args:
+        op: the loaded op (:func:`~pagedserve.engine.attention.cpu_op.load_cpu_attention_op`).
+    """
+
+    def __init__(self, op: PagedAttentionOp) -> None:
+        self._op = op
+        self._torch = TorchAttentionBackend()
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Stores ``key``/``value`` ``[T, Hkv, D]`` at ``metadata.slot_mapping``."""
+        self._torch.write_kv(key, value, key_cache, value_cache, metadata)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """Causal attention of ``query`` ``[T, H, D]`` over the paged context; returns ``[T, H, D]``."""
+        if query.shape[-1] % LANES:
+            return self._torch.attend(query, key, value, key_cache, value_cache, metadata, scale)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (T, H, D)
+        n = metadata.num_decode_seqs
+        if n:  # the first n sequences own the first n tokens, one each
+            self._op(out[:n], query[:n].contiguous(), key_cache, value_cache, metadata.block_tables[:n],
+                     metadata.seq_lens[:n], metadata.query_start_loc[:n + 1], scale)
+        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale)
+        return out

@@ -1,0 +1,86 @@
+"""Builds and loads the C++ paged-attention op for CPU (``csrc/paged_attention_cpu.cpp``).
+
+The op is compiled once per machine with ``torch.utils.cpp_extension`` (the system C++ compiler,
+``-O3 -march=native``) into a cache folder, then loaded into ``torch.ops.pagedserve_cpu``. The first
+build takes about 10 s on two cores; later loads take milliseconds. ``scripts/setup.sh`` and the Dockerfile
+build it ahead of time. When the build fails (no compiler, unsupported platform) :func:`load_cpu_attention_op`
+warns once and returns ``None``, and callers use the torch backend instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pagedserve.model_files import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+LANES = 16  # the op's vector width in floats: head_dim must be a multiple (kLanes in the source)
+
+PagedAttentionOp = Callable[..., None]
+_loaded: dict[Path, PagedAttentionOp | None] = {}
+
+
+def default_build_dir() -> Path:
+    """``ops/`` in pagedserve's cache folder (``$PAGEDSERVE_CACHE_DIR``, else ``~/.cache/pagedserve``):
+    one subfolder per source version and CPU."""
+    return default_cache_dir() / "ops"
+
+
+def _cpu_fingerprint() -> str:
+    """A short hash of the CPU's instruction-set flags: a ``-march=native`` build is only valid on
+    CPUs with the same ones."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+
+
+def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = None) -> PagedAttentionOp | None:
+    """The compiled ``paged_attention`` op, built on first use; ``None`` if it cannot be built.
+
+    The op: ``op(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)``
+    writes ``out`` ``[T, H, D]``; see the source file for the layouts.
+
+    Args:
+        source: the C++ file (default :data:`SOURCE`; tests pass a broken one to exercise the fallback).
+        build_dir: where builds are cached (default :func:`default_build_dir`).
+
+    Returns:
+        ``torch.ops.pagedserve_cpu.paged_attention``, or ``None`` after logging a warning that says
+        what failed and that the torch backend is used instead.
+    """
+    source = source or SOURCE
+    if source in _loaded:
+        return _loaded[source]
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
+    name = f"pagedserve_cpu_attention_{digest}_{_cpu_fingerprint()}"
+    folder = (build_dir or default_build_dir()) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch.utils import cpp_extension
+
+        cpp_extension.load(name=name, sources=[str(source)], build_directory=str(folder),
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+        op: PagedAttentionOp | None = torch.ops.pagedserve_cpu.paged_attention
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the torch path
+        log.warning("the C++ paged-attention op for CPU could not be built (%s: %s); using the torch "
+                    "attention backend instead. Install a C++ compiler (g++) and ninja to get it.",
+                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        op = None
+    _loaded[source] = op
+    return op
+

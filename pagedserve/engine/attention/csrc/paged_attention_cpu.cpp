@@ -1,0 +1,320 @@
+// Paged attention for CPU that reads K/V in place through the block table.
+//
+// PagedAttention (Kwon et al., SOSP 2023, §4) stores each sequence's keys and values in fixed-size
+// blocks; this kernel walks a sequence's block table and never copies its context into a contiguous
+// buffer. Each work item is one (sequence, KV head, tile of up to kQueryTile new tokens): its query
+// rows are the tile's tokens times the G query heads that share the KV head (grouped-query
+// attention), so every key and value row loaded from the cache serves all of them. Softmax is the
+// online (streaming) form of FlashAttention (Dao et al., NeurIPS 2022, §3.1, Algorithm 1): a running
+// maximum and sum per row, rescaled block by block, so one pass over the context suffices. All
+// arithmetic is float32 whatever the cache dtype.
+//
+// Layouts (the conventions of pagedserve/engine/attention/metadata.py):
+//   query, out       [T, H, D]            the step's new tokens, flat over sequences
+//   key/value_cache  [NB, BS, Hkv, D]     one layer's cache
+//   block_tables     int32 [S, MB]        logical -> physical block of each sequence
+//   seq_lens         int32 [S]            context length including the new tokens
+//   query_start_loc  int32 [S + 1]        sequence i owns tokens query_start_loc[i]..[i+1]-1, which
+//                                         are its last positions; token at position p reads keys 0..p
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <omp.h>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQueryTile = 16;  // new tokens per work item (prefill); a decode item has one
+constexpr int64_t kKeyTile = 16;    // context positions scored together (any block size)
+constexpr int64_t kLanes = 16;      // floats per vector; head_dim must be a multiple
+
+// 16 floats as one value (GCC/Clang vector extensions: zmm on AVX-512, two ymm on AVX2).
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+template <typename scalar_t>
+inline vf16 load16(const scalar_t* p) {
+  float tmp[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
+  vf16 v;
+  __builtin_memcpy(&v, tmp, sizeof v);
+  return v;
+}
+
+template <>
+inline vf16 load16<float>(const float* p) {
+  vf16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline vf16 splat(float x) { return vf16{} + x; }
+
+// e^x lane by lane for x <= 0: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), e^r by its
+// degree-6 Taylor polynomial (truncation < 1.3e-7 relative), 2^n from the exponent bits. Lanes
+// below -87 (including -inf) give 0.
+inline vf16 exp_nonpositive(vf16 x) {
+  const vf16 clamped = x < -87.0f ? splat(-87.0f) : x;
+  const vf16 n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vf16 r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;
+  vf16 p = splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const vi16 bits = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return x < -87.0f ? vf16{} : p * reinterpret_cast<const vf16&>(bits);
+}
+
+inline float reduce_max(vf16 v) {
+  float m = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float reduce_sum(vf16 v) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Sums each of 16 vectors into one lane: out[j] = sum of p[j]'s lanes. A tree of half-folds that
+// interleaves the vectors (45 shuffles and adds instead of 16 horizontal sums).
+inline vf16 transpose_sum(vf16 p[kKeyTile]) {
+  vf16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+struct WorkItem {  // all heads of up to kQueryTile new tokens of one sequence
+  int64_t seq;
+  int64_t token_begin;  // first token of the tile in the flat batch
+  int64_t token_end;
+  int64_t cost;         // query rows x keys read, for longest-first scheduling
+};
+
+struct Geometry {
+  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
+  float scale;
+};
+
+// One work item's rows: scaled queries, running max and sum, unnormalised outputs.
+struct Rows {
+  std::vector<vf16> q, acc;  // [rows, D / 16] each
+  std::vector<float> max, sum;
+  void reset(int64_t rows, int64_t chunks) {
+    q.assign(rows * chunks, vf16{});
+    acc.assign(rows * chunks, vf16{});
+    max.assign(rows, -std::numeric_limits<float>::infinity());
+    sum.assign(rows, 0.0f);
+  }
+};
+
+// Online-softmax update of row `row` with one tile of 16 keys, of which it may read the first n_valid.
+// keys[j] / values[j] point at slot j's first KV head; this row reads the head at head_offset.
+template <typename scalar_t>
+void update_row(Rows& rows, int64_t row, int64_t n_valid, const scalar_t* const* keys,
+                const scalar_t* const* values, int64_t head_offset, int64_t chunks) {
+  const vf16* q = rows.q.data() + row * chunks;
+  vf16 partial[kKeyTile];
+  for (int64_t j = 0; j < kKeyTile; ++j) {
+    vf16 p{};
+    if (j < n_valid)
+      for (int64_t c = 0; c < chunks; ++c) p += q[c] * load16(keys[j] + head_offset + c * kLanes);
+    partial[j] = p;
+  }
+  vf16 scores = transpose_sum(partial);  // (16,) q . k_j
+  for (int64_t j = n_valid; j < kKeyTile; ++j) scores[j] = -std::numeric_limits<float>::infinity();
+  const float new_max = std::max(rows.max[row], reduce_max(scores));
+  const float correction = exp_nonpositive(splat(rows.max[row] - new_max))[0];  // 0 on the first tile
+  const vf16 probs = exp_nonpositive(scores - new_max);
+  rows.sum[row] = rows.sum[row] * correction + reduce_sum(probs);
+  rows.max[row] = new_max;
+  vf16* acc = rows.acc.data() + row * chunks;
+  for (int64_t c = 0; c < chunks; ++c) {
+    vf16 a = acc[c] * correction;
+    for (int64_t j = 0; j < n_valid; ++j) a += probs[j] * load16(values[j] + head_offset + c * kLanes);
+    acc[c] = a;
+  }
+}
+
+// Asks the CPU to start loading the K/V slots of positions begin..end-1 (all heads).
+template <typename scalar_t>
+void prefetch_tile(const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* block_table,
+                   const Geometry& g, int64_t begin, int64_t end) {
+  const int64_t slot_bytes = g.num_kv_heads * g.head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t pos = begin; pos < end; ++pos) {
+    const int64_t slot = block_table[pos / g.block_size] * g.block_size + pos % g.block_size;
+    const char* k = reinterpret_cast<const char*>(key_cache) + slot * slot_bytes;
+    const char* v = reinterpret_cast<const char*>(value_cache) + slot * slot_bytes;
+    for (int64_t byte = 0; byte < slot_bytes; byte += 64) {
+      __builtin_prefetch(k + byte);
+      __builtin_prefetch(v + byte);
+    }
+  }
+}
+
+template <typename scalar_t>
+void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const scalar_t* query,
+              const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* block_table,
+              int64_t context_len, int64_t seq_token_begin, scalar_t* out) {
+  const int64_t D = g.head_dim, H = g.num_heads, chunks = D / kLanes;
+  rows.reset((w.token_end - w.token_begin) * H, chunks);
+  for (int64_t t = w.token_begin; t < w.token_end; ++t)  // rows: token-major, then query head
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t c = 0; c < chunks; ++c)
+        rows.q[((t - w.token_begin) * H + h) * chunks + c] = load16(query + (t * H + h) * D + c * kLanes) * g.scale;
+  // The token at flat index t reads positions 0..context_len + (t - seq_token_begin).
+  const int64_t num_keys = context_len + (w.token_end - seq_token_begin);
+  const int64_t slot_stride = g.num_kv_heads * D;
+  const scalar_t* keys[kKeyTile];
+  const scalar_t* values[kKeyTile];
+  for (int64_t p0 = 0; p0 < num_keys; p0 += kKeyTile) {
+    const int64_t n_tile = std::min(kKeyTile, num_keys - p0);
+    for (int64_t j = 0; j < n_tile; ++j) {  // the tile's slots through the block table
+      const int64_t pos = p0 + j;
+      const int64_t slot = block_table[pos / g.block_size] * g.block_size + pos % g.block_size;
+      keys[j] = key_cache + slot * slot_stride;
+      values[j] = value_cache + slot * slot_stride;
+    }
+    prefetch_tile(key_cache, value_cache, block_table, g, p0 + kKeyTile, std::min(p0 + 2 * kKeyTile, num_keys));
+    for (int64_t t = w.token_begin; t < w.token_end; ++t) {
+      const int64_t n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
+      if (n_valid <= 0) continue;
+      for (int64_t h = 0; h < H; ++h)
+        update_row(rows, (t - w.token_begin) * H + h, n_valid, keys, values, h / g.group * D, chunks);
+    }
+  }
+  for (int64_t t = w.token_begin; t < w.token_end; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t row = (t - w.token_begin) * H + h;
+      const float inv = 1.0f / rows.sum[row];
+      scalar_t* dst = out + (t * H + h) * D;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const vf16 o = rows.acc[row * chunks + c] * inv;
+        for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = static_cast<scalar_t>(o[i]);
+      }
+    }
+  }
+}
+
+// Checks the per-sequence metadata against the cache before any thread reads through it.
+void check_metadata(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                    const at::Tensor& query_start_loc, int64_t num_tokens, int64_t num_blocks,
+                    int64_t block_size) {
+  const int64_t S = seq_lens.size(0), MB = block_tables.size(1);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[S] == num_tokens, "query_start_loc must run from 0 to num_tokens");
+  for (int64_t i = 0; i < S; ++i) {
+    const int64_t q = qsl[i + 1] - qsl[i];
+    TORCH_CHECK(q >= 1 && q <= lens[i], "sequence ", i, ": query length ", q, " not in 1..seq_len ", lens[i]);
+    const int64_t needed = (lens[i] + block_size - 1) / block_size;
+    TORCH_CHECK(needed <= MB, "sequence ", i, " needs ", needed, " blocks, block table has ", MB);
+    for (int64_t b = 0; b < needed; ++b)
+      TORCH_CHECK(bt[i * MB + b] >= 0 && bt[i * MB + b] < num_blocks, "sequence ", i,
+                  ": block id ", bt[i * MB + b], " outside the cache of ", num_blocks, " blocks");
+  }
+}
+
+std::vector<WorkItem> make_work(const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
+  const int64_t S = seq_lens.size(0);
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  std::vector<WorkItem> work;
+  for (int64_t i = 0; i < S; ++i) {
+    for (int64_t t = qsl[i]; t < qsl[i + 1]; t += kQueryTile) {
+      const int64_t end = std::min<int64_t>(t + kQueryTile, qsl[i + 1]);
+      const int64_t keys = lens[i] - (qsl[i + 1] - end);  // keys read by the tile's last token
+      work.push_back({i, t, end, (end - t) * keys});
+    }
+  }
+  std::stable_sort(work.begin(), work.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return work;
+}
+
+// Runs the work items on torch's OpenMP threads (pragmas cannot sit inside the dispatch macro).
+template <typename scalar_t>
+void run_all(const std::vector<WorkItem>& work, const Geometry& g, const at::Tensor& query,
+             const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
+             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::Tensor& out) {
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v = value_cache.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t n = static_cast<int64_t>(work.size());
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    Rows rows;  // per-thread scratch
+#pragma omp for schedule(dynamic, 1)  // the costliest items first, each to the next free thread
+    for (int64_t i = 0; i < n; ++i) {
+      const WorkItem& w = work[i];
+      const int64_t query_len = qsl[w.seq + 1] - qsl[w.seq];
+      run_item<scalar_t>(w, rows, g, q, k, v, tables + w.seq * g.max_blocks, lens[w.seq] - query_len, qsl[w.seq], o);
+    }
+  }
+}
+
+// out[T, H, D] = causal paged attention of query[T, H, D] over each sequence's cached context.
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "query must be [T, H, D] and the caches [NB, BS, Hkv, D]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "out must match query");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+              "query and caches must share a dtype");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "every tensor must be contiguous on the CPU");
+  for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
+    TORCH_CHECK(t->scalar_type() == at::kInt, "block_tables, seq_lens and query_start_loc must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0) &&
+                  query_start_loc.size(0) == seq_lens.size(0) + 1, "one block-table row and length per sequence");
+  const Geometry g{query.size(1), key_cache.size(2), query.size(1) / key_cache.size(2), query.size(2),
+                   key_cache.size(1), block_tables.size(1), static_cast<float>(scale)};
+  TORCH_CHECK(g.num_heads % g.num_kv_heads == 0 && key_cache.size(3) == g.head_dim && g.head_dim % kLanes == 0,
+              "heads must be a multiple of KV heads, head_dim must match and be a multiple of 16");
+  check_metadata(block_tables, seq_lens, query_start_loc, query.size(0), key_cache.size(0), g.block_size);
+  const std::vector<WorkItem> work = make_work(seq_lens, query_start_loc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
+    run_all<scalar_t>(work, g, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
+  m.impl("paged_attention", [](at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                               const at::Tensor& value_cache, const at::Tensor& block_tables,
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+    paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale);
+  });
+}

@@ -1,0 +1,112 @@
+"""The compiled C++ paged-attention op for CPU against the reference, and its fallback."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.reference import paged_attention_ref
+from pagedserve.engine.attention import (CpuAttentionBackend, TorchAttentionBackend, build_attention_metadata,
+                                         compute_positions, make_attention_backend)
+from pagedserve.engine.attention import cpu_op
+
+OP = cpu_op.load_cpu_attention_op()
+needs_op = pytest.mark.skipif(OP is None, reason="the C++ op could not be built here (see the warning)")
+
+
+def _batch(seed: int, seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int, dim: int,
+           dtype: torch.dtype = torch.float32):
+    """A cache with random contents, shuffled block tables (one spare block each) and new q/k/v for
+    ``(context_len, query_len)`` sequences; the new K/V already written."""
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-(c + q) // block_size) + 1 for c, q in seqs)
+    k_cache = torch.randn(need + 3, block_size, kv_heads, dim, generator=g).to(dtype)
+    v_cache = torch.randn(need + 3, block_size, kv_heads, dim, generator=g).to(dtype)
+    free = list(range(need + 3))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-(c + q) // block_size) + 1)] for c, q in seqs]
+    query_lens, context_lens = [q for _, q in seqs], [c for c, _ in seqs]
+    md = build_attention_metadata(query_lens, context_lens, tables, compute_positions(query_lens, context_lens),
+                                  block_size, dtype=dtype)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, heads, dim, generator=g).to(dtype)
+    k = torch.randn(num_tokens, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(num_tokens, kv_heads, dim, generator=g).to(dtype)
+    TorchAttentionBackend().write_kv(k, v, k_cache, v_cache, md)
+    return md, q, k, v, k_cache, v_cache
+
+
+@needs_op
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2), (8, 1)])  # GQA groups 1, 3, 8, 8
+@pytest.mark.parametrize("seqs,block_size", [
+    ([(9, 1), (30, 1), (0, 1), (17, 1)], 16),                    # decodes (one a one-token prompt)
+    ([(0, 7), (0, 33), (5, 1)], 4),                              # fresh prefills, a decode last
+    ([(5, 1), (40, 1), (0, 12), (16, 16), (13, 9), (3, 1)], 8),  # mixed, lengths not multiples of the block
+    ([(700, 1), (1, 1), (250, 20)], 32),                         # long context, key tiles across blocks
+])
+def test_op_matches_reference_on_ragged_batches(heads, kv_heads, seqs, block_size):
+    md, q, _, _, k_cache, v_cache = _batch(len(seqs), seqs, block_size, heads, kv_heads, dim=32)
+    out = torch.full_like(q, float("nan"))  # every output position must be written
+    OP(out, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 32 ** -0.5)
+    want = paged_attention_ref(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 32 ** -0.5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_op
+@settings(max_examples=25, deadline=None)
+@given(seqs=st.lists(st.tuples(st.integers(0, 80), st.integers(1, 20)), min_size=1, max_size=6),
+       block_size=st.sampled_from([1, 2, 4, 16, 32]), group=st.sampled_from([1, 3, 8]),
+       dim=st.sampled_from([16, 64]))
+def test_op_matches_reference_on_any_batch(seqs, block_size, group, dim):
+    md, q, _, _, k_cache, v_cache = _batch(3, seqs, block_size, 2 * group, 2, dim)
+    out = torch.full_like(q, float("nan"))
+    OP(out, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.3)
+    want = paged_attention_ref(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.3)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_op
+def test_op_in_bfloat16_accumulates_in_float32():
+    md, q, _, _, k_cache, v_cache = _batch(5, [(60, 1), (10, 1), (3, 9)], 16, 9, 3, 64, torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    OP(out, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.125)
+    want = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), md.block_tables, md.seq_lens,
+                               md.query_start_loc, 0.125)
+    torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@needs_op
+def test_backend_uses_the_op_for_decodes_and_torch_for_prefills():
+    seqs = [(40, 1), (17, 1), (3, 1), (0, 12), (16, 16), (13, 9)]
+    md, q, k, v, k_cache, v_cache = _batch(9, seqs, 8, 9, 3, 64)
+    assert md.num_decode_seqs == 3
+    backend = make_attention_backend("cpu", "cpu")
+    assert isinstance(backend, CpuAttentionBackend)
+    got = backend.attend(q, k, v, k_cache, v_cache, md, 0.125)
+    want = TorchAttentionBackend().attend(q, k, v, k_cache, v_cache, md, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_op
+def test_op_refuses_block_ids_outside_the_cache():
+    md, q, _, _, k_cache, v_cache = _batch(1, [(20, 1)], 8, 4, 2, 16)
+    tables = md.block_tables.clone()
+    tables[0, 1] = k_cache.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        OP(torch.empty_like(q), q, k_cache, v_cache, tables, md.seq_lens, md.query_start_loc, 0.25)
+
+
+def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    with caplog.at_level(logging.WARNING, logger=cpu_op.__name__):
+        assert cpu_op.load_cpu_attention_op(broken, build_dir=tmp_path / "build") is None
+    assert "could not be built" in caplog.text and "torch attention backend" in caplog.text
+    monkeypatch.setattr(cpu_op, "SOURCE", broken)
+    for name in ("auto", "cpu"):
+        assert isinstance(make_attention_backend(name, "cpu"), TorchAttentionBackend)
