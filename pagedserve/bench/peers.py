@@ -12,7 +12,9 @@ Each system gets one untimed warm-up request first. A peer is skipped when its o
 The table gives each system's elapsed seconds, output and total (prompt + output) tokens/s, the ratio
 of pagedserve's output tokens/s to the system's, and how many requests generated exactly the same
 token ids as pagedserve (with the median position of the first differing token when not all did:
-float32 sums in another order can flip a near-tie and the texts part from there).
+float32 sums in another order can flip a near-tie and the texts part from there), and how many of
+the differing requests first differ where pagedserve generated an EOS token: llama.cpp's ignore_eos
+bans EOS tokens, where pagedserve and vLLM generate them and only do not stop.
 Installing the peers: docs/benchmarks.md, "Peers: vLLM CPU and llama.cpp (`bench peers`)".
 """
 
@@ -65,18 +67,29 @@ def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> int | None
     return None if len(reference) == len(other) else min(len(reference), len(other))
 
 
-def match_summary(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> dict:
+def match_summary(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+                  eos_token_ids: Sequence[int] = ()) -> dict:
     """How far each request's ``outputs`` agree with ``reference``.
 
     Returns:
         ``same``: requests with identical token ids; ``first_mismatch``: per request, the first
         differing position (None when identical); ``first_mismatch_median``: the median of those
-        positions over the differing requests (None when all are identical).
+        positions over the differing requests (None when all are identical); ``differing_tokens``:
+        per request, ``[reference token, other token]`` there (None where a side has ended);
+        ``at_eos``: differing requests whose reference token there is one of ``eos_token_ids``
+        (llama.cpp's ignore_eos bans EOS tokens, where pagedserve and vLLM only do not stop at them).
     """
     positions = [first_mismatch(r, o) for r, o in zip(reference, outputs, strict=True)]
     differing = [p for p in positions if p is not None]
+    tokens = [None if p is None else [_token_at(r, p), _token_at(o, p)]
+              for p, r, o in zip(positions, reference, outputs)]
     return {"same": len(positions) - len(differing), "first_mismatch": positions,
-            "first_mismatch_median": statistics.median(differing) if differing else None}
+            "first_mismatch_median": statistics.median(differing) if differing else None,
+            "differing_tokens": tokens, "at_eos": sum(1 for t in tokens if t and t[0] in eos_token_ids)}
+
+
+def _token_at(ids: Sequence[int], position: int) -> int | None:
+    return ids[position] if position < len(ids) else None
 
 
 def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleRequest],
@@ -92,9 +105,12 @@ def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleR
         llm.step()
     outputs: list[list[int]] = []
     run = time_engine(llm, prompts, requests, outputs)
+    eos_token_ids = list(llm.tokenizer.info.eos_token_ids)
     del llm
     gc.collect()
-    return SystemRun(run, outputs, {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory})
+    info = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
+            "eos_token_ids": eos_token_ids}
+    return SystemRun(run, outputs, info)
 
 
 def vllm_spec(model: Path, prompts: list[list[int]], requests: list[SampleRequest], args: argparse.Namespace) -> dict:
@@ -117,9 +133,9 @@ def table(runs: list[SystemRun], matches: dict[str, dict], n: int) -> str:
         same = f"{m['same']}/{n}" if m else "reference"
         rows.append([s.run.system, s.run.elapsed_s, s.run.output_tokens_per_s, s.run.total_tokens_per_s,
                      engine.output_tokens_per_s / s.run.output_tokens_per_s, same,
-                     m["first_mismatch_median"] if m else None])
+                     m["first_mismatch_median"] if m else None, m["at_eos"] if m else None])
     return format_table(["system", "elapsed s", "output tok/s", "total tok/s", "pagedserve / it",
-                         "same greedy ids", "first mismatch median"], rows)
+                         "same greedy ids", "first mismatch median", "of which at EOS"], rows)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,7 +166,8 @@ def _run(args: argparse.Namespace) -> int:
         runs.append(run_vllm(args.vllm_python, vllm_spec(model, prompts, requests, args), prompts, max_tokens))
     if args.llama_server_url:
         runs.append(run_llama_server(args.llama_server_url, prompts, max_tokens, WARMUP_TOKEN_IDS, WARMUP_TOKENS))
-    matches = {s.run.system: match_summary(runs[0].outputs, s.outputs) for s in runs[1:]}
+    eos = runs[0].info["eos_token_ids"]
+    matches = {s.run.system: match_summary(runs[0].outputs, s.outputs, eos) for s in runs[1:]}
     machine = machine_info()
     print(f"\nOffline throughput and greedy agreement, float32 ({machine_line(machine)})")
     print(table(runs, matches, len(requests)))

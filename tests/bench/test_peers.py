@@ -26,8 +26,10 @@ def test_first_mismatch_positions():
 
 def test_match_summary_counts_and_median():
     reference = [[1, 2, 3, 4], [5, 6, 7, 8], [1, 1, 1, 1], [2, 2]]
-    summary = match_summary(reference, [[1, 2, 3, 4], [5, 6, 0, 0], [1, 0, 1, 1], [2, 2]])
-    assert summary == {"same": 2, "first_mismatch": [None, 2, 1, None], "first_mismatch_median": 1.5}
+    summary = match_summary(reference, [[1, 2, 3, 4], [5, 6, 0, 0], [1, 0, 1, 1], [2, 2]], eos_token_ids=[7])
+    assert summary == {"same": 2, "first_mismatch": [None, 2, 1, None], "first_mismatch_median": 1.5,
+                       "differing_tokens": [None, [7, 0], [1, 0], None], "at_eos": 1}
+    assert match_summary([[1, 2]], [[1]])["differing_tokens"] == [[2, None]]
     assert match_summary(reference, reference)["first_mismatch_median"] is None
     with pytest.raises(ValueError):
         match_summary(reference, reference[:2])
