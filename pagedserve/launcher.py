@@ -22,7 +22,7 @@ from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.config import GemmBackend, SchedulerConfig
 from services.common.service_args import redact_url
 from services.scheduler.config import policy_to_args
 
@@ -46,6 +46,7 @@ class StackConfig:
         swap_space: CPU memory per worker for swapped-out blocks (``0``: none).
         policy: scheduler limits.
         threads_per_worker: torch threads of each worker.
+        gemm_backend: the workers' linear-layer kernels (``--gemm-backend``).
         data_dir: where a Redis started by us keeps its append-only file.
         startup_timeout_s: how long to wait for everything to be healthy.
         cluster_token: secret shared by the services (default: a new random one); children get it
@@ -64,6 +65,7 @@ class StackConfig:
     policy: SchedulerConfig
     threads_per_worker: int
     data_dir: Path
+    gemm_backend: GemmBackend = GemmBackend.TORCH
     startup_timeout_s: float = 600.0
     cluster_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     api_key: str = field(default="", repr=False)
@@ -121,7 +123,8 @@ class Stack:
             self._service(
                 f"worker-{i}", "worker", "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
                 "--kv-cache-memory", cfg.kv_cache_memory, "--block-size", str(cfg.policy.block_size),
-                "--num-threads", str(cfg.threads_per_worker), "--swap-space", cfg.swap_space, *self._cores_of(i),
+                "--num-threads", str(cfg.threads_per_worker), "--swap-space", cfg.swap_space,
+                "--gemm-backend", cfg.gemm_backend.value, *self._cores_of(i),
             )
         self._service(
             "gateway", "gateway", "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),

@@ -27,6 +27,7 @@ from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, data
 from pagedserve.bench.in_process import ttft_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.scheduler_cost import scheduler_iteration_ms
+from pagedserve.engine.config import GemmBackend, SchedulerConfig, add_gemm_backend_argument
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="", help="model folder (default: the default model)")
     add_dataset_arguments(p)
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory of the worker (default %(default)s)")
+    add_gemm_backend_argument(p)
     p.add_argument("--threads-per-worker", type=int, default=0,
                    help="model threads on both sides, pinned to the first cores (default: every core); fewer "
                         "than the cores leaves the rest to the gateway, scheduler, Redis and this client")
@@ -58,7 +60,7 @@ class _InProcess:
 
         self.cores = range(_threads(args))
         torch.set_num_threads(len(self.cores))
-        self.llm = LLM(model, kv_cache_memory=args.kv_cache_memory)
+        self.llm = LLM(model, kv_cache_memory=args.kv_cache_memory, gemm_backend=args.gemm_backend)
 
     @contextlib.contextmanager
     def _on_worker_cores(self):
@@ -138,7 +140,6 @@ def _measure(sides: dict, requests: list[SampleRequest], args: argparse.Namespac
 def _measure_both(model: Path, requests: list[SampleRequest], args: argparse.Namespace) -> dict:
     """Starts a stack (Redis, scheduler, one worker, gateway) and the in-process engine; measures both."""
     from pagedserve.launcher import Stack, StackConfig, free_port
-    from pagedserve.engine.config import SchedulerConfig
 
     ports = [free_port() for _ in range(3)]
     with tempfile.TemporaryDirectory() as data_dir:
@@ -146,6 +147,7 @@ def _measure_both(model: Path, requests: list[SampleRequest], args: argparse.Nam
             model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
             redis_url=f"redis://127.0.0.1:{ports[2]}/0", kv_cache_memory=args.kv_cache_memory, swap_space="0",
             policy=SchedulerConfig(), threads_per_worker=_threads(args), data_dir=Path(data_dir),
+            gemm_backend=GemmBackend(args.gemm_backend),
         ))
         try:
             stack.start()

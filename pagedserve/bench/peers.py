@@ -3,15 +3,16 @@
 The same sampled requests (the prompts' token ids, each request's own output length, EOS ignored,
 greedy, float32) run through:
 
-  pagedserve  the in-process engine, all requests submitted at once (as `bench throughput` runs it);
+  pagedserve  the in-process engine, all requests submitted at once (as `bench throughput` runs it),
+              once per --gemm-backends entry (pagedserve-onednn: oneDNN linear layers, opt-in);
   vllm        vLLM's offline LLM.generate, in a subprocess of the Python given by --vllm-python
               (a separate vLLM CPU install; the driver is pagedserve/bench/vllm_driver.py);
   llama.cpp   a running llama-server given by --llama-server-url, all requests sent at once.
 
 Each system gets one untimed warm-up request first. A peer is skipped when its option is not given.
 The table gives each system's elapsed seconds, output and total (prompt + output) tokens/s, the ratio
-of pagedserve's output tokens/s to the system's, and how many requests generated exactly the same
-token ids as pagedserve (with the median position of the first differing token when not all did:
+of the fastest pagedserve row's output tokens/s to the system's, and how many requests generated
+exactly the same token ids as the first pagedserve row (with the median position of the first differing token when not all did:
 float32 sums in another order can flip a near-tie and the texts part from there), and how many of
 the differing requests first differ where pagedserve generated an EOS token: llama.cpp's ignore_eos
 bans EOS tokens, where pagedserve and vLLM generate them and only do not stop.
@@ -21,6 +22,7 @@ Installing the peers: docs/benchmarks.md, "Peers: vLLM CPU and llama.cpp (`bench
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from collections.abc import Sequence
@@ -32,6 +34,7 @@ from pagedserve.bench.peer_systems import (PeerError, SystemRun, check_vllm_pyth
                                            llama_server_props, run_llama_server, run_vllm)
 from pagedserve.bench.report import format_table, write_json
 from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
+from pagedserve.engine.config import GemmBackend
 
 WARMUP_TOKEN_IDS = list(range(1000, 1032))
 """The warm-up prompt: 32 token ids no sampled prompt starts with, so no prefix cache is primed."""
@@ -54,6 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("pagedserve engine (vLLM gets the same sequence and batch limits, and the KV-cache "
                              "memory rounded up to whole GiB)")
     add_engine_arguments(g)
+    g.add_argument("--gemm-backends", default="torch", type=_gemm_backends,
+                   help="comma-separated: one pagedserve row per linear-layer backend, the first is the "
+                        "reference for greedy agreement; torch (token-identical to transformers) or onednn "
+                        "(faster, opt-in; see pagedserve worker --help) (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write settings, machine, every figure and per-request matches")
     p.set_defaults(func=run, dtype="float32", device="cpu")
 
@@ -92,24 +99,36 @@ def _token_at(ids: Sequence[int], position: int) -> int | None:
     return ids[position] if position < len(ids) else None
 
 
+def _gemm_backends(text: str) -> list[GemmBackend]:
+    """``torch,onednn`` -> the backends, in order."""
+    try:
+        return [GemmBackend(name.strip()) for name in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {[b.value for b in GemmBackend]}, "
+                                         f"got {text!r}") from None
+
+
 def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleRequest],
-                   args: argparse.Namespace) -> SystemRun:
-    """The in-process engine, after one warm-up request; its memory is freed before the peers run."""
+                   args: argparse.Namespace, gemm_backend: GemmBackend) -> SystemRun:
+    """The in-process engine, after one warm-up request; its memory is freed before the next system runs.
+    The row is ``pagedserve`` with torch GEMMs, ``pagedserve-onednn`` with oneDNN ones."""
     import gc
 
     from pagedserve.engine.sampling_params import SamplingParams
 
-    llm = build_engine(model, args)
+    llm = build_engine(model, argparse.Namespace(**{**vars(args), "gemm_backend": gemm_backend.value}))
     llm.add_request(WARMUP_TOKEN_IDS, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True))
     while llm.has_unfinished_requests():
         llm.step()
     outputs: list[list[int]] = []
     run = time_engine(llm, prompts, requests, outputs)
+    if gemm_backend is not GemmBackend.TORCH:
+        run = dataclasses.replace(run, system=f"pagedserve-{gemm_backend.value}")
     eos_token_ids = list(llm.tokenizer.info.eos_token_ids)
     del llm
     gc.collect()
     info = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
-            "eos_token_ids": eos_token_ids}
+            "eos_token_ids": eos_token_ids, "gemm_backend": gemm_backend.value}
     return SystemRun(run, outputs, info)
 
 
@@ -125,8 +144,8 @@ def vllm_spec(model: Path, prompts: list[list[int]], requests: list[SampleReques
 
 
 def table(runs: list[SystemRun], matches: dict[str, dict], n: int) -> str:
-    """The result table: one row per system, pagedserve first."""
-    engine = runs[0].run
+    """The result table: one row per system, pagedserve first; the ratio is to the fastest pagedserve row."""
+    engine = _fastest_pagedserve(runs)
     rows = []
     for s in runs:
         m = matches.get(s.run.system)
@@ -134,8 +153,13 @@ def table(runs: list[SystemRun], matches: dict[str, dict], n: int) -> str:
         rows.append([s.run.system, s.run.elapsed_s, s.run.output_tokens_per_s, s.run.total_tokens_per_s,
                      engine.output_tokens_per_s / s.run.output_tokens_per_s, same,
                      m["first_mismatch_median"] if m else None, m["at_eos"] if m else None])
-    return format_table(["system", "elapsed s", "output tok/s", "total tok/s", "pagedserve / it",
+    return format_table(["system", "elapsed s", "output tok/s", "total tok/s", "best pagedserve / it",
                          "same greedy ids", "first mismatch median", "of which at EOS"], rows)
+
+
+def _fastest_pagedserve(runs: list[SystemRun]):
+    """The pagedserve run (one per GEMM backend) with the most output tokens/s."""
+    return max((s.run for s in runs if s.run.system.startswith("pagedserve")), key=lambda r: r.output_tokens_per_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     max_tokens = [r.expected_output_len for r in requests]
     print(f"{len(requests)} requests: {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens")
-    runs = [run_pagedserve(model, prompts, requests, args)]
+    runs = [run_pagedserve(model, prompts, requests, args, backend) for backend in args.gemm_backends]
     if args.vllm_python:
         runs.append(run_vllm(args.vllm_python, vllm_spec(model, prompts, requests, args), prompts, max_tokens))
     if args.llama_server_url:
@@ -182,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
 def result(args: argparse.Namespace, machine: dict, runs: list[SystemRun], matches: dict[str, dict],
            requests: list[SampleRequest]) -> dict:
     """Everything the run measured, for --result-json (tokens/s per second of wall time)."""
-    engine = runs[0].run
+    engine = _fastest_pagedserve(runs)
     systems = []
     for s in runs:
         systems.append({**vars(s.run), "output_tokens_per_s": s.run.output_tokens_per_s,

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedserve.bench.machine import machine_info, machine_line
+from pagedserve.engine.config import add_gemm_backend_argument
 
 GEMMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PIECES = ("embed", "norm", "rotary", *GEMMS, "write_kv", "attention", "lm_head")
@@ -140,7 +141,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model or None, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
-              max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False)
+              max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False,
+              gemm_backend=args.gemm_backend)
     runner = llm.engine.executor.runners["worker-0"]
     timers = StepTimers()
     instrument(runner, timers)
@@ -184,6 +186,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed decode steps per case (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory (default %(default)s)")
+    add_gemm_backend_argument(p)
     p.add_argument("--result-json", default="", help="write every figure to this file")
     p.set_defaults(func=main)
 

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import argparse
 import enum
 from dataclasses import dataclass
 
 
 # Paged-attention implementations a worker may be started with (make_attention_backend picks one).
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+
+
+class GemmBackend(enum.Enum):
+    """Which kernels run the model's linear layers on CPU (``pagedserve/engine/models/onednn.py``)."""
+
+    TORCH = "torch"  # F.linear (MKL): the same kernels as transformers, greedy output token-identical to HF
+    ONEDNN = "onednn"  # oneDNN, weights prepacked: 2-3x faster on CPU; float32 sums in another order (opt-in)
+
+
+def add_gemm_backend_argument(parser: argparse.ArgumentParser) -> None:
+    """``--gemm-backend`` for every command that builds a model (worker, up, benchmarks)."""
+    parser.add_argument(
+        "--gemm-backend", choices=[b.value for b in GemmBackend], default=GemmBackend.TORCH.value,
+        help="linear layers on CPU: torch (F.linear; greedy output token-identical to transformers) or "
+             "onednn (weights prepacked for oneDNN: 2-3x faster matmuls, float32 sums in another order, so "
+             "greedy output can differ from transformers where two logits nearly tie) (default %(default)s)")
 
 
 class PreemptionMode(enum.Enum):

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedserve.engine.config import GemmBackend
+from pagedserve.engine.models.onednn import pack_linear_layers
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, SequenceId, StepResult
 from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
 from pagedserve.engine.attention import (AttentionBackend, build_attention_metadata, compute_positions,
@@ -253,7 +255,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | None = None, block_size: int = 16,
                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                       attention_backend: str = "auto", gpu_memory_utilization: float = 0.9,
+                       attention_backend: str = "auto", gemm_backend: GemmBackend | str = GemmBackend.TORCH,
+                       gpu_memory_utilization: float = 0.9,
                        swap_space_bytes: int = 0, sampler_seed: int | None = None) -> ModelRunner:
     """Loads the model of a Hugging Face folder and sizes a KV cache.
 
@@ -265,15 +268,20 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         dtype: weights, activations and cache dtype.
         device: where everything lives.
         attention_backend: ``auto`` (Triton on CUDA, the C++ op elsewhere), ``cpu``, ``torch`` or ``triton``.
+        gemm_backend: ``torch`` (``F.linear``, token-identical to transformers) or ``onednn``
+            (prepacked oneDNN GEMMs on CPU, faster, float32 sums in another order; opt-in).
         gpu_memory_utilization: fraction of the GPU's memory this worker may use in all.
         swap_space_bytes: CPU memory for swapped-out blocks (swap preemption); 0: none.
         sampler_seed: seed of the generator for requests without their own seed.
 
     Raises:
-        ValueError: the budget holds no block, or an unknown backend (and the loader's errors).
+        ValueError: the budget holds no block, an unknown backend, or oneDNN GEMMs off the CPU
+            (and the loader's errors).
     """
     backend = make_attention_backend(attention_backend, device)
     model = load_model(model_path, dtype=dtype, device=device)
+    if GemmBackend(gemm_backend) is GemmBackend.ONEDNN:
+        pack_linear_layers(model)
     config = model.config
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
     if kv_cache_memory_bytes is None:

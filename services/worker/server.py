@@ -58,6 +58,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         dtype=getattr(torch, resolve_dtype(config.dtype, config.device)),
         device=config.device,
         attention_backend=config.attention_backend,
+        gemm_backend=config.gemm_backend,
         gpu_memory_utilization=config.gpu_memory_utilization,
         swap_space_bytes=config.swap_space,
     )

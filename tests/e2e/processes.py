@@ -107,9 +107,10 @@ class Stack:
 
 
 def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "64MiB", env_extra: dict | None = None,
-                worker_threads: int = 1, scheduler_args: tuple[str, ...] = ()) -> Stack:
+                worker_threads: int = 1, scheduler_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ()) -> Stack:
     """Starts redis-server, a scheduler (``scheduler_args`` are added to its flags, e.g.
-    ``["--step-timeout", "3"]``), ``num_workers`` workers and a gateway, and waits until all are up."""
+    ``["--step-timeout", "3"]``), ``num_workers`` workers (with ``worker_args`` added) and a gateway,
+    and waits until all are up."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN, **(env_extra or {})}
     redis_proc, redis_url = start_redis(tmp_path)
     processes = {"redis": redis_proc}
@@ -125,7 +126,8 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
             processes[f"worker-{i}"] = pagedserve(
                 f"worker-{i}",
                 ["worker", *common, "--model", str(model), "--host", "127.0.0.1", "--port", "0",
-                 "--kv-cache-memory", kv_cache_memory, "--num-threads", str(worker_threads), "--worker-id", f"worker-{i}", *cores],
+                 "--kv-cache-memory", kv_cache_memory, "--num-threads", str(worker_threads), "--worker-id", f"worker-{i}", *cores,
+                 *worker_args],
                 tmp_path, env,
             )
         processes["gateway"] = pagedserve("gateway", ["gateway", *common, "--model", str(model), "--host", "127.0.0.1",

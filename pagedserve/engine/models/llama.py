@@ -124,8 +124,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()                           # (N, vocab)
+        if self.lm_head is None:  # tied to the embeddings
+            return F.linear(hidden, self.embed_tokens.weight).float()     # (N, vocab)
+        return self.lm_head(hidden).float()                               # (N, vocab)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
