@@ -4,9 +4,10 @@ For decode batches (default 1, 16, 64, 256 sequences of ``--context-len`` tokens
 (default 512 tokens), the in-process engine runs a few timed steps with timers around each piece:
 the model runner's phases (attention metadata, forward, logits, sampling, and the rest: plan
 application and Python glue), and inside the forward the embedding, the norms, rotary, each GEMM
-group (qkv, o, gate_up, down), the KV-cache write and attention. Beside them, the GEMM floor: the
-same matmul shapes timed alone with ``torch.mm`` in the same run (the least the step could cost
-without faster GEMMs). Times are milliseconds per step, medians over the timed steps.
+group (qkv, o, gate_up, down), the KV-cache write and attention. Beside them, the GEMM floors: the
+same matmul shapes timed alone in the same run, with ``torch.mm`` (MKL, what ``F.linear`` runs) and
+with oneDNN on prepacked weights (``--gemm-backend onednn``): the least the step could cost with
+those GEMMs. Times are milliseconds per step, medians over the timed steps.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedserve.bench.machine import machine_info, machine_line
-from pagedserve.engine.config import add_gemm_backend_argument
+from pagedserve.engine.config import ATTENTION_BACKENDS, add_gemm_backend_argument
 
 GEMMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PIECES = ("embed", "norm", "rotary", *GEMMS, "write_kv", "attention", "lm_head")
@@ -73,28 +74,26 @@ def instrument(runner, timers: StepTimers) -> None:
 
 
 def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, repeats: int = 5) -> dict[str, float]:
-    """``torch.mm`` alone on each GEMM group's shapes for ``num_tokens`` rows, ms per step.
+    """The step's GEMMs alone for ``num_tokens`` rows (and ``num_logit_rows`` of logits), ms per step,
+    twice: ``torch.mm`` (MKL, what ``F.linear`` runs) and oneDNN with prepacked weights (what
+    ``--gemm-backend onednn`` runs).
 
     Every layer gets weights of its own, as in the model, so a small batch pays for streaming all
     of them from memory (one shared matrix would stay in cache and flatter the floor).
     """
     import torch
 
+    from pagedserve.engine.models.onednn import OneDnnLinear
+
     hidden, inter = config.hidden_size, config.intermediate_size
-    shapes = {"qkv_proj": (hidden, config.q_size + 2 * config.kv_size), "o_proj": (config.q_size, hidden),
-              "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
-    weights = {name: [torch.randn(k, n) for _ in range(config.num_layers)] for name, (k, n) in shapes.items()}
-    inputs = {name: torch.randn(num_tokens, k) for name, (k, _) in shapes.items()}
-
-    def all_layers() -> None:
-        for layer in range(config.num_layers):
-            for name in shapes:
-                torch.mm(inputs[name], weights[name][layer])
-
-    floor = {"layers": _best_ms(all_layers, repeats)}
-    x, w = torch.randn(num_logit_rows, hidden), torch.randn(hidden, config.vocab_size)
-    floor["lm_head"] = _best_ms(lambda: torch.mm(x, w), repeats)
-    return floor
+    shapes = [(config.q_size + 2 * config.kv_size, hidden), (hidden, config.q_size), (2 * inter, hidden),
+              (hidden, inter)] * config.num_layers + [(config.vocab_size, hidden)]  # [out, in]; lm_head last
+    weights = [torch.randn(n, k) for n, k in shapes]
+    inputs = [torch.randn(num_logit_rows if i == len(shapes) - 1 else num_tokens, k) for i, (_, k) in enumerate(shapes)]
+    transposed = [w.t().contiguous() for w in weights]                    # [in, out] for torch.mm
+    packed = [OneDnnLinear(w, None) for w in weights]
+    return {"torch.mm": _best_ms(lambda: [torch.mm(x, w) for x, w in zip(inputs, transposed)], repeats),
+            "onednn": _best_ms(lambda: [f(x) for x, f in zip(inputs, packed)], repeats)}
 
 
 def _best_ms(fn: Callable, repeats: int) -> float:
@@ -142,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model or None, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False,
-              gemm_backend=args.gemm_backend)
+              gemm_backend=args.gemm_backend, attention_backend=args.attention_backend)
     runner = llm.engine.executor.runners["worker-0"]
     timers = StepTimers()
     instrument(runner, timers)
@@ -168,10 +167,11 @@ def format_table(report: dict) -> str:
     rest = [c.get("step", 0) - sum(c.get(k, 0.0) for k in ("metadata", "forward", "lm_head", "sampling"))
             for c in cases.values()]
     rows.append("| rest of the step (plan, glue) | " + " | ".join(f"{r:.2f}" for r in rest) + " |")
-    floors = [sum(c["gemm_floor"].values()) for c in cases.values()]
-    rows.append("| **GEMM floor** (torch.mm alone) | " + " | ".join(f"{f:.2f}" for f in floors) + " |")
-    rows.append("| step / GEMM floor | " + " | ".join(
-        f"{c.get('step', 0) / f:.2f}x" for c, f in zip(cases.values(), floors)) + " |")
+    for floor in ("torch.mm", "onednn"):
+        values = [c["gemm_floor"][floor] for c in cases.values()]
+        rows.append(f"| **GEMM floor** ({floor} alone) | " + " | ".join(f"{f:.2f}" for f in values) + " |")
+        rows.append(f"| step / {floor} floor | " + " | ".join(
+            f"{c.get('step', 0) / f:.2f}x" for c, f in zip(cases.values(), values)) + " |")
     return header + "\n".join(rows) + "\n"
 
 
@@ -187,6 +187,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory (default %(default)s)")
     add_gemm_backend_argument(p)
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="auto: the C++ op on CPU; torch: gathered copies and SDPA, as before it (default %(default)s)")
     p.add_argument("--result-json", default="", help="write every figure to this file")
     p.set_defaults(func=main)
 

@@ -79,5 +79,5 @@ def test_profile_report_accounts_for_the_step(tmp_path, default_model):
     for case in cases.values():
         pieces = sum(case[k] for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "attention"))
         assert 0 < pieces < case["forward"] <= case["step"]
-        assert case["gemm_floor"]["layers"] > 0 and case["gemm_floor"]["lm_head"] > 0
-    assert "| step / GEMM floor |" in stdout
+        assert case["gemm_floor"]["torch.mm"] > 0 and case["gemm_floor"]["onednn"] > 0
+    assert "| step / torch.mm floor |" in stdout and "| step / onednn floor |" in stdout
