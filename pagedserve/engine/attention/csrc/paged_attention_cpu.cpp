@@ -74,16 +74,24 @@ inline vf16 exp_nonpositive(vf16 x) {
   return x < -87.0f ? vf16{} : p * reinterpret_cast<const vf16&>(bits);
 }
 
-inline float reduce_max(vf16 v) {
-  float m = v[0];
-  for (int64_t i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
+inline vf16 vmax(vf16 a, vf16 b) { return a > b ? a : b; }
+
+// Horizontal max / sum by halving folds (4 shuffles instead of 15 lane extractions).
+inline vf16 fold_max(vf16 v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
 }
 
+inline float reduce_max(vf16 v) { return fold_max(v)[0]; }
+
 inline float reduce_sum(vf16 v) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
 }
 
 // Sums each of 16 vectors into one lane: out[j] = sum of p[j]'s lanes. A tree of half-folds that
@@ -141,9 +149,11 @@ void update_row(Rows& rows, int64_t row, int64_t n_valid, const scalar_t* const*
     partial[j] = p;
   }
   vf16 scores = transpose_sum(partial);  // (16,) q . k_j
-  for (int64_t j = n_valid; j < kKeyTile; ++j) scores[j] = -std::numeric_limits<float>::infinity();
-  const float new_max = std::max(rows.max[row], reduce_max(scores));
-  const float correction = exp_nonpositive(splat(rows.max[row] - new_max))[0];  // 0 on the first tile
+  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  scores = lane < static_cast<int32_t>(n_valid) ? scores : splat(-std::numeric_limits<float>::infinity());
+  const float old_max = rows.max[row];
+  const float new_max = std::max(old_max, reduce_max(scores));
+  const float correction = new_max == old_max ? 1.0f : std::exp(old_max - new_max);  // 0 on the first tile
   const vf16 probs = exp_nonpositive(scores - new_max);
   rows.sum[row] = rows.sum[row] * correction + reduce_sum(probs);
   rows.max[row] = new_max;
