@@ -2,9 +2,10 @@
 //
 // PagedAttention (Kwon et al., SOSP 2023, §4) stores each sequence's keys and values in fixed-size
 // blocks; this kernel walks a sequence's block table and never copies its context into a contiguous
-// buffer. Each work item is one (sequence, KV head, tile of up to kQueryTile new tokens): its query
-// rows are the tile's tokens times the G query heads that share the KV head (grouped-query
-// attention), so every key and value row loaded from the cache serves all of them. Softmax is the
+// buffer. Each work item is one sequence's tile of up to kQueryTile new tokens with all its heads
+// (a decode is one token): the item reads each context slot's K/V rows of every KV head once, in
+// the slot's memory order, and each KV head's row serves the G query heads that share it
+// (grouped-query attention). Softmax is the
 // online (streaming) form of FlashAttention (Dao et al., NeurIPS 2022, §3.1, Algorithm 1): a running
 // maximum and sum per row, rescaled block by block, so one pass over the context suffices. All
 // arithmetic is float32 whatever the cache dtype.
