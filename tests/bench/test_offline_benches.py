@@ -81,3 +81,14 @@ def test_profile_report_accounts_for_the_step(tmp_path, default_model):
         assert 0 < pieces < case["forward"] <= case["step"]
         assert case["gemm_floor"]["torch.mm"] > 0 and case["gemm_floor"]["onednn"] > 0
     assert "| step / torch.mm floor |" in stdout and "| step / onednn floor |" in stdout
+
+
+def test_profile_workload_accounts_for_a_dataset_run(tmp_path, default_model):
+    out = tmp_path / "w.json"
+    stdout = bench("profile-workload", "--model", str(default_model), "--dataset-name", "random", "--num-prompts", "3",
+                   "--input-len", "20", "--output-len", "6", "--kv-cache-memory", "64MiB", "--result-json", str(out))
+    report = json.loads(out.read_text())
+    seconds = report["seconds"]
+    assert report["output_tokens"] == 18
+    assert 0 < seconds["attention"] < seconds["forward"] <= seconds["step"] <= report["elapsed_s"]
+    assert "share of steps" in stdout and "gate_up_proj" in stdout
