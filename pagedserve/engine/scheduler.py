@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Collection, Mapping
 
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
-from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, RequestError,
+from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError,
                                         RequestOutput, SchedulerOutput, SequenceId, StepResult)
 from pagedserve.engine.limits import num_new_tokens, rejection_error, worker_loss_error
 from pagedserve.engine.parallel_sampling import Forks
