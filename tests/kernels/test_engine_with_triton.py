@@ -47,10 +47,13 @@ def test_triton_backend_matches_torch_backend(tiny):
     assert all(len(tokens) == 6 for tokens in reference.values())
 
 
-def test_auto_picks_torch_on_cpu(tiny):
-    from pagedserve.engine.attention import TorchAttentionBackend, make_attention_backend
+def test_auto_picks_the_cpu_op_on_cpu(tiny):
+    from pagedserve.engine.attention import CpuAttentionBackend, TorchAttentionBackend, make_attention_backend
+    from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
 
-    assert isinstance(make_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    expected = CpuAttentionBackend if load_cpu_attention_op() is not None else TorchAttentionBackend
+    assert type(make_attention_backend("auto", "cpu")) is expected
+    assert isinstance(make_attention_backend("torch", "cpu"), TorchAttentionBackend)
     assert isinstance(make_attention_backend("triton", "cpu"), TritonAttentionBackend)
     with pytest.raises(ValueError, match="attention backend"):
         make_attention_backend("cuda-magic", "cpu")
