@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from pagedserve.engine.config import add_gemm_backend_argument
+from pagedserve.engine.config import CPU_TOKEN_BUDGET, add_compile_mode_argument, add_gemm_backend_argument
 from services.common.service_args import add_model_argument, add_redis_argument, env_default
 
 
@@ -32,7 +32,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     """`pagedserve up`: the whole stack as child processes."""
     import secrets
 
-    from pagedserve.engine.config import GemmBackend
+    from pagedserve.engine.config import CompileMode, GemmBackend
     from pagedserve.launcher import StackConfig, default_threads_per_worker, run_stack
     from pagedserve.model_files import default_cache_dir
     from services.common.auth import cluster_token_from_args
@@ -56,6 +56,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         policy=policy_from_args(args),
         threads_per_worker=args.threads_per_worker or default_threads_per_worker(args.workers),
         gemm_backend=GemmBackend(args.gemm_backend),
+        compile_mode=CompileMode(args.compile_mode),
         data_dir=default_cache_dir() / f"redis-{redis_port}",
     )
     return run_stack(config)
@@ -145,9 +146,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--threads-per-worker", type=int, default=0,
                     help="torch threads per worker (default: CPU cores / workers)")
     add_gemm_backend_argument(up)
+    add_compile_mode_argument(up)
     add_api_key_arguments(up)
     add_cluster_token_arguments(up, required=False)
     add_policy_arguments(up)
+    up.set_defaults(max_num_batched_tokens=CPU_TOKEN_BUDGET)  # up's workers run on the CPU
     up.set_defaults(func=cmd_up)
 
     for name, adder, func, text in (

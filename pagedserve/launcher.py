@@ -22,7 +22,7 @@ from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from pagedserve.engine.config import GemmBackend, SchedulerConfig
+from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
 from services.common.service_args import redact_url
 from services.scheduler.config import policy_to_args
 
@@ -47,6 +47,7 @@ class StackConfig:
         policy: scheduler limits.
         threads_per_worker: torch threads of each worker.
         gemm_backend: the workers' linear-layer kernels (``--gemm-backend``).
+        compile_mode: eager or compiled dense part in the workers (``--compile-mode``).
         data_dir: where a Redis started by us keeps its append-only file.
         startup_timeout_s: how long to wait for everything to be healthy.
         cluster_token: secret shared by the services (default: a new random one); children get it
@@ -66,6 +67,7 @@ class StackConfig:
     threads_per_worker: int
     data_dir: Path
     gemm_backend: GemmBackend = GemmBackend.TORCH
+    compile_mode: CompileMode = CompileMode.EAGER
     startup_timeout_s: float = 600.0
     cluster_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     api_key: str = field(default="", repr=False)
@@ -124,7 +126,8 @@ class Stack:
                 f"worker-{i}", "worker", "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
                 "--kv-cache-memory", cfg.kv_cache_memory, "--block-size", str(cfg.policy.block_size),
                 "--num-threads", str(cfg.threads_per_worker), "--swap-space", cfg.swap_space,
-                "--gemm-backend", cfg.gemm_backend.value, *self._cores_of(i),
+                "--gemm-backend", cfg.gemm_backend.value, "--compile-mode", cfg.compile_mode.value,
+                *self._cores_of(i),
             )
         self._service(
             "gateway", "gateway", "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),

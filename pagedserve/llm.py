@@ -19,7 +19,7 @@ from pagedserve.units import parse_bytes
 from pagedserve.text.output_processor import TextDelta
 from pagedserve.text.request_samples import ParsedRequest, RequestSamples
 from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
-from pagedserve.engine.config import SchedulerConfig, SchedulerStats
+from pagedserve.engine.config import SchedulerConfig, SchedulerStats, default_token_budget
 from pagedserve.engine.engine import Engine, LocalExecutor
 from pagedserve.engine.scheduler import Scheduler
 
@@ -84,7 +84,8 @@ class LLM:
     Args:
         model: a local Hugging Face model folder; ``None`` for the default model.
         kv_cache_memory: KV-cache bytes per worker (an int, or a string such as ``"512MiB"``).
-        block_size, max_num_seqs, max_num_batched_tokens: scheduler limits (see SchedulerConfig).
+        block_size, max_num_seqs, max_num_batched_tokens: scheduler limits (see SchedulerConfig);
+            the token budget defaults to :func:`~pagedserve.engine.config.default_token_budget` of ``device``.
         num_workers: model runners, each with its own weights and KV cache.
         dtype: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         device: torch device of the runners.
@@ -92,6 +93,9 @@ class LLM:
         gemm_backend: ``"torch"`` (``F.linear``: greedy output token-identical to transformers) or
             ``"onednn"`` (prepacked oneDNN GEMMs on CPU: 2-3x faster matmuls, float32 sums in
             another order, so greedy output can differ from transformers at near-ties; opt-in).
+        compile_mode: ``"eager"`` or ``"inductor"`` (the dense part compiled by ``torch.compile``:
+            shorter steps on CPU after tens of seconds of compiling here; reductions in another
+            order, so greedy output can differ from transformers at near-ties; opt-in).
         enable_chunked_prefill, enable_prefix_caching, preemption_mode, policy: see SchedulerConfig.
         swap_space: CPU bytes per worker for swapped-out blocks (``preemption_mode="swap"``).
 
@@ -107,12 +111,13 @@ class LLM:
         kv_cache_memory: int | str = "1GiB",
         block_size: int = 16,
         max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         num_workers: int = 1,
         dtype: str = "auto",
         device: str = "cpu",
         attention_backend: str = "auto",
         gemm_backend: str = "torch",
+        compile_mode: str = "eager",
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
         preemption_mode: str = "recompute",
@@ -128,13 +133,15 @@ class LLM:
         self.tokenizer = PromptTokenizer.from_folder(path)
         memory = parse_bytes(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
         swap = parse_bytes(swap_space) if isinstance(swap_space, str) else swap_space
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = default_token_budget(device)
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
                                  enable_prefix_caching, preemption_mode, policy)
         runners = {
             f"worker-{i}": build_model_runner(
                 path, kv_cache_memory_bytes=memory, block_size=block_size,
                 dtype=getattr(torch, resolve_dtype(dtype, device)), device=device, attention_backend=attention_backend,
-                gemm_backend=gemm_backend, swap_space_bytes=swap,
+                gemm_backend=gemm_backend, compile_mode=compile_mode, swap_space_bytes=swap,
             )
             for i in range(num_workers)
         }

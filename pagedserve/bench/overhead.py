@@ -27,7 +27,8 @@ from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, data
 from pagedserve.bench.in_process import ttft_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.scheduler_cost import scheduler_iteration_ms
-from pagedserve.engine.config import GemmBackend, SchedulerConfig, add_gemm_backend_argument
+from pagedserve.engine.config import (CompileMode, GemmBackend, SchedulerConfig, add_compile_mode_argument,
+                                      add_gemm_backend_argument)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_dataset_arguments(p)
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory of the worker (default %(default)s)")
     add_gemm_backend_argument(p)
+    add_compile_mode_argument(p)
     p.add_argument("--threads-per-worker", type=int, default=0,
                    help="model threads on both sides, pinned to the first cores (default: every core); fewer "
                         "than the cores leaves the rest to the gateway, scheduler, Redis and this client")
@@ -60,7 +62,8 @@ class _InProcess:
 
         self.cores = range(_threads(args))
         torch.set_num_threads(len(self.cores))
-        self.llm = LLM(model, kv_cache_memory=args.kv_cache_memory, gemm_backend=args.gemm_backend)
+        self.llm = LLM(model, kv_cache_memory=args.kv_cache_memory, gemm_backend=args.gemm_backend,
+                       compile_mode=args.compile_mode)
 
     @contextlib.contextmanager
     def _on_worker_cores(self):
@@ -147,7 +150,7 @@ def _measure_both(model: Path, requests: list[SampleRequest], args: argparse.Nam
             model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
             redis_url=f"redis://127.0.0.1:{ports[2]}/0", kv_cache_memory=args.kv_cache_memory, swap_space="0",
             policy=SchedulerConfig(), threads_per_worker=_threads(args), data_dir=Path(data_dir),
-            gemm_backend=GemmBackend(args.gemm_backend),
+            gemm_backend=GemmBackend(args.gemm_backend), compile_mode=CompileMode(args.compile_mode),
         ))
         try:
             stack.start()

@@ -4,7 +4,8 @@ The same sampled requests (the prompts' token ids, each request's own output len
 greedy, float32) run through:
 
   pagedserve  the in-process engine, all requests submitted at once (as `bench throughput` runs it),
-              once per --gemm-backends entry (pagedserve-onednn: oneDNN linear layers, opt-in);
+              once per --engines entry (pagedserve-onednn: oneDNN linear layers; -inductor: compiled
+              dense part; both opt-in);
   vllm        vLLM's offline LLM.generate, in a subprocess of the Python given by --vllm-python
               (a separate vLLM CPU install; the driver is pagedserve/bench/vllm_driver.py);
   llama.cpp   a running llama-server given by --llama-server-url, all requests sent at once.
@@ -34,7 +35,7 @@ from pagedserve.bench.peer_systems import (PeerError, SystemRun, check_vllm_pyth
                                            llama_server_props, run_llama_server, run_vllm)
 from pagedserve.bench.report import format_table, write_json
 from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
-from pagedserve.engine.config import GemmBackend
+from pagedserve.engine.config import CompileMode, GemmBackend
 
 WARMUP_TOKEN_IDS = list(range(1000, 1032))
 """The warm-up prompt: 32 token ids no sampled prompt starts with, so no prefix cache is primed."""
@@ -57,10 +58,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("pagedserve engine (vLLM gets the same sequence and batch limits, and the KV-cache "
                              "memory rounded up to whole GiB)")
     add_engine_arguments(g)
-    g.add_argument("--gemm-backends", default="torch", type=_gemm_backends,
-                   help="comma-separated: one pagedserve row per linear-layer backend, the first is the "
-                        "reference for greedy agreement; torch (token-identical to transformers) or onednn "
-                        "(faster, opt-in; see pagedserve worker --help) (default %(default)s)")
+    g.add_argument("--engines", default="torch", type=_engine_variants,
+                   help="comma-separated: one pagedserve row per engine variant GEMM[+COMPILE], the first is "
+                        "the reference for greedy agreement; GEMM torch (token-identical to transformers) or "
+                        "onednn, COMPILE eager (when omitted) or inductor (both faster and opt-in; see "
+                        "pagedserve worker --help), e.g. torch,onednn,onednn+inductor (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write settings, machine, every figure and per-request matches")
     p.set_defaults(func=run, dtype="float32", device="cpu")
 
@@ -99,36 +101,58 @@ def _token_at(ids: Sequence[int], position: int) -> int | None:
     return ids[position] if position < len(ids) else None
 
 
-def _gemm_backends(text: str) -> list[GemmBackend]:
-    """``torch,onednn`` -> the backends, in order."""
-    try:
-        return [GemmBackend(name.strip()) for name in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {[b.value for b in GemmBackend]}, "
-                                         f"got {text!r}") from None
+@dataclasses.dataclass(frozen=True)
+class EngineVariant:
+    """One pagedserve row of the table: its GEMM backend and compile mode."""
+
+    gemm_backend: GemmBackend
+    compile_mode: CompileMode
+
+    @property
+    def system(self) -> str:
+        """``pagedserve``, then ``-onednn`` / ``-inductor`` for what differs from the defaults."""
+        parts = ["pagedserve"]
+        parts += [self.gemm_backend.value] if self.gemm_backend is not GemmBackend.TORCH else []
+        parts += [self.compile_mode.value] if self.compile_mode is not CompileMode.EAGER else []
+        return "-".join(parts)
+
+
+def _engine_variants(text: str) -> list[EngineVariant]:
+    """``torch,onednn+inductor`` -> the variants, in order."""
+    variants = []
+    for entry in text.split(","):
+        gemm, _, compile_mode = entry.strip().partition("+")
+        try:
+            variants.append(EngineVariant(GemmBackend(gemm), CompileMode(compile_mode or "eager")))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected entries GEMM[+COMPILE] with GEMM in {[b.value for b in GemmBackend]} and COMPILE in "
+                f"{[m.value for m in CompileMode]}, got {entry!r}") from None
+    return variants
 
 
 def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleRequest],
-                   args: argparse.Namespace, gemm_backend: GemmBackend) -> SystemRun:
-    """The in-process engine, after one warm-up request; its memory is freed before the next system runs.
-    The row is ``pagedserve`` with torch GEMMs, ``pagedserve-onednn`` with oneDNN ones."""
+                   args: argparse.Namespace, variant: EngineVariant) -> SystemRun:
+    """The in-process engine, after one warm-up request (and its compiling, for inductor); its memory
+    is freed before the next system runs. The row is named by :attr:`EngineVariant.system`."""
     import gc
 
     from pagedserve.engine.sampling_params import SamplingParams
 
-    llm = build_engine(model, argparse.Namespace(**{**vars(args), "gemm_backend": gemm_backend.value}))
+    llm = build_engine(model, argparse.Namespace(**{**vars(args), "gemm_backend": variant.gemm_backend.value,
+                                                    "compile_mode": variant.compile_mode.value}))
     llm.add_request(WARMUP_TOKEN_IDS, SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True))
     while llm.has_unfinished_requests():
         llm.step()
     outputs: list[list[int]] = []
     run = time_engine(llm, prompts, requests, outputs)
-    if gemm_backend is not GemmBackend.TORCH:
-        run = dataclasses.replace(run, system=f"pagedserve-{gemm_backend.value}")
+    run = dataclasses.replace(run, system=variant.system)
     eos_token_ids = list(llm.tokenizer.info.eos_token_ids)
     del llm
     gc.collect()
     info = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
-            "eos_token_ids": eos_token_ids, "gemm_backend": gemm_backend.value}
+            "eos_token_ids": eos_token_ids, "gemm_backend": variant.gemm_backend.value,
+            "compile_mode": variant.compile_mode.value}
     return SystemRun(run, outputs, info)
 
 
@@ -185,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     max_tokens = [r.expected_output_len for r in requests]
     print(f"{len(requests)} requests: {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens")
-    runs = [run_pagedserve(model, prompts, requests, args, backend) for backend in args.gemm_backends]
+    runs = [run_pagedserve(model, prompts, requests, args, backend) for backend in args.engines]
     if args.vllm_python:
         runs.append(run_vllm(args.vllm_python, vllm_spec(model, prompts, requests, args), prompts, max_tokens))
     if args.llama_server_url:

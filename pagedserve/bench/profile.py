@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedserve.bench.machine import machine_info, machine_line
-from pagedserve.engine.config import ATTENTION_BACKENDS, add_gemm_backend_argument
+from pagedserve.engine.config import ATTENTION_BACKENDS, add_compile_mode_argument, add_gemm_backend_argument
 
 GEMMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PIECES = ("embed", "norm", "rotary", *GEMMS, "write_kv", "attention", "lm_head")
@@ -49,19 +49,14 @@ class StepTimers:
 
 def instrument(runner, timers: StepTimers) -> None:
     """Puts timers around the runner's phases and the model's pieces. The attention-metadata
-    builder is wrapped for the whole module: for a benchmark process, not a server."""
+    builder is wrapped for the whole module: for a benchmark process, not a server. With a compiled
+    forward the pieces inside the graph (embedding, norms, GEMMs) are not timed one by one: their
+    time is the forward's less attention."""
     from pagedserve.engine import model_runner as mr
 
     model = runner.model
-    model.embed_tokens.forward = timers.wrap("embed", model.embed_tokens.forward)
-    model.rotary.forward = timers.wrap("rotary", model.rotary.forward)
-    model.norm.forward = timers.wrap("norm", model.norm.forward)
-    for layer in model.layers:
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.forward = timers.wrap("norm", norm.forward)
-        for name, linear in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-                             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
-            linear.forward = timers.wrap(name, linear.forward)
+    if runner.forward is model:
+        _instrument_layers(model, timers)
     backend = runner.attention_backend
     backend.write_kv = timers.wrap("write_kv", backend.write_kv)
     backend.attend = timers.wrap("attention", backend.attend)
@@ -71,6 +66,19 @@ def instrument(runner, timers: StepTimers) -> None:
     sampler = runner.sampler
     runner.sampler = timers.wrap("sampling", sampler.__call__)
     runner.execute = timers.wrap("step", runner.execute)
+
+
+def _instrument_layers(model, timers: StepTimers) -> None:
+    """Timers around the embedding, rotary, norms and each GEMM group of an eager model."""
+    model.embed_tokens.forward = timers.wrap("embed", model.embed_tokens.forward)
+    model.rotary.forward = timers.wrap("rotary", model.rotary.forward)
+    model.norm.forward = timers.wrap("norm", model.norm.forward)
+    for layer in model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.forward = timers.wrap("norm", norm.forward)
+        for name, linear in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+            linear.forward = timers.wrap(name, linear.forward)
 
 
 def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, repeats: int = 5) -> dict[str, float]:
@@ -141,7 +149,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model or None, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False,
-              gemm_backend=args.gemm_backend, attention_backend=args.attention_backend)
+              gemm_backend=args.gemm_backend, compile_mode=args.compile_mode, attention_backend=args.attention_backend)
     runner = llm.engine.executor.runners["worker-0"]
     timers = StepTimers()
     instrument(runner, timers)
@@ -187,6 +195,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory (default %(default)s)")
     add_gemm_backend_argument(p)
+    add_compile_mode_argument(p)
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: the C++ op on CPU; torch: gathered copies and SDPA, as before it (default %(default)s)")
     p.add_argument("--result-json", default="", help="write every figure to this file")

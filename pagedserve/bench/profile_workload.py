@@ -18,7 +18,7 @@ from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.profile import StepTimers, instrument
 from pagedserve.bench.report import format_table
 from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
-from pagedserve.engine.config import add_gemm_backend_argument
+from pagedserve.engine.config import add_compile_mode_argument, add_gemm_backend_argument
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_dataset_arguments(p)
     add_engine_arguments(p)
     add_gemm_backend_argument(p)
+    add_compile_mode_argument(p)
     p.add_argument("--result-json", type=Path, help="write every figure to this file")
     p.set_defaults(func=main, dtype="float32", device="cpu")
 
@@ -48,12 +49,13 @@ def main(args: argparse.Namespace) -> int:
     seconds = {k: v / 1000 for k, v in sorted(timers.take().items(), key=lambda kv: -kv[1])}
     steps = seconds.get("step", 0.0)
     print(f"\n{len(requests)} requests, {run.output_tokens} output tokens in {run.elapsed_s:.1f} s "
-          f"({run.output_tokens_per_s:.1f} output tok/s), gemm backend {args.gemm_backend} "
+          f"({run.output_tokens_per_s:.1f} output tok/s), gemm backend {args.gemm_backend}, {args.compile_mode} "
           f"({machine_line(machine_info())})")
     print(format_table(["piece", "seconds", "share of steps"],
                        [[k, v, f"{100 * v / steps:.1f}%" if steps else "-"] for k, v in seconds.items()]))
     if args.result_json:
         args.result_json.write_text(json.dumps({"elapsed_s": run.elapsed_s, "output_tokens": run.output_tokens,
                                                 "seconds": seconds, "machine": machine_info(),
-                                                "gemm_backend": args.gemm_backend}, indent=2))
+                                                "gemm_backend": args.gemm_backend,
+                                                "compile_mode": args.compile_mode}, indent=2))
     return 0

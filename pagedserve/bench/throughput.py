@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.machine import machine_info, machine_line
-from pagedserve.engine.config import add_gemm_backend_argument
+from pagedserve.engine.config import add_compile_mode_argument, add_gemm_backend_argument
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="dtype for both systems; auto: bfloat16 on CUDA, float32 on CPU (default %(default)s)")
     add_engine_arguments(p)
     add_gemm_backend_argument(p)
+    add_compile_mode_argument(p)
     p.add_argument("--result-json", type=Path, help="write every figure here")
     p.set_defaults(func=run)
 
@@ -77,7 +78,7 @@ def build_engine(model: Path, args: argparse.Namespace):
 
     return LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device,
-               gemm_backend=args.gemm_backend)
+               gemm_backend=args.gemm_backend, compile_mode=getattr(args, "compile_mode", "eager"))
 
 
 def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],

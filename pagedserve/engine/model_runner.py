@@ -9,19 +9,20 @@ flat batch, longest context first, so attention can batch them; results return i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from pagedserve.engine.config import GemmBackend
+from pagedserve.engine.config import CompileMode, GemmBackend
 from pagedserve.engine.models.onednn import pack_linear_layers
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, SequenceId, StepResult
 from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
 from pagedserve.engine.attention import (AttentionBackend, build_attention_metadata, compute_positions,
                                        make_attention_backend)
+from pagedserve.engine.attention.step import StepAttention
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.weight_loader import load_model
@@ -107,16 +108,19 @@ class ModelRunner:
     """Executes BatchPlans on one model with one paged KV cache.
 
     Args:
-        model: a model with ``forward(input_ids, positions, kv_cache, metadata, backend)``,
-            ``compute_logits`` and a ``dtype`` attribute.
+        model: a model with ``forward(input_ids, positions, attention)`` (``attention``: a
+            :class:`StepAttention`), ``compute_logits`` and a ``dtype`` attribute.
         kv_cache: the paged cache the plans' block ids index.
         attention_backend: paged attention implementation.
         sampler: turns logits into tokens.
+        forward: runs the model's forward (default: ``model`` itself, eager); a
+            :class:`~pagedserve.engine.models.compiled.CompiledForward` for inductor.
     """
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, attention_backend: AttentionBackend,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, forward: Callable[..., torch.Tensor] | None = None) -> None:
         self.model = model
+        self.forward = forward or model
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend
         self.sampler = sampler
@@ -242,8 +246,20 @@ class ModelRunner:
         metadata = build_attention_metadata(query_lens, context_lens, [s.state.block_ids for s in batch],
                                             positions, self.block_size, self.model.dtype, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)  # (T,)
-        return self.model(input_ids, positions.to(self.device), self.kv_cache, metadata,
-                          self.attention_backend)                         # (T, hidden)
+        attention = StepAttention(self.kv_cache, metadata, self.attention_backend)
+        return self.forward(input_ids, positions.to(self.device), attention)  # (T, hidden)
+
+    def warm_up(self) -> None:
+        """Runs a 2-token and a 1-token forward over block 0 (before any sequence owns a block), so
+        that a compiled forward compiles its graphs now rather than in the first requests' steps."""
+        for num_tokens in (2, 1):
+            with torch.inference_mode():  # as in execute: guards check the inputs are inference tensors
+                query_lens, context_lens, positions = [num_tokens], [0], compute_positions([num_tokens], [0])
+                metadata = build_attention_metadata(query_lens, context_lens, [[0]], positions, self.block_size,
+                                                    self.model.dtype, self.device)
+                input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+                self.forward(input_ids, positions.to(self.device),
+                             StepAttention(self.kv_cache, metadata, self.attention_backend))
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -256,6 +272,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | None = None, block_size: int = 16,
                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                        attention_backend: str = "auto", gemm_backend: GemmBackend | str = GemmBackend.TORCH,
+                       compile_mode: CompileMode | str = CompileMode.EAGER,
                        gpu_memory_utilization: float = 0.9,
                        swap_space_bytes: int = 0, sampler_seed: int | None = None) -> ModelRunner:
     """Loads the model of a Hugging Face folder and sizes a KV cache.
@@ -270,6 +287,8 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         attention_backend: ``auto`` (Triton on CUDA, the C++ op elsewhere), ``cpu``, ``torch`` or ``triton``.
         gemm_backend: ``torch`` (``F.linear``, token-identical to transformers) or ``onednn``
             (prepacked oneDNN GEMMs on CPU, faster, float32 sums in another order; opt-in).
+        compile_mode: ``eager``, or ``inductor`` (the dense part compiled with ``torch.compile``;
+            compiles during this call, tens of seconds; opt-in, see ``models/compiled.py``).
         gpu_memory_utilization: fraction of the GPU's memory this worker may use in all.
         swap_space_bytes: CPU memory for swapped-out blocks (swap preemption); 0: none.
         sampler_seed: seed of the generator for requests without their own seed.
@@ -288,7 +307,15 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         kv_cache_memory_bytes = _default_kv_memory(torch.device(device), gpu_memory_utilization)
     kv_cache = KVCache(spec, num_blocks_for_memory(spec, kv_cache_memory_bytes), device=device,
                        num_cpu_blocks=swap_space_bytes // spec.bytes_per_block)
-    return ModelRunner(model, kv_cache, backend, Sampler(seed=sampler_seed, device=device))
+    forward = None
+    if CompileMode(compile_mode) is CompileMode.INDUCTOR:
+        from pagedserve.engine.models.compiled import CompiledForward
+
+        forward = CompiledForward(model)
+    runner = ModelRunner(model, kv_cache, backend, Sampler(seed=sampler_seed, device=device), forward)
+    if forward is not None:
+        runner.warm_up()
+    return runner
 
 
 def _default_kv_memory(device: torch.device, gpu_memory_utilization: float) -> int:

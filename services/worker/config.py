@@ -12,7 +12,8 @@ from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_argume
 from services.common.service_args import (
     add_listen_arguments, add_model_argument, add_redis_argument, env_default, redis_url_from_args,
 )
-from pagedserve.engine.config import ATTENTION_BACKENDS, GemmBackend, add_gemm_backend_argument
+from pagedserve.engine.config import (ATTENTION_BACKENDS, CompileMode, GemmBackend, add_compile_mode_argument,
+                                      add_gemm_backend_argument)
 from pagedserve.units import parse_bytes, parse_cpu_list
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -36,6 +37,8 @@ class WorkerConfig:
         device: ``cpu`` or ``cuda``.
         attention_backend: ``auto`` (Triton on CUDA, the C++ op on CPU), ``cpu``, ``torch`` or ``triton``.
         gemm_backend: linear-layer kernels on CPU (see :class:`~pagedserve.engine.config.GemmBackend`).
+        compile_mode: eager, or the dense part compiled by inductor before the worker registers
+            (see :class:`~pagedserve.engine.config.CompileMode`).
         gpu_memory_utilization: on CUDA, the share of the GPU's memory the worker may use in all.
         swap_space: bytes of CPU memory for blocks swapped out by swap preemption (0: none).
         num_threads: torch intra-op threads; 0 keeps torch's default.
@@ -60,6 +63,7 @@ class WorkerConfig:
     device: str = "cpu"
     attention_backend: str = "auto"
     gemm_backend: GemmBackend = GemmBackend.TORCH
+    compile_mode: CompileMode = CompileMode.EAGER
     gpu_memory_utilization: float = 0.9
     swap_space: int = 0
     num_threads: int = 0
@@ -74,6 +78,7 @@ class WorkerConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         object.__setattr__(self, "gemm_backend", GemmBackend(self.gemm_backend))
+        object.__setattr__(self, "compile_mode", CompileMode(self.compile_mode))
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -119,6 +124,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: Triton on CUDA; on CPU the compiled C++ op for decodes (cpu), or plain torch if it cannot be built (default %(default)s)",
     )
     add_gemm_backend_argument(parser)
+    add_compile_mode_argument(parser)
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
     parser.add_argument(
         "--cpu-affinity", default="",
@@ -159,6 +165,7 @@ def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConf
         device=args.device,
         attention_backend=args.attention_backend,
         gemm_backend=GemmBackend(args.gemm_backend),
+        compile_mode=CompileMode(args.compile_mode),
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=parse_bytes(args.swap_space) if args.swap_space not in ("", "0") else 0,
         num_threads=args.num_threads,

@@ -59,6 +59,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         device=config.device,
         attention_backend=config.attention_backend,
         gemm_backend=config.gemm_backend,
+        compile_mode=config.compile_mode,
         gpu_memory_utilization=config.gpu_memory_utilization,
         swap_space_bytes=config.swap_space,
     )

@@ -92,3 +92,25 @@ def test_profile_workload_accounts_for_a_dataset_run(tmp_path, default_model):
     assert report["output_tokens"] == 18
     assert 0 < seconds["attention"] < seconds["forward"] <= seconds["step"] <= report["elapsed_s"]
     assert "share of steps" in stdout and "gate_up_proj" in stdout
+
+
+def test_token_budget_sweep_reports_each_budget(tmp_path, default_model):
+    out = tmp_path / "b.json"
+    stdout = bench("token-budget", "--model", str(default_model), "--dataset-name", "random", "--num-prompts", "4",
+                   "--input-len", "40", "--output-len", "5", "--kv-cache-memory", "64MiB", "--budgets", "16,64",
+                   "--request-rate", "inf", "--result-json", str(out))
+    report = json.loads(out.read_text())
+    assert [r["budget"] for r in report["runs"]] == [16, 64]
+    for run in report["runs"]:
+        assert run["output_tokens_per_s"] > 0 and 0 < run["itl_p50_ms"] <= run["itl_p99_ms"]
+        assert run["ttft_mean_ms"] > 0
+    assert "vs largest" in stdout
+
+
+def test_arrival_offsets_are_seeded_poisson_or_all_at_once():
+    from pagedserve.bench.token_budget import arrival_offsets
+
+    assert arrival_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
+    offsets = arrival_offsets(2000, 4.0, 1)
+    assert offsets == arrival_offsets(2000, 4.0, 1) and offsets[0] == 0.0
+    assert offsets == sorted(offsets) and 450 < offsets[-1] < 550  # mean gap 1/4 s

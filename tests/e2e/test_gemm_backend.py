@@ -1,5 +1,6 @@
-"""The opt-in oneDNN GEMMs through the real services: a worker started with --gemm-backend onednn
-gives exactly the in-process engine's greedy output with the same kernels."""
+"""The opt-in fast paths through the real services: a worker started with --gemm-backend onednn, or
+with --compile-mode inductor, gives exactly the in-process engine's greedy output with the same
+kernels."""
 
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
-def test_worker_with_onednn_gemms_matches_in_process(tmp_path, default_model):
+@pytest.mark.parametrize("gemm_backend, compile_mode", [("onednn", "eager"), ("torch", "inductor")])
+def test_worker_fast_path_matches_in_process(tmp_path, default_model, gemm_backend, compile_mode):
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.llm import LLM
     from pagedserve.text.tokenizer import ChatTurn
 
     questions = QUESTIONS[:8]
-    llm = LLM(default_model, kv_cache_memory="64MiB", gemm_backend="onednn")
+    llm = LLM(default_model, kv_cache_memory="64MiB", gemm_backend=gemm_backend, compile_mode=compile_mode)
     expected = llm.chat([[ChatTurn("user", q)] for q in questions], SamplingParams(max_tokens=24, temperature=0.0))
     del llm
     stack = start_stack(tmp_path, default_model, num_workers=1, worker_threads=2,
-                        worker_args=("--gemm-backend", "onednn"))
+                        worker_args=("--gemm-backend", gemm_backend, "--compile-mode", compile_mode))
     try:
         with ThreadPoolExecutor(len(questions)) as pool:
             results = list(pool.map(lambda q: stream(stack.gateway, chat_request(q)), questions))

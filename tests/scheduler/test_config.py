@@ -24,3 +24,20 @@ def test_policy_flags_round_trip(config):
 def test_invalid_values_raise(bad):
     with pytest.raises(ValueError):
         SchedulerConfig(**bad)
+
+
+def test_token_budget_defaults_follow_the_device():
+    """CPU workers get the measured CPU budget (docs/benchmarks.md, bench token-budget): `up` (CPU
+    workers) and the offline engine on CPU; the standalone scheduler keeps the GPU-sized default."""
+    from pagedserve.cli import build_parser
+    from pagedserve.engine.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, default_token_budget
+
+    assert (default_token_budget("cpu"), default_token_budget("cuda"), default_token_budget("cuda:1")) == (
+        CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET) == (256, 2048, 2048)
+    up = build_parser().parse_args(["up"])
+    assert policy_from_args(up).max_num_batched_tokens == 256
+    assert policy_from_args(build_parser().parse_args(["up", "--max-num-batched-tokens", "1024"])
+                            ).max_num_batched_tokens == 1024
+    parser = argparse.ArgumentParser()
+    add_policy_arguments(parser)
+    assert policy_from_args(parser.parse_args([])).max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens

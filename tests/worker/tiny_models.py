@@ -12,6 +12,7 @@ import torch
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId, StepResult
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.attention import build_attention_metadata, compute_positions
+from pagedserve.engine.attention.step import StepAttention
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -99,7 +100,7 @@ def forward_step(model, cache: KVCache, backend, token_ids: list[list[int]], con
     metadata = build_attention_metadata(query_lens, context_lens, block_tables, positions, cache.block_size)
     ids = torch.tensor([t for seq in token_ids for t in seq])
     with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, cache, metadata, backend))
+        return model.compute_logits(model(ids, positions, StepAttention(cache, metadata, backend)))
 
 
 GREEDY = EngineSamplingParams(max_tokens=64, temperature=0.0)

@@ -3,27 +3,34 @@
 Decoder-only transformer (Touvron et al., 2023): pre-RMSNorm blocks of grouped-query attention
 (Ainslie et al., 2023) with rotary positions and a SwiGLU MLP. The batch is one flat run of
 tokens from many sequences without padding; attention finds each sequence's context through the
-step's :class:`AttentionMetadata`. q/k/v and gate/up projections are fused into single matmuls.
+step's metadata, reached through the ``attention`` callable each layer is given (a
+:class:`~pagedserve.engine.attention.step.StepAttention`, or its opaque compiled stand-in). q/k/v and
+gate/up projections are fused into single matmuls.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.engine.attention import AttentionBackend, AttentionMetadata
-from pagedserve.engine.kv_cache import KVCache
 from pagedserve.engine.models.config import ModelConfig
 from pagedserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
 from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
+
+# attention(query [T, H, D], key [T, Hkv, D], value [T, Hkv, D], layer_index, scale) -> [T, H, D]:
+# writes the step's K/V into the layer's cache, then attends over each sequence's context.
+PagedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
 class LlamaAttention(nn.Module):
     """Self-attention with fused q/k/v rows ``[q (H*D); k (Hkv*D); v (Hkv*D)]``."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = config.head_dim ** -0.5
         qkv_out = config.q_size + 2 * config.kv_size
@@ -31,9 +38,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(config.q_size, config.hidden_size, config.o_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                caches: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        """``x`` ``[T, hidden]`` -> ``[T, hidden]``; writes this step's K/V into ``caches``."""
+                attention: PagedAttentionFn) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]``; ``attention`` writes this step's K/V into the cache."""
         num_tokens = x.shape[0]
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)                                            # (T, (H+2Hkv)*D)
@@ -41,27 +47,24 @@ class LlamaAttention(nn.Module):
         qk = apply_rotary(qk, cos, sin)                                   # (T, H+Hkv, D)
         q, k = qk[:, :heads], qk[:, heads:]                               # (T, H, D), (T, Hkv, D)
         v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)  # (T, Hkv, D)
-        key_cache, value_cache = caches
-        backend.write_kv(k, v, key_cache, value_cache, metadata)
-        o = backend.attend(q, k, v, key_cache, value_cache, metadata, self.scale)  # (T, H, D)
+        o = attention(q, k, v, self.layer_index, self.scale)              # (T, H, D)
         return self.o_proj(o.reshape(num_tokens, heads * dim))           # (T, hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, dtype, device)
+        self.self_attn = LlamaAttention(config, layer_index, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                caches: tuple[torch.Tensor, torch.Tensor], metadata: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                attention: PagedAttentionFn) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]`` (updates ``x`` in place)."""
-        x += self.self_attn(self.input_layernorm(x), cos, sin, caches, metadata, backend)  # (T, hidden)
+        x += self.self_attn(self.input_layernorm(x), cos, sin, attention)  # (T, hidden)
         x += self.mlp(self.post_attention_layernorm(x))                   # (T, hidden)
         return x
 
@@ -85,7 +88,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
@@ -102,24 +105,21 @@ class LlamaForCausalLM(nn.Module):
                              "up_proj": (c.intermediate_size, c.intermediate_size)},
         }
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                attn_metadata: AttentionMetadata, attention_backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
         """Runs the decoder over a flat token batch.
 
         Args:
             input_ids: int64 ``[T]``.
             positions: int64 ``[T]``, each token's position in its sequence.
-            kv_cache: the paged cache (this step's K/V are written into it).
-            attn_metadata: the step's attention metadata (slot mapping, block tables, ...).
-            attention_backend: computes paged attention.
+            attention: the step's paged attention (writes K/V into the cache, attends over it).
 
         Returns:
             Final-norm hidden states ``[T, hidden]`` in the model dtype.
         """
         x = self.embed_tokens(input_ids)                                # (T, hidden)
         cos, sin = self.rotary(positions, self.dtype)                     # (T, 1, D/2) each
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache.layer(index), attn_metadata, attention_backend)  # (T, hidden)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)                             # (T, hidden)
         return self.norm(x)                                               # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

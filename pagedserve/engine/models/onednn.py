@@ -10,12 +10,31 @@ nearly tie: the engine's default stays ``F.linear`` (:attr:`GemmBackend.TORCH`),
 
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import nn
 
 from pagedserve.engine.models.layers import Linear
 
 BATCH_HINT = 64  # the token count oneDNN tunes the packed layout for; any count works
+
+_layers: weakref.WeakValueDictionary[int, OneDnnLinear] = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+@torch.library.custom_op("pagedserve::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, layer_id: int, out_features: int) -> torch.Tensor:
+    """``x`` ``[T, in]`` through the packed layer ``layer_id``: ``[T, out_features]``. A custom op so
+    that ``torch.compile`` keeps it opaque (inductor cannot take the packed weight as a graph input)."""
+    layer = _layers[layer_id]
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, layer.bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x, layer_id, out_features):
+    return x.new_empty(x.shape[0], out_features)
 
 
 class OneDnnLinear(nn.Module):
@@ -36,10 +55,12 @@ class OneDnnLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)  # opaque
         self.bias = None if bias is None else bias.detach().clone()
+        self.layer_id = next(_ids)
+        _layers[self.layer_id] = self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, in]`` -> ``[T, out]``."""
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed_weight, self.bias, "none", [], "")
+        return onednn_linear(x, self.layer_id, self.out_features)
 
 
 def pack_linear_layers(model: nn.Module) -> int:
