@@ -40,8 +40,8 @@ def add_compile_mode_argument(parser: argparse.ArgumentParser) -> None:
         "--compile-mode", choices=[m.value for m in CompileMode], default=CompileMode.EAGER.value,
         help="eager: run the model op by op (greedy output token-identical to transformers with "
              "--gemm-backend torch); inductor: torch.compile the layers' dense part (fused RMSNorm, "
-             "rotary, SiLU*mul, residual adds; 10-15%% shorter decode steps on CPU, reductions in another "
-             "order, about 40 s of compiling at start) (default %(default)s)")
+             "rotary, SiLU*mul, residual adds; busy decode steps 4-15%% shorter on CPU, single-sequence "
+             "steps slightly longer; reductions in another order; about 40 s of compiling at start) (default %(default)s)")
 
 
 class PreemptionMode(enum.Enum):

@@ -2,8 +2,8 @@
 
 Between the GEMMs a decoder layer runs a dozen small element-wise ops (RMSNorm, rotary, SiLU*mul,
 residual adds), each a pass over the activations plus an eager dispatch. Inductor fuses them into a
-few generated C++ loops; on the 2-core CPU of docs/benchmarks.md a 64-sequence decode step gets
-10-15% shorter. As in vLLM's compiled models, attention stays out of the graph: each layer calls a
+few generated C++ loops; on the 2-core CPU of docs/benchmarks.md decode steps of 16 to 256
+sequences get 4-15% shorter (a single-sequence step gets about 2 ms longer). As in vLLM's compiled models, attention stays out of the graph: each layer calls a
 custom op (``pagedserve::paged_attention``) that looks up the step's
 :class:`~pagedserve.engine.attention.step.StepAttention` by the forward's registry id, so the graph
 depends on no block table, length or batch composition, and one graph (symbolic token count) serves
