@@ -78,7 +78,7 @@ def build_engine(model: Path, args: argparse.Namespace):
 
     return LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device,
-               gemm_backend=args.gemm_backend, compile_mode=getattr(args, "compile_mode", "eager"))
+               gemm_backend=args.gemm_backend, compile_mode=args.compile_mode)
 
 
 def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],

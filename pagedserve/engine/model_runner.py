@@ -240,11 +240,16 @@ class ModelRunner:
         for s in batch:
             start = s.state.num_computed_tokens
             token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens]
-        query_lens = [s.num_scheduled_tokens for s in batch]
-        context_lens = [s.state.num_computed_tokens for s in batch]
+        return self._forward_tokens(token_ids, [s.num_scheduled_tokens for s in batch],
+                                    [s.state.num_computed_tokens for s in batch], [s.state.block_ids for s in batch])
+
+    def _forward_tokens(self, token_ids: list[int], query_lens: list[int], context_lens: list[int],
+                        block_tables: list[list[int]]) -> torch.Tensor:
+        """The model over a flat token batch, each sequence's new tokens after its computed ones:
+        hidden states ``[T, hidden]``."""
         positions = compute_positions(query_lens, context_lens)           # (T,) int64
-        metadata = build_attention_metadata(query_lens, context_lens, [s.state.block_ids for s in batch],
-                                            positions, self.block_size, self.model.dtype, self.device)
+        metadata = build_attention_metadata(query_lens, context_lens, block_tables, positions, self.block_size,
+                                            self.model.dtype, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)  # (T,)
         attention = StepAttention(self.kv_cache, metadata, self.attention_backend)
         return self.forward(input_ids, positions.to(self.device), attention)  # (T, hidden)
@@ -252,14 +257,9 @@ class ModelRunner:
     def warm_up(self) -> None:
         """Runs a 2-token and a 1-token forward over block 0 (before any sequence owns a block), so
         that a compiled forward compiles its graphs now rather than in the first requests' steps."""
-        for num_tokens in (2, 1):
-            with torch.inference_mode():  # as in execute: guards check the inputs are inference tensors
-                query_lens, context_lens, positions = [num_tokens], [0], compute_positions([num_tokens], [0])
-                metadata = build_attention_metadata(query_lens, context_lens, [[0]], positions, self.block_size,
-                                                    self.model.dtype, self.device)
-                input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-                self.forward(input_ids, positions.to(self.device),
-                             StepAttention(self.kv_cache, metadata, self.attention_backend))
+        with torch.inference_mode():  # as in execute: guards check the inputs are inference tensors
+            for num_tokens in (2, 1):
+                self._forward_tokens([0] * num_tokens, [num_tokens], [0], [[0]])
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from pagedserve.engine.attention import TorchAttentionBackend
-from pagedserve.engine.attention.step import StepAttention
-from pagedserve.engine.attention import build_attention_metadata, compute_positions
 from pagedserve.engine.model_runner import build_model_runner
 from pagedserve.engine.models.compiled import CompiledForward
 from pagedserve.engine.weight_loader import load_model
-from tests.worker.tiny_models import MiniScheduler, hf_greedy, hf_model, make_cache, relative_errors, save_tiny_model
+from tests.worker.tiny_models import (MiniScheduler, forward_step, hf_greedy, hf_model, make_cache, relative_errors,
+                                      save_tiny_model)
 
 BLOCK = 4
+KV_BYTES = 96 * 2 * 2 * BLOCK * 2 * 16 * 4  # 96 blocks: K+V, 2 layers, block, 2 KV heads, head_dim 16, float32
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +28,6 @@ def tiny(tmp_path_factory):
 def _prompts(seed: int, *lengths: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 96) for _ in range(n)] for n in lengths]
-
-
-def _logits(forward, model, cache, token_ids, context_lens, tables) -> torch.Tensor:
-    query_lens = [len(t) for t in token_ids]
-    positions = compute_positions(query_lens, context_lens)
-    metadata = build_attention_metadata(query_lens, context_lens, tables, positions, BLOCK)
-    ids = torch.tensor([t for seq in token_ids for t in seq])
-    with torch.inference_mode():
-        return model.compute_logits(forward(ids, positions, StepAttention(cache, metadata, TorchAttentionBackend())))
 
 
 def test_compiled_logits_equal_eager_on_prefill_decode_and_cached_context(tiny):
@@ -53,8 +44,8 @@ def test_compiled_logits_equal_eager_on_prefill_decode_and_cached_context(tiny):
              ([[3, 4, 5, 6], [10]], [12, 6])]        # prefill over cached context + a decode
     for token_ids, context_lens in steps:
         rows = tables[:len(token_ids)]
-        want = _logits(model, model, eager_cache, token_ids, context_lens, rows)
-        got = _logits(compiled, model, compiled_cache, token_ids, context_lens, rows)
+        want = forward_step(model, eager_cache, TorchAttentionBackend(), token_ids, context_lens, rows)
+        got = forward_step(model, compiled_cache, TorchAttentionBackend(), token_ids, context_lens, rows, compiled)
         rel, rel_max = relative_errors(got, want)
         assert rel < 1e-5 and rel_max < 1e-4, (context_lens, rel, rel_max)
 
@@ -65,8 +56,7 @@ def test_compiled_runner_matches_hf_greedy_without_recompiling(tiny):
     from torch._dynamo.utils import counters
 
     folder, ref = tiny
-    runner = build_model_runner(folder, kv_cache_memory_bytes=96 * 2 * 2 * BLOCK * 2 * 16 * 4, block_size=BLOCK,
-                                compile_mode="inductor")
+    runner = build_model_runner(folder, kv_cache_memory_bytes=KV_BYTES, block_size=BLOCK, compile_mode="inductor")
     graphs = counters["stats"]["unique_graphs"]
     sched = MiniScheduler(runner, seed=2)
     prompts = _prompts(4, 9, 14, 3, 6)
@@ -91,7 +81,7 @@ def test_compiled_forward_with_onednn_gemms_matches_eager_onednn(tiny):
     folder, _ = tiny
     outputs = []
     for mode in ("eager", "inductor"):
-        runner = build_model_runner(folder, kv_cache_memory_bytes=96 * 2 * 2 * BLOCK * 2 * 16 * 4, block_size=BLOCK,
+        runner = build_model_runner(folder, kv_cache_memory_bytes=KV_BYTES, block_size=BLOCK,
                                     gemm_backend="onednn", compile_mode=mode)
         sched = MiniScheduler(runner, seed=3)
         for i, prompt in enumerate(_prompts(5, 12, 4, 20)):

@@ -93,14 +93,15 @@ def make_cache(model, num_blocks: int, block_size: int) -> KVCache:
 
 
 def forward_step(model, cache: KVCache, backend, token_ids: list[list[int]], context_lens: list[int],
-                 block_tables: list[list[int]]) -> torch.Tensor:
-    """One forward pass of our model over several sequences' new tokens; logits of every token ``[T, V]``."""
+                 block_tables: list[list[int]], forward=None) -> torch.Tensor:
+    """One forward pass of our model (or of ``forward``, e.g. a compiled one) over several sequences'
+    new tokens; logits of every token ``[T, V]``."""
     query_lens = [len(t) for t in token_ids]
     positions = compute_positions(query_lens, context_lens)
     metadata = build_attention_metadata(query_lens, context_lens, block_tables, positions, cache.block_size)
     ids = torch.tensor([t for seq in token_ids for t in seq])
     with torch.inference_mode():
-        return model.compute_logits(model(ids, positions, StepAttention(cache, metadata, backend)))
+        return model.compute_logits((forward or model)(ids, positions, StepAttention(cache, metadata, backend)))
 
 
 GREEDY = EngineSamplingParams(max_tokens=64, temperature=0.0)
