@@ -126,8 +126,8 @@ class LLM:
     ) -> None:
         import torch
 
-        from pagedserve.engine.model_runner import resolve_dtype
-        from pagedserve.engine.model_runner import build_model_runner
+        from pagedserve.engine.runner_factory import resolve_dtype
+        from pagedserve.engine.runner_factory import build_model_runner
 
         path = resolve_model(str(model) if model else None)
         self.tokenizer = PromptTokenizer.from_folder(path)

@@ -121,7 +121,7 @@ def run_hf(model_dir: Path, requests: list[SampleRequest], batch_size: int, toke
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from pagedserve.engine.model_runner import resolve_dtype
+    from pagedserve.engine.runner_factory import resolve_dtype
 
     dtype = getattr(torch, resolve_dtype(args.dtype, args.device))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()

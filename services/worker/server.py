@@ -16,7 +16,7 @@ from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bin
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.redis_wait import connect_redis
-from pagedserve.engine.model_runner import resolve_dtype
+from pagedserve.engine.runner_factory import resolve_dtype
 from services.worker.config import WorkerConfig
 from services.worker.registration import WorkerRegistrar
 from services.worker.service import WorkerServicer
@@ -46,7 +46,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         bind_to_cores(config.cpu_affinity)
     import torch
 
-    from pagedserve.engine.model_runner import build_model_runner
+    from pagedserve.engine.runner_factory import build_model_runner
 
     tracer = telemetry.setup_tracing("pagedserve-worker")
     if config.num_threads:

@@ -13,7 +13,7 @@ from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.attention import TritonAttentionBackend
-from pagedserve.engine.model_runner import build_model_runner
+from pagedserve.engine.runner_factory import build_model_runner
 from tests.worker.tiny_models import save_tiny_model
 
 BLOCK = 8

@@ -1,6 +1,5 @@
 """Scheduler: plans as deltas, chunked prefill, preemption, placement, aborts, no leaked blocks."""
 
-import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st

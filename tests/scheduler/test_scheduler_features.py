@@ -3,12 +3,11 @@ swap preemption and parallel sampling (fork + copy-on-write), checked with the s
 
 from __future__ import annotations
 
-import dataclasses
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.engine.messages import EngineRequest, FinishReason, SequenceId
+from pagedserve.engine.messages import EngineRequest, SequenceId
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor

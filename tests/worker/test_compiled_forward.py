@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.engine.attention import TorchAttentionBackend
-from pagedserve.engine.model_runner import build_model_runner
+from pagedserve.engine.runner_factory import build_model_runner
 from pagedserve.engine.models.compiled import CompiledForward
 from pagedserve.engine.weight_loader import load_model
 from tests.worker.tiny_models import (MiniScheduler, forward_step, hf_greedy, hf_model, make_cache, relative_errors,

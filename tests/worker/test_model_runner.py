@@ -9,7 +9,8 @@ import torch
 
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId, StepResult
 from pagedserve.engine.sampling_params import EngineSamplingParams
-from pagedserve.engine.model_runner import PlanMismatchError, build_model_runner
+from pagedserve.engine.model_runner import PlanMismatchError
+from pagedserve.engine.runner_factory import build_model_runner
 from tests.worker.tiny_models import GREEDY, MiniScheduler, hf_greedy, hf_model, save_tiny_model
 
 BLOCK = 4

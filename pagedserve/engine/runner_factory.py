@@ -1,0 +1,82 @@
+"""Builds a worker's ModelRunner from a Hugging Face folder: weights, GEMM backend, KV cache, compile mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pagedserve.engine.attention import make_attention_backend
+from pagedserve.engine.config import CompileMode, GemmBackend
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
+from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.models.onednn import pack_linear_layers
+from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.weight_loader import load_model
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto`` -> ``bfloat16`` on CUDA, ``float32`` elsewhere; other names unchanged."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | None = None, block_size: int = 16,
+                       dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                       attention_backend: str = "auto", gemm_backend: GemmBackend | str = GemmBackend.TORCH,
+                       compile_mode: CompileMode | str = CompileMode.EAGER,
+                       gpu_memory_utilization: float = 0.9,
+                       swap_space_bytes: int = 0, sampler_seed: int | None = None) -> ModelRunner:
+    """Loads the model of a Hugging Face folder and sizes a KV cache.
+
+    Args:
+        model_path: folder with ``config.json`` and ``*.safetensors``.
+        kv_cache_memory_bytes: bytes for K and V of all layers together. ``None``: on CUDA, what
+            ``gpu_memory_utilization`` leaves after the weights; elsewhere 1 GiB.
+        block_size: token slots per block.
+        dtype: weights, activations and cache dtype.
+        device: where everything lives.
+        attention_backend: ``auto`` (Triton on CUDA, the C++ op elsewhere), ``cpu``, ``torch`` or ``triton``.
+        gemm_backend: ``torch`` (``F.linear``, token-identical to transformers) or ``onednn``
+            (prepacked oneDNN GEMMs on CPU, faster, float32 sums in another order; opt-in).
+        compile_mode: ``eager``, or ``inductor`` (the dense part compiled with ``torch.compile``;
+            compiles during this call, tens of seconds; opt-in, see ``models/compiled.py``).
+        gpu_memory_utilization: fraction of the GPU's memory this worker may use in all.
+        swap_space_bytes: CPU memory for swapped-out blocks (swap preemption); 0: none.
+        sampler_seed: seed of the generator for requests without their own seed.
+
+    Raises:
+        ValueError: the budget holds no block, an unknown backend, or oneDNN GEMMs off the CPU
+            (and the loader's errors).
+    """
+    backend = make_attention_backend(attention_backend, device)
+    model = load_model(model_path, dtype=dtype, device=device)
+    if GemmBackend(gemm_backend) is GemmBackend.ONEDNN:
+        pack_linear_layers(model)
+    config = model.config
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    if kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = _default_kv_memory(torch.device(device), gpu_memory_utilization)
+    kv_cache = KVCache(spec, num_blocks_for_memory(spec, kv_cache_memory_bytes), device=device,
+                       num_cpu_blocks=swap_space_bytes // spec.bytes_per_block)
+    forward = None
+    if CompileMode(compile_mode) is CompileMode.INDUCTOR:
+        from pagedserve.engine.models.compiled import CompiledForward
+
+        forward = CompiledForward(model)
+    runner = ModelRunner(model, kv_cache, backend, Sampler(seed=sampler_seed, device=device), forward)
+    if forward is not None:
+        runner.warm_up()
+    return runner
+
+
+def _default_kv_memory(device: torch.device, gpu_memory_utilization: float) -> int:
+    """Bytes left for the KV cache: on CUDA the share of the GPU not yet used (as vLLM sizes it)."""
+    if device.type != "cuda":
+        return 1 << 30
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return int(total * gpu_memory_utilization) - used
