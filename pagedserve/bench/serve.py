@@ -1,7 +1,8 @@
 """`pagedserve bench serve`: latency and throughput of a running gateway under a request load.
 
-Streams ``Generation.Generate`` calls over ``grpc.aio`` (one coroutine per request, so hundreds of
-concurrent streams are cheap), timestamps every response that carries tokens, and reports the
+Streams ``Generation.Generate`` calls over ``grpc.aio``, or (``--backend openai``) streamed
+``/v1/completions`` requests over HTTP (``load_senders``), one coroutine per request so that hundreds
+of concurrent streams are cheap; timestamps every response that carries tokens, and reports the
 metrics of ``pagedserve.bench.metrics`` (vLLM's serving-benchmark definitions).
 
 Arrivals follow vLLM: all at once for rate ``inf``; otherwise gamma-distributed gaps with shape
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments
+from pagedserve.bench.load_senders import Backend, SendSettings, sender
 from pagedserve.bench.metrics import RequestRecord, ServeMetrics, compute_metrics, error_counts
 
 
@@ -81,59 +83,30 @@ def arrival_offsets(n: int, load: LoadSettings) -> list[float]:
     return [0.0, *np.cumsum(gaps).tolist()]
 
 
-async def _one_request(stub, request, sample: SampleRequest, start: float, timeout_s: float) -> RequestRecord:
-    """Streams one call; times are s since ``start`` (``time.perf_counter``)."""
-    import grpc
-
-    send = time.perf_counter() - start
-    chunk_times: list[float] = []
-    tokens = 0
-    error = None
-    try:
-        async for response in stub.Generate(request, timeout=timeout_s):
-            if response.token_ids:
-                chunk_times.append(time.perf_counter() - start)
-                tokens += len(response.token_ids)
-    except grpc.aio.AioRpcError as exc:
-        error = exc.code().name
-    except Exception as exc:  # noqa: BLE001 - a benchmark records a failure and goes on
-        error = type(exc).__name__
-    return RequestRecord(sample.prompt_len, sample.expected_output_len, send, tuple(chunk_times), tokens, error)
-
-
 async def run_load(target: str, samples: Sequence[SampleRequest], load: LoadSettings, *, temperature: float,
                    ignore_eos: bool, timeout_s: float, progress=None, connect_timeout_s: float = 10.0,
-                   api_key: str = "") -> tuple[list[RequestRecord], float]:
-    """Sends ``samples`` to the gateway at ``target`` as ``load`` says (with ``api_key``, if any).
+                   api_key: str = "", backend: Backend = Backend.GRPC,
+                   model_name: str = "") -> tuple[list[RequestRecord], float]:
+    """Sends ``samples`` to the server at ``target`` as ``load`` says, over ``backend``'s API.
+
+    Args:
+        target: the gateway's gRPC HOST:PORT, or its HTTP base URL for ``Backend.OPENAI``.
+        model_name: the served model name (the OpenAI API's ``model``).
 
     Returns:
         The records in sample order, and the duration (s) from the first send to the last reply.
 
     Raises:
-        ConnectionError: the gateway did not answer within ``connect_timeout_s``.
+        ConnectionError: the server did not answer within ``connect_timeout_s``.
     """
-    import grpc
-
-    from services.common.auth import gateway_aio_interceptors
-    from services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
-    from services.common.pb import generate_pb2 as gen
-    from services.common.pb import generate_pb2_grpc
-
+    settings = SendSettings(temperature, ignore_eos, timeout_s, api_key, model_name, connect_timeout_s)
     offsets = arrival_offsets(len(samples), load)
     semaphore = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-    async with grpc.aio.insecure_channel(target, options=CLIENT_API_CHANNEL_OPTIONS,
-                                         interceptors=gateway_aio_interceptors(api_key)) as channel:
-        try:
-            await asyncio.wait_for(channel.channel_ready(), connect_timeout_s)
-        except asyncio.TimeoutError as exc:
-            raise ConnectionError(f"no gateway answers at {target} after {connect_timeout_s} s") from exc
-        stub = generate_pb2_grpc.GenerationStub(channel)
+    async with sender(backend, target, settings) as send:
 
         async def limited(sample: SampleRequest, start: float) -> RequestRecord:
-            request = gen.GenerateRequest(prompt=sample.prompt, sampling_params=gen.SamplingParams(
-                max_tokens=sample.expected_output_len, temperature=temperature, ignore_eos=ignore_eos))
             async with semaphore or nullcontext():
-                record = await _one_request(stub, request, sample, start, timeout_s)
+                record = await send(sample, start)
             if progress is not None:
                 progress.update(1)
             return record
@@ -204,7 +177,7 @@ def _load_samples(args: argparse.Namespace) -> tuple[Path, list[SampleRequest]]:
 
 
 def _settings(args: argparse.Namespace, model: Path, load: LoadSettings) -> dict:
-    return {"target": args.target, "model": str(model), "dataset_name": args.dataset_name,
+    return {"backend": args.backend.value, "target": args.target, "model": str(model), "dataset_name": args.dataset_name,
             "dataset_path": args.dataset_path, "num_prompts": args.num_prompts, "seed": args.seed,
             "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
             "request_rate": load.request_rate, "burstiness": load.burstiness,
@@ -219,7 +192,8 @@ def _run_one(args: argparse.Namespace, samples: list[SampleRequest], load: LoadS
     with tqdm(total=len(samples), desc=f"rate {label} req/s", unit="req", disable=args.disable_tqdm) as bar:
         records, duration = asyncio.run(run_load(args.target, samples, load, temperature=args.temperature,
                                                  ignore_eos=args.ignore_eos, timeout_s=args.timeout, progress=bar,
-                                                 api_key=args.api_key))
+                                                 api_key=args.api_key, backend=args.backend,
+                                                 model_name=args.served_model_name))
     return RunResult(load, compute_metrics(records, duration), error_counts(records), tuple(records))
 
 
@@ -228,11 +202,14 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.bench.datasets import DatasetError
     from pagedserve.bench.report import write_json
 
+    if not args.target:
+        args.target = "127.0.0.1:50051" if args.backend is Backend.GRPC else "http://127.0.0.1:8000"
     try:
         model, samples = _load_samples(args)
     except (DatasetError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    args.served_model_name = args.served_model_name or model.name
     results = []
     for rate in args.request_rate:
         load = LoadSettings(rate, args.burstiness, args.max_concurrency, args.seed)
@@ -271,9 +248,16 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
     """Adds `pagedserve bench serve`."""
     p = sub.add_parser(
         "serve", help="latency and throughput of a running gateway (TTFT, TPOT, ITL, E2EL)",
-        description="Send a prompt set to a running gateway over streaming gRPC and report vLLM's serving "
+        description="Send a prompt set to a running gateway over streaming gRPC (or its OpenAI HTTP API) and report vLLM's serving "
         "metrics: throughput (req/s, tok/s) and mean/median/p90/p99 of TTFT, TPOT, ITL and E2EL (ms).")
-    p.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT (default %(default)s)")
+    p.add_argument("--backend", type=Backend, choices=list(Backend), default=Backend.GRPC, metavar="{grpc,openai}",
+                   help="the API to drive: grpc (Generation.Generate) or openai (POST /v1/completions with "
+                   "stream: true, as vLLM's serving benchmark) (default: grpc)")
+    p.add_argument("--target", default="",
+                   help="gateway HOST:PORT for grpc (default 127.0.0.1:50051), its HTTP base URL for openai "
+                   "(default http://127.0.0.1:8000)")
+    p.add_argument("--served-model-name", default="",
+                   help="the `model` sent to the OpenAI API (default: the --model folder's name)")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY", ""),
                    help="the gateway's API key (env PAGEDSERVE_API_KEY)")
     p.add_argument("--model", default="", help="model folder whose tokenizer measures prompt lengths "

@@ -102,3 +102,24 @@ def test_parse_rates():
     for bad in ("0", "fast", "1,-2", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_rates(bad)
+
+
+def test_openai_stream_reader_times_text_chunks_and_takes_usage_tokens():
+    """The SSE reader of `bench serve --backend openai`: one time per chunk with text, the token
+    count from the usage chunk, nothing read after [DONE]."""
+    from pagedserve.bench.load_senders import _read_completion_stream
+
+    lines = ['data: {"choices": [{"index": 0, "text": "Hel", "finish_reason": null}]}', "",
+             'data: {"choices": [{"index": 0, "text": "", "finish_reason": null}]}', "",
+             'data: {"choices": [{"index": 0, "text": "lo", "finish_reason": "length"}]}', "",
+             'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}}', "",
+             "data: [DONE]", "", 'data: {"choices": [{"index": 0, "text": "late"}]}']
+
+    async def feed():
+        for line in lines:
+            yield line
+
+    times: list[float] = []
+    tokens = asyncio.run(_read_completion_stream(feed(), times, 0.0))
+    assert tokens == 4
+    assert len(times) == 2
