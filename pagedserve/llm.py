@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.engine.messages import EngineRequest, FinishReason
+from pagedserve.llm_outputs import CompletionOutput, SampleCollector, SampleOutput, best_samples  # noqa: F401 (re-exported)
 from pagedserve.model_files import resolve_model
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.units import parse_bytes
@@ -25,47 +26,6 @@ from pagedserve.engine.scheduler import Scheduler
 
 Prompt = str | Sequence[int]
 """A text prompt, or prompt token ids."""
-
-
-@dataclass(frozen=True)
-class SampleOutput:
-    """One sample of a finished request.
-
-    Attributes:
-        text: the generated text (stop string cut unless included).
-        token_ids: the generated token ids.
-        finish_reason: ``stop``, ``length`` or ``abort``.
-    """
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason
-
-
-@dataclass(frozen=True)
-class CompletionOutput:
-    """A finished request: its ``n`` samples (``text``, ``token_ids`` and ``finish_reason`` are sample 0's).
-
-    Attributes:
-        error: why the engine refused the request, when it did.
-    """
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    samples: tuple[SampleOutput, ...]
-    error: str | None = None
-
-    @property
-    def text(self) -> str:
-        return self.samples[0].text
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        return self.samples[0].token_ids
-
-    @property
-    def finish_reason(self) -> FinishReason:
-        return self.samples[0].finish_reason
 
 
 @dataclass(frozen=True)
@@ -151,6 +111,7 @@ class LLM:
         self.engine = Engine(scheduler, LocalExecutor(runners))
         self._states: dict[str, RequestSamples] = {}
         self._prompts: dict[str, tuple[int, ...]] = {}
+        self._params: dict[str, SamplingParams] = {}
         self._ids = itertools.count()
 
     # ---- streaming interface -------------------------------------------------------------
@@ -180,6 +141,7 @@ class LLM:
         request_id = request_id or f"req-{next(self._ids)}"
         self._states[request_id] = RequestSamples(self.tokenizer, parsed.prompt_token_ids, parsed.params)
         self._prompts[request_id] = parsed.prompt_token_ids
+        self._params[request_id] = parsed.params
         self.engine.add_request(EngineRequest(request_id, parsed.prompt_token_ids, parsed.engine_params, time.time()))
         return request_id
 
@@ -187,6 +149,7 @@ class LLM:
         """Stops a request and frees its blocks; False if it was not in flight."""
         self._states.pop(request_id, None)
         self._prompts.pop(request_id, None)
+        self._params.pop(request_id, None)
         return bool(self.engine.abort_request(request_id))
 
     def has_unfinished_requests(self) -> bool:
@@ -205,6 +168,7 @@ class LLM:
             if state.finished:
                 del self._states[output.request_id]
                 del self._prompts[output.request_id]
+                del self._params[output.request_id]
             error = output.error.message if output.error else None
             deltas.append(StreamDelta(output.request_id, delta, output.sample_index, error))
         return deltas
@@ -240,28 +204,31 @@ class LLM:
         return list(params)
 
     def run_to_completion(self, request_ids: list[str]) -> list[CompletionOutput]:
-        """Steps the engine until every request in ``request_ids`` finished; outputs in that order."""
+        """Steps the engine until every request in ``request_ids`` finished; outputs in that order.
+
+        A request with ``best_of > n`` returns its ``n`` samples of highest cumulative logprob.
+        """
         n = {rid: len(self._states[rid].samples) for rid in request_ids}
-        texts = {(rid, i): [] for rid in request_ids for i in range(n[rid])}
-        tokens = {key: [] for key in texts}
-        reasons: dict[tuple[str, int], FinishReason] = {}
+        samples = {(rid, i): SampleCollector() for rid in request_ids for i in range(n[rid])}
+        prompt_logprobs: dict[str, tuple] = {}
         errors: dict[str, str] = {}
         prompts = {rid: self._prompts[rid] for rid in request_ids}
-        while len(reasons) < len(texts):
+        params = {rid: self._params[rid] for rid in request_ids}
+        while any(c.finish_reason is None for c in samples.values()):
             for item in self.step():
                 key = (item.request_id, item.sample_index)
-                if key not in texts:
+                if key not in samples:
                     continue
-                texts[key].append(item.delta.text)
-                tokens[key].extend(item.delta.token_ids)
+                samples[key].add(item.delta)
+                if item.delta.prompt_logprobs is not None:
+                    prompt_logprobs[item.request_id] = item.delta.prompt_logprobs
                 if item.error:
                     errors[item.request_id] = item.error
-                    reasons.update({(item.request_id, i): FinishReason.ABORT for i in range(n[item.request_id])})
-                elif item.delta.finish_reason is not None:
-                    reasons[key] = item.delta.finish_reason
+                    for i in range(n[item.request_id]):
+                        samples[(item.request_id, i)].finish_reason = FinishReason.ABORT
         return [
-            CompletionOutput(rid, prompts[rid], tuple(
-                SampleOutput("".join(texts[(rid, i)]), tuple(tokens[(rid, i)]), reasons[(rid, i)]) for i in range(n[rid])
-            ), errors.get(rid))
+            CompletionOutput(rid, prompts[rid], best_samples(
+                [samples[(rid, i)].output(i, params[rid]) for i in range(n[rid])], params[rid]),
+                errors.get(rid), prompt_logprobs.get(rid))
             for rid in request_ids
         ]

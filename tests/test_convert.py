@@ -42,3 +42,24 @@ def test_results_outputs_and_stats_round_trip():
     assert convert.output_from_pb(convert.output_to_pb(output)) == output
     stats = SchedulerStats(1, 2, 3, 4, (WorkerStats("w", 10, 5, 2, 1, 3),), 1, 2, 100, 40)
     assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats
+
+
+def test_sampling_logprobs_and_stop_reason_round_trip():
+    from pagedserve.engine.messages import PromptLogprobs, TokenLogprobs
+    from services.common.convert import (output_from_pb, output_to_pb, sampling_from_pb, sampling_to_pb,
+                                         step_result_from_pb, step_result_to_pb)
+
+    params = EngineSamplingParams(max_tokens=5, logprobs=3, prompt_logprobs=0, presence_penalty=0.5,
+                                  frequency_penalty=-1.0, repetition_penalty=1.25, logit_bias=((3, 2.5), (9, -100.0)))
+    assert sampling_from_pb(sampling_to_pb(params)) == params
+    plain = EngineSamplingParams(max_tokens=5)
+    assert sampling_from_pb(sampling_to_pb(plain)) == plain
+    entry = TokenLogprobs(7, -0.5, 2, (4, 7), (-0.25, -0.5))
+    seq = SequenceId("r", 0)
+    result = StepResult(3, (SampledToken(seq, 7, -0.5, 0, entry), SampledToken(SequenceId("q"), 1, 0.0)),
+                        (PromptLogprobs(seq, 1, (entry,)),))
+    assert step_result_from_pb(step_result_to_pb(result)) == result
+    output = RequestOutput("r", 0, (7,), FinishReason.STOP, None, 0, (entry,), (entry,), 7)
+    assert output_from_pb(output_to_pb(output)) == output
+    bare = RequestOutput("r", 1, (8,))
+    assert output_from_pb(output_to_pb(bare)) == bare

@@ -159,6 +159,46 @@ class BatchPlan:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one position (vLLM's ``Logprob`` entries, OpenAI's ``logprobs`` item).
+
+    All values are natural logs computed in float32 on the worker. For an output token they are
+    the log-softmax of the logits after the request's own processing (min_tokens masking,
+    ``logit_bias``, penalties, temperature; no temperature when greedy) and before top-k, top-p
+    and min-p truncation; for a prompt token, the log-softmax of the raw logits.
+
+    Attributes:
+        token_id: the token at this position (the sampled one, or the prompt's).
+        logprob: its log-probability.
+        rank: its 1-based rank: how many tokens have a logprob >= its own (1 = most likely), as vLLM counts.
+        top_token_ids: the ``k`` most likely tokens (``k`` = the request's ``logprobs`` or
+            ``prompt_logprobs``), most likely first; may include ``token_id``.
+        top_logprobs: their log-probabilities, parallel to ``top_token_ids``.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Prompt logprobs a worker computed for one chunk of a sequence's prompt.
+
+    Attributes:
+        seq_id: the sequence (always sample 0 of its request).
+        first_position: prompt position (>= 1) of ``entries[0]``; position 0 has no logprob.
+        entries: one per prompt position from ``first_position`` on, consecutive.
+    """
+
+    seq_id: SequenceId
+    first_position: int
+    entries: tuple[TokenLogprobs, ...]
+
+
+@dataclass(frozen=True)
 class SampledToken:
     """A token sampled for a sequence whose scheduled tokens reached the end of its known tokens.
 
@@ -169,12 +209,14 @@ class SampledToken:
         sample_index: the sample the token belongs to: the sequence's own, except for the first
             tokens of a prompt with ``n > 1``, which start samples 0..n-1 (``n`` tokens from the
             prompt's logits, one per sample).
+        logprobs: when the request asks for ``logprobs``: the token's logprob, rank and top alternatives.
     """
 
     seq_id: SequenceId
     token_id: int
     logprob: float
     sample_index: int = 0
+    logprobs: TokenLogprobs | None = None
 
     @property
     def request_id(self) -> str:
@@ -184,10 +226,12 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class StepResult:
-    """A worker's answer to a BatchPlan: one sampled token per request that completed its prompt."""
+    """A worker's answer to a BatchPlan: one sampled token per request that completed its prompt,
+    and the prompt logprobs of the prompt chunks computed for requests that ask for them."""
 
     step_id: int
     sampled: tuple[SampledToken, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,6 +252,11 @@ class RequestOutput:
         finish_reason: set once per sample, on its last output.
         error: set when the request was aborted because it cannot be served.
         sample_index: which of the request's ``n`` samples the tokens belong to.
+        logprobs: when the request asks for ``logprobs``: one entry per ``new_token_ids`` entry; else empty.
+        prompt_logprobs: when the request asks for ``prompt_logprobs``: on sample 0's first output
+            only, one entry per prompt position 1..P-1 (position 0 has none); else ``None``.
+        stop_token_id: the id from ``stop_token_ids`` that finished the sample (vLLM's
+            ``stop_reason`` for a stop token); ``None`` otherwise (EOS, length, abort).
     """
 
     request_id: str
@@ -216,6 +265,9 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: RequestError | None = None
     sample_index: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    stop_token_id: int | None = None
 
     @property
     def finished(self) -> bool:

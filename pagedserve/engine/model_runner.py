@@ -15,11 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, SequenceId, StepResult
+from pagedserve.engine.messages import (BatchPlan, CachedRequestData, NewRequestData, PromptLogprobs, SampledToken,
+                                        SequenceId, StepResult)
 from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
 from pagedserve.engine.attention import AttentionBackend, build_attention_metadata, compute_positions
 from pagedserve.engine.attention.step import StepAttention
 from pagedserve.engine.kv_cache import KVCache
+from pagedserve.engine.logprobs import PromptChunk, prompt_logprobs
+from pagedserve.engine.penalties import TokenHistory
 from pagedserve.engine.sampler import Sampler
 
 
@@ -81,6 +84,18 @@ def _batch_order(s: ScheduledRequest) -> tuple[bool, int]:
     """Decodes first, longest context first (so decode chunks pad little); prefills keep plan order."""
     is_decode = s.num_scheduled_tokens == 1
     return (not is_decode, -s.state.num_computed_tokens if is_decode else 0)
+
+
+def _prompt_chunk(s: ScheduledRequest, first_row: int) -> PromptChunk | None:
+    """The prompt positions this step computes for a sequence that asks for ``prompt_logprobs``
+    and has no output yet (after a recompute, its prompt logprobs were reported already)."""
+    state = s.state
+    k = state.sampling.prompt_logprobs
+    if k is None or state.num_output_tokens > 0:
+        return None
+    start = state.num_computed_tokens
+    end = min(start + s.num_scheduled_tokens, state.num_prompt_tokens - 1)
+    return PromptChunk(state.seq_id, state.token_ids, first_row, start, end, k) if end > start else None
 
 
 def _expand_samples(ends: Sequence[ScheduledRequest]) -> tuple[list[int], list[EngineSamplingParams], list[int],
@@ -167,10 +182,10 @@ class ModelRunner:
         if not scheduled:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
-            sampled = self._run(scheduled)
+            sampled, prompt = self._run(scheduled)
         for s in scheduled:
             s.state.num_computed_tokens += s.num_scheduled_tokens
-        return StepResult(step_id=plan.step_id, sampled=tuple(sampled))
+        return StepResult(step_id=plan.step_id, sampled=tuple(sampled), prompt_logprobs=tuple(prompt))
 
     def _check_new(self, requests: Sequence[NewRequestData]) -> list[RequestState]:
         """States for the plan's new requests (not yet registered), validated."""
@@ -201,32 +216,37 @@ class ModelRunner:
             states.append(state)
         return states
 
-    def _run(self, scheduled: Sequence[ScheduledRequest]) -> list[SampledToken]:
-        """Forward + sampling; appends sampled tokens to the states; returns them in ``scheduled`` order."""
+    def _run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[SampledToken], list[PromptLogprobs]]:
+        """Forward + sampling; appends sampled tokens to the states; returns them in ``scheduled``
+        order, and the prompt logprobs of the chunks computed for sequences that ask for them."""
         batch = sorted(scheduled, key=_batch_order)
         hidden = self._forward(batch)                                     # (T, hidden)
-        ends, rows, total = [], [], 0
+        ends, rows, chunks, total = [], [], [], 0
         for s in batch:
+            if (chunk := _prompt_chunk(s, total)) is not None:
+                chunks.append(chunk)
             total += s.num_scheduled_tokens
             if s.reaches_end:
                 ends.append(s)
                 rows.append(total - 1)  # the sequence's last new token predicts the next one
+        prompt = prompt_logprobs(hidden, self.model.compute_logits, chunks) if chunks else []
         if not ends:
-            return []
+            return [], prompt
         if len(rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, device=self.device)]      # (N, hidden)
         logits = self.model.compute_logits(hidden)                        # (N, vocab) float32
         rows, params, counts, samples = _expand_samples(ends)
         if len(rows) > len(ends):
             logits = logits[torch.tensor(rows, device=logits.device)]    # (N', vocab): n rows per n-sample prompt
-        out = self.sampler(logits, params, counts)
+        histories = [TokenHistory(s.state.token_ids, s.state.num_prompt_tokens) for s, _ in samples]
+        out = self.sampler(logits, params, counts, histories)
         by_id: dict[SequenceId, list[SampledToken]] = {}
-        for (s, index), token_id, logprob in zip(samples, out.token_ids, out.logprobs):
+        for (s, index), token_id, logprob, entry in zip(samples, out.token_ids, out.logprobs, out.token_logprobs):
             seq_id = s.state.seq_id
             if index == seq_id.sample_index:  # the sequence's own token (other ones start forked samples)
                 s.state.token_ids.append(token_id)
-            by_id.setdefault(seq_id, []).append(SampledToken(seq_id, token_id, logprob, index))
-        return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())]
+            by_id.setdefault(seq_id, []).append(SampledToken(seq_id, token_id, logprob, index, entry))
+        return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())], prompt
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Builds the flat token batch and its metadata (index tensors made once, from lists) and runs

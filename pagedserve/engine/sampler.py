@@ -1,7 +1,9 @@
 """Turns a step's logits into one token per row: greedy, or filtered sampling with per-request seeds.
 
-Per row, in order: min_tokens masking of stop tokens, then (sampled rows only) temperature,
-top-k, top-p (nucleus; Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration"),
+Per row, in order: min_tokens masking of stop tokens, ``logit_bias`` and the repetition,
+frequency and presence penalties (``pagedserve.engine.penalties``; only rows that ask), then
+(sampled rows only) temperature; the logprobs a row asks for are taken here (log-softmax of the
+processed logits, ``pagedserve.engine.logprobs``); then top-k, top-p (nucleus; Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration"),
 min-p (Nguyen et al., 2024, "Turning Up the Heat: Min-p Sampling"), and the draw.
 
 The draw is inverse-transform sampling: one uniform ``u`` per row picks the first token whose
@@ -19,15 +21,21 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.logprobs import token_logprobs
+from pagedserve.engine.messages import TokenLogprobs
+from pagedserve.engine.penalties import TokenHistory, apply_penalties
 from pagedserve.engine.sampling_params import EngineSamplingParams
 
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    """Per row: the chosen token id and its natural-log probability (0.0 for greedy rows)."""
+    """Per row: the chosen token id, its natural-log probability under the truncated sampling
+    distribution (0.0 for greedy rows), and its logprobs entry for rows that ask for ``logprobs``
+    (``None`` for the others)."""
 
     token_ids: list[int]
     logprobs: list[float]
+    token_logprobs: list[TokenLogprobs | None]
 
 
 def draw_seed(seed: int, output_index: int) -> int:
@@ -129,6 +137,29 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))          # (R, V)
 
 
+def requested_logprobs(logits: torch.Tensor, params: Sequence[EngineSamplingParams],
+                       token_ids: torch.Tensor) -> list[TokenLogprobs | None]:
+    """Logprobs entries of the chosen tokens for the rows whose ``logprobs`` is set, ``None`` for others.
+
+    Args:
+        logits: float32 ``[N, V]`` after masking, bias and penalties (before temperature).
+        params: ``N`` parameter sets; a sampled row's logits are divided by its temperature first.
+        token_ids: int64 ``[N]``, the chosen tokens.
+    """
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)                      # (R,)
+    temperature = torch.tensor([params[i].temperature if not params[i].is_greedy else 1.0 for i in rows],
+                               dtype=torch.float32, device=logits.device)  # (R,)
+    entries = token_logprobs(logits[index] / temperature[:, None], token_ids[index],
+                             [params[i].logprobs for i in rows])
+    for i, entry in zip(rows, entries):
+        out[i] = entry
+    return out
+
+
 class Sampler:
     """Chooses the next token for each row of a logits batch.
 
@@ -146,24 +177,28 @@ class Sampler:
             self._generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: Sequence[EngineSamplingParams],
-                 num_output_tokens: Sequence[int]) -> SamplerOutput:
+                 num_output_tokens: Sequence[int], histories: Sequence[TokenHistory] | None = None) -> SamplerOutput:
         """Samples one token per row.
 
         Args:
-            logits: float32 ``[N, vocab]``; modified in place (stop-token masking).
+            logits: float32 ``[N, vocab]``; modified in place (stop-token masking, bias, penalties).
             params: ``N`` sampling parameter sets.
             num_output_tokens: ``N`` counts of tokens each request generated before this one
                 (the index of the token drawn now).
+            histories: ``N`` token histories (prompt + output) for the penalties; may be ``None``
+                when no row has a penalty.
 
         Returns:
             ``N`` token ids and logprobs, in row order.
 
         Raises:
-            ValueError: ``params`` or ``num_output_tokens`` length differs from ``N``.
+            ValueError: ``params`` or ``num_output_tokens`` length differs from ``N``, or a row has
+                penalties and ``histories`` is ``None``.
         """
         if not len(params) == len(num_output_tokens) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(num_output_tokens)} counts")
         mask_stop_tokens(logits, params, num_output_tokens)
+        apply_penalties(logits, params, histories)
         token_ids = logits.argmax(dim=-1)                                 # (N,) greedy for every row
         logprobs = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -172,7 +207,7 @@ class Sampler:
             ids, lps = self._sample(logits[rows], [params[i] for i in sampled_rows],
                                     [num_output_tokens[i] for i in sampled_rows])
             token_ids[rows], logprobs[rows] = ids, lps
-        return SamplerOutput(token_ids.tolist(), logprobs.tolist())
+        return SamplerOutput(token_ids.tolist(), logprobs.tolist(), requested_logprobs(logits, params, token_ids))
 
     def _sample(self, logits: torch.Tensor, params: list[EngineSamplingParams],
                 counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

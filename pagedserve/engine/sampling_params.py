@@ -8,10 +8,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 _PREFIX = "sampling_params."  # field names as the client API spells them
-MAX_N = 64  # most samples per request
+MAX_N = 64  # most samples per request (n and best_of)
+MAX_LOGPROBS = 20  # most alternatives per position (logprobs, prompt_logprobs), as OpenAI allows
+MAX_LOGIT_BIAS = 300  # most entries in logit_bias, as OpenAI allows
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY]
+MAX_BIAS = 100.0  # logit_bias values lie in [-MAX_BIAS, MAX_BIAS]
 
 
 class InvalidRequestError(ValueError):
@@ -52,7 +57,18 @@ class EngineSamplingParams:
         stop_token_ids: ids that finish the request (reason ``stop``) once sampled.
         ignore_eos: do not stop at ``eos_token_ids``.
         eos_token_ids: the model's EOS ids, from its generation config.
-        n: samples to draw for the prompt; they share the prompt's KV blocks.
+        n: samples to draw for the prompt; they share the prompt's KV blocks (``best_of`` when
+            the client asked for more samples than it gets back).
+        logprobs: ``None``: no logprobs (greedy rows then stay argmax-only); k in [0, 20]: the
+            chosen token's logprob and rank plus the k most likely alternatives, from the
+            log-softmax of the processed logits (see ``pagedserve.engine.logprobs``).
+        prompt_logprobs: ``None`` or k in [0, 20]: per prompt position after the first, the
+            prompt token's logprob and rank and the k most likely alternatives (raw logits).
+        presence_penalty: subtracted once from the logit of every token in the output, [-2, 2].
+        frequency_penalty: subtracted from a token's logit per occurrence in the output, [-2, 2].
+        repetition_penalty: > 0, 1 is off; divides positive (multiplies negative) logits of
+            tokens in the prompt or the output (CTRL, Keskar et al., 2019, §4.1).
+        logit_bias: ``(token id, bias)`` pairs added to the logits, ids sorted and distinct.
     """
 
     max_tokens: int
@@ -66,10 +82,21 @@ class EngineSamplingParams:
     ignore_eos: bool = False
     eos_token_ids: tuple[int, ...] = ()
     n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the presence, frequency or repetition penalties is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def for_worker(self) -> EngineSamplingParams:
         """What a worker needs of these parameters: stop and EOS ids only while ``min_tokens``
@@ -91,6 +118,23 @@ class EngineSamplingParams:
 class SamplingParams:
     """What a client may ask for, validated on construction.
 
+    The fields beyond vLLM's basic set (semantics as vLLM's ``SamplingParams``):
+
+    Attributes:
+        logprobs: ``None`` (off) or k in [0, 20]: each output token comes with its logprob, its
+            rank (1-based) and the k most likely alternatives, computed in float32 from the
+            log-softmax of the logits after min_tokens masking, ``logit_bias``, the penalties
+            and the temperature (none for greedy), before top-k/top-p/min-p truncation.
+        prompt_logprobs: ``None`` (off) or k in [0, 20]: the same for the prompt tokens, from
+            the raw logits; the first position has none. Such requests skip the prefix cache.
+        presence_penalty, frequency_penalty: OpenAI's penalties over the output tokens, [-2, 2].
+        repetition_penalty: CTRL's penalty (Keskar et al., 2019) over prompt and output, > 0, 1 off.
+        logit_bias: token id -> bias in [-100, 100] added to its logit; at most 300 entries.
+        best_of: generate this many samples (in [n, 64]) and return the ``n`` with the highest
+            cumulative logprob (offline ``LLM`` only; the streaming gRPC API refuses best_of > n).
+        spaces_between_special_tokens: passed to the tokenizer's decode; only slow (Python)
+            Hugging Face tokenizers use it, fast ones such as the default model's ignore it.
+
     Raises:
         InvalidRequestError: a value outside its range; the message names the field.
     """
@@ -108,8 +152,48 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    best_of: int | None = None
+    spaces_between_special_tokens: bool = True
+
+    @property
+    def num_samples(self) -> int:
+        """Samples the engine generates: ``best_of`` when set, else ``n``."""
+        return self.n if self.best_of is None else self.best_of
 
     def __post_init__(self) -> None:
+        self._check_basic()
+        self._check_logprobs_and_penalties()
+
+    def _check_logprobs_and_penalties(self) -> None:
+        p = _PREFIX
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(p + name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise InvalidRequestError(p + name, f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidRequestError(p + "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(p + "logit_bias", f"holds {len(self.logit_bias)} entries; at most "
+                                      f"{MAX_LOGIT_BIAS} are allowed")
+        for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, int) or isinstance(token_id, bool):
+                raise InvalidRequestError(p + "logit_bias", f"keys must be token ids (int), got {token_id!r}")
+            if not (math.isfinite(bias) and -MAX_BIAS <= bias <= MAX_BIAS):
+                raise InvalidRequestError(p + f"logit_bias[{token_id}]", f"must be in [-{MAX_BIAS}, {MAX_BIAS}], got {bias}")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
+            raise InvalidRequestError(p + "best_of", f"must be in [n={self.n}, {MAX_N}], got {self.best_of}")
+
+    def _check_basic(self) -> None:
         p = _PREFIX
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidRequestError(p + "max_tokens", f"must be at least 1, got {self.max_tokens}")
@@ -148,7 +232,8 @@ class SamplingParams:
             eos_token_ids: the model's EOS ids.
 
         Raises:
-            InvalidRequestError: ``max_tokens`` beyond the context, or a stop token id outside the vocabulary.
+            InvalidRequestError: ``max_tokens`` beyond the context, or a stop token id or a
+                ``logit_bias`` id outside the vocabulary.
         """
         p = _PREFIX
         room = max_model_len - num_prompt_tokens
@@ -161,6 +246,11 @@ class SamplingParams:
         for i, token_id in enumerate(self.stop_token_ids):
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError(p + f"stop_token_ids[{i}]", f"{token_id} is not in [0, {vocab_size})")
+        for token_id in self.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(p + f"logit_bias[{token_id}]", f"token id not in [0, {vocab_size})")
+        # best_of > n ranks samples by their cumulative logprob: the engine must compute it
+        logprobs = 0 if self.logprobs is None and self.num_samples > self.n else self.logprobs
         return EngineSamplingParams(
             max_tokens=max_tokens,
             temperature=0.0 if self.temperature < GREEDY_BELOW else self.temperature,
@@ -172,7 +262,13 @@ class SamplingParams:
             stop_token_ids=tuple(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
             eos_token_ids=tuple(eos_token_ids),
-            n=self.n,
+            n=self.num_samples,
+            logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items() if b != 0.0)),
         )
 
 
@@ -180,10 +276,11 @@ def child_sampling(parent: EngineSamplingParams, sample_index: int) -> EngineSam
     """Sample ``i``'s parameters: ``n = 1`` and, for a seeded request, a seed of its own.
 
     The worker draws sample i's first token with the same derived seed, so each sample is one
-    reproducible stream whatever else runs.
+    reproducible stream whatever else runs. Only sample 0 computes ``prompt_logprobs``.
     """
     seed = parent.seed if parent.seed is None else derive_seed(parent.seed, sample_index)
-    return dataclasses.replace(parent, n=1, seed=seed)
+    prompt_logprobs = parent.prompt_logprobs if sample_index == 0 else None  # sample 0 reports the prompt's
+    return dataclasses.replace(parent, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
 
 def derive_seed(seed: int, sample_index: int) -> int:

@@ -13,15 +13,15 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Mapping
 
+from pagedserve.engine.block_manager import NO_PREFIX
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
 from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError,
-                                        RequestOutput, SchedulerOutput, SequenceId, StepResult)
+                                        RequestOutput, SampledToken, SchedulerOutput, SequenceId, StepResult)
 from pagedserve.engine.limits import num_new_tokens, rejection_error, worker_loss_error
 from pagedserve.engine.parallel_sampling import Forks
 from pagedserve.engine.policy import POLICIES
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_state import PlanDraft, WorkerState, pick_worker, scheduler_stats
-
 
 
 class Scheduler:
@@ -165,6 +165,9 @@ class Scheduler:
         """
         outputs = []
         for result in results.values():
+            for chunk in result.prompt_logprobs:
+                if (seq := self._sequences.get(chunk.seq_id)) is not None:
+                    seq.add_prompt_logprobs(chunk)
             # forked samples first: they fork from sample 0, which may finish on its own token
             for sampled in sorted(result.sampled, key=lambda s: s.sample_index == s.seq_id.sample_index):
                 seq = self._sequences.get(sampled.seq_id)
@@ -172,7 +175,7 @@ class Scheduler:
                     continue  # aborted while the step ran
                 if sampled.sample_index != seq.sample_index:
                     seq = self._forks.add_child(seq, sampled.sample_index, self._sequences, self._waiting)
-                outputs.append(self._append(seq, sampled.token_id))
+                outputs.append(self._append(seq, sampled))
         return outputs
 
     def stats(self) -> SchedulerStats:
@@ -221,7 +224,8 @@ class Scheduler:
                 self._waiting.remove(seq.seq_id)
                 worker.start(seq, draft, num_new=1)
                 continue
-            prefix = worker.cached_prefix(seq)
+            # prompt logprobs need every prompt position computed: no cached prefix (as vLLM)
+            prefix = worker.cached_prefix(seq) if seq.sampling.prompt_logprobs is None else NO_PREFIX
             num_new = num_new_tokens(seq, draft.token_budget, self.config, prefix.num_tokens)
             total = prefix.num_tokens + num_new
             if num_new == 0 or not worker.blocks.can_allocate(seq.seq_id, total, prefix):
@@ -249,12 +253,21 @@ class Scheduler:
         return error is None
 
     # ---- state changes -------------------------------------------------------------------
-    def _append(self, seq: Sequence, token_id: int) -> RequestOutput:
-        index = seq.num_output_tokens
+    def _append(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
+        """Appends a sampled token; its output carries the logprobs asked for, the prompt's with
+        sample 0's first token, and the stop token id when one from ``stop_token_ids`` ended it."""
+        index, token_id = seq.num_output_tokens, sampled.token_id
+        prompt_logprobs = None
+        if index == 0 and seq.sample_index == 0 and seq.sampling.prompt_logprobs is not None:
+            prompt_logprobs, seq.prompt_logprobs = tuple(seq.prompt_logprobs), []
         reason = seq.append_token(token_id)
         if reason is not None:
             self._finish(seq, reason)
-        return RequestOutput(seq.request_id, index, (token_id,), reason, None, seq.sample_index)
+        eos = not seq.sampling.ignore_eos and token_id in seq.sampling.eos_token_ids
+        stop_token_id = token_id if reason is FinishReason.STOP and not eos else None
+        logprobs = (sampled.logprobs,) if sampled.logprobs is not None else ()
+        return RequestOutput(seq.request_id, index, (token_id,), reason, None, seq.sample_index, logprobs,
+                             prompt_logprobs, stop_token_id)
 
     def _out_of_memory(self, seq: Sequence) -> None:
         """Finishes a sequence that fills its worker's whole cache, with reason ``length``."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from pagedserve.engine.messages import EngineRequest, FinishReason, SequenceId
+from pagedserve.engine.messages import EngineRequest, FinishReason, PromptLogprobs, SequenceId, TokenLogprobs
 from pagedserve.engine.sampling_params import EngineSamplingParams
 
 
@@ -33,6 +33,8 @@ class Sequence:
         worker_id: the worker holding its blocks while running or swapped; ``None`` otherwise.
         num_preemptions: how often its blocks were taken back.
         num_worker_losses: how often the worker running it failed or went away.
+        prompt_logprobs: for a request asking for ``prompt_logprobs``, until its first output:
+            the entries received so far, for prompt positions 1, 2, ...
     """
 
     __slots__ = (
@@ -48,6 +50,7 @@ class Sequence:
         "finish_reason",
         "num_preemptions",
         "num_worker_losses",
+        "prompt_logprobs",
     )
 
     def __init__(self, request: EngineRequest, sample_index: int = 0,
@@ -64,6 +67,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.num_worker_losses = 0
+        self.prompt_logprobs: list[TokenLogprobs] = []
 
     @property
     def request_id(self) -> str:
@@ -91,6 +95,13 @@ class Sequence:
 
     def all_token_ids(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids + tuple(self.output_token_ids)
+
+    def add_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Keeps a chunk's prompt logprobs (a recomputed chunk replaces what it covers)."""
+        if self.output_token_ids or chunk.first_position > len(self.prompt_logprobs) + 1:
+            return  # reported already, or a gap (an earlier chunk was lost): keep what is consistent
+        del self.prompt_logprobs[chunk.first_position - 1:]
+        self.prompt_logprobs.extend(chunk.entries)
 
     def append_token(self, token_id: int) -> FinishReason | None:
         """Adds a sampled token; returns why the sequence is now finished, if it is."""

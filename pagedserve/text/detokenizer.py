@@ -51,11 +51,16 @@ class IncrementalDetokenizer:
         tokenizer: decodes ids to text (``decode(ids, skip_special_tokens=...)``).
         prompt_token_ids: the request's prompt; only its last few ids are used, as context.
         skip_special_tokens: leave special tokens out of the text.
+        spaces_between_special_tokens: False passes ``spaces_between_special_tokens=False`` to the
+            tokenizer's decode (Hugging Face slow tokenizers then join special tokens without a
+            space, as vLLM does; fast tokenizers, the default model's included, ignore it).
     """
 
-    def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], skip_special_tokens: bool) -> None:
+    def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._decode_options = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         self._tokens: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._prefix_text = self._decode(self._tokens)
         if self._prefix_text.endswith(REPLACEMENT_CHAR):
@@ -110,4 +115,4 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens, **self._decode_options)

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedserve.engine.messages import FinishReason, RequestOutput
+from pagedserve.engine.messages import FinishReason, RequestOutput, TokenLogprobs
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.detokenizer import IncrementalDetokenizer, TokenDecoder
-from pagedserve.text.stop_strings import StopStringMatcher, StopStrings
+from pagedserve.text.stop_strings import StopCheck, StopStringMatcher, StopStrings
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,13 @@ class TextDelta:
             the caller must abort the request in the engine. False when the engine had finished
             the request itself in the same output (``finish_reason`` is then ``STOP`` all the same).
         num_output_tokens: output tokens received so far (the usage's completion tokens).
+        logprobs: when the request asks for ``logprobs``: one :class:`TokenLogprobs` per
+            ``token_ids`` entry, same order (token's logprob, 1-based rank, the top alternatives
+            most likely first); empty otherwise. Token strings are the caller's to decode.
+        prompt_logprobs: when the request asks for ``prompt_logprobs``: on sample 0's first delta,
+            one entry per prompt position, the first ``None`` (vLLM's layout); ``None`` otherwise.
+        stop_reason: on the last delta, vLLM's ``stop_reason``: the stop string that matched, or
+            the ``stop_token_ids`` id that ended the sample; ``None`` for EOS, length or abort.
     """
 
     text: str
@@ -36,6 +43,9 @@ class TextDelta:
     finish_reason: FinishReason | None
     stop_string_matched: bool
     num_output_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    stop_reason: str | int | None = None
 
 
 class RequestTextState:
@@ -45,14 +55,18 @@ class RequestTextState:
         tokenizer: decodes ids to text (a Hugging Face tokenizer or a ``PromptTokenizer``).
         prompt_token_ids: the request's prompt (context for decoding the first output tokens).
         params: the request's sampling parameters (``stop``, ``include_stop_str_in_output``,
-            ``skip_special_tokens`` are used here).
+            ``skip_special_tokens``, ``spaces_between_special_tokens`` and ``min_tokens`` are used
+            here: stop strings are not looked for while fewer than ``min_tokens`` tokens exist,
+            as vLLM does, so a stop string must end in text of the ``min_tokens``-th token or later).
         stops: the automaton of ``params.stop``, when already built (the samples of a request
             share one); None builds it here.
     """
 
     def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], params: SamplingParams,
                  stops: StopStrings | None = None) -> None:
-        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                   params.spaces_between_special_tokens)
+        self._min_tokens = params.min_tokens
         self._stops = StopStringMatcher(stops if stops is not None else StopStrings(params.stop), params.include_stop_str_in_output)
         self._num_prompt_tokens = len(prompt_token_ids)
         self._num_output_tokens = 0
@@ -92,29 +106,33 @@ class RequestTextState:
         """
         if self.finished:
             return TextDelta("", (), None, False, self._num_output_tokens)
-        new_ids = self._new_token_ids(output)
+        already = self._num_already_received(output)
+        new_ids, logprobs = tuple(output.new_token_ids[already:]), tuple(output.logprobs[already:])
+        prompt = None if output.prompt_logprobs is None else (None, *output.prompt_logprobs)
         self._num_output_tokens += len(new_ids)
         text = self._detokenizer.add(new_ids)
         if output.finished:
             text += self._detokenizer.finish()
-        check = self._stops.feed(text)
+        check = self._stops.feed(text) if self._num_output_tokens >= self._min_tokens else StopCheck(text)
         if check.stopped:
             self._finish_reason = FinishReason.STOP
-            return TextDelta(check.text, new_ids, FinishReason.STOP, not output.finished, self._num_output_tokens)
+            return TextDelta(check.text, new_ids, FinishReason.STOP, not output.finished, self._num_output_tokens,
+                             logprobs, prompt, check.stop)
         text = check.text
         if output.finished:
             text += self._stops.flush()
             self._finish_reason = output.finish_reason
-        return TextDelta(text, new_ids, output.finish_reason, False, self._num_output_tokens)
+        return TextDelta(text, new_ids, output.finish_reason, False, self._num_output_tokens, logprobs, prompt,
+                         output.stop_token_id)
 
-    def _new_token_ids(self, output: RequestOutput) -> tuple[int, ...]:
-        """The ids of ``output`` not received before."""
+    def _num_already_received(self, output: RequestOutput) -> int:
+        """How many leading ids of ``output`` were received before (0 for a new output)."""
         if not output.new_token_ids:
-            return ()
+            return 0
         already = self._num_output_tokens - output.first_output_index
         if already < 0:
             raise ValueError(
                 f"request {output.request_id}: output starts at token {output.first_output_index} "
                 f"but only {self._num_output_tokens} tokens were received"
             )
-        return tuple(output.new_token_ids[already:])
+        return already

@@ -34,7 +34,8 @@ class RequestSamples:
     """Routes a request's engine outputs to the text state of their sample.
 
     Args:
-        tokenizer, prompt_token_ids, params: as for ``RequestTextState``; ``params.n`` samples.
+        tokenizer, prompt_token_ids, params: as for ``RequestTextState``; ``params.num_samples``
+            samples (``best_of`` when set, else ``n``).
 
     The stop strings' automaton is built once and shared by the samples, so memory and set-up time
     are O(total stop length), whatever ``n``.
@@ -42,7 +43,7 @@ class RequestSamples:
 
     def __init__(self, tokenizer: TokenDecoder, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         stops = StopStrings(params.stop)
-        self.samples = [RequestTextState(tokenizer, prompt_token_ids, params, stops) for _ in range(params.n)]
+        self.samples = [RequestTextState(tokenizer, prompt_token_ids, params, stops) for _ in range(params.num_samples)]
 
     @property
     def finished(self) -> bool:

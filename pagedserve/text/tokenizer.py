@@ -114,9 +114,11 @@ class PromptTokenizer:
         """Whether the model ships a chat template."""
         return bool(getattr(self._tokenizer, "chat_template", None))
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool) -> str:
-        """Decodes ids to text exactly as the Hugging Face tokenizer does."""
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:
+        """Decodes ids to text exactly as the Hugging Face tokenizer does
+        (``spaces_between_special_tokens`` matters to slow tokenizers only; fast ones ignore it)."""
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
+                                      spaces_between_special_tokens=spaces_between_special_tokens)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenizes a text prompt, adding special tokens (e.g. BOS) as the tokenizer does by default.

@@ -17,6 +17,8 @@ from pagedserve.engine.messages import (
     SequenceId,
     StepResult,
 )
+from services.common.convert_logprobs import (entries_from_pb, prompt_logprobs_from_pb, prompt_logprobs_to_pb,
+                                              token_logprobs_from_pb, token_logprobs_to_pb)
 from services.common.pb import engine_pb2 as pb
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerStats, WorkerStats
@@ -30,7 +32,7 @@ _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
 def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
-    """EngineSamplingParams -> pb.EngineSamplingParams (seed set only when given)."""
+    """EngineSamplingParams -> pb.EngineSamplingParams (optional fields set only when given)."""
     msg = pb.EngineSamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
@@ -42,9 +44,15 @@ def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
         ignore_eos=params.ignore_eos,
         eos_token_ids=params.eos_token_ids,
         n=params.n,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
     )
-    if params.seed is not None:
-        msg.seed = params.seed
+    for name in ("seed", "logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            setattr(msg, name, getattr(params, name))
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
     return msg
 
 
@@ -62,6 +70,12 @@ def sampling_from_pb(msg: pb.EngineSamplingParams) -> EngineSamplingParams:
         ignore_eos=msg.ignore_eos,
         eos_token_ids=tuple(msg.eos_token_ids),
         n=max(1, msg.n),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
@@ -175,18 +189,25 @@ def plan_from_pb(msg: pb.BatchPlan) -> BatchPlan:
 
 def step_result_to_pb(result: StepResult) -> pb.StepResult:
     """StepResult -> pb.StepResult (worker to scheduler)."""
-    return pb.StepResult(
-        step_id=result.step_id,
-        sampled=[pb.SampledToken(seq_id=_seq_to_pb(s.seq_id), token_id=s.token_id, logprob=s.logprob,
-                                 sample_index=s.sample_index) for s in result.sampled],
-    )
+    sampled = []
+    for s in result.sampled:
+        msg = pb.SampledToken(seq_id=_seq_to_pb(s.seq_id), token_id=s.token_id, logprob=s.logprob,
+                              sample_index=s.sample_index)
+        if s.logprobs is not None:
+            msg.logprobs.CopyFrom(token_logprobs_to_pb(s.logprobs))
+        sampled.append(msg)
+    return pb.StepResult(step_id=result.step_id, sampled=sampled,
+                         prompt_logprobs=[prompt_logprobs_to_pb(c) for c in result.prompt_logprobs])
 
 
 def step_result_from_pb(msg: pb.StepResult) -> StepResult:
     """pb.StepResult -> StepResult (in the scheduler)."""
     return StepResult(
         step_id=msg.step_id,
-        sampled=tuple(SampledToken(_seq_from_pb(s.seq_id), s.token_id, s.logprob, s.sample_index) for s in msg.sampled),
+        sampled=tuple(SampledToken(_seq_from_pb(s.seq_id), s.token_id, s.logprob, s.sample_index,
+                                   token_logprobs_from_pb(s.logprobs) if s.HasField("logprobs") else None)
+                      for s in msg.sampled),
+        prompt_logprobs=tuple(prompt_logprobs_from_pb(c) for c in msg.prompt_logprobs),
     )
 
 
@@ -197,7 +218,13 @@ def output_to_pb(output: RequestOutput) -> pb.TokenEvent:
         first_output_index=output.first_output_index,
         token_ids=output.new_token_ids,
         sample_index=output.sample_index,
+        logprobs=[token_logprobs_to_pb(e) for e in output.logprobs],
     )
+    if output.prompt_logprobs is not None:
+        event.prompt_logprobs.first_position = 1
+        event.prompt_logprobs.entries.extend(token_logprobs_to_pb(e) for e in output.prompt_logprobs)
+    if output.stop_token_id is not None:
+        event.stop_token_id = output.stop_token_id
     if output.finish_reason is not None:
         event.finish_reason = _FINISH_TO_PB[output.finish_reason]
     if output.error is not None:
@@ -215,6 +242,9 @@ def output_from_pb(event: pb.TokenEvent) -> RequestOutput:
         finish_reason=_FINISH_FROM_PB.get(event.finish_reason),
         error=RequestError(event.error.grpc_code, event.error.message) if event.HasField("error") else None,
         sample_index=event.sample_index,
+        logprobs=entries_from_pb(event.logprobs),
+        prompt_logprobs=entries_from_pb(event.prompt_logprobs.entries) if event.HasField("prompt_logprobs") else None,
+        stop_token_id=event.stop_token_id if event.HasField("stop_token_id") else None,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.common.pb import generate_pb2 as gen
-from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.engine.sampling_params import MAX_LOGIT_BIAS, InvalidRequestError, SamplingParams
 from pagedserve.text.request_limits import RequestLimits, check_count
 from pagedserve.text.request_samples import ParsedRequest
 from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
@@ -16,8 +16,8 @@ def check_request_sizes(request: gen.GenerateRequest, limits: RequestLimits) -> 
 
     Raises:
         InvalidRequestError: ``request_id``, ``cache_salt``, ``sampling_params.stop``,
-            ``sampling_params.stop[i]``, ``sampling_params.stop_token_ids`` or ``sampling_params.n``
-            beyond its bound in ``limits``.
+            ``sampling_params.stop[i]``, ``sampling_params.stop_token_ids``, ``sampling_params.n``
+            beyond its bound in ``limits``, or ``sampling_params.logit_bias`` beyond 300 entries.
     """
     check_count("request_id", len(request.request_id), limits.max_request_id_chars, "characters")
     check_count("cache_salt", len(request.cache_salt), limits.max_cache_salt_chars, "characters")
@@ -26,17 +26,27 @@ def check_request_sizes(request: gen.GenerateRequest, limits: RequestLimits) -> 
     for i, stop in enumerate(msg.stop):
         check_count(f"{_SAMPLING}stop[{i}]", len(stop), limits.max_stop_string_chars, "characters")
     check_count(_SAMPLING + "stop_token_ids", len(msg.stop_token_ids), limits.max_stop_token_ids, "token ids")
+    check_count(_SAMPLING + "logit_bias", len(msg.logit_bias), MAX_LOGIT_BIAS, "entries")
     if msg.HasField("n") and msg.n > limits.max_n:
         raise InvalidRequestError(_SAMPLING + "n", f"must be in [1, {limits.max_n}], got {msg.n}")
+
+
+def _optional(msg: gen.SamplingParams, name: str, default):
+    """The field's value when set, else ``default``."""
+    return getattr(msg, name) if msg.HasField(name) else default
 
 
 def sampling_params_from_pb(msg: gen.SamplingParams) -> SamplingParams:
     """The API message as validated SamplingParams (defaults for unset fields).
 
     Raises:
-        InvalidRequestError: a value out of range; the message names the field.
+        InvalidRequestError: a value out of range; the message names the field. ``best_of``
+            above ``n``: this API streams, and a streamed sample cannot be taken back.
     """
     defaults = SamplingParams()
+    if msg.HasField("best_of") and msg.best_of > _optional(msg, "n", 1):
+        raise InvalidRequestError(_SAMPLING + "best_of", f"{msg.best_of} is more than n: the gRPC API streams "
+                                  "every sample, so best_of > n is only supported by the offline LLM")
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
@@ -51,6 +61,14 @@ def sampling_params_from_pb(msg: gen.SamplingParams) -> SamplingParams:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True,
         n=msg.n if msg.HasField("n") else 1,
+        logprobs=_optional(msg, "logprobs", None),
+        prompt_logprobs=_optional(msg, "prompt_logprobs", None),
+        presence_penalty=_optional(msg, "presence_penalty", defaults.presence_penalty),
+        frequency_penalty=_optional(msg, "frequency_penalty", defaults.frequency_penalty),
+        repetition_penalty=_optional(msg, "repetition_penalty", defaults.repetition_penalty),
+        logit_bias=dict(msg.logit_bias),
+        best_of=_optional(msg, "best_of", None),
+        spaces_between_special_tokens=_optional(msg, "spaces_between_special_tokens", True),
     )
 
 

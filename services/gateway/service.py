@@ -12,7 +12,7 @@ import redis
 from opentelemetry import trace
 
 from services.common import telemetry
-from pagedserve.engine.messages import EngineRequest, FinishReason, RequestOutput
+from pagedserve.engine.messages import EngineRequest, FinishReason, RequestOutput, TokenLogprobs
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
 from pagedserve.engine.sampling_params import InvalidRequestError
@@ -31,6 +31,12 @@ _FINISH_TO_PB = {
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 LOST_CHECK_S = 5
 """How often a request no scheduler has taken yet checks that its stream entry still exists, seconds."""
+
+
+def _logprobs_pb(entry: TokenLogprobs) -> gen.TokenLogprobs:
+    """One position's logprobs as the client API's message."""
+    return gen.TokenLogprobs(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
+                             top_token_ids=entry.top_token_ids, top_logprobs=entry.top_logprobs)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -139,7 +145,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     @staticmethod
     def _response(request_id: str, sample_index: int, delta: TextDelta, state: RequestSamples) -> gen.GenerateResponse:
         response = gen.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
-                                        index=sample_index)
+                                        index=sample_index, logprobs=[_logprobs_pb(e) for e in delta.logprobs])
+        if delta.prompt_logprobs is not None:
+            response.prompt_logprobs.positions.extend(_logprobs_pb(e) for e in delta.prompt_logprobs[1:])
+        if isinstance(delta.stop_reason, str):
+            response.stop_string = delta.stop_reason
+        elif delta.stop_reason is not None:
+            response.stop_token_id = delta.stop_reason
         if delta.finish_reason is not None:
             response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
         if state.finished:

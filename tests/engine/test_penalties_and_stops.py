@@ -1,0 +1,110 @@
+"""The default model with penalties, logit_bias, min_tokens, stop reasons and best_of, in process:
+greedy outputs with repetition_penalty=1.3 (and OpenAI's frequency/presence formula) equal
+Hugging Face generate token for token, alone and batched with unpenalized requests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.engine.messages import FinishReason
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.llm import LLM
+from tests.engine.conftest import BASE_PROMPTS
+
+pytestmark = pytest.mark.model
+
+MAX_TOKENS = 16
+PROMPTS = [BASE_PROMPTS[i] for i in (1, 4, 8, 15)]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    return LLM(default_model, kv_cache_memory="64MiB")
+
+
+class OpenAIPenalties:
+    """HF logits processor: OpenAI's frequency/presence penalties over the tokens after the prompt."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float) -> None:
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores).scatter_add_(
+            1, input_ids[:, self.prompt_len:], torch.ones_like(input_ids[:, self.prompt_len:], dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).float()
+
+
+def hf_generate(model, ids: list[int], **kw) -> list[int]:
+    from transformers import LogitsProcessorList
+
+    x = torch.tensor([ids])
+    kw.setdefault("max_new_tokens", MAX_TOKENS)
+    processors = LogitsProcessorList([kw.pop("processor")]) if "processor" in kw else None
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             eos_token_id=2, pad_token_id=2, logits_processor=processors, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def test_repetition_penalty_matches_hf_alone_and_batched(llm, hf_model, tokenizer):
+    ids = [tokenizer.encode_prompt(p) for p in PROMPTS]
+    penalized = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.3)
+    plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    reference = [hf_generate(hf_model, i, repetition_penalty=1.3) for i in ids]
+    unpenalized = [hf_generate(hf_model, i) for i in ids]
+    assert reference != unpenalized  # the penalty changes something
+    alone = [llm.generate(i, penalized)[0] for i in ids]
+    batched = llm.generate(ids + ids, [penalized] * len(ids) + [plain] * len(ids))
+    for i in range(len(ids)):
+        assert list(alone[i].token_ids) == reference[i], PROMPTS[i]
+        assert list(batched[i].token_ids) == reference[i], PROMPTS[i]
+        assert list(batched[len(ids) + i].token_ids) == unpenalized[i], PROMPTS[i]
+
+
+def test_frequency_and_presence_penalties_match_openai_formula(llm, hf_model, tokenizer):
+    ids = tokenizer.encode_prompt("The quick brown fox jumps over the lazy dog. " * 3)  # greedy repeats it
+    params = SamplingParams(max_tokens=32, temperature=0.0, frequency_penalty=2.0, presence_penalty=1.0)
+    got = llm.generate([ids, ids], [params, SamplingParams(max_tokens=32, temperature=0.0)])
+    assert list(got[0].token_ids) == hf_generate(hf_model, ids, max_new_tokens=32,
+                                                 processor=OpenAIPenalties(len(ids), 2.0, 1.0))
+    assert got[0].token_ids != got[1].token_ids
+
+
+def test_logit_bias_forces_a_token(llm, tokenizer):
+    token = tokenizer.encode_prompt(" banana")[-1]
+    result = llm.generate("The capital of France is", SamplingParams(
+        max_tokens=5, temperature=0.0, logit_bias={token: 100.0}, logprobs=1))[0]
+    assert result.token_ids == (token,) * 5
+    assert all(e.logprob > -1e-3 and e.rank == 1 for e in result.samples[0].logprobs)
+
+
+def test_min_tokens_holds_back_a_stop_string(llm):
+    prompt = BASE_PROMPTS[8]  # "Q: What is 17 times 3?\nA:"
+    stopped = llm.generate(prompt, SamplingParams(max_tokens=50, temperature=0.0, stop=["\n"]))[0]
+    assert stopped.finish_reason is FinishReason.STOP and len(stopped.token_ids) < 50
+    assert stopped.samples[0].stop_reason == "\n"
+    held = llm.generate(prompt, SamplingParams(max_tokens=50, min_tokens=50, temperature=0.0, stop=["\n"]))[0]
+    assert len(held.token_ids) == 50 and held.finish_reason is FinishReason.LENGTH
+    assert "\n" in held.text and held.samples[0].stop_reason is None
+
+
+def test_stop_reason_of_a_stop_token_id(llm):
+    prompt = BASE_PROMPTS[1]
+    free = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].token_ids
+    index = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    result = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(free[index],)))[0]
+    assert result.token_ids == free[:index + 1]
+    assert result.finish_reason is FinishReason.STOP and result.samples[0].stop_reason == free[index]
+
+
+def test_best_of_returns_the_samples_of_highest_cumulative_logprob(llm):
+    prompt = BASE_PROMPTS[13]
+    every = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=5, logprobs=0,
+                                                ignore_eos=True))[0].samples
+    best = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=3, n=2, best_of=5,
+                                               ignore_eos=True))[0].samples
+    ranked = sorted(every, key=lambda s: -s.cumulative_logprob)
+    assert len({s.token_ids for s in every}) > 2  # distinct samples to choose from
+    assert [s.token_ids for s in best] == [s.token_ids for s in ranked[:2]]
+    assert all(s.logprobs is None and s.cumulative_logprob is not None for s in best)
