@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gateway listen address; 0.0.0.0 serves other machines too (default %(default)s)")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default %(default)s)")
     up.add_argument("--scheduler-port", type=int, default=50052, help="scheduler port (default %(default)s)")
-    up.add_argument("--metrics-port", type=int, default=8090, metavar="PORT",
+    up.add_argument("--metrics-port", type=int, default=9450, metavar="PORT",
                     help="Prometheus /metrics of the gateway at PORT, the scheduler at PORT+1 and worker i at "
                     "PORT+2+i (0: none) (default %(default)s)")
     up.add_argument("--kv-cache-memory", default=env_default("PAGEDSERVE_KV_CACHE_MEMORY", "1GiB"),

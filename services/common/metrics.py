@@ -95,8 +95,8 @@ def add_metrics_port_argument(parser: argparse.ArgumentParser) -> None:
     """``--metrics-port``: where the service serves Prometheus metrics (default: nowhere)."""
     parser.add_argument(
         "--metrics-port", type=int, default=None, metavar="PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics on --host (0 picks a free port, logged at "
-        "start; default: no metrics server)",
+        help="serve Prometheus metrics at /metrics on this port of the --host address (0 picks a free port, "
+        "logged at start; default: no metrics server)",
     )
 
 

@@ -92,7 +92,7 @@ def test_every_service_takes_metrics_port_and_up_spreads_its_ports():
     for command in (["scheduler"], ["worker"], ["gateway"]):
         assert parser.parse_args(command).metrics_port is None  # off unless asked for
         assert parser.parse_args([*command, "--metrics-port", "0"]).metrics_port == 0
-    assert parser.parse_args(["up"]).metrics_port == 8090
+    assert parser.parse_args(["up"]).metrics_port == 9450
     config = StackConfig(model=Path("m"), workers=2, host="127.0.0.1", port=1, scheduler_port=2, redis_url="redis://x",
                          kv_cache_memory="1GiB", swap_space="0", policy=SchedulerConfig(), threads_per_worker=1,
                          data_dir=Path("."), metrics_port=9000)
