@@ -58,6 +58,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         gemm_backend=GemmBackend(args.gemm_backend),
         compile_mode=CompileMode(args.compile_mode),
         data_dir=default_cache_dir() / f"redis-{redis_port}",
+        metrics_port=args.metrics_port,
     )
     return run_stack(config)
 
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gateway listen address; 0.0.0.0 serves other machines too (default %(default)s)")
     up.add_argument("--port", type=int, default=50051, help="gateway port (default %(default)s)")
     up.add_argument("--scheduler-port", type=int, default=50052, help="scheduler port (default %(default)s)")
+    up.add_argument("--metrics-port", type=int, default=9450, metavar="PORT",
+                    help="Prometheus /metrics of the gateway at PORT, the scheduler at PORT+1 and worker i at "
+                    "PORT+2+i (0: none) (default %(default)s)")
     up.add_argument("--kv-cache-memory", default=env_default("PAGEDSERVE_KV_CACHE_MEMORY", "1GiB"),
                     help="KV-cache memory per worker, e.g. 2GiB (default %(default)s)")
     up.add_argument("--swap-space", default="0",

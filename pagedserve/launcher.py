@@ -53,6 +53,8 @@ class StackConfig:
         cluster_token: secret shared by the services (default: a new random one); children get it
             through the environment, so `ps` does not show it.
         api_key: when not empty, the gateway's clients must send it (``authorization: Bearer``).
+        metrics_port: first of the ``/metrics`` ports: the gateway's (on ``host``), then the
+            scheduler's, then one per worker (on 127.0.0.1); 0: no metrics servers.
     """
 
     model: Path
@@ -71,10 +73,20 @@ class StackConfig:
     startup_timeout_s: float = 600.0
     cluster_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     api_key: str = field(default="", repr=False)
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {self.workers}")
+        if not 0 <= self.metrics_port <= 65535 - 2 - self.workers:
+            raise ValueError(f"--metrics-port must leave room for {self.workers + 2} ports, got {self.metrics_port}")
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Service name -> its ``/metrics`` port (empty when metrics are off)."""
+        if not self.metrics_port:
+            return {}
+        names = ["gateway", "scheduler", *(f"worker-{i}" for i in range(self.workers))]
+        return {name: self.metrics_port + i for i, name in enumerate(names)}
 
 
 def redis_answers(url: str) -> bool:
@@ -120,20 +132,25 @@ class Stack:
         cfg = self.config
         self._start_redis()
         policy = policy_to_args(cfg.policy)
-        self._service("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(cfg.scheduler_port), *policy)
+        self._service("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(cfg.scheduler_port), *policy,
+                      *self._metrics_flag("scheduler"))
         for i in range(cfg.workers):
             self._service(
                 f"worker-{i}", "worker", "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
                 "--kv-cache-memory", cfg.kv_cache_memory, "--block-size", str(cfg.policy.block_size),
                 "--num-threads", str(cfg.threads_per_worker), "--swap-space", cfg.swap_space,
                 "--gemm-backend", cfg.gemm_backend.value, "--compile-mode", cfg.compile_mode.value,
-                *self._cores_of(i),
+                *self._cores_of(i), *self._metrics_flag(f"worker-{i}"),
             )
         self._service(
             "gateway", "gateway", "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
-            "--scheduler", f"127.0.0.1:{cfg.scheduler_port}",
+            "--scheduler", f"127.0.0.1:{cfg.scheduler_port}", *self._metrics_flag("gateway"),
         )
         self._wait_ready()
+
+    def _metrics_flag(self, name: str) -> list[str]:
+        port = self.config.metrics_ports().get(name)
+        return [] if port is None else ["--metrics-port", str(port)]
 
     def _cores_of(self, worker_index: int) -> list[str]:
         """``--cpu-affinity`` giving each worker its own cores, when they fit on this machine."""
@@ -264,7 +281,7 @@ def run_stack(config: StackConfig) -> int:
         print(
             f"pagedserve is up: gateway at {config.host}:{config.port} ({config.workers} worker(s), model "
             f"{config.model.name}). Try{key_note}:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "
-            f"--temperature 0 --prompt 'What is the capital of France?'\nCtrl-C stops everything.",
+            f"--temperature 0 --prompt 'What is the capital of France?'\n{_metrics_note(config)}Ctrl-C stops everything.",
             flush=True,
         )
         while not stop.wait(0.5):
@@ -275,6 +292,14 @@ def run_stack(config: StackConfig) -> int:
     finally:
         stack.stop()
     return status
+
+
+def _metrics_note(config: StackConfig) -> str:
+    ports = config.metrics_ports()
+    if not ports:
+        return ""
+    hosts = {name: config.host if name == "gateway" else "127.0.0.1" for name in ports}
+    return "Prometheus metrics: " + ", ".join(f"{n} http://{hosts[n]}:{p}/metrics" for n, p in ports.items()) + "\n"
 
 
 def free_port() -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 from services.common.auth import (
     MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args, read_secret,
 )
+from services.common.metrics import add_metrics_port_argument, check_metrics_port
 from services.common.service_args import (
     add_listen_arguments, add_model_argument, add_redis_argument, env_default, redis_url_from_args,
 )
@@ -30,6 +31,7 @@ class GatewayConfig:
             serves TLS only.
         gateway_id: unique id of this gateway; the scheduler routes tokens by it.
         max_concurrent_requests: requests in flight above which new ones get RESOURCE_EXHAUSTED.
+        metrics_port: where ``/metrics`` is served on ``host`` (0: a free port, logged); None: nowhere.
 
     Raises:
         ValueError: a value out of range, no cluster token, or only one of the TLS files.
@@ -46,10 +48,12 @@ class GatewayConfig:
     api_key: str = field(default="", repr=False)
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        check_metrics_port(self.metrics_port)
         if ":" not in self.scheduler_address:
             raise ValueError(f"--scheduler must be HOST:PORT, got {self.scheduler_address!r}")
         if self.max_concurrent_requests < 1:
@@ -66,6 +70,7 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_redis_argument(parser)
     add_cluster_token_arguments(parser)
     add_listen_arguments(parser, default_port=50051)
+    add_metrics_port_argument(parser)
     add_api_key_arguments(parser)
     parser.add_argument("--tls-cert-file", default="", help="PEM certificate (chain) to serve TLS with")
     parser.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
@@ -115,4 +120,5 @@ def gateway_config_from_args(args: argparse.Namespace, model: Path) -> GatewayCo
         port=args.port,
         gateway_id=args.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}",
         max_concurrent_requests=args.max_concurrent_requests,
+        metrics_port=args.metrics_port,
     )

@@ -17,10 +17,12 @@ from grpc_reflection.v1alpha import reflection
 from services.common import telemetry
 from services.common.auth import API_KEY_KEY, AioMetadataAuthInterceptor, cluster_aio_channel
 from services.common.grpc_server import CLIENT_API_SERVER_OPTIONS, bind
+from services.common.metrics import serve_metrics
 from services.common.pb import engine_pb2, generate_pb2
 from services.common.service_args import redact_url
 from services.gateway.config import GatewayConfig
 from services.gateway.generation_handler import add_generation_service
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter
 from services.gateway.service import GenerationServicer
@@ -90,7 +92,8 @@ async def serve_gateway(config: GatewayConfig) -> None:
     router = OutputRouter(channel, config.gateway_id)
 
     server = _new_server(config)
-    servicer = GenerationServicer(tokenizer, producer, router, tracer, config.max_concurrent_requests)
+    metrics = GatewayMetrics(config.model.name, lambda: router.num_in_flight)
+    servicer = GenerationServicer(tokenizer, producer, router, tracer, config.max_concurrent_requests, metrics)
     add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -98,6 +101,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     port = bind(server, config.host, config.port, credentials)
+    metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, "gateway")
     await server.start()
     if not await producer.ping():
         log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "
@@ -122,4 +126,6 @@ async def serve_gateway(config: GatewayConfig) -> None:
         task.cancel()
     await channel.close()
     await redis_client.aclose()
+    if metrics_server is not None:
+        metrics_server.stop()
     telemetry.shutdown_tracing()

@@ -17,6 +17,7 @@ from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.output_processor import TextDelta
+from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.request_parser import ParsedRequest, parse_generate_request
 from pagedserve.text.request_samples import RequestSamples
@@ -46,6 +47,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         max_concurrent_requests: calls in flight above which new ones get RESOURCE_EXHAUSTED.
         scheduler_grace_s: how long a call waits for a lost scheduler stream to come back before
             failing with UNAVAILABLE.
+        metrics: where the calls' latencies and tokens are counted.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         router: OutputRouter,
         tracer: trace.Tracer,
         max_concurrent_requests: int,
+        metrics: GatewayMetrics,
         scheduler_grace_s: float = 10.0,
     ) -> None:
         self._tokenizer = tokenizer
@@ -63,10 +66,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self._tracer = tracer
         self._max_concurrent = max_concurrent_requests
         self._grace_s = scheduler_grace_s
+        self._metrics = metrics
         self._background: set[asyncio.Task] = set()
 
     async def Generate(self, request: gen.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
         """Validates, queues and streams one request (see proto/generate.proto for the statuses)."""
+        request_metrics = self._metrics.start_request()
         if self._router.num_in_flight >= self._max_concurrent:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"the gateway has {self._max_concurrent} requests in flight; retry later")
@@ -87,13 +92,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                        attributes={"request_id": key, "client_request_id": label,
                                                    "prompt_tokens": len(parsed.prompt_token_ids)})
         try:
-            async for response in self._generate(key, label, parsed, span, context):
+            async for response in self._generate(key, label, parsed, span, context, request_metrics):
                 yield response
         finally:
             span.end()
 
     async def _generate(self, key: str, label: str, parsed: ParsedRequest, span: trace.Span,
-                        context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
+                        context: grpc.aio.ServicerContext,
+                        request_metrics: RequestMetrics) -> AsyncIterator[gen.GenerateResponse]:
         outputs = self._router.register(key)
         state = RequestSamples(self._tokenizer, parsed.prompt_token_ids, parsed.params)
         entry_id: bytes | None = None
@@ -116,6 +122,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     delta = state.process(output)
                 except ValueError as exc:  # tokens missing from the stream: the request cannot go on exactly
                     await context.abort(grpc.StatusCode.ABORTED, f"the token stream broke ({exc}); retry")
+                request_metrics.delta(output.sample_index, delta, state.num_prompt_tokens)
                 if delta.stop_string_matched:
                     self._abort_in_background(key, output.sample_index)
                 if delta.text or delta.token_ids or delta.finish_reason:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args
+from services.common.metrics import add_metrics_port_argument, check_metrics_port
 from services.common.service_args import add_listen_arguments, add_redis_argument, redis_url_from_args
 
 
@@ -32,6 +33,7 @@ class SchedulerServiceConfig:
             with UNAVAILABLE (and new ones at once), seconds.
         gateway_grace_s: how long a gateway's requests survive its output stream being closed
             (long enough for it to reconnect), seconds.
+        metrics_port: where ``/metrics`` is served on ``host`` (0: a free port, logged); None: nowhere.
 
     Raises:
         ValueError: a value out of range, or no cluster token.
@@ -48,10 +50,12 @@ class SchedulerServiceConfig:
     worker_gone_after_s: float = 5.0
     no_worker_timeout_s: float = 30.0
     gateway_grace_s: float = 10.0
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        check_metrics_port(self.metrics_port)
         if not self.consumer_name:
             raise ValueError("--consumer-name must not be empty")
         if min(self.step_timeout_s, self.worker_poll_interval_s, self.worker_gone_after_s,
@@ -66,6 +70,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     add_redis_argument(parser)
     add_cluster_token_arguments(parser)
     add_listen_arguments(parser, default_port=50052)
+    add_metrics_port_argument(parser)
     add_policy_arguments(parser)
     parser.add_argument(
         "--consumer-name", default="scheduler-0",
@@ -144,4 +149,5 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerServiceConf
         policy=policy_from_args(args),
         step_timeout_s=args.step_timeout,
         no_worker_timeout_s=args.no_worker_timeout,
+        metrics_port=args.metrics_port,
     )

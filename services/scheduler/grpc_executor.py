@@ -62,14 +62,17 @@ class GrpcExecutor:
         if channel is not None:
             channel.close()
 
-    def submit(self, worker_id: str, plan: BatchPlan) -> None:
-        """Sends ``plan`` to its worker; the answer goes to ``on_done``.
+    def submit(self, worker_id: str, plan: BatchPlan) -> int:
+        """Sends ``plan`` to its worker; the answer goes to ``on_done``. Returns the encoded plan's
+        size, bytes.
 
         Raises:
             KeyError: the worker is not connected.
         """
-        call = self._stubs[worker_id].Execute.future(plan_to_pb(plan), timeout=self._timeout)
+        message = plan_to_pb(plan)
+        call = self._stubs[worker_id].Execute.future(message, timeout=self._timeout)
         call.add_done_callback(lambda c: self._on_done(self._answer(worker_id, plan, c)))
+        return message.ByteSize()
 
     @staticmethod
     def _answer(worker_id: str, plan: BatchPlan, call: grpc.Future) -> StepDone:

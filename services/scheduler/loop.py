@@ -29,6 +29,7 @@ from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.gateway_streams import GatewayStreams
 from services.scheduler.grpc_executor import GrpcExecutor, StepDone
 from services.scheduler.membership import WorkerMembership
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.queue_consumer import QueueEntry
 from services.scheduler.redis_io import Acknowledger
 
@@ -110,7 +111,9 @@ class SchedulerLoop:
         self._gateways_live: set[str] = set()
         self._parked: dict[str, dict[str, QueueEntry]] = {}  # gateway id -> request id -> entry read before it connected
         self._early_aborts: dict[str, float] = {}  # aborted before their entry was read -> when
-        self.stats = scheduler.stats()
+        self.stats = scheduler.stats()  # the latest snapshot, replaced whole by the loop (others only read it)
+        self.model_name = ""  # the workers' model, from their registrations
+        self.metrics = SchedulerMetrics(lambda: (self.stats, self.model_name))
         self.error: Exception | None = None
 
     def submit(self, command: Command) -> None:
@@ -142,9 +145,10 @@ class SchedulerLoop:
             return
         scheduled = self.scheduler.schedule(idle)
         self._deliver(list(scheduled.outputs))
+        self.metrics.plans_sent(scheduled.plans)
         for worker_id, plan in scheduled.plans.items():
             self._in_flight.add(plan.session_id)
-            self.executor.submit(worker_id, plan)
+            self.metrics.plan_encoded(worker_id, self.executor.submit(worker_id, plan))
 
     def _step_done(self, done: StepDone) -> None:
         self._in_flight.discard(done.session_id)
@@ -240,6 +244,7 @@ class SchedulerLoop:
         request = replace(request, trace_context=telemetry.inject(trace.set_span_in_context(span)))
         self._routes[request.request_id] = _Route(gateway_id, entry.entry_id, span)
         self.scheduler.add_request(request)
+        self.metrics.request_added(request.request_id)
         self._deliver([RequestOutput(request.request_id, 0, ())])  # taken: the gateway stops watching Redis
 
     def _abort(self, request_id: str, sample_index: int | None = None) -> bool:
@@ -256,6 +261,7 @@ class SchedulerLoop:
         that have no sample left in flight (after the whole batch, so that every sample's last
         output goes out)."""
         batches: dict[str, list[pb.TokenEvent]] = {}
+        self.metrics.outputs(outputs)
         for output in outputs:
             route = self._routes.get(output.request_id)
             if route is None:
@@ -268,6 +274,7 @@ class SchedulerLoop:
         for request_id in {o.request_id for o in outputs}:
             if request_id in self._routes and not self.scheduler.has_request(request_id):
                 self._close(self._routes.pop(request_id))
+                self.metrics.request_closed(request_id)
         for gateway_id, events in batches.items():
             self.streams.publish(gateway_id, pb.TokenEventBatch(events=events))
 
@@ -278,6 +285,7 @@ class SchedulerLoop:
     # ---- workers -------------------------------------------------------------------------
     def _update_workers(self, live: Mapping[str, pb.WorkerRegistration]) -> None:
         now = time.monotonic()
+        self.model_name = next((r.model for r in live.values()), self.model_name)
         self._deliver(self.membership.sync(live))
         has_workers = bool(self.scheduler.worker_ids)
         if has_workers:

@@ -80,3 +80,7 @@ class RequestQueueConsumer:
         pipe.xack(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, entry_id)
         pipe.xdel(redis_keys.REQUEST_STREAM, entry_id)
         pipe.execute()
+
+    def length(self) -> int:
+        """Entries in the request stream (queued or in flight: an entry is deleted when acknowledged)."""
+        return self._client.xlen(redis_keys.REQUEST_STREAM)

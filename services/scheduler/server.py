@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -13,6 +14,7 @@ from pagedserve.engine.scheduler import Scheduler
 from services.common import telemetry
 from services.common.auth import CLUSTER_TOKEN_KEY, MetadataAuthInterceptor
 from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bind, set_serving
+from services.common.metrics import serve_metrics
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.redis_wait import connect_redis
 from services.scheduler.config import SchedulerServiceConfig
@@ -28,10 +30,19 @@ SCHEDULER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_nam
 """Its health status is the scheduler's readiness: SERVING while at least one worker is up."""
 
 
+STREAM_LENGTH_INTERVAL_S = 1.0
+"""How often the request stream's length is read for ``pagedserve_redis_stream_length``, seconds."""
+
+
 def _read_requests(consumer: RequestQueueConsumer, loop: SchedulerLoop, stop: threading.Event) -> None:
-    """Feeds stream entries to the loop until ``stop``; waits out Redis outages."""
+    """Feeds stream entries to the loop until ``stop`` (and keeps the stream-length gauge current);
+    waits out Redis outages."""
+    measured_at = 0.0
     while not stop.is_set():
         try:
+            if loop.model_name and time.monotonic() - measured_at >= STREAM_LENGTH_INTERVAL_S:
+                loop.metrics.stream_length.labels(loop.model_name).set(consumer.length())
+                measured_at = time.monotonic()
             entries = consumer.read(count=256, block_ms=200)
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
@@ -77,6 +88,7 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
                          set_ready=lambda ready: set_serving(health, ready, SCHEDULER_SERVICE))
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     port = bind(server, config.host, config.port)
+    metrics_server = serve_metrics(loop.metrics.registry, config.host, config.metrics_port, "scheduler")
     server.start()
     registry = WorkerRegistry(client, config.cluster_token)
     threads = [
@@ -96,6 +108,8 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     for thread in threads:
         thread.join(timeout=10)
     server.stop(grace=2).wait()
+    if metrics_server is not None:
+        metrics_server.stop()
     telemetry.shutdown_tracing()
     if loop.error is not None:
         raise RuntimeError("the scheduler loop failed") from loop.error

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args
+from services.common.metrics import add_metrics_port_argument, check_metrics_port
 from services.common.service_args import (
     add_listen_arguments, add_model_argument, add_redis_argument, env_default, redis_url_from_args,
 )
@@ -45,6 +46,7 @@ class WorkerConfig:
         cpu_affinity: CPU cores this worker runs on, its OpenMP threads bound one per core (on a
             shared machine, give each worker its own cores); empty: no binding.
         heartbeat_interval_s: how often the registration is refreshed, seconds.
+        metrics_port: where ``/metrics`` is served on ``host`` (0: a free port, logged); None: nowhere.
 
     Raises:
         ValueError: a value out of range, or no cluster token.
@@ -69,10 +71,12 @@ class WorkerConfig:
     num_threads: int = 0
     cpu_affinity: tuple[int, ...] = ()
     heartbeat_interval_s: float = 1.0
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        check_metrics_port(self.metrics_port)
         if self.block_size < 1:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         if self.dtype not in DTYPES:
@@ -97,6 +101,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_redis_argument(parser)
     add_cluster_token_arguments(parser)
     add_listen_arguments(parser, default_port=0)
+    add_metrics_port_argument(parser)
     parser.add_argument(
         "--advertise-host",
         default=env_default("PAGEDSERVE_ADVERTISE_HOST", ""),
@@ -170,4 +175,5 @@ def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConf
         swap_space=parse_bytes(args.swap_space) if args.swap_space not in ("", "0") else 0,
         num_threads=args.num_threads,
         cpu_affinity=parse_cpu_list(args.cpu_affinity) if args.cpu_affinity else (),
+        metrics_port=args.metrics_port,
     )

@@ -13,11 +13,13 @@ import grpc
 from services.common import telemetry
 from services.common.auth import CLUSTER_TOKEN_KEY, MetadataAuthInterceptor, sign_registration
 from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bind, set_serving
+from services.common.metrics import serve_metrics
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.redis_wait import connect_redis
 from pagedserve.engine.runner_factory import resolve_dtype
 from services.worker.config import WorkerConfig
+from services.worker.metrics import WorkerMetrics
 from services.worker.registration import WorkerRegistrar
 from services.worker.service import WorkerServicer
 
@@ -65,9 +67,11 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     )
     auth = MetadataAuthInterceptor(CLUSTER_TOKEN_KEY, config.cluster_token, "cluster token")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
-    engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, tracer), server)
+    metrics = WorkerMetrics(config.model.name, config.worker_id)
+    engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, tracer, metrics), server)
     health = add_health(server)
     port = bind(server, config.host, config.port)
+    metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, f"worker {config.worker_id}")
     server.start()
     registration = pb.WorkerRegistration(
         worker_id=config.worker_id,
@@ -88,4 +92,6 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     set_serving(health, False)
     registrar.stop()
     server.stop(grace=2).wait()
+    if metrics_server is not None:
+        metrics_server.stop()
     telemetry.shutdown_tracing()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -13,6 +14,7 @@ from pagedserve.engine.messages import BatchPlan, SequenceId, StepResult
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from pagedserve.engine.engine import PlanRunner
+from services.worker.metrics import WorkerMetrics
 
 
 class RequestSpans:
@@ -46,8 +48,9 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
     thread, and teams left by gRPC's rotating handler threads compete for the cores.
     """
 
-    def __init__(self, runner: PlanRunner, tracer: trace.Tracer) -> None:
+    def __init__(self, runner: PlanRunner, tracer: trace.Tracer, metrics: WorkerMetrics | None = None) -> None:
         self._runner = runner
+        self._metrics = metrics
         self._spans = RequestSpans(tracer)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
@@ -62,4 +65,8 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
 
     def _execute(self, plan: BatchPlan) -> StepResult:
         self._spans.update(plan)
-        return self._runner.execute(plan)
+        start = time.perf_counter()
+        result = self._runner.execute(plan)
+        if self._metrics is not None:
+            self._metrics.step_done(time.perf_counter() - start)
+        return result

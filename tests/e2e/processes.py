@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.launcher import free_port
@@ -101,6 +101,8 @@ class Stack:
     processes: dict[str, Process]
     env: dict[str, str]
     """The services' environment (holds the cluster token), for starting more of them."""
+    metrics: dict[str, str] = field(default_factory=dict)
+    """Service name (scheduler, worker-0, ..., gateway) -> host:port of its ``/metrics``."""
 
     def logs(self) -> str:
         return "\n".join(f"==== {name}\n{p.log_text()[-3000:]}" for name, p in self.processes.items())
@@ -116,10 +118,16 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
     processes = {"redis": redis_proc}
     sched_port, gw_port = free_port(), free_port()
     scheduler = f"127.0.0.1:{sched_port}"
+    metrics = {name: f"127.0.0.1:{free_port()}" for name in ["scheduler", *(f"worker-{i}" for i in range(num_workers)),
+                                                              "gateway"]}
+
+    def metrics_port(name: str) -> list[str]:
+        return ["--metrics-port", metrics[name].rsplit(":", 1)[1]]
     common = ["--redis-url", redis_url]
     try:
         processes["scheduler"] = pagedserve("scheduler", ["scheduler", *common, "--host", "127.0.0.1",
-                                                          "--port", str(sched_port), *scheduler_args], tmp_path, env)
+                                                          "--port", str(sched_port), *metrics_port("scheduler"),
+                                                          *scheduler_args], tmp_path, env)
         bind = num_workers * worker_threads <= (os.cpu_count() or 1)
         for i in range(num_workers):
             cores = ["--cpu-affinity", f"{i * worker_threads}-{(i + 1) * worker_threads - 1}"] if bind else []
@@ -127,11 +135,12 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
                 f"worker-{i}",
                 ["worker", *common, "--model", str(model), "--host", "127.0.0.1", "--port", "0",
                  "--kv-cache-memory", kv_cache_memory, "--num-threads", str(worker_threads), "--worker-id", f"worker-{i}", *cores,
-                 *worker_args],
+                 *metrics_port(f"worker-{i}"), *worker_args],
                 tmp_path, env,
             )
         processes["gateway"] = pagedserve("gateway", ["gateway", *common, "--model", str(model), "--host", "127.0.0.1",
-                                                      "--port", str(gw_port), "--scheduler", scheduler], tmp_path, env)
+                                                      "--port", str(gw_port), "--scheduler", scheduler,
+                                                      *metrics_port("gateway")], tmp_path, env)
         procs = list(processes.values())
         wait_until(lambda: healthy(scheduler), "scheduler", 120, procs)
         wait_until(lambda: len(scheduler_stats(scheduler).workers) == num_workers, "workers", 300, procs)
@@ -140,4 +149,4 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
         for p in processes.values():
             p.stop()
         raise
-    return Stack(redis_url, f"127.0.0.1:{gw_port}", scheduler, processes, env)
+    return Stack(redis_url, f"127.0.0.1:{gw_port}", scheduler, processes, env, metrics)

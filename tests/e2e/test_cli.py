@@ -39,7 +39,8 @@ def up(tmp_path_factory, default_model):
     log = open(tmp / "up.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--port", str(port),
-         "--scheduler-port", str(scheduler_port), "--model", str(default_model), "--kv-cache-memory", "64MiB"],
+         "--scheduler-port", str(scheduler_port), "--model", str(default_model), "--kv-cache-memory", "64MiB",
+         "--metrics-port", "0"],  # no fixed metrics ports: tests run side by side
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
     deadline = time.monotonic() + 300

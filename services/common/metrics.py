@@ -1,0 +1,106 @@
+"""Prometheus plumbing shared by the services: registries, bucket boundaries, the ``/metrics`` server.
+
+Every process keeps its series in a registry of its own (never prometheus_client's global
+default one), so that services started in one test process stay independent and each exposes
+only what it owns. Which process owns which series (one owner per piece of state, so nothing is
+counted twice across processes):
+
+- gateway (``services/gateway/metrics.py``): what its clients see: ``vllm:time_to_first_token_seconds``,
+  ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``,
+  ``vllm:request_success_total{finished_reason}``, ``vllm:prompt_tokens_total``,
+  ``vllm:generation_tokens_total``, ``pagedserve_gateway_requests_in_flight``.
+- scheduler (``services/scheduler/metrics.py``): queues and KV blocks: ``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``,
+  ``vllm:prefix_cache_hits_total``, ``vllm:num_preemptions_total``, ``vllm:request_queue_time_seconds``,
+  ``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``, and
+  ``pagedserve_plan_bytes``, ``pagedserve_redis_stream_length``, ``pagedserve_worker_kv_cache_usage_perc``.
+- worker (``services/worker/metrics.py``): ``pagedserve_worker_step_seconds{worker}``.
+
+Every series has the ``model_name`` label, as vLLM's do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from threading import Thread
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, start_http_server
+
+log = logging.getLogger("pagedserve.metrics")
+
+MODEL_NAME = "model_name"
+"""The label every series carries (vLLM's name for it)."""
+
+# vLLM's bucket boundaries (vllm/v1/metrics/loggers.py), seconds.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                             120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+"""vLLM's buckets of e2e latency and of the queue, prefill and decode times."""
+
+# pagedserve's own series.
+STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+                  10.0, 30.0)
+PLAN_BYTES_BUCKETS = tuple(float(256 * 4 ** i) for i in range(9))  # 256 B .. 16 MiB
+
+
+def new_registry() -> CollectorRegistry:
+    """An empty registry for one process's series."""
+    return CollectorRegistry()
+
+
+def render(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The registry in Prometheus' text format: (body, Content-Type header value), ready for an
+    HTTP response to ``GET /metrics``."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` HTTP server (prometheus_client's, on a thread of its own)."""
+
+    server: WSGIServer
+    thread: Thread
+
+    @property
+    def port(self) -> int:
+        return self.server.server_port
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int | None, service: str) -> MetricsServer | None:
+    """Serves ``registry`` at ``http://host:port/metrics`` (port 0 picks a free one; the port is
+    logged); ``None`` serves nothing and returns ``None``.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    if port is None:
+        return None
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    running = MetricsServer(server, thread)
+    log.info("%s metrics at http://%s:%d/metrics", service, host, running.port)
+    return running
+
+
+def add_metrics_port_argument(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-port``: where the service serves Prometheus metrics (default: nowhere)."""
+    parser.add_argument(
+        "--metrics-port", type=int, default=None, metavar="PORT",
+        help="serve Prometheus metrics at /metrics on this port of the --host address (0 picks a free port, "
+        "logged at start; default: no metrics server)",
+    )
+
+
+def check_metrics_port(port: int | None) -> None:
+    """Raises ValueError unless ``port`` is None or a TCP port (0: a free one)."""
+    if port is not None and not 0 <= port < 65536:
+        raise ValueError(f"--metrics-port must be in [0, 65535], got {port}")

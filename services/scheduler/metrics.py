@@ -1,0 +1,172 @@
+"""The scheduler's Prometheus series: its queues, KV blocks and per-request phase times.
+
+Ownership (see ``services/common/metrics.py``): the scheduler owns what only it knows: running and
+waiting requests, KV-cache usage, prefix-cache queries and hits, preemptions (a snapshot of
+``SchedulerStats``, read on scrape), and each sample's queue, prefill and decode times (it sees a
+request arrive, be scheduled, and get its first and last token), plus the plan sizes it sends and
+the Redis request stream's length. Token counts, TTFT, ITL, e2e latency and finish reasons are the
+gateway's: nothing here counts them.
+
+Threads: the engine is touched only by the loop thread. Gauges and cumulative counters come from
+the latest ``SchedulerStats`` snapshot the loop publishes (an immutable object), read by a custom
+collector on the scrape thread; the histograms are observed by the loop thread itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagedserve.engine.config import SchedulerStats
+from pagedserve.engine.messages import BatchPlan, RequestOutput
+from services.common.metrics import MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, new_registry
+
+
+def kv_cache_usage(stats: SchedulerStats) -> float:
+    """Share of all workers' KV blocks in use, 0..1 (cached blocks no request holds count as free,
+    as in vLLM); 0 without workers."""
+    total = sum(w.num_blocks for w in stats.workers)
+    return 0.0 if total == 0 else sum(w.num_blocks - w.num_free_blocks for w in stats.workers) / total
+
+
+class StatsCollector(Collector):
+    """Gauges and counters read from the loop's latest snapshot on every scrape.
+
+    Counters are kept monotonic: the scheduler's prefix-cache totals are sums over the workers it
+    has now, so they drop when a worker goes away; only increases are added.
+
+    Args:
+        snapshot: the latest (stats, model name) the loop published (thread-safe to call).
+    """
+
+    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]]) -> None:
+        self._snapshot = snapshot
+        self._lock = threading.Lock()
+        self._last: dict[str, int] = {}
+        self._totals: dict[str, int] = {}
+
+    def _monotonic(self, name: str, value: int) -> int:
+        with self._lock:
+            self._totals[name] = self._totals.get(name, 0) + max(0, value - self._last.get(name, 0))
+            self._last[name] = value
+            return self._totals[name]
+
+    def collect(self) -> Iterable[Metric]:
+        stats, model = self._snapshot()
+        gauges = (("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+                  ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+                  ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage(stats)))
+        for name, doc, value in gauges:
+            family = GaugeMetricFamily(name, doc, labels=[MODEL_NAME])
+            family.add_metric([model], value)
+            yield family
+        counters = (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                     stats.prefix_cache_queries),
+                    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                     stats.prefix_cache_hits),
+                    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions))
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc, labels=[MODEL_NAME])
+            family.add_metric([model], self._monotonic(name, value))
+            yield family
+        per_worker = GaugeMetricFamily("pagedserve_worker_kv_cache_usage_perc",
+                                       "KV-cache usage of one worker, 0..1.", labels=[MODEL_NAME, "worker"])
+        for w in stats.workers:
+            per_worker.add_metric([model, w.worker_id], 0.0 if w.num_blocks == 0 else 1 - w.num_free_blocks / w.num_blocks)
+        yield per_worker
+
+
+@dataclass
+class _Times:
+    """Monotonic clock readings of one request, seconds; its samples' token times by sample index."""
+
+    queued: float
+    scheduled: float | None = None
+    first_token: dict[int, float] = field(default_factory=dict)
+    last_token: dict[int, float] = field(default_factory=dict)
+
+
+class SchedulerMetrics:
+    """The scheduler process's registry and the loop's hooks into it (call them from the loop thread).
+
+    A sample's phases, as vLLM defines them: queue = first scheduled - arrived at the scheduler;
+    prefill = its first token - first scheduled; decode = its last token - its first token. They
+    are observed once per sample, when it finishes (n samples: n observations, as vLLM's child
+    requests are).
+
+    Args:
+        snapshot: the latest (stats, model name) the loop published, for the gauges and counters.
+        clock: monotonic seconds (tests pass their own).
+    """
+
+    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry: CollectorRegistry = new_registry()
+        self.registry.register(StatsCollector(snapshot))
+        self._snapshot = snapshot
+        self._clock = clock
+        self._requests: dict[str, _Times] = {}
+        labels = [MODEL_NAME]
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for "
+                                    "request.", labels, registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS_S)
+        self.prefill_time = Histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase "
+                                      "for request.", labels, registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS_S)
+        self.decode_time = Histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for "
+                                     "request.", labels, registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS_S)
+        self.plan_bytes = Histogram("pagedserve_plan_bytes", "Size of one encoded BatchPlan sent to a worker, bytes.",
+                                    [MODEL_NAME, "worker"], registry=self.registry, buckets=PLAN_BYTES_BUCKETS)
+        self.stream_length = Gauge("pagedserve_redis_stream_length", "Entries in the Redis request stream: requests "
+                                   "queued or in flight (an entry is deleted when its request ends).", labels,
+                                   registry=self.registry)
+
+    @property
+    def _model(self) -> str:
+        return self._snapshot()[1]
+
+    def request_added(self, request_id: str) -> None:
+        self._requests.setdefault(request_id, _Times(self._clock()))
+
+    def plans_sent(self, plans: Mapping[str, BatchPlan]) -> None:
+        """Marks the requests whose first sequence is in ``plans`` as scheduled."""
+        now = self._clock()
+        for plan in plans.values():
+            for new in plan.new_requests:
+                times = self._requests.get(new.seq_id.request_id)
+                if times is not None and times.scheduled is None:
+                    times.scheduled = now
+
+    def plan_encoded(self, worker_id: str, num_bytes: int) -> None:
+        self.plan_bytes.labels(self._model, worker_id).observe(num_bytes)
+
+    def outputs(self, outputs: Iterable[RequestOutput]) -> None:
+        """Notes the samples' token times; observes the phases of samples that finished."""
+        now = self._clock()
+        for output in outputs:
+            times = self._requests.get(output.request_id)
+            if times is None:
+                continue
+            if output.new_token_ids:
+                times.first_token.setdefault(output.sample_index, now)
+                times.last_token[output.sample_index] = now
+            if output.finished:
+                self._sample_finished(times, output.sample_index)
+
+    def _sample_finished(self, times: _Times, sample_index: int) -> None:
+        first, last = times.first_token.pop(sample_index, None), times.last_token.pop(sample_index, None)
+        if times.scheduled is None:
+            return  # never scheduled (aborted or failed while waiting)
+        model = self._model
+        self.queue_time.labels(model).observe(times.scheduled - times.queued)
+        if first is not None and last is not None:
+            self.prefill_time.labels(model).observe(first - times.scheduled)
+            self.decode_time.labels(model).observe(last - first)
+
+    def request_closed(self, request_id: str) -> None:
+        """Forgets a request none of whose samples is in flight any more."""
+        self._requests.pop(request_id, None)

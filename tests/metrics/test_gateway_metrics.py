@@ -1,0 +1,99 @@
+"""The gateway's and worker's series, and the flags that serve them, with exact values."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedserve.cli import build_parser
+from pagedserve.engine.messages import FinishReason
+from pagedserve.launcher import StackConfig
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.text.output_processor import TextDelta
+from services.common.metrics import serve_metrics
+from services.gateway.metrics import GatewayMetrics
+from services.worker.metrics import WorkerMetrics
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 10.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def parse(body: bytes) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def value(parsed: dict, name: str, **labels: str) -> float:
+    return parsed[(name, tuple(sorted({"model_name": "m", **labels}.items())))]
+
+
+def delta(num_tokens: int, finish: FinishReason | None = None) -> TextDelta:
+    return TextDelta("x" * num_tokens, tuple(range(num_tokens)), finish, False, 0)
+
+
+def test_two_scripted_requests_count_tokens_latencies_and_finish_reasons():
+    clock = Clock()
+    metrics = GatewayMetrics("m", in_flight=lambda: 3, clock=clock)
+    first = metrics.start_request()  # n = 2: samples 0 and 1, each a child request as in vLLM
+    clock.now += 0.5
+    first.delta(0, delta(1), num_prompt_tokens=7)  # TTFT 0.5
+    clock.now += 0.1
+    first.delta(1, delta(2), num_prompt_tokens=7)  # TTFT 0.6
+    clock.now += 0.2
+    first.delta(0, delta(1, FinishReason.LENGTH), num_prompt_tokens=7)  # ITL 0.3, e2e 0.8
+    clock.now += 0.2
+    first.delta(1, delta(0, FinishReason.STOP), num_prompt_tokens=7)  # no token: e2e 1.0 only
+    second = metrics.start_request()
+    clock.now += 1.5
+    second.delta(0, delta(3, FinishReason.LENGTH), num_prompt_tokens=5)  # TTFT 1.5, e2e 1.5
+
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain; version=")  # what prometheus_client's own server sends
+    parsed = parse(body)
+    assert value(parsed, "vllm:generation_tokens_total") == 7
+    assert value(parsed, "vllm:prompt_tokens_total") == 7 + 7 + 5
+    assert value(parsed, "vllm:request_success_total", finished_reason="length") == 2
+    assert value(parsed, "vllm:request_success_total", finished_reason="stop") == 1
+    assert value(parsed, "vllm:request_success_total", finished_reason="abort") == 0
+    assert value(parsed, "vllm:time_to_first_token_seconds_count") == 3
+    assert abs(value(parsed, "vllm:time_to_first_token_seconds_sum") - 2.6) < 1e-9
+    assert value(parsed, "vllm:time_to_first_token_seconds_bucket", le="0.5") == 1
+    assert value(parsed, "vllm:inter_token_latency_seconds_count") == 1
+    assert abs(value(parsed, "vllm:inter_token_latency_seconds_sum") - 0.3) < 1e-9
+    assert value(parsed, "vllm:e2e_request_latency_seconds_count") == 3
+    assert value(parsed, "pagedserve_gateway_requests_in_flight") == 3
+
+
+def test_worker_step_time_is_served_over_http_on_a_free_port():
+    metrics = WorkerMetrics("m", "worker-7")
+    metrics.step_done(0.004)
+    metrics.step_done(0.02)
+    server = serve_metrics(metrics.registry, "127.0.0.1", 0, "worker")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as reply:
+            parsed = parse(reply.read())
+    finally:
+        server.stop()
+    assert value(parsed, "pagedserve_worker_step_seconds_count", worker="worker-7") == 2
+    assert value(parsed, "pagedserve_worker_step_seconds_bucket", worker="worker-7", le="0.005") == 1
+    assert not any(name.startswith(("python_", "process_")) for name, _ in parsed)  # our registry, not the global one
+    assert serve_metrics(metrics.registry, "127.0.0.1", None, "worker") is None
+
+
+def test_every_service_takes_metrics_port_and_up_spreads_its_ports():
+    parser = build_parser()
+    for command in (["scheduler"], ["worker"], ["gateway"]):
+        assert parser.parse_args(command).metrics_port is None  # off unless asked for
+        assert parser.parse_args([*command, "--metrics-port", "0"]).metrics_port == 0
+    assert parser.parse_args(["up"]).metrics_port == 9450
+    config = StackConfig(model=Path("m"), workers=2, host="127.0.0.1", port=1, scheduler_port=2, redis_url="redis://x",
+                         kv_cache_memory="1GiB", swap_space="0", policy=SchedulerConfig(), threads_per_worker=1,
+                         data_dir=Path("."), metrics_port=9000)
+    assert config.metrics_ports() == {"gateway": 9000, "scheduler": 9001, "worker-0": 9002, "worker-1": 9003}
