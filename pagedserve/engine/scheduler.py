@@ -257,9 +257,7 @@ class Scheduler:
         """Appends a sampled token; its output carries the logprobs asked for, the prompt's with
         sample 0's first token, and the stop token id when one from ``stop_token_ids`` ended it."""
         index, token_id = seq.num_output_tokens, sampled.token_id
-        prompt_logprobs = None
-        if index == 0 and seq.sample_index == 0 and seq.sampling.prompt_logprobs is not None:
-            prompt_logprobs, seq.prompt_logprobs = tuple(seq.prompt_logprobs), []
+        prompt_logprobs = seq.take_prompt_logprobs()
         reason = seq.append_token(token_id)
         if reason is not None:
             self._finish(seq, reason)

@@ -103,6 +103,14 @@ class Sequence:
         del self.prompt_logprobs[chunk.first_position - 1:]
         self.prompt_logprobs.extend(chunk.entries)
 
+    def take_prompt_logprobs(self) -> tuple[TokenLogprobs, ...] | None:
+        """The prompt logprobs to send with this sequence's first output (sample 0 of a request
+        that asked for them, before its first token), then forgets them; None otherwise."""
+        if self.output_token_ids or self.sample_index != 0 or self.sampling.prompt_logprobs is None:
+            return None
+        taken, self.prompt_logprobs = tuple(self.prompt_logprobs), []
+        return taken
+
     def append_token(self, token_id: int) -> FinishReason | None:
         """Adds a sampled token; returns why the sequence is now finished, if it is."""
         self.output_token_ids.append(token_id)
