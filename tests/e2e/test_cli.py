@@ -32,13 +32,13 @@ API_KEY = "cli-api-key-77e1"
 def up(tmp_path_factory, default_model):
     """`pagedserve up` with an API key and a Redis password, both given through the environment."""
     tmp = tmp_path_factory.mktemp("up")
-    port, scheduler_port, redis_port = free_port(), free_port(), free_port()
+    port, scheduler_port, redis_port, http_port = free_port(), free_port(), free_port(), free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "PAGEDSERVE_API_KEY": API_KEY,
            "PAGEDSERVE_REDIS_URL": f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_port}/0"}
     env.pop("PAGEDSERVE_CLUSTER_TOKEN", None)  # up makes one
     log = open(tmp / "up.log", "w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--port", str(port),
+        [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--port", str(port), "--http-port", str(http_port),
          "--scheduler-port", str(scheduler_port), "--model", str(default_model), "--kv-cache-memory", "64MiB"],
         stdout=log, stderr=subprocess.STDOUT, env=env,
     )
