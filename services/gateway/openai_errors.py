@@ -58,16 +58,18 @@ def error_event(exc: GenerationError) -> bytes:
     return b"data: " + body.model_dump_json().encode() + b"\n\n"
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _param_of(loc: tuple) -> str:
-    """``messages[0].content`` from pydantic's ``("body", "messages", 0, "content")``."""
+    """``messages[0].content`` from pydantic's ``("body", "messages", 0, "content")``; the tags
+    pydantic adds for union members (``constrained-str``, ``list[int]``) are left out."""
     name = ""
     for part in loc[1:] if loc and loc[0] == "body" else loc:
         if isinstance(part, int):
             name += f"[{part}]"
-        elif not name:
-            name = str(part)
-        elif not str(part).startswith(("str", "list[", "int", "function-", "float", "bool", "dict[", "literal[")):
-            name += f".{part}"  # a union member's type name is not a field
+        elif str(part).isidentifier() and str(part) not in _TYPE_TAGS:
+            name += f".{part}" if name else str(part)
     return name
 
 
