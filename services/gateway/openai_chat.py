@@ -21,7 +21,7 @@ from services.gateway.openai_params import sampling_params_from_openai
 from services.gateway.openai_protocol import ChatCompletionRequest, ChatMessage
 from services.gateway.openai_responses import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessageOut, DeltaMessage,
-    UsageInfo, finish_reason_name, new_id, now_s,
+    UsageInfo, ResponseMeta, finish_reason_name,
 )
 from services.gateway.openai_serving import (
     SSE_DONE, OpenAIServing, invalid, merged_outputs, parsed_request, sse_event, start_span, submissions_of,
@@ -88,7 +88,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     serving.core.check_scheduler()
     span = start_span(serving, "gateway.http.chat_completions", 1)
     events = merged_outputs(serving.core, submissions_of([parsed], span))
-    meta = dict(id=new_id("chatcmpl"), created=now_s(), model=serving.model_name)
+    meta = ResponseMeta.new("chatcmpl", serving.model_name)
     if not body.stream:
         try:
             return await unless_disconnected(request, _whole(events, meta, body.n))
@@ -103,7 +103,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     return StreamingResponse(_stream(first, events, meta, body.n, include_usage, span), media_type="text/event-stream")
 
 
-async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: dict, n: int) -> Response:
+async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int) -> Response:
     texts = [[] for _ in range(n)]
     finish: list[str | None] = [None] * n
     usages = []
@@ -114,11 +114,11 @@ async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: dict, n: 
             usages.append(sample.usage)
     choices = [ChatChoice(index=i, message=ChatMessageOut(content="".join(t)), finish_reason=f)
                for i, (t, f) in enumerate(zip(texts, finish))]
-    body = ChatCompletionResponse(**meta, choices=choices, usage=UsageInfo.of(usages))
+    body = ChatCompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: dict, n: int,
+async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int,
                   include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
     """The SSE body: a ``role`` chunk per choice, one chunk per delta, the usage chunk when asked,
     ``[DONE]``."""
@@ -126,16 +126,16 @@ async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[in
     try:
         for i in range(n):
             role = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""), finish_reason=None)
-            yield sse_event(ChatCompletionChunk(**meta, choices=[role]))
+            yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[role]))
         async for _, sample in with_first(first, events):
             if sample.usage is not None:
                 usages.append(sample.usage)
             delta = DeltaMessage(content=sample.delta.text or None)
             choice = ChatChunkChoice(index=sample.sample_index, delta=delta,
                                      finish_reason=finish_reason_name(sample.delta.finish_reason))
-            yield sse_event(ChatCompletionChunk(**meta, choices=[choice]))
+            yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice]))
         if include_usage:
-            yield sse_event(ChatCompletionChunk(**meta, choices=[], usage=UsageInfo.of(usages)))
+            yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[], usage=UsageInfo.of(usages)))
     except GenerationError as exc:
         yield error_event(exc)
     finally:

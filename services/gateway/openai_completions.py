@@ -20,7 +20,7 @@ from services.gateway.generation_core import GenerationError, SampleDelta
 from services.gateway.openai_params import sampling_params_from_openai
 from services.gateway.openai_protocol import CompletionRequest
 from services.gateway.openai_responses import (
-    CompletionChoice, CompletionChunk, CompletionResponse, UsageInfo, finish_reason_name, new_id, now_s,
+    CompletionChoice, CompletionChunk, CompletionResponse, UsageInfo, ResponseMeta, finish_reason_name,
 )
 from services.gateway.openai_serving import (
     SSE_DONE, OpenAIServing, invalid, merged_outputs, parsed_request, sse_event, start_span, submissions_of,
@@ -72,7 +72,7 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
     serving.core.check_scheduler()
     span = start_span(serving, "gateway.http.completions", len(parsed))
     events = merged_outputs(serving.core, submissions_of(parsed, span))
-    meta = dict(id=new_id("cmpl"), created=now_s(), model=serving.model_name)
+    meta = ResponseMeta.new("cmpl", serving.model_name)
     if not body.stream:
         try:
             return await unless_disconnected(request, _whole(events, meta, body.n, len(parsed)))
@@ -88,7 +88,7 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
     return StreamingResponse(stream, media_type="text/event-stream")
 
 
-async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: dict, n: int, num_prompts: int) -> Response:
+async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int, num_prompts: int) -> Response:
     texts = [[] for _ in range(num_prompts * n)]
     finish: list[str | None] = [None] * len(texts)
     usages = []
@@ -99,11 +99,11 @@ async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: dict, n: 
         if sample.usage is not None:
             usages.append(sample.usage)
     choices = [CompletionChoice(index=i, text="".join(t), finish_reason=f) for i, (t, f) in enumerate(zip(texts, finish))]
-    body = CompletionResponse(**meta, choices=choices, usage=UsageInfo.of(usages))
+    body = CompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: dict, n: int,
+async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int,
                   include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
     """The SSE body: one chunk per delta, the usage chunk when asked, ``[DONE]``."""
     usages = []
@@ -113,9 +113,9 @@ async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[in
                 usages.append(sample.usage)
             choice = CompletionChoice(index=prompt_index * n + sample.sample_index, text=sample.delta.text,
                                       finish_reason=finish_reason_name(sample.delta.finish_reason))
-            yield sse_event(CompletionChunk(**meta, choices=[choice]))
+            yield sse_event(CompletionChunk(**meta.fields(), choices=[choice]))
         if include_usage:
-            yield sse_event(CompletionChunk(**meta, choices=[], usage=UsageInfo.of(usages)))
+            yield sse_event(CompletionChunk(**meta.fields(), choices=[], usage=UsageInfo.of(usages)))
     except GenerationError as exc:
         yield error_event(exc)
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from typing import Literal
 
 from pydantic import BaseModel, Field, model_serializer
@@ -32,6 +33,23 @@ def new_id(prefix: str) -> str:
 def now_s() -> int:
     """The ``created`` timestamp: Unix time in whole seconds."""
     return int(time.time())
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every object and chunk of one response repeats: ``id``, ``created`` (Unix seconds), ``model``."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseMeta:
+        """A fresh id (``cmpl``, ``chatcmpl``) made now."""
+        return cls(new_id(prefix), now_s(), model)
+
+    def fields(self) -> dict:
+        return asdict(self)
 
 
 class UsageInfo(BaseModel):
