@@ -47,6 +47,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         workers=args.workers,
         host=args.host,
         port=args.port,
+        http_port=args.http_port,
         scheduler_port=args.scheduler_port,
         redis_url=redis_url,
         cluster_token=cluster_token_from_args(args) or secrets.token_hex(32),
@@ -138,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=1, help="number of worker processes (default %(default)s)")
     up.add_argument("--host", default="127.0.0.1",
                     help="gateway listen address; 0.0.0.0 serves other machines too (default %(default)s)")
-    up.add_argument("--port", type=int, default=50051, help="gateway port (default %(default)s)")
+    up.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default %(default)s)")
+    up.add_argument("--http-port", type=int, default=8000,
+                    help="gateway OpenAI-compatible HTTP API port (default %(default)s)")
     up.add_argument("--scheduler-port", type=int, default=50052, help="scheduler port (default %(default)s)")
     up.add_argument("--metrics-port", type=int, default=9450, metavar="PORT",
                     help="Prometheus /metrics of the gateway at PORT, the scheduler at PORT+1 and worker i at "
@@ -158,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     for name, adder, func, text in (
-        ("gateway", add_gateway_arguments, cmd_gateway, "serve the client API (gRPC Generate)"),
+        ("gateway", add_gateway_arguments, cmd_gateway,
+         "serve the client APIs (gRPC Generate and the OpenAI-compatible HTTP API)"),
         ("scheduler", add_scheduler_arguments, cmd_scheduler, "run the scheduler (owns the KV block accounting)"),
         ("worker", add_worker_arguments, cmd_worker, "run a worker (model, KV cache, forward steps)"),
     ):

@@ -39,7 +39,8 @@ class StackConfig:
         model: resolved model folder.
         workers: number of worker processes.
         host: the gateway's listen address (127.0.0.1: this machine only; 0.0.0.0: every interface).
-        port: gateway port; the scheduler listens on ``scheduler_port``.
+        port: gateway port (gRPC); the scheduler listens on ``scheduler_port``.
+        http_port: the gateway's OpenAI-compatible HTTP API port (on ``host``).
         redis_url: Redis to use; a local ``redis-server`` is started when none answers there (with
             the URL's password, if any). Children get it through the environment, not argv.
         kv_cache_memory: KV memory per worker, as written on the command line (``1GiB``).
@@ -74,6 +75,7 @@ class StackConfig:
     cluster_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     api_key: str = field(default="", repr=False)
     metrics_port: int = 0
+    http_port: int = 8000
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -144,7 +146,8 @@ class Stack:
             )
         self._service(
             "gateway", "gateway", "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
-            "--scheduler", f"127.0.0.1:{cfg.scheduler_port}", *self._metrics_flag("gateway"),
+            "--http-port", str(cfg.http_port), "--scheduler", f"127.0.0.1:{cfg.scheduler_port}",
+            *self._metrics_flag("gateway"),
         )
         self._wait_ready()
 
@@ -277,13 +280,7 @@ def run_stack(config: StackConfig) -> int:
     status = 0
     try:
         stack.start()
-        key_note = " (with PAGEDSERVE_API_KEY set to the API key)" if config.api_key else ""
-        print(
-            f"pagedserve is up: gateway at {config.host}:{config.port} ({config.workers} worker(s), model "
-            f"{config.model.name}). Try{key_note}:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "
-            f"--temperature 0 --prompt 'What is the capital of France?'\n{_metrics_note(config)}Ctrl-C stops everything.",
-            flush=True,
-        )
+        print(ready_message(config), flush=True)
         while not stop.wait(0.5):
             stack.restart_exited()
     except LaunchError as exc:
@@ -300,6 +297,22 @@ def _metrics_note(config: StackConfig) -> str:
         return ""
     hosts = {name: config.host if name == "gateway" else "127.0.0.1" for name in ports}
     return "Prometheus metrics: " + ", ".join(f"{n} http://{hosts[n]}:{p}/metrics" for n, p in ports.items()) + "\n"
+
+
+def ready_message(config: StackConfig) -> str:
+    """What `pagedserve up` prints once the stack serves: both endpoints and how to try them."""
+    key_note = " (with PAGEDSERVE_API_KEY set to the API key)" if config.api_key else ""
+    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.api_key else ""
+    return (
+        f"pagedserve is up ({config.workers} worker(s), model {config.model.name}):\n"
+        f"  gRPC API:   {config.host}:{config.port}\n"
+        f"  OpenAI API: http://{config.host}:{config.http_port}/v1\n"
+        f"Try{key_note}:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "
+        f"--temperature 0 --prompt 'What is the capital of France?'\n"
+        f"  curl http://127.0.0.1:{config.http_port}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{config.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
+        f"{_metrics_note(config)}Ctrl-C stops everything."
+    )
 
 
 def free_port() -> int:

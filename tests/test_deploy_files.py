@@ -100,7 +100,9 @@ def test_console_script_points_at_the_cli():
 def test_only_the_gateway_and_jaeger_are_published_and_only_on_localhost(compose):
     published = {name: svc["ports"] for name, svc in compose["services"].items() if "ports" in svc}
     assert set(published) == {"gateway", "jaeger"}
-    assert published["gateway"] == ["127.0.0.1:50051:50051"]
+    assert published["gateway"] == ["127.0.0.1:50051:50051", "127.0.0.1:8000:8000"]
+    gateway = build_parser().parse_args(compose["services"]["gateway"]["command"])
+    assert (gateway.port, gateway.http_port) == (50051, 8000)
     assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports)
 
 

@@ -15,10 +15,27 @@ off. Otherwise (the usual case) the rendered text is tokenized whole, which give
 
 from __future__ import annotations
 
+import enum
 import re
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
+
+
+class ChatPromptMode(enum.Enum):
+    """How a rendered conversation ends.
+
+    Members:
+        OPEN_ASSISTANT_TURN: the template's generation prompt opens an assistant turn (OpenAI's
+            ``add_generation_prompt``, the default).
+        NO_GENERATION_PROMPT: the conversation ends after its last message, as the template closes it.
+        CONTINUE_FINAL_MESSAGE: the last message is left open (no end-of-turn marker), so the model
+            continues its text (``continue_final_message``).
+    """
+
+    OPEN_ASSISTANT_TURN = "open_assistant_turn"
+    NO_GENERATION_PROMPT = "no_generation_prompt"
+    CONTINUE_FINAL_MESSAGE = "continue_final_message"
 
 
 class ChatEncoder:
@@ -33,17 +50,19 @@ class ChatEncoder:
         self._added = tuple(tokenizer.get_added_vocab())
         self._encode_plain = _plain_text_encoder(tokenizer)
 
-    def encode(self, conversation: Sequence[dict[str, str]]) -> list[int]:
-        """Token ids of the conversation (``role``/``content`` dicts), assistant turn opened.
+    def encode(self, conversation: Sequence[dict[str, str]],
+               mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN) -> list[int]:
+        """Token ids of the conversation (``role``/``content`` dicts), ended as ``mode`` says.
 
         The template writes the special tokens itself, so none are added while tokenizing; special
         tokens spelled inside a content are tokenized as their characters.
         """
         if any(self._holds_added_token(message["content"]) for message in conversation):
-            return self.encode_contents_as_text(conversation)
-        return list(self._tokenizer.encode(self._render(conversation), add_special_tokens=False))
+            return self.encode_contents_as_text(conversation, mode)
+        return list(self._tokenizer.encode(self._render(conversation, mode), add_special_tokens=False))
 
-    def encode_contents_as_text(self, conversation: Sequence[dict[str, str]]) -> list[int]:
+    def encode_contents_as_text(self, conversation: Sequence[dict[str, str]],
+                                mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN) -> list[int]:
         """Token ids of the conversation, contents split from the template and tokenized as text.
 
         For contents without special-token text the ids are those of ``encode`` (tokenizers that
@@ -51,7 +70,7 @@ class ChatEncoder:
         """
         marks = {f"PAGEDSERVECONTENT{uuid.uuid4().hex}": message["content"] for message in conversation}
         placeholders = [{**message, "content": mark} for mark, message in zip(marks, conversation)]
-        rendered = self._render(placeholders)
+        rendered = self._render(placeholders, mode)
         ids: list[int] = []
         for piece in re.split("(" + "|".join(marks) + ")", rendered):
             if piece in marks:
@@ -60,8 +79,11 @@ class ChatEncoder:
                 ids += self._tokenizer.encode(piece, add_special_tokens=False)
         return ids
 
-    def _render(self, conversation: Sequence[dict[str, str]]) -> str:
-        return self._tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True, tokenize=False)
+    def _render(self, conversation: Sequence[dict[str, str]], mode: ChatPromptMode) -> str:
+        return self._tokenizer.apply_chat_template(
+            list(conversation), tokenize=False,
+            add_generation_prompt=mode is ChatPromptMode.OPEN_ASSISTANT_TURN,
+            continue_final_message=mode is ChatPromptMode.CONTINUE_FINAL_MESSAGE)
 
     def _holds_added_token(self, content: str) -> bool:
         return any(token in content for token in self._added)

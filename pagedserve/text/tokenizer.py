@@ -13,7 +13,7 @@ from typing import Any
 
 from pagedserve.engine.model_info import ModelInfo, load_model_info
 from pagedserve.engine.sampling_params import InvalidRequestError
-from pagedserve.text.chat_encoding import ChatEncoder
+from pagedserve.text.chat_encoding import ChatEncoder, ChatPromptMode
 from pagedserve.text.request_limits import RequestLimits, check_count, check_text_bytes
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -135,8 +135,10 @@ class PromptTokenizer:
             raise InvalidRequestError(PROMPT_FIELD, "encodes to no tokens")
         return ids
 
-    def encode_chat(self, messages: Sequence[ChatTurn]) -> list[int]:
-        """Renders chat messages with the model's chat template, assistant turn opened, and tokenizes.
+    def encode_chat(self, messages: Sequence[ChatTurn],
+                    mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN) -> list[int]:
+        """Renders chat messages with the model's chat template, ended as ``mode`` says (by default
+        with an assistant turn opened), and tokenizes.
 
         The template writes the special tokens itself, so none are added while tokenizing;
         special-token text inside a content is tokenized as plain text (``chat_encoding``), so a
@@ -152,7 +154,7 @@ class PromptTokenizer:
         if self._chat is None:
             raise InvalidRequestError(CHAT_FIELD, f"model {self._info.name} has no chat template; send a prompt")
         self._check_chat(messages)
-        return self._chat.encode([{"role": turn.role, "content": turn.content} for turn in messages])
+        return self._chat.encode([{"role": turn.role, "content": turn.content} for turn in messages], mode)
 
     def _check_chat(self, messages: Sequence[ChatTurn]) -> None:
         """The chat's size and role checks (see ``encode_chat``)."""

@@ -16,6 +16,10 @@ from services.common.service_args import (
 )
 
 
+MAX_SERVED_MODEL_NAME_CHARS = 256
+"""Longest ``--served-model-name`` (the HTTP API bounds a request's ``model`` by it)."""
+
+
 @dataclass(frozen=True)
 class GatewayConfig:
     """Settings of one gateway process.
@@ -30,8 +34,14 @@ class GatewayConfig:
         tls_cert_file, tls_key_file: PEM certificate chain and private key; when given, the gateway
             serves TLS only.
         gateway_id: unique id of this gateway; the scheduler routes tokens by it.
-        max_concurrent_requests: requests in flight above which new ones get RESOURCE_EXHAUSTED.
-        metrics_port: where ``/metrics`` is served on ``host`` (0: a free port, logged); None: nowhere.
+        max_concurrent_requests: requests in flight above which new ones get RESOURCE_EXHAUSTED
+            (HTTP 429).
+        metrics_port: a separate port for ``/metrics`` on ``host`` (0: a free port, logged); None:
+            none (the HTTP API serves ``GET /metrics`` in any case).
+        http_port: where the OpenAI-compatible HTTP API listens (on ``host``; 0 picks a free port,
+            which the gateway logs).
+        served_model_name: the model name HTTP clients must send as ``model`` and ``/v1/models``
+            lists ("" means the model folder's name, see ``model_name``).
 
     Raises:
         ValueError: a value out of range, no cluster token, or only one of the TLS files.
@@ -49,11 +59,19 @@ class GatewayConfig:
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     metrics_port: int | None = None
+    http_port: int = 8000
+    served_model_name: str = ""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         check_metrics_port(self.metrics_port)
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"--http-port and --port must differ, both are {self.port}")
+        if len(self.served_model_name) > MAX_SERVED_MODEL_NAME_CHARS:
+            raise ValueError(f"--served-model-name holds more than {MAX_SERVED_MODEL_NAME_CHARS} characters")
         if ":" not in self.scheduler_address:
             raise ValueError(f"--scheduler must be HOST:PORT, got {self.scheduler_address!r}")
         if self.max_concurrent_requests < 1:
@@ -62,6 +80,11 @@ class GatewayConfig:
             raise ValueError(MISSING_CLUSTER_TOKEN)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("--tls-cert-file and --tls-key-file go together")
+
+    @property
+    def model_name(self) -> str:
+        """The served model name: ``served_model_name``, else the model folder's name."""
+        return self.served_model_name or self.model.name
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +105,21 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway-id", default="", help="unique gateway id (default: gateway-<random>)")
     parser.add_argument(
         "--max-concurrent-requests", type=int, default=1024,
-        help="requests in flight before new ones are refused with RESOURCE_EXHAUSTED (default %(default)s)",
+        help="requests in flight before new ones are refused with RESOURCE_EXHAUSTED, HTTP 429 (default %(default)s)",
+    )
+    add_http_arguments(parser)
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--http-port`` and ``--served-model-name``: the OpenAI-compatible HTTP API (gateway and `pagedserve up`)."""
+    parser.add_argument(
+        "--http-port", type=int, default=8000,
+        help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/tokenize, /detokenize) on the same --host; 0 picks a free one (default %(default)s)",
+    )
+    parser.add_argument(
+        "--served-model-name", default="",
+        help="model name HTTP clients send as `model` and /v1/models lists (default: the model folder's name)",
     )
 
 
@@ -121,4 +158,6 @@ def gateway_config_from_args(args: argparse.Namespace, model: Path) -> GatewayCo
         gateway_id=args.gateway_id or f"gateway-{uuid.uuid4().hex[:8]}",
         max_concurrent_requests=args.max_concurrent_requests,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
     )

@@ -1,13 +1,17 @@
-"""Runs the gateway process: Generation service, health, reflection, the scheduler stream."""
+"""Runs the gateway process: Generation service, health, reflection, the scheduler stream, and the
+OpenAI-compatible HTTP API (uvicorn on the same event loop)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+import socket
 
 import grpc
 import redis
+import uvicorn
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -21,7 +25,10 @@ from services.common.metrics import serve_metrics
 from services.common.pb import engine_pb2, generate_pb2
 from services.common.service_args import redact_url
 from services.gateway.config import GatewayConfig
+from services.gateway.generation_core import GenerationCore
 from services.gateway.generation_handler import add_generation_service
+from services.gateway.http_app import HealthState, HttpSettings, add_metrics_route, build_http_app
+from services.gateway.openai_serving import OpenAIServing
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter
@@ -44,10 +51,11 @@ async def _scheduler_ready(stub: health_pb2_grpc.HealthStub) -> bool:
 
 
 async def _watch_health(servicer: health.aio.HealthServicer, router: OutputRouter, producer: RequestQueueProducer,
-                        scheduler_health: health_pb2_grpc.HealthStub) -> None:
+                        scheduler_health: health_pb2_grpc.HealthStub, http_health: HealthState) -> None:
     """SERVING while the scheduler stream is up, the scheduler has a worker and Redis answers."""
     while True:
         ok = router.connected.is_set() and await _scheduler_ready(scheduler_health) and await producer.ping()
+        http_health.serving = ok
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         await servicer.set("", status)
         await servicer.set(GENERATION_SERVICE, status)
@@ -73,6 +81,37 @@ def _new_server(config: GatewayConfig) -> grpc.aio.Server:
     return grpc.aio.server(interceptors=interceptors, options=CLIENT_API_SERVER_OPTIONS)
 
 
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside the gateway's event loop: the gateway handles the signals, not uvicorn."""
+
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def _http_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one).
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise OSError(f"cannot listen on {host}:{port} (--http-port): {exc.strerror or exc}") from exc
+
+
+def _http_server(config: GatewayConfig, serving: OpenAIServing, http_health: HealthState,
+                 metrics: GatewayMetrics) -> uvicorn.Server:
+    app = build_http_app(serving, http_health, HttpSettings(api_key=config.api_key))
+    add_metrics_route(app, metrics.render)
+    # TLS: the same certificate as the gRPC port.
+    tls = dict(ssl_certfile=str(config.tls_cert_file), ssl_keyfile=str(config.tls_key_file)) if config.tls_cert_file else {}
+    uv_config = uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning", timeout_keep_alive=30,
+                               timeout_graceful_shutdown=5, **tls)
+    return _EmbeddedUvicorn(uv_config)
+
+
 async def serve_gateway(config: GatewayConfig) -> None:
     """Serves until SIGINT or SIGTERM.
 
@@ -92,8 +131,9 @@ async def serve_gateway(config: GatewayConfig) -> None:
     router = OutputRouter(channel, config.gateway_id)
 
     server = _new_server(config)
-    metrics = GatewayMetrics(config.model.name, lambda: router.num_in_flight)
-    servicer = GenerationServicer(tokenizer, producer, router, tracer, config.max_concurrent_requests, metrics)
+    metrics = GatewayMetrics(config.model_name, lambda: router.num_in_flight)
+    core = GenerationCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)
+    servicer = GenerationServicer(core, tracer)
     add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -102,15 +142,22 @@ async def serve_gateway(config: GatewayConfig) -> None:
     )
     port = bind(server, config.host, config.port, credentials)
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, "gateway")
+    http_health = HealthState()
+    http_socket = _http_socket(config.host, config.http_port)
+    http_port = http_socket.getsockname()[1]
+    http_server = _http_server(config, OpenAIServing(core, config.model_name, tracer), http_health, metrics)
     await server.start()
     if not await producer.ping():
         log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "
                     "NOT_SERVING meanwhile)", redact_url(config.redis_url))
-    watch = _watch_health(health_servicer, router, producer, health_pb2_grpc.HealthStub(channel))
+    watch = _watch_health(health_servicer, router, producer, health_pb2_grpc.HealthStub(channel), http_health)
     tasks = [asyncio.create_task(router.run()), asyncio.create_task(watch)]
+    http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]))
     log.info("gateway %s listening on %s:%d (%s, %s), scheduler %s, model %s", config.gateway_id, config.host, port,
              "TLS" if credentials else "plaintext", "API key required" if config.api_key else "no API key",
              config.scheduler_address, config.model.name)
+    log.info("gateway %s OpenAI-compatible HTTP API listening on %s:%d (http_port=%d), model name %r",
+             config.gateway_id, config.host, http_port, http_port, config.model_name)
     if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who reaches this port can generate "
                     "(set --api-key-file or PAGEDSERVE_API_KEY)", config.host)
@@ -121,7 +168,10 @@ async def serve_gateway(config: GatewayConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace=5)
+    http_health.serving = False
+    http_server.should_exit = True
+    await asyncio.gather(server.stop(grace=5), http_task, return_exceptions=True)
+    http_socket.close()
     for task in tasks:
         task.cancel()
     await channel.close()

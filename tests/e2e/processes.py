@@ -103,20 +103,23 @@ class Stack:
     """The services' environment (holds the cluster token), for starting more of them."""
     metrics: dict[str, str] = field(default_factory=dict)
     """Service name (scheduler, worker-0, ..., gateway) -> host:port of its ``/metrics``."""
+    http: str = ""
+    """Base URL of the gateway's OpenAI-compatible HTTP API (``http://127.0.0.1:PORT``)."""
 
     def logs(self) -> str:
         return "\n".join(f"==== {name}\n{p.log_text()[-3000:]}" for name, p in self.processes.items())
 
 
 def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "64MiB", env_extra: dict | None = None,
-                worker_threads: int = 1, scheduler_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = ()) -> Stack:
+                worker_threads: int = 1, scheduler_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
+                gateway_args: tuple[str, ...] = ()) -> Stack:
     """Starts redis-server, a scheduler (``scheduler_args`` are added to its flags, e.g.
-    ``["--step-timeout", "3"]``), ``num_workers`` workers (with ``worker_args`` added) and a gateway,
-    and waits until all are up."""
+    ``["--step-timeout", "3"]``), ``num_workers`` workers (with ``worker_args`` added) and a gateway
+    (with ``gateway_args`` added; its HTTP API on a free port, ``Stack.http``), and waits until all are up."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN, **(env_extra or {})}
     redis_proc, redis_url = start_redis(tmp_path)
     processes = {"redis": redis_proc}
-    sched_port, gw_port = free_port(), free_port()
+    sched_port, gw_port, http_port = free_port(), free_port(), free_port()
     scheduler = f"127.0.0.1:{sched_port}"
     metrics = {name: f"127.0.0.1:{free_port()}" for name in ["scheduler", *(f"worker-{i}" for i in range(num_workers)),
                                                               "gateway"]}
@@ -139,8 +142,9 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
                 tmp_path, env,
             )
         processes["gateway"] = pagedserve("gateway", ["gateway", *common, "--model", str(model), "--host", "127.0.0.1",
-                                                      "--port", str(gw_port), "--scheduler", scheduler,
-                                                      *metrics_port("gateway")], tmp_path, env)
+                                                      "--port", str(gw_port), "--http-port", str(http_port),
+                                                      "--scheduler", scheduler, *metrics_port("gateway"), *gateway_args],
+                                                     tmp_path, env)
         procs = list(processes.values())
         wait_until(lambda: healthy(scheduler), "scheduler", 120, procs)
         wait_until(lambda: len(scheduler_stats(scheduler).workers) == num_workers, "workers", 300, procs)
@@ -149,4 +153,5 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
         for p in processes.values():
             p.stop()
         raise
-    return Stack(redis_url, f"127.0.0.1:{gw_port}", scheduler, processes, env, metrics)
+    return Stack(redis_url, f"127.0.0.1:{gw_port}", scheduler, processes, env, metrics=metrics,
+                 http=f"http://127.0.0.1:{http_port}")

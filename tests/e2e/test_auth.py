@@ -92,16 +92,18 @@ def tls_gateway(stack, tmp_path_factory, default_model):
     """A second gateway on the session stack: TLS with a self-signed certificate, and an API key."""
     tmp = tmp_path_factory.mktemp("tls-gateway")
     cert, key = make_self_signed_cert(tmp)
-    port = free_port()
+    port, http_port = free_port(), free_port()
     env = {**stack.env, "PAGEDSERVE_API_KEY": API_KEY}
     process = pagedserve("tls-gateway", [
         "gateway", "--redis-url", stack.redis_url, "--model", str(default_model), "--host", "127.0.0.1",
-        "--port", str(port), "--scheduler", stack.scheduler, "--tls-cert-file", cert, "--tls-key-file", key], tmp, env)
+        "--port", str(port), "--http-port", str(http_port), "--scheduler", stack.scheduler,
+        "--tls-cert-file", cert, "--tls-key-file", key], tmp, env)
     credentials = grpc.ssl_channel_credentials(open(cert, "rb").read())
     target = f"127.0.0.1:{port}"
     try:
         wait_until(lambda: check_health(target, credentials=credentials), "TLS gateway", 120, [process])
-        yield {"target": target, "credentials": credentials, "cert": cert, "env": env}
+        yield {"target": target, "credentials": credentials, "cert": cert, "env": env,
+               "http": f"https://127.0.0.1:{http_port}"}
     finally:
         process.stop()
 

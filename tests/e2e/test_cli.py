@@ -32,13 +32,13 @@ API_KEY = "cli-api-key-77e1"
 def up(tmp_path_factory, default_model):
     """`pagedserve up` with an API key and a Redis password, both given through the environment."""
     tmp = tmp_path_factory.mktemp("up")
-    port, scheduler_port, redis_port = free_port(), free_port(), free_port()
+    port, scheduler_port, redis_port, http_port = free_port(), free_port(), free_port(), free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "PAGEDSERVE_API_KEY": API_KEY,
            "PAGEDSERVE_REDIS_URL": f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_port}/0"}
     env.pop("PAGEDSERVE_CLUSTER_TOKEN", None)  # up makes one
     log = open(tmp / "up.log", "w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--port", str(port),
+        [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--port", str(port), "--http-port", str(http_port),
          "--scheduler-port", str(scheduler_port), "--model", str(default_model), "--kv-cache-memory", "64MiB",
          "--metrics-port", "0"],  # no fixed metrics ports: tests run side by side
         stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -49,7 +49,7 @@ def up(tmp_path_factory, default_model):
         assert time.monotonic() < deadline, "pagedserve up did not come up"
         time.sleep(0.5)
     yield {"process": process, "target": f"127.0.0.1:{port}", "env": env, "log": tmp / "up.log",
-           "ports": (port, scheduler_port, redis_port)}
+           "ports": (port, scheduler_port, redis_port), "http": f"http://127.0.0.1:{http_port}"}
     if process.poll() is None:
         process.kill()
 
@@ -69,6 +69,16 @@ def test_complete_json_matches_offline(up, default_model):
     assert online == offline
     assert online["usage"]["completion_tokens"] == len(online["token_ids"]) > 0
     assert online["finish_reason"] in ("stop", "length")
+
+
+def test_up_prints_and_serves_the_openai_api(up, default_model):
+    import httpx
+
+    assert f"OpenAI API: {up['http']}/v1" in up["log"].read_text()
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    models = httpx.get(up["http"] + "/v1/models", headers=headers, timeout=30).json()
+    assert [m["id"] for m in models["data"]] == [default_model.name]
+    assert httpx.get(up["http"] + "/v1/models", timeout=30).status_code == 401
 
 
 def test_complete_without_the_api_key_is_refused(up):

@@ -1,0 +1,240 @@
+"""The gateway's generation core, free of any transport: queue a parsed request, stream its text.
+
+Both front ends (the gRPC Generation service and the OpenAI-compatible HTTP API) are thin shells
+over ``GenerationCore``: they parse their own request format into a ``ParsedRequest``, iterate
+``GenerationCore.generate`` and translate a ``GenerationError``'s ``StatusKind`` into a gRPC
+status or an HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import redis
+
+from pagedserve.engine.messages import EngineRequest, RequestOutput
+from pagedserve.text.output_processor import TextDelta
+from pagedserve.text.request_samples import ParsedRequest, RequestSamples
+from pagedserve.text.tokenizer import PromptTokenizer
+from services.gateway.metrics import GatewayMetrics, RequestMetrics
+from services.gateway.queue_producer import RequestQueueProducer
+from services.gateway.router import OutputRouter
+
+LOST_CHECK_S = 5
+"""How often a request no scheduler has taken yet checks that its stream entry still exists, seconds."""
+
+
+class StatusKind(enum.Enum):
+    """Why a request failed; the values are the canonical status codes gRPC uses (so an engine
+    ``RequestError.grpc_code`` converts with ``StatusKind(code)``)."""
+
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    OUT_OF_RANGE = 11
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    DATA_LOSS = 15
+    UNAUTHENTICATED = 16
+
+
+class GenerationError(Exception):
+    """A request the gateway cannot serve (or stopped serving).
+
+    Args:
+        kind: what went wrong, mapped to a transport status by each front end.
+        message: for the client; for ``INVALID_ARGUMENT`` it starts with the field name.
+        param: the offending request field, when one is to blame ("" otherwise).
+    """
+
+    def __init__(self, kind: StatusKind, message: str, param: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of a finished request (all samples together for the completion tokens)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class SampleDelta:
+    """What one engine output adds to one sample of a request.
+
+    Attributes:
+        sample_index: which of the request's ``n`` samples, in ``[0, n)``.
+        delta: the sample's new text and token ids; ``delta.finish_reason`` is set on the
+            sample's last delta only.
+        usage: set on the request's very last delta (every sample finished), else None.
+    """
+
+    sample_index: int
+    delta: TextDelta
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request to generate for.
+
+    Attributes:
+        parsed: the validated, tokenized request.
+        trace_context: W3C trace headers of the caller's span (carried to the scheduler and workers).
+        key: the request's identity across gateway, Redis and scheduler; new for every submission
+            (a client's own request id is only a label).
+        arrived_s: when the front end received the request, ``time.monotonic()`` seconds (the start
+            of its TTFT and e2e latency).
+    """
+
+    parsed: ParsedRequest
+    trace_context: Mapping[str, str] = field(default_factory=dict)
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    arrived_s: float = field(default_factory=time.monotonic)
+
+
+class GenerationCore:
+    """Queues requests in Redis and streams their per-sample text deltas back.
+
+    Args:
+        tokenizer: decodes the output tokens.
+        producer: puts requests on the Redis request stream.
+        router: receives this gateway's token events from the scheduler.
+        max_concurrent_requests: requests in flight above which ``check_capacity`` refuses.
+        metrics: the gateway's Prometheus series; every request's deltas are recorded there.
+        scheduler_grace_s: how long a request waits for a lost scheduler stream to come back
+            before failing with ``UNAVAILABLE``, seconds.
+    """
+
+    def __init__(self, tokenizer: PromptTokenizer, producer: RequestQueueProducer, router: OutputRouter,
+                 max_concurrent_requests: int, metrics: GatewayMetrics, scheduler_grace_s: float = 10.0) -> None:
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self._producer = producer
+        self._router = router
+        self._max_concurrent = max_concurrent_requests
+        self._grace_s = scheduler_grace_s
+        self._background: set[asyncio.Task] = set()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests being generated for now."""
+        return self._router.num_in_flight
+
+    def check_capacity(self, num_requests: int = 1) -> None:
+        """Raises ``GenerationError(RESOURCE_EXHAUSTED)`` when ``num_requests`` more would exceed
+        the gateway's limit of requests in flight."""
+        if self._router.num_in_flight + num_requests > self._max_concurrent:
+            raise GenerationError(StatusKind.RESOURCE_EXHAUSTED,
+                                  f"the gateway has {self._max_concurrent} requests in flight; retry later")
+
+    def check_scheduler(self) -> None:
+        """Raises ``GenerationError(UNAVAILABLE)`` when the scheduler has been unreachable for
+        longer than the grace period."""
+        if self._router.disconnected_for_s() > self._grace_s:
+            raise GenerationError(StatusKind.UNAVAILABLE, "the scheduler is unreachable; retry later")
+
+    async def generate(self, submission: Submission) -> AsyncIterator[SampleDelta]:
+        """Queues the request and yields its samples' non-empty deltas until every sample finished.
+
+        Closing or cancelling the iteration early (the client went away) aborts the request in
+        the scheduler, which frees its KV blocks, and deletes its queue entry if still unread.
+
+        Raises:
+            GenerationError: ``UNAVAILABLE`` (Redis or the scheduler unreachable, the request lost),
+                ``ABORTED`` (the token stream broke), or the kind the engine failed the request with.
+        """
+        key, parsed = submission.key, submission.parsed
+        outputs = self._router.register(key)
+        state = RequestSamples(self.tokenizer, parsed.prompt_token_ids, parsed.params)
+        request_metrics = RequestMetrics(self.metrics, submission.arrived_s)
+        entry_id: bytes | None = None
+        try:
+            entry_id = await self._enqueue(submission)
+            accepted = False  # until the scheduler's first event: the request may still be lost with Redis
+            while not state.finished:
+                output = await self._next_output(outputs, None if accepted else entry_id)
+                accepted = True
+                delta = self._process(state, output)
+                request_metrics.delta(output.sample_index, delta, state.num_prompt_tokens)
+                if delta.stop_string_matched:
+                    self._abort_in_background(key, output.sample_index)
+                if delta.text or delta.token_ids or delta.finish_reason:
+                    usage = Usage(state.num_prompt_tokens, state.num_output_tokens) if state.finished else None
+                    yield SampleDelta(output.sample_index, delta, usage)
+        finally:
+            self._router.unregister(key)
+            if not state.finished:  # the client went away or the call failed: nothing may run for it
+                self._abort_in_background(key, forget_entry=entry_id)
+
+    async def _enqueue(self, submission: Submission) -> bytes:
+        parsed = submission.parsed
+        request = EngineRequest(submission.key, parsed.prompt_token_ids, parsed.engine_params, time.time(),
+                                dict(submission.trace_context), parsed.priority, parsed.cache_salt)
+        try:
+            return await self._producer.enqueue(request)
+        except redis.RedisError as exc:
+            raise GenerationError(StatusKind.UNAVAILABLE,
+                                  f"cannot queue the request (Redis: {exc}); retry later") from exc
+
+    @staticmethod
+    def _process(state: RequestSamples, output: RequestOutput) -> TextDelta:
+        if output.error is not None:
+            try:
+                kind = StatusKind(output.error.grpc_code)
+            except ValueError:
+                kind = StatusKind.UNAVAILABLE
+            raise GenerationError(kind, output.error.message)
+        try:
+            return state.process(output)
+        except ValueError as exc:  # tokens missing from the stream: the request cannot go on exactly
+            raise GenerationError(StatusKind.ABORTED, f"the token stream broke ({exc}); retry") from exc
+
+    async def _next_output(self, outputs: asyncio.Queue[RequestOutput], unread_entry: bytes | None) -> RequestOutput:
+        """The next event. Fails with UNAVAILABLE when the scheduler stream stays lost too long, or
+        when ``unread_entry`` (the request's stream entry, while no scheduler has taken it) has
+        vanished from Redis (Redis restarted empty): then no scheduler will ever run it."""
+        waited_s = 0
+        while True:
+            try:
+                return await asyncio.wait_for(outputs.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                waited_s += 1
+                if self._router.disconnected_for_s() > self._grace_s:
+                    raise GenerationError(StatusKind.UNAVAILABLE, "lost the connection to the scheduler") from None
+                if unread_entry is not None and waited_s % LOST_CHECK_S == 0 and await self._producer.lost(unread_entry):
+                    raise GenerationError(StatusKind.UNAVAILABLE,
+                                          "the request was lost before a scheduler took it (Redis restarted?); retry")
+
+    def _abort_in_background(self, key: str, sample_index: int | None = None, forget_entry: bytes | None = None) -> None:
+        """Aborts in the scheduler without waiting (safe while the call is being cancelled); with
+        ``forget_entry``, also deletes the request's stream entry so that a scheduler restarted
+        later does not run it for nobody."""
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(self._router.abort(key, sample_index))]
+        if forget_entry is not None:
+            tasks.append(loop.create_task(self._producer.forget(forget_entry)))
+        for task in tasks:
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)

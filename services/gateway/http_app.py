@@ -1,0 +1,171 @@
+"""The gateway's OpenAI-compatible HTTP API: the FastAPI app, its auth, and the small endpoints.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /tokenize``, ``POST /detokenize`` (all behind the API key when one is set) and
+``GET /health`` (open, like gRPC health). ``GET /metrics`` (open) is added by
+``add_metrics_route`` when the gateway has metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from dataclasses import dataclass
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pagedserve.engine.sampling_params import InvalidRequestError
+from services.common.grpc_server import CLIENT_API_MAX_MESSAGE_BYTES
+from services.gateway.generation_core import GenerationError, StatusKind
+from services.gateway.openai_chat import chat_prompt_mode, create_chat_completion, encode_messages
+from services.gateway.openai_completions import create_completion
+from services.gateway.openai_errors import add_error_handlers, error_response
+from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from services.gateway.openai_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse, now_s
+from services.gateway.openai_serving import OpenAIServing, invalid
+from pagedserve.text.tokenizer import PromptTokenizer
+from pagedserve.text.request_limits import check_text_bytes
+
+
+class HealthState:
+    """Whether the gateway serves (scheduler stream up, a worker up, Redis answering); the
+    gateway's health watcher sets ``serving`` every second, ``GET /health`` reads it."""
+
+    def __init__(self) -> None:
+        self.serving = False
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """What the app needs besides the serving parts.
+
+    Attributes:
+        api_key: when not empty, clients must send ``Authorization: Bearer API_KEY``.
+        max_body_bytes: larger request bodies are refused with 413.
+    """
+
+    api_key: str = ""
+    max_body_bytes: int = CLIENT_API_MAX_MESSAGE_BYTES
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` is answered with 413 before it is parsed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self._app = app
+        self._max = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self._app(scope, receive, send)
+        length = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self._max:
+            return await self._too_large(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self._max:  # a chunked body, whose length no header announced
+                raise GenerationError(StatusKind.INVALID_ARGUMENT, f"the request body exceeds {self._max} bytes")
+            return message
+
+        await self._app(scope, counted, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, f"the request body exceeds {self._max} bytes (or its length is invalid)")
+        await response(scope, receive, send)
+
+
+def _auth_dependency(api_key: str):
+    """A FastAPI dependency that refuses a missing or wrong ``Authorization: Bearer`` (constant time)."""
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        values = request.headers.getlist("authorization")
+        if not (len(values) == 1 and hmac.compare_digest(values[0].encode(), expected)):
+            raise GenerationError(StatusKind.UNAUTHENTICATED, "missing or wrong API key (header Authorization: Bearer KEY)")
+
+    return check
+
+
+def _tokenize(tokenizer: PromptTokenizer, body: TokenizeRequest) -> list[int]:
+    """Raises InvalidRequestError as the chat and completions endpoints do."""
+    if (body.prompt is None) == (body.messages is None):
+        raise InvalidRequestError("prompt", "exactly one of prompt and messages must be set")
+    if body.messages is not None:
+        mode = chat_prompt_mode(body.add_generation_prompt, body.continue_final_message)
+        return encode_messages(tokenizer, body.messages, mode)
+    if body.add_special_tokens:
+        return tokenizer.encode_prompt(body.prompt)
+    check_text_bytes("prompt", body.prompt, tokenizer.max_prompt_bytes)
+    return list(tokenizer.hf_tokenizer.encode(body.prompt, add_special_tokens=False))
+
+
+def _api_routes(serving: OpenAIServing) -> APIRouter:
+    router = APIRouter()
+    tokenizer = serving.tokenizer
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(serving, body, request)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(serving, body, request)
+
+    @router.get("/v1/models")
+    async def models() -> ModelList:
+        card = ModelCard(id=serving.model_name, created=now_s(), max_model_len=tokenizer.info.max_model_len)
+        return ModelList(data=[card])
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        if body.model is not None:
+            serving.check_model(body.model)
+        try:
+            ids = await asyncio.to_thread(_tokenize, tokenizer, body)
+        except InvalidRequestError as exc:
+            raise invalid(exc) from exc
+        return TokenizeResponse(count=len(ids), max_model_len=tokenizer.info.max_model_len, tokens=ids)
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        if body.model is not None:
+            serving.check_model(body.model)
+        try:
+            ids = tokenizer.check_token_ids(body.tokens)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError("tokens" + exc.field_name.removeprefix("prompt_token_ids.ids"), exc.reason)
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, ids, False))
+
+    return router
+
+
+def build_http_app(serving: OpenAIServing, health: HealthState, settings: HttpSettings) -> FastAPI:
+    """The FastAPI app of the OpenAI-compatible API (add ``/metrics`` with ``add_metrics_route``)."""
+    app = FastAPI(title="pagedserve", summary="OpenAI-compatible API of a pagedserve gateway",
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    add_error_handlers(app)
+    dependencies = [Depends(_auth_dependency(settings.api_key))] if settings.api_key else []
+    app.include_router(_api_routes(serving), dependencies=dependencies)
+
+    @app.get("/health")
+    async def health_check() -> Response:
+        return Response(status_code=200 if health.serving else 503)
+
+    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+def add_metrics_route(app: FastAPI, render) -> None:
+    """``GET /metrics`` (open): ``render()`` returns ``(body bytes, content type)`` of the
+    Prometheus exposition (the metrics work wires this)."""
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = render()
+        return Response(body, media_type=content_type)

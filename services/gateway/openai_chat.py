@@ -1,0 +1,146 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, ``chat.completion``
+objects (or ``chat.completion.chunk`` SSE events) out."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import jinja2
+from opentelemetry import trace
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from pagedserve.engine.sampling_params import InvalidRequestError
+from pagedserve.text.chat_encoding import ChatPromptMode
+from pagedserve.text.request_samples import ParsedRequest
+from pagedserve.text.tokenizer import CHAT_FIELD, ChatTurn, PromptTokenizer
+from services.gateway.generation_core import GenerationError, SampleDelta
+from services.gateway.openai_errors import error_event
+from services.gateway.openai_params import sampling_params_from_openai
+from services.gateway.openai_protocol import ChatCompletionRequest, ChatMessage
+from services.gateway.openai_responses import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessageOut, DeltaMessage,
+    UsageInfo, ResponseMeta, finish_reason_name,
+)
+from services.gateway.openai_serving import (
+    SSE_DONE, OpenAIServing, invalid, merged_outputs, parsed_request, sse_event, start_span, submissions_of,
+    unless_disconnected, with_first,
+)
+
+
+def chat_prompt_mode(add_generation_prompt: bool, continue_final_message: bool) -> ChatPromptMode:
+    """The template ending the two OpenAI/vLLM flags ask for.
+
+    Raises:
+        InvalidRequestError: both set (``continue_final_message``).
+    """
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message",
+                                  "cannot be true together with add_generation_prompt (set that to false)")
+    if continue_final_message:
+        return ChatPromptMode.CONTINUE_FINAL_MESSAGE
+    if add_generation_prompt:
+        return ChatPromptMode.OPEN_ASSISTANT_TURN
+    return ChatPromptMode.NO_GENERATION_PROMPT
+
+
+def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage], mode: ChatPromptMode) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template.
+
+    Raises:
+        InvalidRequestError: field ``messages...`` (no template, bad role, sizes, a template error).
+    """
+    turns = [ChatTurn(role=m.role, content=m.text()) for m in messages]
+    try:
+        return tokenizer.encode_chat(turns, mode)
+    except InvalidRequestError as exc:
+        name = "messages" + exc.field_name.removeprefix(CHAT_FIELD).removeprefix(".messages")
+        raise InvalidRequestError(name, exc.reason) from exc
+    except (ValueError, jinja2.TemplateError) as exc:  # the template refused the conversation
+        raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from exc
+
+
+def parse_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer) -> ParsedRequest:
+    """The parsed request (CPU work: run it off the event loop).
+
+    Raises:
+        InvalidRequestError: any invalid field, named as the OpenAI API names it.
+    """
+    params = sampling_params_from_openai(body)
+    mode = chat_prompt_mode(body.add_generation_prompt, body.continue_final_message)
+    return parsed_request(tokenizer, encode_messages(tokenizer, body.messages, mode), "messages", params)
+
+
+async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, request: Request) -> Response:
+    """Serves one chat completions request, streamed or whole.
+
+    Raises:
+        GenerationError: the request cannot be served (the HTTP layer maps its kind to a status);
+            errors after a stream started are sent as an SSE error event instead.
+    """
+    arrived_s = time.monotonic()
+    serving.check_model(body.model)
+    try:
+        parsed = await asyncio.to_thread(parse_chat, body, serving.tokenizer)
+    except InvalidRequestError as exc:
+        raise invalid(exc) from exc
+    serving.core.check_capacity()
+    serving.core.check_scheduler()
+    span = start_span(serving, "gateway.http.chat_completions", 1)
+    events = merged_outputs(serving.core, submissions_of([parsed], span, arrived_s))
+    meta = ResponseMeta.new("chatcmpl", serving.model_name)
+    if not body.stream:
+        try:
+            return await unless_disconnected(request, _whole(events, meta, body.n))
+        finally:
+            span.end()
+    try:
+        first = await unless_disconnected(request, anext(events))
+    except BaseException:
+        span.end()
+        raise
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    return StreamingResponse(_stream(first, events, meta, body.n, include_usage, span), media_type="text/event-stream")
+
+
+async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int) -> Response:
+    texts = [[] for _ in range(n)]
+    finish: list[str | None] = [None] * n
+    usages = []
+    async for _, sample in events:
+        texts[sample.sample_index].append(sample.delta.text)
+        finish[sample.sample_index] = finish_reason_name(sample.delta.finish_reason) or finish[sample.sample_index]
+        if sample.usage is not None:
+            usages.append(sample.usage)
+    choices = [ChatChoice(index=i, message=ChatMessageOut(content="".join(t)), finish_reason=f)
+               for i, (t, f) in enumerate(zip(texts, finish))]
+    body = ChatCompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages))
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int,
+                  include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
+    """The SSE body: a ``role`` chunk per choice, one chunk per delta, the usage chunk when asked,
+    ``[DONE]``."""
+    usages = []
+    try:
+        for i in range(n):
+            role = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""), finish_reason=None)
+            yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[role]))
+        async for _, sample in with_first(first, events):
+            if sample.usage is not None:
+                usages.append(sample.usage)
+            delta = DeltaMessage(content=sample.delta.text or None)
+            choice = ChatChunkChoice(index=sample.sample_index, delta=delta,
+                                     finish_reason=finish_reason_name(sample.delta.finish_reason))
+            yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice]))
+        if include_usage:
+            yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[], usage=UsageInfo.of(usages)))
+    except GenerationError as exc:
+        yield error_event(exc)
+    finally:
+        await events.aclose()
+        span.end()
+    yield SSE_DONE

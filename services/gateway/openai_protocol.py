@@ -1,0 +1,147 @@
+"""Request bodies of the OpenAI-compatible HTTP API (pydantic), every list and string bounded.
+
+Field names, types and defaults follow OpenAI's API and vLLM's extensions. Sizes that depend on
+the model (prompt bytes and tokens against the context) are checked later, by the tokenizer;
+the bounds here stop oversized bodies before any work is spent on them. Unknown fields are
+ignored, as OpenAI-compatible servers do. Responses are in ``openai_responses``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from pagedserve.text.request_limits import RequestLimits
+
+_LIMITS = RequestLimits()
+MAX_PROMPTS = 64
+"""Most prompts in one completions request (each is its own engine request)."""
+MAX_TEXT_CHARS = 16 << 20
+"""Longest string anywhere in a body, in characters (the tokenizer's byte bound is tighter)."""
+MAX_TOKEN_IDS = 1 << 20
+"""Longest token-id list (the model's context bounds a prompt more tightly)."""
+MAX_NAME_CHARS = 256
+"""Longest model name, user, or message name."""
+MAX_LOGIT_BIAS_ENTRIES = 1024
+"""Most entries in ``logit_bias``."""
+
+Text = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS)]
+Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
+TokenIds = Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_IDS)]
+StopStrings = Annotated[list[Annotated[StrictStr, Field(max_length=_LIMITS.max_stop_string_chars)]],
+                        Field(max_length=_LIMITS.max_stop_strings)]
+Stop = Annotated[StrictStr, Field(max_length=_LIMITS.max_stop_string_chars)] | StopStrings
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
+
+    include_usage: StrictBool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions).
+
+    Fields that are accepted but not wired yet (a non-default value is refused with 400 "... is
+    not supported yet"): ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
+    ``logit_bias``, ``best_of``, ``spaces_between_special_tokens``, ``prompt_logprobs``.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Name = Field(description="must be the served model name (GET /v1/models)")
+    max_tokens: StrictInt | None = Field(None, description="most tokens to generate per choice")
+    temperature: float | None = Field(None, description=">= 0; 0 is greedy (default 1)")
+    top_p: float | None = Field(None, description="nucleus mass in (0, 1] (default 1)")
+    top_k: StrictInt | None = Field(None, description="keep the k most likely tokens; -1 or 0 is off")
+    min_p: float | None = Field(None, description="drop tokens below min_p * p_max (default 0)")
+    seed: StrictInt | None = Field(None, description="per-request seed (reproducible sampling)")
+    n: StrictInt = Field(1, description=f"choices per prompt, in [1, {_LIMITS.max_n}]")
+    stop: Stop | None = Field(None, description="stop string(s); not included in the output")
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=_LIMITS.max_stop_token_ids)] | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = Field(0, description="EOS and stop token ids are held back until this many tokens")
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    user: Name | None = Field(None, description="ignored")
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Annotated[dict[Annotated[str, Field(max_length=16)], float],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    best_of: StrictInt | None = None
+    prompt_logprobs: StrictInt | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of token ids or
+    a list of token-id lists; several prompts give ``len(prompts) * n`` choices, prompt-major."""
+
+    prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: StrictInt | None = Field(16, description="most tokens to generate per choice (default 16)")
+    logprobs: StrictInt | None = Field(None, description="not supported yet")
+    echo: StrictBool = Field(False, description="not supported yet")
+    suffix: Text | None = Field(None, description="not supported")
+
+
+class TextPart(BaseModel):
+    """A text part of a message's content."""
+
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    """One chat message; ``content`` is a string or a list of text parts (joined)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Annotated[StrictStr, Field(max_length=_LIMITS.max_role_chars)]
+    content: Text | Annotated[list[TextPart], Field(max_length=_LIMITS.max_chat_messages)] | None = None
+    name: Name | None = None
+
+    def text(self) -> str:
+        """The content as one string ("" for none)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=_LIMITS.max_chat_messages)]
+    max_completion_tokens: StrictInt | None = Field(None, description="OpenAI's newer name of max_tokens")
+    add_generation_prompt: StrictBool = Field(True, description="open an assistant turn after the messages")
+    continue_final_message: StrictBool = Field(False, description="leave the last message open and continue it")
+    logprobs: StrictBool = Field(False, description="not supported yet")
+    top_logprobs: StrictInt | None = Field(None, description="not supported yet")
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: either ``prompt`` or ``messages`` (rendered as for chat completions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Name | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=_LIMITS.max_chat_messages)] | None = None
+    add_special_tokens: StrictBool = Field(True, description="for prompt: add BOS etc. as the tokenizer does")
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids to text (special tokens kept)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Name | None = None
+    tokens: TokenIds

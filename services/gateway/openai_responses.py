@@ -1,0 +1,179 @@
+"""Response bodies of the OpenAI-compatible HTTP API (pydantic), shaped as OpenAI sends them.
+
+``finish_reason`` is always present (``null`` until a choice's last chunk); ``usage`` is
+``null`` in stream chunks except the ``include_usage`` chunk, whose ``choices`` is empty.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_serializer
+
+from pagedserve.engine.messages import FinishReason
+from services.gateway.generation_core import Usage
+
+FINISH_REASON_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+"""OpenAI's names of the engine's finish reasons."""
+
+
+def finish_reason_name(reason: FinishReason | None) -> str | None:
+    """OpenAI's ``finish_reason`` string (None while the choice runs)."""
+    return None if reason is None else FINISH_REASON_NAMES[reason]
+
+
+def new_id(prefix: str) -> str:
+    """A response id such as ``cmpl-<32 hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    """The ``created`` timestamp: Unix time in whole seconds."""
+    return int(time.time())
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every object and chunk of one response repeats: ``id``, ``created`` (Unix seconds), ``model``."""
+
+    id: str
+    created: int
+    model: str
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseMeta:
+        """A fresh id (``cmpl``, ``chatcmpl``) made now."""
+        return cls(new_id(prefix), now_s(), model)
+
+    def fields(self) -> dict:
+        return asdict(self)
+
+
+class UsageInfo(BaseModel):
+    """Token counts; ``completion_tokens`` sums every choice."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, usages: list[Usage]) -> UsageInfo:
+        """The usage of several engine requests (one per prompt) together."""
+        prompt = sum(u.prompt_tokens for u in usages)
+        completion = sum(u.completion_tokens for u in usages)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class CompletionChunk(BaseModel):
+    """One SSE event of a streamed completion (same ``object`` as the whole response, as OpenAI does)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    """A chat chunk's delta: ``role`` on a choice's first chunk only, ``content`` when it has text."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict:
+        """Only the keys that are set (a choice's last delta is ``{}``, as OpenAI sends it)."""
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorInfo = Field(description="what went wrong")

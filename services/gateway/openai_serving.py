@@ -1,0 +1,151 @@
+"""What the OpenAI handlers share: the serving context, prompt parsing, merged streams of several
+requests, client-disconnect handling and the SSE wire format."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from opentelemetry import trace
+from pydantic import BaseModel
+from starlette.requests import Request
+
+from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.text.request_samples import ParsedRequest
+from pagedserve.text.tokenizer import PromptTokenizer, check_prompt_length
+from services.common import telemetry
+from services.gateway.generation_core import GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
+from services.gateway.openai_params import openai_field_error
+
+T = TypeVar("T")
+SSE_DONE = b"data: [DONE]\n\n"
+"""The last event of every stream."""
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client closed the connection before its response was complete."""
+
+
+@dataclass(frozen=True)
+class OpenAIServing:
+    """The gateway parts the HTTP handlers use.
+
+    Attributes:
+        core: queues requests and streams their text (shared with the gRPC service).
+        model_name: the served model name (``model`` must equal it).
+        tracer: makes one server span per HTTP request.
+    """
+
+    core: GenerationCore
+    model_name: str
+    tracer: trace.Tracer
+
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        return self.core.tokenizer
+
+    def check_model(self, model: str) -> None:
+        """Raises ``GenerationError(NOT_FOUND)`` unless ``model`` is the served model name."""
+        if model != self.model_name:
+            raise GenerationError(StatusKind.NOT_FOUND, f"The model `{model}` does not exist; this server serves "
+                                  f"`{self.model_name}`", "model")
+
+
+def parsed_request(tokenizer: PromptTokenizer, ids: Sequence[int], field: str, params: SamplingParams) -> ParsedRequest:
+    """A tokenized prompt and its parameters, checked against the model's context.
+
+    Raises:
+        InvalidRequestError: the prompt fills the context (``field``), or ``max_tokens`` does not
+            fit after it, or a stop token id outside the vocabulary (OpenAI field names).
+    """
+    info = tokenizer.info
+    check_prompt_length(len(ids), info.max_model_len, field)
+    try:
+        engine = params.to_engine(len(ids), info.max_model_len, info.vocab_size, info.eos_token_ids)
+    except InvalidRequestError as exc:
+        raise openai_field_error(exc) from exc
+    return ParsedRequest(tuple(ids), params, engine)
+
+
+def invalid(exc: InvalidRequestError) -> GenerationError:
+    """An ``InvalidRequestError`` as an ``INVALID_ARGUMENT`` error naming its field."""
+    return GenerationError(StatusKind.INVALID_ARGUMENT, str(exc), exc.field_name)
+
+
+async def merged_outputs(core: GenerationCore, submissions: Sequence[Submission]) -> AsyncIterator[tuple[int, SampleDelta]]:
+    """The deltas of several requests as they come, each with its request's index in ``submissions``.
+
+    Closing the iteration early (or a failing request) stops every request (each aborts in the
+    scheduler). Raises the first ``GenerationError`` of any request.
+    """
+    streams = [core.generate(s) for s in submissions]
+    pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    sample = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, sample
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def with_first(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """``first``, then the items of ``rest`` (an iteration whose first item was taken already)."""
+    yield first
+    async for item in rest:
+        yield item
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body must have been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, cancelled when the client goes away first.
+
+    Raises:
+        ClientDisconnected: the client closed the connection first (``work`` was cancelled and
+            has cleaned up).
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise ClientDisconnected()
+    finally:
+        task.cancel()
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+def sse_event(body: BaseModel) -> bytes:
+    """One Server-Sent Event: ``data: <json>`` and a blank line."""
+    return b"data: " + body.model_dump_json().encode() + b"\n\n"
+
+
+def start_span(serving: OpenAIServing, name: str, num_prompts: int) -> trace.Span:
+    """The server span of one HTTP request (ended by the caller)."""
+    return serving.tracer.start_span(name, kind=trace.SpanKind.SERVER, attributes={"num_prompts": num_prompts})
+
+
+def submissions_of(parsed: Sequence[ParsedRequest], span: trace.Span, arrived_s: float) -> list[Submission]:
+    """One submission per parsed prompt, all traced under ``span``, received at ``arrived_s``
+    (``time.monotonic()`` seconds)."""
+    context = telemetry.inject(trace.set_span_in_context(span))
+    return [Submission(p, context, arrived_s=arrived_s) for p in parsed]
