@@ -33,7 +33,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     import secrets
 
     from pagedserve.engine.config import CompileMode, GemmBackend
-    from pagedserve.launcher import StackConfig, default_threads_per_worker, run_stack
+    from pagedserve.launcher import StackConfig, default_threads_per_worker
+    from pagedserve.up import run_stack
     from pagedserve.model_files import default_cache_dir
     from services.common.auth import cluster_token_from_args
     from services.common.service_args import redis_url_from_args

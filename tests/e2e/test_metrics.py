@@ -83,3 +83,27 @@ def test_metrics_of_every_service_move_by_what_the_clients_received(stack, defau
         assert total(after[name], "vllm:request_queue_time_seconds_count") == 0
     for name in ("scheduler", *workers):
         assert total(after[name], "vllm:generation_tokens_total") == 0
+
+
+def test_the_gateway_http_port_serves_its_metrics_and_counts_http_requests(stack, default_model):
+    """``GET /metrics`` on the OpenAI port is the gateway's registry, and HTTP requests count in it."""
+    import httpx
+
+    model = default_model.name
+    http_address = stack.http.removeprefix("http://")
+    before = scrape(http_address)
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    reply = httpx.post(f"{stack.http}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 4
+    after = scrape(http_address)
+    by_port = scrape(stack.metrics["gateway"])
+
+    def moved(name: str, **labels: str) -> float:
+        return total(after, name, model_name=model, **labels) - total(before, name, model_name=model, **labels)
+
+    assert moved("vllm:request_success_total", finished_reason="length") == 1
+    assert moved("vllm:generation_tokens_total") == 4
+    assert moved("vllm:time_to_first_token_seconds_count") == 1
+    assert total(by_port, "vllm:generation_tokens_total") == total(after, "vllm:generation_tokens_total")

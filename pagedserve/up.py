@@ -1,0 +1,56 @@
+"""`pagedserve up`'s main: start the stack (``launcher.Stack``), say where it listens, keep it running."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+from pagedserve.launcher import LaunchError, Stack, StackConfig
+
+
+def run_stack(config: StackConfig) -> int:
+    """Starts the stack, prints where it listens, and runs until SIGINT/SIGTERM or a child exits.
+
+    Returns the process exit status: 0 after a requested stop, 1 when something failed.
+    """
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stack = Stack(config)
+    status = 0
+    try:
+        stack.start()
+        print(ready_message(config), flush=True)
+        while not stop.wait(0.5):
+            stack.restart_exited()
+    except LaunchError as exc:
+        print(f"pagedserve up: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        stack.stop()
+    return status
+
+
+def _metrics_note(config: StackConfig) -> str:
+    ports = config.metrics_ports()
+    if not ports:
+        return ""
+    hosts = {name: config.host if name == "gateway" else "127.0.0.1" for name in ports}
+    return "Prometheus metrics: " + ", ".join(f"{n} http://{hosts[n]}:{p}/metrics" for n, p in ports.items()) + "\n"
+
+
+def ready_message(config: StackConfig) -> str:
+    """What `pagedserve up` prints once the stack serves: both endpoints and how to try them."""
+    key_note = " (with PAGEDSERVE_API_KEY set to the API key)" if config.api_key else ""
+    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.api_key else ""
+    return (
+        f"pagedserve is up ({config.workers} worker(s), model {config.model.name}):\n"
+        f"  gRPC API:   {config.host}:{config.port}\n"
+        f"  OpenAI API: http://{config.host}:{config.http_port}/v1\n"
+        f"Try{key_note}:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "
+        f"--temperature 0 --prompt 'What is the capital of France?'\n"
+        f"  curl http://127.0.0.1:{config.http_port}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{config.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
+        f"{_metrics_note(config)}Ctrl-C stops everything."
+    )
