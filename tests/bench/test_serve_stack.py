@@ -54,3 +54,23 @@ def test_bench_serve_reports_consistent_figures(gateway, tmp_path):
     _check_run(runs[1], "inf")
     assert sorted(p.name for p in plots.iterdir()) == sorted(
         [f"{k}_cdf.png" for k in LATENCIES] + ["throughput_vs_rate.png"])
+
+
+def test_bench_serve_over_the_openai_api(stack, default_model, tmp_path):
+    """`--backend openai` streams /v1/completions from the gateway's HTTP port: the same figures."""
+    out = tmp_path / "serve-openai.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedserve", "bench", "serve", "--backend", "openai", "--target", stack.http,
+         "--model", str(default_model), "--dataset-name", "random", "--num-prompts", "4", "--input-len", "16",
+         "--output-len", "4", "--ignore-eos", "--request-rate", "inf", "--result-json", str(out), "--disable-tqdm"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = json.loads(out.read_text())
+    assert run["settings"]["backend"] == "openai"
+    # ITL and TPOT count text chunks here: a token that completes no character sends no chunk
+    settings, metrics, requests = run["settings"], run["metrics"], run["requests"]
+    assert settings["request_rate"] == "inf" and settings["num_prompts"] == 4
+    assert (metrics["completed"], metrics["failed"]) == (4, 0)
+    assert metrics["total_output_tokens"] == 16
+    assert all(r["error"] is None and r["output_tokens"] == 4 for r in requests)
+    assert 0 < metrics["ttft"]["mean_ms"] <= metrics["e2el"]["mean_ms"]
