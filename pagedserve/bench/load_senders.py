@@ -105,7 +105,7 @@ async def openai_sender(base_url: str, settings: SendSettings) -> AsyncIterator[
     """Streams ``POST {base_url}/v1/completions`` requests (``base_url`` like ``http://127.0.0.1:8000``).
 
     A chunk whose ``text`` is not empty counts as a token-carrying chunk (as in vLLM's benchmark);
-    the output token count comes from the final usage chunk.
+    the output token count comes from the final usage chunk (``stream_options.include_usage``).
 
     Raises:
         ConnectionError: ``GET {base_url}/health`` did not answer within ``settings.connect_timeout_s``.
@@ -139,8 +139,10 @@ async def openai_sender(base_url: str, settings: SendSettings) -> AsyncIterator[
 
 
 async def _read_completion_stream(lines: AsyncIterator[str], chunk_times: list[float], start: float) -> int:
-    """Reads SSE lines up to ``data: [DONE]``, timing text chunks; returns the usage's completion tokens."""
-    tokens = 0
+    """Reads SSE lines up to ``data: [DONE]``, timing text chunks; returns the usage's completion
+    tokens, or the number of text chunks when the server sends no usage (one token per chunk, as
+    llama.cpp's server streams)."""
+    tokens = None
     async for line in lines:
         if not line.startswith("data: "):
             continue
@@ -152,7 +154,7 @@ async def _read_completion_stream(lines: AsyncIterator[str], chunk_times: list[f
             chunk_times.append(time.perf_counter() - start)
         if chunk.get("usage"):
             tokens = chunk["usage"]["completion_tokens"]
-    return tokens
+    return len(chunk_times) if tokens is None else tokens
 
 
 def sender(backend: Backend, target: str, settings: SendSettings):

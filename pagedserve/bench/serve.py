@@ -26,6 +26,7 @@ from pathlib import Path
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments
 from pagedserve.bench.load_senders import Backend, SendSettings, sender
 from pagedserve.bench.metrics import RequestRecord, ServeMetrics, compute_metrics, error_counts
+from pagedserve.bench.serve_compare import format_backend_comparison, parse_backends
 
 
 @dataclass(frozen=True)
@@ -41,12 +42,13 @@ class LoadSettings:
 
 @dataclass(frozen=True)
 class RunResult:
-    """One run: its load, its figures, failures by gRPC status name, and every request's record."""
+    """One run: its load, its figures, failures by status name, every request's record, the API it drove."""
 
     load: LoadSettings
     metrics: ServeMetrics
     errors: dict[str, int]
     records: tuple[RequestRecord, ...]
+    backend: Backend = Backend.GRPC
 
 
 def parse_rates(text: str) -> tuple[float, ...]:
@@ -176,8 +178,9 @@ def _load_samples(args: argparse.Namespace) -> tuple[Path, list[SampleRequest]]:
     return model, sample_requests(dataset_spec_from_args(args), tokenizer)
 
 
-def _settings(args: argparse.Namespace, model: Path, load: LoadSettings) -> dict:
-    return {"backend": args.backend.value, "target": args.target, "model": str(model), "dataset_name": args.dataset_name,
+def _settings(args: argparse.Namespace, model: Path, result: RunResult) -> dict:
+    load = result.load
+    return {"backend": result.backend.value, "target": _target(args, result.backend), "model": str(model), "dataset_name": args.dataset_name,
             "dataset_path": args.dataset_path, "num_prompts": args.num_prompts, "seed": args.seed,
             "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
             "request_rate": load.request_rate, "burstiness": load.burstiness,
@@ -185,16 +188,21 @@ def _settings(args: argparse.Namespace, model: Path, load: LoadSettings) -> dict
             "ignore_eos": args.ignore_eos, "timeout_s": args.timeout}
 
 
-def _run_one(args: argparse.Namespace, samples: list[SampleRequest], load: LoadSettings) -> RunResult:
+def _target(args: argparse.Namespace, backend: Backend) -> str:
+    return args.target if backend is Backend.GRPC else args.base_url
+
+
+def _run_one(args: argparse.Namespace, samples: list[SampleRequest], load: LoadSettings, backend: Backend) -> RunResult:
     from tqdm import tqdm
 
     label = "inf" if math.isinf(load.request_rate) else f"{load.request_rate:g}"
-    with tqdm(total=len(samples), desc=f"rate {label} req/s", unit="req", disable=args.disable_tqdm) as bar:
-        records, duration = asyncio.run(run_load(args.target, samples, load, temperature=args.temperature,
+    with tqdm(total=len(samples), desc=f"{backend.value} rate {label} req/s", unit="req",
+              disable=args.disable_tqdm) as bar:
+        records, duration = asyncio.run(run_load(_target(args, backend), samples, load, temperature=args.temperature,
                                                  ignore_eos=args.ignore_eos, timeout_s=args.timeout, progress=bar,
-                                                 api_key=args.api_key, backend=args.backend,
+                                                 api_key=args.api_key, backend=backend,
                                                  model_name=args.served_model_name))
-    return RunResult(load, compute_metrics(records, duration), error_counts(records), tuple(records))
+    return RunResult(load, compute_metrics(records, duration), error_counts(records), tuple(records), backend)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -202,8 +210,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from pagedserve.bench.datasets import DatasetError
     from pagedserve.bench.report import write_json
 
-    if not args.target:
-        args.target = "127.0.0.1:50051" if args.backend is Backend.GRPC else "http://127.0.0.1:8000"
     try:
         model, samples = _load_samples(args)
     except (DatasetError, OSError) as exc:
@@ -213,15 +219,18 @@ def run_serve(args: argparse.Namespace) -> int:
     results = []
     for rate in args.request_rate:
         load = LoadSettings(rate, args.burstiness, args.max_concurrency, args.seed)
-        try:
-            results.append(_run_one(args, samples, load))
-        except ConnectionError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
-        print(format_run(results[-1]), flush=True)
-    if len(results) > 1:
+        for backend in [b for _ in range(args.rounds) for b in args.backend]:  # backends take turns
+            try:
+                results.append(_run_one(args, samples, load, backend))
+            except ConnectionError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            print(format_run(results[-1]), flush=True)
+    if len(args.request_rate) > 1:
         print(format_rate_rows(results))
-    runs = [{"settings": _settings(args, model, r.load), "metrics": r.metrics, "errors": r.errors,
+    if len(args.backend) > 1:
+        print(format_backend_comparison(results))
+    runs = [{"settings": _settings(args, model, r), "metrics": r.metrics, "errors": r.errors,
              "requests": r.records} for r in results]
     if args.result_json:
         from pagedserve.bench.machine import machine_info
@@ -250,12 +259,15 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
         "serve", help="latency and throughput of a running gateway (TTFT, TPOT, ITL, E2EL)",
         description="Send a prompt set to a running gateway over streaming gRPC (or its OpenAI HTTP API) and report vLLM's serving "
         "metrics: throughput (req/s, tok/s) and mean/median/p90/p99 of TTFT, TPOT, ITL and E2EL (ms).")
-    p.add_argument("--backend", type=Backend, choices=list(Backend), default=Backend.GRPC, metavar="{grpc,openai}",
-                   help="the API to drive: grpc (Generation.Generate) or openai (POST /v1/completions with "
-                   "stream: true, as vLLM's serving benchmark) (default: grpc)")
-    p.add_argument("--target", default="",
-                   help="gateway HOST:PORT for grpc (default 127.0.0.1:50051), its HTTP base URL for openai "
-                   "(default http://127.0.0.1:8000)")
+    p.add_argument("--backend", type=parse_backends, default=(Backend.GRPC,), metavar="{grpc,openai}[,...]",
+                   help="the API to drive: grpc (pagedserve's Generation.Generate) or openai (POST /v1/completions "
+                   "with stream: true, as vLLM's serving benchmark: any OpenAI-compatible server); a list such as "
+                   "grpc,openai runs each in turn on the same requests and compares them (default: grpc)")
+    p.add_argument("--target", default="127.0.0.1:50051", help="gRPC gateway HOST:PORT (default %(default)s)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="base URL of the OpenAI-compatible server (default %(default)s)")
+    p.add_argument("--rounds", type=_positive(int), default=1,
+                   help="with several backends: how many times they take turns (default %(default)s)")
     p.add_argument("--served-model-name", default="",
                    help="the `model` sent to the OpenAI API (default: the --model folder's name)")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY", ""),

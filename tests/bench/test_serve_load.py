@@ -123,3 +123,17 @@ def test_openai_stream_reader_times_text_chunks_and_takes_usage_tokens():
     tokens = asyncio.run(_read_completion_stream(feed(), times, 0.0))
     assert tokens == 4
     assert len(times) == 2
+
+
+def test_openai_stream_reader_counts_text_chunks_without_a_usage_chunk():
+    from pagedserve.bench.load_senders import _read_completion_stream
+
+    lines = ['data: {"choices": [{"index": 0, "text": "a"}]}', 'data: {"choices": [{"index": 0, "text": "b"}]}',
+             "data: [DONE]"]
+
+    async def feed():
+        for line in lines:
+            yield line
+
+    times: list[float] = []
+    assert asyncio.run(_read_completion_stream(feed(), times, 0.0)) == 2

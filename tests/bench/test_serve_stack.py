@@ -56,21 +56,23 @@ def test_bench_serve_reports_consistent_figures(gateway, tmp_path):
         [f"{k}_cdf.png" for k in LATENCIES] + ["throughput_vs_rate.png"])
 
 
-def test_bench_serve_over_the_openai_api(stack, default_model, tmp_path):
-    """`--backend openai` streams /v1/completions from the gateway's HTTP port: the same figures."""
-    out = tmp_path / "serve-openai.json"
+def test_bench_serve_compares_the_grpc_and_openai_apis(stack, default_model, tmp_path):
+    """`--backend grpc,openai`: the same requests through both front ends, the OpenAI one streamed
+    from /v1/completions; both give the same token counts, and a comparison table is printed."""
+    out = tmp_path / "serve-apis.json"
     result = subprocess.run(
-        [sys.executable, "-m", "pagedserve", "bench", "serve", "--backend", "openai", "--target", stack.http,
-         "--model", str(default_model), "--dataset-name", "random", "--num-prompts", "4", "--input-len", "16",
-         "--output-len", "4", "--ignore-eos", "--request-rate", "inf", "--result-json", str(out), "--disable-tqdm"],
+        [sys.executable, "-m", "pagedserve", "bench", "serve", "--backend", "grpc,openai", "--target", stack.gateway,
+         "--base-url", stack.http, "--model", str(default_model), "--dataset-name", "random", "--num-prompts", "4",
+         "--input-len", "16", "--output-len", "4", "--ignore-eos", "--request-rate", "inf",
+         "--result-json", str(out), "--disable-tqdm"],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    run = json.loads(out.read_text())
-    assert run["settings"]["backend"] == "openai"
-    # ITL and TPOT count text chunks here: a token that completes no character sends no chunk
-    settings, metrics, requests = run["settings"], run["metrics"], run["requests"]
-    assert settings["request_rate"] == "inf" and settings["num_prompts"] == 4
-    assert (metrics["completed"], metrics["failed"]) == (4, 0)
-    assert metrics["total_output_tokens"] == 16
-    assert all(r["error"] is None and r["output_tokens"] == 4 for r in requests)
-    assert 0 < metrics["ttft"]["mean_ms"] <= metrics["e2el"]["mean_ms"]
+    assert "tok/s vs first" in result.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["settings"]["backend"] for r in runs] == ["grpc", "openai"]
+    for run in runs:  # ITL and TPOT count text chunks for openai: a token that completes no character sends none
+        metrics, requests = run["metrics"], run["requests"]
+        assert (metrics["completed"], metrics["failed"]) == (4, 0)
+        assert metrics["total_output_tokens"] == 16
+        assert all(r["error"] is None and r["output_tokens"] == 4 for r in requests)
+        assert 0 < metrics["ttft"]["mean_ms"] <= metrics["e2el"]["mean_ms"]
