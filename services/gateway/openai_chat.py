@@ -18,6 +18,8 @@ from pagedserve.text.request_samples import ParsedRequest
 from pagedserve.text.tokenizer import CHAT_FIELD, ChatTurn, PromptTokenizer
 from services.gateway.generation_core import GenerationError, SampleDelta
 from services.gateway.openai_errors import error_event
+from services.gateway.openai_logprobs import TokenNames, chat_logprobs
+from services.gateway.openai_samples import collect_samples
 from services.gateway.openai_params import sampling_params_from_openai
 from services.gateway.openai_protocol import ChatCompletionRequest, ChatMessage
 from services.gateway.openai_responses import (
@@ -91,9 +93,10 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     span = start_span(serving, "gateway.http.chat_completions", 1)
     events = merged_outputs(serving.core, submissions_of([parsed], span, arrived_s))
     meta = ResponseMeta.new("chatcmpl", serving.model_name)
+    names = TokenNames(serving.tokenizer) if body.logprobs else None
     if not body.stream:
         try:
-            return await unless_disconnected(request, _whole(events, meta, body.n))
+            return await unless_disconnected(request, _whole(events, meta, parsed, names))
         finally:
             span.end()
     try:
@@ -102,28 +105,27 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
         span.end()
         raise
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return StreamingResponse(_stream(first, events, meta, body.n, include_usage, span), media_type="text/event-stream")
+    return StreamingResponse(_stream(first, events, meta, body.n, names, include_usage, span),
+                             media_type="text/event-stream")
 
 
-async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int) -> Response:
-    texts = [[] for _ in range(n)]
-    finish: list[str | None] = [None] * n
-    usages = []
-    async for _, sample in events:
-        texts[sample.sample_index].append(sample.delta.text)
-        finish[sample.sample_index] = finish_reason_name(sample.delta.finish_reason) or finish[sample.sample_index]
-        if sample.usage is not None:
-            usages.append(sample.usage)
-    choices = [ChatChoice(index=i, message=ChatMessageOut(content="".join(t)), finish_reason=f)
-               for i, (t, f) in enumerate(zip(texts, finish))]
+async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, parsed: ParsedRequest,
+                 names: TokenNames | None) -> Response:
+    """The whole response; ``names`` None: no logprobs asked for. With ``best_of > n``, the ``n``
+    samples of highest cumulative logprob, best first."""
+    results, usages = await collect_samples(events, [parsed])
+    choices = [ChatChoice(index=i, message=ChatMessageOut(content=sample.text),
+                          logprobs=None if names is None else chat_logprobs(names, sample.logprobs or ()),
+                          finish_reason=finish_reason_name(sample.finish_reason), stop_reason=sample.stop_reason)
+               for i, sample in enumerate(results[0].best())]
     body = ChatCompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int,
-                  include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
-    """The SSE body: a ``role`` chunk per choice, one chunk per delta, the usage chunk when asked,
-    ``[DONE]``."""
+                  names: TokenNames | None, include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
+    """The SSE body: a ``role`` chunk per choice, one chunk per delta (with its tokens' logprobs
+    when asked), the usage chunk when asked, ``[DONE]``."""
     usages = []
     try:
         for i in range(n):
@@ -133,8 +135,10 @@ async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[in
             if sample.usage is not None:
                 usages.append(sample.usage)
             delta = DeltaMessage(content=sample.delta.text or None)
-            choice = ChatChunkChoice(index=sample.sample_index, delta=delta,
-                                     finish_reason=finish_reason_name(sample.delta.finish_reason))
+            logprobs = None if names is None else chat_logprobs(names, sample.delta.logprobs)
+            choice = ChatChunkChoice(index=sample.sample_index, delta=delta, logprobs=logprobs,
+                                     finish_reason=finish_reason_name(sample.delta.finish_reason),
+                                     stop_reason=sample.delta.stop_reason)
             yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice]))
         if include_usage:
             yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[], usage=UsageInfo.of(usages)))

@@ -9,20 +9,26 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from opentelemetry import trace
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from pagedserve.engine.messages import TokenLogprobs
 from pagedserve.engine.sampling_params import InvalidRequestError
+from pagedserve.llm_outputs import SampleOutput
 from pagedserve.text.request_samples import ParsedRequest
 from pagedserve.text.tokenizer import TOKEN_IDS_FIELD, PromptTokenizer
 from services.gateway.generation_core import GenerationError, SampleDelta
 from services.gateway.openai_params import sampling_params_from_openai
 from services.gateway.openai_protocol import CompletionRequest
 from services.gateway.openai_responses import (
-    CompletionChoice, CompletionChunk, CompletionResponse, UsageInfo, ResponseMeta, finish_reason_name,
+    CompletionChoice, CompletionChunk, CompletionResponse, CompletionWholeChoice, ResponseMeta, UsageInfo,
+    finish_reason_name,
 )
+from services.gateway.openai_logprobs import CompletionOffsets, TokenNames, prompt_logprobs_out
+from services.gateway.openai_samples import EchoPrompt, StreamEcho, collect_samples
 from services.gateway.openai_serving import (
     SSE_DONE, OpenAIServing, invalid, merged_outputs, parsed_request, sse_event, start_span, submissions_of,
     unless_disconnected, with_first,
@@ -75,9 +81,10 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
     span = start_span(serving, "gateway.http.completions", len(parsed))
     events = merged_outputs(serving.core, submissions_of(parsed, span, arrived_s))
     meta = ResponseMeta.new("cmpl", serving.model_name)
+    shape = ChoiceShape(body.n, echo_prompts(body, parsed, serving.tokenizer), TokenNames(serving.tokenizer))
     if not body.stream:
         try:
-            return await unless_disconnected(request, _whole(events, meta, body.n, len(parsed)))
+            return await unless_disconnected(request, _whole(events, meta, shape, parsed))
         finally:
             span.end()
     try:
@@ -86,36 +93,88 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
         span.end()
         raise
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    stream = _stream(first, events, meta, body.n, include_usage, span)
+    stream = _stream(first, events, meta, shape, body.logprobs is not None, include_usage, span)
     return StreamingResponse(stream, media_type="text/event-stream")
 
 
-async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int, num_prompts: int) -> Response:
-    texts = [[] for _ in range(num_prompts * n)]
-    finish: list[str | None] = [None] * len(texts)
-    usages = []
-    async for prompt_index, sample in events:
-        index = prompt_index * n + sample.sample_index
-        texts[index].append(sample.delta.text)
-        finish[index] = finish_reason_name(sample.delta.finish_reason) or finish[index]
-        if sample.usage is not None:
-            usages.append(sample.usage)
-    choices = [CompletionChoice(index=i, text="".join(t), finish_reason=f) for i, (t, f) in enumerate(zip(texts, finish))]
+def echo_prompts(body: CompletionRequest, parsed: list[ParsedRequest], tokenizer: PromptTokenizer) -> list[EchoPrompt] | None:
+    """With ``echo``: each prompt's text (as sent; token-id prompts decoded, special tokens kept)
+    and ids; else None."""
+    if not body.echo:
+        return None
+    texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt if isinstance(body.prompt[0], str) else None
+    return [EchoPrompt(texts[i] if texts is not None else tokenizer.decode(p.prompt_token_ids, skip_special_tokens=False),
+                       p.prompt_token_ids) for i, p in enumerate(parsed)]
+
+
+@dataclass(frozen=True)
+class ChoiceShape:
+    """How choices are numbered and formatted: ``n`` per prompt, the echoed prompts (or None)
+    and the token strings of logprobs."""
+
+    n: int
+    echo: list[EchoPrompt] | None
+    names: TokenNames
+
+
+def _whole_choice(index: int, sample: SampleOutput, prompt: EchoPrompt | None, names: TokenNames,
+                  prompt_logprobs: tuple[TokenLogprobs | None, ...] | None) -> CompletionWholeChoice:
+    """A non-streamed choice: the echoed prompt (text and logprobs) then the sample's."""
+    text, ids, entries = sample.text, list(sample.token_ids), list(sample.logprobs or ())
+    if prompt is not None:
+        text = prompt.text + text
+        ids[:0] = prompt.token_ids
+        entries[:0] = prompt_logprobs or ()
+    logprobs = None if sample.logprobs is None else CompletionOffsets(names).format(ids, entries)
+    return CompletionWholeChoice(
+        index=index, text=text, logprobs=logprobs, finish_reason=finish_reason_name(sample.finish_reason),
+        stop_reason=sample.stop_reason,
+        prompt_logprobs=None if prompt_logprobs is None else prompt_logprobs_out(names, prompt_logprobs))
+
+
+async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, shape: ChoiceShape,
+                 parsed: list[ParsedRequest]) -> Response:
+    results, usages = await collect_samples(events, parsed)
+    choices = []
+    for prompt_index, result in enumerate(results):
+        prompt = None if shape.echo is None else shape.echo[prompt_index]
+        for j, sample in enumerate(result.best()):
+            choices.append(_whole_choice(prompt_index * shape.n + j, sample, prompt, shape.names, result.prompt_logprobs))
     body = CompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int,
-                  include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
-    """The SSE body: one chunk per delta, the usage chunk when asked, ``[DONE]``."""
+def _chunk_choice(index: int, sample: SampleDelta, prompt: EchoPrompt | None, offsets: CompletionOffsets | None
+                  ) -> CompletionChoice:
+    """A stream chunk's choice: the delta's text and logprobs (``offsets`` None: none asked),
+    after the echoed prompt on the choice's first chunk."""
+    delta = sample.delta
+    text, ids, entries = delta.text, list(delta.token_ids), list(delta.logprobs)
+    if prompt is not None:
+        text = prompt.text + text
+        ids[:0] = prompt.token_ids
+        entries[:0] = prompt.logprobs or ()
+    logprobs = None if offsets is None else offsets.format(ids, entries)
+    return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason_name(delta.finish_reason),
+                            stop_reason=delta.stop_reason)
+
+
+async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta,
+                  shape: ChoiceShape, with_logprobs: bool, include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
+    """The SSE body: one chunk per delta (the prompt first with ``echo``), the usage chunk when
+    asked, ``[DONE]``."""
     usages = []
+    echo = None if shape.echo is None else StreamEcho(list(shape.echo), with_logprobs)
+    offsets: dict[int, CompletionOffsets] = {}
     try:
         async for prompt_index, sample in with_first(first, events):
             if sample.usage is not None:
                 usages.append(sample.usage)
-            choice = CompletionChoice(index=prompt_index * n + sample.sample_index, text=sample.delta.text,
-                                      finish_reason=finish_reason_name(sample.delta.finish_reason))
-            yield sse_event(CompletionChunk(**meta.fields(), choices=[choice]))
+            ready = [(prompt_index, sample, None)] if echo is None else echo.ready(prompt_index, sample)
+            for p, s, prompt in ready:
+                index = p * shape.n + s.sample_index
+                choice_offsets = offsets.setdefault(index, CompletionOffsets(shape.names)) if with_logprobs else None
+                yield sse_event(CompletionChunk(**meta.fields(), choices=[_chunk_choice(index, s, prompt, choice_offsets)]))
         if include_usage:
             yield sse_event(CompletionChunk(**meta.fields(), choices=[], usage=UsageInfo.of(usages)))
     except GenerationError as exc:

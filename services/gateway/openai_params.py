@@ -5,29 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 _ENGINE_PREFIX = "sampling_params."
 
 
 def _not_yet(request: SamplingFields) -> list[tuple[str, object, object]]:
-    """(field, value, default) of every accepted-but-not-wired field."""
-    fields = [
-        ("presence_penalty", request.presence_penalty, 0.0),
-        ("frequency_penalty", request.frequency_penalty, 0.0),
-        ("repetition_penalty", request.repetition_penalty, 1.0),
-        ("logit_bias", request.logit_bias or None, None),
-        ("best_of", request.best_of, (None, request.n)),
-        ("prompt_logprobs", request.prompt_logprobs, None),
-        ("spaces_between_special_tokens", request.spaces_between_special_tokens, True),
-    ]
+    """(field, value, default) of every accepted-but-not-wired field (only ``suffix`` now)."""
     if isinstance(request, CompletionRequest):
-        fields += [("logprobs", request.logprobs, None), ("echo", request.echo, False),
-                   ("suffix", request.suffix or None, None)]
-    if isinstance(request, ChatCompletionRequest):
-        fields += [("logprobs", request.logprobs, False), ("top_logprobs", request.top_logprobs, None)]
-    return fields
+        return [("suffix", request.suffix or None, None)]
+    return []
 
 
 def check_supported(request: SamplingFields) -> None:
@@ -48,15 +36,66 @@ def _max_tokens(request: SamplingFields) -> int | None:
     return request.max_tokens
 
 
+def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (JSON object: token id as a decimal string -> bias in [-100, 100])
+    as token id -> bias.
+
+    Raises:
+        InvalidRequestError: ``logit_bias``, for a key that is not an integer.
+    """
+    parsed: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key.strip(), 10)
+        except ValueError:
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (integers), got {key!r}") from None
+        parsed[token_id] = value
+    return parsed
+
+
+def _logprobs_fields(request: SamplingFields) -> dict[str, int | None]:
+    """``logprobs`` and ``prompt_logprobs`` of SamplingParams (counts of top alternatives, 0..20).
+
+    Completions: ``logprobs`` is the count; ``echo`` with ``logprobs`` also asks for the prompt's
+    (``prompt_logprobs`` = ``logprobs`` unless set). Chat: ``logprobs: true`` asks for them with
+    ``top_logprobs`` alternatives (default 0).
+
+    Raises:
+        InvalidRequestError: ``top_logprobs`` out of [0, 20] or set without ``logprobs: true``.
+    """
+    prompt_logprobs = request.prompt_logprobs
+    if isinstance(request, CompletionRequest):
+        logprobs = request.logprobs
+        if request.echo and logprobs is not None and prompt_logprobs is None:
+            prompt_logprobs = logprobs
+        return {"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+    assert isinstance(request, ChatCompletionRequest)
+    top = request.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
+    if top is not None and not request.logprobs:
+        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    return {"logprobs": (top or 0) if request.logprobs else None, "prompt_logprobs": prompt_logprobs}
+
+
+def _check_best_of(request: SamplingFields) -> None:
+    """Raises InvalidRequestError(``best_of``) for ``best_of > n`` with ``stream``: choices are
+    picked once every sample has finished, so they cannot be streamed (as vLLM refused it)."""
+    if request.stream and request.best_of is not None and request.best_of > request.n:
+        raise InvalidRequestError("best_of", f"{request.best_of} > n={request.n} cannot be streamed; "
+                                  "set stream to false or best_of to n")
+
+
 def sampling_params_from_openai(request: SamplingFields) -> SamplingParams:
     """The validated ``SamplingParams`` of an OpenAI completions or chat request (unset fields
     take ``SamplingParams``' defaults; ``user`` is ignored).
 
     Raises:
-        InvalidRequestError: a value out of range or a field not supported yet; ``field_name`` is
+        InvalidRequestError: a value out of range or a field not supported; ``field_name`` is
             the OpenAI field's name (``temperature``, not ``sampling_params.temperature``).
     """
     check_supported(request)
+    _check_best_of(request)
     defaults = SamplingParams()
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     values = dict(
@@ -73,6 +112,13 @@ def sampling_params_from_openai(request: SamplingFields) -> SamplingParams:
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
         n=request.n,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=request.repetition_penalty,
+        logit_bias=logit_bias_of(request.logit_bias),
+        best_of=request.best_of,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        **_logprobs_fields(request),
     )
     try:
         return SamplingParams(**values)

@@ -43,9 +43,9 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions).
 
-    Fields that are accepted but not wired yet (a non-default value is refused with 400 "... is
-    not supported yet"): ``presence_penalty``, ``frequency_penalty``, ``repetition_penalty``,
-    ``logit_bias``, ``best_of``, ``spaces_between_special_tokens``, ``prompt_logprobs``.
+    Semantics as vLLM's (``openai_params`` maps them onto ``SamplingParams``). ``logit_bias``
+    keys are token ids as decimal strings (OpenAI's JSON form). ``best_of > n`` returns the ``n``
+    samples of highest cumulative logprob and cannot be streamed.
     """
 
     model_config = ConfigDict(extra="ignore")
@@ -84,8 +84,8 @@ class CompletionRequest(SamplingFields):
     prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
     max_tokens: StrictInt | None = Field(16, description="most tokens to generate per choice (default 16)")
-    logprobs: StrictInt | None = Field(None, description="not supported yet")
-    echo: StrictBool = Field(False, description="not supported yet")
+    logprobs: StrictInt | None = Field(None, description="logprobs of each token and this many top alternatives, [0, 20]")
+    echo: StrictBool = Field(False, description="the prompt before the completion (with logprobs: its logprobs too)")
     suffix: Text | None = Field(None, description="not supported")
 
 
@@ -121,8 +121,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: StrictInt | None = Field(None, description="OpenAI's newer name of max_tokens")
     add_generation_prompt: StrictBool = Field(True, description="open an assistant turn after the messages")
     continue_final_message: StrictBool = Field(False, description="leave the last message open and continue it")
-    logprobs: StrictBool = Field(False, description="not supported yet")
-    top_logprobs: StrictInt | None = Field(None, description="not supported yet")
+    logprobs: StrictBool = Field(False, description="logprobs of each output token")
+    top_logprobs: StrictInt | None = Field(None, description="top alternatives per token, [0, 20]; needs logprobs")
 
 
 class TokenizeRequest(BaseModel):

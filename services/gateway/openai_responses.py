@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field, model_serializer
 
 from pagedserve.engine.messages import FinishReason
 from services.gateway.generation_core import Usage
+from services.gateway.openai_logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprob
 
 FINISH_REASON_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 """OpenAI's names of the engine's finish reasons."""
@@ -68,10 +69,23 @@ class UsageInfo(BaseModel):
 
 
 class CompletionChoice(BaseModel):
+    """A completions choice (of a stream chunk: only that chunk's text and tokens).
+
+    ``stop_reason`` (vLLM's extension): the stop string that matched, or the stop token id that
+    ended the choice; null for EOS, length, or while the choice runs."""
+
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+class CompletionWholeChoice(CompletionChoice):
+    """A non-streamed completions choice: with ``prompt_logprobs`` (vLLM's extension, see
+    ``openai_logprobs``; null unless asked for)."""
+
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -79,7 +93,7 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionWholeChoice]
     usage: UsageInfo
 
 
@@ -100,10 +114,13 @@ class ChatMessageOut(BaseModel):
 
 
 class ChatChoice(BaseModel):
+    """A chat choice; ``stop_reason`` as in ``CompletionChoice``."""
+
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -128,10 +145,13 @@ class DeltaMessage(BaseModel):
 
 
 class ChatChunkChoice(BaseModel):
+    """A chat chunk's choice: ``logprobs`` of that chunk's tokens when asked for."""
+
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(BaseModel):

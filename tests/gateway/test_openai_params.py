@@ -9,7 +9,7 @@ from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParam
 from pagedserve.text.chat_encoding import ChatPromptMode
 from services.gateway.openai_chat import chat_prompt_mode
 from services.gateway.openai_errors import _param_of
-from services.gateway.openai_params import sampling_params_from_openai
+from services.gateway.openai_params import SUPPORTED_FIELDS, sampling_params_from_openai
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 
@@ -21,10 +21,31 @@ def test_every_field_is_mapped():
     body = ChatCompletionRequest(
         model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=5, max_completion_tokens=7,
         temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=3, n=2, stop="x", stop_token_ids=[5], ignore_eos=True,
-        min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False, user="someone")
-    assert sampling_params_from_openai(body) == SamplingParams(
+        min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False, user="someone",
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={"7": 2.0, " 9": -1.0},
+        best_of=3, prompt_logprobs=1, spaces_between_special_tokens=False, logprobs=True, top_logprobs=4)
+    expected = SamplingParams(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=3, min_tokens=2, stop=("x",),
-        stop_token_ids=(5,), ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False, n=2)
+        stop_token_ids=(5,), ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False, n=2,
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={7: 2.0, 9: -1.0},
+        best_of=3, prompt_logprobs=1, spaces_between_special_tokens=False, logprobs=4)
+    assert sampling_params_from_openai(body) == expected
+    defaults = SamplingParams()
+    assert all(getattr(expected, f) != getattr(defaults, f) for f in SUPPORTED_FIELDS), "a field is not tested"
+
+
+def test_logprobs_forms():
+    assert sampling_params_from_openai(completion(logprobs=3)).logprobs == 3
+    echoed = sampling_params_from_openai(completion(logprobs=2, echo=True))
+    assert (echoed.logprobs, echoed.prompt_logprobs) == (2, 2)
+    assert sampling_params_from_openai(completion(echo=True)).prompt_logprobs is None
+    chat = dict(model="m", messages=[{"role": "user", "content": "Hi"}])
+    assert sampling_params_from_openai(ChatCompletionRequest(**chat, logprobs=True)).logprobs == 0
+    assert sampling_params_from_openai(ChatCompletionRequest(**chat)).logprobs is None
+    for fields in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1}):
+        with pytest.raises(InvalidRequestError) as info:
+            sampling_params_from_openai(ChatCompletionRequest(**chat, **fields))
+        assert info.value.field_name == "top_logprobs"
 
 
 def test_defaults_are_the_engine_defaults_but_max_tokens_16_for_completions():
@@ -36,9 +57,10 @@ def test_defaults_are_the_engine_defaults_but_max_tokens_16_for_completions():
 @pytest.mark.parametrize("fields, param", [
     ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"n": 0}, "n"),
     ({"stop": ["ok", ""]}, "stop"), ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"),
-    ({"logprobs": 1}, "logprobs"), ({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
-    ({"frequency_penalty": 0.1}, "frequency_penalty"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
+    ({"logprobs": 21}, "logprobs"), ({"suffix": "x"}, "suffix"), ({"best_of": 3, "n": 4}, "best_of"),
+    ({"best_of": 3, "stream": True}, "best_of"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": {"abc": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 101.0}}, "logit_bias[5]"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
 ])
 def test_bad_or_unsupported_values_name_the_openai_field(fields, param):
     with pytest.raises(InvalidRequestError) as info:
@@ -46,8 +68,9 @@ def test_bad_or_unsupported_values_name_the_openai_field(fields, param):
     assert info.value.field_name == param
 
 
-def test_defaults_of_unsupported_fields_are_accepted():
-    sampling_params_from_openai(completion(best_of=1, logit_bias={}, presence_penalty=0, repetition_penalty=1))
+def test_defaults_are_accepted_and_best_of_n_may_stream():
+    assert sampling_params_from_openai(completion(best_of=1, logit_bias={}, presence_penalty=0, repetition_penalty=1,
+                                                  stream=True, suffix="")) == SamplingParams(max_tokens=16, best_of=1)
 
 
 def test_bounds_are_enforced_by_the_models():

@@ -1,0 +1,114 @@
+"""The OpenAI HTTP API's sampling features end to end (logprobs, echo, penalties, logit_bias,
+stop_reason, best_of) against the session stack, compared with its gRPC API."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from services.common.pb import generate_pb2 as gen
+from tests.e2e.test_openai_http import PROMPTS, client, model_name  # noqa: F401 (module fixtures)
+from tests.e2e.test_stack import QUESTIONS, chat_request, stream
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+TOL = 1e-5
+"""Same float32 computation on both paths; a prefix-cache hit changes the prefill's shape and so the
+float32 summation order (differences of ~2e-6 seen), hence not 1e-6."""
+
+
+def grpc_sample(stack, request: gen.GenerateRequest) -> tuple[list[int], list]:
+    """The token ids and logprob entries of a one-sample gRPC request."""
+    responses = stream(stack.gateway, request)
+    return [t for r in responses for t in r.token_ids], [e for r in responses for e in r.logprobs]
+
+
+def test_completion_logprobs_equal_grpc(stack, client, model_name):  # noqa: F811
+    ids, entries = grpc_sample(stack, gen.GenerateRequest(prompt=PROMPTS[0], sampling_params=gen.SamplingParams(
+        max_tokens=8, temperature=0.0, logprobs=3)))
+    choice = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                       logprobs=3).choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids)
+    assert "".join(lp.tokens) == choice.text and lp.text_offset[0] == 0
+    for token, logprob, top, entry in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, entries):
+        assert abs(logprob - entry.logprob) < TOL and len(top) in (3, 4)
+        values = list(top.values())[:3]
+        assert values == sorted(values, reverse=True)
+        assert all(abs(a - b) < TOL for a, b in zip(values, entry.top_logprobs))
+        if entry.rank == 1:
+            assert abs(top[token] - max(top.values())) < TOL
+
+
+def test_chat_logprobs_equal_grpc_streamed_or_not(stack, client, model_name):  # noqa: F811
+    ids, entries = grpc_sample(stack, chat_request(QUESTIONS[0], max_tokens=8, logprobs=3))
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    whole = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=3).choices[0]
+    content = whole.logprobs.content
+    assert len(content) == len(ids)  # the EOS token that ended the choice has its entry too, as in vLLM
+    assert "".join(c.token for c in content).startswith(whole.message.content)
+    for got, entry in zip(content, entries):
+        assert abs(got.logprob - entry.logprob) < TOL and bytes(got.bytes).decode(errors="replace") == got.token
+        top = [t.logprob for t in got.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True)
+        if entry.rank == 1:
+            assert got.top_logprobs[0].token == got.token
+    chunks = client.chat.completions.create(model=model_name, messages=messages, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    streamed = [c for chunk in chunks for choice in chunk.choices if choice.logprobs
+                for c in choice.logprobs.content]
+    assert [c.logprob for c in streamed] == [c.logprob for c in content]
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_first(stack, client, model_name):  # noqa: F811
+    body = {"model": model_name, "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}
+    whole = httpx.post(stack.http + "/v1/completions", json=body, timeout=120).json()
+    choice, prompt_tokens = whole["choices"][0], whole["usage"]["prompt_tokens"]
+    plain = client.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=4, temperature=0).choices[0]
+    assert choice["text"] == PROMPTS[1] + plain.text
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == prompt_tokens + 4 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x is not None for x in lp["token_logprobs"][1:]) and lp["text_offset"][0] == 0
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) == prompt_tokens
+    chunks = client.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=4, temperature=0, echo=True,
+                                       logprobs=1, stream=True)
+    chunks = list(chunks)
+    assert "".join(c.choices[0].text for c in chunks) == choice["text"]
+    assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == lp["token_logprobs"]
+
+
+def test_penalties_and_logit_bias_change_the_output_as_grpc_does(stack, client, model_name):  # noqa: F811
+    fields = dict(max_tokens=12, temperature=0.0, frequency_penalty=0.5, presence_penalty=0.5)
+    expected = "".join(r.text for r in stream(stack.gateway, gen.GenerateRequest(
+        prompt=PROMPTS[1], sampling_params=gen.SamplingParams(repetition_penalty=1.3, **fields))))
+    got = client.completions.create(model=model_name, prompt=PROMPTS[1], extra_body={"repetition_penalty": 1.3},
+                                    **fields).choices[0].text
+    plain = client.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0].text
+    assert got == expected and got != plain
+    token = httpx.post(stack.http + "/tokenize", json={"prompt": " cat"}, timeout=60).json()["tokens"][-1]
+    forced = client.completions.create(model=model_name, prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                       logit_bias={str(token): 100}, logprobs=0).choices[0]
+    assert forced.text == " cat" * 3
+
+
+def test_stop_reason_names_the_stop_string(stack, client, model_name):  # noqa: F811
+    plain = client.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0]
+    assert plain.model_extra["stop_reason"] is None and plain.finish_reason == "length"
+    stop = plain.text[4:7]
+    assert stop.strip()
+    stopped = client.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                        stop=[stop]).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.model_extra["stop_reason"] == stop
+    assert stopped.text == plain.text[:plain.text.index(stop)]
+
+
+def test_best_of_returns_the_sample_of_highest_cumulative_logprob(stack, client, model_name):  # noqa: F811
+    fields = dict(model=model_name, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=11, logprobs=0)
+    samples = client.completions.create(n=3, **fields).choices
+    best = client.completions.create(n=1, best_of=3, **fields).choices
+    assert len(best) == 1 and best[0].index == 0
+    ranked = sorted(samples, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert best[0].text == ranked[0].text
+    assert abs(sum(best[0].logprobs.token_logprobs) - sum(ranked[0].logprobs.token_logprobs)) < 1e-4
+    refused = httpx.post(stack.http + "/v1/completions", json={**fields, "best_of": 3, "stream": True}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"
