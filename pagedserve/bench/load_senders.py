@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -112,6 +113,7 @@ async def openai_sender(base_url: str, settings: SendSettings) -> AsyncIterator[
     """
     import httpx
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one INFO line per request
     headers = {"authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, limits=limits,

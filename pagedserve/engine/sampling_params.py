@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -33,6 +34,21 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field_name}: {reason}")
         self.field_name = field_name
         self.reason = reason
+
+
+INT32_MAX = (1 << 31) - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MIN_REPETITION_PENALTY = 1e-3
+"""Below this, dividing a logit by the penalty overflows float32 (1e-40 turned every logprob into -inf)."""
+MAX_REPETITION_PENALTY = 1e3
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to float32 as the services carry it (inf when it overflows)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 GREEDY_BELOW = 1e-5
@@ -169,6 +185,21 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._check_basic()
         self._check_logprobs_and_penalties()
+        self._check_wire_ranges()
+
+    def _check_wire_ranges(self) -> None:
+        """Values the services carry as uint64, int32 and float32 (proto/engine.proto) must survive
+        that: a seed outside [0, 2^64), a top_k beyond int32, a temperature that overflows float32,
+        a top_p that rounds to 0 in float32 would otherwise fail or change meaning on the way."""
+        p = _PREFIX
+        if self.seed is not None and not 0 <= self.seed < 1 << 64:
+            raise InvalidRequestError(p + "seed", f"must be in [0, 2^64), got {self.seed}")
+        if self.top_k > INT32_MAX:
+            raise InvalidRequestError(p + "top_k", f"must be at most {INT32_MAX}, got {self.top_k}")
+        if not math.isfinite(as_float32(self.temperature)):
+            raise InvalidRequestError(p + "temperature", f"must be at most {FLOAT32_MAX:.3g}, got {self.temperature}")
+        if as_float32(self.top_p) == 0.0:
+            raise InvalidRequestError(p + "top_p", f"{self.top_p} rounds to 0 in float32; it must be in (0, 1]")
 
     def _check_logprobs_and_penalties(self) -> None:
         p = _PREFIX
@@ -180,8 +211,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
                 raise InvalidRequestError(p + name, f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise InvalidRequestError(p + "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:  # NaN fails too
+            raise InvalidRequestError(p + "repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, "
+                                      f"{MAX_REPETITION_PENALTY}] (1 is off), got {self.repetition_penalty}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequestError(p + "logit_bias", f"holds {len(self.logit_bias)} entries; at most "
                                       f"{MAX_LOGIT_BIAS} are allowed")

@@ -122,6 +122,12 @@ def _api_routes(serving: OpenAIServing) -> APIRouter:
         card = ModelCard(id=serving.model_name, created=now_s(), max_model_len=tokenizer.info.max_model_len)
         return ModelList(data=[card])
 
+    @router.get("/v1/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        """One model (the openai client's ``models.retrieve``); 404 for any other name."""
+        serving.check_model(model)
+        return ModelCard(id=serving.model_name, created=now_s(), max_model_len=tokenizer.info.max_model_len)
+
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         if body.model is not None:
@@ -153,7 +159,7 @@ def build_http_app(serving: OpenAIServing, health: HealthState, settings: HttpSe
     dependencies = [Depends(_auth_dependency(settings.api_key))] if settings.api_key else []
     app.include_router(_api_routes(serving), dependencies=dependencies)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers often probe with HEAD
     async def health_check() -> Response:
         return Response(status_code=200 if health.serving else 503)
 

@@ -54,7 +54,8 @@ def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage],
     Raises:
         InvalidRequestError: field ``messages...`` (no template, bad role, sizes, a template error).
     """
-    turns = [ChatTurn(role=m.role, content=m.text()) for m in messages]
+    # OpenAI's "developer" role took over "system"'s job; chat templates know only "system"
+    turns = [ChatTurn(role="system" if m.role == "developer" else m.role, content=m.text()) for m in messages]
     try:
         return tokenizer.encode_chat(turns, mode)
     except InvalidRequestError as exc:

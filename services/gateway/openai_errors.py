@@ -9,11 +9,12 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine.sampling_params import InvalidRequestError
 from services.gateway.generation_core import GenerationError, StatusKind
 from services.gateway.openai_responses import ErrorInfo, ErrorResponse
+from services.gateway.openai_serving import ClientDisconnected
 
 HTTP_STATUS = {
     StatusKind.INVALID_ARGUMENT: 400,
@@ -31,7 +32,8 @@ HTTP_STATUS = {
 """HTTP status of each ``StatusKind`` (others: 500)."""
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error",
                503: "service_unavailable_error"}
 """OpenAI-style ``type`` of each status (others: ``internal_error``)."""
 
@@ -76,6 +78,9 @@ def _param_of(loc: tuple) -> str:
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
+    if first.get("type") == "json_invalid":  # its loc holds a character offset, not a parameter
+        return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')} at character "
+                              f"{first.get('loc', ('', '?'))[-1]}")
     param = _param_of(tuple(first.get("loc", ())))
     message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
     if len(errors) > 1:
@@ -92,6 +97,12 @@ async def _on_invalid_request(request: Request, exc: InvalidRequestError) -> JSO
     return error_response(400, str(exc), exc.field_name)
 
 
+async def _on_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    """The client left before the answer (its request was aborted): nothing to send, nothing to log.
+    499 is nginx's "client closed request"; no client reads it."""
+    return Response(status_code=499)
+
+
 async def _on_http_exception(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
@@ -102,3 +113,4 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(GenerationError, _on_generation_error)
     app.add_exception_handler(InvalidRequestError, _on_invalid_request)
     app.add_exception_handler(HTTPException, _on_http_exception)
+    app.add_exception_handler(ClientDisconnected, _on_client_disconnected)

@@ -61,9 +61,12 @@ def _logprobs_fields(request: SamplingFields) -> dict[str, int | None]:
     ``top_logprobs`` alternatives (default 0).
 
     Raises:
-        InvalidRequestError: ``top_logprobs`` out of [0, 20] or set without ``logprobs: true``.
+        InvalidRequestError: ``top_logprobs`` out of [0, 20] or set without ``logprobs: true``;
+            ``prompt_logprobs`` with ``stream: true``, or on chat.
     """
     prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is not None and request.stream:
+        raise InvalidRequestError("prompt_logprobs", "is not supported with stream: true (as in vLLM)")
     if isinstance(request, CompletionRequest):
         logprobs = request.logprobs
         if request.echo and logprobs is not None and prompt_logprobs is None:
@@ -75,7 +78,9 @@ def _logprobs_fields(request: SamplingFields) -> dict[str, int | None]:
         raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {top}")
     if top is not None and not request.logprobs:
         raise InvalidRequestError("top_logprobs", "needs logprobs: true")
-    return {"logprobs": (top or 0) if request.logprobs else None, "prompt_logprobs": prompt_logprobs}
+    if prompt_logprobs is not None:
+        raise InvalidRequestError("prompt_logprobs", "is only supported by /v1/completions")
+    return {"logprobs": (top or 0) if request.logprobs else None, "prompt_logprobs": None}
 
 
 def _check_best_of(request: SamplingFields) -> None:

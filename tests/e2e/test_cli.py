@@ -81,6 +81,53 @@ def test_up_prints_and_serves_the_openai_api(up, default_model):
     assert httpx.get(up["http"] + "/v1/models", timeout=30).status_code == 401
 
 
+def test_the_openai_client_against_up_matches_grpc_and_hf(up, default_model):
+    """The unmodified `openai` package against `pagedserve up`: greedy text streamed and whole
+    equal, equal to the gRPC API's and to HF greedy; top-5 logprobs equal HF's log_softmax within
+    1e-4; n=3; a stop string; the usage chunk."""
+    import torch
+    from openai import OpenAI
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    client = OpenAI(base_url=up["http"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    name, prompt, max_tokens = default_model.name, "The three primary colors are", 12
+    greedy = dict(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**greedy, logprobs=5)
+    chunks = list(client.completions.create(**greedy, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == max_tokens
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    grpc_json = json.loads(pagedserve("complete", "--target", up["target"], "--prompt", prompt, "--temperature", "0",
+                                      "--max-tokens", str(max_tokens), "--ignore-eos", "--json", env=up["env"]).stdout)
+    assert grpc_json["text"] == whole.choices[0].text
+
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model))
+    hf = AutoModelForCausalLM.from_pretrained(str(default_model), torch_dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                          pad_token_id=2, eos_token_id=None)
+        hf_logprobs = torch.log_softmax(hf(out).logits[0, ids.shape[1] - 1:-1].float(), dim=-1)  # (max_tokens, vocab)
+    assert out[0, ids.shape[1]:].tolist() == grpc_json["token_ids"]
+    got = whole.choices[0].logprobs
+    for position, token_id in enumerate(grpc_json["token_ids"]):
+        assert got.token_logprobs[position] == pytest.approx(hf_logprobs[position, token_id].item(), abs=1e-4)
+        hf_top = hf_logprobs[position].topk(5).values.tolist()
+        assert sorted(got.top_logprobs[position].values(), reverse=True) == pytest.approx(hf_top, abs=1e-4)
+
+    several = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0.8, seed=7, n=3)
+    assert sorted(c.index for c in several.choices) == [0, 1, 2]
+    assert all(c.text and c.finish_reason in ("stop", "length") for c in several.choices)
+    assert 3 <= several.usage.completion_tokens <= 24
+
+    messages = [{"role": "user", "content": "List three colors."}]
+    free = client.chat.completions.create(model=name, temperature=0, max_tokens=24, messages=messages)
+    text = free.choices[0].message.content
+    stop = text[6:9]  # a piece of the greedy answer: the answer with it as a stop string ends right before it
+    stopped = client.chat.completions.create(model=name, temperature=0, max_tokens=24, messages=messages, stop=[stop])
+    assert stopped.choices[0].message.content == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
 def test_complete_without_the_api_key_is_refused(up):
     env = {k: v for k, v in up["env"].items() if k != "PAGEDSERVE_API_KEY"}
     result = pagedserve("complete", "--target", up["target"], "--prompt", "Hi", "--max-tokens", "4", env=env)
@@ -154,49 +201,3 @@ def test_ctrl_c_stops_every_process(up):
     leftovers = subprocess.run(["pgrep", "-f", f"--port {scheduler_port}"], capture_output=True, text=True).stdout
     assert leftovers.strip() == ""
 
-
-def test_the_openai_client_against_up_matches_grpc_and_hf(up, default_model):
-    """The unmodified `openai` package against `pagedserve up`: greedy text streamed and whole
-    equal, equal to the gRPC API's and to HF greedy; top-5 logprobs equal HF's log_softmax within
-    1e-4; n=3; a stop string; the usage chunk."""
-    import torch
-    from openai import OpenAI
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    client = OpenAI(base_url=up["http"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    name, prompt, max_tokens = default_model.name, "The three primary colors are", 12
-    greedy = dict(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
-    whole = client.completions.create(**greedy, logprobs=5)
-    chunks = list(client.completions.create(**greedy, stream=True, stream_options={"include_usage": True}))
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == max_tokens
-    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
-    grpc_json = json.loads(pagedserve("complete", "--target", up["target"], "--prompt", prompt, "--temperature", "0",
-                                      "--max-tokens", str(max_tokens), "--ignore-eos", "--json", env=up["env"]).stdout)
-    assert grpc_json["text"] == whole.choices[0].text
-
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model))
-    hf = AutoModelForCausalLM.from_pretrained(str(default_model), torch_dtype=torch.float32).eval()
-    ids = torch.tensor([tokenizer(prompt)["input_ids"]])
-    with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                          pad_token_id=2, eos_token_id=None)
-        hf_logprobs = torch.log_softmax(hf(out).logits[0, ids.shape[1] - 1:-1].float(), dim=-1)  # (max_tokens, vocab)
-    assert out[0, ids.shape[1]:].tolist() == grpc_json["token_ids"]
-    got = whole.choices[0].logprobs
-    for position, token_id in enumerate(grpc_json["token_ids"]):
-        assert got.token_logprobs[position] == pytest.approx(hf_logprobs[position, token_id].item(), abs=1e-4)
-        hf_top = hf_logprobs[position].topk(5).values.tolist()
-        assert sorted(got.top_logprobs[position].values(), reverse=True) == pytest.approx(hf_top, abs=1e-4)
-
-    several = client.completions.create(model=name, prompt=prompt, max_tokens=8, temperature=0.8, seed=7, n=3)
-    assert sorted(c.index for c in several.choices) == [0, 1, 2]
-    assert all(c.text and c.finish_reason in ("stop", "length") for c in several.choices)
-    assert 3 <= several.usage.completion_tokens <= 24
-
-    messages = [{"role": "user", "content": "List three colors."}]
-    free = client.chat.completions.create(model=name, temperature=0, max_tokens=24, messages=messages)
-    text = free.choices[0].message.content
-    stop = text[6:9]  # a piece of the greedy answer: the answer with it as a stop string ends right before it
-    stopped = client.chat.completions.create(model=name, temperature=0, max_tokens=24, messages=messages, stop=[stop])
-    assert stopped.choices[0].message.content == text[:text.index(stop)]
-    assert stopped.choices[0].finish_reason == "stop"

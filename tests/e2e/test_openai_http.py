@@ -145,6 +145,16 @@ def test_chat_sse_wire_format(stack, model_name):
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"abc": 5}}, "logit_bias"),
     ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "Hi", "best_of": 2, "stream": True}, "best_of"),
+    # values the services carry as uint64 / int32 / float32 (these were a 500, or garbage text)
+    ("/v1/completions", {"prompt": "Hi", "seed": -1}, "seed"),
+    ("/v1/completions", {"prompt": "Hi", "seed": 2**64}, "seed"),
+    ("/v1/completions", {"prompt": "Hi", "top_k": 2**31}, "top_k"),
+    ("/v1/completions", {"prompt": "Hi", "top_p": 1e-50}, "top_p"),
+    ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 1e-50}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "temperature": 1e39}, "temperature"),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 1},
+     "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages[0].role"),
@@ -161,14 +171,25 @@ def test_invalid_input_is_a_400_naming_the_parameter(stack, model_name, path, bo
     assert error["message"]
 
 
+def stack_model_name(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
 def test_unknown_model_is_404_and_bad_json_is_400(stack, client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
     assert info.value.body["param"] == "model"
     response = httpx.post(stack.http + "/v1/completions", content=b"{not json", timeout=60,
                           headers={"content-type": "application/json"})
-    assert response.status_code == 400 and "error" in response.json()
+    assert response.status_code == 400 and response.json()["error"]["param"] is None
+    assert "not valid JSON" in response.json()["error"]["message"]
     assert httpx.get(stack.http + "/v1/nothing-here", timeout=60).json()["error"]["code"] == 404
+    wrong_method = httpx.get(stack.http + "/v1/completions", timeout=60).json()["error"]
+    assert (wrong_method["code"], wrong_method["type"]) == (405, "invalid_request_error")
+    assert httpx.head(stack.http + "/health", timeout=60).status_code == 200
+    assert client.models.retrieve(stack_model_name(client)).id == stack_model_name(client)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
 
 
 def test_continue_final_message_continues_the_assistant_text(stack, client, model_name):
@@ -197,6 +218,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(stack, client, mo
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json={**body, "stream": False}, timeout=2)
     thread.join(300)
+    # a client leaving is no error of the server's: the gateway logs no traceback for it
+    assert "ClientDisconnected" not in stack.processes["gateway"].log_text()
     expected = grpc_text(stack, gen.GenerateRequest(prompt=PROMPTS[0],
                                                     sampling_params=gen.SamplingParams(max_tokens=40, temperature=0.0)))
     assert other["text"] == expected

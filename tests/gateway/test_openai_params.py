@@ -23,15 +23,19 @@ def test_every_field_is_mapped():
         temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=3, n=2, stop="x", stop_token_ids=[5], ignore_eos=True,
         min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False, user="someone",
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={"7": 2.0, " 9": -1.0},
-        best_of=3, prompt_logprobs=1, spaces_between_special_tokens=False, logprobs=True, top_logprobs=4)
+        best_of=3, spaces_between_special_tokens=False, logprobs=True, top_logprobs=4)
     expected = SamplingParams(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=3, min_tokens=2, stop=("x",),
         stop_token_ids=(5,), ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False, n=2,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={7: 2.0, 9: -1.0},
-        best_of=3, prompt_logprobs=1, spaces_between_special_tokens=False, logprobs=4)
+        best_of=3, spaces_between_special_tokens=False, logprobs=4)
     assert sampling_params_from_openai(body) == expected
+    assert sampling_params_from_openai(completion(prompt_logprobs=1)).prompt_logprobs == 1  # completions only
     defaults = SamplingParams()
-    assert all(getattr(expected, f) != getattr(defaults, f) for f in SUPPORTED_FIELDS), "a field is not tested"
+    untested = [f for f in SUPPORTED_FIELDS if getattr(expected, f) == getattr(defaults, f)]
+    assert untested == ["prompt_logprobs"], "a field is not tested"
+    with pytest.raises(InvalidRequestError):  # chat returns no prompt logprobs: refused rather than dropped
+        sampling_params_from_openai(body.model_copy(update={"prompt_logprobs": 1}))
 
 
 def test_logprobs_forms():

@@ -12,3 +12,21 @@ def test_temperatures_below_1e_5_sample_greedily(temperature, expected):
     """Review finding: 1e-45 passed validation and dividing logits by it overflowed them to inf."""
     engine = SamplingParams(max_tokens=4, temperature=temperature).to_engine(3, 100, 50, (2,))
     assert engine.temperature == pytest.approx(expected) and engine.is_greedy == (expected == 0.0)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("seed", -1), ("seed", 2**64), ("top_k", 2**31), ("temperature", 1e39), ("top_p", 1e-50),
+    ("repetition_penalty", 1e-50), ("repetition_penalty", 1e-40), ("repetition_penalty", float("nan")),
+])
+def test_values_that_would_not_survive_the_wire_are_refused(field, value):
+    """Review finding: the services carry these as uint64, int32 and float32; a seed of -1 failed
+    the protobuf encoding (HTTP 500) and a top_p of 1e-50 became 0 there (garbage text)."""
+    from pagedserve.engine.sampling_params import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.field_name == f"sampling_params.{field}"
+
+
+def test_the_extremes_that_survive_the_wire_are_accepted():
+    SamplingParams(seed=2**64 - 1, top_k=2**31 - 1, temperature=1e38, top_p=1e-40, repetition_penalty=1e-3)
