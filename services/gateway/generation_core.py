@@ -187,6 +187,7 @@ class GenerationCore:
             self._router.unregister(key)
             if not state.finished:  # the client went away or the call failed: nothing may run for it
                 self._abort_in_background(key, forget_entry=entry_id)
+                request_metrics.aborted(parsed.params.num_samples)
 
     async def _enqueue(self, submission: Submission) -> bytes:
         parsed = submission.parsed

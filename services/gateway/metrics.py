@@ -10,7 +10,7 @@ Counting follows vLLM, whose ``n`` samples are child requests: each sample is ob
 (its TTFT, its inter-token gaps, its e2e latency, its finish reason, and the prompt's tokens once
 per sample, when the sample's first token arrives). ``vllm:generation_tokens`` counts the tokens
 the clients received (the usage's ``completion_tokens``). A call that fails or whose client goes
-away before a sample finishes counts no finish for that sample.
+away before a sample finishes counts that sample's finish as ``abort``.
 
 Serving: :meth:`GatewayMetrics.render` gives the body and Content-Type of ``GET /metrics`` for an
 HTTP server in the gateway's process; ``--metrics-port`` serves the same registry on a port of its
@@ -78,6 +78,7 @@ class RequestMetrics:
         self._metrics = metrics
         self._arrived = arrived
         self._last_token: dict[int, float] = {}  # sample index -> when its latest token reached the gateway
+        self._num_finished = 0
 
     def delta(self, sample_index: int, delta: TextDelta, num_prompt_tokens: int) -> None:
         """Records what one delta of sample ``sample_index`` hands the client."""
@@ -94,3 +95,10 @@ class RequestMetrics:
         if delta.finish_reason is not None:
             m.success[delta.finish_reason].inc()
             m.e2e.observe(now - self._arrived)
+            self._num_finished += 1
+
+    def aborted(self, num_samples: int) -> None:
+        """The call ended before all of its ``num_samples`` samples finished (the client left, or
+        it failed): each unfinished sample counts as finished with reason ``abort``, as vLLM counts
+        aborted requests."""
+        self._metrics.success[FinishReason.ABORT].inc(max(0, num_samples - self._num_finished))

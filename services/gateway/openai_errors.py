@@ -76,7 +76,9 @@ def _param_of(loc: tuple) -> str:
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
+    # in a union (prompt: string or list...), "not a string" says less than "too long" of the member
+    # the client meant: type mismatches go last
+    errors = sorted(exc.errors(), key=lambda e: str(e.get("type", "")).endswith("_type"))
     first = errors[0] if errors else {"loc": (), "msg": "invalid request body"}
     if first.get("type") == "json_invalid":  # its loc holds a character offset, not a parameter
         return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')} at character "

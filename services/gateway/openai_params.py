@@ -45,11 +45,11 @@ def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float]:
     """
     parsed: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        try:
-            token_id = int(key.strip(), 10)
-        except ValueError:
-            raise InvalidRequestError("logit_bias", f"keys must be token ids (integers), got {key!r}") from None
-        parsed[token_id] = value
+        digits = key.strip()
+        # ASCII digits only: int() would also take "1_0", "+5" and other scripts' digits
+        if not (digits.isascii() and digits.isdigit()):
+            raise InvalidRequestError("logit_bias", f"keys must be token ids (decimal integers), got {key!r}")
+        parsed[int(digits)] = value
     return parsed
 
 

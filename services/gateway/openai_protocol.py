@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from pagedserve.text.request_limits import RequestLimits
 
@@ -52,10 +52,10 @@ class SamplingFields(BaseModel):
 
     model: Name = Field(description="must be the served model name (GET /v1/models)")
     max_tokens: StrictInt | None = Field(None, description="most tokens to generate per choice")
-    temperature: float | None = Field(None, description=">= 0; 0 is greedy (default 1)")
-    top_p: float | None = Field(None, description="nucleus mass in (0, 1] (default 1)")
+    temperature: StrictFloat | None = Field(None, description=">= 0; 0 is greedy (default 1)")
+    top_p: StrictFloat | None = Field(None, description="nucleus mass in (0, 1] (default 1)")
     top_k: StrictInt | None = Field(None, description="keep the k most likely tokens; -1 or 0 is off")
-    min_p: float | None = Field(None, description="drop tokens below min_p * p_max (default 0)")
+    min_p: StrictFloat | None = Field(None, description="drop tokens below min_p * p_max (default 0)")
     seed: StrictInt | None = Field(None, description="per-request seed (reproducible sampling)")
     n: StrictInt = Field(1, description=f"choices per prompt, in [1, {_LIMITS.max_n}]")
     stop: Stop | None = Field(None, description="stop string(s); not included in the output")
@@ -68,10 +68,10 @@ class SamplingFields(BaseModel):
     user: Name | None = Field(None, description="ignored")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: Annotated[dict[Annotated[str, Field(max_length=16)], float],
+    presence_penalty: StrictFloat = 0.0
+    frequency_penalty: StrictFloat = 0.0
+    repetition_penalty: StrictFloat = 1.0
+    logit_bias: Annotated[dict[Annotated[str, Field(max_length=16)], StrictFloat],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     best_of: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None

@@ -97,3 +97,16 @@ def test_every_service_takes_metrics_port_and_up_spreads_its_ports():
                          kv_cache_memory="1GiB", swap_space="0", policy=SchedulerConfig(), threads_per_worker=1,
                          data_dir=Path("."), metrics_port=9000)
     assert config.metrics_ports() == {"gateway": 9000, "scheduler": 9001, "worker-0": 9002, "worker-1": 9003}
+
+
+def test_a_call_that_ends_early_counts_its_unfinished_samples_as_aborted():
+    """Review finding: clients that left counted nowhere; vLLM counts them with reason abort."""
+    metrics = GatewayMetrics("m", clock=Clock())
+    call = metrics.start_request()  # n = 3
+    call.delta(0, delta(1, FinishReason.LENGTH), num_prompt_tokens=4)
+    call.delta(1, delta(1), num_prompt_tokens=4)
+    call.aborted(num_samples=3)  # samples 1 and 2 never finished
+    parsed = parse(metrics.render()[0])
+    assert value(parsed, "vllm:request_success_total", finished_reason="abort") == 2
+    assert value(parsed, "vllm:request_success_total", finished_reason="length") == 1
+    assert value(parsed, "vllm:e2e_request_latency_seconds_count") == 1
