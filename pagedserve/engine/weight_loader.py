@@ -135,5 +135,5 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.float32,
     """
     config = load_model_config(folder)
     model = model_class_for(config.architecture)(config, dtype=dtype, device=device)
-    load_weights(model, iter_checkpoint(folder))
+    model.load_checkpoint(iter_checkpoint(folder))
     return model.eval()

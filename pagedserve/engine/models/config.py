@@ -6,9 +6,7 @@ and ``rope_type``); older files carry ``rope_theta`` and ``rope_scaling`` (``typ
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
@@ -112,15 +110,3 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         mlp_bias=bool(raw.get("mlp_bias", False)),
         rope=rope,
     )
-
-
-def load_model_config(folder: str | Path) -> ModelConfig:
-    """Reads and parses ``folder/config.json``.
-
-    Raises:
-        ModelConfigError: the file is missing or describes an unsupported model.
-    """
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ModelConfigError(f"{Path(folder)} has no config.json")
-    return parse_model_config(json.loads(path.read_text()))

@@ -10,7 +10,7 @@ gate/up projections are fused into single matmuls.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +104,13 @@ class LlamaForCausalLM(nn.Module):
             "gate_up_proj": {"gate_proj": (0, c.intermediate_size),
                              "up_proj": (c.intermediate_size, c.intermediate_size)},
         }
+
+    def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fills the parameters from Hugging Face checkpoint tensors (``WeightLoadError`` when they
+        do not fit); see :func:`pagedserve.engine.weight_loader.load_weights`."""
+        from pagedserve.engine.weight_loader import load_weights
+
+        load_weights(self, tensors)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
         """Runs the decoder over a flat token batch.
