@@ -26,7 +26,13 @@ def _classes(arch: str):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
     }[arch]
+
+
+# Mixtral: 4 experts of width 48, top-2 (transformers' save_pretrained writes the per-expert
+# block_sparse_moe.experts.E.w1/w2/w3 layout, though it holds fused [E, 2I, H] tensors in memory).
+TINY_MIXTRAL = dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
 
 
 def save_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
@@ -176,3 +182,16 @@ class MiniScheduler:
         for s in result.sampled:
             self.reqs[s.request_id].tokens.append(s.token_id)
         return result
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = TINY["vocab_size"]) -> Path:
+    """A word-level tokenizer of ``vocab_size`` words ``t0``, ``t1``, ... (so that ``LLM`` can open the
+    folder; tests pass token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="t0").save_pretrained(folder)
+    return folder

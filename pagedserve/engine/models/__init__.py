@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedserve.engine.models.config import ModelConfig, ModelConfigError, parse_model_config
 from pagedserve.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from pagedserve.engine.models.mixtral import MixtralConfig, MixtralForCausalLM, parse_mixtral_config
 
 
 class CausalLM(Protocol):
@@ -60,6 +61,7 @@ class Architecture:
 ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType({
     "LlamaForCausalLM": Architecture(parse_model_config, LlamaForCausalLM),
     "MistralForCausalLM": Architecture(parse_model_config, MistralForCausalLM),
+    "MixtralForCausalLM": Architecture(parse_mixtral_config, MixtralForCausalLM),
     "Qwen2ForCausalLM": Architecture(parse_model_config, Qwen2ForCausalLM),
 })
 MODEL_CLASSES: Mapping[str, type[nn.Module]] = MappingProxyType({k: a.model_class for k, a in ARCHITECTURES.items()})
@@ -119,6 +121,8 @@ __all__ = [
     "MODEL_CLASSES",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralConfig",
+    "MixtralForCausalLM",
     "ModelConfig",
     "ModelConfigError",
     "Qwen2ForCausalLM",

@@ -59,7 +59,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = LlamaAttention(config, layer_index, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
+        self.mlp = self.build_mlp(config, dtype, device)
+
+    def build_mlp(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+        """The feed-forward block, ``[T, hidden]`` -> ``[T, hidden]``: SwiGLU here; subclasses
+        (e.g. Mixtral's sparse mixture of experts) return another."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: PagedAttentionFn) -> torch.Tensor:
@@ -82,13 +87,16 @@ class LlamaForCausalLM(nn.Module):
         device: where the parameters live.
     """
 
+    decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # subclasses swap the block
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, i, dtype, device)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
