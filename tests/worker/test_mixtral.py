@@ -17,7 +17,7 @@ from pagedserve.engine.attention import TorchAttentionBackend
 from pagedserve.engine.model_info import load_model_info
 from pagedserve.engine.models import ModelConfigError, parse_config
 from pagedserve.engine.models.mixtral import MixtralForCausalLM, SparseMoeBlock
-from pagedserve.engine.weight_loader import iter_checkpoint, load_model
+from pagedserve.engine.weight_loader import load_model
 from tests.worker.tiny_models import (TINY, TINY_MIXTRAL, forward_step, hf_greedy, hf_logits, hf_model, make_cache,
                                       relative_errors, save_tiny_model, save_tiny_tokenizer)
 
@@ -158,3 +158,22 @@ def test_sliding_window_caps_the_context_as_for_mistral(tmp_path):
     folder = save_tiny_model(tmp_path, "mixtral", **{**TINY_MIXTRAL, "sliding_window": 64})
     info = load_model_info(folder)
     assert (info.architecture, info.max_model_len) == ("MixtralForCausalLM", 64)
+
+
+def test_inductor_compiles_around_the_expert_dispatch(tiny):
+    """``compile_mode="inductor"``: the routed dispatch is an opaque custom op, so the graph has no
+    data-dependent shape; no graph break, no new graph after the warm-up, HF's greedy tokens."""
+    from torch._dynamo.utils import counters
+
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.llm import LLM
+
+    folder, ref_model = tiny
+    counters.clear()
+    llm = LLM(folder, kv_cache_memory=1 << 20, block_size=4, compile_mode="inductor")
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = _prompts(14, 5, 17, 3, 26)
+    results = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        assert list(result.token_ids) == hf_greedy(ref_model, prompt, 8), f"prompt {i}"
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
