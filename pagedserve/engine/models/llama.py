@@ -52,12 +52,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``; subclasses may swap ``attention_class``."""
+
+    attention_class: type[nn.Module] = LlamaAttention
 
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, layer_index, dtype, device)
+        self.self_attn = self.attention_class(config, layer_index, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
 
@@ -82,13 +84,15 @@ class LlamaForCausalLM(nn.Module):
         device: where the parameters live.
     """
 
+    layer_class: type[nn.Module] = LlamaDecoderLayer  # a subclass may swap in its own decoder layer
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i, dtype, device) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
