@@ -138,3 +138,15 @@ def test_unsupported_config_is_refused_with_a_message(tmp_path, arch, changes, m
     rewrite_config(folder, **changes)
     with pytest.raises(ModelConfigError, match=message):
         load_model(folder)
+
+
+@pytest.mark.parametrize("arch, geometry", [("gpt2", (256, 2, 4, 16)), ("qwen3", (256, 2, 2, 24))])
+def test_model_info_reads_context_and_kv_geometry(tmp_path, arch, geometry):
+    """The services' view of the folder (GPT-2's ``n_positions``/``n_layer``/``n_head``/``n_embd``)
+    agrees with the model's config, which sizes the KV cache."""
+    from pagedserve.engine.model_info import load_model_info
+
+    folder = save_tiny_model(tmp_path, arch)
+    info, config = load_model_info(folder), load_model(folder).config
+    assert (info.max_model_len, info.num_layers, info.num_kv_heads, info.head_dim) == geometry
+    assert (config.max_position_embeddings, config.num_layers, config.num_kv_heads, config.head_dim) == geometry
