@@ -10,7 +10,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM", "GPT2LMHeadModel")
+# config.json names of the same fact: the Llama-style name first, then GPT-2's.
+_ALIASES = {"max_position_embeddings": ("n_positions",), "num_attention_heads": ("n_head",),
+            "num_hidden_layers": ("n_layer",), "hidden_size": ("n_embd",)}
 
 
 class ModelFolderError(ValueError):
@@ -54,6 +58,16 @@ def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def _field(config: dict, key: str, default: object = None) -> object:
+    """``config[key]``, or the first of its aliases present (GPT-2's ``n_head`` ...), else ``default``."""
+    for name in (key, *_ALIASES.get(key, ())):
+        if config.get(name) is not None:
+            return config[name]
+    if default is None:
+        raise ModelFolderError(f"config.json has no {key!r}")
+    return default
+
+
 def load_model_info(path: str | Path) -> ModelInfo:
     """Reads ``config.json`` (and ``generation_config.json`` when present) of a model folder.
 
@@ -73,18 +87,18 @@ def load_model_info(path: str | Path) -> ModelInfo:
     generation_file = folder / "generation_config.json"
     generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
     eos = _as_tuple(generation.get("eos_token_id", config.get("eos_token_id")))
-    max_len = int(config.get("max_position_embeddings", 2048))
+    max_len = int(_field(config, "max_position_embeddings", 2048))
     window = config.get("sliding_window")
     if window and config.get("use_sliding_window", True):
         max_len = min(max_len, int(window))  # full attention is exact only within the window
-    num_heads = int(config["num_attention_heads"])
+    num_heads = int(_field(config, "num_attention_heads"))
     return ModelInfo(
         path=folder,
         architecture=architectures[0],
         max_model_len=max_len,
         vocab_size=int(config["vocab_size"]),
         eos_token_ids=eos,
-        num_layers=int(config["num_hidden_layers"]),
+        num_layers=int(_field(config, "num_hidden_layers")),
         num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-        head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
+        head_dim=int(config.get("head_dim") or int(_field(config, "hidden_size")) // num_heads),
     )

@@ -17,6 +17,12 @@ from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Per-architecture tiny configs (default: TINY). Qwen3's head_dim (24) is not hidden/heads (16).
+TINY_BY_ARCH = {
+    "qwen3": {**TINY, "head_dim": 24},
+    "gpt2": dict(vocab_size=96, n_embd=64, n_inner=96, n_layer=2, n_head=4, n_positions=256,
+                 layer_norm_epsilon=1e-5, bos_token_id=None, eos_token_id=None),
+}
 
 
 def _classes(arch: str):
@@ -27,6 +33,8 @@ def _classes(arch: str):
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
     }[arch]
 
 
@@ -35,22 +43,40 @@ def _classes(arch: str):
 TINY_MIXTRAL = dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
 
 
+def _is_norm_weight(name: str) -> bool:
+    return name.endswith("norm.weight") or (".ln_" in name and name.endswith(".weight"))
+
+
 def save_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Saves a tiny ``arch`` model with random weights (biases and norms included) to ``folder``."""
     config_cls, model_cls = _classes(arch)
-    config = config_cls(**{**TINY, **overrides})
+    config = config_cls(**{**TINY_BY_ARCH.get(arch, TINY), **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if _is_norm_weight(name):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
-            elif "embed_tokens" in name:
+            elif "embed_tokens" in name or ".wte." in name:
                 param.normal_(0.0, 1.0)
+            elif ".wpe." in name:
+                param.normal_(0.0, 0.5)
             else:
                 param.normal_(0.0, 0.15)
     model.generation_config.eos_token_id = None  # greedy references run their full length
     model.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = 96) -> Path:
+    """Writes a word-level tokenizer (``t0`` ... ``t{vocab_size-1}``) to ``folder``, so that
+    :class:`pagedserve.llm.LLM` can open a tiny model folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(folder)
     return folder
 
 
@@ -182,16 +208,3 @@ class MiniScheduler:
         for s in result.sampled:
             self.reqs[s.request_id].tokens.append(s.token_id)
         return result
-
-
-def save_tiny_tokenizer(folder: Path, vocab_size: int = TINY["vocab_size"]) -> Path:
-    """A word-level tokenizer of ``vocab_size`` words ``t0``, ``t1``, ... (so that ``LLM`` can open the
-    folder; tests pass token ids)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    raw = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="t0").save_pretrained(folder)
-    return folder

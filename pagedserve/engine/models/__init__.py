@@ -18,8 +18,10 @@ import torch
 from torch import nn
 
 from pagedserve.engine.models.config import ModelConfig, ModelConfigError, parse_model_config
+from pagedserve.engine.models.gpt2 import GPT2LMHeadModel, parse_gpt2_config
 from pagedserve.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagedserve.engine.models.mixtral import MixtralConfig, MixtralForCausalLM, parse_mixtral_config
+from pagedserve.engine.models.qwen3 import Qwen3ForCausalLM, parse_qwen3_config
 
 
 class CausalLM(Protocol):
@@ -63,6 +65,8 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType({
     "MistralForCausalLM": Architecture(parse_model_config, MistralForCausalLM),
     "MixtralForCausalLM": Architecture(parse_mixtral_config, MixtralForCausalLM),
     "Qwen2ForCausalLM": Architecture(parse_model_config, Qwen2ForCausalLM),
+    "Qwen3ForCausalLM": Architecture(parse_qwen3_config, Qwen3ForCausalLM),
+    "GPT2LMHeadModel": Architecture(parse_gpt2_config, GPT2LMHeadModel),
 })
 MODEL_CLASSES: Mapping[str, type[nn.Module]] = MappingProxyType({k: a.model_class for k, a in ARCHITECTURES.items()})
 
@@ -118,6 +122,7 @@ __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "CausalLM",
+    "GPT2LMHeadModel",
     "MODEL_CLASSES",
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -126,6 +131,7 @@ __all__ = [
     "ModelConfig",
     "ModelConfigError",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
     "UnsupportedArchitectureError",
     "architecture_for",
     "load_model_config",

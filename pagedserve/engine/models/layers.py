@@ -1,4 +1,4 @@
-"""Building blocks shared by the decoder models: linear, embedding, RMSNorm, SwiGLU MLP."""
+"""Building blocks shared by the decoder models: linear, embedding, RMSNorm, LayerNorm, SwiGLU and GELU MLPs."""
 
 from __future__ import annotations
 
@@ -81,3 +81,45 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)                                    # (T, 2I)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)          # (T, I) each
         return self.down_proj(F.silu(gate).mul_(up))                      # (T, hidden)
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation (Ba et al., 2016) with a learned ``weight`` and ``bias`` ``[hidden]``:
+    ``(x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the last dimension.
+
+    Args:
+        hidden_size: width of the normalised (last) dimension.
+        eps: added to the variance.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``, same dtype."""
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+class GeluMLP(nn.Module):
+    """Two-layer GELU feed-forward (Hendrycks & Gimpel, 2016): ``c_proj(gelu(c_fc(x)))``, as in GPT-2.
+
+    Args:
+        hidden_size, intermediate_size: widths.
+        bias: whether both projections carry biases.
+        approximate: ``"tanh"`` (GPT-2's ``gelu_new``) or ``"none"`` (the exact erf GELU).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, approximate: str,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.approximate = approximate
+        self.c_fc = Linear(hidden_size, intermediate_size, bias, dtype, device)
+        self.c_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``."""
+        h = F.gelu(self.c_fc(x), approximate=self.approximate)           # (T, I)
+        return self.c_proj(h)                                             # (T, hidden)

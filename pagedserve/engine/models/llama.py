@@ -52,12 +52,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """``x + attn(norm(x))`` then ``x + mlp(norm(x))``; subclasses may swap ``attention_class``."""
+
+    attention_class: type[nn.Module] = LlamaAttention
 
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, layer_index, dtype, device)
+        self.self_attn = self.attention_class(config, layer_index, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = self.build_mlp(config, dtype, device)
 

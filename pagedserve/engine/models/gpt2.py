@@ -1,0 +1,238 @@
+"""GPT-2 over a paged KV cache.
+
+GPT-2 (Radford et al., 2019, "Language Models are Unsupervised Multitask Learners", §2.3 "Model"):
+the GPT decoder with LayerNorm moved to the input of each sub-block and a final LayerNorm after the
+last block. Learned absolute position embeddings (``wpe``) are added to the token embeddings
+(``wte``); every head attends with scale ``1/sqrt(head_dim)`` (no grouped KV heads, no rotary);
+the MLP is ``c_proj(gelu_new(c_fc(x)))`` with GELU's tanh approximation; the LM head is tied to
+``wte``. Hugging Face stores the projections as ``Conv1D`` modules whose weights are transposed
+(``[in, out]``); :func:`gpt2_checkpoint_name` maps the checkpoint names and says which to transpose.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.engine.models.config import ModelConfigError
+from pagedserve.engine.models.layers import Embedding, GeluMLP, LayerNorm, Linear
+from pagedserve.engine.models.llama import PagedAttentionFn
+
+_GELU_APPROXIMATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+_REFUSED_FLAGS = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
+_TOP_LEVEL = {"wte": "embed_tokens", "wpe": "embed_positions", "ln_f": "norm", "h": "layers"}
+_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older checkpoints saved
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """A GPT-2 model, parsed from its ``config.json`` (``n_embd``, ``n_head``, ... names).
+
+    Attributes:
+        architecture: ``"GPT2LMHeadModel"``.
+        vocab_size, hidden_size (``n_embd``), intermediate_size (``n_inner``, default 4 x hidden).
+        num_layers (``n_layer``), num_heads (``n_head``); ``num_kv_heads == num_heads``.
+        head_dim: ``hidden_size // num_heads``.
+        max_position_embeddings (``n_positions``): rows of ``wpe``, the longest context.
+        layer_norm_eps (``layer_norm_epsilon``).
+        gelu_approximate: ``"tanh"`` (``gelu_new``) or ``"none"`` (``gelu``).
+        attention_scale: ``1/sqrt(head_dim)``, or 1 when ``scale_attn_weights`` is false.
+        tie_word_embeddings: the LM head is ``wte`` (GPT-2's default).
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    layer_norm_eps: float
+    gelu_approximate: str
+    attention_scale: float
+    tie_word_embeddings: bool
+
+
+def _require(raw: dict[str, Any], key: str) -> Any:
+    if raw.get(key) is None:
+        raise ModelConfigError(f"GPT-2 config.json has no {key!r}")
+    return raw[key]
+
+
+def parse_gpt2_config(raw: dict[str, Any]) -> GPT2Config:
+    """A GPT-2 ``config.json`` -> :class:`GPT2Config`.
+
+    Raises:
+        ModelConfigError: a required field is missing, ``n_embd`` is not a multiple of ``n_head``,
+            an activation other than the GELUs, or a flag this model does not implement
+            (``scale_attn_by_inverse_layer_idx``, ``reorder_and_upcast_attn``, ``add_cross_attention``).
+    """
+    for flag in _REFUSED_FLAGS:
+        if raw.get(flag):
+            raise ModelConfigError(f"GPT-2 with {flag}=true is not supported")
+    act = raw.get("activation_function", "gelu_new")
+    if act not in _GELU_APPROXIMATIONS:
+        raise ModelConfigError(
+            f"GPT-2 activation_function {act!r} is not supported (supported: {', '.join(_GELU_APPROXIMATIONS)})")
+    hidden, heads = int(_require(raw, "n_embd")), int(_require(raw, "n_head"))
+    if hidden % heads:
+        raise ModelConfigError(f"GPT-2 n_embd {hidden} is not a multiple of n_head {heads}")
+    head_dim = hidden // heads
+    return GPT2Config(
+        architecture=(raw.get("architectures") or ["GPT2LMHeadModel"])[0],
+        vocab_size=int(_require(raw, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(raw.get("n_inner") or 4 * hidden),
+        num_layers=int(_require(raw, "n_layer")),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(raw.get("n_positions", 1024)),
+        layer_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        gelu_approximate=_GELU_APPROXIMATIONS[act],
+        attention_scale=head_dim ** -0.5 if raw.get("scale_attn_weights", True) else 1.0,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+    )
+
+
+def gpt2_checkpoint_name(name: str) -> tuple[str, bool] | None:
+    """A Hugging Face GPT-2 tensor name -> ``(our parameter name, stored transposed)``; ``None``
+    for a saved causal-mask buffer. Names we do not know come back unchanged (the loader reports them).
+
+    ``transformer.h.3.attn.c_attn.weight`` (or ``h.3.attn.c_attn.weight``) ->
+    ``("layers.3.attn.c_attn.weight", True)``; ``transformer.wte.weight`` -> ``("embed_tokens.weight", False)``.
+    """
+    if name.endswith(_BUFFERS):
+        return None
+    name = name.removeprefix("transformer.")
+    head, dot, rest = name.partition(".")
+    name = _TOP_LEVEL.get(head, head) + dot + rest
+    return name, name.startswith("layers.") and name.endswith(_CONV1D_WEIGHTS)
+
+
+class GPT2Attention(nn.Module):
+    """Multi-head self-attention with fused ``c_attn`` rows ``[q (hidden); k (hidden); v (hidden)]``."""
+
+    def __init__(self, config: GPT2Config, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.layer_index, self.num_heads, self.head_dim = layer_index, config.num_heads, config.head_dim
+        self.scale = config.attention_scale
+        self.c_attn = Linear(config.hidden_size, 3 * config.hidden_size, True, dtype, device)
+        self.c_proj = Linear(config.hidden_size, config.hidden_size, True, dtype, device)
+
+    def forward(self, x: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]``; ``attention`` writes this step's K/V into the cache."""
+        num_tokens, hidden = x.shape[0], self.num_heads * self.head_dim
+        qkv = self.c_attn(x)                                              # (T, 3*hidden)
+        q = qkv[:, :hidden].view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = qkv[:, hidden: 2 * hidden].view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        v = qkv[:, 2 * hidden:].view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        o = attention(q, k, v, self.layer_index, self.scale)              # (T, H, D)
+        return self.c_proj(o.reshape(num_tokens, hidden))                 # (T, hidden)
+
+
+class GPT2Block(nn.Module):
+    """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))`` (pre-LayerNorm, Radford et al. 2019 §2.3)."""
+
+    def __init__(self, config: GPT2Config, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
+        self.attn = GPT2Attention(config, layer_index, dtype, device)
+        self.ln_2 = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
+        self.mlp = GeluMLP(config.hidden_size, config.intermediate_size, True, config.gelu_approximate, dtype, device)
+
+    def forward(self, x: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]`` (updates ``x`` in place)."""
+        x += self.attn(self.ln_1(x), attention)                           # (T, hidden)
+        x += self.mlp(self.ln_2(x))                                       # (T, hidden)
+        return x
+
+
+class GPT2LMHeadModel(nn.Module):
+    """GPT-2 causal LM. Parameters: ``embed_tokens`` (``wte``), ``embed_positions`` (``wpe``),
+    ``layers.N.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj}`` with weights ``[out, in]``
+    (the checkpoint's Conv1D ``[in, out]`` transposed), ``norm`` (``ln_f``); ``lm_head`` is ``None``
+    when tied to ``embed_tokens`` (the oneDNN packer then packs a copy of it).
+
+    Args:
+        config: the parsed ``config.json``.
+        dtype: parameter and activation dtype.
+        device: where the parameters live.
+    """
+
+    def __init__(self, config: GPT2Config, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_positions = Embedding(config.max_position_embeddings, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(GPT2Block(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+        self.requires_grad_(False)
+
+    def fused_shards(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """No fused shards: ``c_attn`` is already one matrix in the checkpoint."""
+        return {}
+
+    def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fills the parameters from Hugging Face GPT-2 tensors (``transformer.`` prefix or none).
+
+        Raises:
+            WeightLoadError: missing, unexpected, duplicate or mis-shaped tensors (a Conv1D weight
+                must be ``[in, out]``).
+        """
+        from pagedserve.engine.weight_loader import load_weights
+
+        load_weights(self, self._renamed(tensors))
+
+    def _renamed(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint pairs -> pairs named and laid out as our parameters (buffers dropped)."""
+        from pagedserve.engine.weight_loader import WeightLoadError
+
+        params = dict(self.named_parameters())
+        for name, tensor in tensors:
+            mapped = gpt2_checkpoint_name(name)
+            if mapped is None:
+                continue
+            ours, transposed = mapped
+            if ours not in params:  # the loader reports it (or skips a tied lm_head) by its own name
+                yield name, tensor
+                continue
+            want = tuple(params[ours].shape[::-1] if transposed else params[ours].shape)
+            if tuple(tensor.shape) != want:
+                layout = "Conv1D [in, out] " if transposed else ""
+                raise WeightLoadError(f"{name} has shape {tuple(tensor.shape)}; {layout}{want} expected")
+            yield ours, (tensor.t() if transposed else tensor)            # Conv1D [in, out] -> [out, in]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
+        """Runs the decoder over a flat token batch.
+
+        Args:
+            input_ids: int64 ``[T]``.
+            positions: int64 ``[T]``, each token's position in its sequence (``< n_positions``).
+            attention: the step's paged attention (writes K/V into the cache, attends over it).
+
+        Returns:
+            Final-LayerNorm hidden states ``[T, hidden]`` in the model dtype.
+        """
+        x = self.embed_tokens(input_ids) + self.embed_positions(positions)  # (T, hidden)
+        for layer in self.layers:
+            x = layer(x, attention)                                       # (T, hidden)
+        return self.norm(x)                                               # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        if self.lm_head is None:  # tied to wte
+            return F.linear(hidden, self.embed_tokens.weight).float()     # (N, vocab)
+        return self.lm_head(hidden).float()                               # (N, vocab)
