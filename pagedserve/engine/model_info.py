@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPTNeoXForCausalLM",
+                           "FalconForCausalLM")
 
 
 class ModelFolderError(ValueError):
@@ -54,6 +55,13 @@ def _as_tuple(value: int | list[int] | None) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, list) else (int(value),)
 
 
+def _falcon_kv_heads(config: dict, num_heads: int) -> int:
+    """Falcon's KV heads: grouped (new decoder architecture), one (multi-query) or one per head."""
+    if config.get("new_decoder_architecture"):
+        return int(config.get("num_kv_heads") or config.get("n_head_kv") or num_heads)
+    return 1 if config.get("multi_query", True) else num_heads
+
+
 def load_model_info(path: str | Path) -> ModelInfo:
     """Reads ``config.json`` (and ``generation_config.json`` when present) of a model folder.
 
@@ -77,14 +85,17 @@ def load_model_info(path: str | Path) -> ModelInfo:
     window = config.get("sliding_window")
     if window and config.get("use_sliding_window", True):
         max_len = min(max_len, int(window))  # full attention is exact only within the window
-    num_heads = int(config["num_attention_heads"])
+    num_heads = int(config.get("num_attention_heads") or config["n_head"])  # n_head: older Falcon files
+    hidden = int(config.get("hidden_size") or config["n_embed"])
+    kv_heads = (_falcon_kv_heads(config, num_heads) if architectures[0] == "FalconForCausalLM"
+                else int(config.get("num_key_value_heads") or num_heads))
     return ModelInfo(
         path=folder,
         architecture=architectures[0],
         max_model_len=max_len,
         vocab_size=int(config["vocab_size"]),
         eos_token_ids=eos,
-        num_layers=int(config["num_hidden_layers"]),
-        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
-        head_dim=int(config.get("head_dim") or config["hidden_size"] // num_heads),
+        num_layers=int(config.get("num_hidden_layers") or config["n_layer"]),
+        num_kv_heads=kv_heads,
+        head_dim=int(config.get("head_dim") or hidden // num_heads),
     )

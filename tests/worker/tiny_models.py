@@ -17,6 +17,16 @@ from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# GPT-NeoX and Falcon: the same widths in their own config fields (per-arch bases; overrides go on top)
+TINY_BASES = {
+    "gpt_neox": dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=256, layer_norm_eps=1e-5, rotary_pct=0.25, tie_word_embeddings=False),
+    "falcon": dict(vocab_size=96, hidden_size=64, ffn_hidden_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=256,
+                   layer_norm_epsilon=1e-5, bias=True),
+}
+_NORM_WEIGHTS = ("norm.weight", "ln_attn.weight", "ln_mlp.weight", "ln_f.weight")
+_EMBEDDINGS = ("embed_tokens", "embed_in", "word_embeddings")
 
 
 def _classes(arch: str):
@@ -26,25 +36,40 @@ def _classes(arch: str):
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),
+        "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     }[arch]
 
 
 def save_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
     """Saves a tiny ``arch`` model with random weights (biases and norms included) to ``folder``."""
     config_cls, model_cls = _classes(arch)
-    config = config_cls(**{**TINY, **overrides})
+    config = config_cls(**{**TINY_BASES.get(arch, TINY), **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(_NORM_WEIGHTS):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
-            elif "embed_tokens" in name:
+            elif any(e in name for e in _EMBEDDINGS):
                 param.normal_(0.0, 1.0)
             else:
                 param.normal_(0.0, 0.15)
     model.generation_config.eos_token_id = None  # greedy references run their full length
     model.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = 96) -> Path:
+    """Saves a word-level tokenizer of ``vocab_size`` tokens (``t0`` .. ``t{n-1}``; ``t0`` is unknown)
+    to ``folder``, so that ``pagedserve.llm.LLM`` can open a tiny model folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(folder)
     return folder
 
 

@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from pagedserve.engine.models.config import ModelConfig, ModelConfigError, parse_model_config
+from pagedserve.engine.models.falcon import FalconForCausalLM, parse_falcon_config
+from pagedserve.engine.models.gpt_neox import GPTNeoXForCausalLM, parse_gpt_neox_config
 from pagedserve.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 
 
@@ -61,6 +63,8 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType({
     "LlamaForCausalLM": Architecture(parse_model_config, LlamaForCausalLM),
     "MistralForCausalLM": Architecture(parse_model_config, MistralForCausalLM),
     "Qwen2ForCausalLM": Architecture(parse_model_config, Qwen2ForCausalLM),
+    "GPTNeoXForCausalLM": Architecture(parse_gpt_neox_config, GPTNeoXForCausalLM),
+    "FalconForCausalLM": Architecture(parse_falcon_config, FalconForCausalLM),
 })
 MODEL_CLASSES: Mapping[str, type[nn.Module]] = MappingProxyType({k: a.model_class for k, a in ARCHITECTURES.items()})
 
@@ -116,6 +120,8 @@ __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "CausalLM",
+    "FalconForCausalLM",
+    "GPTNeoXForCausalLM",
     "MODEL_CLASSES",
     "LlamaForCausalLM",
     "MistralForCausalLM",
