@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedserve.engine.attention import TorchAttentionBackend
+from pagedserve.engine.model_info import load_model_info
 from pagedserve.engine.models import ModelConfigError, load_model_config
 from pagedserve.engine.models.checkpoint_map import grouped_qkv_order
 from pagedserve.engine.models.falcon import ALIBI_REFUSED
@@ -102,6 +103,7 @@ def test_engine_greedy_matches_hf_generate(tmp_path, case):
     warm = llm.generate([shared + [5, 6, 7, 8]], params)
     assert list(warm[0].token_ids) == hf_greedy(ref_model, shared + [5, 6, 7, 8], num_tokens)
     results = llm.generate(prompts, params)
+    assert llm.stats().prefix_cache_hits >= 4 * 12, "the shared 12-token prefix (3 blocks) came from the cache"
     for i, result in enumerate(results):
         assert list(result.token_ids) == reference[i], f"prompt {i}"
 
@@ -126,6 +128,8 @@ def test_configs_parsed(tmp_path):
     assert (mqa.num_kv_heads, mqa.parallel_attn, mqa.num_layernorms, mqa.tie_word_embeddings) == (1, True, 1, True)
     rewrite_config(tmp_path / "mqa", num_attention_heads=None, n_head=4, num_hidden_layers=None, n_layer=2)
     assert load_model_config(tmp_path / "mqa").num_layers == 2
+    info = load_model_info(tmp_path / "mqa")  # what the tokenizer and services read, without torch
+    assert (info.architecture, info.num_layers, info.num_kv_heads, info.head_dim) == ("FalconForCausalLM", 2, 1, 16)
 
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "falcon"])
@@ -146,3 +150,25 @@ def test_checkpoint_errors(tmp_path, arch):
         load({**tensors, "extra.weight": torch.zeros(3)})
     with pytest.raises(WeightLoadError, match="has shape"):
         load({**tensors, qkv: tensors[qkv][:-1]})
+
+
+@pytest.mark.parametrize("case", ["neox_parallel_rot25", "falcon_mqa_parallel"])
+def test_onednn_and_compiled_forward_match_eager(tmp_path, case):
+    """``--gemm-backend onednn`` packs every Linear (the tied LM head included) and ``torch.compile``
+    traces the forward; both give the eager logits on a ragged prefill then a decode batch."""
+    from pagedserve.engine.models.compiled import CompiledForward
+    from pagedserve.engine.models.onednn import pack_linear_layers
+
+    arch, overrides = CASES[case]
+    folder = save_tiny_model(tmp_path, arch, **overrides)
+    eager, packed = load_model(folder), load_model(folder)
+    assert pack_linear_layers(packed) == 4 * eager.config.num_layers + 1
+    compiled = CompiledForward(eager)
+    steps = [([_tokens(9, 1), _tokens(4, 2)], [0, 0]), ([[5], [6]], [9, 4])]
+    caches = [make_cache(eager, 16, 4) for _ in range(3)]
+    tables = [[3, 9, 1, 12], [7, 0, 14, 2]]
+    for token_ids, context_lens in steps:
+        want = forward_step(eager, caches[0], TorchAttentionBackend(), token_ids, context_lens, tables)
+        for model, cache, forward in ((packed, caches[1], None), (eager, caches[2], compiled)):
+            got = forward_step(model, cache, TorchAttentionBackend(), token_ids, context_lens, tables, forward)
+            _check(got, want, f"{case} {context_lens}")
