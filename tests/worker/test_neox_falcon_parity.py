@@ -172,3 +172,20 @@ def test_onednn_and_compiled_forward_match_eager(tmp_path, case):
         for model, cache, forward in ((packed, caches[1], None), (eager, caches[2], compiled)):
             got = forward_step(model, cache, TorchAttentionBackend(), token_ids, context_lens, tables, forward)
             _check(got, want, f"{case} {context_lens}")
+
+
+def test_neox_legacy_buffers_skipped_and_lm_head_alias(tmp_path):
+    """Old Pythia files carry causal-mask and inv_freq buffers (skipped); ``lm_head.weight``
+    (transformers 5's name) fills the LM head like ``embed_out.weight``, and both at once is an error."""
+    folder = save_tiny_model(tmp_path, "gpt_neox")
+    tensors = dict(iter_checkpoint(folder))
+    model = load_model(folder)
+    extra = {"gpt_neox.layers.0.attention.bias": torch.ones(1, 1, 8, 8),
+             "gpt_neox.layers.0.attention.masked_bias": torch.tensor(-1e9),
+             "gpt_neox.layers.0.attention.rotary_emb.inv_freq": torch.ones(2)}
+    renamed = {("lm_head.weight" if k == "embed_out.weight" else k): v for k, v in tensors.items()}
+    fresh = type(model)(model.config)
+    fresh.load_checkpoint({**renamed, **extra}.items())
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+    with pytest.raises(WeightLoadError, match="appears twice"):
+        type(model)(model.config).load_checkpoint({**tensors, "lm_head.weight": tensors["embed_out.weight"]}.items())
