@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM", "GPT2LMHeadModel")
-# config.json names of the same fact: the Llama-style name first, then GPT-2's.
+                           "Qwen3ForCausalLM", "GPT2LMHeadModel", "GPTNeoXForCausalLM", "FalconForCausalLM")
+# config.json names of the same fact: the Llama-style name first, then GPT-2's (and older Falcon files').
 _ALIASES = {"max_position_embeddings": ("n_positions",), "num_attention_heads": ("n_head",),
-            "num_hidden_layers": ("n_layer",), "hidden_size": ("n_embd",)}
+            "num_hidden_layers": ("n_layer",), "hidden_size": ("n_embd", "n_embed")}
 
 
 class ModelFolderError(ValueError):
@@ -68,6 +68,13 @@ def _field(config: dict, key: str, default: object = None) -> object:
     return default
 
 
+def _falcon_kv_heads(config: dict, num_heads: int) -> int:
+    """Falcon's KV heads: grouped (new decoder architecture), one (multi-query) or one per head."""
+    if config.get("new_decoder_architecture"):
+        return int(config.get("num_kv_heads") or config.get("n_head_kv") or num_heads)
+    return 1 if config.get("multi_query", True) else num_heads
+
+
 def load_model_info(path: str | Path) -> ModelInfo:
     """Reads ``config.json`` (and ``generation_config.json`` when present) of a model folder.
 
@@ -92,6 +99,8 @@ def load_model_info(path: str | Path) -> ModelInfo:
     if window and config.get("use_sliding_window", True):
         max_len = min(max_len, int(window))  # full attention is exact only within the window
     num_heads = int(_field(config, "num_attention_heads"))
+    kv_heads = (_falcon_kv_heads(config, num_heads) if architectures[0] == "FalconForCausalLM"
+                else int(config.get("num_key_value_heads") or num_heads))
     return ModelInfo(
         path=folder,
         architecture=architectures[0],
@@ -99,6 +108,6 @@ def load_model_info(path: str | Path) -> ModelInfo:
         vocab_size=int(config["vocab_size"]),
         eos_token_ids=eos,
         num_layers=int(_field(config, "num_hidden_layers")),
-        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        num_kv_heads=kv_heads,
         head_dim=int(config.get("head_dim") or int(_field(config, "hidden_size")) // num_heads),
     )

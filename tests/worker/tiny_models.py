@@ -17,12 +17,20 @@ from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
-# Per-architecture tiny configs (default: TINY). Qwen3's head_dim (24) is not hidden/heads (16).
+# Per-architecture tiny configs (default: TINY): the same widths in each one's own config fields.
+# Qwen3's head_dim (24) is not hidden/heads (16).
 TINY_BY_ARCH = {
     "qwen3": {**TINY, "head_dim": 24},
     "gpt2": dict(vocab_size=96, n_embd=64, n_inner=96, n_layer=2, n_head=4, n_positions=256,
                  layer_norm_epsilon=1e-5, bos_token_id=None, eos_token_id=None),
+    "gpt_neox": dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=256, layer_norm_eps=1e-5, rotary_pct=0.25, tie_word_embeddings=False),
+    "falcon": dict(vocab_size=96, hidden_size=64, ffn_hidden_size=96, num_hidden_layers=2, num_attention_heads=4,
+                   num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=256,
+                   layer_norm_epsilon=1e-5, bias=True),
 }
+_NORM_WEIGHTS = ("norm.weight", "ln_attn.weight", "ln_mlp.weight", "ln_f.weight")
+_EMBEDDINGS = ("embed_tokens", "embed_in", "word_embeddings", ".wte.")
 
 
 def _classes(arch: str):
@@ -35,6 +43,8 @@ def _classes(arch: str):
         "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "gpt2": (tf.GPT2Config, tf.GPT2LMHeadModel),
+        "gpt_neox": (tf.GPTNeoXConfig, tf.GPTNeoXForCausalLM),
+        "falcon": (tf.FalconConfig, tf.FalconForCausalLM),
     }[arch]
 
 
@@ -55,9 +65,9 @@ def save_tiny_model(folder: Path, arch: str = "llama", seed: int = 0, **override
     model = model_cls(config).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if _is_norm_weight(name):
+            if _is_norm_weight(name) or name.endswith(_NORM_WEIGHTS):
                 param.copy_(1 + 0.2 * torch.randn_like(param))
-            elif "embed_tokens" in name or ".wte." in name:
+            elif any(e in name for e in _EMBEDDINGS):
                 param.normal_(0.0, 1.0)
             elif ".wpe." in name:
                 param.normal_(0.0, 0.5)

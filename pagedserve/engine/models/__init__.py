@@ -19,6 +19,8 @@ from torch import nn
 
 from pagedserve.engine.models.config import ModelConfig, ModelConfigError, parse_model_config
 from pagedserve.engine.models.gpt2 import GPT2LMHeadModel, parse_gpt2_config
+from pagedserve.engine.models.falcon import FalconForCausalLM, parse_falcon_config
+from pagedserve.engine.models.gpt_neox import GPTNeoXForCausalLM, parse_gpt_neox_config
 from pagedserve.engine.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagedserve.engine.models.mixtral import MixtralConfig, MixtralForCausalLM, parse_mixtral_config
 from pagedserve.engine.models.qwen3 import Qwen3ForCausalLM, parse_qwen3_config
@@ -67,6 +69,8 @@ ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType({
     "Qwen2ForCausalLM": Architecture(parse_model_config, Qwen2ForCausalLM),
     "Qwen3ForCausalLM": Architecture(parse_qwen3_config, Qwen3ForCausalLM),
     "GPT2LMHeadModel": Architecture(parse_gpt2_config, GPT2LMHeadModel),
+    "GPTNeoXForCausalLM": Architecture(parse_gpt_neox_config, GPTNeoXForCausalLM),
+    "FalconForCausalLM": Architecture(parse_falcon_config, FalconForCausalLM),
 })
 MODEL_CLASSES: Mapping[str, type[nn.Module]] = MappingProxyType({k: a.model_class for k, a in ARCHITECTURES.items()})
 
@@ -123,6 +127,8 @@ __all__ = [
     "Architecture",
     "CausalLM",
     "GPT2LMHeadModel",
+    "FalconForCausalLM",
+    "GPTNeoXForCausalLM",
     "MODEL_CLASSES",
     "LlamaForCausalLM",
     "MistralForCausalLM",

@@ -144,9 +144,9 @@ class GPT2Block(nn.Module):
 
     def __init__(self, config: GPT2Config, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
-        self.ln_1 = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
+        self.ln_1 = LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype, device)
         self.attn = GPT2Attention(config, layer_index, dtype, device)
-        self.ln_2 = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
+        self.ln_2 = LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype, device)
         self.mlp = GeluMLP(config.hidden_size, config.intermediate_size, True, config.gelu_approximate, dtype, device)
 
     def forward(self, x: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
@@ -176,7 +176,7 @@ class GPT2LMHeadModel(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.embed_positions = Embedding(config.max_position_embeddings, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(GPT2Block(config, i, dtype, device) for i in range(config.num_layers))
-        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
+        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
         self.requires_grad_(False)

@@ -84,19 +84,22 @@ class GatedMLP(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """Layer normalisation (Ba et al., 2016) with a learned ``weight`` and ``bias`` ``[hidden]``:
-    ``(x - mean(x)) / sqrt(var(x) + eps) * weight + bias`` over the last dimension.
+    """Layer normalisation (Ba et al., 2016): ``(x - mean) / sqrt(var + eps) * weight + bias`` over
+    the last dimension, as ``torch.nn.LayerNorm`` (GPT-NeoX, Falcon).
 
     Args:
         hidden_size: width of the normalised (last) dimension.
         eps: added to the variance.
+        bias: whether a ``[hidden]`` bias exists.
     """
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, hidden_size: int, eps: float, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``, same dtype."""

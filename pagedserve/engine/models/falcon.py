@@ -1,0 +1,213 @@
+"""Falcon with rotary positions (Falcon-7B/40B/180B, Falcon-11B) over a paged KV cache.
+
+Almazrouei et al., 2023, "The Falcon Series of Open Language Models", §4: decoder blocks whose
+attention and MLP both read the block input (parallel attention, Wang & Komatsuzaki's GPT-J
+formulation: ``x + attn(ln(x)) + mlp(ln(x))``), multi-query attention (one K/V head; Falcon-7B)
+or, in the "new decoder architecture" (Falcon-40B/180B), grouped K/V heads with separate LayerNorms
+``ln_attn``/``ln_mlp`` in front of attention and MLP (one when ``num_ln_in_parallel_attn == 1``).
+Rotary embeddings on the whole head; GELU MLP; LM head tied to the embeddings by default.
+
+The fused ``query_key_value`` rows are, per variant: new decoder ``[Hkv, H/Hkv + 2, D]`` (each KV
+head's query heads, then its key and value); ``multi_query`` ``[q (H*D); k (D); v (D)]`` (already
+ours); neither ``[H, 3, D]`` (per head q, k, v). They are re-laid out into ours, ``[q; k; v]``, at
+load time (:func:`~pagedserve.engine.models.checkpoint_map.grouped_qkv_order`).
+
+The ALiBi variant (``alibi: true``, falcon-rw) is refused: it needs a position bias in every
+attention backend (torch, the C++ CPU op, the Triton kernels), which they do not have yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.engine.models.checkpoint_map import grouped_qkv_order, load_renamed
+from pagedserve.engine.models.config import ModelConfigError
+from pagedserve.engine.models.gpt_neox import DenseGeluMLP, FusedQKVAttention, gelu_approximation, require
+from pagedserve.engine.models.layers import Embedding, LayerNorm, Linear
+from pagedserve.engine.models.llama import PagedAttentionFn
+from pagedserve.engine.models.rope import RotaryEmbedding
+from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
+
+ALIBI_REFUSED = ("Falcon with alibi: true (falcon-rw) is not supported: ALiBi needs a position bias in every "
+                 "attention backend (torch, the C++ CPU op, the Triton kernels), which is not built yet")
+_RENAMES = {"word_embeddings": "embed_tokens", "h": "layers", "ln_f": "norm", "query_key_value": "qkv_proj"}
+
+
+@dataclass(frozen=True)
+class FalconConfig:
+    """A rotary Falcon model.
+
+    Attributes:
+        num_kv_heads: ``num_kv_heads`` (new decoder), 1 (``multi_query``) or ``num_heads``.
+        new_decoder_architecture: the fused QKV is KV-grouped; the block is parallel.
+        parallel_attn: attention and MLP read the same input (else sequential, with a
+            ``post_attention_layernorm``).
+        num_layernorms: LayerNorms in front of a parallel block: 2 (``ln_attn``, ``ln_mlp``) or 1
+            (``input_layernorm``).
+        bias: the linear layers have biases (LayerNorms always do).
+        gelu_approximate: ``"none"`` (exact erf GELU) or ``"tanh"``.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    new_decoder_architecture: bool
+    parallel_attn: bool
+    num_layernorms: int
+    bias: bool
+    gelu_approximate: str
+    rope: RopeConfig
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _block_layout(raw: dict[str, Any], num_heads: int) -> tuple[int, bool, int]:
+    """``(num_kv_heads, parallel_attn, num_layernorms)`` as transformers' FalconDecoderLayer builds
+    them. Raises ``ModelConfigError`` for combinations it cannot run either."""
+    num_ln = raw.get("num_ln_in_parallel_attn")
+    if raw.get("new_decoder_architecture"):
+        if not raw.get("parallel_attn", True):
+            raise ModelConfigError("Falcon's new_decoder_architecture needs parallel_attn: true")
+        num_kv_heads = int(raw.get("num_kv_heads") or raw.get("n_head_kv") or num_heads)
+        if num_heads % num_kv_heads:
+            raise ModelConfigError(f"num_attention_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        return num_kv_heads, True, int(num_ln or 2)
+    if num_ln == 2:
+        raise ModelConfigError("num_ln_in_parallel_attn: 2 needs new_decoder_architecture: true")
+    return (1 if raw.get("multi_query", True) else num_heads), bool(raw.get("parallel_attn", True)), 1
+
+
+def parse_falcon_config(raw: dict[str, Any]) -> FalconConfig:
+    """Builds a :class:`FalconConfig` from a parsed ``config.json`` (also the older ``n_head``,
+    ``n_layer``, ``n_embed``, ``n_head_kv`` names).
+
+    Raises:
+        ModelConfigError: ``alibi: true``, a missing field, an unsupported activation or RoPE type,
+            or a block layout transformers cannot build.
+    """
+    if raw.get("alibi"):
+        raise ModelConfigError(ALIBI_REFUSED)
+    num_heads = int(require(raw, "num_attention_heads", "n_head"))
+    hidden = int(require(raw, "hidden_size", "n_embed"))
+    num_kv_heads, parallel_attn, num_layernorms = _block_layout(raw, num_heads)
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    try:
+        rope = parse_rope_config(raw, max_pos)
+    except ValueError as exc:
+        raise ModelConfigError(str(exc)) from exc
+    return FalconConfig(
+        architecture=raw["architectures"][0], vocab_size=int(require(raw, "vocab_size")), hidden_size=hidden,
+        intermediate_size=int(raw.get("ffn_hidden_size") or 4 * hidden),
+        num_layers=int(require(raw, "num_hidden_layers", "n_layer")), num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=hidden // num_heads,
+        layer_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)), max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+        new_decoder_architecture=bool(raw.get("new_decoder_architecture", False)), parallel_attn=parallel_attn,
+        num_layernorms=num_layernorms, bias=bool(raw.get("bias", False)),
+        gelu_approximate=gelu_approximation(raw.get("activation", "gelu")), rope=rope)
+
+
+class FalconDecoderLayer(nn.Module):
+    """Parallel: ``x + attn(ln_a(x)) + mlp(ln_m(x))`` (``ln_m = ln_a`` with one LayerNorm);
+    sequential: ``y = x + attn(ln1(x))``, ``y + mlp(ln2(y))``."""
+
+    def __init__(self, config: FalconConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.parallel_attn, self.two_norms = c.parallel_attn, c.num_layernorms == 2
+        if self.two_norms:
+            self.ln_attn = LayerNorm(c.hidden_size, c.layer_norm_eps, True, dtype, device)
+            self.ln_mlp = LayerNorm(c.hidden_size, c.layer_norm_eps, True, dtype, device)
+        else:
+            self.input_layernorm = LayerNorm(c.hidden_size, c.layer_norm_eps, True, dtype, device)
+        if not c.parallel_attn:
+            self.post_attention_layernorm = LayerNorm(c.hidden_size, c.layer_norm_eps, True, dtype, device)
+        self.self_attention = FusedQKVAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim,
+                                                c.bias, c.bias, layer_index, dtype, device)
+        self.mlp = DenseGeluMLP(c.hidden_size, c.intermediate_size, c.bias, c.gelu_approximate, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: PagedAttentionFn) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]`` (sums in transformers' order)."""
+        if self.two_norms:  # static: the config's
+            attn_in, mlp_in = self.ln_attn(x), self.ln_mlp(x)            # (T, hidden) each
+        else:
+            attn_in = mlp_in = self.input_layernorm(x)                   # (T, hidden)
+        attn = self.self_attention(attn_in, cos, sin, attention)          # (T, hidden)
+        if self.parallel_attn:
+            return self.mlp(mlp_in) + attn + x                            # (T, hidden)
+        x = attn + x                                                      # (T, hidden)
+        return self.mlp(self.post_attention_layernorm(x)) + x             # (T, hidden)
+
+
+class FalconForCausalLM(nn.Module):
+    """A rotary Falcon causal LM. Parameter names: the checkpoint's without ``transformer.``, with
+    ``word_embeddings`` -> ``embed_tokens``, ``h`` -> ``layers``, ``ln_f`` -> ``norm`` and
+    ``query_key_value`` -> ``qkv_proj`` (rows re-laid out); ``lm_head`` is absent when tied.
+
+    Args:
+        config: the parsed ``config.json``.
+        dtype: parameter and activation dtype.
+        device: where the parameters live.
+    """
+
+    def __init__(self, config: FalconConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(FalconDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype, device)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
+        self.requires_grad_(False)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Checkpoint tensor name -> our parameter name (``None``: skipped)."""
+        if name.endswith("rotary_emb.inv_freq") or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+            return None
+        parts = name.removeprefix("transformer.").split(".")
+        return ".".join(_RENAMES.get(part, part) for part in parts)
+
+    def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fills the parameters from a Hugging Face Falcon checkpoint (``WeightLoadError`` when
+        tensors are missing, unexpected or mis-shaped)."""
+        c = self.config  # multi_query: Hkv = 1, the identity; neither: Hkv = H, the [H, 3, D] layout
+        order = grouped_qkv_order(c.num_heads, c.num_kv_heads, c.head_dim)
+        load_renamed(self, tensors, self.checkpoint_name, {"qkv_proj": order})
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
+        """int64 ``input_ids``/``positions`` ``[T]`` -> final-norm hidden states ``[T, hidden]``."""
+        x = self.embed_tokens(input_ids)                                  # (T, hidden)
+        cos, sin = self.rotary(positions, self.dtype)                     # (T, 1, D/2) each
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)                             # (T, hidden)
+        return self.norm(x)                                               # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        if self.lm_head is None:  # tied to the embeddings
+            return F.linear(hidden, self.embed_tokens.weight).float()     # (N, vocab)
+        return self.lm_head(hidden).float()                               # (N, vocab)

@@ -1,0 +1,254 @@
+"""GPT-NeoX (GPT-NeoX-20B, Pythia) over a paged KV cache.
+
+Black et al., 2022, "GPT-NeoX-20B: An Open-Source Autoregressive Language Model", §2.1: pre-LayerNorm
+blocks whose attention and MLP read the same input and add to it in parallel
+(``x + attn(ln1(x)) + mlp(ln2(x))``; ``use_parallel_residual: false`` gives the sequential GPT
+block), and rotary embeddings on only the first ``rotary_pct`` of each head's channels (rotate-half
+pairing within those channels). The fused ``query_key_value`` of the checkpoint is head-interleaved
+(rows ``[H, 3, D]``: per head its q, k, v); it is re-laid out into our ``[q; k; v]`` rows at load
+time (:mod:`~pagedserve.engine.models.checkpoint_map`), so the forward pass splits it like Llama's.
+Linear layers are :class:`~pagedserve.engine.models.layers.Linear` (oneDNN packs them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.engine.models.checkpoint_map import grouped_qkv_order, load_renamed
+from pagedserve.engine.models.config import ModelConfigError
+from pagedserve.engine.models.layers import Embedding, LayerNorm, Linear
+from pagedserve.engine.models.llama import PagedAttentionFn
+from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
+
+GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+_SKIPPED = (".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")  # buffers old checkpoints saved
+_RENAMES = {"embed_in": "embed_tokens", "final_layer_norm": "norm", "query_key_value": "qkv_proj",
+            "embed_out": "lm_head"}
+
+
+@dataclass(frozen=True)
+class GPTNeoXConfig:
+    """A GPT-NeoX model (``num_kv_heads == num_heads``; LayerNorms and linears have biases).
+
+    Attributes:
+        rotary_dim: channels of each head that are rotated (``int(head_dim * rotary_pct)``, even).
+        use_parallel_residual: attention and MLP both read the block input (else sequential).
+        attention_bias: ``query_key_value`` and ``dense`` have biases.
+        gelu_approximate: ``"none"`` (exact erf GELU) or ``"tanh"``.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    layer_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    use_parallel_residual: bool
+    attention_bias: bool
+    gelu_approximate: str
+    rope: RopeConfig
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def require(raw: dict[str, Any], *keys: str) -> Any:
+    """The first of ``keys`` present in ``raw`` (aliases of one field). Raises ``ModelConfigError``."""
+    for key in keys:
+        if raw.get(key) is not None:
+            return raw[key]
+    raise ModelConfigError(f"config.json has no {keys[0]!r}")
+
+
+def gelu_approximation(name: str) -> str:
+    """``hidden_act``/``activation`` -> ``F.gelu``'s ``approximate``. Raises ``ModelConfigError``."""
+    if name not in GELU_APPROXIMATIONS:
+        raise ModelConfigError(f"activation {name!r} is not supported ({', '.join(GELU_APPROXIMATIONS)})")
+    return GELU_APPROXIMATIONS[name]
+
+
+def parse_gpt_neox_config(raw: dict[str, Any]) -> GPTNeoXConfig:
+    """Builds a :class:`GPTNeoXConfig` from a parsed ``config.json`` (``rotary_pct`` and
+    ``rotary_emb_base``, or transformers 5's ``rope_parameters`` with ``partial_rotary_factor``).
+
+    Raises:
+        ModelConfigError: a missing field, an unsupported activation or RoPE type, or an odd
+            rotary width.
+    """
+    num_heads, hidden = int(require(raw, "num_attention_heads")), int(require(raw, "hidden_size"))
+    head_dim = hidden // num_heads
+    rope_params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rotary_pct = float(rope_params.pop("partial_rotary_factor", raw.get("rotary_pct", 0.25)))
+    rope_params.setdefault("rope_theta", raw.get("rotary_emb_base", 10000.0))
+    rotary_dim = int(head_dim * rotary_pct)
+    if rotary_dim % 2:
+        raise ModelConfigError(f"rotary width {rotary_dim} (head_dim {head_dim} x rotary_pct {rotary_pct}) is odd")
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    try:
+        rope = parse_rope_config({"rope_parameters": rope_params}, max_pos)
+    except ValueError as exc:
+        raise ModelConfigError(str(exc)) from exc
+    return GPTNeoXConfig(
+        architecture=raw["architectures"][0], vocab_size=int(require(raw, "vocab_size")), hidden_size=hidden,
+        intermediate_size=int(raw.get("intermediate_size") or 4 * hidden),
+        num_layers=int(require(raw, "num_hidden_layers")), num_heads=num_heads, num_kv_heads=num_heads,
+        head_dim=head_dim, rotary_dim=rotary_dim, layer_norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
+        max_position_embeddings=max_pos, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        use_parallel_residual=bool(raw.get("use_parallel_residual", True)),
+        attention_bias=bool(raw.get("attention_bias", True)),
+        gelu_approximate=gelu_approximation(raw.get("hidden_act", "gelu")), rope=rope)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """Rotates the first ``rotary_dim`` channels of each head of ``x`` ``[T, n, D]`` by ``cos``/``sin``
+    ``[T, 1, rotary_dim/2]`` (rotate-half within those channels); the rest pass. New ``[T, n, D]``."""
+    if rotary_dim == x.shape[-1]:  # static: the config's widths
+        return apply_rotary(x, cos, sin)                                  # (T, n, D)
+    rotated = apply_rotary(x[..., :rotary_dim], cos, sin)                # (T, n, R)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)              # (T, n, D)
+
+
+class FusedQKVAttention(nn.Module):
+    """Self-attention with fused q/k/v rows ``[q (H*D); k (Hkv*D); v (Hkv*D)]`` (re-laid out at
+    load time), rotary on the first ``rotary_dim`` channels, output projection ``dense``.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: geometry (``num_heads % num_kv_heads == 0``).
+        rotary_dim: rotated channels per head (even, at most ``head_dim``).
+        qkv_bias, dense_bias: whether the projections have biases.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
+                 qkv_bias: bool, dense_bias: bool, layer_index: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rotary_dim = rotary_dim
+        self.scale = head_dim ** -0.5
+        self.qkv_proj = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, qkv_bias, dtype, device)
+        self.dense = Linear(num_heads * head_dim, hidden_size, dense_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: PagedAttentionFn) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]``; ``attention`` writes this step's K/V into the cache."""
+        num_tokens = x.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)                                            # (T, (H+2Hkv)*D)
+        qk = qkv[:, : (heads + kv_heads) * dim].view(num_tokens, heads + kv_heads, dim)  # (T, H+Hkv, D)
+        qk = apply_partial_rotary(qk, cos, sin, self.rotary_dim)          # (T, H+Hkv, D)
+        q, k = qk[:, :heads], qk[:, heads:]                               # (T, H, D), (T, Hkv, D)
+        v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)  # (T, Hkv, D)
+        o = attention(q, k, v, self.layer_index, self.scale)              # (T, H, D)
+        return self.dense(o.reshape(num_tokens, heads * dim))             # (T, hidden)
+
+
+class DenseGeluMLP(nn.Module):
+    """``dense_4h_to_h(gelu(dense_h_to_4h(x)))`` (GPT-NeoX, Falcon)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, approximate: str,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.approximate = approximate
+        self.dense_h_to_4h = Linear(hidden_size, intermediate_size, bias, dtype, device)
+        self.dense_4h_to_h = Linear(intermediate_size, hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]``."""
+        h = F.gelu(self.dense_h_to_4h(x), approximate=self.approximate)  # (T, I)
+        return self.dense_4h_to_h(h)                                      # (T, hidden)
+
+
+class GPTNeoXLayer(nn.Module):
+    """Parallel: ``x + attn(ln1(x)) + mlp(ln2(x))``; sequential: ``y = x + attn(ln1(x))``, ``y + mlp(ln2(y))``."""
+
+    def __init__(self, config: GPTNeoXConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        c = config
+        self.use_parallel_residual = c.use_parallel_residual
+        self.input_layernorm = LayerNorm(c.hidden_size, c.layer_norm_eps, True, dtype, device)
+        self.post_attention_layernorm = LayerNorm(c.hidden_size, c.layer_norm_eps, True, dtype, device)
+        self.attention = FusedQKVAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim,
+                                           c.attention_bias, c.attention_bias, layer_index, dtype, device)
+        self.mlp = DenseGeluMLP(c.hidden_size, c.intermediate_size, True, c.gelu_approximate, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: PagedAttentionFn) -> torch.Tensor:
+        """``[T, hidden]`` -> ``[T, hidden]`` (sums in transformers' order)."""
+        attn = self.attention(self.input_layernorm(x), cos, sin, attention)  # (T, hidden)
+        if self.use_parallel_residual:  # static: the config's
+            return self.mlp(self.post_attention_layernorm(x)) + attn + x     # (T, hidden)
+        x = attn + x                                                          # (T, hidden)
+        return self.mlp(self.post_attention_layernorm(x)) + x                 # (T, hidden)
+
+
+class GPTNeoXForCausalLM(nn.Module):
+    """A GPT-NeoX causal LM. Parameter names: the checkpoint's without ``gpt_neox.``, with
+    ``embed_in`` -> ``embed_tokens``, ``final_layer_norm`` -> ``norm``, ``query_key_value`` ->
+    ``qkv_proj`` (rows re-laid out) and ``embed_out`` -> ``lm_head`` (absent when tied).
+
+    Args:
+        config: the parsed ``config.json``.
+        dtype: parameter and activation dtype.
+        device: where the parameters live.
+    """
+
+    def __init__(self, config: GPTNeoXConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(GPTNeoXLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype, device)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+        self.rotary = RotaryEmbedding(config.rope, config.rotary_dim).to(device)
+        self.requires_grad_(False)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """Checkpoint tensor name -> our parameter name (``None``: a buffer to skip)."""
+        if name.endswith(_SKIPPED) or (self.config.tie_word_embeddings and name in ("embed_out.weight",
+                                                                                   "lm_head.weight")):
+            return None
+        parts = name.removeprefix("gpt_neox.").split(".")
+        return ".".join(_RENAMES.get(part, part) for part in parts)
+
+    def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fills the parameters from a Hugging Face GPT-NeoX checkpoint (``WeightLoadError`` when
+        tensors are missing, unexpected or mis-shaped)."""
+        c = self.config
+        order = grouped_qkv_order(c.num_heads, c.num_kv_heads, c.head_dim)  # [H, 3, D] rows -> [q; k; v]
+        load_renamed(self, tensors, self.checkpoint_name, {"qkv_proj": order})
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
+        """int64 ``input_ids``/``positions`` ``[T]`` -> final-norm hidden states ``[T, hidden]``."""
+        x = self.embed_tokens(input_ids)                                  # (T, hidden)
+        cos, sin = self.rotary(positions, self.dtype)                     # (T, 1, R/2) each
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)                             # (T, hidden)
+        return self.norm(x)                                               # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        if self.lm_head is None:  # tied to the embeddings
+            return F.linear(hidden, self.embed_tokens.weight).float()     # (N, vocab)
+        return self.lm_head(hidden).float()                               # (N, vocab)
