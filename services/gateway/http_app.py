@@ -60,20 +60,36 @@ class _BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self._app(scope, receive, send)
-        length = dict(scope.get("headers", ())).get(b"content-length", b"0")
+        length = dict(scope.get("headers", ())).get(b"content-length")
+        if length is None:  # a chunked body, whose length no header announced: read it here first
+            return await self._buffered(scope, receive, send)
         if not length.isdigit() or int(length) > self._max:
             return await self._too_large(scope, receive, send)
-        seen = 0
+        await self._app(scope, receive, send)  # the server holds the body to the announced length
 
-        async def counted() -> dict:
-            nonlocal seen
+    async def _buffered(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Reads a body of unannounced length up to ``max_bytes`` (413 past it), then hands it on."""
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self._max:  # a chunked body, whose length no header announced
-                raise GenerationError(StatusKind.INVALID_ARGUMENT, f"the request body exceeds {self._max} bytes")
-            return message
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max:
+                return await self._too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        await self._app(scope, counted, send)
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # afterwards: disconnect notices
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self._app(scope, replay, send)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(413, f"the request body exceeds {self._max} bytes (or its length is invalid)")

@@ -112,3 +112,22 @@ def test_best_of_returns_the_sample_of_highest_cumulative_logprob(stack, client,
     assert abs(sum(best[0].logprobs.token_logprobs) - sum(ranked[0].logprobs.token_logprobs)) < 1e-4
     refused = httpx.post(stack.http + "/v1/completions", json={**fields, "best_of": 3, "stream": True}, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"
+
+
+def test_a_chunked_body_is_limited_like_an_announced_one(stack, model_name):
+    """Review finding: a chunked body (no Content-Length) over the 16 MiB limit got 400, not 413;
+    a small chunked body is served."""
+    import json
+
+    def chunks(data: bytes, size: int = 1 << 20):
+        for i in range(0, len(data), size):
+            yield data[i:i + size]
+
+    small = json.dumps({"model": model_name, "prompt": "Hi", "max_tokens": 2, "temperature": 0}).encode()
+    reply = httpx.post(stack.http + "/v1/completions", content=chunks(small, 7), timeout=60,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 200, reply.text
+    huge = json.dumps({"model": model_name, "prompt": "x" * (17 << 20)}).encode()
+    reply = httpx.post(stack.http + "/v1/completions", content=chunks(huge), timeout=60,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == 413 and reply.json()["error"]["code"] == 413
