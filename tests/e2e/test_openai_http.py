@@ -218,8 +218,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(stack, client, mo
         with pytest.raises(httpx.ReadTimeout):
             http.post("/v1/completions", json={**body, "stream": False}, timeout=2)
     thread.join(300)
-    # a client leaving is no error of the server's: the gateway logs no traceback for it
-    assert "ClientDisconnected" not in stack.processes["gateway"].log_text()
+    # a client leaving is no error of the server's: the gateway logs no traceback for it (a trace
+    # span exported to the log may still name ClientDisconnected as its error type)
+    assert "Exception in ASGI application" not in stack.processes["gateway"].log_text()
     expected = grpc_text(stack, gen.GenerateRequest(prompt=PROMPTS[0],
                                                     sampling_params=gen.SamplingParams(max_tokens=40, temperature=0.0)))
     assert other["text"] == expected
