@@ -114,7 +114,7 @@ def test_best_of_returns_the_sample_of_highest_cumulative_logprob(stack, client,
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "best_of"
 
 
-def test_a_chunked_body_is_limited_like_an_announced_one(stack, model_name):
+def test_a_chunked_body_is_limited_like_an_announced_one(stack, model_name):  # noqa: F811 (fixture)
     """Review finding: a chunked body (no Content-Length) over the 16 MiB limit got 400, not 413;
     a small chunked body is served."""
     import json
