@@ -44,42 +44,38 @@ class HttpSettings:
     Attributes:
         api_key: when not empty, clients must send ``Authorization: Bearer API_KEY``.
         max_body_bytes: larger request bodies are refused with 413.
+        body_timeout_s: a request body must arrive whole within this many seconds (else 408), so
+            that clients sending slowly cannot hold connections open.
     """
 
     api_key: str = ""
     max_body_bytes: int = CLIENT_API_MAX_MESSAGE_BYTES
+    body_timeout_s: float = 30.0
 
 
 class _BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` is answered with 413 before it is parsed."""
+    """ASGI middleware: reads each request body before the app does, answering 413 when it is over
+    ``max_bytes`` (announced or counted: a chunked body has no length header) and 408 when it does
+    not arrive whole within ``timeout_s``; the app then gets the body in one message."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self._app = app
         self._max = max_bytes
+        self._timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self._app(scope, receive, send)
         length = dict(scope.get("headers", ())).get(b"content-length")
-        if length is None:  # a chunked body, whose length no header announced: read it here first
-            return await self._buffered(scope, receive, send)
-        if not length.isdigit() or int(length) > self._max:
+        if length is not None and (not length.isdigit() or int(length) > self._max):
             return await self._too_large(scope, receive, send)
-        await self._app(scope, receive, send)  # the server holds the body to the announced length
-
-    async def _buffered(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Reads a body of unannounced length up to ``max_bytes`` (413 past it), then hands it on."""
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self._max:
-                return await self._too_large(scope, receive, send)
-            if not message.get("more_body", False):
-                break
+        try:
+            body = await asyncio.wait_for(self._read_body(receive), self._timeout_s)
+        except asyncio.TimeoutError:
+            response = error_response(408, f"the request body did not arrive within {self._timeout_s:g} s")
+            return await response(scope, receive, send)
+        if body is None:
+            return await self._too_large(scope, receive, send)
         replayed = False
 
         async def replay() -> dict:
@@ -87,9 +83,23 @@ class _BodyLimit:
             if replayed:
                 return await receive()  # afterwards: disconnect notices
             replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": False}
 
         await self._app(scope, replay, send)
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, or None when it grows past ``max_bytes`` (or the client left)."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"".join(chunks)  # the client went away: the app will notice
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self._max:
+                return None
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(413, f"the request body exceeds {self._max} bytes (or its length is invalid)")
@@ -179,7 +189,7 @@ def build_http_app(serving: OpenAIServing, health: HealthState, settings: HttpSe
     async def health_check() -> Response:
         return Response(status_code=200 if health.serving else 503)
 
-    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     return app
 
 

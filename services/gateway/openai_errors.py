@@ -32,7 +32,8 @@ HTTP_STATUS = {
 """HTTP status of each ``StatusKind`` (others: 500)."""
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+               413: "invalid_request_error",
                429: "rate_limit_error",
                503: "service_unavailable_error"}
 """OpenAI-style ``type`` of each status (others: ``internal_error``)."""
