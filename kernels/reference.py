@@ -53,7 +53,8 @@ def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) 
 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                        query_start_loc: torch.Tensor, scale: float,
+                        alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch of new tokens over their paged context.
 
     Each sequence ``i`` has ``q_len = query_start_loc[i+1] - query_start_loc[i]``
@@ -69,6 +70,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int.
         seq_lens: ``[num_seqs]`` int. query_start_loc: ``[num_seqs + 1]`` int.
         scale: softmax scale (usually ``head_dim ** -0.5``).
+        alibi_slopes: float32 ``[num_heads]`` or ``None``: ALiBi (Press et al., 2022, §3) adds
+            ``-slope[h] * (q_pos - k_pos)`` to the scaled score of head ``h``.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
@@ -90,6 +93,10 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)  # (q_len,)
         k_pos = torch.arange(seq_len, device=query.device)                   # (L,)
         mask = k_pos[None, :] <= q_pos[:, None]                   # (q_len, L)
+        if alibi_slopes is not None:
+            rel = (k_pos[None, :] - q_pos[:, None]).float()       # (q_len, L)
+            bias = alibi_slopes.float()[:, None, None] * rel      # (H, q_len, L)
+            mask = bias.masked_fill(~mask, float("-inf"))         # (H, q_len, L)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (H, q_len, D)
         out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)    # (q_len, H, D)
     return out
@@ -97,7 +104,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Decode special case of :func:`paged_attention_ref`: one query token per sequence.
 
     ``query`` is ``[num_seqs, num_heads, head_dim]``; returns the same shape.
@@ -105,4 +112,4 @@ def paged_decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     num_seqs = query.shape[0]
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     return paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens,
-                               query_start_loc, scale)
+                               query_start_loc, scale, alibi_slopes)

@@ -26,8 +26,12 @@ class AttentionBackend(Protocol):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of the new tokens over their context; called after :meth:`write_kv`.
+
+        Score of query head ``h`` at position ``i`` and key position ``j <= i``:
+        ``scale * q.k - alibi_slopes[h] * (i - j)`` (ALiBi, Press et al., 2022, §3; the bias is
+        added after scaling, see ``alibi.py``), or ``scale * q.k`` without slopes.
 
         Args:
             query: ``[num_tokens, num_heads, head_dim]``.
@@ -35,6 +39,8 @@ class AttentionBackend(Protocol):
             key_cache, value_cache: the layer's cache, ``[num_blocks, block_size, num_kv_heads, head_dim]``.
             metadata: the step's metadata.
             scale: softmax scale, usually ``head_dim ** -0.5``.
+            alibi_slopes: float32 ``[num_heads]`` on the query's device, or ``None`` (no position bias).
+                A property of the model's layer, passed on every call (see ``step.py``).
 
         Returns:
             ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.

@@ -61,12 +61,14 @@ class ContextPrefill:
             ``0..seq_len-1`` (gathered whole; positions past ``seq_len`` are masked).
         mask: additive ``[query_len, padded_len]`` in the model dtype, causal with the query offset
             by the context length (``padded_len`` = blocks x block size).
+        context_len: cached positions before the new tokens (the first new token's position).
     """
 
     query_start: int
     query_end: int
     block_indices: torch.Tensor
     mask: torch.Tensor
+    context_len: int = 0
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ def _prefills(table: torch.Tensor, query_start_loc: list[int], context_lens: Seq
         q_pos = torch.arange(context_lens[i], seq_lens[i])                # (q,)
         mask = _additive_mask(k_pos[None, :] <= q_pos[:, None], dtype)    # (q, Lp)
         blocks = table[i, :num_blocks].long()                             # (nb,)
-        with_context.append(ContextPrefill(start, end, blocks.to(device), mask.to(device)))
+        with_context.append(ContextPrefill(start, end, blocks.to(device), mask.to(device), context_lens[i]))
     return tuple(fresh), tuple(with_context)
 
 

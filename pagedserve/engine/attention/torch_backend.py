@@ -11,6 +11,10 @@ tensors and handed to ``scaled_dot_product_attention``:
 * prefill without cached context: the new K/V directly, causal;
 * prefill with cached context (chunked prefill): gather the context, causal mask offset by it.
 
+ALiBi (Press et al., 2022, §3; ``alibi.py``): with per-head slopes the additive masks above carry the
+bias too (decode: padding mask + bias; prefill: causal mask + bias instead of ``is_causal``). Without
+slopes (``None``, every rotary model) the paths are exactly the ones above.
+
 Prefills broadcast K/V over the query heads of a group with a stride-0 ``expand``, which keeps
 torch on its fused CPU attention kernel (``enable_gqa`` falls back to the unfused math path there).
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.engine.attention import alibi
 from pagedserve.engine.attention.metadata import AttentionMetadata, ContextPrefill, DecodeChunk
 
 
@@ -45,13 +50,16 @@ class TorchAttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        """Causal attention of ``query`` ``[T, H, D]`` over the paged context; returns ``[T, H, D]``."""
+               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of ``query`` ``[T, H, D]`` over the paged context; returns ``[T, H, D]``.
+        ``alibi_slopes``: float32 ``[H]`` or ``None`` (see ``backend.py``)."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (T, H, D)
         for chunk in metadata.decode_chunks:
             s, e = chunk.start, chunk.end
-            out[s:e] = self._decode(query[s:e], key_cache, value_cache, chunk, scale)
-        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale)
+            mask = chunk.mask if alibi_slopes is None else alibi.decode_mask(
+                chunk.mask, alibi_slopes, metadata.seq_lens[s:e], key_cache.shape[2])  # (Nd, Hkv, G|1, L)
+            out[s:e] = self._decode(query[s:e], key_cache, value_cache, chunk, scale, mask)
+        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes)
         return out
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor,
@@ -70,8 +78,9 @@ class TorchAttentionBackend:
         return buffer, target.view(-1, cache.shape[2], cache.shape[3])    # (N*BS, Hkv, D)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                chunk: DecodeChunk, scale: float) -> torch.Tensor:
-        """One new token per sequence of ``chunk``: ``query`` ``[Nd, H, D]`` -> ``[Nd, H, D]``."""
+                chunk: DecodeChunk, scale: float, mask: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence of ``chunk``: ``query`` ``[Nd, H, D]`` -> ``[Nd, H, D]``;
+        ``mask`` is ``chunk.mask`` or it plus the ALiBi bias, ``[Nd, Hkv, G, L]``."""
         num_seqs, num_heads, head_dim = query.shape
         num_kv_heads = key_cache.shape[2]
         self._key_buffer, k = self._gather(key_cache, chunk.block_indices, self._key_buffer)
@@ -80,7 +89,7 @@ class TorchAttentionBackend:
         k = k.view(shape).transpose(1, 2)                                 # (Nd, Hkv, L, D)
         v = v.view(shape).transpose(1, 2)                                 # (Nd, Hkv, L, D)
         q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (Nd, Hkv, G, D)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)  # (Nd, Hkv, G, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (Nd, Hkv, G, D)
         return o.reshape(num_seqs, num_heads, head_dim)                   # (Nd, H, D)
 
 
@@ -108,29 +117,41 @@ def _heads_last(o: torch.Tensor) -> torch.Tensor:
 
 def attend_prefills(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float) -> None:
+                    scale: float, alibi_slopes: torch.Tensor | None = None) -> None:
     """Writes into ``out`` ``[T, H, D]`` the attention of every sequence after the leading decodes:
-    fresh prefills on their new K/V, prefills with cached context on a gathered copy of it."""
+    fresh prefills on their new K/V, prefills with cached context on a gathered copy of it
+    (with the ALiBi bias of ``alibi_slopes`` float32 ``[H]`` unless ``None``)."""
     for seq in metadata.fresh_prefills:
         s, e = seq.query_start, seq.query_end
-        out[s:e] = _causal(query[s:e], key[s:e], value[s:e], scale)
+        out[s:e] = _causal(query[s:e], key[s:e], value[s:e], scale, alibi_slopes)
     for seq in metadata.context_prefills:
-        out[seq.query_start:seq.query_end] = _with_context(query, key_cache, value_cache, seq, scale)
+        out[seq.query_start:seq.query_end] = _with_context(query, key_cache, value_cache, seq, scale, alibi_slopes)
 
 
-def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+            alibi_slopes: torch.Tensor | None) -> torch.Tensor:
     """Causal self-attention of one sequence's new tokens: ``[q, H, D]`` x ``[q, Hkv, D]`` -> ``[q, H, D]``."""
     q, k, v = _grouped(query, key, value, key.shape[1])
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (Hkv, G, q, D)
+    if alibi_slopes is None:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (Hkv, G, q, D)
+    else:
+        q_pos = torch.arange(query.shape[0], device=query.device)        # (q,)
+        mask = alibi.prefill_mask(alibi_slopes, q_pos, key.shape[0], key.shape[1], None, query.dtype)  # (Hkv, G, q, q)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (Hkv, G, q, D)
     return _heads_last(o)                                                 # (q, H, D)
 
 
 def _with_context(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  seq: ContextPrefill, scale: float) -> torch.Tensor:
+                  seq: ContextPrefill, scale: float, alibi_slopes: torch.Tensor | None) -> torch.Tensor:
     """New tokens of one sequence over its cached context plus themselves -> ``[q, H, D]``."""
+    mask = seq.mask                                                       # (q, Lp)
+    if alibi_slopes is not None:
+        q_pos = torch.arange(seq.query_end - seq.query_start, device=mask.device) + seq.context_len  # (q,)
+        mask = alibi.prefill_mask(alibi_slopes, q_pos, mask.shape[1], key_cache.shape[2], mask,
+                                  query.dtype)                            # (Hkv, G, q, Lp)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     k = key_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim)    # (Lp, Hkv, D)
     v = value_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim)  # (Lp, Hkv, D)
     q, k, v = _grouped(query[seq.query_start:seq.query_end], k, v, num_kv_heads)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=seq.mask, scale=scale)  # (Hkv, G, q, D)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (Hkv, G, q, D)
     return _heads_last(o)                                                 # (q, H, D)
