@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels.reference import paged_attention_ref
-from pagedserve.engine.attention import TorchAttentionBackend, build_attention_metadata, compute_positions
+from pagedserve.engine.attention import (CpuAttentionBackend, TorchAttentionBackend, build_attention_metadata,
+                                         compute_positions, cpu_op)
 from pagedserve.engine.attention.alibi import alibi_slopes
 
 BATCHES = {
@@ -84,3 +85,39 @@ def test_torch_backend_alibi_bfloat16():
     assert got.dtype == torch.bfloat16
     want = dense_reference(md, q, k_cache, v_cache, slopes)
     torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+OP = cpu_op.load_cpu_attention_op()
+needs_op = pytest.mark.skipif(OP is None, reason="the C++ op could not be built here (see the warning)")
+
+
+@needs_op
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_cpu_op_alibi(batch, heads, kv_heads):
+    """The op on the whole batch (its prefill tiles too), and the cpu backend (op for decodes)."""
+    seqs, block_size = BATCHES[batch]
+    md, q, k, v, k_cache, v_cache = make_batch(3, seqs, block_size, heads, kv_heads, 32)
+    slopes = alibi_slopes(heads) * 4
+    want = dense_reference(md, q, k_cache, v_cache, slopes)
+    out = torch.empty_like(q)
+    OP(out, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 32 ** -0.5, slopes)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    got = CpuAttentionBackend(OP).attend(q, k, v, k_cache, v_cache, md, 32 ** -0.5, alibi_slopes=slopes)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    OP(out, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 32 ** -0.5)  # no bias
+    torch.testing.assert_close(out, dense_reference(md, q, k_cache, v_cache, torch.zeros(heads)),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_op
+def test_cpu_op_alibi_bfloat16_and_bad_slopes():
+    md, q, k, v, k_cache, v_cache = make_batch(4, BATCHES["mixed"][0], 8, 6, 2, 16, torch.bfloat16)
+    slopes = alibi_slopes(6)
+    got = CpuAttentionBackend(OP).attend(q, k, v, k_cache, v_cache, md, 0.25, alibi_slopes=slopes)
+    want = dense_reference(md, q, k_cache, v_cache, slopes)
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+    out = torch.empty_like(q)
+    for bad in (alibi_slopes(4), slopes.double(), slopes.bfloat16()):
+        with pytest.raises(RuntimeError, match="alibi_slopes must be"):
+            OP(out, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.25, bad)

@@ -4,6 +4,8 @@ Decodes (one new token per sequence) read K/V in place through the block table: 
 no padding to the longest context in a chunk. Prefills, with or without cached context, go to the
 torch backend's paths (fused ``scaled_dot_product_attention``): with many query rows per key a
 GEMM-based kernel beats the op's vector loops on CPU (measured in docs/benchmarks.md).
+ALiBi slopes (Press et al., 2022, §3) go to the op, which adds the bias in its own instantiation of
+the score loop, and to the torch prefill paths.
 """
 
 from __future__ import annotations
@@ -36,14 +38,15 @@ class CpuAttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        """Causal attention of ``query`` ``[T, H, D]`` over the paged context; returns ``[T, H, D]``."""
+               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of ``query`` ``[T, H, D]`` over the paged context; returns ``[T, H, D]``.
+        ``alibi_slopes``: float32 ``[H]`` or ``None`` (see ``backend.py``)."""
         if query.shape[-1] % LANES:
-            return self._torch.attend(query, key, value, key_cache, value_cache, metadata, scale)
+            return self._torch.attend(query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (T, H, D)
         n = metadata.num_decode_seqs
         if n:  # the first n sequences own the first n tokens, one each
             self._op(out[:n], query[:n].contiguous(), key_cache, value_cache, metadata.block_tables[:n],
-                     metadata.seq_lens[:n], metadata.query_start_loc[:n + 1], scale)
-        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale)
+                     metadata.seq_lens[:n], metadata.query_start_loc[:n + 1], scale, alibi_slopes)
+        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes)
         return out

@@ -8,7 +8,9 @@
 // (grouped-query attention). Softmax is the
 // online (streaming) form of FlashAttention (Dao et al., NeurIPS 2022, §3.1, Algorithm 1): a running
 // maximum and sum per row, rescaled block by block, so one pass over the context suffices. All
-// arithmetic is float32 whatever the cache dtype.
+// arithmetic is float32 whatever the cache dtype. With ALiBi slopes (Press et al., 2022, §3) each
+// scaled score of head h gets -slope[h] * (query_pos - key_pos); that path is a separate template
+// instantiation (kAlibi), so the default path has no extra work in its score loop.
 //
 // Layouts (the conventions of pagedserve/engine/attention/metadata.py):
 //   query, out       [T, H, D]            the step's new tokens, flat over sequences
@@ -17,6 +19,7 @@
 //   seq_lens         int32 [S]            context length including the new tokens
 //   query_start_loc  int32 [S + 1]        sequence i owns tokens query_start_loc[i]..[i+1]-1, which
 //                                         are its last positions; token at position p reads keys 0..p
+//   alibi_slopes     float32 [H] or None  per-head ALiBi slopes
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -138,9 +141,10 @@ struct Rows {
 
 // Online-softmax update of row `row` with one tile of 16 keys, of which it may read the first n_valid.
 // keys[j] / values[j] point at slot j's first KV head; this row reads the head at head_offset.
-template <typename scalar_t>
+// kAlibi: key j of the tile is rel0 + j positions from the query (<= 0); its bias is slope * that.
+template <typename scalar_t, bool kAlibi>
 void update_row(Rows& rows, int64_t row, int64_t n_valid, const scalar_t* const* keys,
-                const scalar_t* const* values, int64_t head_offset, int64_t chunks) {
+                const scalar_t* const* values, int64_t head_offset, int64_t chunks, float slope, float rel0) {
   const vf16* q = rows.q.data() + row * chunks;
   vf16 partial[kKeyTile];
   for (int64_t j = 0; j < kKeyTile; ++j) {
@@ -151,6 +155,7 @@ void update_row(Rows& rows, int64_t row, int64_t n_valid, const scalar_t* const*
   }
   vf16 scores = transpose_sum(partial);  // (16,) q . k_j
   const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  if constexpr (kAlibi) scores += slope * (__builtin_convertvector(lane, vf16) + rel0);
   scores = lane < static_cast<int32_t>(n_valid) ? scores : splat(-std::numeric_limits<float>::infinity());
   const float old_max = rows.max[row];
   const float new_max = std::max(old_max, reduce_max(scores));
@@ -182,10 +187,10 @@ void prefetch_tile(const scalar_t* key_cache, const scalar_t* value_cache, const
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kAlibi>
 void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const scalar_t* query,
               const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* block_table,
-              int64_t context_len, int64_t seq_token_begin, scalar_t* out) {
+              int64_t context_len, int64_t seq_token_begin, const float* slopes, scalar_t* out) {
   const int64_t D = g.head_dim, H = g.num_heads, chunks = D / kLanes;
   rows.reset((w.token_end - w.token_begin) * H, chunks);
   for (int64_t t = w.token_begin; t < w.token_end; ++t)  // rows: token-major, then query head
@@ -209,8 +214,10 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const scalar_t* 
     for (int64_t t = w.token_begin; t < w.token_end; ++t) {
       const int64_t n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
       if (n_valid <= 0) continue;
+      const float rel0 = static_cast<float>(p0 - (context_len + (t - seq_token_begin)));  // key p0 - query pos
       for (int64_t h = 0; h < H; ++h)
-        update_row(rows, (t - w.token_begin) * H + h, n_valid, keys, values, h / g.group * D, chunks);
+        update_row<scalar_t, kAlibi>(rows, (t - w.token_begin) * H + h, n_valid, keys, values, h / g.group * D,
+                                     chunks, kAlibi ? slopes[h] : 0.0f, rel0);
     }
   }
   for (int64_t t = w.token_begin; t < w.token_end; ++t) {
@@ -264,10 +271,10 @@ std::vector<WorkItem> make_work(const at::Tensor& seq_lens, const at::Tensor& qu
 }
 
 // Runs the work items on torch's OpenMP threads (pragmas cannot sit inside the dispatch macro).
-template <typename scalar_t>
+template <typename scalar_t, bool kAlibi>
 void run_all(const std::vector<WorkItem>& work, const Geometry& g, const at::Tensor& query,
              const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
-             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, at::Tensor& out) {
+             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const float* slopes, at::Tensor& out) {
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -283,7 +290,8 @@ void run_all(const std::vector<WorkItem>& work, const Geometry& g, const at::Ten
     for (int64_t i = 0; i < n; ++i) {
       const WorkItem& w = work[i];
       const int64_t query_len = qsl[w.seq + 1] - qsl[w.seq];
-      run_item<scalar_t>(w, rows, g, q, k, v, tables + w.seq * g.max_blocks, lens[w.seq] - query_len, qsl[w.seq], o);
+      run_item<scalar_t, kAlibi>(w, rows, g, q, k, v, tables + w.seq * g.max_blocks, lens[w.seq] - query_len,
+                                 qsl[w.seq], slopes, o);
     }
   }
 }
@@ -291,7 +299,8 @@ void run_all(const std::vector<WorkItem>& work, const Geometry& g, const at::Ten
 // out[T, H, D] = causal paged attention of query[T, H, D] over each sequence's cached context.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                     const c10::optional<at::Tensor>& alibi_slopes) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "query must be [T, H, D] and the caches [NB, BS, Hkv, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
@@ -309,9 +318,21 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(g.num_heads % g.num_kv_heads == 0 && key_cache.size(3) == g.head_dim && g.head_dim % kLanes == 0,
               "heads must be a multiple of KV heads, head_dim must match and be a multiple of 16");
   check_metadata(block_tables, seq_lens, query_start_loc, query.size(0), key_cache.size(0), g.block_size);
+  const float* slopes = nullptr;
+  if (alibi_slopes.has_value()) {
+    const at::Tensor& a = *alibi_slopes;
+    TORCH_CHECK(a.dim() == 1 && a.size(0) == g.num_heads && a.scalar_type() == at::kFloat && a.is_contiguous() &&
+                    a.device().is_cpu(), "alibi_slopes must be contiguous float32 [num_heads] on the CPU");
+    slopes = a.data_ptr<float>();
+  }
   const std::vector<WorkItem> work = make_work(seq_lens, query_start_loc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
-    run_all<scalar_t>(work, g, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out);
+    if (slopes == nullptr)  // the branch is taken once per call, outside every loop
+      run_all<scalar_t, false>(work, g, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                               nullptr, out);
+    else
+      run_all<scalar_t, true>(work, g, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                              slopes, out);
   });
 }
 
@@ -319,13 +340,16 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale) -> ()");
+        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+        "Tensor? alibi_slopes=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention", [](at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale) {
-    paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale);
+                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
+                               const c10::optional<at::Tensor>& alibi_slopes) {
+    paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                    alibi_slopes);
   });
 }
