@@ -62,6 +62,22 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first
 
 
+def check_alibi_slopes(slopes, query: torch.Tensor) -> None:
+    """``None``, or float32 ``[num_heads]`` contiguous on the query's device (ALiBi slopes).
+
+    Raises:
+        TypeError: not a tensor, or not float32.
+        ValueError: wrong shape, not contiguous, or another device.
+    """
+    if slopes is None:
+        return
+    check_tensor("alibi_slopes", slopes, 1, (torch.float32,))
+    check_shape("alibi_slopes", slopes, (query.shape[1],))
+    if not slopes.is_contiguous():
+        raise ValueError("alibi_slopes must be contiguous")
+    check_same_device(query=query, alibi_slopes=slopes)
+
+
 def check_kv_cache(k_cache, v_cache) -> tuple[int, int, int, int]:
     """Validate a paged K/V cache pair, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 

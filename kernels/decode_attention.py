@@ -13,6 +13,8 @@ Algorithm:
   * GQA: one program handles all ``group`` query heads that share a KV head,
     so each K/V tile is loaded once; the heads form the M dimension of the
     ``tl.dot`` (padded to 16 rows, the minimum MMA size).
+  * ALiBi (Press et al., ICLR 2022, §3), when slopes are given (``ALIBI``):
+    ``-slope[h] * (query_pos - key_pos)`` added to each scaled score (in base 2).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_heads, check_kv_cache, check_out,
+from kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_alibi_slopes, check_heads, check_kv_cache, check_out,
                              check_same_device, check_same_dtype, check_shape, check_tensor,
                              next_pow2)
 
@@ -35,14 +37,14 @@ MIN_TOKENS_PER_SPLIT = 256
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slopes_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     stride_q_s, stride_q_h, stride_o_s, stride_o_h,
     stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
     stride_bt_s, stride_bt_b,
     qk_scale, num_heads, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ALIBI: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -59,6 +61,9 @@ def _decode_kernel(
     mask_g = offs_g < GROUP                                             # (G,)
     q = tl.load(q_ptr + seq * stride_q_s + head[:, None] * stride_q_h + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)                        # (G, D)
+    slope = tl.zeros([BLOCK_G], tl.float32)                             # (G,)
+    if ALIBI:  # base-2 slopes: the scores are in log2 units
+        slope = tl.load(slopes_ptr + head, mask=mask_g, other=0.0) * 1.4426950408889634  # (G,)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)                 # (G,)
     l_i = tl.zeros([BLOCK_G], tl.float32)                               # (G,)
@@ -76,6 +81,8 @@ def _decode_kernel(
         v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :],
                     mask=mask_n[:, None], other=0.0)                    # (N, D)
         qk = tl.dot(q, k, input_precision="ieee") * qk_scale            # (G, N)
+        if ALIBI:
+            qk += slope[:, None] * (offs_n - (seq_len - 1)).to(tl.float32)[None, :]  # (G, N)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))               # (G, N)
         m_new = tl.maximum(m_i, tl.max(qk, 1))                          # (G,)
         alpha = tl.exp2(m_i - m_new)                                    # (G,)
@@ -176,7 +183,8 @@ def _num_sms(device_index: int | None) -> int:
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
-                           max_seq_len: int | None = None) -> torch.Tensor:
+                           max_seq_len: int | None = None,
+                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V context.
 
     Args:
@@ -193,6 +201,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         out: optional preallocated ``[num_seqs, num_heads, head_dim]`` output.
         max_seq_len: optional host-side ``seq_lens.max()`` (avoids a device sync
             when ``num_splits`` is None).
+        alibi_slopes: float32 ``[num_heads]`` on the query's device, or ``None``.
 
     Returns:
         ``out``: ``[num_seqs, num_heads, head_dim]`` in ``query.dtype``.
@@ -202,6 +211,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ValueError: inconsistent shapes, head counts, strides or devices.
     """
     group = _validate(query, k_cache, v_cache, block_tables, seq_lens)
+    check_alibi_slopes(alibi_slopes, query)
     out = check_out(out, query)
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -213,14 +223,15 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     part_acc = torch.empty((num_seqs, num_heads, splits, head_dim), **f32) if splits > 1 else out
     num_kv_heads = k_cache.shape[2]
     _decode_kernel[(num_seqs, num_kv_heads, splits)](
-        query, k_cache, v_cache, block_tables, seq_lens, out, part_m, part_l, part_acc,
+        query, k_cache, v_cache, block_tables, seq_lens,
+        query if alibi_slopes is None else alibi_slopes, out, part_m, part_l, part_acc,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1),
         float(scale) * LOG2E, num_heads, splits,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=BLOCK_N, SPLIT=splits > 1,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=BLOCK_N, SPLIT=splits > 1, ALIBI=alibi_slopes is not None,
         num_warps=4, num_stages=2,
     )
     if splits > 1:

@@ -14,6 +14,9 @@ Algorithm:
     and tiles entirely after the last query are skipped.
   * Keys/values of a tile are gathered per token through the block table
     (PagedAttention, Kwon et al., SOSP 2023, §4.1), so any block size works.
+  * ALiBi (Press et al., ICLR 2022, §3), when slopes are given (``ALIBI``):
+    ``-slope[h] * (query_pos - key_pos)`` added to each scaled score (in base 2),
+    on the unmasked tiles too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_heads, check_kv_cache, check_out,
+from kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_alibi_slopes, check_heads, check_kv_cache, check_out,
                              check_same_device, check_same_dtype, check_shape, check_tensor)
 
 LOG2E = 1.4426950408889634
@@ -31,9 +34,9 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride_bt_b,
                   kv_k_off, kv_v_off, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
-                  q_pos, lo, hi, kv_limit, qk_scale,
+                  q_pos, lo, hi, kv_limit, qk_scale, slope,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr):
+                  CAUSAL: tl.constexpr, ALIBI: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) with key tiles starting in [lo, hi)."""
     offs_d = tl.arange(0, HEAD_DIM)                                     # (D,)
     for tile in range(lo, hi, BLOCK_N):
@@ -49,6 +52,8 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride
         v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :],
                     mask=mask_n[:, None], other=0.0)                    # (N, D)
         qk = tl.dot(q, k, input_precision="ieee") * qk_scale            # (M, N)
+        if ALIBI:
+            qk += slope * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)  # (M, N)
         if CAUSAL:
             visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # (M, N)
             qk = tl.where(visible, qk, float("-inf"))                   # (M, N)
@@ -63,12 +68,12 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, slopes_ptr, out_ptr,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
     stride_bt_s, stride_bt_b, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -80,6 +85,9 @@ def _prefill_kernel(
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
     ctx_len = seq_len - q_len                                           # cached prefix length
     kv_head = head // GROUP
+    slope = 0.0
+    if ALIBI:  # base-2 slope: the scores are in log2 units
+        slope = tl.load(slopes_ptr + head) * 1.4426950408889634
 
     offs_m = m_start + tl.arange(0, BLOCK_M)                            # (M,)
     offs_d = tl.arange(0, HEAD_DIM)                                     # (D,)
@@ -101,12 +109,12 @@ def _prefill_kernel(
     kv_v_off = kv_head * stride_vc_h
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
                                   stride_bt_b, kv_k_off, kv_v_off, stride_kc_b, stride_kc_s,
-                                  stride_vc_b, stride_vc_s, q_pos, 0, full_end, kv_end, qk_scale,
-                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, False)
+                                  stride_vc_b, stride_vc_s, q_pos, 0, full_end, kv_end, qk_scale, slope,
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, ALIBI)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
                                   stride_bt_b, kv_k_off, kv_v_off, stride_kc_b, stride_kc_s,
                                   stride_vc_b, stride_vc_s, q_pos, full_end, kv_end, kv_end,
-                                  qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True)
+                                  qk_scale, slope, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, ALIBI)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                   # (M, D)
     o_rows = (q_start + offs_m) * stride_o_t + head * stride_o_h        # (M,)
@@ -139,7 +147,8 @@ def _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None,
+                            alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a ragged batch of new tokens over their paged context.
 
     Args:
@@ -156,6 +165,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         max_query_len: host-side upper bound of the per-sequence query lengths
             (sizes the launch grid; longer sequences would be left unwritten).
         out: optional preallocated output shaped like ``query``.
+        alibi_slopes: float32 ``[num_heads]`` on the query's device, or ``None``.
 
     Returns:
         ``out``: ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
@@ -166,6 +176,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """
     group = _validate(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       max_query_len)
+    check_alibi_slopes(alibi_slopes, query)
     out = check_out(out, query)
     num_seqs, num_heads, head_dim = seq_lens.shape[0], query.shape[1], query.shape[2]
     if num_seqs == 0 or max_query_len == 0 or query.shape[0] == 0:
@@ -174,12 +185,13 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_n = 64
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        query if alibi_slopes is None else alibi_slopes, out,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), float(scale) * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, ALIBI=alibi_slopes is not None, num_warps=4 if head_dim <= 64 else 8, num_stages=2,
     )
     return out

@@ -3,7 +3,8 @@
 The kernels read K/V straight from the blocks through the block table (no gathered copies):
 a decode-only batch uses the paged decode kernel (flash-decoding split for few, long sequences);
 any batch with a prefill or chunk uses the prefill/extend kernel, which also handles the batch's
-one-token sequences. On a CPU they run only under ``TRITON_INTERPRET=1`` (tests).
+one-token sequences. On a CPU they run only under ``TRITON_INTERPRET=1`` (tests). ALiBi slopes
+(Press et al., 2022, §3) go to both kernels, which add the bias in their score loops.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ class TritonAttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float) -> torch.Tensor:
-        """Causal attention of ``query`` ``[T, H, D]`` over the paged context -> ``[T, H, D]``."""
+               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention of ``query`` ``[T, H, D]`` over the paged context -> ``[T, H, D]``;
+        ``alibi_slopes``: float32 ``[H]`` or ``None`` (see ``backend.py``)."""
         from kernels import paged_decode_attention, paged_prefill_attention
 
         if metadata.max_query_len == 1:
             return paged_decode_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                                          scale, max_seq_len=metadata.max_seq_len)
+                                          scale, max_seq_len=metadata.max_seq_len, alibi_slopes=alibi_slopes)
         return paged_prefill_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                                       metadata.query_start_loc, scale, metadata.max_query_len)
+                                       metadata.query_start_loc, scale, metadata.max_query_len,
+                                       alibi_slopes=alibi_slopes)
