@@ -1,4 +1,4 @@
-"""GPT-NeoX and rotary Falcon against transformers: ragged prefill, prefill over cached context and
+"""GPT-NeoX and rotary Falcon (ALiBi Falcon: test_falcon_alibi.py) against transformers: ragged prefill, prefill over cached context and
 decode batches (logits within 1e-4), the engine's greedy output vs HF generate, config refusals and
 checkpoint errors."""
 
@@ -11,9 +11,8 @@ import torch
 
 from pagedserve.engine.attention import TorchAttentionBackend
 from pagedserve.engine.model_info import load_model_info
-from pagedserve.engine.models import ModelConfigError, load_model_config
+from pagedserve.engine.models import load_model_config
 from pagedserve.engine.models.checkpoint_map import grouped_qkv_order
-from pagedserve.engine.models.falcon import ALIBI_REFUSED
 from pagedserve.engine.weight_loader import WeightLoadError, iter_checkpoint, load_model
 from tests.worker.tiny_models import (forward_step, hf_greedy, hf_logits, hf_model, make_cache, relative_errors,
                                       rewrite_config, save_tiny_model, save_tiny_tokenizer)
@@ -106,15 +105,6 @@ def test_engine_greedy_matches_hf_generate(tmp_path, case):
     assert llm.stats().prefix_cache_hits >= 4 * 12, "the shared 12-token prefix (3 blocks) came from the cache"
     for i, result in enumerate(results):
         assert list(result.token_ids) == reference[i], f"prompt {i}"
-
-
-def test_falcon_alibi_is_refused(tmp_path):
-    folder = save_tiny_model(tmp_path, "falcon")
-    rewrite_config(folder, alibi=True)
-    with pytest.raises(ModelConfigError, match="alibi") as info:
-        load_model_config(folder)
-    assert str(info.value) == ALIBI_REFUSED
-    assert "position bias in every attention backend" in ALIBI_REFUSED
 
 
 def test_configs_parsed(tmp_path):

@@ -1,4 +1,4 @@
-"""Falcon with rotary positions (Falcon-7B/40B/180B, Falcon-11B) over a paged KV cache.
+"""Falcon with rotary positions (Falcon-7B/40B/180B, Falcon-11B) or ALiBi (falcon-rw) over a paged KV cache.
 
 Almazrouei et al., 2023, "The Falcon Series of Open Language Models", §4: decoder blocks whose
 attention and MLP both read the block input (parallel attention, Wang & Komatsuzaki's GPT-J
@@ -12,8 +12,14 @@ head's query heads, then its key and value); ``multi_query`` ``[q (H*D); k (D); 
 ours); neither ``[H, 3, D]`` (per head q, k, v). They are re-laid out into ours, ``[q; k; v]``, at
 load time (:func:`~pagedserve.engine.models.checkpoint_map.grouped_qkv_order`).
 
-The ALiBi variant (``alibi: true``, falcon-rw) is refused: it needs a position bias in every
-attention backend (torch, the C++ CPU op, the Triton kernels), which they do not have yet.
+The ALiBi variant (``alibi: true``; falcon-rw-1b/7b: ``[H, 3, D]`` rows, sequential block,
+biases) has no rotary: every attention score gets ALiBi's bias (Press et al., ICLR 2022, §3), which
+the attention backends add given per-head slopes (``attention/alibi.py``). As transformers'
+``build_alibi_tensor`` does: the slopes are rounded to bfloat16, and the bias is added *before* the
+``1/sqrt(head_dim)`` scaling (``(q.k + slope * k_pos) / sqrt(d)``), so the layers pass the backends
+``slope / sqrt(head_dim)``. transformers also rounds each ``slope * position`` product to bfloat16
+(exact while ``position < 256`` and the slope is a power of two, e.g. 4, 6 or 8 heads); we keep
+it in float32 with relative positions, which differs from transformers by that rounding beyond.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.engine.attention.alibi import alibi_slopes
 from pagedserve.engine.models.checkpoint_map import grouped_qkv_order, load_renamed
 from pagedserve.engine.models.config import ModelConfigError
 from pagedserve.engine.models.gpt_neox import DenseGeluMLP, FusedQKVAttention, gelu_approximation, require
@@ -34,14 +41,12 @@ from pagedserve.engine.models.llama import PagedAttentionFn
 from pagedserve.engine.models.rope import RotaryEmbedding
 from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
 
-ALIBI_REFUSED = ("Falcon with alibi: true (falcon-rw) is not supported: ALiBi needs a position bias in every "
-                 "attention backend (torch, the C++ CPU op, the Triton kernels), which is not built yet")
 _RENAMES = {"word_embeddings": "embed_tokens", "h": "layers", "ln_f": "norm", "query_key_value": "qkv_proj"}
 
 
 @dataclass(frozen=True)
 class FalconConfig:
-    """A rotary Falcon model.
+    """A Falcon model (rotary, or ALiBi when ``alibi``).
 
     Attributes:
         num_kv_heads: ``num_kv_heads`` (new decoder), 1 (``multi_query``) or ``num_heads``.
@@ -52,6 +57,7 @@ class FalconConfig:
             (``input_layernorm``).
         bias: the linear layers have biases (LayerNorms always do).
         gelu_approximate: ``"none"`` (exact erf GELU) or ``"tanh"``.
+        alibi: ALiBi position bias instead of rotary (``rope`` is then ``None``).
     """
 
     architecture: str
@@ -70,7 +76,8 @@ class FalconConfig:
     num_layernorms: int
     bias: bool
     gelu_approximate: str
-    rope: RopeConfig
+    rope: RopeConfig | None
+    alibi: bool = False
 
     @property
     def q_size(self) -> int:
@@ -102,17 +109,16 @@ def parse_falcon_config(raw: dict[str, Any]) -> FalconConfig:
     ``n_layer``, ``n_embed``, ``n_head_kv`` names).
 
     Raises:
-        ModelConfigError: ``alibi: true``, a missing field, an unsupported activation or RoPE type,
+        ModelConfigError: a missing field, an unsupported activation or RoPE type (rotary models),
             or a block layout transformers cannot build.
     """
-    if raw.get("alibi"):
-        raise ModelConfigError(ALIBI_REFUSED)
+    alibi = bool(raw.get("alibi", False))
     num_heads = int(require(raw, "num_attention_heads", "n_head"))
     hidden = int(require(raw, "hidden_size", "n_embed"))
     num_kv_heads, parallel_attn, num_layernorms = _block_layout(raw, num_heads)
     max_pos = int(raw.get("max_position_embeddings", 2048))
     try:
-        rope = parse_rope_config(raw, max_pos)
+        rope = None if alibi else parse_rope_config(raw, max_pos)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from exc
     return FalconConfig(
@@ -124,7 +130,31 @@ def parse_falcon_config(raw: dict[str, Any]) -> FalconConfig:
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
         new_decoder_architecture=bool(raw.get("new_decoder_architecture", False)), parallel_attn=parallel_attn,
         num_layernorms=num_layernorms, bias=bool(raw.get("bias", False)),
-        gelu_approximate=gelu_approximation(raw.get("activation", "gelu")), rope=rope)
+        gelu_approximate=gelu_approximation(raw.get("activation", "gelu")), rope=rope, alibi=alibi)
+
+
+class AlibiQKVAttention(FusedQKVAttention):
+    """:class:`FusedQKVAttention` without rotary: the backends add ALiBi's bias from
+    ``alibi_slopes``, a float32 ``[H]`` buffer, transformers' bfloat16-rounded slopes times
+    ``1/sqrt(head_dim)`` (Falcon adds the bias before scaling)."""
+
+    def __init__(self, c: FalconConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim, c.bias, c.bias,
+                         layer_index, dtype, device)
+        slopes = alibi_slopes(c.num_heads).bfloat16().float() * self.scale          # (H,) float32
+        self.register_buffer("alibi_slopes", slopes.to(device), persistent=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
+                attention: PagedAttentionFn) -> torch.Tensor:
+        """``x`` ``[T, hidden]`` -> ``[T, hidden]`` (``cos``/``sin`` unused)."""
+        num_tokens = x.shape[0]
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)                                            # (T, (H+2Hkv)*D)
+        q = qkv[:, : heads * dim].view(num_tokens, heads, dim)            # (T, H, D)
+        k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)  # (T, Hkv, D)
+        v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)  # (T, Hkv, D)
+        o = attention(q, k, v, self.layer_index, self.scale, self.alibi_slopes)  # (T, H, D)
+        return self.dense(o.reshape(num_tokens, heads * dim))             # (T, hidden)
 
 
 class FalconDecoderLayer(nn.Module):
@@ -142,13 +172,14 @@ class FalconDecoderLayer(nn.Module):
             self.input_layernorm = LayerNorm(c.hidden_size, c.layer_norm_eps, True, dtype, device)
         if not c.parallel_attn:
             self.post_attention_layernorm = LayerNorm(c.hidden_size, c.layer_norm_eps, True, dtype, device)
-        self.self_attention = FusedQKVAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim,
-                                                c.bias, c.bias, layer_index, dtype, device)
+        self.self_attention = (AlibiQKVAttention(c, layer_index, dtype, device) if c.alibi else
+                               FusedQKVAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim,
+                                                 c.bias, c.bias, layer_index, dtype, device))
         self.mlp = DenseGeluMLP(c.hidden_size, c.intermediate_size, c.bias, c.gelu_approximate, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 attention: PagedAttentionFn) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]`` (sums in transformers' order)."""
+        """``[T, hidden]`` -> ``[T, hidden]`` (sums in transformers' order; no ``cos``/``sin`` with ALiBi)."""
         if self.two_norms:  # static: the config's
             attn_in, mlp_in = self.ln_attn(x), self.ln_mlp(x)            # (T, hidden) each
         else:
@@ -161,7 +192,7 @@ class FalconDecoderLayer(nn.Module):
 
 
 class FalconForCausalLM(nn.Module):
-    """A rotary Falcon causal LM. Parameter names: the checkpoint's without ``transformer.``, with
+    """A Falcon causal LM (rotary or ALiBi). Parameter names: the checkpoint's without ``transformer.``, with
     ``word_embeddings`` -> ``embed_tokens``, ``h`` -> ``layers``, ``ln_f`` -> ``norm`` and
     ``query_key_value`` -> ``qkv_proj`` (rows re-laid out); ``lm_head`` is absent when tied.
 
@@ -181,7 +212,7 @@ class FalconForCausalLM(nn.Module):
         self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
                         else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
+        self.rotary = None if config.rope is None else RotaryEmbedding(config.rope, config.head_dim).to(device)
         self.requires_grad_(False)
 
     def checkpoint_name(self, name: str) -> str | None:
@@ -201,7 +232,9 @@ class FalconForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
         """int64 ``input_ids``/``positions`` ``[T]`` -> final-norm hidden states ``[T, hidden]``."""
         x = self.embed_tokens(input_ids)                                  # (T, hidden)
-        cos, sin = self.rotary(positions, self.dtype)                     # (T, 1, D/2) each
+        cos = sin = None  # ALiBi: the positions live in the attention bias
+        if self.rotary is not None:
+            cos, sin = self.rotary(positions, self.dtype)                 # (T, 1, D/2) each
         for layer in self.layers:
             x = layer(x, cos, sin, attention)                             # (T, hidden)
         return self.norm(x)                                               # (T, hidden)
