@@ -49,3 +49,23 @@ def test_bad_slopes_refused():
     with pytest.raises(TypeError, match="alibi_slopes has dtype"):
         paged_decode_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.25,
                                alibi_slopes=alibi_slopes(4).double())
+
+
+def test_falcon_alibi_logits_with_triton_backend(tmp_path):
+    """Falcon-rw (ALiBi) logits with the Triton backend equal transformers' on a ragged prefill, a
+    prefill over cached context and a decode batch."""
+    from pagedserve.engine.weight_loader import load_model
+    from tests.worker.test_falcon_alibi import RW
+    from tests.worker.tiny_models import forward_step, hf_logits, hf_model, make_cache, relative_errors, \
+        save_tiny_model
+
+    folder = save_tiny_model(tmp_path, "falcon", **RW)
+    ours, ref = load_model(folder), hf_model(folder)
+    seqs = [[(7 * i + 3 * n) % 90 + 1 for i in range(n)] for n in (14, 11)]
+    refs = [hf_logits(ref, s) for s in seqs]
+    cache, backend, tables = make_cache(ours, 16, 4), TritonAttentionBackend(), [[5, 0, 12, 9], [3, 14, 1, 7]]
+    for (a0, b0), (a1, b1) in (((0, 6), (0, 9)), ((6, 13), (9, 10)), ((13, 14), (10, 11))):
+        got = forward_step(ours, cache, backend, [seqs[0][a0:b0], seqs[1][a1:b1]], [a0, a1], tables)
+        want = torch.cat([refs[0][a0:b0], refs[1][a1:b1]])                # (T, vocab)
+        rel, rel_max = relative_errors(got, want)
+        assert rel < 1e-4 and rel_max < 1e-4, ((a0, a1), rel, rel_max)

@@ -95,3 +95,18 @@ def test_alibi_engine_greedy_matches_hf_generate(tmp_path, attention_backend):
     assert llm.stats().prefix_cache_hits >= 4 * 12, "the shared 12-token prefix (3 blocks) came from the cache"
     for i, result in enumerate(results):
         assert list(result.token_ids) == reference[i], f"prompt {i}"
+
+
+def test_alibi_compiled_forward_matches_eager(tmp_path):
+    """``torch.compile`` traces the ALiBi forward (the slopes reach the opaque attention op as an
+    optional tensor argument) and gives the eager logits on a ragged prefill then a decode batch."""
+    from pagedserve.engine.models.compiled import CompiledForward
+
+    model = load_model(save_tiny_model(tmp_path, "falcon", **RW))
+    compiled = CompiledForward(model)
+    caches = [make_cache(model, 16, 4) for _ in range(2)]
+    tables = [[3, 9, 1, 12], [7, 0, 14, 2]]
+    for token_ids, context_lens in (([_tokens(9, 1), _tokens(4, 2)], [0, 0]), ([[5], [6]], [9, 4])):
+        want = forward_step(model, caches[0], TorchAttentionBackend(), token_ids, context_lens, tables)
+        got = forward_step(model, caches[1], TorchAttentionBackend(), token_ids, context_lens, tables, compiled)
+        _check(got, want, f"compiled {context_lens}")
