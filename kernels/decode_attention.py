@@ -14,7 +14,8 @@ Algorithm:
     so each K/V tile is loaded once; the heads form the M dimension of the
     ``tl.dot`` (padded to 16 rows, the minimum MMA size).
   * ALiBi (Press et al., ICLR 2022, §3), when slopes are given (``ALIBI``):
-    ``-slope[h] * (query_pos - key_pos)`` added to each scaled score (in base 2).
+    ``-slope[h] * (query_pos - key_pos)`` added to each scaled score (in base 2);
+    with ``ALIBI_BF16`` transformers' Falcon form ``scale * bf16(slope[h] * bf16(key_pos))``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._alibi import round_bf16
 from kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_alibi_slopes, check_heads, check_kv_cache, check_out,
                              check_same_device, check_same_dtype, check_shape, check_tensor,
                              next_pow2)
@@ -45,6 +47,7 @@ def _decode_kernel(
     qk_scale, num_heads, num_splits,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ALIBI: tl.constexpr,
+    ALIBI_BF16: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -62,8 +65,8 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq * stride_q_s + head[:, None] * stride_q_h + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)                        # (G, D)
     slope = tl.zeros([BLOCK_G], tl.float32)                             # (G,)
-    if ALIBI:  # base-2 slopes: the scores are in log2 units
-        slope = tl.load(slopes_ptr + head, mask=mask_g, other=0.0) * 1.4426950408889634  # (G,)
+    if ALIBI:
+        slope = tl.load(slopes_ptr + head, mask=mask_g, other=0.0)     # (G,)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)                 # (G,)
     l_i = tl.zeros([BLOCK_G], tl.float32)                               # (G,)
@@ -81,8 +84,11 @@ def _decode_kernel(
         v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :],
                     mask=mask_n[:, None], other=0.0)                    # (N, D)
         qk = tl.dot(q, k, input_precision="ieee") * qk_scale            # (G, N)
-        if ALIBI:
-            qk += slope[:, None] * (offs_n - (seq_len - 1)).to(tl.float32)[None, :]  # (G, N)
+        if ALIBI_BF16:  # qk_scale * bf16(slope * bf16(key_pos)): scaled, in log2 units
+            bias = slope[:, None] * round_bf16(offs_n.to(tl.float32))[None, :]  # (G, N)
+            qk += round_bf16(bias) * qk_scale                           # (G, N)
+        elif ALIBI:  # the scores are in log2 units
+            qk += (slope * 1.4426950408889634)[:, None] * (offs_n - (seq_len - 1)).to(tl.float32)[None, :]  # (G, N)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))               # (G, N)
         m_new = tl.maximum(m_i, tl.max(qk, 1))                          # (G,)
         alpha = tl.exp2(m_i - m_new)                                    # (G,)
@@ -184,7 +190,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
                            max_seq_len: int | None = None,
-                           alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                           alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
     """Attention of one new token per sequence over its paged K/V context.
 
     Args:
@@ -202,6 +208,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         max_seq_len: optional host-side ``seq_lens.max()`` (avoids a device sync
             when ``num_splits`` is None).
         alibi_slopes: float32 ``[num_heads]`` on the query's device, or ``None``.
+        alibi_bf16: transformers' Falcon form of the bias (see ``attention/alibi.py``).
 
     Returns:
         ``out``: ``[num_seqs, num_heads, head_dim]`` in ``query.dtype``.
@@ -232,6 +239,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         float(scale) * LOG2E, num_heads, splits,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=BLOCK_N, SPLIT=splits > 1, ALIBI=alibi_slopes is not None,
+        ALIBI_BF16=alibi_slopes is not None and alibi_bf16,
         num_warps=4, num_stages=2,
     )
     if splits > 1:

@@ -16,7 +16,8 @@ Algorithm:
     (PagedAttention, Kwon et al., SOSP 2023, §4.1), so any block size works.
   * ALiBi (Press et al., ICLR 2022, §3), when slopes are given (``ALIBI``):
     ``-slope[h] * (query_pos - key_pos)`` added to each scaled score (in base 2),
-    on the unmasked tiles too.
+    on the unmasked tiles too; with ``ALIBI_BF16`` transformers' Falcon form
+    ``scale * bf16(slope[h] * bf16(key_pos))``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._alibi import round_bf16
 from kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_alibi_slopes, check_heads, check_kv_cache, check_out,
                              check_same_device, check_same_dtype, check_shape, check_tensor)
 
@@ -36,7 +38,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride
                   kv_k_off, kv_v_off, stride_kc_b, stride_kc_s, stride_vc_b, stride_vc_s,
                   q_pos, lo, hi, kv_limit, qk_scale, slope,
                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, ALIBI: tl.constexpr):
+                  CAUSAL: tl.constexpr, ALIBI: tl.constexpr, ALIBI_BF16: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) with key tiles starting in [lo, hi)."""
     offs_d = tl.arange(0, HEAD_DIM)                                     # (D,)
     for tile in range(lo, hi, BLOCK_N):
@@ -52,8 +54,11 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride
         v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :],
                     mask=mask_n[:, None], other=0.0)                    # (N, D)
         qk = tl.dot(q, k, input_precision="ieee") * qk_scale            # (M, N)
-        if ALIBI:
-            qk += slope * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)  # (M, N)
+        if ALIBI_BF16:  # qk_scale * bf16(slope * bf16(key_pos)): scaled, in log2 units
+            bias = round_bf16(slope * round_bf16(offs_n.to(tl.float32)))  # (N,)
+            qk += bias[None, :] * qk_scale                              # (M, N)
+        elif ALIBI:  # the scores are in log2 units
+            qk += (slope * 1.4426950408889634) * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)  # (M, N)
         if CAUSAL:
             visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]  # (M, N)
             qk = tl.where(visible, qk, float("-inf"))                   # (M, N)
@@ -73,7 +78,7 @@ def _prefill_kernel(
     stride_kc_b, stride_kc_s, stride_kc_h, stride_vc_b, stride_vc_s, stride_vc_h,
     stride_bt_s, stride_bt_b, qk_scale,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr, ALIBI_BF16: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -86,8 +91,8 @@ def _prefill_kernel(
     ctx_len = seq_len - q_len                                           # cached prefix length
     kv_head = head // GROUP
     slope = 0.0
-    if ALIBI:  # base-2 slope: the scores are in log2 units
-        slope = tl.load(slopes_ptr + head) * 1.4426950408889634
+    if ALIBI:
+        slope = tl.load(slopes_ptr + head)
 
     offs_m = m_start + tl.arange(0, BLOCK_M)                            # (M,)
     offs_d = tl.arange(0, HEAD_DIM)                                     # (D,)
@@ -110,11 +115,13 @@ def _prefill_kernel(
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
                                   stride_bt_b, kv_k_off, kv_v_off, stride_kc_b, stride_kc_s,
                                   stride_vc_b, stride_vc_s, q_pos, 0, full_end, kv_end, qk_scale, slope,
-                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, ALIBI)
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, ALIBI,
+                                  ALIBI_BF16)
     acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr,
                                   stride_bt_b, kv_k_off, kv_v_off, stride_kc_b, stride_kc_s,
                                   stride_vc_b, stride_vc_s, q_pos, full_end, kv_end, kv_end,
-                                  qk_scale, slope, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, ALIBI)
+                                  qk_scale, slope, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, ALIBI,
+                                  ALIBI_BF16)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]                   # (M, D)
     o_rows = (q_start + offs_m) * stride_o_t + head * stride_o_h        # (M,)
@@ -148,7 +155,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_tables: torch.Tensor, seq_lens: torch.Tensor,
                             query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                             out: torch.Tensor | None = None,
-                            alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                            alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
     """Causal attention of a ragged batch of new tokens over their paged context.
 
     Args:
@@ -166,6 +173,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             (sizes the launch grid; longer sequences would be left unwritten).
         out: optional preallocated output shaped like ``query``.
         alibi_slopes: float32 ``[num_heads]`` on the query's device, or ``None``.
+        alibi_bf16: transformers' Falcon form of the bias (see ``attention/alibi.py``).
 
     Returns:
         ``out``: ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
@@ -192,6 +200,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), block_tables.stride(1), float(scale) * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, ALIBI=alibi_slopes is not None, num_warps=4 if head_dim <= 64 else 8, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, ALIBI=alibi_slopes is not None,
+        ALIBI_BF16=alibi_slopes is not None and alibi_bf16, num_warps=4 if head_dim <= 64 else 8, num_stages=2,
     )
     return out

@@ -54,7 +54,7 @@ def gather_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) 
 def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
                         query_start_loc: torch.Tensor, scale: float,
-                        alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                        alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
     """Causal attention of a ragged batch of new tokens over their paged context.
 
     Each sequence ``i`` has ``q_len = query_start_loc[i+1] - query_start_loc[i]``
@@ -72,6 +72,7 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scale: softmax scale (usually ``head_dim ** -0.5``).
         alibi_slopes: float32 ``[num_heads]`` or ``None``: ALiBi (Press et al., 2022, §3) adds
             ``-slope[h] * (q_pos - k_pos)`` to the scaled score of head ``h``.
+        alibi_bf16: transformers' Falcon form instead: ``scale * bf16(slope[h] * bf16(k_pos))``.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.
@@ -96,6 +97,9 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if alibi_slopes is not None:
             rel = (k_pos[None, :] - q_pos[:, None]).float()       # (q_len, L)
             bias = alibi_slopes.float()[:, None, None] * rel      # (H, q_len, L)
+            if alibi_bf16:
+                absolute = alibi_slopes.float()[:, None] * k_pos.float().bfloat16().float()[None]  # (H, L)
+                bias = (absolute.bfloat16().float() * scale)[:, None].expand(-1, q_len, -1)  # (H, q_len, L)
             mask = bias.masked_fill(~mask, float("-inf"))         # (H, q_len, L)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (H, q_len, D)
         out[q_start:q_end] = o.transpose(0, 1).to(query.dtype)    # (q_len, H, D)
@@ -104,7 +108,8 @@ def paged_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def paged_decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                               scale: float, alibi_slopes: torch.Tensor | None = None,
+                               alibi_bf16: bool = False) -> torch.Tensor:
     """Decode special case of :func:`paged_attention_ref`: one query token per sequence.
 
     ``query`` is ``[num_seqs, num_heads, head_dim]``; returns the same shape.
@@ -112,4 +117,4 @@ def paged_decode_attention_ref(query: torch.Tensor, k_cache: torch.Tensor, v_cac
     num_seqs = query.shape[0]
     query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=query.device)
     return paged_attention_ref(query, k_cache, v_cache, block_tables, seq_lens,
-                               query_start_loc, scale, alibi_slopes)
+                               query_start_loc, scale, alibi_slopes, alibi_bf16)

@@ -42,6 +42,16 @@ def test_triton_backend_alibi(seqs):
     torch.testing.assert_close(got, dense_reference(md, q, k_cache, v_cache, slopes), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("seqs", [DECODES, MIXED, [(300, 1), (120, 20)]])
+def test_falcon_bf16_form_kernels(seqs):
+    """``alibi_bf16`` (transformers' Falcon form) in both kernels through the backend, 12 heads."""
+    md, q, k, v, k_cache, v_cache = make_batch(10, seqs, 8, 12, 4, 16)
+    slopes = alibi_slopes(12).bfloat16().float() * 8
+    got = TritonAttentionBackend().attend(q, k, v, k_cache, v_cache, md, 0.25, alibi_slopes=slopes, alibi_bf16=True)
+    want = dense_reference(md, q, k_cache, v_cache, slopes, bf16=True)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=5e-5)  # absolute biases of ~700: float32 ulp 6e-5
+
+
 def test_bad_slopes_refused():
     md, q, _, _, k_cache, v_cache = make_batch(8, DECODES, 16, 4, 2, 16)
     with pytest.raises(ValueError, match="alibi_slopes has shape"):

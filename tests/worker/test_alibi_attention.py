@@ -44,10 +44,11 @@ def make_batch(seed: int, seqs: list[tuple[int, int]], block_size: int, heads: i
     return md, q, k, v, k_cache, v_cache
 
 
-def dense_reference(md, q, k_cache, v_cache, slopes: torch.Tensor) -> torch.Tensor:
-    """Masked softmax with the bias, one sequence at a time (``kernels/reference.py``)."""
+def dense_reference(md, q, k_cache, v_cache, slopes: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """Masked softmax with the bias, one sequence at a time (``kernels/reference.py``); ``bf16``:
+    transformers' Falcon form ``scale * bf16(slope * bf16(key_pos))``."""
     return paged_attention_ref(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
-                               q.shape[-1] ** -0.5, alibi_slopes=slopes)
+                               q.shape[-1] ** -0.5, alibi_slopes=slopes, alibi_bf16=bf16)
 
 
 def test_slopes_match_the_paper_and_transformers():
@@ -121,3 +122,25 @@ def test_cpu_op_alibi_bfloat16_and_bad_slopes():
     for bad in (alibi_slopes(4), slopes.double(), slopes.bfloat16()):
         with pytest.raises(RuntimeError, match="alibi_slopes must be"):
             OP(out, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, 0.25, bad)
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_falcon_bf16_form(batch):
+    """``alibi_bf16``: ``scale * bf16(slope * bf16(key_pos))`` (transformers' Falcon) in the torch backend,
+    the op (whole batch) and the cpu backend; 12 heads, so some slopes are not powers of two."""
+    seqs, block_size = BATCHES[batch]
+    md, q, k, v, k_cache, v_cache = make_batch(9, seqs, block_size, 12, 4, 16)
+    slopes, scale = alibi_slopes(12).bfloat16().float() * 8, 0.25
+    want = dense_reference(md, q, k_cache, v_cache, slopes, bf16=True)
+    got = TorchAttentionBackend().attend(q, k, v, k_cache, v_cache, md, scale, alibi_slopes=slopes, alibi_bf16=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if batch == "long":  # the rounding is visible: not the relative float32 bias scaled
+        relative = dense_reference(md, q, k_cache, v_cache, slopes * scale)
+        assert (want - relative).abs().max() > 1e-3
+    if OP is None:
+        return
+    out = torch.empty_like(q)
+    OP(out, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, slopes, True)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    got = CpuAttentionBackend(OP).attend(q, k, v, k_cache, v_cache, md, scale, alibi_slopes=slopes, alibi_bf16=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

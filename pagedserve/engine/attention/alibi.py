@@ -8,6 +8,13 @@ bias before scaling (Falcon) passes ``slope * scale``. The relative form keeps t
 the diagonal; it equals an absolute ``slope * k_pos`` bias (BLOOM's, Falcon's) up to a per-row
 constant, which softmax ignores.
 
+transformers' Falcon (``build_alibi_tensor``) is not quite that: it computes ``slope * key_pos`` in
+bfloat16 (the bf16 slope times the position rounded to bf16, the product rounded again: absolute key
+positions, so keys far from position 0 get coarse biases) and adds it before scaling. A falcon-rw
+checkpoint expects that form (1e-2 relative logit differences within 300 tokens without it, on
+slopes that are not powers of two), so every backend also takes ``alibi_bf16=True``: bias
+``scale * bf16(slope[h] * bf16(key_pos))`` with the raw (unscaled) slopes.
+
 The torch helpers here build the additive float masks the torch backend hands to
 ``scaled_dot_product_attention``; the C++ op and the Triton kernels add the same bias in their score
 loops.
@@ -42,21 +49,28 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
     return slopes
 
 
-def alibi_bias(slopes: torch.Tensor, query_pos: torch.Tensor, key_len: int) -> torch.Tensor:
-    """``-slope[h] * (query_pos[i] - j)`` for keys ``j < key_len``: float32 ``[H, q, key_len]``.
+def alibi_bias(slopes: torch.Tensor, query_pos: torch.Tensor, key_len: int,
+               bf16_scale: float | None = None) -> torch.Tensor:
+    """``-slope[h] * (query_pos[i] - j)`` for keys ``j < key_len``: float32 ``[H, q, key_len]``; with
+    ``bf16_scale``, transformers' Falcon form ``bf16_scale * bf16(slope[h] * bf16(j))`` instead.
 
     Args:
         slopes: float32 ``[H]``.
         query_pos: int ``[q]``, the queries' positions in their sequence.
         key_len: key positions ``0..key_len-1``.
+        bf16_scale: the softmax scale in the Falcon form, or ``None`` (relative, float32).
     """
     key_pos = torch.arange(key_len, device=slopes.device, dtype=torch.float32)           # (L,)
+    if bf16_scale is not None:
+        key_bf16 = key_pos.bfloat16().float()                                            # (L,)
+        bias = (slopes.float()[:, None] * key_bf16[None]).bfloat16().float() * bf16_scale  # (H, L)
+        return bias[:, None, :].expand(-1, query_pos.shape[0], -1)                       # (H, q, L)
     rel = key_pos[None, :] - query_pos.to(slopes.device, torch.float32)[:, None]          # (q, L)
     return slopes.float()[:, None, None] * rel[None]                                     # (H, q, L)
 
 
 def decode_mask(mask: torch.Tensor, slopes: torch.Tensor, seq_lens: torch.Tensor,
-                num_kv_heads: int) -> torch.Tensor:
+                num_kv_heads: int, bf16_scale: float | None = None) -> torch.Tensor:
     """The torch decode path's padding mask plus the bias of each sequence's one query (position
     ``seq_len - 1``).
 
@@ -65,11 +79,15 @@ def decode_mask(mask: torch.Tensor, slopes: torch.Tensor, seq_lens: torch.Tensor
         slopes: float32 ``[H]``.
         seq_lens: int ``[Nd]``.
         num_kv_heads: query heads are grouped as ``[Hkv, G]`` (head ``h`` = ``kv * G + g``).
+        bf16_scale: see :func:`alibi_bias`.
 
     Returns:
         ``[Nd, Hkv, G, L]`` in ``mask.dtype``.
     """
     num_seqs, length = mask.shape[0], mask.shape[-1]
+    if bf16_scale is not None:  # the same bias row for every sequence
+        bias = alibi_bias(slopes, seq_lens[:1], length, bf16_scale)                      # (H, 1, L)
+        return (bias.view(1, num_kv_heads, -1, length) + mask).to(mask.dtype)            # (Nd, Hkv, G, L)
     key_pos = torch.arange(length, device=mask.device, dtype=torch.float32)              # (L,)
     rel = key_pos[None, :] - (seq_lens.to(mask.device, torch.float32) - 1)[:, None]      # (Nd, L)
     bias = slopes.float().view(1, num_kv_heads, -1, 1) * rel.view(num_seqs, 1, 1, length)  # (Nd, Hkv, G, L)
@@ -77,7 +95,7 @@ def decode_mask(mask: torch.Tensor, slopes: torch.Tensor, seq_lens: torch.Tensor
 
 
 def prefill_mask(slopes: torch.Tensor, query_pos: torch.Tensor, key_len: int, num_kv_heads: int,
-                 mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+                 mask: torch.Tensor | None, dtype: torch.dtype, bf16_scale: float | None = None) -> torch.Tensor:
     """The bias plus the causal mask for one sequence's prefill, grouped as the torch backend's
     ``[Hkv, G, q, L]`` attention.
 
@@ -87,11 +105,12 @@ def prefill_mask(slopes: torch.Tensor, query_pos: torch.Tensor, key_len: int, nu
         key_len: context positions read (the padded gather length with cached context).
         mask: additive ``[q, L]`` (0 / ``-inf``), or ``None`` for plain causal (``j <= query_pos``).
         dtype: the model dtype (``scaled_dot_product_attention`` wants the query's).
+        bf16_scale: see :func:`alibi_bias`.
 
     Returns:
         ``[Hkv, G, q, L]`` in ``dtype``.
     """
-    bias = alibi_bias(slopes, query_pos, key_len)                                         # (H, q, L)
+    bias = alibi_bias(slopes, query_pos, key_len, bf16_scale)                                         # (H, q, L)
     if mask is None:
         key_pos = torch.arange(key_len, device=bias.device)                              # (L,)
         future = key_pos[None, :] > query_pos.to(bias.device)[:, None]                   # (q, L)

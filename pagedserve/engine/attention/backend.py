@@ -26,12 +26,13 @@ class AttentionBackend(Protocol):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
         """Causal attention of the new tokens over their context; called after :meth:`write_kv`.
 
         Score of query head ``h`` at position ``i`` and key position ``j <= i``:
         ``scale * q.k - alibi_slopes[h] * (i - j)`` (ALiBi, Press et al., 2022, §3; the bias is
-        added after scaling, see ``alibi.py``), or ``scale * q.k`` without slopes.
+        added after scaling, see ``alibi.py``), or ``scale * q.k`` without slopes. With
+        ``alibi_bf16`` (transformers' Falcon form): ``scale * (q.k + bf16(alibi_slopes[h] * bf16(j)))``.
 
         Args:
             query: ``[num_tokens, num_heads, head_dim]``.
@@ -41,6 +42,7 @@ class AttentionBackend(Protocol):
             scale: softmax scale, usually ``head_dim ** -0.5``.
             alibi_slopes: float32 ``[num_heads]`` on the query's device, or ``None`` (no position bias).
                 A property of the model's layer, passed on every call (see ``step.py``).
+            alibi_bf16: the Falcon form of the bias above (ignored without slopes).
 
         Returns:
             ``[num_tokens, num_heads, head_dim]`` in ``query.dtype``.

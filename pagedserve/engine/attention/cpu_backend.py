@@ -38,15 +38,16 @@ class CpuAttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, H, D]`` over the paged context; returns ``[T, H, D]``.
-        ``alibi_slopes``: float32 ``[H]`` or ``None`` (see ``backend.py``)."""
+        ``alibi_slopes``: float32 ``[H]`` or ``None``; ``alibi_bf16``: Falcon's form (see ``backend.py``)."""
         if query.shape[-1] % LANES:
-            return self._torch.attend(query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes)
+            return self._torch.attend(query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes,
+                                      alibi_bf16)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (T, H, D)
         n = metadata.num_decode_seqs
         if n:  # the first n sequences own the first n tokens, one each
             self._op(out[:n], query[:n].contiguous(), key_cache, value_cache, metadata.block_tables[:n],
-                     metadata.seq_lens[:n], metadata.query_start_loc[:n + 1], scale, alibi_slopes)
-        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes)
+                     metadata.seq_lens[:n], metadata.query_start_loc[:n + 1], scale, alibi_slopes, alibi_bf16)
+        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes, alibi_bf16)
         return out

@@ -52,7 +52,7 @@ def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = N
     """The compiled ``paged_attention`` op, built on first use; ``None`` if it cannot be built.
 
     The op: ``op(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-    alibi_slopes=None)`` writes ``out`` ``[T, H, D]``; ``alibi_slopes`` float32 ``[H]`` adds the ALiBi
+    alibi_slopes=None, alibi_bf16=False)`` writes ``out`` ``[T, H, D]``; ``alibi_slopes`` float32 ``[H]`` adds the ALiBi
     bias (a separate instantiation of the score loop); see the source file for the layouts.
 
     Args:

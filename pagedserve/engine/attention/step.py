@@ -13,7 +13,7 @@ class StepAttention:
     """Binds the KV cache, the step's metadata and the backend for one forward pass.
 
     A layer calls ``attention(query, key, value, layer_index, scale)``, and an ALiBi model's layer
-    ``attention(query, key, value, layer_index, scale, alibi_slopes)``: the slopes (float32 ``[H]``)
+    ``attention(query, key, value, layer_index, scale, alibi_slopes, alibi_bf16)``: the slopes (float32 ``[H]``)
     belong to the layer (a buffer of it, the heads it owns), so they travel with each call rather
     than being set on the backend, which is shared by every model and layer; models without ALiBi
     pass nothing and every backend keeps its bias-free path. The model never sees the
@@ -32,13 +32,14 @@ class StepAttention:
         self.backend = backend
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_index: int,
-                 scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float, alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
         """Stores ``key``/``value`` ``[T, Hkv, D]`` in layer ``layer_index``'s cache at the slot mapping,
         then returns the causal attention of ``query`` ``[T, H, D]`` over each sequence's context,
-        ``[T, H, D]`` in ``query.dtype`` (with the ALiBi bias of ``alibi_slopes`` ``[H]`` if given)."""
+        ``[T, H, D]`` in ``query.dtype`` (with the ALiBi bias of ``alibi_slopes`` ``[H]`` if given, in
+        transformers' Falcon form with ``alibi_bf16``: see ``backend.py``)."""
         key_cache, value_cache = self.kv_cache.layer(layer_index)
         self.backend.write_kv(key, value, key_cache, value_cache, self.metadata)
         if alibi_slopes is None:
             return self.backend.attend(query, key, value, key_cache, value_cache, self.metadata, scale)
         return self.backend.attend(query, key, value, key_cache, value_cache, self.metadata, scale,
-                                   alibi_slopes=alibi_slopes)
+                                   alibi_slopes=alibi_slopes, alibi_bf16=alibi_bf16)

@@ -50,16 +50,17 @@ class TorchAttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, H, D]`` over the paged context; returns ``[T, H, D]``.
-        ``alibi_slopes``: float32 ``[H]`` or ``None`` (see ``backend.py``)."""
+        ``alibi_slopes``: float32 ``[H]`` or ``None``; ``alibi_bf16``: Falcon's form (see ``backend.py``)."""
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # (T, H, D)
+        bf16_scale = scale if alibi_bf16 else None
         for chunk in metadata.decode_chunks:
             s, e = chunk.start, chunk.end
             mask = chunk.mask if alibi_slopes is None else alibi.decode_mask(
-                chunk.mask, alibi_slopes, metadata.seq_lens[s:e], key_cache.shape[2])  # (Nd, Hkv, G|1, L)
+                chunk.mask, alibi_slopes, metadata.seq_lens[s:e], key_cache.shape[2], bf16_scale)  # (Nd, Hkv, G|1, L)
             out[s:e] = self._decode(query[s:e], key_cache, value_cache, chunk, scale, mask)
-        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes)
+        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes, alibi_bf16)
         return out
 
     def _gather(self, cache: torch.Tensor, blocks: torch.Tensor,
@@ -117,38 +118,43 @@ def _heads_last(o: torch.Tensor) -> torch.Tensor:
 
 def attend_prefills(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-                    scale: float, alibi_slopes: torch.Tensor | None = None) -> None:
+                    scale: float, alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> None:
     """Writes into ``out`` ``[T, H, D]`` the attention of every sequence after the leading decodes:
     fresh prefills on their new K/V, prefills with cached context on a gathered copy of it
-    (with the ALiBi bias of ``alibi_slopes`` float32 ``[H]`` unless ``None``)."""
+    (with the ALiBi bias of ``alibi_slopes`` float32 ``[H]`` unless ``None``, in Falcon's form
+    with ``alibi_bf16``)."""
+    bf16_scale = scale if alibi_bf16 else None
     for seq in metadata.fresh_prefills:
         s, e = seq.query_start, seq.query_end
-        out[s:e] = _causal(query[s:e], key[s:e], value[s:e], scale, alibi_slopes)
+        out[s:e] = _causal(query[s:e], key[s:e], value[s:e], scale, alibi_slopes, bf16_scale)
     for seq in metadata.context_prefills:
-        out[seq.query_start:seq.query_end] = _with_context(query, key_cache, value_cache, seq, scale, alibi_slopes)
+        out[seq.query_start:seq.query_end] = _with_context(query, key_cache, value_cache, seq, scale, alibi_slopes,
+                                                           bf16_scale)
 
 
 def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-            alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+            alibi_slopes: torch.Tensor | None, bf16_scale: float | None) -> torch.Tensor:
     """Causal self-attention of one sequence's new tokens: ``[q, H, D]`` x ``[q, Hkv, D]`` -> ``[q, H, D]``."""
     q, k, v = _grouped(query, key, value, key.shape[1])
     if alibi_slopes is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (Hkv, G, q, D)
     else:
         q_pos = torch.arange(query.shape[0], device=query.device)        # (q,)
-        mask = alibi.prefill_mask(alibi_slopes, q_pos, key.shape[0], key.shape[1], None, query.dtype)  # (Hkv, G, q, q)
+        mask = alibi.prefill_mask(alibi_slopes, q_pos, key.shape[0], key.shape[1], None, query.dtype,
+                                    bf16_scale)                           # (Hkv, G, q, q)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (Hkv, G, q, D)
     return _heads_last(o)                                                 # (q, H, D)
 
 
 def _with_context(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  seq: ContextPrefill, scale: float, alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+                  seq: ContextPrefill, scale: float, alibi_slopes: torch.Tensor | None,
+                  bf16_scale: float | None) -> torch.Tensor:
     """New tokens of one sequence over its cached context plus themselves -> ``[q, H, D]``."""
     mask = seq.mask                                                       # (q, Lp)
     if alibi_slopes is not None:
         q_pos = torch.arange(seq.query_end - seq.query_start, device=mask.device) + seq.context_len  # (q,)
         mask = alibi.prefill_mask(alibi_slopes, q_pos, mask.shape[1], key_cache.shape[2], mask,
-                                  query.dtype)                            # (Hkv, G, q, Lp)
+                                  query.dtype, bf16_scale)                # (Hkv, G, q, Lp)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     k = key_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim)    # (Lp, Hkv, D)
     v = value_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim)  # (Lp, Hkv, D)

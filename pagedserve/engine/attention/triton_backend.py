@@ -30,14 +30,15 @@ class TritonAttentionBackend:
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
-               scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, H, D]`` over the paged context -> ``[T, H, D]``;
-        ``alibi_slopes``: float32 ``[H]`` or ``None`` (see ``backend.py``)."""
+        ``alibi_slopes``: float32 ``[H]`` or ``None``; ``alibi_bf16``: Falcon's form (see ``backend.py``)."""
         from kernels import paged_decode_attention, paged_prefill_attention
 
         if metadata.max_query_len == 1:
             return paged_decode_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                                          scale, max_seq_len=metadata.max_seq_len, alibi_slopes=alibi_slopes)
+                                          scale, max_seq_len=metadata.max_seq_len, alibi_slopes=alibi_slopes,
+                                          alibi_bf16=alibi_bf16)
         return paged_prefill_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                                        metadata.query_start_loc, scale, metadata.max_query_len,
-                                       alibi_slopes=alibi_slopes)
+                                       alibi_slopes=alibi_slopes, alibi_bf16=alibi_bf16)

@@ -32,15 +32,16 @@ _ids = itertools.count()
 
 @torch.library.custom_op("pagedserve::paged_attention", mutates_args=())
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, forward_id: int,
-                    layer_index: int, scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                    layer_index: int, scale: float, alibi_slopes: torch.Tensor | None = None,
+                    alibi_bf16: bool = False) -> torch.Tensor:
     """The current step's attention of compiled forward ``forward_id`` for one layer: writes the K/V
     into the cache (a side effect the graph does not see; the output depends on it) and returns
-    ``[T, H, D]`` (``alibi_slopes`` float32 ``[H]``: ALiBi models only)."""
-    return _forwards[forward_id].step_attention(query, key, value, layer_index, scale, alibi_slopes)
+    ``[T, H, D]`` (``alibi_slopes`` float32 ``[H]`` and ``alibi_bf16``: ALiBi models only)."""
+    return _forwards[forward_id].step_attention(query, key, value, layer_index, scale, alibi_slopes, alibi_bf16)
 
 
 @paged_attention.register_fake
-def _(query, key, value, forward_id, layer_index, scale, alibi_slopes=None):
+def _(query, key, value, forward_id, layer_index, scale, alibi_slopes=None, alibi_bf16=False):
     return torch.empty_like(query)
 
 
@@ -51,8 +52,8 @@ class _OpaqueAttention:
         self.forward_id = forward_id
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_index: int,
-                 scale: float, alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
-        return paged_attention(query, key, value, self.forward_id, layer_index, scale, alibi_slopes)
+                 scale: float, alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
+        return paged_attention(query, key, value, self.forward_id, layer_index, scale, alibi_slopes, alibi_bf16)
 
 
 class CompiledForward:

@@ -16,10 +16,10 @@ The ALiBi variant (``alibi: true``; falcon-rw-1b/7b: ``[H, 3, D]`` rows, sequent
 biases) has no rotary: every attention score gets ALiBi's bias (Press et al., ICLR 2022, §3), which
 the attention backends add given per-head slopes (``attention/alibi.py``). As transformers'
 ``build_alibi_tensor`` does: the slopes are rounded to bfloat16, and the bias is added *before* the
-``1/sqrt(head_dim)`` scaling (``(q.k + slope * k_pos) / sqrt(d)``), so the layers pass the backends
-``slope / sqrt(head_dim)``. transformers also rounds each ``slope * position`` product to bfloat16
-(exact while ``position < 256`` and the slope is a power of two, e.g. 4, 6 or 8 heads); we keep
-it in float32 with relative positions, which differs from transformers by that rounding beyond.
+``1/sqrt(head_dim)`` scaling, and ``slope * key_pos`` is computed in bfloat16 too
+(``(q.k + bf16(slope * bf16(k_pos))) / sqrt(d)``): the layers ask the backends for that form
+(``alibi_bf16=True``). Without the rounding, logits differ from transformers' by about 1e-2
+(relative) within 300 tokens on slopes that are not powers of two (falcon-rw's 32 heads).
 """
 
 from __future__ import annotations
@@ -134,14 +134,14 @@ def parse_falcon_config(raw: dict[str, Any]) -> FalconConfig:
 
 
 class AlibiQKVAttention(FusedQKVAttention):
-    """:class:`FusedQKVAttention` without rotary: the backends add ALiBi's bias from
-    ``alibi_slopes``, a float32 ``[H]`` buffer, transformers' bfloat16-rounded slopes times
-    ``1/sqrt(head_dim)`` (Falcon adds the bias before scaling)."""
+    """:class:`FusedQKVAttention` without rotary: the backends add ALiBi's bias, in transformers'
+    Falcon form (``alibi_bf16``), from ``alibi_slopes``, a float32 ``[H]`` buffer of the
+    bfloat16-rounded slopes."""
 
     def __init__(self, c: FalconConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim, c.bias, c.bias,
                          layer_index, dtype, device)
-        slopes = alibi_slopes(c.num_heads).bfloat16().float() * self.scale          # (H,) float32
+        slopes = alibi_slopes(c.num_heads).bfloat16().float()                       # (H,) float32
         self.register_buffer("alibi_slopes", slopes.to(device), persistent=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
@@ -153,7 +153,7 @@ class AlibiQKVAttention(FusedQKVAttention):
         q = qkv[:, : heads * dim].view(num_tokens, heads, dim)            # (T, H, D)
         k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(num_tokens, kv_heads, dim)  # (T, Hkv, D)
         v = qkv[:, (heads + kv_heads) * dim:].view(num_tokens, kv_heads, dim)  # (T, Hkv, D)
-        o = attention(q, k, v, self.layer_index, self.scale, self.alibi_slopes)  # (T, H, D)
+        o = attention(q, k, v, self.layer_index, self.scale, self.alibi_slopes, True)  # (T, H, D)
         return self.dense(o.reshape(num_tokens, heads * dim))             # (T, hidden)
 
 

@@ -9,8 +9,9 @@
 // online (streaming) form of FlashAttention (Dao et al., NeurIPS 2022, §3.1, Algorithm 1): a running
 // maximum and sum per row, rescaled block by block, so one pass over the context suffices. All
 // arithmetic is float32 whatever the cache dtype. With ALiBi slopes (Press et al., 2022, §3) each
-// scaled score of head h gets -slope[h] * (query_pos - key_pos); that path is a separate template
-// instantiation (kAlibi), so the default path has no extra work in its score loop.
+// scaled score of head h gets -slope[h] * (query_pos - key_pos), or with alibi_bf16 (transformers'
+// Falcon) scale * bf16(slope[h] * bf16(key_pos)); each is a separate template instantiation (kAlibi), so
+// the default path has no extra work in its score loop.
 //
 // Layouts (the conventions of pagedserve/engine/attention/metadata.py):
 //   query, out       [T, H, D]            the step's new tokens, flat over sequences
@@ -19,7 +20,7 @@
 //   seq_lens         int32 [S]            context length including the new tokens
 //   query_start_loc  int32 [S + 1]        sequence i owns tokens query_start_loc[i]..[i+1]-1, which
 //                                         are its last positions; token at position p reads keys 0..p
-//   alibi_slopes     float32 [H] or None  per-head ALiBi slopes
+//   alibi_slopes     float32 [H] or None  per-head ALiBi slopes (alibi_bf16: Falcon's form)
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -79,6 +80,17 @@ inline vf16 exp_nonpositive(vf16 x) {
 }
 
 inline vf16 vmax(vf16 a, vf16 b) { return a > b ? a : b; }
+
+// Rounds non-negative finite lanes to bfloat16 (to nearest, ties to even), as float.
+inline vf16 round_bf16(vf16 x) {
+  vi16 bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & static_cast<int32_t>(0xFFFF0000u);
+  __builtin_memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+enum AlibiMode { kNoAlibi = 0, kRelative = 1, kFalconBf16 = 2 };
 
 // Horizontal max / sum by halving folds (4 shuffles instead of 15 lane extractions).
 inline vf16 fold_max(vf16 v) {
@@ -141,10 +153,12 @@ struct Rows {
 
 // Online-softmax update of row `row` with one tile of 16 keys, of which it may read the first n_valid.
 // keys[j] / values[j] point at slot j's first KV head; this row reads the head at head_offset.
-// kAlibi: key j of the tile is rel0 + j positions from the query (<= 0); its bias is slope * that.
-template <typename scalar_t, bool kAlibi>
+// kRelative: key j of the tile is pos0 + j positions from the query (<= 0), its bias slope * that;
+// kFalconBf16: key j is at position pos0 + j, its bias bias_scale * bf16(slope * bf16(position)).
+template <typename scalar_t, int kAlibi>
 void update_row(Rows& rows, int64_t row, int64_t n_valid, const scalar_t* const* keys,
-                const scalar_t* const* values, int64_t head_offset, int64_t chunks, float slope, float rel0) {
+                const scalar_t* const* values, int64_t head_offset, int64_t chunks, float slope, float pos0,
+                float bias_scale) {
   const vf16* q = rows.q.data() + row * chunks;
   vf16 partial[kKeyTile];
   for (int64_t j = 0; j < kKeyTile; ++j) {
@@ -155,7 +169,9 @@ void update_row(Rows& rows, int64_t row, int64_t n_valid, const scalar_t* const*
   }
   vf16 scores = transpose_sum(partial);  // (16,) q . k_j
   const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  if constexpr (kAlibi) scores += slope * (__builtin_convertvector(lane, vf16) + rel0);
+  if constexpr (kAlibi == kRelative) scores += slope * (__builtin_convertvector(lane, vf16) + pos0);
+  if constexpr (kAlibi == kFalconBf16)
+    scores += round_bf16(slope * round_bf16(__builtin_convertvector(lane, vf16) + pos0)) * bias_scale;
   scores = lane < static_cast<int32_t>(n_valid) ? scores : splat(-std::numeric_limits<float>::infinity());
   const float old_max = rows.max[row];
   const float new_max = std::max(old_max, reduce_max(scores));
@@ -187,7 +203,7 @@ void prefetch_tile(const scalar_t* key_cache, const scalar_t* value_cache, const
   }
 }
 
-template <typename scalar_t, bool kAlibi>
+template <typename scalar_t, int kAlibi>
 void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const scalar_t* query,
               const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* block_table,
               int64_t context_len, int64_t seq_token_begin, const float* slopes, scalar_t* out) {
@@ -214,10 +230,10 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const scalar_t* 
     for (int64_t t = w.token_begin; t < w.token_end; ++t) {
       const int64_t n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
       if (n_valid <= 0) continue;
-      const float rel0 = static_cast<float>(p0 - (context_len + (t - seq_token_begin)));  // key p0 - query pos
+      const float pos0 = static_cast<float>(kAlibi == kRelative ? p0 - (context_len + (t - seq_token_begin)) : p0);
       for (int64_t h = 0; h < H; ++h)
         update_row<scalar_t, kAlibi>(rows, (t - w.token_begin) * H + h, n_valid, keys, values, h / g.group * D,
-                                     chunks, kAlibi ? slopes[h] : 0.0f, rel0);
+                                     chunks, kAlibi ? slopes[h] : 0.0f, pos0, g.scale);
     }
   }
   for (int64_t t = w.token_begin; t < w.token_end; ++t) {
@@ -271,7 +287,7 @@ std::vector<WorkItem> make_work(const at::Tensor& seq_lens, const at::Tensor& qu
 }
 
 // Runs the work items on torch's OpenMP threads (pragmas cannot sit inside the dispatch macro).
-template <typename scalar_t, bool kAlibi>
+template <typename scalar_t, int kAlibi>
 void run_all(const std::vector<WorkItem>& work, const Geometry& g, const at::Tensor& query,
              const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const float* slopes, at::Tensor& out) {
@@ -300,7 +316,7 @@ void run_all(const std::vector<WorkItem>& work, const Geometry& g, const at::Ten
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     const c10::optional<at::Tensor>& alibi_slopes) {
+                     const c10::optional<at::Tensor>& alibi_slopes, bool alibi_bf16) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
               "query must be [T, H, D] and the caches [NB, BS, Hkv, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
@@ -328,11 +344,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const std::vector<WorkItem> work = make_work(seq_lens, query_start_loc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
     if (slopes == nullptr)  // the branch is taken once per call, outside every loop
-      run_all<scalar_t, false>(work, g, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                               nullptr, out);
+      run_all<scalar_t, kNoAlibi>(work, g, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                  nullptr, out);
+    else if (alibi_bf16)
+      run_all<scalar_t, kFalconBf16>(work, g, query, key_cache, value_cache, block_tables, seq_lens,
+                                     query_start_loc, slopes, out);
     else
-      run_all<scalar_t, true>(work, g, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                              slopes, out);
+      run_all<scalar_t, kRelative>(work, g, query, key_cache, value_cache, block_tables, seq_lens,
+                                   query_start_loc, slopes, out);
   });
 }
 
@@ -341,15 +360,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-        "Tensor? alibi_slopes=None) -> ()");
+        "Tensor? alibi_slopes=None, bool alibi_bf16=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("paged_attention", [](at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                                const at::Tensor& value_cache, const at::Tensor& block_tables,
                                const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                               const c10::optional<at::Tensor>& alibi_slopes) {
+                               const c10::optional<at::Tensor>& alibi_slopes, bool alibi_bf16) {
     paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    alibi_slopes);
+                    alibi_slopes, alibi_bf16);
   });
 }
