@@ -48,6 +48,15 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
+def _source_digest(source: Path) -> str:
+    """A short hash of the C++ file and the headers next to it (``vec16.h``): a change to either
+    makes a new build folder, so the op is rebuilt."""
+    h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        h.update(header.name.encode() + header.read_bytes())
+    return h.hexdigest()[:10]
+
+
 def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = None) -> PagedAttentionOp | None:
     """The compiled ``paged_attention`` op, built on first use; ``None`` if it cannot be built.
 
@@ -66,7 +75,7 @@ def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = N
     source = source or SOURCE
     if source in _loaded:
         return _loaded[source]
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:10]
+    digest = _source_digest(source)
     name = f"pagedserve_cpu_attention_{digest}_{_cpu_fingerprint()}"
     folder = (build_dir or default_build_dir()) / name
     folder.mkdir(parents=True, exist_ok=True)
