@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--json", action="store_true",
                           help="print one JSON object at the end: text, token_ids, finish_reason, usage")
     complete.add_argument("--offline", action="store_true", help="run in-process on the engine, no services")
+    complete.add_argument("--tensor-parallel-size", type=int, default=1,
+                          help="with --offline: ranks that split the model (Llama family; rank 0 here, "
+                          "T-1 helper processes; default %(default)s)")
     complete.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
     complete.add_argument("--api-key", default=env_default("PAGEDSERVE_API_KEY", ""),
                           help="the gateway's API key, sent as `authorization: Bearer KEY` (env PAGEDSERVE_API_KEY)")
