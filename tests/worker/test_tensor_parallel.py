@@ -44,3 +44,26 @@ def test_layout_splits_and_replicates_kv_heads(tmp_path):
     assert checkpoint_slice("model.norm.weight", layouts[1]) is None
     with pytest.raises(ShardingError):
         check_shardable(folder, 3)  # 4 heads over 3 ranks
+
+
+def test_each_rank_reads_only_its_slices(tmp_path):
+    """Shard-by-shard loading: every tensor a rank gets is its slice (half the rows or columns),
+    except the whole norm vectors; the replicated KV head is one head of rows on both ranks."""
+    folder = save_tiny_model(tmp_path / "m", "llama", num_key_value_heads=1, vocab_size=95)
+    config = load_model_config(folder)
+    from safetensors import safe_open
+
+    from pagedserve.engine.parallel.sharding import iter_sharded_checkpoint
+    from pagedserve.engine.weight_loader import safetensors_files
+
+    with safe_open(str(safetensors_files(folder)[0]), framework="pt") as handle:
+        full = {name: handle.get_slice(name).get_shape() for name in handle.keys()}
+    for rank in range(2):
+        for name, tensor in iter_sharded_checkpoint(folder, shard_layout(config, rank, 2)):
+            numel = torch.Size(full[name]).numel()
+            if name.endswith("norm.weight"):
+                assert tensor.numel() == numel
+            elif "k_proj" in name or "v_proj" in name:
+                assert tuple(tensor.shape) == (16, 64)  # the one KV head, on both ranks
+            else:  # half the rows or columns (the last vocabulary shard padded to ceil(V/2) rows)
+                assert tensor.numel() <= -(-full[name][0] // 2) * (numel // full[name][0]), name
