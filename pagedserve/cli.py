@@ -59,6 +59,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         threads_per_worker=args.threads_per_worker or default_threads_per_worker(args.workers),
         gemm_backend=GemmBackend(args.gemm_backend),
         compile_mode=CompileMode(args.compile_mode),
+        tensor_parallel_size=args.tensor_parallel_size,
         data_dir=default_cache_dir() / f"redis-{redis_port}",
         metrics_port=args.metrics_port,
     )
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU memory per worker for swapped-out KV blocks (--preemption-mode swap), e.g. 2GiB")
     up.add_argument("--threads-per-worker", type=int, default=0,
                     help="torch threads per worker (default: CPU cores / workers)")
+    up.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks per worker that split the model (Llama family, CPU; they share the "
+                    "worker's threads; --kv-cache-memory is per rank) (default %(default)s)")
     add_gemm_backend_argument(up)
     add_compile_mode_argument(up)
     add_api_key_arguments(up)

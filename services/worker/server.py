@@ -107,7 +107,11 @@ def _build_runner(config: WorkerConfig):
 
     if config.device != "cpu" or config.gemm_backend is not GemmBackend.TORCH or config.compile_mode is not CompileMode.EAGER:
         raise ValueError("--tensor-parallel-size > 1 runs on the CPU with eager torch GEMMs only (gloo; NCCL later)")
+    import torch
+
+    threads = max(1, (config.num_threads or torch.get_num_threads()) // config.tensor_parallel_size)
+    torch.set_num_threads(threads)  # the worker's threads are shared among its ranks
     rank = RankConfig(str(config.model), config.kv_cache_memory or (1 << 30), config.block_size,
                       resolve_dtype(config.dtype, config.device), config.device, config.attention_backend,
-                      config.swap_space, num_threads=config.num_threads)
+                      config.swap_space, num_threads=threads)
     return start_tensor_parallel_runner(rank, config.tensor_parallel_size)
