@@ -65,6 +65,8 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         gpu_memory_utilization=config.gpu_memory_utilization,
         swap_space_bytes=config.swap_space,
     )
+    if hasattr(runner, "on_failure"):  # a tensor-parallel worker whose rank died cannot recover: stop
+        runner.on_failure = stop.set
     auth = MetadataAuthInterceptor(CLUSTER_TOKEN_KEY, config.cluster_token, "cluster token")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
     metrics = WorkerMetrics(config.model.name, config.worker_id)
@@ -97,6 +99,8 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     telemetry.shutdown_tracing()
     if hasattr(runner, "close"):  # a tensor-parallel worker's helper ranks
         runner.close()
+        if runner.broken:  # exit non-zero so that a supervisor (`pagedserve up`) restarts the worker
+            raise SystemExit(f"worker {config.worker_id}: a tensor-parallel rank failed: {runner.broken}")
 
 
 def _build_runner(config: WorkerConfig):

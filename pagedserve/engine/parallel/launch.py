@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
@@ -67,6 +68,7 @@ class TensorParallelRunner:
         self.group = group
         self.helpers = helpers
         self.broken: str | None = None
+        self.on_failure: Callable[[], None] | None = None  # e.g. a worker service stopping itself
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -102,6 +104,8 @@ class TensorParallelRunner:
             return self.runner.execute(plan)
         except (CollectiveError, BrokenPipeError, OSError) as exc:
             self.broken = str(exc)
+            if self.on_failure is not None:
+                self.on_failure()
             raise CollectiveError(str(exc)) from exc
 
     def close(self) -> None:
