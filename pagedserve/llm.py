@@ -60,7 +60,8 @@ class LLM:
         swap_space: CPU bytes per worker for swapped-out blocks (``preemption_mode="swap"``).
         tensor_parallel_size: ranks per worker (Megatron-LM sharding, Llama/Mistral/Qwen2 only; eager
             ``torch`` GEMMs): rank 0 runs here, T-1 helper processes hold the other shards.
-            ``kv_cache_memory`` and ``swap_space`` are per rank. Call :meth:`close` to stop the helpers.
+            ``kv_cache_memory`` and ``swap_space`` are per rank. Call :meth:`close` to stop the helpers;
+            one tensor-parallel ``LLM`` (one worker) per process at a time.
 
     Raises:
         ValueError: an invalid limit or size.
@@ -267,6 +268,8 @@ def _tensor_parallel_runners(path: Path, num_workers: int, tensor_parallel_size:
     if gemm_backend != "torch" or compile_mode != "eager":
         raise ValueError("tensor_parallel_size > 1 runs eager torch GEMMs only (gemm_backend='torch', "
                          "compile_mode='eager')")
+    if num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
+        raise ValueError("tensor_parallel_size > 1 takes one worker per process (num_workers=1)")
     config = RankConfig(str(path), memory, block_size, dtype, device, attention_backend, swap)
     runners: dict = {}
     try:

@@ -70,3 +70,21 @@ def test_a_dead_or_stuck_helper_fails_the_step(tiny, how):
             os.kill(helper.pid, signal.SIGKILL)
     finally:
         llm.close()
+
+
+def test_tp2_seeded_sampling_n2_and_logprobs_equal_tp1(tiny):
+    """Seeded random sampling with n=2, output and prompt logprobs: the same tokens over TP=2 (the
+    sampler runs on rank 0 with the same per-request seeds), logprobs within 1e-4."""
+    folder, prompts = tiny
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=17, n=2, logprobs=2, prompt_logprobs=2,
+                            ignore_eos=True)
+    single = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1, block_size=BLOCK).generate(prompts[:4], params)
+    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1, block_size=BLOCK, tensor_parallel_size=2) as llm:
+        split = llm.generate(prompts[:4], params)
+    for ours, ref in zip(split, single):
+        assert [list(s.token_ids) for s in ours.samples] == [list(s.token_ids) for s in ref.samples]
+        for s, r in zip(ours.samples, ref.samples):
+            assert s.cumulative_logprob == pytest.approx(r.cumulative_logprob, abs=1e-4)
+        got = [p.logprob for p in ours.prompt_logprobs[1:]]
+        want = [p.logprob for p in ref.prompt_logprobs[1:]]
+        assert got == pytest.approx(want, abs=1e-4)
