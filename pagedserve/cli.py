@@ -59,6 +59,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         threads_per_worker=args.threads_per_worker or default_threads_per_worker(args.workers),
         gemm_backend=GemmBackend(args.gemm_backend),
         compile_mode=CompileMode(args.compile_mode),
+        tensor_parallel_size=args.tensor_parallel_size,
         data_dir=default_cache_dir() / f"redis-{redis_port}",
         metrics_port=args.metrics_port,
     )
@@ -153,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU memory per worker for swapped-out KV blocks (--preemption-mode swap), e.g. 2GiB")
     up.add_argument("--threads-per-worker", type=int, default=0,
                     help="torch threads per worker (default: CPU cores / workers)")
+    up.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks per worker that split the model (Llama family, CPU; they share the "
+                    "worker's threads; --kv-cache-memory is per rank) (default %(default)s)")
     add_gemm_backend_argument(up)
     add_compile_mode_argument(up)
     add_api_key_arguments(up)
@@ -180,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--json", action="store_true",
                           help="print one JSON object at the end: text, token_ids, finish_reason, usage")
     complete.add_argument("--offline", action="store_true", help="run in-process on the engine, no services")
+    complete.add_argument("--tensor-parallel-size", type=int, default=1,
+                          help="with --offline: ranks that split the model (Llama family; rank 0 here, "
+                          "T-1 helper processes; default %(default)s)")
     complete.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
     complete.add_argument("--api-key", default=env_default("PAGEDSERVE_API_KEY", ""),
                           help="the gateway's API key, sent as `authorization: Bearer KEY` (env PAGEDSERVE_API_KEY)")

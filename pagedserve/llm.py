@@ -58,6 +58,10 @@ class LLM:
             order, so greedy output can differ from transformers at near-ties; opt-in).
         enable_chunked_prefill, enable_prefix_caching, preemption_mode, policy: see SchedulerConfig.
         swap_space: CPU bytes per worker for swapped-out blocks (``preemption_mode="swap"``).
+        tensor_parallel_size: ranks per worker (Megatron-LM sharding, Llama/Mistral/Qwen2 only; eager
+            ``torch`` GEMMs): rank 0 runs here, T-1 helper processes hold the other shards.
+            ``kv_cache_memory`` and ``swap_space`` are per rank. Call :meth:`close` to stop the helpers;
+            one tensor-parallel ``LLM`` (one worker) per process at a time.
 
     Raises:
         ValueError: an invalid limit or size.
@@ -83,6 +87,7 @@ class LLM:
         preemption_mode: str = "recompute",
         swap_space: int | str = 0,
         policy: str = "fcfs",
+        tensor_parallel_size: int = 1,
     ) -> None:
         import torch
 
@@ -97,14 +102,21 @@ class LLM:
             max_num_batched_tokens = default_token_budget(device)
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
                                  enable_prefix_caching, preemption_mode, policy)
-        runners = {
-            f"worker-{i}": build_model_runner(
-                path, kv_cache_memory_bytes=memory, block_size=block_size,
-                dtype=getattr(torch, resolve_dtype(dtype, device)), device=device, attention_backend=attention_backend,
-                gemm_backend=gemm_backend, compile_mode=compile_mode, swap_space_bytes=swap,
-            )
-            for i in range(num_workers)
-        }
+        if tensor_parallel_size > 1:
+            runners = _tensor_parallel_runners(path, num_workers, tensor_parallel_size, memory, block_size,
+                                               resolve_dtype(dtype, device), device, attention_backend, swap,
+                                               gemm_backend, compile_mode)
+        else:
+            runners = {
+                f"worker-{i}": build_model_runner(
+                    path, kv_cache_memory_bytes=memory, block_size=block_size,
+                    dtype=getattr(torch, resolve_dtype(dtype, device)), device=device,
+                    attention_backend=attention_backend, gemm_backend=gemm_backend, compile_mode=compile_mode,
+                    swap_space_bytes=swap,
+                )
+                for i in range(num_workers)
+            }
+        self._runners = runners
         scheduler = Scheduler(config)
         for worker_id, runner in runners.items():
             scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks)
@@ -113,6 +125,18 @@ class LLM:
         self._prompts: dict[str, tuple[int, ...]] = {}
         self._params: dict[str, SamplingParams] = {}
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the helper ranks of tensor-parallel workers (nothing to do otherwise); idempotent."""
+        for runner in self._runners.values():
+            if hasattr(runner, "close"):
+                runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # ---- streaming interface -------------------------------------------------------------
     def add_request(self, prompt: Prompt | Sequence[ChatTurn], params: SamplingParams | None = None,
@@ -232,3 +256,27 @@ class LLM:
                 errors.get(rid), prompt_logprobs.get(rid))
             for rid in request_ids
         ]
+
+
+def _tensor_parallel_runners(path: Path, num_workers: int, tensor_parallel_size: int, memory: int, block_size: int,
+                             dtype: str, device: str, attention_backend: str, swap: int, gemm_backend: str,
+                             compile_mode: str) -> dict:
+    """``num_workers`` tensor-parallel workers, each rank 0 here plus T-1 helper processes."""
+    from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
+    from pagedserve.engine.parallel.rank import RankConfig
+
+    if gemm_backend != "torch" or compile_mode != "eager":
+        raise ValueError("tensor_parallel_size > 1 runs eager torch GEMMs only (gemm_backend='torch', "
+                         "compile_mode='eager')")
+    if num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
+        raise ValueError("tensor_parallel_size > 1 takes one worker per process (num_workers=1)")
+    config = RankConfig(str(path), memory, block_size, dtype, device, attention_backend, swap)
+    runners: dict = {}
+    try:
+        for i in range(num_workers):
+            runners[f"worker-{i}"] = start_tensor_parallel_runner(config, tensor_parallel_size)
+    except BaseException:
+        for runner in runners.values():
+            runner.close()
+        raise
+    return runners

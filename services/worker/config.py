@@ -43,6 +43,9 @@ class WorkerConfig:
         gpu_memory_utilization: on CUDA, the share of the GPU's memory the worker may use in all.
         swap_space: bytes of CPU memory for blocks swapped out by swap preemption (0: none).
         num_threads: torch intra-op threads; 0 keeps torch's default.
+        tensor_parallel_size: ranks that split the model (Llama family, CPU): this process is rank 0
+            and talks to the scheduler, T-1 helper processes hold the other shards; ``kv_cache_memory``
+            is per rank, so the registered KV capacity grows with T.
         cpu_affinity: CPU cores this worker runs on, its OpenMP threads bound one per core (on a
             shared machine, give each worker its own cores); empty: no binding.
         heartbeat_interval_s: how often the registration is refreshed, seconds.
@@ -69,6 +72,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     swap_space: int = 0
     num_threads: int = 0
+    tensor_parallel_size: int = 1
     cpu_affinity: tuple[int, ...] = ()
     heartbeat_interval_s: float = 1.0
     metrics_port: int | None = None
@@ -89,6 +93,8 @@ class WorkerConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_threads < 0:
             raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
         if not self.cluster_token:
@@ -131,6 +137,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_gemm_backend_argument(parser)
     add_compile_mode_argument(parser)
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks that split the model (Llama family, CPU): rank 0 here, T-1 helper "
+                        "processes; --kv-cache-memory is per rank (default %(default)s)")
     parser.add_argument(
         "--cpu-affinity", default="",
         help="run on these CPU cores (e.g. 0-3) with torch's OpenMP threads bound to them; give each worker "
@@ -174,6 +183,7 @@ def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConf
         gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=parse_bytes(args.swap_space) if args.swap_space not in ("", "0") else 0,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         cpu_affinity=parse_cpu_list(args.cpu_affinity) if args.cpu_affinity else (),
         metrics_port=args.metrics_port,
     )

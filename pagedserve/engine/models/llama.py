@@ -11,6 +11,7 @@ gate/up projections are fused into single matmuls.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from torch import nn
 from pagedserve.engine.models.config import ModelConfig
 from pagedserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
 from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from pagedserve.engine.parallel.group import TensorParallelGroup
 
 # attention(query [T, H, D], key [T, Hkv, D], value [T, Hkv, D], layer_index, scale) -> [T, H, D]:
 # writes the step's K/V into the layer's cache, then attends over each sequence's context.
@@ -55,6 +59,7 @@ class LlamaDecoderLayer(nn.Module):
     """``x + attn(norm(x))`` then ``x + mlp(norm(x))``; subclasses may swap ``attention_class``."""
 
     attention_class: type[nn.Module] = LlamaAttention
+    parallel: TensorParallelGroup | None = None  # set by the model under tensor parallelism
 
     def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -70,9 +75,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: PagedAttentionFn) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]`` (updates ``x`` in place)."""
-        x += self.self_attn(self.input_layernorm(x), cos, sin, attention)  # (T, hidden)
-        x += self.mlp(self.post_attention_layernorm(x))                   # (T, hidden)
+        """``[T, hidden]`` -> ``[T, hidden]`` (updates ``x`` in place). Under tensor parallelism
+        o_proj and down_proj are row-parallel: their partial sums meet in one all-reduce each
+        (Shoeybi et al., 2019, §3)."""
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, attention)  # (T, hidden), partial under TP
+        x += attn if self.parallel is None else self.parallel.all_reduce(attn)
+        mlp = self.mlp(self.post_attention_layernorm(x))                  # (T, hidden), partial under TP
+        x += mlp if self.parallel is None else self.parallel.all_reduce(mlp)
         return x
 
 
@@ -87,21 +96,36 @@ class LlamaForCausalLM(nn.Module):
         config: the parsed ``config.json``.
         dtype: parameter and activation dtype.
         device: where the parameters live.
+        parallel: this rank's tensor-parallel group, or ``None`` (one rank). With a group the model
+            holds only its Megatron-LM shard (``parallel/sharding.py``): ``config`` becomes the rank's
+            (``H/T`` heads, its KV heads, ``I/T`` MLP width) so the attention callable and the KV
+            cache see only this rank's heads; ``full_config`` keeps the checkpoint's.
     """
 
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # subclasses swap the block
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
+        self.full_config = config
+        self.parallel = parallel
+        self.shard = None
+        vocab_rows = config.vocab_size
+        if parallel is not None:
+            from pagedserve.engine.parallel.sharding import shard_layout
+
+            self.shard = shard_layout(config, parallel.rank, parallel.world_size)
+            config, vocab_rows = self.shard.local_config(config), self.shard.vocab_per_rank
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = Embedding(vocab_rows, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(self.decoder_layer_class(config, i, dtype, device)
                                     for i in range(config.num_layers))
+        for layer in self.layers:
+            layer.parallel = parallel
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+                        else Linear(config.hidden_size, vocab_rows, False, dtype, device))
         self.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
         self.requires_grad_(False)
 
@@ -133,17 +157,34 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             Final-norm hidden states ``[T, hidden]`` in the model dtype.
         """
-        x = self.embed_tokens(input_ids)                                # (T, hidden)
+        x = self._embed(input_ids)                                        # (T, hidden)
         cos, sin = self.rotary(positions, self.dtype)                     # (T, 1, D/2) each
         for layer in self.layers:
             x = layer(x, cos, sin, attention)                             # (T, hidden)
         return self.norm(x)                                               # (T, hidden)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``[T]`` -> ``[T, hidden]``. Vocabulary-parallel under TP (Shoeybi et al., 2019, §3):
+        each rank looks up the ids in its row range, zeros elsewhere, and an all-reduce sums them."""
+        if self.parallel is None:
+            return self.embed_tokens(input_ids)                           # (T, hidden)
+        local = input_ids - self.shard.vocab_start                        # (T,)
+        inside = (local >= 0) & (local < self.shard.vocab_per_rank)      # (T,) bool
+        x = self.embed_tokens(local.clamp(0, self.shard.vocab_per_rank - 1))  # (T, hidden)
+        x.mul_(inside.unsqueeze(1).to(x.dtype))
+        return self.parallel.all_reduce(x)                                # (T, hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``. Under TP each rank computes its
+        vocabulary shard ``[N, ceil(V/T)]``; an all-gather puts the full rows on every rank."""
         if self.lm_head is None:  # tied to the embeddings
-            return F.linear(hidden, self.embed_tokens.weight).float()     # (N, vocab)
-        return self.lm_head(hidden).float()                               # (N, vocab)
+            logits = F.linear(hidden, self.embed_tokens.weight).float()   # (N, vocab or V/T)
+        else:
+            logits = self.lm_head(hidden).float()                         # (N, vocab or V/T)
+        if self.parallel is None:
+            return logits                                                 # (N, vocab)
+        gathered = self.parallel.all_gather(logits, dim=1)                # (N, T*ceil(V/T))
+        return gathered[:, : self.full_config.vocab_size]                 # (N, vocab)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,0 +1,106 @@
+"""A tensor-parallel process group over ``torch.distributed`` (gloo on CPU; NCCL on CUDA later).
+
+Every rank of one worker joins one group through a TCP rendezvous (``tcp://127.0.0.1:PORT`` on
+one machine). The collectives are the ones Megatron-LM's sharding needs (Shoeybi et al., 2019,
+§3): ``all_reduce`` after each row-parallel layer, ``all_gather`` of the vocabulary shards of the
+logits, and ``broadcast_object`` to hand each BatchPlan from rank 0 to the others. Collectives time
+out after ``timeout_s`` (a dead peer makes them raise, they never hang for ever).
+
+One group per process: it is the default ``torch.distributed`` group, destroyed by :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer rank died, or did not answer within the group's timeout."""
+
+
+def free_loopback_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous address)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Where and how the ranks of one worker meet (picklable: handed to the helper processes).
+
+    Attributes:
+        init_method: rendezvous address, e.g. ``tcp://127.0.0.1:29500``.
+        world_size: number of ranks (the tensor-parallel size T).
+        timeout_s: seconds after which a collective with a silent peer raises.
+        backend: ``gloo`` (CPU) or ``nccl`` (CUDA).
+    """
+
+    init_method: str
+    world_size: int
+    timeout_s: float = 10.0
+    backend: str = "gloo"
+
+
+class TensorParallelGroup:
+    """This process's rank in a tensor-parallel group.
+
+    Args:
+        spec: the rendezvous.
+        rank: this process's rank, ``0 <= rank < spec.world_size``.
+
+    Raises:
+        CollectiveError: the other ranks did not join within the timeout.
+    """
+
+    def __init__(self, spec: GroupSpec, rank: int) -> None:
+        if not 0 <= rank < spec.world_size:
+            raise ValueError(f"rank {rank} is outside a group of {spec.world_size}")
+        self.spec = spec
+        self.rank = rank
+        self.world_size = spec.world_size
+        try:
+            dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
+                                    world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(f"rank {rank} could not join {spec.init_method}: {exc}") from exc
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums ``tensor`` (any shape, e.g. ``[T, hidden]``) over the ranks, in place; returns it."""
+        if self.world_size > 1:
+            self._run(dist.all_reduce, tensor)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenates every rank's ``tensor`` (same shape on all ranks) along ``dim``, rank order:
+        ``[N, V/T]`` shards -> ``[N, V]``."""
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._run(dist.all_gather, parts, tensor.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Rank ``src`` sends ``obj`` (picklable); every rank returns it."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        self._run(dist.broadcast_object_list, box, src=src)
+        return box[0]
+
+    def _run(self, op, *args, **kwargs) -> None:
+        try:
+            op(*args, **kwargs)
+        except (RuntimeError, ValueError) as exc:  # gloo: "Connection closed by peer", timeouts
+            raise CollectiveError(f"rank {self.rank}: {op.__name__} failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Leaves the group (destroys the default process group); idempotent."""
+        if dist.is_initialized():
+            dist.destroy_process_group()

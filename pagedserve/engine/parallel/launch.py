@@ -1,0 +1,174 @@
+"""A tensor-parallel worker in one machine: rank 0 in this process, ranks 1..T-1 in spawned helpers.
+
+Rank 0 receives each BatchPlan (from the engine, or from the scheduler through a worker service),
+wakes the helpers through a pipe (so an idle worker does not hit the collectives' timeout), then
+hands the plan to every rank with ``broadcast_object``; all ranks apply it and run the forward,
+rank 0 samples and answers with the StepResult. A helper that dies makes rank 0's next collective
+raise :class:`CollectiveError` (gloo: at once on a closed connection, else after ``timeout_s``);
+the runner is then broken and every later step raises too.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import Connection
+
+import torch
+
+from pagedserve.engine.messages import BatchPlan, StepResult
+from pagedserve.engine.model_runner import ModelRunner, PlanMismatchError
+from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup, free_loopback_port
+from pagedserve.engine.parallel.rank import RankConfig, build_rank_runner, check_shardable
+
+_STEP, _STOP = "step", "stop"
+STARTUP_TIMEOUT_S = 300.0  # helpers importing torch and loading their shard
+
+
+def helper_main(config: RankConfig, spec: GroupSpec, rank: int, conn: Connection) -> None:
+    """Entry point of helper rank ``rank``: join the group, load the shard, then run every plan
+    rank 0 broadcasts until it says stop (or its pipe closes: rank 0 is gone)."""
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    conn.send("started")  # imports done: joining now fits in the rendezvous timeout
+    group = TensorParallelGroup(spec, rank)
+    try:
+        runner = build_rank_runner(config, group)
+        conn.send("ready")
+        while True:
+            try:
+                command = conn.recv()
+            except EOFError:
+                return
+            if command == _STOP:
+                return
+            plan = group.broadcast_object(None)
+            try:
+                runner.execute(plan)
+            except PlanMismatchError:
+                continue  # rank 0 raises the same error to its caller
+    finally:
+        group.close()
+
+
+class TensorParallelRunner:
+    """Rank 0 of a tensor-parallel worker, with the ``ModelRunner`` interface the engine uses.
+
+    Args:
+        runner: rank 0's own runner (its shard, its KV cache, the leader sampler).
+        group: the group rank 0 belongs to.
+        helpers: ``(process, pipe)`` of ranks 1..T-1.
+    """
+
+    def __init__(self, runner: ModelRunner, group: TensorParallelGroup,
+                 helpers: list[tuple[mp.Process, Connection]]) -> None:
+        self.runner = runner
+        self.group = group
+        self.helpers = helpers
+        self.broken: str | None = None
+        self.on_failure: Callable[[], None] | None = None  # e.g. a worker service stopping itself
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.group.world_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self.runner.num_cpu_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.runner.block_size
+
+    def execute(self, plan: BatchPlan) -> StepResult:
+        """Hands ``plan`` to every rank and runs it; the StepResult is rank 0's.
+
+        Raises:
+            CollectiveError: a rank died or stopped answering (now or in an earlier step).
+            PlanMismatchError: as ``ModelRunner.execute`` (every rank refuses the plan alike).
+        """
+        if self.broken:
+            raise CollectiveError(f"the tensor-parallel worker failed earlier: {self.broken}")
+        try:
+            for process, conn in self.helpers:
+                if not process.is_alive():
+                    raise CollectiveError(f"helper rank {process.name} exited with code {process.exitcode}")
+                conn.send(_STEP)
+            self.group.broadcast_object(plan)
+            return self.runner.execute(plan)
+        except (CollectiveError, BrokenPipeError, OSError) as exc:
+            self.broken = str(exc)
+            if self.on_failure is not None:
+                self.on_failure()
+            raise CollectiveError(str(exc)) from exc
+
+    def close(self) -> None:
+        """Stops the helpers and leaves the group; idempotent."""
+        for process, conn in self.helpers:
+            try:
+                conn.send(_STOP)
+            except OSError:
+                pass
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        self.helpers = []
+        self.group.close()
+
+
+def _wait_ready(helpers: list[tuple[mp.Process, Connection]], timeout_s: float) -> None:
+    """Waits for one message of every helper ("started", then "ready" once its shard is loaded);
+    raises if one exits first or the time runs out."""
+    deadline = time.monotonic() + timeout_s
+    for process, conn in helpers:
+        while not conn.poll(0.2):
+            if not process.is_alive():
+                raise CollectiveError(f"helper rank {process.name} exited with code {process.exitcode} while starting")
+            if time.monotonic() > deadline:
+                raise CollectiveError(f"helper rank {process.name} not ready after {timeout_s} s")
+        conn.recv()
+
+
+def start_tensor_parallel_runner(config: RankConfig, world_size: int, timeout_s: float = 5.0) -> TensorParallelRunner:
+    """Spawns ranks 1..T-1, joins them as rank 0 over a loopback rendezvous, and loads every shard.
+
+    Args:
+        config: the runner settings every rank uses (``num_threads`` 0: ``cpu_count // T`` per helper).
+        world_size: the tensor-parallel size T (>= 1).
+        timeout_s: the collectives' timeout (how long a silent rank is waited for).
+
+    Raises:
+        ShardingError: the model cannot be split over ``world_size`` ranks (checked before spawning).
+        CollectiveError: a helper failed to start.
+    """
+    check_shardable(config.model_path, world_size)
+    if config.num_threads == 0:
+        config = replace(config, num_threads=max(1, (mp.cpu_count() or 1) // world_size))
+    spec = GroupSpec(f"tcp://127.0.0.1:{free_loopback_port()}", world_size, timeout_s)
+    context = mp.get_context("spawn")
+    helpers = []
+    for rank in range(1, world_size):
+        ours, theirs = context.Pipe()
+        process = context.Process(target=helper_main, args=(config, spec, rank, theirs),
+                                  name=f"tp-rank-{rank}", daemon=True)
+        process.start()
+        helpers.append((process, ours))
+    group = None
+    try:
+        _wait_ready(helpers, STARTUP_TIMEOUT_S)
+        group = TensorParallelGroup(spec, 0)
+        runner = build_rank_runner(config, group)
+        _wait_ready(helpers, STARTUP_TIMEOUT_S)
+    except BaseException:
+        for process, _ in helpers:
+            process.kill()
+        if group is not None:
+            group.close()
+        raise
+    return TensorParallelRunner(runner, group, helpers)
