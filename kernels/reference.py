@@ -30,7 +30,7 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
         slot_mapping: ``[num_tokens]`` int32/int64; negative slots are skipped
             (padding tokens).
     """
-    num_blocks, block_size = k_cache.shape[0], k_cache.shape[1]
+    block_size = k_cache.shape[1]
     slots = slot_mapping.long()                                   # (T,)
     keep = slots >= 0                                             # (T,)
     slots = slots[keep]
