@@ -238,7 +238,8 @@ class ModelRunner:
         rows, params, counts, samples = _expand_samples(ends)
         if len(rows) > len(ends):
             logits = logits[torch.tensor(rows, device=logits.device)]    # (N', vocab): n rows per n-sample prompt
-        histories = [TokenHistory(s.state.token_ids, s.state.num_prompt_tokens) for s, _ in samples]
+        histories = ([TokenHistory(s.state.token_ids, s.state.num_prompt_tokens) for s, _ in samples]
+                     if any(p.has_penalties for p in params) else None)  # only penalties read them
         out = self.sampler(logits, params, counts, histories)
         by_id: dict[SequenceId, list[SampledToken]] = {}
         for (s, index), token_id, logprob, entry in zip(samples, out.token_ids, out.logprobs, out.token_logprobs):

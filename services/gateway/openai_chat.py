@@ -3,8 +3,6 @@ objects (or ``chat.completion.chunk`` SSE events) out."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator, Sequence
 
 import jinja2
@@ -27,8 +25,7 @@ from services.gateway.openai_responses import (
     UsageInfo, ResponseMeta, finish_reason_name,
 )
 from services.gateway.openai_serving import (
-    SSE_DONE, OpenAIServing, invalid, merged_outputs, parsed_request, sse_event, start_span, submissions_of,
-    unless_disconnected, with_first,
+    SSE_DONE, OpenAIServing, open_generation, parsed_request, sse_event, unless_disconnected, with_first,
 )
 
 
@@ -83,16 +80,8 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
         GenerationError: the request cannot be served (the HTTP layer maps its kind to a status);
             errors after a stream started are sent as an SSE error event instead.
     """
-    arrived_s = time.monotonic()
-    serving.check_model(body.model)
-    try:
-        parsed = await asyncio.to_thread(parse_chat, body, serving.tokenizer)
-    except InvalidRequestError as exc:
-        raise invalid(exc) from exc
-    serving.core.check_capacity()
-    serving.core.check_scheduler()
-    span = start_span(serving, "gateway.http.chat_completions", 1)
-    events = merged_outputs(serving.core, submissions_of([parsed], span, arrived_s))
+    (parsed,), span, events = await open_generation(serving, body.model, lambda: [parse_chat(body, serving.tokenizer)],
+                                                    "gateway.http.chat_completions")
     meta = ResponseMeta.new("chatcmpl", serving.model_name)
     names = TokenNames(serving.tokenizer) if body.logprobs else None
     if not body.stream:

@@ -6,8 +6,6 @@ sample_index`` (prompt-major, as OpenAI and vLLM number them).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -30,8 +28,7 @@ from services.gateway.openai_responses import (
 from services.gateway.openai_logprobs import CompletionOffsets, TokenNames, prompt_logprobs_out
 from services.gateway.openai_samples import EchoPrompt, StreamEcho, collect_samples
 from services.gateway.openai_serving import (
-    SSE_DONE, OpenAIServing, invalid, merged_outputs, parsed_request, sse_event, start_span, submissions_of,
-    unless_disconnected, with_first,
+    SSE_DONE, OpenAIServing, open_generation, parsed_request, sse_event, unless_disconnected, with_first,
 )
 from services.gateway.openai_errors import error_event
 
@@ -70,16 +67,8 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
         GenerationError: the request cannot be served (the HTTP layer maps its kind to a status);
             errors after a stream started are sent as an SSE error event instead.
     """
-    arrived_s = time.monotonic()
-    serving.check_model(body.model)
-    try:
-        parsed = await asyncio.to_thread(parse_completion, body, serving.tokenizer)
-    except InvalidRequestError as exc:
-        raise invalid(exc) from exc
-    serving.core.check_capacity(len(parsed))
-    serving.core.check_scheduler()
-    span = start_span(serving, "gateway.http.completions", len(parsed))
-    events = merged_outputs(serving.core, submissions_of(parsed, span, arrived_s))
+    parsed, span, events = await open_generation(serving, body.model, lambda: parse_completion(body, serving.tokenizer),
+                                                 "gateway.http.completions")
     meta = ResponseMeta.new("cmpl", serving.model_name)
     shape = ChoiceShape(body.n, echo_prompts(body, parsed, serving.tokenizer), TokenNames(serving.tokenizer))
     if not body.stream:

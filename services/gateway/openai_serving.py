@@ -4,7 +4,8 @@ requests, client-disconnect handling and the SSE wire format."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -149,3 +150,27 @@ def submissions_of(parsed: Sequence[ParsedRequest], span: trace.Span, arrived_s:
     (``time.monotonic()`` seconds)."""
     context = telemetry.inject(trace.set_span_in_context(span))
     return [Submission(p, context, arrived_s=arrived_s) for p in parsed]
+
+
+async def open_generation(serving: OpenAIServing, model: str, parse: Callable[[], list[ParsedRequest]],
+                          span_name: str) -> tuple[list[ParsedRequest], trace.Span, AsyncIterator[tuple[int, SampleDelta]]]:
+    """What every generating endpoint does first: check the model name, parse off the event loop,
+    check capacity and the scheduler, open the request's span and queue its prompts.
+
+    Returns:
+        The parsed prompts, the span (the caller ends it), and their merged events (``merged_outputs``).
+
+    Raises:
+        GenerationError: unknown model (NOT_FOUND), invalid input (INVALID_ARGUMENT, the field named
+            as the OpenAI API names it), a full gateway or an unreachable scheduler.
+    """
+    arrived_s = time.monotonic()
+    serving.check_model(model)
+    try:
+        parsed = await asyncio.to_thread(parse)
+    except InvalidRequestError as exc:
+        raise invalid(exc) from exc
+    serving.core.check_capacity(len(parsed))
+    serving.core.check_scheduler()
+    span = start_span(serving, span_name, len(parsed))
+    return parsed, span, merged_outputs(serving.core, submissions_of(parsed, span, arrived_s))

@@ -29,14 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.attention.alibi import alibi_slopes
 from pagedserve.engine.models.checkpoint_map import grouped_qkv_order, load_renamed
 from pagedserve.engine.models.config import ModelConfigError
 from pagedserve.engine.models.gpt_neox import DenseGeluMLP, FusedQKVAttention, gelu_approximation, require
-from pagedserve.engine.models.layers import Embedding, LayerNorm, Linear
+from pagedserve.engine.models.layers import Embedding, LayerNorm, Linear, lm_head_logits
 from pagedserve.engine.models.llama import PagedAttentionFn
 from pagedserve.engine.models.rope import RotaryEmbedding
 from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
@@ -241,6 +240,4 @@ class FalconForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
-        if self.lm_head is None:  # tied to the embeddings
-            return F.linear(hidden, self.embed_tokens.weight).float()     # (N, vocab)
-        return self.lm_head(hidden).float()                               # (N, vocab)
+        return lm_head_logits(hidden, self.lm_head, self.embed_tokens)   # (N, vocab)

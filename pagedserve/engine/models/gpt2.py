@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.models.config import ModelConfigError
-from pagedserve.engine.models.layers import Embedding, GeluMLP, LayerNorm, Linear
+from pagedserve.engine.models.layers import Embedding, GeluMLP, LayerNorm, Linear, lm_head_logits
 from pagedserve.engine.models.llama import PagedAttentionFn
 
 _GELU_APPROXIMATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
@@ -233,6 +232,4 @@ class GPT2LMHeadModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
-        if self.lm_head is None:  # tied to wte
-            return F.linear(hidden, self.embed_tokens.weight).float()     # (N, vocab)
-        return self.lm_head(hidden).float()                               # (N, vocab)
+        return lm_head_logits(hidden, self.lm_head, self.embed_tokens)   # (N, vocab)

@@ -22,7 +22,7 @@ from torch import nn
 
 from pagedserve.engine.models.checkpoint_map import grouped_qkv_order, load_renamed
 from pagedserve.engine.models.config import ModelConfigError
-from pagedserve.engine.models.layers import Embedding, LayerNorm, Linear
+from pagedserve.engine.models.layers import Embedding, LayerNorm, Linear, lm_head_logits
 from pagedserve.engine.models.llama import PagedAttentionFn
 from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
 from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
@@ -249,6 +249,4 @@ class GPTNeoXForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
-        if self.lm_head is None:  # tied to the embeddings
-            return F.linear(hidden, self.embed_tokens.weight).float()     # (N, vocab)
-        return self.lm_head(hidden).float()                               # (N, vocab)
+        return lm_head_logits(hidden, self.lm_head, self.embed_tokens)   # (N, vocab)

@@ -126,3 +126,11 @@ class GeluMLP(nn.Module):
         """``[T, hidden]`` -> ``[T, hidden]``."""
         h = F.gelu(self.c_fc(x), approximate=self.approximate)           # (T, I)
         return self.c_proj(h)                                             # (T, hidden)
+
+
+def lm_head_logits(hidden: torch.Tensor, lm_head: Linear | None, embed_tokens: Embedding) -> torch.Tensor:
+    """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``: through ``lm_head``, or through
+    the input embedding matrix when the head is tied to it (``lm_head`` is ``None``)."""
+    if lm_head is None:
+        return F.linear(hidden, embed_tokens.weight).float()             # (N, vocab)
+    return lm_head(hidden).float()                                        # (N, vocab)

@@ -14,11 +14,10 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.models.config import ModelConfig
-from pagedserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm
+from pagedserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm, lm_head_logits
 from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
@@ -177,10 +176,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``. Under TP each rank computes its
         vocabulary shard ``[N, ceil(V/T)]``; an all-gather puts the full rows on every rank."""
-        if self.lm_head is None:  # tied to the embeddings
-            logits = F.linear(hidden, self.embed_tokens.weight).float()   # (N, vocab or V/T)
-        else:
-            logits = self.lm_head(hidden).float()                         # (N, vocab or V/T)
+        logits = lm_head_logits(hidden, self.lm_head, self.embed_tokens)  # (N, vocab or V/T)
         if self.parallel is None:
             return logits                                                 # (N, vocab)
         gathered = self.parallel.all_gather(logits, dim=1)                # (N, T*ceil(V/T))
