@@ -62,6 +62,9 @@ class LLM:
             ``torch`` GEMMs): rank 0 runs here, T-1 helper processes hold the other shards.
             ``kv_cache_memory`` and ``swap_space`` are per rank. Call :meth:`close` to stop the helpers;
             one tensor-parallel ``LLM`` (one worker) per process at a time.
+        pipeline_parallel_size: pipeline stages per worker (consecutive layers per stage, same
+            models and limits as ``tensor_parallel_size``; ``T * P`` ranks, rank 0 here): the KV
+            cache of each rank holds only its stage's layers, so the worker's blocks grow with P.
 
     Raises:
         ValueError: an invalid limit or size.
@@ -88,6 +91,7 @@ class LLM:
         swap_space: int | str = 0,
         policy: str = "fcfs",
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         import torch
 
@@ -102,10 +106,10 @@ class LLM:
             max_num_batched_tokens = default_token_budget(device)
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
                                  enable_prefix_caching, preemption_mode, policy)
-        if tensor_parallel_size > 1:
-            runners = _tensor_parallel_runners(path, num_workers, tensor_parallel_size, memory, block_size,
-                                               resolve_dtype(dtype, device), device, attention_backend, swap,
-                                               gemm_backend, compile_mode)
+        if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
+            runners = _tensor_parallel_runners(path, num_workers, (tensor_parallel_size, pipeline_parallel_size),
+                                               memory, block_size, resolve_dtype(dtype, device), device,
+                                               attention_backend, swap, gemm_backend, compile_mode)
         else:
             runners = {
                 f"worker-{i}": build_model_runner(
@@ -258,19 +262,22 @@ class LLM:
         ]
 
 
-def _tensor_parallel_runners(path: Path, num_workers: int, tensor_parallel_size: int, memory: int, block_size: int,
+def _tensor_parallel_runners(path: Path, num_workers: int, sizes: tuple[int, int], memory: int, block_size: int,
                              dtype: str, device: str, attention_backend: str, swap: int, gemm_backend: str,
                              compile_mode: str) -> dict:
-    """``num_workers`` tensor-parallel workers, each rank 0 here plus T-1 helper processes."""
+    """``num_workers`` workers of ``sizes = (T, P)`` ranks, each rank 0 here plus T*P-1 helper processes."""
     from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
     from pagedserve.engine.parallel.rank import RankConfig
 
     if gemm_backend != "torch" or compile_mode != "eager":
-        raise ValueError("tensor_parallel_size > 1 runs eager torch GEMMs only (gemm_backend='torch', "
-                         "compile_mode='eager')")
+        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 runs eager torch GEMMs only "
+                         "(gemm_backend='torch', compile_mode='eager')")
     if num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
-        raise ValueError("tensor_parallel_size > 1 takes one worker per process (num_workers=1)")
-    config = RankConfig(str(path), memory, block_size, dtype, device, attention_backend, swap)
+        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "
+                         "(num_workers=1)")
+    tensor_parallel_size, pipeline_parallel_size = sizes
+    config = RankConfig(str(path), memory, block_size, dtype, device, attention_backend, swap,
+                        pipeline_parallel_size=pipeline_parallel_size)
     runners: dict = {}
     try:
         for i in range(num_workers):

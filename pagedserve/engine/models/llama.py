@@ -22,6 +22,7 @@ from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
     from pagedserve.engine.parallel.group import TensorParallelGroup
+    from pagedserve.engine.parallel.pipeline import PipelineStage
 
 # attention(query [T, H, D], key [T, Hkv, D], value [T, Hkv, D], layer_index, scale) -> [T, H, D]:
 # writes the step's K/V into the layer's cache, then attends over each sequence's context.
@@ -99,12 +100,17 @@ class LlamaForCausalLM(nn.Module):
             holds only its Megatron-LM shard (``parallel/sharding.py``): ``config`` becomes the rank's
             (``H/T`` heads, its KV heads, ``I/T`` MLP width) so the attention callable and the KV
             cache see only this rank's heads; ``full_config`` keeps the checkpoint's.
+        stage: this rank's pipeline stage, or ``None`` (every layer). A stage holds its consecutive
+            layers (``layers[i]`` is checkpoint layer ``stage.first_layer + i``, and KV-cache layer
+            ``i``), the embedding if first (or last with tied embeddings), the final norm and LM
+            head if last; ``parallel/pipeline.py`` runs it.
     """
 
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # subclasses swap the block
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", parallel: TensorParallelGroup | None = None) -> None:
+                 device: torch.device | str = "cpu", parallel: TensorParallelGroup | None = None,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
         self.full_config = config
         self.parallel = parallel
@@ -117,14 +123,17 @@ class LlamaForCausalLM(nn.Module):
             config, vocab_rows = self.shard.local_config(config), self.shard.vocab_per_rank
         self.config = config
         self.dtype = dtype
-        self.embed_tokens = Embedding(vocab_rows, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(self.decoder_layer_class(config, i, dtype, device)
-                                    for i in range(config.num_layers))
+        self.stage = stage
+        first, last = stage is None or stage.is_first, stage is None or stage.is_last
+        tied = config.tie_word_embeddings
+        self.embed_tokens = (Embedding(vocab_rows, config.hidden_size, dtype, device)
+                             if first or (last and tied) else None)
+        num_layers = config.num_layers if stage is None else stage.num_layers
+        self.layers = nn.ModuleList(self.decoder_layer_class(config, i, dtype, device) for i in range(num_layers))
         for layer in self.layers:
             layer.parallel = parallel
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, vocab_rows, False, dtype, device))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device) if last else None
+        self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype, device) if last and not tied else None
         self.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
         self.requires_grad_(False)
 

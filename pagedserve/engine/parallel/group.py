@@ -48,8 +48,51 @@ class GroupSpec:
     backend: str = "gloo"
 
 
-class TensorParallelGroup:
-    """This process's rank in a tensor-parallel group.
+class Collectives:
+    """The collectives over a set of ranks: the whole group, or a subgroup (one pipeline stage's
+    tensor-parallel ranks). ``rank`` and ``world_size`` are within the set; ``global_ranks[i]`` is
+    the group rank of its member ``i``."""
+
+    def __init__(self, rank: int, world_size: int, global_ranks: tuple[int, ...],
+                 process_group: Any = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.global_ranks = global_ranks
+        self.process_group = process_group  # None: the default (whole) group
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums ``tensor`` (any shape, e.g. ``[T, hidden]``) over the ranks, in place; returns it."""
+        if self.world_size > 1:
+            self._run(dist.all_reduce, tensor, group=self.process_group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenates every rank's ``tensor`` (same shape on all ranks) along ``dim``, rank order:
+        ``[N, V/T]`` shards -> ``[N, V]``."""
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._run(dist.all_gather, parts, tensor.contiguous(), group=self.process_group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
+        """Member ``src`` sends ``obj`` (picklable); every member returns it."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == src else None]
+        self._run(dist.broadcast_object_list, box, src=self.global_ranks[src], group=self.process_group)
+        return box[0]
+
+    def _run(self, op, *args, **kwargs) -> None:
+        try:
+            op(*args, **kwargs)
+        except (RuntimeError, ValueError) as exc:  # gloo: "Connection closed by peer", timeouts
+            raise CollectiveError(f"rank {self.rank}: {op.__name__} failed: {exc}") from exc
+
+
+class TensorParallelGroup(Collectives):
+    """This process's rank in the group of all ranks of one worker (the default process group):
+    the tensor-parallel group when there is one pipeline stage, else the T x P grid.
 
     Args:
         spec: the rendezvous.
@@ -62,43 +105,34 @@ class TensorParallelGroup:
     def __init__(self, spec: GroupSpec, rank: int) -> None:
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside a group of {spec.world_size}")
+        super().__init__(rank, spec.world_size, tuple(range(spec.world_size)))
         self.spec = spec
-        self.rank = rank
-        self.world_size = spec.world_size
         try:
             dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
                                     world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(f"rank {rank} could not join {spec.init_method}: {exc}") from exc
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums ``tensor`` (any shape, e.g. ``[T, hidden]``) over the ranks, in place; returns it."""
-        if self.world_size > 1:
-            self._run(dist.all_reduce, tensor)
+    def subgroups(self, partition: list[tuple[int, ...]]) -> Collectives:
+        """Makes one subgroup per tuple of ``partition`` (every rank must call this with the same
+        partition, in the same order: ``dist.new_group`` is collective) and returns this rank's."""
+        mine = None
+        for ranks in partition:
+            handle = dist.new_group(list(ranks), timeout=timedelta(seconds=self.spec.timeout_s))
+            if self.rank in ranks:
+                mine = Collectives(ranks.index(self.rank), len(ranks), ranks, handle)
+        if mine is None:
+            raise ValueError(f"rank {self.rank} is in none of the subgroups {partition}")
+        return mine
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Sends ``tensor`` (any shape, e.g. activations ``[T, hidden]``) to group rank ``dst``."""
+        self._run(dist.send, tensor.contiguous(), dst)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receives into ``tensor`` (the shape and dtype ``src`` sends) from group rank ``src``; returns it."""
+        self._run(dist.recv, tensor, src)
         return tensor
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Concatenates every rank's ``tensor`` (same shape on all ranks) along ``dim``, rank order:
-        ``[N, V/T]`` shards -> ``[N, V]``."""
-        if self.world_size == 1:
-            return tensor
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._run(dist.all_gather, parts, tensor.contiguous())
-        return torch.cat(parts, dim=dim)
-
-    def broadcast_object(self, obj: Any = None, src: int = 0) -> Any:
-        """Rank ``src`` sends ``obj`` (picklable); every rank returns it."""
-        if self.world_size == 1:
-            return obj
-        box = [obj if self.rank == src else None]
-        self._run(dist.broadcast_object_list, box, src=src)
-        return box[0]
-
-    def _run(self, op, *args, **kwargs) -> None:
-        try:
-            op(*args, **kwargs)
-        except (RuntimeError, ValueError) as exc:  # gloo: "Connection closed by peer", timeouts
-            raise CollectiveError(f"rank {self.rank}: {op.__name__} failed: {exc}") from exc
 
     def close(self) -> None:
         """Leaves the group (destroys the default process group); idempotent."""

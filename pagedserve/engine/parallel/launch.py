@@ -1,4 +1,5 @@
-"""A tensor-parallel worker in one machine: rank 0 in this process, ranks 1..T-1 in spawned helpers.
+"""A tensor- and/or pipeline-parallel worker in one machine: rank 0 in this process, ranks
+1..T*P-1 in spawned helpers (the grid layout: ``parallel/pipeline.py``).
 
 Rank 0 receives each BatchPlan (from the engine, or from the scheduler through a worker service),
 wakes the helpers through a pipe (so an idle worker does not hit the collectives' timeout), then
@@ -71,8 +72,13 @@ class TensorParallelRunner:
         self.on_failure: Callable[[], None] | None = None  # e.g. a worker service stopping itself
 
     @property
+    def pipeline_parallel_size(self) -> int:
+        position = getattr(self.runner, "position", None)  # a StageRunner's place in the grid
+        return 1 if position is None else position.pipeline_parallel_size
+
+    @property
     def tensor_parallel_size(self) -> int:
-        return self.group.world_size
+        return self.group.world_size // self.pipeline_parallel_size
 
     @property
     def num_blocks(self) -> int:
@@ -135,19 +141,23 @@ def _wait_ready(helpers: list[tuple[mp.Process, Connection]], timeout_s: float) 
         conn.recv()
 
 
-def start_tensor_parallel_runner(config: RankConfig, world_size: int, timeout_s: float = 5.0) -> TensorParallelRunner:
-    """Spawns ranks 1..T-1, joins them as rank 0 over a loopback rendezvous, and loads every shard.
+def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int,
+                                 timeout_s: float = 5.0) -> TensorParallelRunner:
+    """Spawns ranks 1..T*P-1 (P: ``config.pipeline_parallel_size``), joins them as rank 0 over a
+    loopback rendezvous, and loads every shard.
 
     Args:
-        config: the runner settings every rank uses (``num_threads`` 0: ``cpu_count // T`` per helper).
-        world_size: the tensor-parallel size T (>= 1).
+        config: the runner settings every rank uses (``num_threads`` 0: ``cpu_count // (T*P)`` per helper).
+        tensor_parallel_size: the tensor-parallel size T (>= 1).
         timeout_s: the collectives' timeout (how long a silent rank is waited for).
 
     Raises:
-        ShardingError: the model cannot be split over ``world_size`` ranks (checked before spawning).
+        ShardingError, PipelineError: the model cannot be split over T ranks or P stages (checked
+            before spawning).
         CollectiveError: a helper failed to start.
     """
-    check_shardable(config.model_path, world_size)
+    check_shardable(config.model_path, tensor_parallel_size, config.pipeline_parallel_size)
+    world_size = tensor_parallel_size * config.pipeline_parallel_size
     if config.num_threads == 0:
         config = replace(config, num_threads=max(1, (mp.cpu_count() or 1) // world_size))
     spec = GroupSpec(f"tcp://127.0.0.1:{free_loopback_port()}", world_size, timeout_s)
@@ -156,7 +166,7 @@ def start_tensor_parallel_runner(config: RankConfig, world_size: int, timeout_s:
     for rank in range(1, world_size):
         ours, theirs = context.Pipe()
         process = context.Process(target=helper_main, args=(config, spec, rank, theirs),
-                                  name=f"tp-rank-{rank}", daemon=True)
+                                  name=f"rank-{rank}", daemon=True)
         process.start()
         helpers.append((process, ours))
     group = None

@@ -20,7 +20,8 @@ from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models import load_model_config, model_class_for
-from pagedserve.engine.parallel.group import CollectiveError, TensorParallelGroup
+from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
+from pagedserve.engine.parallel.pipeline import RankPosition, StageRunner, iter_stage_checkpoint, pipeline_stage
 from pagedserve.engine.parallel.sharding import ShardingError, iter_sharded_checkpoint, shard_layout
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 
@@ -38,6 +39,8 @@ class RankConfig:
         swap_space_bytes: CPU swap bytes per rank.
         sampler_seed: seed of rank 0's sampler.
         num_threads: torch intra-op threads of a helper rank (0: leave torch's default).
+        pipeline_parallel_size: pipeline stages P (``parallel/pipeline.py``); the group's
+            ``world_size`` is ``T * P``.
     """
 
     model_path: str
@@ -49,15 +52,18 @@ class RankConfig:
     swap_space_bytes: int = 0
     sampler_seed: int | None = None
     num_threads: int = 0
+    pipeline_parallel_size: int = 1
 
 
-def check_shardable(model_path: str | Path, world_size: int) -> None:
-    """Raises :class:`ShardingError` if the folder's model cannot run over ``world_size`` ranks."""
+def check_shardable(model_path: str | Path, world_size: int, pipeline_parallel_size: int = 1) -> None:
+    """Raises :class:`ShardingError` if the folder's model cannot run over ``world_size``
+    tensor-parallel ranks, or :class:`PipelineError` over ``pipeline_parallel_size`` stages."""
     config = load_model_config(model_path)
     if config.architecture not in TP_ARCHITECTURES:
-        raise ShardingError(f"tensor parallelism supports {', '.join(sorted(TP_ARCHITECTURES))}, "
-                            f"not {config.architecture}")
+        raise ShardingError(f"tensor and pipeline parallelism support {', '.join(sorted(TP_ARCHITECTURES))}, "
+                            f"not {config.architecture}; run it with tensor_parallel_size=pipeline_parallel_size=1")
     shard_layout(config, 0, world_size)
+    pipeline_stage(config.num_layers, 0, pipeline_parallel_size)
 
 
 def load_model_shard(model_path: str | Path, group: TensorParallelGroup, dtype: torch.dtype,
@@ -74,7 +80,7 @@ def load_model_shard(model_path: str | Path, group: TensorParallelGroup, dtype: 
 class LeaderSampler:
     """Rank 0's sampler: samples, then broadcasts the :class:`SamplerOutput` (or the error) to the ranks."""
 
-    def __init__(self, sampler: Sampler, group: TensorParallelGroup) -> None:
+    def __init__(self, sampler: Sampler, group: Collectives) -> None:
         self.sampler = sampler
         self.group = group
 
@@ -91,7 +97,7 @@ class LeaderSampler:
 class FollowerSampler:
     """A helper rank's sampler: receives rank 0's :class:`SamplerOutput` (re-raises rank 0's error)."""
 
-    def __init__(self, group: TensorParallelGroup) -> None:
+    def __init__(self, group: Collectives) -> None:
         self.group = group
 
     def __call__(self, logits: torch.Tensor, params: Sequence, counts: Sequence[int],
@@ -104,12 +110,15 @@ class FollowerSampler:
 
 def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRunner:
     """This rank's ModelRunner: its model shard, a KV cache sized for its KV heads from
-    ``config.kv_cache_memory_bytes``, and the leader or follower sampler.
+    ``config.kv_cache_memory_bytes``, and the leader or follower sampler. With pipeline stages,
+    a :class:`StageRunner` over its stage's layers (:func:`build_stage_runner`).
 
     Raises:
         ShardingError, WeightLoadError, ModelConfigError: the model cannot be sharded or loaded.
         ValueError: the budget holds no block.
     """
+    if config.pipeline_parallel_size > 1:
+        return build_stage_runner(config, group)
     dtype = getattr(torch, config.dtype)
     backend = make_attention_backend(config.attention_backend, config.device)
     model = load_model_shard(config.model_path, group, dtype, config.device)
@@ -120,3 +129,28 @@ def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRu
     sampler = (LeaderSampler(Sampler(seed=config.sampler_seed, device=config.device), group)
                if group.rank == 0 else FollowerSampler(group))
     return ModelRunner(model, kv_cache, backend, sampler)
+
+
+def build_stage_runner(config: RankConfig, world: TensorParallelGroup) -> StageRunner:
+    """A pipeline rank's runner: its stage's layers (its tensor-parallel shard of them when T > 1),
+    a KV cache of those layers only (blocks counted for the largest stage, so every rank has as
+    many), and on the last stage the sampler (leader on its tensor-parallel rank 0)."""
+    position = RankPosition(world.rank, world.world_size // config.pipeline_parallel_size,
+                            config.pipeline_parallel_size)
+    tp = world.subgroups(position.stage_ranks()) if position.tensor_parallel_size > 1 else None
+    full = load_model_config(config.model_path)
+    check_shardable(config.model_path, position.tensor_parallel_size, position.pipeline_parallel_size)
+    stage = pipeline_stage(full.num_layers, position.stage, position.pipeline_parallel_size)
+    dtype = getattr(torch, config.dtype)
+    model = model_class_for(full.architecture)(full, dtype=dtype, device=config.device, parallel=tp, stage=stage)
+    model.load_checkpoint(iter_stage_checkpoint(config.model_path, stage, full.tie_word_embeddings, model.shard))
+    c = model.config
+    sized = KVCacheSpec(stage.max_stage_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
+    spec = KVCacheSpec(stage.num_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
+    kv_cache = KVCache(spec, num_blocks_for_memory(sized, config.kv_cache_memory_bytes), device=config.device,
+                       num_cpu_blocks=config.swap_space_bytes // sized.bytes_per_block)
+    sampler = Sampler(seed=config.sampler_seed, device=config.device)
+    if tp is not None:
+        sampler = LeaderSampler(sampler, tp) if tp.rank == 0 else FollowerSampler(tp)
+    backend = make_attention_backend(config.attention_backend, config.device)
+    return StageRunner(position, world, model.eval(), kv_cache, backend, sampler)

@@ -1,0 +1,208 @@
+"""Pipeline parallelism inside one worker: consecutive layers per stage (GPipe, Huang et al., 2019).
+
+A worker of ``T x P`` ranks: rank ``r`` is tensor-parallel rank ``r % T`` of stage ``r // T``.
+Stage ``s`` holds layers ``[first_layer, first_layer + num_layers)`` (the ``L`` layers split as
+evenly as possible, the first ``L % P`` stages one more) and a KV cache of only those layers.
+Every rank applies every BatchPlan to its own request states (as under TP); in the forward, stage
+0 embeds the tokens, each stage runs its layers and sends the hidden states ``[tokens, hidden]``
+to the same tensor-parallel rank of the next stage (gloo ``send``/``recv``; this Llama layer API
+carries no separate residual). The last stage applies the final norm, computes the logits and
+samples (its tensor-parallel rank 0, with the same per-request seeds as one rank), then
+broadcasts the sampled tokens and prompt logprobs to every rank, which append them to their
+states; rank 0 answers the scheduler with them.
+
+One plan runs at a time, so each stage idles while the others work: with P equal stages the
+bubble is ``(P-1)/P`` of a stage's time (Narayanan et al., 2021, §2.2, with one micro-batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from pagedserve.engine.messages import PromptLogprobs, SampledToken
+from pagedserve.engine.model_runner import ModelRunner, ScheduledRequest, _batch_order
+from pagedserve.engine.parallel.group import CollectiveError, TensorParallelGroup
+
+
+class PipelineError(ValueError):
+    """The model cannot be split into this many pipeline stages."""
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """Which layers one stage holds.
+
+    Attributes:
+        index: the stage, ``0 <= index < num_stages``.
+        num_stages: the pipeline-parallel size P.
+        first_layer: the checkpoint index of the stage's first layer.
+        num_layers: how many consecutive layers it holds.
+        max_stage_layers: the most layers any stage holds (every rank sizes its KV blocks by it, so
+            that all ranks have the same number of blocks).
+    """
+
+    index: int
+    num_stages: int
+    first_layer: int
+    num_layers: int
+    max_stage_layers: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def pipeline_stage(num_layers: int, index: int, num_stages: int) -> PipelineStage:
+    """Stage ``index`` of ``num_stages`` over ``num_layers`` layers (the first ``L % P`` stages get one more).
+
+    Raises:
+        PipelineError: more stages than layers, or a size below 1.
+    """
+    if num_stages < 1 or num_stages > num_layers:
+        raise PipelineError(f"pipeline_parallel_size must be between 1 and the model's {num_layers} layers, "
+                            f"got {num_stages}; use fewer stages")
+    base, extra = divmod(num_layers, num_stages)
+    first = index * base + min(index, extra)
+    return PipelineStage(index, num_stages, first, base + (index < extra), base + (extra > 0))
+
+
+def stage_checkpoint_name(name: str, stage: PipelineStage, tied: bool) -> str | None:
+    """The model's name for checkpoint tensor ``name`` on ``stage`` (``model.layers.7.x`` ->
+    ``model.layers.3.x`` on a stage starting at layer 4), or ``None`` if the stage does not hold it."""
+    parts = name.split(".")
+    if "layers" in parts:
+        at = parts.index("layers") + 1
+        local = int(parts[at]) - stage.first_layer
+        if not 0 <= local < stage.num_layers:
+            return None
+        return ".".join([*parts[:at], str(local), *parts[at + 1:]])
+    module = parts[-2] if len(parts) >= 2 else ""
+    if module == "embed_tokens":
+        return name if stage.is_first or (stage.is_last and tied) else None
+    return name if stage.is_last else None  # the final norm and the LM head
+
+
+def iter_stage_checkpoint(folder: str | Path, stage: PipelineStage, tied: bool,
+                          layout=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields ``(stage-local name, tensor)`` for the tensors ``stage`` holds, reading no other one;
+    with a :class:`~pagedserve.engine.parallel.sharding.ShardLayout`, only this rank's slice of each."""
+    from pagedserve.engine.parallel.sharding import _read, checkpoint_slice
+    from pagedserve.engine.weight_loader import safetensors_files
+
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                local = stage_checkpoint_name(name, stage, tied)
+                if local is not None:
+                    piece = None if layout is None else checkpoint_slice(name, layout)
+                    yield local, _read(handle, name, piece)
+
+
+@dataclass(frozen=True)
+class RankPosition:
+    """Where a rank sits in the ``T x P`` grid: ``rank = stage * T + tp_rank``."""
+
+    rank: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel_size
+
+    @property
+    def last_stage_leader(self) -> int:
+        """The rank that samples: tensor-parallel rank 0 of the last stage."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+    def stage_ranks(self) -> list[tuple[int, ...]]:
+        """The ranks of each stage (its tensor-parallel group), stage by stage."""
+        t = self.tensor_parallel_size
+        return [tuple(range(s * t, (s + 1) * t)) for s in range(self.pipeline_parallel_size)]
+
+
+class StageForward:
+    """One stage's forward (the ``forward`` a :class:`ModelRunner` calls): receive or embed, run
+    the stage's layers, send on (or apply the final norm on the last stage).
+
+    Args:
+        model: the stage's ``LlamaForCausalLM`` (built with ``stage=``).
+        position: this rank in the grid.
+        world: the group of all ranks (point-to-point between stages).
+    """
+
+    def __init__(self, model, position: RankPosition, world: TensorParallelGroup) -> None:
+        self.model = model
+        self.stage: PipelineStage = model.stage
+        self.world = world
+        self.prev_rank = position.rank - position.tensor_parallel_size
+        self.next_rank = position.rank + position.tensor_parallel_size
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
+        """int64 ``input_ids`` / ``positions`` ``[T]`` -> this stage's output ``[T, hidden]``
+        (final-norm hidden states on the last stage). Raises :class:`CollectiveError` when a peer fails."""
+        model = self.model
+        if self.stage.is_first:
+            x = model._embed(input_ids)                                   # (T, hidden)
+        else:
+            x = torch.empty(input_ids.shape[0], model.config.hidden_size, dtype=model.dtype,
+                            device=input_ids.device)
+            self.world.recv(x, self.prev_rank)                            # (T, hidden)
+        cos, sin = model.rotary(positions, model.dtype)                   # (T, 1, D/2) each
+        for layer in model.layers:
+            x = layer(x, cos, sin, attention)                             # (T, hidden)
+        if not self.stage.is_last:
+            self.world.send(x, self.next_rank)
+            return x
+        return model.norm(x)                                              # (T, hidden)
+
+
+class StageRunner(ModelRunner):
+    """A pipeline rank's ModelRunner: the same plan bookkeeping on every rank; the last stage
+    samples and broadcasts ``(sampled tokens, prompt logprobs)`` (or its error) to every rank.
+
+    Args:
+        position, world: this rank in the grid, and the group of all ranks.
+        model, kv_cache, attention_backend, sampler: as :class:`ModelRunner` (``sampler`` is used
+            on the last stage only).
+    """
+
+    def __init__(self, position: RankPosition, world: TensorParallelGroup, model, kv_cache,
+                 attention_backend, sampler) -> None:
+        super().__init__(model, kv_cache, attention_backend, sampler, forward=StageForward(model, position, world))
+        self.position = position
+        self.world = world
+        self.leader = position.last_stage_leader
+
+    def _run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[SampledToken], list[PromptLogprobs]]:
+        """Forward (and sampling on the last stage); returns the last stage's tokens on every rank."""
+        if self.model.stage.is_last:
+            try:
+                out = super()._run(scheduled)
+            except Exception as exc:
+                self.world.broadcast_object(exc, src=self.leader)
+                raise
+            return self.world.broadcast_object(out, src=self.leader)
+        self._forward(sorted(scheduled, key=_batch_order))
+        out = self.world.broadcast_object(None, src=self.leader)
+        if isinstance(out, Exception):
+            raise CollectiveError(f"the last pipeline stage failed: {out}")
+        sampled, prompt = out
+        states = {s.state.seq_id: s.state for s in scheduled}
+        for token in sampled:
+            if token.sample_index == token.seq_id.sample_index:  # the sequence's own token
+                states[token.seq_id].token_ids.append(token.token_id)
+        return list(sampled), list(prompt)
