@@ -1,0 +1,72 @@
+"""Pipeline parallelism: stage layouts, checkpoint names per stage, and PP=2 / T x P = 2 x 2 logits
+equal to one rank's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as tmp
+
+from pagedserve.engine.parallel.group import free_loopback_port
+from pagedserve.engine.parallel.pipeline import (PipelineError, RankPosition, pipeline_stage,
+                                                 stage_checkpoint_name)
+from pagedserve.engine.parallel.rank import check_shardable
+from pagedserve.engine.weight_loader import load_model
+from tests.worker.tiny_models import save_tiny_model
+from tests.worker.tp_helpers import grid_rank_main, two_steps
+
+CASES = {  # (T, P), model overrides
+    "pp2": ((1, 2), dict()),
+    "tp2xpp2_three_layers_tied_odd_vocab": ((2, 2), dict(num_hidden_layers=3, vocab_size=95,
+                                                         tie_word_embeddings=True)),
+}
+
+
+def test_stages_split_layers_consecutively_first_stages_one_more():
+    stages = [pipeline_stage(7, s, 3) for s in range(3)]
+    assert [(s.first_layer, s.num_layers) for s in stages] == [(0, 3), (3, 2), (5, 2)]
+    assert {s.max_stage_layers for s in stages} == {3}
+    assert (stages[0].is_first, stages[2].is_last, stages[1].is_last) == (True, True, False)
+    with pytest.raises(PipelineError, match="between 1 and the model's 2 layers"):
+        pipeline_stage(2, 0, 3)
+
+
+def test_each_stage_gets_its_layers_renamed_and_the_ends():
+    first, last = pipeline_stage(4, 0, 2), pipeline_stage(4, 1, 2)
+    assert stage_checkpoint_name("model.layers.3.mlp.down_proj.weight", last, False) == "model.layers.1.mlp.down_proj.weight"
+    assert stage_checkpoint_name("model.layers.3.mlp.down_proj.weight", first, False) is None
+    assert stage_checkpoint_name("model.embed_tokens.weight", first, False) == "model.embed_tokens.weight"
+    assert stage_checkpoint_name("model.embed_tokens.weight", last, False) is None
+    assert stage_checkpoint_name("model.embed_tokens.weight", last, True) == "model.embed_tokens.weight"
+    assert stage_checkpoint_name("model.norm.weight", first, False) is None
+    assert stage_checkpoint_name("lm_head.weight", last, False) == "lm_head.weight"
+
+
+def test_rank_grid_layout():
+    positions = [RankPosition(r, 2, 3) for r in range(6)]
+    assert [(p.stage, p.tp_rank) for p in positions] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert positions[0].last_stage_leader == 4
+    assert positions[0].stage_ranks() == [(0, 1), (2, 3), (4, 5)]
+
+
+def test_unsupported_combinations_are_refused(tmp_path):
+    folder = save_tiny_model(tmp_path / "m", "llama")  # 2 layers
+    with pytest.raises(PipelineError, match="use fewer stages"):
+        check_shardable(folder, 1, 3)
+    gpt2 = save_tiny_model(tmp_path / "g", "gpt2")
+    with pytest.raises(ValueError, match="not GPT2LMHeadModel"):
+        check_shardable(gpt2, 1, 2)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pipeline_logits_equal_one_rank(tmp_path, case):
+    (t, p), overrides = CASES[case]
+    folder = save_tiny_model(tmp_path / "m", "llama", seed=5, **overrides)
+    reference = two_steps(load_model(folder))
+    out = tmp_path / "logits.pt"
+    tmp.spawn(grid_rank_main, args=(str(folder), f"tcp://127.0.0.1:{free_loopback_port()}", (t, p), str(out)),
+              nprocs=t * p)
+    ours = torch.load(out)
+    for got, want in zip(ours, reference, strict=True):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32 sums in another order
