@@ -60,6 +60,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         gemm_backend=GemmBackend(args.gemm_backend),
         compile_mode=CompileMode(args.compile_mode),
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         data_dir=default_cache_dir() / f"redis-{redis_port}",
         metrics_port=args.metrics_port,
     )
@@ -157,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks per worker that split the model (Llama family, CPU; they share the "
                     "worker's threads; --kv-cache-memory is per rank) (default %(default)s)")
+    up.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="pipeline stages per worker, consecutive layers each (Llama family, CPU; T*P ranks "
+                    "share the worker's threads; --kv-cache-memory is per rank) (default %(default)s)")
     add_gemm_backend_argument(up)
     add_compile_mode_argument(up)
     add_api_key_arguments(up)
@@ -187,6 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--tensor-parallel-size", type=int, default=1,
                           help="with --offline: ranks that split the model (Llama family; rank 0 here, "
                           "T-1 helper processes; default %(default)s)")
+    complete.add_argument("--pipeline-parallel-size", type=int, default=1,
+                          help="with --offline: pipeline stages of consecutive layers (Llama family; T*P "
+                          "ranks, rank 0 here; default %(default)s)")
     complete.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
     complete.add_argument("--api-key", default=env_default("PAGEDSERVE_API_KEY", ""),
                           help="the gateway's API key, sent as `authorization: Bearer KEY` (env PAGEDSERVE_API_KEY)")

@@ -127,14 +127,15 @@ def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -
     """The same request on the in-process engine (no services)."""
     from pagedserve.llm import LLM
 
-    llm = LLM(model=args.model or None, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+    llm = LLM(model=args.model or None, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+              pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1))
     from services.gateway.request_parser import parse_generate_request
 
     try:
         parsed = parse_generate_request(request, llm.tokenizer)  # validated exactly as the gateway does
         result = llm.run_to_completion([llm.add_parsed(parsed, request.request_id or None)])[0]
     finally:
-        llm.close()  # stops the helper ranks of --tensor-parallel-size
+        llm.close()  # stops the helper ranks of --tensor-parallel-size / --pipeline-parallel-size
     if result.error:
         raise EngineRefusal(result.error)
     samples = [Sample(s.text, list(s.token_ids), s.finish_reason.value) for s in result.samples]

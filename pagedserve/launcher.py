@@ -49,6 +49,7 @@ class StackConfig:
         gemm_backend: the workers' linear-layer kernels (``--gemm-backend``).
         compile_mode: eager or compiled dense part in the workers (``--compile-mode``).
         tensor_parallel_size: ranks per worker (``--tensor-parallel-size``); they share its threads.
+        pipeline_parallel_size: pipeline stages per worker (``--pipeline-parallel-size``): T*P ranks.
         data_dir: where a Redis started by us keeps its append-only file.
         startup_timeout_s: how long to wait for everything to be healthy.
         cluster_token: secret shared by the services (default: a new random one); children get it
@@ -72,6 +73,7 @@ class StackConfig:
     gemm_backend: GemmBackend = GemmBackend.TORCH
     compile_mode: CompileMode = CompileMode.EAGER
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     startup_timeout_s: float = 600.0
     cluster_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     api_key: str = field(default="", repr=False)
@@ -144,6 +146,7 @@ class Stack:
                 "--num-threads", str(cfg.threads_per_worker), "--swap-space", cfg.swap_space,
                 "--gemm-backend", cfg.gemm_backend.value, "--compile-mode", cfg.compile_mode.value,
                 "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+                "--pipeline-parallel-size", str(cfg.pipeline_parallel_size),
                 *self._cores_of(i), *self._metrics_flag(f"worker-{i}"),
             )
         self._service(

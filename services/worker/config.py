@@ -46,6 +46,9 @@ class WorkerConfig:
         tensor_parallel_size: ranks that split the model (Llama family, CPU): this process is rank 0
             and talks to the scheduler, T-1 helper processes hold the other shards; ``kv_cache_memory``
             is per rank, so the registered KV capacity grows with T.
+        pipeline_parallel_size: pipeline stages (consecutive layers each, same models as TP): the
+            worker has ``T * P`` ranks; each rank's KV cache holds its stage's layers only, so the
+            registered KV capacity grows with P.
         cpu_affinity: CPU cores this worker runs on, its OpenMP threads bound one per core (on a
             shared machine, give each worker its own cores); empty: no binding.
         heartbeat_interval_s: how often the registration is refreshed, seconds.
@@ -73,6 +76,7 @@ class WorkerConfig:
     swap_space: int = 0
     num_threads: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     cpu_affinity: tuple[int, ...] = ()
     heartbeat_interval_s: float = 1.0
     metrics_port: int | None = None
@@ -95,6 +99,8 @@ class WorkerConfig:
             raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
         if not self.cluster_token:
@@ -140,6 +146,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks that split the model (Llama family, CPU): rank 0 here, T-1 helper "
                         "processes; --kv-cache-memory is per rank (default %(default)s)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
+                        help="pipeline stages of consecutive layers (Llama family, CPU): T*P ranks, rank 0 "
+                        "here; --kv-cache-memory is per rank (default %(default)s)")
     parser.add_argument(
         "--cpu-affinity", default="",
         help="run on these CPU cores (e.g. 0-3) with torch's OpenMP threads bound to them; give each worker "
@@ -184,6 +193,7 @@ def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConf
         swap_space=parse_bytes(args.swap_space) if args.swap_space not in ("", "0") else 0,
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         cpu_affinity=parse_cpu_list(args.cpu_affinity) if args.cpu_affinity else (),
         metrics_port=args.metrics_port,
     )

@@ -53,7 +53,8 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     tracer = telemetry.setup_tracing("pagedserve-worker")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    runner = _build_runner(config) if config.tensor_parallel_size > 1 else build_model_runner(
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    runner = _build_runner(config) if ranks > 1 else build_model_runner(
         config.model,
         kv_cache_memory_bytes=config.kv_cache_memory,
         block_size=config.block_size,
@@ -65,7 +66,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         gpu_memory_utilization=config.gpu_memory_utilization,
         swap_space_bytes=config.swap_space,
     )
-    if hasattr(runner, "on_failure"):  # a tensor-parallel worker whose rank died cannot recover: stop
+    if hasattr(runner, "on_failure"):  # a tensor/pipeline-parallel worker whose rank died cannot recover: stop
         runner.on_failure = stop.set
     auth = MetadataAuthInterceptor(CLUSTER_TOKEN_KEY, config.cluster_token, "cluster token")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
@@ -104,18 +105,21 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
 
 
 def _build_runner(config: WorkerConfig):
-    """Rank 0 of a tensor-parallel worker (``pagedserve.engine.parallel.launch``); helpers spawned here."""
+    """Rank 0 of a tensor- and/or pipeline-parallel worker (``pagedserve.engine.parallel.launch``);
+    helpers spawned here."""
     from pagedserve.engine.config import CompileMode, GemmBackend
     from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
     from pagedserve.engine.parallel.rank import RankConfig
 
     if config.device != "cpu" or config.gemm_backend is not GemmBackend.TORCH or config.compile_mode is not CompileMode.EAGER:
-        raise ValueError("--tensor-parallel-size > 1 runs on the CPU with eager torch GEMMs only (gloo; NCCL later)")
+        raise ValueError("--tensor-parallel-size or --pipeline-parallel-size > 1 runs on the CPU with eager torch "
+                         "GEMMs only (gloo; NCCL later)")
     import torch
 
-    threads = max(1, (config.num_threads or torch.get_num_threads()) // config.tensor_parallel_size)
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    threads = max(1, (config.num_threads or torch.get_num_threads()) // ranks)
     torch.set_num_threads(threads)  # the worker's threads are shared among its ranks
     rank = RankConfig(str(config.model), config.kv_cache_memory or (1 << 30), config.block_size,
                       resolve_dtype(config.dtype, config.device), config.device, config.attention_backend,
-                      config.swap_space, num_threads=threads)
+                      config.swap_space, num_threads=threads, pipeline_parallel_size=config.pipeline_parallel_size)
     return start_tensor_parallel_runner(rank, config.tensor_parallel_size)

@@ -1,0 +1,53 @@
+"""`pagedserve worker --pipeline-parallel-size 2` in the whole stack (tiny Llama): the same greedy
+tokens as the in-process one-rank engine, twice the KV capacity of one rank's budget (each rank
+caches 1 of the 2 layers), and a killed last-stage rank makes the scheduler drop the worker and
+the worker exit non-zero (no hang)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.llm import LLM
+from tests.e2e.processes import scheduler_stats, start_stack, wait_until
+from tests.e2e.test_tensor_parallel_worker import PROMPTS, _complete, _helper_pid
+from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
+
+pytestmark = [pytest.mark.e2e]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_tiny_tokenizer(save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=7))
+
+
+def test_pp2_worker_in_the_stack(tmp_path, tiny):
+    reference = LLM(tiny, kv_cache_memory="4MiB").generate(
+        PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    stack = start_stack(tmp_path, tiny, num_workers=1, kv_cache_memory="4MiB",
+                        worker_args=("--pipeline-parallel-size", "2"), scheduler_args=("--step-timeout", "30"))
+    try:
+        # One rank's 4 MiB holds blocks of its 1 layer: twice the blocks of one rank with both layers.
+        assert scheduler_stats(stack.scheduler).workers[0].num_blocks == 2 * (4 << 20) // (2 * 2 * 16 * 2 * 16 * 4)
+        for prompt, want in zip(PROMPTS, reference):
+            assert _complete(stack.gateway, prompt, stack.env)["token_ids"] == list(want.token_ids)
+        os.kill(_helper_pid(stack.processes["worker-0"].popen.pid), signal.SIGKILL)  # the last stage
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", stack.gateway, "--prompt",
+                        PROMPTS[0], "--max-tokens", "4", "--timeout", "15"], capture_output=True, env=stack.env,
+                       timeout=60)
+        log = stack.processes["scheduler"]
+        wait_until(lambda: "worker worker-0 dropped: a step failed" in log.log_text(), "the worker dropped", 30)
+        worker = stack.processes["worker-0"].popen
+        wait_until(lambda: worker.poll() is not None, "the broken worker exiting", 30)
+        assert worker.returncode != 0  # so that a supervisor (`pagedserve up`) restarts it
+        assert time.monotonic() - started < 40
+    finally:
+        for p in reversed(list(stack.processes.values())):
+            p.stop()
