@@ -21,7 +21,7 @@ from pagedserve.text.output_processor import TextDelta
 from pagedserve.text.request_samples import ParsedRequest, RequestSamples
 from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
 from pagedserve.engine.config import SchedulerConfig, SchedulerStats, default_token_budget
-from pagedserve.engine.engine import Engine, LocalExecutor
+from pagedserve.engine.engine import Engine, LocalExecutor, ThreadedExecutor
 from pagedserve.engine.scheduler import Scheduler
 
 Prompt = str | Sequence[int]
@@ -65,6 +65,9 @@ class LLM:
         pipeline_parallel_size: pipeline stages per worker (consecutive layers per stage, same
             models and limits as ``tensor_parallel_size``; ``T * P`` ranks, rank 0 here): the KV
             cache of each rank holds only its stage's layers, so the worker's blocks grow with P.
+        num_virtual_engines: with ``pipeline_parallel_size`` P > 1, how many virtual engines the
+            worker has (default P): each is a worker id to the scheduler (``worker-0/ve<i>``), with
+            its own sequences and ``1/V`` of each rank's KV budget; their plans overlap in the stages.
 
     Raises:
         ValueError: an invalid limit or size.
@@ -92,6 +95,7 @@ class LLM:
         policy: str = "fcfs",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        num_virtual_engines: int | None = None,
     ) -> None:
         import torch
 
@@ -107,9 +111,10 @@ class LLM:
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
                                  enable_prefix_caching, preemption_mode, policy)
         if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
-            runners = _tensor_parallel_runners(path, num_workers, (tensor_parallel_size, pipeline_parallel_size),
-                                               memory, block_size, resolve_dtype(dtype, device), device,
-                                               attention_backend, swap, gemm_backend, compile_mode)
+            sizes = (tensor_parallel_size, pipeline_parallel_size, num_virtual_engines or pipeline_parallel_size)
+            runners = _tensor_parallel_runners(path, num_workers, sizes, memory, block_size,
+                                               resolve_dtype(dtype, device), device, attention_backend, swap,
+                                               gemm_backend, compile_mode)
         else:
             runners = {
                 f"worker-{i}": build_model_runner(
@@ -124,7 +129,9 @@ class LLM:
         scheduler = Scheduler(config)
         for worker_id, runner in runners.items():
             scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks)
-        self.engine = Engine(scheduler, LocalExecutor(runners))
+        # Virtual engines of one pipeline overlap only if their plans are handed over together.
+        executor = ThreadedExecutor if pipeline_parallel_size > 1 and len(runners) > 1 else LocalExecutor
+        self.engine = Engine(scheduler, executor(runners))
         self._states: dict[str, RequestSamples] = {}
         self._prompts: dict[str, tuple[int, ...]] = {}
         self._params: dict[str, SamplingParams] = {}
@@ -262,10 +269,11 @@ class LLM:
         ]
 
 
-def _tensor_parallel_runners(path: Path, num_workers: int, sizes: tuple[int, int], memory: int, block_size: int,
-                             dtype: str, device: str, attention_backend: str, swap: int, gemm_backend: str,
-                             compile_mode: str) -> dict:
-    """``num_workers`` workers of ``sizes = (T, P)`` ranks, each rank 0 here plus T*P-1 helper processes."""
+def _tensor_parallel_runners(path: Path, num_workers: int, sizes: tuple[int, int, int], memory: int,
+                             block_size: int, dtype: str, device: str, attention_backend: str, swap: int,
+                             gemm_backend: str, compile_mode: str) -> dict:
+    """``num_workers`` workers of ``sizes = (T, P, V)``: T*P ranks each, rank 0 here plus T*P-1 helper
+    processes; with P > 1, V virtual engines each (worker ids ``worker-<i>/ve<v>`` when V > 1)."""
     from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
     from pagedserve.engine.parallel.rank import RankConfig
 
@@ -275,15 +283,11 @@ def _tensor_parallel_runners(path: Path, num_workers: int, sizes: tuple[int, int
     if num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
         raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "
                          "(num_workers=1)")
-    tensor_parallel_size, pipeline_parallel_size = sizes
+    tensor_parallel_size, pipeline_parallel_size, engines = sizes
     config = RankConfig(str(path), memory, block_size, dtype, device, attention_backend, swap,
-                        pipeline_parallel_size=pipeline_parallel_size)
-    runners: dict = {}
-    try:
-        for i in range(num_workers):
-            runners[f"worker-{i}"] = start_tensor_parallel_runner(config, tensor_parallel_size)
-    except BaseException:
-        for runner in runners.values():
-            runner.close()
-        raise
-    return runners
+                        pipeline_parallel_size=pipeline_parallel_size, num_virtual_engines=engines)
+    runner = start_tensor_parallel_runner(config, tensor_parallel_size)
+    if pipeline_parallel_size == 1:
+        return {"worker-0": runner}
+    views = runner.virtual_engines()
+    return {"worker-0": views[0]} if len(views) == 1 else {f"worker-0/ve{i}": v for i, v in enumerate(views)}

@@ -8,6 +8,7 @@ used by ``pagedserve.llm.LLM``, the tests and the benchmarks) or worker services
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +49,20 @@ class LocalExecutor:
 
     def execute(self, plans: Mapping[str, BatchPlan]) -> ExecutionResult:
         return ExecutionResult({wid: self.runners[wid].execute(plan) for wid, plan in plans.items()})
+
+
+class ThreadedExecutor(LocalExecutor):
+    """Executes each worker id's plan on that id's own thread, all ids at once, and waits for them:
+    the virtual engines of a pipeline-parallel worker (``parallel/pipeline_runner.py``) then overlap
+    in its stages. One id's plans still run one at a time, in order."""
+
+    def __init__(self, runners: Mapping[str, PlanRunner]) -> None:
+        super().__init__(runners)
+        self._threads = {wid: ThreadPoolExecutor(1, thread_name_prefix=wid) for wid in self.runners}
+
+    def execute(self, plans: Mapping[str, BatchPlan]) -> ExecutionResult:
+        futures = {wid: self._threads[wid].submit(self.runners[wid].execute, plan) for wid, plan in plans.items()}
+        return ExecutionResult({wid: future.result() for wid, future in futures.items()})
 
 
 class Engine:

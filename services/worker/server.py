@@ -122,4 +122,6 @@ def _build_runner(config: WorkerConfig):
     rank = RankConfig(str(config.model), config.kv_cache_memory or (1 << 30), config.block_size,
                       resolve_dtype(config.dtype, config.device), config.device, config.attention_backend,
                       config.swap_space, num_threads=threads, pipeline_parallel_size=config.pipeline_parallel_size)
-    return start_tensor_parallel_runner(rank, config.tensor_parallel_size)
+    runner = start_tensor_parallel_runner(rank, config.tensor_parallel_size)
+    # One virtual engine: the service registers one worker id and runs its plans one at a time.
+    return runner.virtual_engines()[0] if config.pipeline_parallel_size > 1 else runner

@@ -1,5 +1,6 @@
-"""``LLM(pipeline_parallel_size=2)`` and a 2 x 2 grid: greedy tokens equal one rank's (prefix caching,
-preemption); a killed or stuck rank makes the step raise within a bound instead of hanging."""
+"""``LLM(pipeline_parallel_size=2)`` (one or two virtual engines) and a 2 x 2 grid: greedy tokens equal
+one rank's (prefix caching, preemption); a killed or stuck rank makes the step raise within a bound
+instead of hanging."""
 
 from __future__ import annotations
 
@@ -42,24 +43,27 @@ def _tokens(llm: LLM, prompts) -> list[list[int]]:
     return [list(r.token_ids) for r in llm.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("sizes", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
+@pytest.mark.parametrize("sizes", [(1, 2, 1), (1, 2, 2), (2, 2, 2)], ids=["pp2", "pp2_ve2", "tp2xpp2_ve2"])
 def test_pipeline_greedy_equals_one_rank_with_prefix_caching_and_preemption(tiny, reference, sizes):
     folder, prompts = tiny
-    t, p = sizes
-    # Each rank holds 1 of the 2 layers (and 1 of the 2 KV heads when T=2): the same blocks from 1/(T*P) bytes.
-    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK // (t * p), block_size=BLOCK,
-             tensor_parallel_size=t, pipeline_parallel_size=p) as llm:
-        assert llm.stats().workers[0].num_blocks == NUM_BLOCKS
+    t, p, v = sizes
+    # Each rank holds 1 of the 2 layers (and 1 of the 2 KV heads when T=2): 1/(T*P) of the bytes give
+    # NUM_BLOCKS blocks, split between the V virtual engines; V times that gives each engine NUM_BLOCKS.
+    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK * v // (t * p), block_size=BLOCK,
+             tensor_parallel_size=t, pipeline_parallel_size=p, num_virtual_engines=v) as llm:
+        assert [w.num_blocks for w in llm.stats().workers] == [NUM_BLOCKS] * v
         assert [_tokens(llm, prompts) for _ in range(2)] == reference
         stats = llm.stats()
         assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+        assert all(w.num_cached_blocks > 0 for w in stats.workers)  # every virtual engine ran sequences
 
 
-def test_kv_capacity_grows_with_stages(tiny):
+def test_kv_capacity_grows_with_stages_and_is_split_among_virtual_engines(tiny):
     folder, _ = tiny
     with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
              pipeline_parallel_size=2) as llm:
-        assert llm.stats().workers[0].num_blocks == 2 * NUM_BLOCKS
+        assert [(w.worker_id, w.num_blocks) for w in llm.stats().workers] == [
+            ("worker-0/ve0", NUM_BLOCKS), ("worker-0/ve1", NUM_BLOCKS)]
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
@@ -68,8 +72,9 @@ def test_a_dead_or_stuck_last_stage_fails_the_step(tiny, how):
     llm = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK, pipeline_parallel_size=2)
     try:
         assert len(_tokens(llm, prompts[:2])) == 2
-        runner = llm._runners["worker-0"]
-        last_stage = runner.helpers[0][0]
+        runner = llm._runners["worker-0/ve0"]
+        runner.pipeline.result_timeout_s = 5.0  # a stopped last stage: no result (its recv may not block us)
+        last_stage = runner.pipeline.helpers[0][0]
         os.kill(last_stage.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
         started = time.monotonic()
         with pytest.raises(CollectiveError):

@@ -45,19 +45,19 @@ def grid_rank_main(rank: int, folder: str, init_method: str, sizes: tuple[int, i
     """One rank of a ``T x P`` grid: builds its runner, runs the :func:`two_steps` forwards through its
     stage; the last stage's tensor-parallel rank 0 saves the logits to ``out``."""
     from pagedserve.engine.parallel.group import GroupSpec, TensorParallelGroup
-    from pagedserve.engine.parallel.rank import RankConfig, build_rank_runner
+    from pagedserve.engine.parallel.rank import RankConfig, build_stage_runners
 
     torch.set_num_threads(1)
     t, p = sizes
     group = TensorParallelGroup(GroupSpec(init_method, t * p, timeout_s=30.0), rank)
     try:
-        runner = build_rank_runner(RankConfig(folder, 1 << 20, BLOCK, pipeline_parallel_size=p), group)
+        runner = build_stage_runners(RankConfig(folder, 1 << 20, BLOCK, pipeline_parallel_size=p), group)[0]
         backend = make_attention_backend("torch", "cpu")
         steps = [(PREFILL, [0, 0, 0]), (DECODE, [len(q) for q in PREFILL])]
         # forward_step computes logits on every stage; only the last stage's are the model's.
         logits = [forward_step(runner.model, runner.kv_cache, backend, ids, ctx, TABLES, forward=runner.forward)
                   for ids, ctx in steps]
-        if rank == runner.position.last_stage_leader:
+        if rank == (p - 1) * t:  # the last stage's tensor-parallel rank 0
             torch.save(logits, Path(out))
     finally:
         group.close()

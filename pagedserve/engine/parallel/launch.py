@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
@@ -72,13 +73,8 @@ class TensorParallelRunner:
         self.on_failure: Callable[[], None] | None = None  # e.g. a worker service stopping itself
 
     @property
-    def pipeline_parallel_size(self) -> int:
-        position = getattr(self.runner, "position", None)  # a StageRunner's place in the grid
-        return 1 if position is None else position.pipeline_parallel_size
-
-    @property
     def tensor_parallel_size(self) -> int:
-        return self.group.world_size // self.pipeline_parallel_size
+        return self.group.world_size
 
     @property
     def num_blocks(self) -> int:
@@ -116,19 +112,24 @@ class TensorParallelRunner:
 
     def close(self) -> None:
         """Stops the helpers and leaves the group; idempotent."""
-        for process, conn in self.helpers:
-            try:
-                conn.send(_STOP)
-            except OSError:
-                pass
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
+        stop_helpers(self.helpers)
         self.helpers = []
         self.group.close()
 
 
-def _wait_ready(helpers: list[tuple[mp.Process, Connection]], timeout_s: float) -> None:
+def stop_helpers(helpers: list[tuple[mp.Process, Connection]]) -> None:
+    """Tells each helper rank to stop, waits up to 10 s for it, then kills it."""
+    for process, conn in helpers:
+        try:
+            conn.send(_STOP)
+        except OSError:
+            pass
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+
+
+def wait_ready(helpers: list[tuple[mp.Process, Connection]], timeout_s: float) -> None:
     """Waits for one message of every helper ("started", then "ready" once its shard is loaded);
     raises if one exits first or the time runs out."""
     deadline = time.monotonic() + timeout_s
@@ -141,10 +142,10 @@ def _wait_ready(helpers: list[tuple[mp.Process, Connection]], timeout_s: float) 
         conn.recv()
 
 
-def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int,
-                                 timeout_s: float = 5.0) -> TensorParallelRunner:
+def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int, timeout_s: float = 5.0):
     """Spawns ranks 1..T*P-1 (P: ``config.pipeline_parallel_size``), joins them as rank 0 over a
-    loopback rendezvous, and loads every shard.
+    loopback rendezvous, and loads every shard: a :class:`TensorParallelRunner` when P is 1, else a
+    :class:`~pagedserve.engine.parallel.pipeline_runner.PipelineParallelRunner`.
 
     Args:
         config: the runner settings every rank uses (``num_threads`` 0: ``cpu_count // (T*P)`` per helper).
@@ -156,6 +157,26 @@ def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int,
             before spawning).
         CollectiveError: a helper failed to start.
     """
+    if config.pipeline_parallel_size > 1:
+        from pagedserve.engine.parallel.pipeline_runner import start_pipeline_parallel_runner
+
+        return start_pipeline_parallel_runner(config, tensor_parallel_size, timeout_s)
+    group, helpers, runner = launch_ranks(config, tensor_parallel_size, timeout_s, helper_main, build_rank_runner)
+    return TensorParallelRunner(runner, group, helpers)
+
+
+def launch_ranks(config: RankConfig, tensor_parallel_size: int, timeout_s: float,
+                 target: Callable[[RankConfig, GroupSpec, int, Connection], None],
+                 build: Callable[[RankConfig, TensorParallelGroup], Any]) -> tuple[TensorParallelGroup, list, Any]:
+    """Spawns helper ranks 1..T*P-1 running ``target(config, spec, rank, pipe)``, joins them as rank 0,
+    builds rank 0's runner(s) with ``build(config, group)`` and waits for every helper's "ready".
+
+    Returns:
+        ``(group, [(process, pipe)] of ranks 1.., what build returned)``.
+
+    Raises:
+        ShardingError, PipelineError: checked before spawning. CollectiveError: a helper failed to start.
+    """
     check_shardable(config.model_path, tensor_parallel_size, config.pipeline_parallel_size)
     world_size = tensor_parallel_size * config.pipeline_parallel_size
     if config.num_threads == 0:
@@ -165,20 +186,19 @@ def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int,
     helpers = []
     for rank in range(1, world_size):
         ours, theirs = context.Pipe()
-        process = context.Process(target=helper_main, args=(config, spec, rank, theirs),
-                                  name=f"rank-{rank}", daemon=True)
+        process = context.Process(target=target, args=(config, spec, rank, theirs), name=f"rank-{rank}", daemon=True)
         process.start()
         helpers.append((process, ours))
     group = None
     try:
-        _wait_ready(helpers, STARTUP_TIMEOUT_S)
+        wait_ready(helpers, STARTUP_TIMEOUT_S)
         group = TensorParallelGroup(spec, 0)
-        runner = build_rank_runner(config, group)
-        _wait_ready(helpers, STARTUP_TIMEOUT_S)
+        built = build(config, group)
+        wait_ready(helpers, STARTUP_TIMEOUT_S)
     except BaseException:
         for process, _ in helpers:
             process.kill()
         if group is not None:
             group.close()
         raise
-    return TensorParallelRunner(runner, group, helpers)
+    return group, helpers, built

@@ -17,6 +17,7 @@ bubble is ``(P-1)/P`` of a stage's time (Narayanan et al., 2021, §2.2, with one
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from safetensors import safe_open
 
 from pagedserve.engine.messages import PromptLogprobs, SampledToken
 from pagedserve.engine.model_runner import ModelRunner, ScheduledRequest, _batch_order
-from pagedserve.engine.parallel.group import CollectiveError, TensorParallelGroup
+from pagedserve.engine.parallel.group import TensorParallelGroup
 
 
 class PipelineError(ValueError):
@@ -136,7 +137,8 @@ class RankPosition:
 
 class StageForward:
     """One stage's forward (the ``forward`` a :class:`ModelRunner` calls): receive or embed, run
-    the stage's layers, send on (or apply the final norm on the last stage).
+    the stage's layers, send on (or apply the final norm on the last stage). ``comm_s`` adds up the
+    seconds spent in ``send``/``recv`` (waiting for a neighbour stage included).
 
     Args:
         model: the stage's ``LlamaForCausalLM`` (built with ``stage=``).
@@ -150,6 +152,7 @@ class StageForward:
         self.world = world
         self.prev_rank = position.rank - position.tensor_parallel_size
         self.next_rank = position.rank + position.tensor_parallel_size
+        self.comm_s = 0.0
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
         """int64 ``input_ids`` / ``positions`` ``[T]`` -> this stage's output ``[T, hidden]``
@@ -160,49 +163,48 @@ class StageForward:
         else:
             x = torch.empty(input_ids.shape[0], model.config.hidden_size, dtype=model.dtype,
                             device=input_ids.device)
+            start = time.perf_counter()
             self.world.recv(x, self.prev_rank)                            # (T, hidden)
+            self.comm_s += time.perf_counter() - start
         cos, sin = model.rotary(positions, model.dtype)                   # (T, 1, D/2) each
         for layer in model.layers:
             x = layer(x, cos, sin, attention)                             # (T, hidden)
         if not self.stage.is_last:
+            start = time.perf_counter()
             self.world.send(x, self.next_rank)
+            self.comm_s += time.perf_counter() - start
             return x
         return model.norm(x)                                              # (T, hidden)
 
 
 class StageRunner(ModelRunner):
-    """A pipeline rank's ModelRunner: the same plan bookkeeping on every rank; the last stage
-    samples and broadcasts ``(sampled tokens, prompt logprobs)`` (or its error) to every rank.
+    """A pipeline rank's ModelRunner for one virtual engine: the same plan bookkeeping on every rank;
+    the last stage computes the logits and samples, the other stages only run their layers and
+    learn the sampled tokens later (:meth:`append_sampled`, with the virtual engine's next plan).
 
     Args:
-        position, world: this rank in the grid, and the group of all ranks.
         model, kv_cache, attention_backend, sampler: as :class:`ModelRunner` (``sampler`` is used
             on the last stage only).
+        forward: the rank's :class:`StageForward` (shared by its virtual engines).
     """
 
-    def __init__(self, position: RankPosition, world: TensorParallelGroup, model, kv_cache,
-                 attention_backend, sampler) -> None:
-        super().__init__(model, kv_cache, attention_backend, sampler, forward=StageForward(model, position, world))
-        self.position = position
-        self.world = world
-        self.leader = position.last_stage_leader
+    def __init__(self, model, kv_cache, attention_backend, sampler, forward: StageForward) -> None:
+        super().__init__(model, kv_cache, attention_backend, sampler, forward=forward)
+        self.is_last = model.stage.is_last
+
+    def append_sampled(self, sampled: Sequence[SampledToken]) -> None:
+        """Appends the last stage's tokens of this virtual engine's previous step to the sequences
+        they belong to (nothing to do on the last stage, which sampled them)."""
+        if self.is_last:
+            return
+        for token in sampled:
+            state = self.requests.get(token.seq_id)
+            if state is not None and token.sample_index == token.seq_id.sample_index:  # its own token
+                state.token_ids.append(token.token_id)
 
     def _run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[SampledToken], list[PromptLogprobs]]:
-        """Forward (and sampling on the last stage); returns the last stage's tokens on every rank."""
-        if self.model.stage.is_last:
-            try:
-                out = super()._run(scheduled)
-            except Exception as exc:
-                self.world.broadcast_object(exc, src=self.leader)
-                raise
-            return self.world.broadcast_object(out, src=self.leader)
+        """Forward, and on the last stage logits and sampling; the other stages return nothing."""
+        if self.is_last:
+            return super()._run(scheduled)
         self._forward(sorted(scheduled, key=_batch_order))
-        out = self.world.broadcast_object(None, src=self.leader)
-        if isinstance(out, Exception):
-            raise CollectiveError(f"the last pipeline stage failed: {out}")
-        sampled, prompt = out
-        states = {s.state.seq_id: s.state for s in scheduled}
-        for token in sampled:
-            if token.sample_index == token.seq_id.sample_index:  # the sequence's own token
-                states[token.seq_id].token_ids.append(token.token_id)
-        return list(sampled), list(prompt)
+        return [], []

@@ -21,7 +21,8 @@ from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memo
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models import load_model_config, model_class_for
 from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
-from pagedserve.engine.parallel.pipeline import RankPosition, StageRunner, iter_stage_checkpoint, pipeline_stage
+from pagedserve.engine.parallel.pipeline import (RankPosition, StageForward, StageRunner, iter_stage_checkpoint,
+                                                 pipeline_stage)
 from pagedserve.engine.parallel.sharding import ShardingError, iter_sharded_checkpoint, shard_layout
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 
@@ -41,6 +42,8 @@ class RankConfig:
         num_threads: torch intra-op threads of a helper rank (0: leave torch's default).
         pipeline_parallel_size: pipeline stages P (``parallel/pipeline.py``); the group's
             ``world_size`` is ``T * P``.
+        num_virtual_engines: with P > 1, the worker's virtual engines (``parallel/pipeline_runner.py``),
+            each with its own sequences and ``1/num_virtual_engines`` of every rank's KV budget.
     """
 
     model_path: str
@@ -53,6 +56,7 @@ class RankConfig:
     sampler_seed: int | None = None
     num_threads: int = 0
     pipeline_parallel_size: int = 1
+    num_virtual_engines: int = 1
 
 
 def check_shardable(model_path: str | Path, world_size: int, pipeline_parallel_size: int = 1) -> None:
@@ -109,16 +113,14 @@ class FollowerSampler:
 
 
 def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRunner:
-    """This rank's ModelRunner: its model shard, a KV cache sized for its KV heads from
-    ``config.kv_cache_memory_bytes``, and the leader or follower sampler. With pipeline stages,
-    a :class:`StageRunner` over its stage's layers (:func:`build_stage_runner`).
+    """This tensor-parallel rank's ModelRunner: its model shard, a KV cache sized for its KV heads
+    from ``config.kv_cache_memory_bytes``, and the leader or follower sampler (pipeline stages:
+    :func:`build_stage_runners`).
 
     Raises:
         ShardingError, WeightLoadError, ModelConfigError: the model cannot be sharded or loaded.
         ValueError: the budget holds no block.
     """
-    if config.pipeline_parallel_size > 1:
-        return build_stage_runner(config, group)
     dtype = getattr(torch, config.dtype)
     backend = make_attention_backend(config.attention_backend, config.device)
     model = load_model_shard(config.model_path, group, dtype, config.device)
@@ -131,10 +133,16 @@ def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRu
     return ModelRunner(model, kv_cache, backend, sampler)
 
 
-def build_stage_runner(config: RankConfig, world: TensorParallelGroup) -> StageRunner:
-    """A pipeline rank's runner: its stage's layers (its tensor-parallel shard of them when T > 1),
-    a KV cache of those layers only (blocks counted for the largest stage, so every rank has as
-    many), and on the last stage the sampler (leader on its tensor-parallel rank 0)."""
+def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[StageRunner]:
+    """A pipeline rank's runners, one per virtual engine: they share the stage's layers (its
+    tensor-parallel shard of them when T > 1) and each has a KV cache of those layers only, from
+    ``kv_cache_memory_bytes / num_virtual_engines`` (blocks counted for the largest stage, so every
+    rank has as many); the last stage samples (the leader on its tensor-parallel rank 0).
+
+    Raises:
+        ShardingError, PipelineError, WeightLoadError: the model cannot be split or loaded.
+        ValueError: a virtual engine's budget holds no block.
+    """
     position = RankPosition(world.rank, world.world_size // config.pipeline_parallel_size,
                             config.pipeline_parallel_size)
     tp = world.subgroups(position.stage_ranks()) if position.tensor_parallel_size > 1 else None
@@ -144,13 +152,17 @@ def build_stage_runner(config: RankConfig, world: TensorParallelGroup) -> StageR
     dtype = getattr(torch, config.dtype)
     model = model_class_for(full.architecture)(full, dtype=dtype, device=config.device, parallel=tp, stage=stage)
     model.load_checkpoint(iter_stage_checkpoint(config.model_path, stage, full.tie_word_embeddings, model.shard))
+    model.eval()
     c = model.config
     sized = KVCacheSpec(stage.max_stage_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
     spec = KVCacheSpec(stage.num_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
-    kv_cache = KVCache(spec, num_blocks_for_memory(sized, config.kv_cache_memory_bytes), device=config.device,
-                       num_cpu_blocks=config.swap_space_bytes // sized.bytes_per_block)
+    engines = config.num_virtual_engines
     sampler = Sampler(seed=config.sampler_seed, device=config.device)
     if tp is not None:
         sampler = LeaderSampler(sampler, tp) if tp.rank == 0 else FollowerSampler(tp)
     backend = make_attention_backend(config.attention_backend, config.device)
-    return StageRunner(position, world, model.eval(), kv_cache, backend, sampler)
+    forward = StageForward(model, position, world)
+    return [StageRunner(model, KVCache(spec, num_blocks_for_memory(sized, config.kv_cache_memory_bytes // engines),
+                                       device=config.device,
+                                       num_cpu_blocks=config.swap_space_bytes // engines // sized.bytes_per_block),
+                        backend, sampler, forward) for _ in range(engines)]
