@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
-def _prompts(vocab_size: int, num_prompts: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(vocab_size: int, num_prompts: int, seed: int = 0) -> list[list[int]]:
     """Random token ids, 16 to 128 per prompt (seeded)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(16, 128))] for _ in range(num_prompts)]
@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
     from pagedserve.model_files import resolve_model
 
     model = resolve_model(args.model or None)
-    prompts = _prompts(load_model_config(model).vocab_size, args.num_prompts)
+    prompts = random_prompts(load_model_config(model).vocab_size, args.num_prompts)
     runs = [run_size(model, int(s), prompts, args.max_tokens, args.kv_cache_memory) for s in args.sizes.split(",")]
     base = runs[0]["output_tokens_per_s"]
     info = machine_info()

@@ -49,6 +49,9 @@ class WorkerConfig:
         pipeline_parallel_size: pipeline stages (consecutive layers each, same models as TP): the
             worker has ``T * P`` ranks; each rank's KV cache holds its stage's layers only, so the
             registered KV capacity grows with P.
+        virtual_engines: with P > 1, virtual engines V (0: P), each served on its own port
+            (``port + i`` when a port is given) and registered as worker ``<worker_id>/ve<i>`` with
+            ``1/V`` of each rank's KV budget; the scheduler keeps one plan in flight on each.
         cpu_affinity: CPU cores this worker runs on, its OpenMP threads bound one per core (on a
             shared machine, give each worker its own cores); empty: no binding.
         heartbeat_interval_s: how often the registration is refreshed, seconds.
@@ -77,6 +80,7 @@ class WorkerConfig:
     num_threads: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    virtual_engines: int = 0
     cpu_affinity: tuple[int, ...] = ()
     heartbeat_interval_s: float = 1.0
     metrics_port: int | None = None
@@ -101,6 +105,8 @@ class WorkerConfig:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.virtual_engines < 0:
+            raise ValueError(f"--virtual-engines must be >= 0 (0: one per pipeline stage), got {self.virtual_engines}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
         if not self.cluster_token:
@@ -149,6 +155,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
                         help="pipeline stages of consecutive layers (Llama family, CPU): T*P ranks, rank 0 "
                         "here; --kv-cache-memory is per rank (default %(default)s)")
+    parser.add_argument("--virtual-engines", type=int, default=0,
+                        help="with --pipeline-parallel-size P > 1: virtual engines, each its own worker id "
+                        "<id>/ve<i> and port, whose plans overlap in the stages; 0: P (default %(default)s)")
     parser.add_argument(
         "--cpu-affinity", default="",
         help="run on these CPU cores (e.g. 0-3) with torch's OpenMP threads bound to them; give each worker "
@@ -194,6 +203,7 @@ def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConf
         num_threads=args.num_threads,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        virtual_engines=args.virtual_engines,
         cpu_affinity=parse_cpu_list(args.cpu_affinity) if args.cpu_affinity else (),
         metrics_port=args.metrics_port,
     )

@@ -38,7 +38,8 @@ def bind_to_cores(cores: tuple[int, ...]) -> None:
 
 
 def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
-    """Serves until ``stop`` is set, then unregisters and shuts down.
+    """Serves until ``stop`` is set, then unregisters and shuts down. A pipeline-parallel worker with
+    V virtual engines serves each on its own port and registers it as worker ``<id>/ve<i>``.
 
     Raises:
         ConnectionError: Redis did not answer at start.
@@ -54,7 +55,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     ranks = config.tensor_parallel_size * config.pipeline_parallel_size
-    runner = _build_runner(config) if ranks > 1 else build_model_runner(
+    engines = _build_engines(config) if ranks > 1 else {config.worker_id: build_model_runner(
         config.model,
         kv_cache_memory_bytes=config.kv_cache_memory,
         block_size=config.block_size,
@@ -65,36 +66,20 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         compile_mode=config.compile_mode,
         gpu_memory_utilization=config.gpu_memory_utilization,
         swap_space_bytes=config.swap_space,
-    )
+    )}
+    runner = next(iter(engines.values()))
     if hasattr(runner, "on_failure"):  # a tensor/pipeline-parallel worker whose rank died cannot recover: stop
         runner.on_failure = stop.set
-    auth = MetadataAuthInterceptor(CLUSTER_TOKEN_KEY, config.cluster_token, "cluster token")
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
     metrics = WorkerMetrics(config.model.name, config.worker_id)
-    engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, tracer, metrics), server)
-    health = add_health(server)
-    port = bind(server, config.host, config.port)
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, f"worker {config.worker_id}")
-    server.start()
-    registration = pb.WorkerRegistration(
-        worker_id=config.worker_id,
-        address=f"{config.advertise_host}:{port}",
-        num_blocks=runner.num_blocks,
-        block_size=config.block_size,
-        model=config.model.name,
-        num_cpu_blocks=runner.num_cpu_blocks,
-        instance_id=uuid.uuid4().hex,
-    )
-    sign_registration(registration, config.cluster_token)
-    registrar = WorkerRegistrar(connect_redis(config.redis_url, stop), registration, config.heartbeat_interval_s)
-    registrar.start()
-    set_serving(health, True)
-    log.info("worker %s serving %s at %s with %d KV blocks", config.worker_id, config.model.name,
-             registration.address, runner.num_blocks)
+    redis_client = connect_redis(config.redis_url, stop)
+    served = [_serve_engine(config, worker_id, engine, index, tracer, metrics, redis_client)
+              for index, (worker_id, engine) in enumerate(engines.items())]
     stop.wait()
-    set_serving(health, False)
-    registrar.stop()
-    server.stop(grace=2).wait()
+    for server, health, registrar in served:
+        set_serving(health, False)
+        registrar.stop()
+        server.stop(grace=2).wait()
     if metrics_server is not None:
         metrics_server.stop()
     telemetry.shutdown_tracing()
@@ -104,9 +89,37 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
             raise SystemExit(f"worker {config.worker_id}: a tensor-parallel rank failed: {runner.broken}")
 
 
-def _build_runner(config: WorkerConfig):
-    """Rank 0 of a tensor- and/or pipeline-parallel worker (``pagedserve.engine.parallel.launch``);
-    helpers spawned here."""
+def _serve_engine(config: WorkerConfig, worker_id: str, runner, index: int, tracer, metrics: WorkerMetrics,
+                  redis_client) -> tuple[grpc.Server, object, WorkerRegistrar]:
+    """Serves Worker.Execute for one runner (the worker, or one of its virtual engines: port
+    ``config.port + index`` when a port is given) and registers it as ``worker_id``."""
+    auth = MetadataAuthInterceptor(CLUSTER_TOKEN_KEY, config.cluster_token, "cluster token")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
+    engine_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(runner, tracer, metrics), server)
+    health = add_health(server)
+    port = bind(server, config.host, config.port + index if config.port else 0)
+    server.start()
+    registration = pb.WorkerRegistration(
+        worker_id=worker_id,
+        address=f"{config.advertise_host}:{port}",
+        num_blocks=runner.num_blocks,
+        block_size=config.block_size,
+        model=config.model.name,
+        num_cpu_blocks=runner.num_cpu_blocks,
+        instance_id=uuid.uuid4().hex,
+    )
+    sign_registration(registration, config.cluster_token)
+    registrar = WorkerRegistrar(redis_client, registration, config.heartbeat_interval_s)
+    registrar.start()
+    set_serving(health, True)
+    log.info("worker %s serving %s at %s with %d KV blocks", worker_id, config.model.name,
+             registration.address, runner.num_blocks)
+    return server, health, registrar
+
+
+def _build_engines(config: WorkerConfig) -> dict:
+    """Rank 0 of a tensor- and/or pipeline-parallel worker (``pagedserve.engine.parallel.launch``;
+    helpers spawned here), by worker id: the worker itself, or its virtual engines ``<id>/ve<i>``."""
     from pagedserve.engine.config import CompileMode, GemmBackend
     from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
     from pagedserve.engine.parallel.rank import RankConfig
@@ -121,7 +134,12 @@ def _build_runner(config: WorkerConfig):
     torch.set_num_threads(threads)  # the worker's threads are shared among its ranks
     rank = RankConfig(str(config.model), config.kv_cache_memory or (1 << 30), config.block_size,
                       resolve_dtype(config.dtype, config.device), config.device, config.attention_backend,
-                      config.swap_space, num_threads=threads, pipeline_parallel_size=config.pipeline_parallel_size)
+                      config.swap_space, num_threads=threads, pipeline_parallel_size=config.pipeline_parallel_size,
+                      num_virtual_engines=config.virtual_engines or config.pipeline_parallel_size)
     runner = start_tensor_parallel_runner(rank, config.tensor_parallel_size)
-    # One virtual engine: the service registers one worker id and runs its plans one at a time.
-    return runner.virtual_engines()[0] if config.pipeline_parallel_size > 1 else runner
+    if config.pipeline_parallel_size == 1:
+        return {config.worker_id: runner}
+    views = runner.virtual_engines()
+    if len(views) == 1:
+        return {config.worker_id: views[0]}
+    return {f"{config.worker_id}/ve{i}": view for i, view in enumerate(views)}

@@ -112,10 +112,11 @@ class Stack:
 
 def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "64MiB", env_extra: dict | None = None,
                 worker_threads: int = 1, scheduler_args: tuple[str, ...] = (), worker_args: tuple[str, ...] = (),
-                gateway_args: tuple[str, ...] = ()) -> Stack:
+                gateway_args: tuple[str, ...] = (), workers_per_process: int = 1) -> Stack:
     """Starts redis-server, a scheduler (``scheduler_args`` are added to its flags, e.g.
     ``["--step-timeout", "3"]``), ``num_workers`` workers (with ``worker_args`` added) and a gateway
-    (with ``gateway_args`` added; its HTTP API on a free port, ``Stack.http``), and waits until all are up."""
+    (with ``gateway_args`` added; its HTTP API on a free port, ``Stack.http``), and waits until all are up
+    (``workers_per_process`` registered workers per worker process: a pipeline's virtual engines)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN, **(env_extra or {})}
     redis_proc, redis_url = start_redis(tmp_path)
     processes = {"redis": redis_proc}
@@ -147,7 +148,8 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
                                                      tmp_path, env)
         procs = list(processes.values())
         wait_until(lambda: healthy(scheduler), "scheduler", 120, procs)
-        wait_until(lambda: len(scheduler_stats(scheduler).workers) == num_workers, "workers", 300, procs)
+        wait_until(lambda: len(scheduler_stats(scheduler).workers) == num_workers * workers_per_process, "workers",
+                   300, procs)
         wait_until(lambda: healthy(f"127.0.0.1:{gw_port}"), "gateway", 120, procs)
     except Exception:
         for p in processes.values():

@@ -1,7 +1,8 @@
-"""`pagedserve worker --pipeline-parallel-size 2` in the whole stack (tiny Llama): the same greedy
-tokens as the in-process one-rank engine, twice the KV capacity of one rank's budget (each rank
-caches 1 of the 2 layers), and a killed last-stage rank makes the scheduler drop the worker and
-the worker exit non-zero (no hang)."""
+"""`pagedserve worker --pipeline-parallel-size 2` in the whole stack (tiny Llama): two virtual
+engines registered as workers ``worker-0/ve0`` and ``/ve1``, the same greedy tokens as the
+in-process one-rank engine, twice the KV capacity of one rank's budget in all (each rank caches 1
+of the 2 layers; half of it per virtual engine), and a killed last-stage rank makes the scheduler
+drop both virtual engines and the worker exit non-zero (no hang)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,13 @@ def test_pp2_worker_in_the_stack(tmp_path, tiny):
     reference = LLM(tiny, kv_cache_memory="4MiB").generate(
         PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     stack = start_stack(tmp_path, tiny, num_workers=1, kv_cache_memory="4MiB",
-                        worker_args=("--pipeline-parallel-size", "2"), scheduler_args=("--step-timeout", "30"))
+                        worker_args=("--pipeline-parallel-size", "2"), scheduler_args=("--step-timeout", "30"),
+                        workers_per_process=2)
     try:
-        # One rank's 4 MiB holds blocks of its 1 layer: twice the blocks of one rank with both layers.
-        assert scheduler_stats(stack.scheduler).workers[0].num_blocks == 2 * (4 << 20) // (2 * 2 * 16 * 2 * 16 * 4)
+        # One rank's 4 MiB holds blocks of its 1 layer, half for each virtual engine: in all, twice
+        # the blocks of one rank with both layers.
+        workers = sorted((w.worker_id, w.num_blocks) for w in scheduler_stats(stack.scheduler).workers)
+        assert workers == [(f"worker-0/ve{i}", (4 << 20) // (2 * 2 * 16 * 2 * 16 * 4)) for i in range(2)]
         for prompt, want in zip(PROMPTS, reference):
             assert _complete(stack.gateway, prompt, stack.env)["token_ids"] == list(want.token_ids)
         os.kill(_helper_pid(stack.processes["worker-0"].popen.pid), signal.SIGKILL)  # the last stage
@@ -43,7 +47,8 @@ def test_pp2_worker_in_the_stack(tmp_path, tiny):
                         PROMPTS[0], "--max-tokens", "4", "--timeout", "15"], capture_output=True, env=stack.env,
                        timeout=60)
         log = stack.processes["scheduler"]
-        wait_until(lambda: "worker worker-0 dropped: a step failed" in log.log_text(), "the worker dropped", 30)
+        wait_until(lambda: "worker worker-0/ve0 dropped" in log.log_text()
+                   and "worker worker-0/ve1 dropped" in log.log_text(), "both virtual engines dropped", 30)
         worker = stack.processes["worker-0"].popen
         wait_until(lambda: worker.poll() is not None, "the broken worker exiting", 30)
         assert worker.returncode != 0  # so that a supervisor (`pagedserve up`) restarts it

@@ -1,7 +1,9 @@
-"""Tensor parallelism inside one worker (Megatron-LM sharding, Shoeybi et al., 2019, §3).
+"""Tensor and pipeline parallelism inside one worker (Megatron-LM sharding, Shoeybi et al., 2019,
+§3; consecutive-layer stages, Huang et al., 2019, with vLLM's virtual engines).
 
 ``group``: the process group and its collectives; ``sharding``: which slice of each checkpoint
-tensor a rank holds, read with safetensors' ``get_slice``; ``rank``: one rank's runner;
-``launch``: rank 0 in this process driving spawned helper ranks. Kept free of imports here so
+tensor a rank holds, read with safetensors' ``get_slice``; ``rank``: one rank's runner(s);
+``pipeline``: stage layouts and a stage's forward; ``launch``: rank 0 in this process driving
+spawned helper ranks (``pipeline_runner`` when there are stages). Kept free of imports here so
 that the model classes can import ``sharding`` lazily without a cycle.
 """

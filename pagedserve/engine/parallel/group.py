@@ -6,6 +6,9 @@ one machine). The collectives are the ones Megatron-LM's sharding needs (Shoeybi
 logits, and ``broadcast_object`` to hand each BatchPlan from rank 0 to the others. Collectives time
 out after ``timeout_s`` (a dead peer makes them raise, they never hang for ever).
 
+Pipeline parallelism adds ``send``/``recv`` of activations between stages on the same group and,
+with T > 1, one subgroup per stage for its tensor-parallel collectives (:meth:`subgroups`).
+
 One group per process: it is the default ``torch.distributed`` group, destroyed by :meth:`close`.
 """
 

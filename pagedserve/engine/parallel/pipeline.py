@@ -7,12 +7,9 @@ Every rank applies every BatchPlan to its own request states (as under TP); in t
 0 embeds the tokens, each stage runs its layers and sends the hidden states ``[tokens, hidden]``
 to the same tensor-parallel rank of the next stage (gloo ``send``/``recv``; this Llama layer API
 carries no separate residual). The last stage applies the final norm, computes the logits and
-samples (its tensor-parallel rank 0, with the same per-request seeds as one rank), then
-broadcasts the sampled tokens and prompt logprobs to every rank, which append them to their
-states; rank 0 answers the scheduler with them.
-
-One plan runs at a time, so each stage idles while the others work: with P equal stages the
-bubble is ``(P-1)/P`` of a stage's time (Narayanan et al., 2021, §2.2, with one micro-batch).
+samples (its tensor-parallel rank 0, with the same per-request seeds as one rank); the other
+stages learn the sampled tokens with the next plan of the same virtual engine
+(``pipeline_runner.py``, which also hands the plans out).
 """
 
 from __future__ import annotations

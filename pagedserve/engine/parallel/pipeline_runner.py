@@ -186,8 +186,8 @@ class PipelineParallelRunner:
                 message = self.leader_pipe.recv()
                 if message[0] == _BUSY:
                     self._busy_replies.append(message[1])
-                else:
-                    self._pending.pop(message[1]).set_result(message[2])
+                elif (future := self._pending.pop(message[1], None)) is not None:  # None: failed already
+                    future.set_result(message[2])
         except (EOFError, OSError) as exc:
             if self.helpers:  # not closing
                 self._fail(f"the sampling rank's pipe closed: {exc!r}")
