@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -64,6 +65,37 @@ def test_kv_capacity_grows_with_stages_and_is_split_among_virtual_engines(tiny):
              pipeline_parallel_size=2) as llm:
         assert [(w.worker_id, w.num_blocks) for w in llm.stats().workers] == [
             ("worker-0/ve0", NUM_BLOCKS), ("worker-0/ve1", NUM_BLOCKS)]
+
+
+def test_a_rank_killed_mid_step_fails_the_step(tiny):
+    """The last stage is stopped while rank 0 runs stage 0 (gloo's send then waits for the receiver)
+    and waits for the result; the last stage is then killed: the step raises within 2 s."""
+    folder, prompts = tiny
+    llm = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK, pipeline_parallel_size=2,
+              num_virtual_engines=1)
+    try:
+        runner = llm._runners["worker-0"]
+        last_stage = runner.pipeline.helpers[0][0]
+        os.kill(last_stage.pid, signal.SIGSTOP)
+        failure: list[BaseException] = []
+
+        def generate() -> None:
+            try:
+                llm.generate(prompts[:2], GREEDY)
+            except CollectiveError as exc:
+                failure.append(exc)
+
+        step = threading.Thread(target=generate)
+        step.start()
+        time.sleep(1.0)  # rank 0 is in its send to the last stage, or waits for the result
+        assert step.is_alive()
+        started = time.monotonic()
+        os.kill(last_stage.pid, signal.SIGKILL)
+        step.join(timeout=TIMEOUT_BOUND_S)
+        assert not step.is_alive() and len(failure) == 1
+        assert time.monotonic() - started < 2.0
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("how", ["killed", "stopped"])
