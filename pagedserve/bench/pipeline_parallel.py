@@ -24,19 +24,15 @@ from pathlib import Path
 
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.report import format_table
-from pagedserve.bench.tensor_parallel import random_prompts
+from pagedserve.bench.tensor_parallel import add_run_arguments, random_prompts
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pipeline-parallel", help="offline throughput with P pipeline stages per worker vs one",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="", help="Llama-family model folder (default: the default model)")
     p.add_argument("--configs", default="1:1,2:1,2:2",
                    help="comma-separated P:V, pipeline stages and virtual engines (default %(default)s)")
-    p.add_argument("--num-prompts", type=int, default=16, help="prompts (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt (default %(default)s)")
-    p.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache memory per rank (default %(default)s)")
-    p.add_argument("--result-json", type=Path, help="write every figure to this file")
+    add_run_arguments(p)
     p.set_defaults(func=main)
 
 

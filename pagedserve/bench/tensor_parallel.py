@@ -25,14 +25,19 @@ from pagedserve.bench.report import format_table
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tensor-parallel", help="offline throughput with T ranks per worker vs one",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="", help="Llama-family model folder (default: the default model)")
     p.add_argument("--sizes", default="1,3", help="comma-separated tensor-parallel sizes (default %(default)s: "
                    "the default model has 9 heads and 3 KV heads)")
+    add_run_arguments(p)
+    p.set_defaults(func=main)
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and run-shape flags of the parallelism benchmarks."""
+    p.add_argument("--model", default="", help="Llama-family model folder (default: the default model)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt (default %(default)s)")
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache memory per rank (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write every figure to this file")
-    p.set_defaults(func=main)
 
 
 def random_prompts(vocab_size: int, num_prompts: int, seed: int = 0) -> list[list[int]]:

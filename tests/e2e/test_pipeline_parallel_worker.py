@@ -6,18 +6,12 @@ drop both virtual engines and the worker exit non-zero (no hang)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
-from tests.e2e.processes import scheduler_stats, start_stack, wait_until
-from tests.e2e.test_tensor_parallel_worker import PROMPTS, _complete, _helper_pid
+from tests.e2e.processes import scheduler_stats, start_stack
+from tests.e2e.test_tensor_parallel_worker import PROMPTS, _complete, kill_a_rank_and_expect_the_drop
 from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 pytestmark = [pytest.mark.e2e]
@@ -41,18 +35,7 @@ def test_pp2_worker_in_the_stack(tmp_path, tiny):
         assert workers == [(f"worker-0/ve{i}", (4 << 20) // (2 * 2 * 16 * 2 * 16 * 4)) for i in range(2)]
         for prompt, want in zip(PROMPTS, reference):
             assert _complete(stack.gateway, prompt, stack.env)["token_ids"] == list(want.token_ids)
-        os.kill(_helper_pid(stack.processes["worker-0"].popen.pid), signal.SIGKILL)  # the last stage
-        started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", stack.gateway, "--prompt",
-                        PROMPTS[0], "--max-tokens", "4", "--timeout", "15"], capture_output=True, env=stack.env,
-                       timeout=60)
-        log = stack.processes["scheduler"]
-        wait_until(lambda: "worker worker-0/ve0 dropped" in log.log_text()
-                   and "worker worker-0/ve1 dropped" in log.log_text(), "both virtual engines dropped", 30)
-        worker = stack.processes["worker-0"].popen
-        wait_until(lambda: worker.poll() is not None, "the broken worker exiting", 30)
-        assert worker.returncode != 0  # so that a supervisor (`pagedserve up`) restarts it
-        assert time.monotonic() - started < 40
+        kill_a_rank_and_expect_the_drop(stack, ("worker-0/ve0", "worker-0/ve1"))  # rank 1: the last stage
     finally:
         for p in reversed(list(stack.processes.values())):
             p.stop()

@@ -41,6 +41,23 @@ def _helper_pid(worker_pid: int) -> int:
     raise AssertionError(f"no helper rank among {children}")
 
 
+def kill_a_rank_and_expect_the_drop(stack, worker_ids: tuple[str, ...]) -> None:
+    """Kills worker-0's (first) helper rank, sends a request, and expects the scheduler to drop every
+    id of ``worker_ids`` ("a step failed") and the worker to exit non-zero, within 40 s."""
+    os.kill(_helper_pid(stack.processes["worker-0"].popen.pid), signal.SIGKILL)
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", stack.gateway, "--prompt",
+                    PROMPTS[0], "--max-tokens", "4", "--timeout", "15"], capture_output=True, env=stack.env,
+                   timeout=60)
+    log = stack.processes["scheduler"]
+    wait_until(lambda: all(f"worker {w} dropped: a step failed" in log.log_text() for w in worker_ids),
+               f"{worker_ids} dropped", 30)
+    worker = stack.processes["worker-0"].popen
+    wait_until(lambda: worker.poll() is not None, "the broken worker exiting", 30)
+    assert worker.returncode != 0  # so that a supervisor (`pagedserve up`) restarts it
+    assert time.monotonic() - started < 40
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return save_tiny_tokenizer(save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=7))
@@ -56,18 +73,7 @@ def test_tp2_worker_in_the_stack(tmp_path, tiny):
         assert scheduler_stats(stack.scheduler).workers[0].num_blocks == 2 * (4 << 20) // (2 * 2 * 16 * 2 * 16 * 4)
         for prompt, want in zip(PROMPTS, reference):
             assert _complete(stack.gateway, prompt, stack.env)["token_ids"] == list(want.token_ids)
-        helper = _helper_pid(stack.processes["worker-0"].popen.pid)
-        os.kill(helper, signal.SIGKILL)
-        started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", stack.gateway, "--prompt",
-                        PROMPTS[0], "--max-tokens", "4", "--timeout", "15"], capture_output=True, env=stack.env,
-                       timeout=60)
-        log = stack.processes["scheduler"]
-        wait_until(lambda: "worker worker-0 dropped: a step failed" in log.log_text(), "the worker dropped", 30)
-        worker = stack.processes["worker-0"].popen
-        wait_until(lambda: worker.poll() is not None, "the broken worker exiting", 30)
-        assert worker.returncode != 0  # so that a supervisor (`pagedserve up`) restarts it
-        assert time.monotonic() - started < 40
+        kill_a_rank_and_expect_the_drop(stack, ("worker-0",))
     finally:
         for p in reversed(list(stack.processes.values())):
             p.stop()

@@ -5,7 +5,6 @@ instead of hanging."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 import threading
 import time
@@ -13,24 +12,16 @@ import time
 import pytest
 
 from pagedserve.engine.parallel.group import CollectiveError
-from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
-from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
-
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-BLOCK = 4
-BLOCK_BYTES_ONE_RANK = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V, 2 layers, 4 slots, 2 KV heads, head_dim 16, float32
-NUM_BLOCKS = 24  # 96 token slots for 16 prompts of up to 41 tokens: preemption happens
-TIMEOUT_BOUND_S = 20.0  # the collectives' 5 s timeout plus slack on two busy cores
+from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK, GREEDY, NUM_BLOCKS, TIMEOUT_BOUND_S,
+                                     assert_a_dead_or_stuck_rank_fails_the_step,
+                                     assert_seeded_sampling_equal_one_rank, generated_tokens as _tokens,
+                                     tiny_model_and_prompts)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    folder = save_tiny_tokenizer(save_tiny_model(tmp_path_factory.mktemp("pp"), "llama", seed=7))
-    rng = random.Random(3)
-    shared = [rng.randrange(3, 96) for _ in range(9)]
-    prompts = [[rng.randrange(3, 96) for _ in range(n)] for n in (1, 4, 7, 13, 20, 31, 5, 9, 26, 2, 3, 11, 17, 6)]
-    return folder, prompts + [shared + [17, 18], shared + [40, 41, 42, 43, 44]]
+def tiny(tmp_path_factory):  # 16 prompts
+    return tiny_model_and_prompts(tmp_path_factory.mktemp("pp"), (1, 4, 7, 13, 20, 31, 5, 9, 26, 2, 3, 11, 17, 6))
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +29,6 @@ def reference(tiny):
     folder, prompts = tiny
     single = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK)
     return [_tokens(single, prompts) for _ in range(2)]  # the second round hits the prefix cache
-
-
-def _tokens(llm: LLM, prompts) -> list[list[int]]:
-    return [list(r.token_ids) for r in llm.generate(prompts, GREEDY)]
 
 
 @pytest.mark.parametrize("sizes", [(1, 2, 1), (1, 2, 2), (2, 2, 2)], ids=["pp2", "pp2_ve2", "tp2xpp2_ve2"])
@@ -107,35 +94,12 @@ def test_a_dead_or_stuck_last_stage_fails_the_step(tiny, how):
         runner = llm._runners["worker-0/ve0"]
         runner.pipeline.result_timeout_s = 5.0  # a stopped last stage: no result (its recv may not block us)
         last_stage = runner.pipeline.helpers[0][0]
-        os.kill(last_stage.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
-        started = time.monotonic()
-        with pytest.raises(CollectiveError):
-            llm.generate(prompts[:2], GREEDY)
-        elapsed = time.monotonic() - started
-        print(f"{how}: the step raised after {elapsed:.1f} s")
-        assert elapsed < TIMEOUT_BOUND_S
-        with pytest.raises(CollectiveError):  # the worker stays failed
-            runner.execute(None)
-        if how == "stopped":
-            os.kill(last_stage.pid, signal.SIGKILL)
+        assert_a_dead_or_stuck_rank_fails_the_step(llm, runner, last_stage.pid, how, prompts[:2])
     finally:
         llm.close()
 
 
 def test_pp2_seeded_sampling_n2_and_logprobs_equal_one_rank(tiny):
-    """Seeded random sampling with n=2, output and prompt logprobs: the same tokens over PP=2 (the
-    last stage samples with the same per-request seeds), logprobs within 1e-4."""
+    """The last stage samples with the same per-request seeds as one rank."""
     folder, prompts = tiny
-    params = SamplingParams(max_tokens=6, temperature=1.0, seed=17, n=2, logprobs=2, prompt_logprobs=2,
-                            ignore_eos=True)
-    memory = NUM_BLOCKS * BLOCK_BYTES_ONE_RANK
-    single = LLM(folder, kv_cache_memory=memory, block_size=BLOCK).generate(prompts[:4], params)
-    with LLM(folder, kv_cache_memory=memory, block_size=BLOCK, pipeline_parallel_size=2) as llm:
-        split = llm.generate(prompts[:4], params)
-    for ours, ref in zip(split, single, strict=True):
-        assert [list(s.token_ids) for s in ours.samples] == [list(s.token_ids) for s in ref.samples]
-        for s, r in zip(ours.samples, ref.samples):
-            assert s.cumulative_logprob == pytest.approx(r.cumulative_logprob, abs=1e-4)
-        got = [p.logprob for p in ours.prompt_logprobs[1:]]
-        want = [p.logprob for p in ref.prompt_logprobs[1:]]
-        assert got == pytest.approx(want, abs=1e-4)
+    assert_seeded_sampling_equal_one_rank(folder, prompts[:4], pipeline_parallel_size=2)

@@ -1,19 +1,86 @@
-"""Test helpers for tensor parallelism: the same forward steps run by a TP group or by one model."""
+"""Test helpers for tensor and pipeline parallelism: the same forward steps run by a group of ranks
+or by one model; the tiny model, prompts and KV budget of the ``LLM`` tests."""
 
 from __future__ import annotations
 
+import os
+import random
+import signal
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from pagedserve.engine.attention import make_attention_backend
-from tests.worker.tiny_models import forward_step, make_cache
+from pagedserve.engine.sampling_params import SamplingParams
+from tests.worker.tiny_models import forward_step, make_cache, save_tiny_model, save_tiny_tokenizer
 
 BLOCK = 4
 # Two steps over three sequences: a ragged prefill (5, 9, 3 tokens), then one decode token each.
 PREFILL = [[5, 17, 33, 2, 90], [1, 2, 3, 4, 5, 6, 7, 8, 9], [60, 61, 62]]
 DECODE = [[11], [12], [13]]
 TABLES = [[7, 2], [0, 5, 9], [3]]
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+BLOCK_BYTES_ONE_RANK = 2 * 2 * BLOCK * 2 * 16 * 4  # K+V, 2 layers, 4 slots, 2 KV heads, head_dim 16, float32
+NUM_BLOCKS = 24  # 96 token slots for a dozen prompts of up to 41 tokens: preemption happens
+TIMEOUT_BOUND_S = 20.0  # the collectives' 5 s timeout plus slack on two busy cores
+
+
+def tiny_model_and_prompts(folder: Path, lengths: tuple[int, ...]) -> tuple[Path, list[list[int]]]:
+    """The tiny Llama (seed 7, with a tokenizer) saved in ``folder``, and seeded random prompts of
+    ``lengths`` tokens followed by two that share a 9-token prefix (for the prefix cache)."""
+    model = save_tiny_tokenizer(save_tiny_model(folder, "llama", seed=7))
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 96) for _ in range(9)]
+    prompts = [[rng.randrange(3, 96) for _ in range(n)] for n in lengths]
+    return model, prompts + [shared + [17, 18], shared + [40, 41, 42, 43, 44]]
+
+
+def generated_tokens(llm, prompts) -> list[list[int]]:
+    """Greedy tokens of every prompt (``GREEDY``)."""
+    return [list(r.token_ids) for r in llm.generate(prompts, GREEDY)]
+
+
+def assert_a_dead_or_stuck_rank_fails_the_step(llm, runner, pid: int, how: str, prompts) -> None:
+    """Kills (``how="killed"``) or stops (``"stopped"``) process ``pid``, a rank of ``runner``'s worker;
+    the next ``llm.generate`` must raise ``CollectiveError`` within ``TIMEOUT_BOUND_S`` and the
+    runner stay failed. A stopped process is killed at the end."""
+    from pagedserve.engine.parallel.group import CollectiveError
+
+    os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(CollectiveError) as failure:
+        llm.generate(prompts, GREEDY)
+    elapsed = time.monotonic() - started
+    print(f"{how}: the step raised after {elapsed:.1f} s: {failure.value}")
+    assert elapsed < TIMEOUT_BOUND_S
+    with pytest.raises(CollectiveError):  # the worker stays failed
+        runner.execute(None)
+    if how == "stopped":
+        os.kill(pid, signal.SIGKILL)
+
+
+def assert_seeded_sampling_equal_one_rank(folder: Path, prompts, **parallel) -> None:
+    """Seeded random sampling with n=2, output and prompt logprobs: ``LLM(**parallel)`` gives the
+    same tokens as one rank (the sampler sees the same per-request seeds), logprobs within 1e-4."""
+    from pagedserve.llm import LLM
+
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=17, n=2, logprobs=2, prompt_logprobs=2,
+                            ignore_eos=True)
+    memory = NUM_BLOCKS * BLOCK_BYTES_ONE_RANK
+    single = LLM(folder, kv_cache_memory=memory, block_size=BLOCK).generate(prompts, params)
+    with LLM(folder, kv_cache_memory=memory, block_size=BLOCK, **parallel) as llm:
+        split = llm.generate(prompts, params)
+    for ours, ref in zip(split, single, strict=True):
+        assert [list(s.token_ids) for s in ours.samples] == [list(s.token_ids) for s in ref.samples]
+        for s, r in zip(ours.samples, ref.samples):
+            assert s.cumulative_logprob == pytest.approx(r.cumulative_logprob, abs=1e-4)
+        got = [p.logprob for p in ours.prompt_logprobs[1:]]
+        want = [p.logprob for p in ref.prompt_logprobs[1:]]
+        assert got == pytest.approx(want, abs=1e-4)
 
 
 def two_steps(model) -> list[torch.Tensor]:
