@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, SequenceId
+from pagedserve.engine.model_runner import PlanMismatchError
 from pagedserve.engine.parallel.group import CollectiveError
 from pagedserve.llm import LLM
 from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK, GREEDY, NUM_BLOCKS, TIMEOUT_BOUND_S,
@@ -103,3 +105,19 @@ def test_pp2_seeded_sampling_n2_and_logprobs_equal_one_rank(tiny):
     """The last stage samples with the same per-request seeds as one rank."""
     folder, prompts = tiny
     assert_seeded_sampling_equal_one_rank(folder, prompts[:4], pipeline_parallel_size=2)
+
+
+def test_a_plan_that_does_not_apply_is_refused_and_the_worker_goes_on(tiny, reference):
+    """A cached sequence no rank holds: every rank refuses the plan alike (PlanMismatchError, the
+    sampling rank's answer included), the worker is not broken, and the next prompts run."""
+    folder, prompts = tiny
+    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
+             pipeline_parallel_size=2, num_virtual_engines=1) as llm:
+        assert _tokens(llm, prompts[:3]) == reference[0][:3]
+        runner = llm._runners["worker-0"]
+        session = runner.pipeline.runners[0]._session_id
+        stray = CachedRequestData(SequenceId("nobody", 0), (), 0, 1)
+        with pytest.raises(PlanMismatchError, match="unknown to the worker"):
+            runner.execute(BatchPlan(step_id=10**6, cached_requests=(stray,), session_id=session))
+        assert runner.broken is None
+        assert _tokens(llm, prompts[3:6]) == reference[0][3:6]
