@@ -110,6 +110,10 @@ class LLM:
             max_num_batched_tokens = default_token_budget(device)
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
                                  enable_prefix_caching, preemption_mode, policy)
+        engines = num_virtual_engines or 1
+        if engines < 1 or (engines > 1 and pipeline_parallel_size == 1):
+            raise ValueError(f"num_virtual_engines={num_virtual_engines}: give 1, or more than 1 with "
+                             f"pipeline_parallel_size > 1 (it is {pipeline_parallel_size})")
         if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
             sizes = (tensor_parallel_size, pipeline_parallel_size, num_virtual_engines or pipeline_parallel_size)
             runners = _tensor_parallel_runners(path, num_workers, sizes, memory, block_size,

@@ -105,8 +105,9 @@ class WorkerConfig:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
-        if self.virtual_engines < 0:
-            raise ValueError(f"--virtual-engines must be >= 0 (0: one per pipeline stage), got {self.virtual_engines}")
+        if self.virtual_engines < 0 or (self.virtual_engines > 1 and self.pipeline_parallel_size == 1):
+            raise ValueError(f"--virtual-engines must be 0 (one per pipeline stage), 1, or more with "
+                             f"--pipeline-parallel-size > 1; got {self.virtual_engines}")
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
         if not self.cluster_token:

@@ -12,7 +12,8 @@ from pagedserve.engine.parallel.pipeline import (PipelineError, RankPosition, pi
                                                  stage_checkpoint_name)
 from pagedserve.engine.parallel.rank import check_shardable
 from pagedserve.engine.weight_loader import load_model
-from tests.worker.tiny_models import save_tiny_model
+from pagedserve.llm import LLM
+from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
 from tests.worker.tp_helpers import grid_rank_main, two_steps
 
 CASES = {  # (T, P), model overrides
@@ -53,6 +54,8 @@ def test_unsupported_combinations_are_refused(tmp_path):
     folder = save_tiny_model(tmp_path / "m", "llama")  # 2 layers
     with pytest.raises(PipelineError, match="use fewer stages"):
         check_shardable(folder, 1, 3)
+    with pytest.raises(ValueError, match="num_virtual_engines=2: give 1, or more than 1 with pipeline_parallel_size > 1"):
+        LLM(save_tiny_tokenizer(folder), num_virtual_engines=2)
     gpt2 = save_tiny_model(tmp_path / "g", "gpt2")
     with pytest.raises(ValueError, match="not GPT2LMHeadModel"):
         check_shardable(gpt2, 1, 2)
