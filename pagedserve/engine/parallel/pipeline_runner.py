@@ -1,6 +1,6 @@
 """Rank 0 of a pipeline-parallel worker and its virtual engines (vLLM's ``virtual_engine``).
 
-A worker of P stages exposes V virtual engines (V = P by default in-process): each has its own
+A worker of P stages exposes V virtual engines (V = P by default): each has its own
 sequences and its own KV blocks (every rank's budget split V ways), and is a worker id of its own to
 the scheduler. Plans of different virtual engines are independent, so the stages overlap them:
 stage 0 runs engine 0's plan and sends its activations on, then runs engine 1's plan while stage 1
@@ -12,7 +12,8 @@ helper rank (each applies the tokens, then the plan to its runner of ``v``), run
 and releases the lock; every rank thus runs the plans in the same order. The last stage's
 tensor-parallel rank 0 samples and pipes ``(number, StepResult)`` back; ``execute`` waits for it.
 No collective spans the whole grid during a step (activations go stage to stage with gloo
-``send``/``recv``), so stage 0 may start the next plan before the last stage ends the previous one.
+``send``/``recv``; a send returns once the next stage has posted its receive), so stage 0 may start
+the next plan before the last stage ends the previous one.
 
 Bubble: with one virtual engine the stages run one after another, ``(P-1)/P`` of each stage's time
 idle (Narayanan et al., 2021, §2.2, one micro-batch); with V engines given plans together, up to V
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 import torch
