@@ -62,6 +62,8 @@ class LLM:
             ``torch`` GEMMs): rank 0 runs here, T-1 helper processes hold the other shards.
             ``kv_cache_memory`` and ``swap_space`` are per rank. Call :meth:`close` to stop the helpers;
             one tensor-parallel ``LLM`` (one worker) per process at a time.
+        max_plans_in_flight: 2 (overlap scheduling: the next plan is made while the model runs)
+            or 1 (made after); see SchedulerConfig. Outputs are the same.
 
     Raises:
         ValueError: an invalid limit or size.
@@ -88,6 +90,7 @@ class LLM:
         swap_space: int | str = 0,
         policy: str = "fcfs",
         tensor_parallel_size: int = 1,
+        max_plans_in_flight: int = 2,
     ) -> None:
         import torch
 
@@ -101,7 +104,7 @@ class LLM:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_token_budget(device)
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                 enable_prefix_caching, preemption_mode, policy)
+                                 enable_prefix_caching, preemption_mode, policy, max_plans_in_flight)
         if tensor_parallel_size > 1:
             runners = _tensor_parallel_runners(path, num_workers, tensor_parallel_size, memory, block_size,
                                                resolve_dtype(dtype, device), device, attention_backend, swap,
@@ -127,7 +130,8 @@ class LLM:
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stops the helper ranks of tensor-parallel workers (nothing to do otherwise); idempotent."""
+        """Stops the model threads and the helper ranks of tensor-parallel workers; idempotent."""
+        self.engine.executor.shutdown()
         for runner in self._runners.values():
             if hasattr(runner, "close"):
                 runner.close()

@@ -68,6 +68,10 @@ CPU_TOKEN_BUDGET = 256
 GPU_TOKEN_BUDGET = 2048
 
 
+MAX_PLANS_IN_FLIGHT = 4
+"""A worker runs its plans one after another: more than a few queued plans only add latency."""
+
+
 def default_token_budget(device: str) -> int:
     """``max_num_batched_tokens`` for workers on ``device`` (``cpu``, ``cuda``, ``cuda:1``, ...)."""
     return GPU_TOKEN_BUDGET if device.startswith("cuda") else CPU_TOKEN_BUDGET
@@ -90,9 +94,15 @@ class SchedulerConfig:
         preemption_mode: ``recompute`` (free the blocks, prefill again later) or ``swap`` (copy
             them to the worker's CPU blocks and back; recompute when CPU blocks run out).
         policy: ``fcfs`` or ``priority`` (see pagedserve/engine/policy.py).
+        max_plans_in_flight: plans a worker may have been sent and not yet answered. 1: the next
+            plan is made once the worker's answer is in. 2 (overlap scheduling): the next plan is
+            made while the worker runs the current one; a sequence that decodes is scheduled
+            again before its new token is known, and the worker feeds that token in itself.
+            Outputs are the same either way (see docs/architecture.md, "Overlap scheduling").
 
     Raises:
-        ValueError: a non-positive limit, an unknown mode or policy.
+        ValueError: a non-positive limit, more than ``MAX_PLANS_IN_FLIGHT`` plans in flight,
+            an unknown mode or policy.
     """
 
     block_size: int = 16
@@ -102,11 +112,14 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    max_plans_in_flight: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_plans_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_plans_in_flight > MAX_PLANS_IN_FLIGHT:
+            raise ValueError(f"max_plans_in_flight must be at most {MAX_PLANS_IN_FLIGHT}, got {self.max_plans_in_flight}")
         # The enums' values are accepted too (flags, ``LLM(policy="priority")``).
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))

@@ -65,6 +65,9 @@ class Scheduler:
             Final outputs of the sequences that end instead (``limits.worker_loss_error``).
         """
         worker = self._workers.pop(worker_id, None)
+        for seq in self._sequences.values():
+            if seq.in_flight_worker_id == worker_id:
+                seq.tokens_lost()
         outputs: list[RequestOutput] = []
         for seq in reversed([*worker.running.values(), *worker.swapped.values()] if worker else []):
             seq.num_worker_losses += 1
@@ -164,17 +167,19 @@ class Scheduler:
             One output per sample that got a token or finished.
         """
         outputs = []
-        for result in results.values():
+        for worker_id, result in results.items():
             for chunk in result.prompt_logprobs:
                 if (seq := self._sequences.get(chunk.seq_id)) is not None:
                     seq.add_prompt_logprobs(chunk)
             # forked samples first: they fork from sample 0, which may finish on its own token
             for sampled in sorted(result.sampled, key=lambda s: s.sample_index == s.seq_id.sample_index):
                 seq = self._sequences.get(sampled.seq_id)
-                if seq is None or seq.status is not SequenceStatus.RUNNING:
-                    continue  # aborted while the step ran
+                if seq is None or seq.in_flight_worker_id != worker_id:
+                    continue  # aborted while the step ran, or its worker was dropped meanwhile
                 if sampled.sample_index != seq.sample_index:
                     seq = self._forks.add_child(seq, sampled.sample_index, self._sequences, self._waiting)
+                else:
+                    seq.token_arrived()  # even if preempted meanwhile: the token was computed right
                 outputs.append(self._append(seq, sampled))
         return outputs
 
@@ -184,8 +189,9 @@ class Scheduler:
 
     # ---- policy pieces -------------------------------------------------------------------
     def _schedule_running(self, worker: WorkerState, draft: PlanDraft) -> None:
-        """Decodes first, then prefill chunks, each in the policy's order; preempts from the back."""
-        ordered = self._policy.running_order(worker.running)
+        """Decodes first, then prefill chunks, each in the policy's order; preempts from the back.
+        A sequence whose tokens in flight must be known first (``Sequence.can_run_ahead``) waits."""
+        ordered = [s for s in self._policy.running_order(worker.running) if s.can_run_ahead()]
         queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] +
                       [s for s in ordered if s.num_uncomputed_tokens > 1])
         while queue and draft.token_budget > 0:
@@ -197,13 +203,14 @@ class Scheduler:
             needed = worker.blocks.num_new_blocks(seq.seq_id, total)
             while needed > worker.blocks.num_free_blocks:
                 if not queue and len(worker.running) == 1:
-                    self._out_of_memory(seq)  # alone, and the whole cache is its: like the end of the context
+                    if not seq.num_tokens_in_flight:  # else its last token may still end it: ask again then
+                        self._out_of_memory(seq)  # alone, and the whole cache is its: like the end of the context
                     break
                 victim = queue.pop() if queue else seq
                 self._preempt(worker, victim, draft)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING or needed > worker.blocks.num_free_blocks:
                 continue
             new_block_ids = worker.blocks.allocate_blocks(seq.seq_id, needed) if needed else ()
             draft.cached_requests.append(
@@ -214,6 +221,8 @@ class Scheduler:
         """Admits waiting sequences in the policy's order until one does not fit."""
         while len(self._waiting):
             seq = self._waiting.peek()
+            if seq.num_tokens_in_flight:
+                return  # preempted while a step of it ran: it is sent in full once all its tokens are known
             if not self._fits_any_worker(seq):
                 continue  # rejected and removed from the queue
             worker = self._place(seq, workers, drafts)
@@ -261,6 +270,8 @@ class Scheduler:
         reason = seq.append_token(token_id)
         if reason is not None:
             self._finish(seq, reason)
+        elif seq.status is SequenceStatus.RUNNING:
+            self._workers[seq.worker_id].cache_full_blocks(seq)  # a block may have waited for this token
         eos = not seq.sampling.ignore_eos and token_id in seq.sampling.eos_token_ids
         stop_token_id = token_id if reason is FinishReason.STOP and not eos else None
         logprobs = (sampled.logprobs,) if sampled.logprobs is not None else ()

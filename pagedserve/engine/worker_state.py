@@ -80,14 +80,20 @@ class WorkerState:
         self.advance(seq, num_new, draft)
 
     def advance(self, seq: Sequence, num_new: int, draft: PlanDraft) -> None:
-        """Counts ``num_new`` tokens of ``seq`` as computed in this step; caches blocks that filled up."""
-        before = seq.num_computed_tokens
+        """Counts ``num_new`` tokens of ``seq`` as computed in this step (one more token is in
+        flight when they reach its end); caches blocks that filled up."""
         seq.num_computed_tokens += num_new
         draft.token_budget -= num_new
         draft.scheduled[seq.seq_id] = num_new
-        block_size = self.config.block_size
-        if self.config.enable_prefix_caching and before // block_size != seq.num_computed_tokens // block_size:
-            self.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens,
+        if seq.num_computed_tokens == seq.num_tokens + seq.num_tokens_in_flight:
+            seq.sampling_scheduled(self.worker_id)
+        self.cache_full_blocks(seq)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Makes ``seq``'s blocks findable by prefix once their slots are computed (or scheduled)
+        and their token ids known: a block that ends in a token still in flight waits for it."""
+        if self.config.enable_prefix_caching:
+            self.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, min(seq.num_computed_tokens, seq.num_tokens),
                                           seq.request.cache_salt.encode())
 
     def cached_prefix(self, seq: Sequence) -> CachedPrefix:
@@ -101,7 +107,7 @@ class WorkerState:
         and room allow."""
         blocks = self.blocks
         for seq in list(self.swapped.values()):
-            if draft.preempted or draft.token_budget == 0 or len(self.running) >= max_num_seqs:
+            if seq.num_tokens_in_flight or draft.preempted or draft.token_budget == 0 or len(self.running) >= max_num_seqs:
                 return
             num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
             total = seq.num_computed_tokens + num_new

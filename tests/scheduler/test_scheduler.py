@@ -115,7 +115,7 @@ def test_preemption_recomputes_newest_and_outputs_stay_exact():
 
 
 def test_newest_running_sequence_is_the_victim():
-    engine, runners = make_engine({"w0": 4}, max_num_seqs=8)
+    engine, runners = make_engine({"w0": 4}, max_num_seqs=8, max_plans_in_flight=1)  # one plan per step
     engine.add_request(request("old", 4, 8, t=0))
     engine.add_request(request("new", 4, 8, t=1))
     for _ in range(5):  # prefill (blocks 0, 1), then decodes fill blocks 2, 3 up to slot 7
@@ -185,9 +185,11 @@ def test_failed_worker_sequences_resume_elsewhere():
     st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3), st.booleans()), min_size=1, max_size=12),
     st.integers(6, 20),
     st.integers(4, 24),
+    st.sampled_from([1, 2]),
 )
-def test_random_workloads_are_exact_and_leak_nothing(specs, num_blocks, budget):
-    engine, _ = make_engine({"w0": num_blocks, "w1": num_blocks // 2 + 2}, max_num_seqs=4, max_num_batched_tokens=max(4, budget))
+def test_random_workloads_are_exact_and_leak_nothing(specs, num_blocks, budget, plans_in_flight):
+    engine, _ = make_engine({"w0": num_blocks, "w1": num_blocks // 2 + 2}, max_num_seqs=4,
+                            max_num_batched_tokens=max(4, budget), max_plans_in_flight=plans_in_flight)
     pending = [(request(f"r{i}", p, m, t=i), delay, abort) for i, (p, m, delay, abort) in enumerate(specs)]
     outputs: dict[str, list[int]] = {}
     finished: dict[str, FinishReason] = {}
