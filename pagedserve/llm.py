@@ -64,6 +64,8 @@ class LLM:
             one tensor-parallel ``LLM`` (one worker) per process at a time.
         max_plans_in_flight: 2 (overlap scheduling: the next plan is made while the model runs)
             or 1 (made after); see SchedulerConfig. Outputs are the same.
+        placement: with several workers, ``"prefix"`` (most cached prompt prefix, balanced against
+            load) or ``"least-loaded"`` (most free blocks); see SchedulerConfig.
 
     Raises:
         ValueError: an invalid limit or size.
@@ -91,6 +93,7 @@ class LLM:
         policy: str = "fcfs",
         tensor_parallel_size: int = 1,
         max_plans_in_flight: int = 2,
+        placement: str = "prefix",
     ) -> None:
         import torch
 
@@ -104,7 +107,8 @@ class LLM:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_token_budget(device)
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                 enable_prefix_caching, preemption_mode, policy, max_plans_in_flight)
+                                 enable_prefix_caching, preemption_mode, policy, max_plans_in_flight,
+                                 placement)
         if tensor_parallel_size > 1:
             runners = _tensor_parallel_runners(path, num_workers, tensor_parallel_size, memory, block_size,
                                                resolve_dtype(dtype, device), device, attention_backend, swap,

@@ -58,6 +58,13 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"
 
 
+class Placement(enum.Enum):
+    """Which worker a waiting sequence is admitted on (``worker_state.pick_worker``)."""
+
+    PREFIX = "prefix"  # the most cached prompt prefix, balanced against KV usage and running sequences
+    LEAST_LOADED = "least-loaded"  # the most free KV blocks
+
+
 # The token budget (max_num_batched_tokens) per device kind. On a GPU a step costs about the same
 # until the budget fills the device; on a CPU every token adds to the step, so a smaller budget
 # keeps decodes from waiting behind long prefill chunks at no throughput cost. Measured with
@@ -99,6 +106,8 @@ class SchedulerConfig:
             made while the worker runs the current one; a sequence that decodes is scheduled
             again before its new token is known, and the worker feeds that token in itself.
             Outputs are the same either way (see docs/architecture.md, "Overlap scheduling").
+        placement: ``prefix`` (the worker holding the longest cached prefix of the prompt, balanced
+            against load) or ``least-loaded`` (the most free blocks).
 
     Raises:
         ValueError: a non-positive limit, more than ``MAX_PLANS_IN_FLIGHT`` plans in flight,
@@ -113,6 +122,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_plans_in_flight: int = 2
+    placement: Placement = Placement.PREFIX
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_plans_in_flight"):
@@ -123,6 +133,7 @@ class SchedulerConfig:
         # The enums' values are accepted too (flags, ``LLM(policy="priority")``).
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+        object.__setattr__(self, "placement", Placement(self.placement))
 
 
 @dataclass(frozen=True)

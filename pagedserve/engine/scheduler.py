@@ -4,8 +4,9 @@ Each iteration, per worker: running sequences that decode get their token first,
 sequences in the middle of a chunked prefill get the next chunk; when blocks run out, the last
 running sequence in the policy's order is preempted (by recompute, or by swapping its blocks to
 CPU memory). Then swapped-out sequences come back, and waiting sequences are admitted in the
-policy's order onto the worker with the most free blocks, taking cached prefix blocks first,
-under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
+policy's order onto the worker that holds most of their prompt's prefix, balanced against its
+load (or the one with the most free blocks: ``SchedulerConfig.placement``), taking cached prefix
+blocks first, under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class Scheduler:
         for worker in workers:
             self._schedule_running(worker, drafts[worker.worker_id])
             worker.swap_in(drafts[worker.worker_id], self.config.max_num_seqs)
-        self._schedule_waiting(workers, drafts)
+        self._schedule_waiting(drafts)
         plans = {w.worker_id: w.take_plan(drafts[w.worker_id]) for w in workers if w.has_plan(drafts[w.worker_id])}
         outputs, self._outputs = tuple(self._outputs), []
         return SchedulerOutput(plans, outputs)
@@ -217,7 +218,7 @@ class Scheduler:
                 CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new))
             worker.advance(seq, num_new, draft)
 
-    def _schedule_waiting(self, workers: list[WorkerState], drafts: dict[str, PlanDraft]) -> None:
+    def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
         """Admits waiting sequences in the policy's order until one does not fit."""
         while len(self._waiting):
             seq = self._waiting.peek()
@@ -225,7 +226,7 @@ class Scheduler:
                 return  # preempted while a step of it ran: it is sent in full once all its tokens are known
             if not self._fits_any_worker(seq):
                 continue  # rejected and removed from the queue
-            worker = self._place(seq, workers, drafts)
+            worker = self._place(seq, drafts)
             if worker is None:
                 return
             draft = drafts[worker.worker_id]
@@ -244,15 +245,17 @@ class Scheduler:
             seq.num_computed_tokens = prefix.num_tokens
             worker.start(seq, draft, num_new)
 
-    def _place(self, seq: Sequence, workers: list[WorkerState], drafts: dict[str, PlanDraft]) -> WorkerState | None:
-        """Where to admit ``seq`` now: a forked sample on its parent's worker (waiting while that
-        worker is busy with a step), anything else on the worker with the most free blocks."""
+    def _place(self, seq: Sequence, drafts: dict[str, PlanDraft]) -> WorkerState | None:
+        """Where to admit ``seq`` now, among the workers being scheduled (``drafts``): a forked
+        sample on its parent's worker, anything else where ``pick_worker`` places it; None (it
+        waits) when that worker is busy with a step or none can take it."""
         parent = seq.fork_parent
         if parent is not None and parent.status is SequenceStatus.RUNNING:
-            if parent.worker_id not in drafts:
-                return None
             workers = [self._workers[parent.worker_id]]
-        return pick_worker(workers, drafts, self.config.max_num_seqs)
+        else:
+            workers = list(self._workers.values())
+        worker = pick_worker(workers, drafts, self.config, seq)
+        return worker if worker is not None and worker.worker_id in drafts else None
 
     def _fits_any_worker(self, seq: Sequence) -> bool:
         """Ends (with RESOURCE_EXHAUSTED) a sequence no worker could ever run; True if it fits."""

@@ -127,7 +127,7 @@ def test_newest_running_sequence_is_the_victim():
 
 
 def test_new_sequences_go_to_the_worker_with_most_free_blocks():
-    engine, runners = make_engine({"w0": 8, "w1": 12})
+    engine, runners = make_engine({"w0": 8, "w1": 12}, placement="least-loaded")
     engine.add_request(request("a", 16, 2))  # 4 blocks -> w1 (12 free), then w1 has 8
     engine.add_request(request("b", 4, 2))  # tie 8/8: first registered wins
     engine.add_request(request("c", 4, 2))  # w0 has 7 free, w1 8 -> w1
