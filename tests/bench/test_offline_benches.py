@@ -116,3 +116,15 @@ def test_arrival_offsets_are_seeded_poisson_or_all_at_once():
     offsets = arrival_offsets(2000, 4.0, 1)
     assert offsets == arrival_offsets(2000, 4.0, 1) and offsets[0] == 0.0
     assert offsets == sorted(offsets) and 450 < offsets[-1] < 550  # mean gap 1/4 s
+
+
+def test_placement_report(tmp_path, default_model):
+    out = tmp_path / "p.json"
+    bench("placement", "--model", str(default_model), "--workers", "2", "--systems", "2", "--users", "4",
+          "--system-len", "64", "--user-len", "4", "--output-len", "2", "--request-rate", "20",
+          "--kv-cache-memory", "32MiB", "--result-json", str(out))
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert set(runs) == {"least-loaded", "prefix"} and all(r["requests"] == 8 for r in runs.values())
+    assert runs["prefix"]["hit_rate"] >= runs["least-loaded"]["hit_rate"]
+    assert report["ttft_mean_ratio"] == pytest.approx(runs["prefix"]["ttft_mean_ms"] / runs["least-loaded"]["ttft_mean_ms"])
