@@ -21,7 +21,7 @@ from pagedserve.text.output_processor import TextDelta
 from pagedserve.text.request_samples import ParsedRequest, RequestSamples
 from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
 from pagedserve.engine.config import SchedulerConfig, SchedulerStats, default_token_budget
-from pagedserve.engine.engine import Engine, LocalExecutor, ThreadedExecutor
+from pagedserve.engine.engine import Engine, LocalExecutor
 from pagedserve.engine.scheduler import Scheduler
 
 Prompt = str | Sequence[int]
@@ -68,6 +68,10 @@ class LLM:
         num_virtual_engines: with ``pipeline_parallel_size`` P > 1, how many virtual engines the
             worker has (default P): each is a worker id to the scheduler (``worker-0/ve<i>``), with
             its own sequences and ``1/V`` of each rank's KV budget; their plans overlap in the stages.
+        max_plans_in_flight: 2 (overlap scheduling: the next plan is made while the model runs)
+            or 1 (made after); see SchedulerConfig. Outputs are the same.
+        placement: with several workers, ``"prefix"`` (most cached prompt prefix, balanced against
+            load) or ``"least-loaded"`` (most free blocks); see SchedulerConfig.
 
     Raises:
         ValueError: an invalid limit or size.
@@ -96,6 +100,8 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         num_virtual_engines: int | None = None,
+        max_plans_in_flight: int = 2,
+        placement: str = "prefix",
     ) -> None:
         import torch
 
@@ -109,7 +115,8 @@ class LLM:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = default_token_budget(device)
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                 enable_prefix_caching, preemption_mode, policy)
+                                 enable_prefix_caching, preemption_mode, policy, max_plans_in_flight,
+                                 placement)
         engines = num_virtual_engines or 1
         if engines < 1 or (engines > 1 and pipeline_parallel_size == 1):
             raise ValueError(f"num_virtual_engines={num_virtual_engines}: give 1, or more than 1 with "
@@ -133,16 +140,15 @@ class LLM:
         scheduler = Scheduler(config)
         for worker_id, runner in runners.items():
             scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks)
-        # Virtual engines of one pipeline overlap only if their plans are handed over together.
-        executor = ThreadedExecutor if pipeline_parallel_size > 1 and len(runners) > 1 else LocalExecutor
-        self.engine = Engine(scheduler, executor(runners))
+        self.engine = Engine(scheduler, LocalExecutor(runners))  # a thread per worker id: virtual engines overlap
         self._states: dict[str, RequestSamples] = {}
         self._prompts: dict[str, tuple[int, ...]] = {}
         self._params: dict[str, SamplingParams] = {}
         self._ids = itertools.count()
 
     def close(self) -> None:
-        """Stops the helper ranks of tensor-parallel workers (nothing to do otherwise); idempotent."""
+        """Stops the model threads and the helper ranks of tensor-parallel workers; idempotent."""
+        self.engine.executor.shutdown()
         for runner in self._runners.values():
             if hasattr(runner, "close"):
                 runner.close()

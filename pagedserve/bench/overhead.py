@@ -7,6 +7,8 @@
    prompts, each unique so that no prefix-cache hit shortens it).
 The two sides take turns, request by request for TTFT and pass by pass (``--rounds``) for
 throughput, so that a slow spell of a shared machine falls on both alike.
+With ``--max-plans-in-flight 1,2`` both sides run once per value (a stack each), in the same
+turns: what overlap scheduling gives in-process and through the stack.
 3. The scheduler's own time per iteration (schedule + apply results, plus the protobuf encoding
    of plans and results that the service adds) at 32, 128 and 256 running decode sequences, with
    an instant stand-in for the model so that the model step is excluded.
@@ -48,6 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--running", default="32,128,256",
                    help="running-sequence counts for the scheduler timing (default %(default)s)")
     p.add_argument("--iterations", type=int, default=200, help="scheduler iterations timed per count")
+    p.add_argument("--max-plans-in-flight", default="2",
+                   help="comma-separated values to compare (1: no overlap scheduling; 2: overlap) (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write every figure here")
     p.set_defaults(func=run)
 
@@ -55,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 class _InProcess:
     """The in-process engine, on the cores the stack's worker gets."""
 
-    def __init__(self, model: Path, args: argparse.Namespace) -> None:
+    def __init__(self, model: Path, args: argparse.Namespace, plans_in_flight: int) -> None:
         import torch
 
         from pagedserve.llm import LLM
@@ -63,7 +67,7 @@ class _InProcess:
         self.cores = range(_threads(args))
         torch.set_num_threads(len(self.cores))
         self.llm = LLM(model, kv_cache_memory=args.kv_cache_memory, gemm_backend=args.gemm_backend,
-                       compile_mode=args.compile_mode)
+                       compile_mode=args.compile_mode, max_plans_in_flight=plans_in_flight)
 
     @contextlib.contextmanager
     def _on_worker_cores(self):
@@ -140,24 +144,32 @@ def _measure(sides: dict, requests: list[SampleRequest], args: argparse.Namespac
     return {name: (totals[name][0] / totals[name][1], ttfts[name][1:]) for name in sides}
 
 
-def _measure_both(model: Path, requests: list[SampleRequest], args: argparse.Namespace) -> dict:
-    """Starts a stack (Redis, scheduler, one worker, gateway) and the in-process engine; measures both."""
+def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Namespace,
+                 plans_in_flight: list[int]) -> dict:
+    """Starts a stack (Redis, scheduler, one worker, gateway) and an in-process engine per value of
+    ``plans_in_flight``; measures them all in turns. Sides are named ``stack/N`` and ``engine/N``."""
     from pagedserve.launcher import Stack, StackConfig, free_port
 
-    ports = [free_port() for _ in range(3)]
+    stacks, sides = [], {}
     with tempfile.TemporaryDirectory() as data_dir:
-        stack = Stack(StackConfig(
-            model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
-            redis_url=f"redis://127.0.0.1:{ports[2]}/0", kv_cache_memory=args.kv_cache_memory, swap_space="0",
-            policy=SchedulerConfig(), threads_per_worker=_threads(args), data_dir=Path(data_dir),
-            gemm_backend=GemmBackend(args.gemm_backend), compile_mode=CompileMode(args.compile_mode),
-        ))
         try:
-            stack.start()
-            sides = {"stack": _ThroughStack(f"127.0.0.1:{ports[0]}"), "engine": _InProcess(model, args)}
+            for n in plans_in_flight:
+                ports = [free_port() for _ in range(4)]
+                stack = Stack(StackConfig(
+                    model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
+                    redis_url=f"redis://127.0.0.1:{ports[2]}/0", kv_cache_memory=args.kv_cache_memory,
+                    swap_space="0", policy=SchedulerConfig(max_plans_in_flight=n), threads_per_worker=_threads(args),
+                    data_dir=Path(data_dir) / str(n), gemm_backend=GemmBackend(args.gemm_backend),
+                    compile_mode=CompileMode(args.compile_mode), http_port=ports[3],
+                ))
+                stacks.append(stack)
+                stack.start()
+                sides[f"stack/{n}"] = _ThroughStack(f"127.0.0.1:{ports[0]}")
+                sides[f"engine/{n}"] = _InProcess(model, args, n)
             return _measure(sides, requests, args)
         finally:
-            stack.stop()
+            for stack in stacks:
+                stack.stop()
 
 
 def _threads(args: argparse.Namespace) -> int:
@@ -178,19 +190,25 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     requests = sample_requests(dataset_spec_from_args(args), tokenizer)
     print(f"{len(requests)} requests; the stack and the in-process engine take turns", flush=True)
-    measured = _measure_both(model, requests, args)
-    (stack_tps, stack_ttft), (engine_tps, engine_ttft) = measured["stack"], measured["engine"]
+    plans_in_flight = [int(n) for n in args.max_plans_in_flight.split(",")]
+    measured = _measure_all(model, requests, args, plans_in_flight)
     costs = [scheduler_iteration_ms(int(n), args.iterations) for n in args.running.split(",")]
+    by_plans = {}
+    for n in plans_in_flight:
+        (stack_tps, stack_ttft), (engine_tps, engine_ttft) = measured[f"stack/{n}"], measured[f"engine/{n}"]
+        by_plans[str(n)] = {
+            "stack_to_engine_throughput_ratio": stack_tps / engine_tps,
+            # paired: the prompts differ in length, so compare each prompt's two TTFTs
+            "ttft_added_ms": statistics.median(s - e for s, e in zip(stack_ttft, engine_ttft)),
+            "stack_output_tokens_per_s": stack_tps,
+            "engine_output_tokens_per_s": engine_tps,
+            "stack_ttft_ms": stack_ttft,
+            "engine_ttft_ms": engine_ttft,
+        }
     result = {
-        "stack_to_engine_throughput_ratio": stack_tps / engine_tps,
-        # paired: the prompts differ in length, so compare each prompt's two TTFTs
-        "ttft_added_ms": statistics.median(s - e for s, e in zip(stack_ttft, engine_ttft)),
+        "by_max_plans_in_flight": by_plans,
         "scheduler_ms_per_iteration": {str(c.num_running): c.median_ms for c in costs},
-        "stack_output_tokens_per_s": stack_tps,
-        "engine_output_tokens_per_s": engine_tps,
         "model_threads": _threads(args),
-        "stack_ttft_ms": stack_ttft,
-        "engine_ttft_ms": engine_ttft,
         "scheduler_cost": [c.__dict__ for c in costs],
         "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
         "machine": machine_info(),
@@ -204,13 +222,19 @@ def run(args: argparse.Namespace) -> int:
 def _print(result: dict, costs) -> None:
     print(f"\nThe price of the service split ({machine_line(result['machine'])}; "
           f"{result['model_threads']} model thread(s) on each side)")
-    print(f"{'':<28} {'stack':>10} {'in-process':>11}  {'stack vs in-process':>19}")
-    print(f"{'output tokens/s':<28} {result['stack_output_tokens_per_s']:>10.1f} "
-          f"{result['engine_output_tokens_per_s']:>11.1f}  {'x' + format(result['stack_to_engine_throughput_ratio'], '.3f'):>19}")
-    stack_ttft, engine_ttft = statistics.median(result["stack_ttft_ms"]), statistics.median(result["engine_ttft_ms"])
-    print(f"{'TTFT, one request (ms, med)':<28} {stack_ttft:>10.1f} {engine_ttft:>11.1f}  "
-          f"{format(result['ttft_added_ms'], '+.1f') + ' ms':>19}")
+    print(f"{'plans in flight':<16} {'':<28} {'stack':>10} {'in-process':>11}  {'stack vs in-process':>19}")
+    for n, r in result["by_max_plans_in_flight"].items():
+        print(f"{n:<16} {'output tokens/s':<28} {r['stack_output_tokens_per_s']:>10.1f} "
+              f"{r['engine_output_tokens_per_s']:>11.1f}  {'x' + format(r['stack_to_engine_throughput_ratio'], '.3f'):>19}")
+        stack_ttft, engine_ttft = statistics.median(r["stack_ttft_ms"]), statistics.median(r["engine_ttft_ms"])
+        print(f"{'':<16} {'TTFT, one request (ms, med)':<28} {stack_ttft:>10.1f} {engine_ttft:>11.1f}  "
+              f"{format(r['ttft_added_ms'], '+.1f') + ' ms':>19}")
     print("(the TTFT difference is the median of each prompt's own difference)")
+    plans = list(result["by_max_plans_in_flight"].values())
+    if len(plans) > 1:
+        for side in ("stack", "engine"):
+            first, last = plans[0][f"{side}_output_tokens_per_s"], plans[-1][f"{side}_output_tokens_per_s"]
+            print(f"{side}: last value vs first: x{last / first:.3f} output tokens/s")
     print(f"\n{'running sequences':<18} {'median ms':>10} {'p99 ms':>8} {'median ms +proto':>17} {'p99 ms +proto':>14}")
     for c in costs:
         print(f"{c.num_running:<18} {c.median_ms:>10.3f} {c.p99_ms:>8.3f} {c.median_with_proto_ms:>17.3f} "

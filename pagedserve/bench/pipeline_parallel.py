@@ -71,6 +71,8 @@ def independent_loops(llm, prompts: list[list[int]], params) -> int:
         thread.start()
     for thread in threads:
         thread.join()
+    for engine in engines:
+        engine.executor.shutdown()
     return sum(counts)
 
 

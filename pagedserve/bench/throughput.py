@@ -70,6 +70,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine: most running sequences (default %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="engine: tokens per iteration (default %(default)s)")
+    add_plans_in_flight_argument(p)
+
+
+def add_plans_in_flight_argument(p: argparse.ArgumentParser) -> None:
+    """``--max-plans-in-flight`` of the in-process engine (read by :func:`build_engine`)."""
+    p.add_argument("--max-plans-in-flight", type=int, default=2,
+                   help="engine: 2 overlaps scheduling with the model's step, 1 does not (default %(default)s)")
 
 
 def build_engine(model: Path, args: argparse.Namespace):
@@ -78,7 +85,8 @@ def build_engine(model: Path, args: argparse.Namespace):
 
     return LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device,
-               gemm_backend=args.gemm_backend, compile_mode=args.compile_mode)
+               gemm_backend=args.gemm_backend, compile_mode=args.compile_mode,
+               max_plans_in_flight=args.max_plans_in_flight)
 
 
 def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],

@@ -28,7 +28,7 @@ from pagedserve.bench.datasets import add_dataset_arguments, dataset_spec_from_a
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.metrics import latency_stats
 from pagedserve.bench.report import format_table
-from pagedserve.bench.throughput import build_engine
+from pagedserve.bench.throughput import add_plans_in_flight_argument, build_engine
 from pagedserve.engine.config import add_compile_mode_argument, add_gemm_backend_argument
 
 
@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine: most running sequences (default %(default)s)")
     add_gemm_backend_argument(p)
     add_compile_mode_argument(p)
+    add_plans_in_flight_argument(p)
     p.add_argument("--result-json", type=Path, help="write every figure to this file")
     p.set_defaults(func=main, dtype="float32", device="cpu")
 

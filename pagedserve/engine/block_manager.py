@@ -136,6 +136,10 @@ class BlockManager:
                           extra: bytes = b"") -> None:
         """Makes the request's full blocks among its first ``num_tokens`` slots findable (no-op here)."""
 
+    def cached_prefix_length(self, token_ids: Sequence[int], extra: bytes = b"") -> int:
+        """Tokens of ``token_ids`` whose blocks are cached here (none without prefix caching)."""
+        return 0
+
     # ---- sharing -------------------------------------------------------------------------
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
         """Gives ``child_id`` the parent's blocks holding its first ``num_tokens`` slots, by reference

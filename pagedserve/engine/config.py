@@ -58,6 +58,13 @@ class SchedulingPolicy(enum.Enum):
     PRIORITY = "priority"
 
 
+class Placement(enum.Enum):
+    """Which worker a waiting sequence is admitted on (``worker_state.pick_worker``)."""
+
+    PREFIX = "prefix"  # the most cached prompt prefix, balanced against KV usage and running sequences
+    LEAST_LOADED = "least-loaded"  # the most free KV blocks
+
+
 # The token budget (max_num_batched_tokens) per device kind. On a GPU a step costs about the same
 # until the budget fills the device; on a CPU every token adds to the step, so a smaller budget
 # keeps decodes from waiting behind long prefill chunks at no throughput cost. Measured with
@@ -66,6 +73,10 @@ class SchedulingPolicy(enum.Enum):
 # ShareGPT requests all at once: 393 vs 387 output tokens/s.
 CPU_TOKEN_BUDGET = 256
 GPU_TOKEN_BUDGET = 2048
+
+
+MAX_PLANS_IN_FLIGHT = 4
+"""A worker runs its plans one after another: more than a few queued plans only add latency."""
 
 
 def default_token_budget(device: str) -> int:
@@ -90,9 +101,17 @@ class SchedulerConfig:
         preemption_mode: ``recompute`` (free the blocks, prefill again later) or ``swap`` (copy
             them to the worker's CPU blocks and back; recompute when CPU blocks run out).
         policy: ``fcfs`` or ``priority`` (see pagedserve/engine/policy.py).
+        max_plans_in_flight: plans a worker may have been sent and not yet answered. 1: the next
+            plan is made once the worker's answer is in. 2 (overlap scheduling): the next plan is
+            made while the worker runs the current one; a sequence that decodes is scheduled
+            again before its new token is known, and the worker feeds that token in itself.
+            Outputs are the same either way (see docs/architecture.md, "Overlap scheduling").
+        placement: ``prefix`` (the worker holding the longest cached prefix of the prompt, balanced
+            against load) or ``least-loaded`` (the most free blocks).
 
     Raises:
-        ValueError: a non-positive limit, an unknown mode or policy.
+        ValueError: a non-positive limit, more than ``MAX_PLANS_IN_FLIGHT`` plans in flight,
+            an unknown mode or policy.
     """
 
     block_size: int = 16
@@ -102,14 +121,19 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    max_plans_in_flight: int = 2
+    placement: Placement = Placement.PREFIX
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_plans_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_plans_in_flight > MAX_PLANS_IN_FLIGHT:
+            raise ValueError(f"max_plans_in_flight must be at most {MAX_PLANS_IN_FLIGHT}, got {self.max_plans_in_flight}")
         # The enums' values are accepted too (flags, ``LLM(policy="priority")``).
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
+        object.__setattr__(self, "placement", Placement(self.placement))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ MAX_WORKER_LOSSES = 3
 def num_new_tokens(seq: Sequence, token_budget: int, config: SchedulerConfig, num_computed: int | None = None) -> int:
     """Tokens to compute now: all that remain, or a chunk of the budget; 0 when a prefill must run
     whole (chunked prefill off) and does not fit in what is left of the budget."""
-    remaining = seq.num_tokens - (seq.num_computed_tokens if num_computed is None else num_computed)
+    computed = seq.num_computed_tokens if num_computed is None else num_computed
+    remaining = seq.num_tokens + seq.num_tokens_in_flight - computed
     if remaining > token_budget and not config.enable_chunked_prefill:
         return 0
     return min(remaining, token_budget)

@@ -28,14 +28,20 @@ class PrefixCachingBlockManager(BlockManager):
 
     def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:
         """The longest cached prefix of ``token_ids``, short of the whole: at least one token
-        must be computed to get the next token's logits, so a full hit drops its last block."""
-        hashes = hash_full_blocks(token_ids, self.block_size, extra, self._hash_fn)
-        hits = self._pool.lookup(hashes)
-        if len(hits) * self.block_size >= len(token_ids):
-            hits = hits[:-1]
+        must be computed to get the next token's logits, so a full hit drops its last block.
+        Counted in ``num_queried_tokens`` and ``num_hit_tokens``."""
+        hits = self._lookup(token_ids, extra)
         self.num_queried_tokens += len(token_ids)
         self.num_hit_tokens += len(hits) * self.block_size
         return CachedPrefix(tuple(hits), len(hits) * self.block_size)
+
+    def cached_prefix_length(self, token_ids: Sequence[int], extra: bytes = b"") -> int:
+        """Tokens ``find_cached_prefix`` would hit now (not counted: for placement)."""
+        return len(self._lookup(token_ids, extra)) * self.block_size
+
+    def _lookup(self, token_ids: Sequence[int], extra: bytes) -> list:
+        hits = self._pool.lookup(hash_full_blocks(token_ids, self.block_size, extra, self._hash_fn))
+        return hits[:-1] if len(hits) * self.block_size >= len(token_ids) else hits
 
     def allocate_slots(self, request_id: str, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> tuple[int, ...]:
         new_block_ids = super().allocate_slots(request_id, num_tokens, prefix)

@@ -4,8 +4,9 @@ Each iteration, per worker: running sequences that decode get their token first,
 sequences in the middle of a chunked prefill get the next chunk; when blocks run out, the last
 running sequence in the policy's order is preempted (by recompute, or by swapping its blocks to
 CPU memory). Then swapped-out sequences come back, and waiting sequences are admitted in the
-policy's order onto the worker with the most free blocks, taking cached prefix blocks first,
-under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
+policy's order onto the worker that holds most of their prompt's prefix, balanced against its
+load (or the one with the most free blocks: ``SchedulerConfig.placement``), taking cached prefix
+blocks first, under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class Scheduler:
             Final outputs of the sequences that end instead (``limits.worker_loss_error``).
         """
         worker = self._workers.pop(worker_id, None)
+        for seq in self._sequences.values():
+            if seq.in_flight_worker_id == worker_id:
+                seq.tokens_lost()
         outputs: list[RequestOutput] = []
         for seq in reversed([*worker.running.values(), *worker.swapped.values()] if worker else []):
             seq.num_worker_losses += 1
@@ -152,7 +156,7 @@ class Scheduler:
         for worker in workers:
             self._schedule_running(worker, drafts[worker.worker_id])
             worker.swap_in(drafts[worker.worker_id], self.config.max_num_seqs)
-        self._schedule_waiting(workers, drafts)
+        self._schedule_waiting(drafts)
         plans = {w.worker_id: w.take_plan(drafts[w.worker_id]) for w in workers if w.has_plan(drafts[w.worker_id])}
         outputs, self._outputs = tuple(self._outputs), []
         return SchedulerOutput(plans, outputs)
@@ -164,17 +168,19 @@ class Scheduler:
             One output per sample that got a token or finished.
         """
         outputs = []
-        for result in results.values():
+        for worker_id, result in results.items():
             for chunk in result.prompt_logprobs:
                 if (seq := self._sequences.get(chunk.seq_id)) is not None:
                     seq.add_prompt_logprobs(chunk)
             # forked samples first: they fork from sample 0, which may finish on its own token
             for sampled in sorted(result.sampled, key=lambda s: s.sample_index == s.seq_id.sample_index):
                 seq = self._sequences.get(sampled.seq_id)
-                if seq is None or seq.status is not SequenceStatus.RUNNING:
-                    continue  # aborted while the step ran
+                if seq is None or seq.in_flight_worker_id != worker_id:
+                    continue  # aborted while the step ran, or its worker was dropped meanwhile
                 if sampled.sample_index != seq.sample_index:
                     seq = self._forks.add_child(seq, sampled.sample_index, self._sequences, self._waiting)
+                else:
+                    seq.token_arrived()  # even if preempted meanwhile: the token was computed right
                 outputs.append(self._append(seq, sampled))
         return outputs
 
@@ -184,8 +190,9 @@ class Scheduler:
 
     # ---- policy pieces -------------------------------------------------------------------
     def _schedule_running(self, worker: WorkerState, draft: PlanDraft) -> None:
-        """Decodes first, then prefill chunks, each in the policy's order; preempts from the back."""
-        ordered = self._policy.running_order(worker.running)
+        """Decodes first, then prefill chunks, each in the policy's order; preempts from the back.
+        A sequence whose tokens in flight must be known first (``Sequence.can_run_ahead``) waits."""
+        ordered = [s for s in self._policy.running_order(worker.running) if s.can_run_ahead()]
         queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] +
                       [s for s in ordered if s.num_uncomputed_tokens > 1])
         while queue and draft.token_budget > 0:
@@ -197,26 +204,29 @@ class Scheduler:
             needed = worker.blocks.num_new_blocks(seq.seq_id, total)
             while needed > worker.blocks.num_free_blocks:
                 if not queue and len(worker.running) == 1:
-                    self._out_of_memory(seq)  # alone, and the whole cache is its: like the end of the context
+                    if not seq.num_tokens_in_flight:  # else its last token may still end it: ask again then
+                        self._out_of_memory(seq)  # alone, and the whole cache is its: like the end of the context
                     break
                 victim = queue.pop() if queue else seq
                 self._preempt(worker, victim, draft)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not SequenceStatus.RUNNING or needed > worker.blocks.num_free_blocks:
                 continue
             new_block_ids = worker.blocks.allocate_blocks(seq.seq_id, needed) if needed else ()
             draft.cached_requests.append(
                 CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new))
             worker.advance(seq, num_new, draft)
 
-    def _schedule_waiting(self, workers: list[WorkerState], drafts: dict[str, PlanDraft]) -> None:
+    def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
         """Admits waiting sequences in the policy's order until one does not fit."""
         while len(self._waiting):
             seq = self._waiting.peek()
+            if seq.num_tokens_in_flight:
+                return  # preempted while a step of it ran: it is sent in full once all its tokens are known
             if not self._fits_any_worker(seq):
                 continue  # rejected and removed from the queue
-            worker = self._place(seq, workers, drafts)
+            worker = self._place(seq, drafts)
             if worker is None:
                 return
             draft = drafts[worker.worker_id]
@@ -235,15 +245,17 @@ class Scheduler:
             seq.num_computed_tokens = prefix.num_tokens
             worker.start(seq, draft, num_new)
 
-    def _place(self, seq: Sequence, workers: list[WorkerState], drafts: dict[str, PlanDraft]) -> WorkerState | None:
-        """Where to admit ``seq`` now: a forked sample on its parent's worker (waiting while that
-        worker is busy with a step), anything else on the worker with the most free blocks."""
+    def _place(self, seq: Sequence, drafts: dict[str, PlanDraft]) -> WorkerState | None:
+        """Where to admit ``seq`` now, among the workers being scheduled (``drafts``): a forked
+        sample on its parent's worker, anything else where ``pick_worker`` places it; None (it
+        waits) when that worker is busy with a step or none can take it."""
         parent = seq.fork_parent
         if parent is not None and parent.status is SequenceStatus.RUNNING:
-            if parent.worker_id not in drafts:
-                return None
             workers = [self._workers[parent.worker_id]]
-        return pick_worker(workers, drafts, self.config.max_num_seqs)
+        else:
+            workers = list(self._workers.values())
+        worker = pick_worker(workers, drafts, self.config, seq)
+        return worker if worker is not None and worker.worker_id in drafts else None
 
     def _fits_any_worker(self, seq: Sequence) -> bool:
         """Ends (with RESOURCE_EXHAUSTED) a sequence no worker could ever run; True if it fits."""
@@ -261,6 +273,8 @@ class Scheduler:
         reason = seq.append_token(token_id)
         if reason is not None:
             self._finish(seq, reason)
+        elif seq.status is SequenceStatus.RUNNING:
+            self._workers[seq.worker_id].cache_full_blocks(seq)  # a block may have waited for this token
         eos = not seq.sampling.ignore_eos and token_id in seq.sampling.eos_token_ids
         stop_token_id = token_id if reason is FinishReason.STOP and not eos else None
         logprobs = (sampled.logprobs,) if sampled.logprobs is not None else ()

@@ -29,7 +29,10 @@ class Sequence:
         fork_parent: for a child not yet running: the sequence it forks from.
         output_token_ids: tokens generated so far.
         num_computed_tokens: tokens (of prompt + output) whose K/V are in the worker's cache,
-            counting the tokens scheduled in the current iteration.
+            counting the tokens scheduled in plans already sent.
+        num_tokens_in_flight: tokens that plans already sent will sample but whose ids have not
+            come back yet (0 unless the scheduler runs ahead of the worker, see ``can_run_ahead``).
+        in_flight_worker_id: the worker those tokens come from (``None`` when none is in flight).
         worker_id: the worker holding its blocks while running or swapped; ``None`` otherwise.
         num_preemptions: how often its blocks were taken back.
         num_worker_losses: how often the worker running it failed or went away.
@@ -46,6 +49,8 @@ class Sequence:
         "output_token_ids",
         "status",
         "num_computed_tokens",
+        "num_tokens_in_flight",
+        "in_flight_worker_id",
         "worker_id",
         "finish_reason",
         "num_preemptions",
@@ -63,6 +68,8 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_tokens_in_flight = 0
+        self.in_flight_worker_id: str | None = None
         self.worker_id: str | None = None
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -90,8 +97,37 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens still to compute: the rest of the prompt (or all after preemption), else 1."""
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens still to compute: the rest of the prompt (or all after preemption), else 1
+        (the last token, known or still in flight)."""
+        return self.num_tokens + self.num_tokens_in_flight - self.num_computed_tokens
+
+    def can_run_ahead(self) -> bool:
+        """Whether its next step may be scheduled now, while tokens of it are still in flight
+        (overlap scheduling: the worker feeds the token it sampled last into the next step).
+
+        Not when no more tokens are wanted after those in flight (``max_tokens``), nor when the
+        token in flight is the first of a request with ``n > 1`` samples: its samples are forked
+        only when those tokens are known (``parallel_sampling``).
+        """
+        if self.num_tokens_in_flight == 0:
+            return True
+        wanted = self.sampling.max_tokens - self.num_output_tokens - self.num_tokens_in_flight
+        return wanted > 0 and not (self.num_output_tokens == 0 and self.sampling.n > 1)
+
+    def sampling_scheduled(self, worker_id: str) -> None:
+        """A step that computes its last token was planned on ``worker_id``: one more token is in flight."""
+        self.num_tokens_in_flight += 1
+        self.in_flight_worker_id = worker_id
+
+    def token_arrived(self) -> None:
+        """One token in flight came back (it is appended next)."""
+        self.num_tokens_in_flight -= 1
+        if self.num_tokens_in_flight == 0:
+            self.in_flight_worker_id = None
+
+    def tokens_lost(self) -> None:
+        """The worker its tokens were coming from is gone: none is in flight any more."""
+        self.num_tokens_in_flight, self.in_flight_worker_id = 0, None
 
     def all_token_ids(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids + tuple(self.output_token_ids)

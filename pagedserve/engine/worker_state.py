@@ -11,7 +11,7 @@ import uuid
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId
 from pagedserve.engine.block_manager import NO_PREFIX, BlockManager, CachedPrefix, blocks_for_tokens
 from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
-from pagedserve.engine.config import SchedulerConfig, SchedulerStats, WorkerStats
+from pagedserve.engine.config import Placement, SchedulerConfig, SchedulerStats, WorkerStats
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 
 
@@ -80,14 +80,20 @@ class WorkerState:
         self.advance(seq, num_new, draft)
 
     def advance(self, seq: Sequence, num_new: int, draft: PlanDraft) -> None:
-        """Counts ``num_new`` tokens of ``seq`` as computed in this step; caches blocks that filled up."""
-        before = seq.num_computed_tokens
+        """Counts ``num_new`` tokens of ``seq`` as computed in this step (one more token is in
+        flight when they reach its end); caches blocks that filled up."""
         seq.num_computed_tokens += num_new
         draft.token_budget -= num_new
         draft.scheduled[seq.seq_id] = num_new
-        block_size = self.config.block_size
-        if self.config.enable_prefix_caching and before // block_size != seq.num_computed_tokens // block_size:
-            self.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, seq.num_computed_tokens,
+        if seq.num_computed_tokens == seq.num_tokens + seq.num_tokens_in_flight:
+            seq.sampling_scheduled(self.worker_id)
+        self.cache_full_blocks(seq)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Makes ``seq``'s blocks findable by prefix once their slots are computed (or scheduled)
+        and their token ids known: a block that ends in a token still in flight waits for it."""
+        if self.config.enable_prefix_caching:
+            self.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, min(seq.num_computed_tokens, seq.num_tokens),
                                           seq.request.cache_salt.encode())
 
     def cached_prefix(self, seq: Sequence) -> CachedPrefix:
@@ -101,7 +107,7 @@ class WorkerState:
         and room allow."""
         blocks = self.blocks
         for seq in list(self.swapped.values()):
-            if draft.preempted or draft.token_budget == 0 or len(self.running) >= max_num_seqs:
+            if seq.num_tokens_in_flight or draft.preempted or draft.token_budget == 0 or len(self.running) >= max_num_seqs:
                 return
             num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
             total = seq.num_computed_tokens + num_new
@@ -172,12 +178,37 @@ def scheduler_stats(workers: Iterable[WorkerState], num_waiting: int, num_steps:
     )
 
 
-def pick_worker(workers: Iterable[WorkerState], drafts: dict[str, PlanDraft], max_num_seqs: int) -> WorkerState | None:
-    """The worker with the most free blocks among those that can take another sequence now
-    (none that preempted in this iteration, has no budget left, or runs ``max_num_seqs``)."""
-    eligible = [
-        w for w in workers
-        if not drafts[w.worker_id].preempted and drafts[w.worker_id].token_budget > 0
-        and len(w.running) < max_num_seqs
-    ]
-    return max(eligible, key=lambda w: w.blocks.num_free_blocks, default=None)
+def placement_score(worker: WorkerState, seq: Sequence, max_num_seqs: int) -> float:
+    """How well ``seq`` fits on ``worker``: ``2 * overlap - kv_usage - load``, each in [0, 1].
+
+    ``overlap`` is the fraction of its tokens whose blocks are cached there (computed once, not
+    again), ``kv_usage`` the fraction of blocks held by sequences, ``load`` the running sequences
+    over ``max_num_seqs``. The weights are those of NVIDIA Dynamo's KV-aware router (a cached
+    prefix counts twice the load it adds to); higher is better.
+    """
+    blocks = worker.blocks
+    cached = blocks.cached_prefix_length(seq.all_token_ids(), seq.request.cache_salt.encode())
+    overlap = cached / max(1, seq.num_tokens)
+    kv_usage = 1 - blocks.num_free_blocks / max(1, blocks.num_blocks)
+    return 2 * overlap - kv_usage - len(worker.running) / max_num_seqs
+
+
+def pick_worker(workers: Iterable[WorkerState], drafts: dict[str, PlanDraft], config: SchedulerConfig,
+                seq: Sequence) -> WorkerState | None:
+    """Where to admit ``seq``: ``LEAST_LOADED``, the worker with the most free blocks among those
+    being scheduled now (in ``drafts``) that can take another sequence (none that preempted in
+    this iteration, has no budget left, or runs ``max_num_seqs``); ``PREFIX``, the best
+    :func:`placement_score` among all ``workers`` that are eligible or busy with a step (not in
+    ``drafts``): a busy one is returned too, and the caller waits for it. Ties go to the most free
+    blocks."""
+    def eligible(w: WorkerState) -> bool:
+        draft = drafts.get(w.worker_id)
+        return len(w.running) < config.max_num_seqs and (draft is None or (not draft.preempted and draft.token_budget > 0))
+
+    if config.placement is Placement.LEAST_LOADED:
+        now = [w for w in workers if w.worker_id in drafts and eligible(w)]
+        return max(now, key=lambda w: w.blocks.num_free_blocks, default=None)
+    candidates = [w for w in workers if eligible(w)]
+    if len(candidates) < 2:
+        return next((w for w in candidates if w.worker_id in drafts), None)
+    return max(candidates, key=lambda w: (placement_score(w, seq, config.max_num_seqs), w.blocks.num_free_blocks))

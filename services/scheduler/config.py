@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from pagedserve.engine.config import Placement, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args
 from services.common.metrics import add_metrics_port_argument, check_metrics_port
 from services.common.service_args import add_listen_arguments, add_redis_argument, redis_url_from_args
@@ -107,6 +107,14 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         "workers with --swap-space")
     parser.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy], default=defaults.policy.value,
                         help="fcfs, or priority (lower request priority runs first) (default %(default)s)")
+    parser.add_argument("--max-plans-in-flight", type=int, default=defaults.max_plans_in_flight,
+                        help="plans a worker may have been sent before it answers: 2 makes the next plan "
+                        "while the model runs the current one (overlap scheduling), 1 makes it after the "
+                        "answer; outputs are the same (default %(default)s)")
+    parser.add_argument("--placement", choices=[p.value for p in Placement], default=defaults.placement.value,
+                        help="where a new request runs: prefix (the worker holding most of its prompt's prefix "
+                        "in cache, balanced against KV usage and running sequences) or least-loaded (the most "
+                        "free KV blocks) (default %(default)s)")
 
 
 def policy_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -118,6 +126,8 @@ def policy_from_args(args: argparse.Namespace) -> SchedulerConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         preemption_mode=args.preemption_mode,
         policy=args.scheduling_policy,
+        max_plans_in_flight=args.max_plans_in_flight,
+        placement=args.placement,
     )
 
 
@@ -125,7 +135,8 @@ def policy_to_args(config: SchedulerConfig) -> list[str]:
     """The flags that ``policy_from_args`` reads back into ``config`` (for launching a scheduler)."""
     args = ["--block-size", str(config.block_size), "--max-num-seqs", str(config.max_num_seqs),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens),
-            "--preemption-mode", config.preemption_mode.value, "--scheduling-policy", config.policy.value]
+            "--preemption-mode", config.preemption_mode.value, "--scheduling-policy", config.policy.value,
+            "--max-plans-in-flight", str(config.max_plans_in_flight), "--placement", config.placement.value]
     if not config.enable_chunked_prefill:
         args.append("--no-chunked-prefill")
     if not config.enable_prefix_caching:

@@ -105,7 +105,7 @@ class SchedulerLoop:
         self._commands: queue.Queue[Command] = queue.Queue()
         self.acks = Acknowledger(ack)  # runs on a thread of its own: the loop never waits on Redis
         self._routes: dict[str, _Route] = {}
-        self._in_flight: set[str] = set()  # session ids of the plans being run (one per worker session)
+        self._in_flight: dict[str, int] = {}  # worker session id -> plans sent and not yet answered
         self._no_workers_since: float | None = time.monotonic()
         self._gateways_gone: dict[str, float] = {}  # gateway id -> monotonic time its stream closed
         self._gateways_live: set[str] = set()
@@ -137,21 +137,27 @@ class SchedulerLoop:
 
     # ---- the step pipelines --------------------------------------------------------------
     def _dispatch(self) -> None:
-        """Schedules every idle worker and sends each its plan."""
-        if not self.scheduler.has_work():
-            return
-        idle = [w for w in self.scheduler.worker_ids if self.scheduler.session_id(w) not in self._in_flight]
-        if not idle:
-            return
-        scheduled = self.scheduler.schedule(idle)
-        self._deliver(list(scheduled.outputs))
-        self.metrics.plans_sent(scheduled.plans)
-        for worker_id, plan in scheduled.plans.items():
-            self._in_flight.add(plan.session_id)
-            self.metrics.plan_encoded(worker_id, self.executor.submit(worker_id, plan))
+        """Sends every worker plans until it has ``max_plans_in_flight`` unanswered (with 2, the
+        next plan is on its way while the worker runs the current one)."""
+        most = self.scheduler.config.max_plans_in_flight
+        for _ in range(most):
+            room = [w for w in self.scheduler.worker_ids if self._in_flight.get(self.scheduler.session_id(w), 0) < most]
+            if not room or not self.scheduler.has_work():
+                return
+            scheduled = self.scheduler.schedule(room)
+            self._deliver(list(scheduled.outputs))
+            self.metrics.plans_sent(scheduled.plans)
+            for worker_id, plan in scheduled.plans.items():
+                unanswered = self._in_flight.get(plan.session_id, 0)
+                self._in_flight[plan.session_id] = unanswered + 1
+                self.metrics.plan_encoded(worker_id, self.executor.submit(worker_id, plan), unanswered)
+            if not scheduled.plans:
+                return
 
     def _step_done(self, done: StepDone) -> None:
-        self._in_flight.discard(done.session_id)
+        left = self._in_flight.pop(done.session_id, 0) - 1
+        if left > 0:
+            self._in_flight[done.session_id] = left
         if done.session_id != self.scheduler.session_id(done.worker_id):
             return  # an answer from a session that was reset meanwhile (the worker failed or restarted)
         if done.result is None:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -121,6 +121,9 @@ class SchedulerMetrics:
                                      "request.", labels, registry=self.registry, buckets=REQUEST_LATENCY_BUCKETS_S)
         self.plan_bytes = Histogram("pagedserve_plan_bytes", "Size of one encoded BatchPlan sent to a worker, bytes.",
                                     [MODEL_NAME, "worker"], registry=self.registry, buckets=PLAN_BYTES_BUCKETS)
+        self.plans_ahead = Counter("pagedserve_plans_sent_ahead", "BatchPlans sent to a worker before it answered "
+                                   "the plan before (overlap scheduling, --max-plans-in-flight 2).",
+                                   [MODEL_NAME, "worker"], registry=self.registry)
         self.stream_length = Gauge("pagedserve_redis_stream_length", "Entries in the Redis request stream: requests "
                                    "queued or in flight (an entry is deleted when its request ends).", labels,
                                    registry=self.registry)
@@ -141,8 +144,11 @@ class SchedulerMetrics:
                 if times is not None and times.scheduled is None:
                     times.scheduled = now
 
-    def plan_encoded(self, worker_id: str, num_bytes: int) -> None:
+    def plan_encoded(self, worker_id: str, num_bytes: int, num_unanswered: int) -> None:
+        """Observes a plan sent to ``worker_id``, which has ``num_unanswered`` earlier plans unanswered."""
         self.plan_bytes.labels(self._model, worker_id).observe(num_bytes)
+        if num_unanswered:
+            self.plans_ahead.labels(self._model, worker_id).inc()
 
     def outputs(self, outputs: Iterable[RequestOutput]) -> None:
         """Notes the samples' token times; observes the phases of samples that finished."""

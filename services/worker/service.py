@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 from opentelemetry import trace
@@ -15,6 +17,10 @@ from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from pagedserve.engine.engine import PlanRunner
 from services.worker.metrics import WorkerMetrics
+
+
+ORDER_WAIT_S = 10.0
+"""Longest a plan waits for the plan before it to arrive (the scheduler's deadline, if shorter)."""
 
 
 class RequestSpans:
@@ -41,8 +47,57 @@ class RequestSpans:
             self._spans[new.seq_id] = span
 
 
+class PlanOutOfOrder(ValueError):
+    """A plan that must not run: its session is over or failed, or the plan before it never came."""
+
+
+class PlanOrder:
+    """Starts a session's plans in step order (1, 2, 3, ...), however their calls arrive.
+
+    The scheduler may send a worker its next plan before the current one is answered (overlap
+    scheduling); two calls can reach the handlers in either order, and a plan must run after the
+    one before it, whose sampled tokens it continues from. A plan of a new session (step 1) starts
+    that session; plans of older sessions, and those after a plan of their session failed, are
+    refused.
+    """
+
+    def __init__(self) -> None:
+        self._turn = threading.Condition()
+        self._session = ""
+        self._next_step = 1
+        self._failed_session = ""
+
+    def start_in_turn(self, plan: BatchPlan, timeout_s: float, start: Callable[[], Future]) -> Future:
+        """Waits until ``plan`` is next, then calls ``start`` (which must queue the plan for the
+        model thread) before letting the next plan through.
+
+        Raises:
+            PlanOutOfOrder: ``plan`` is not next within ``timeout_s`` seconds.
+        """
+        with self._turn:
+            if not self._turn.wait_for(lambda: self._is_next(plan), timeout=timeout_s):
+                raise PlanOutOfOrder(f"the worker expects plan {self._next_step} of session {self._session[:8]}")
+            self._session, self._next_step = plan.session_id, plan.step_id + 1
+            self._turn.notify_all()
+            return start()
+
+    def check(self, plan: BatchPlan) -> None:
+        """Raises :class:`PlanOutOfOrder` if a plan of ``plan``'s session failed before it."""
+        if plan.session_id == self._failed_session:
+            raise PlanOutOfOrder(f"an earlier plan of session {plan.session_id[:8]} failed")
+
+    def failed(self, plan: BatchPlan) -> None:
+        """Marks ``plan``'s session failed: the plans after it build on state it did not make."""
+        self._failed_session = plan.session_id
+
+    def _is_next(self, plan: BatchPlan) -> bool:
+        if plan.session_id == self._session:
+            return plan.step_id == self._next_step
+        return plan.step_id == 1
+
+
 class WorkerServicer(engine_pb2_grpc.WorkerServicer):
-    """Executes the scheduler's plans one at a time, always on the same thread.
+    """Executes the scheduler's plans one at a time in step order, always on the same thread.
 
     One model thread matters on CPU: torch's OpenMP runtime keeps a thread team per calling
     thread, and teams left by gRPC's rotating handler threads compete for the cores.
@@ -53,20 +108,30 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         self._metrics = metrics
         self._spans = RequestSpans(tracer)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._order = PlanOrder()
 
     def Execute(self, request: pb.BatchPlan, context: grpc.ServicerContext) -> pb.StepResult:
-        """Runs one plan; a plan that contradicts the worker's state is FAILED_PRECONDITION."""
+        """Runs one plan after the plans before it; a plan that contradicts the worker's state, or
+        comes out of order, is FAILED_PRECONDITION."""
         plan = plan_from_pb(request)
+        remaining = context.time_remaining()
+        wait_s = ORDER_WAIT_S if remaining is None else min(remaining, ORDER_WAIT_S)
         try:
-            result = self._model_thread.submit(self._execute, plan).result()
+            result = self._order.start_in_turn(plan, wait_s, lambda: self._model_thread.submit(self._execute, plan)).result()
         except (ValueError, KeyError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"plan {plan.step_id} does not apply: {exc}")
         return step_result_to_pb(result)
 
     def _execute(self, plan: BatchPlan) -> StepResult:
+        """Runs on the model thread, one plan at a time."""
+        self._order.check(plan)
         self._spans.update(plan)
         start = time.perf_counter()
-        result = self._runner.execute(plan)
+        try:
+            result = self._runner.execute(plan)
+        except Exception:
+            self._order.failed(plan)
+            raise
         if self._metrics is not None:
             self._metrics.step_done(time.perf_counter() - start)
         return result

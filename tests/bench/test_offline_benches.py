@@ -41,13 +41,15 @@ def test_throughput_report(tmp_path, default_model):
 def test_overhead_report(tmp_path, default_model):
     out = tmp_path / "o.json"
     bench("overhead", "--model", str(default_model), *TINY, "--ttft-repeats", "2", "--iterations", "10",
-          "--running", "4,8", "--result-json", str(out))
+          "--running", "4,8", "--max-plans-in-flight", "1,2", "--result-json", str(out))
     report = json.loads(out.read_text())
-    assert report["stack_to_engine_throughput_ratio"] == pytest.approx(
-        report["stack_output_tokens_per_s"] / report["engine_output_tokens_per_s"])
-    assert len(report["stack_ttft_ms"]) == len(report["engine_ttft_ms"]) == 2
-    assert report["ttft_added_ms"] == pytest.approx(statistics.median(
-        s - e for s, e in zip(report["stack_ttft_ms"], report["engine_ttft_ms"])))
+    assert set(report["by_max_plans_in_flight"]) == {"1", "2"}
+    for side in report["by_max_plans_in_flight"].values():
+        assert side["stack_to_engine_throughput_ratio"] == pytest.approx(
+            side["stack_output_tokens_per_s"] / side["engine_output_tokens_per_s"])
+        assert len(side["stack_ttft_ms"]) == len(side["engine_ttft_ms"]) == 2
+        assert side["ttft_added_ms"] == pytest.approx(statistics.median(
+            s - e for s, e in zip(side["stack_ttft_ms"], side["engine_ttft_ms"])))
     assert set(report["scheduler_ms_per_iteration"]) == {"4", "8"}
     assert all(c["median_ms"] <= c["p99_ms"] for c in report["scheduler_cost"])
 
@@ -114,3 +116,15 @@ def test_arrival_offsets_are_seeded_poisson_or_all_at_once():
     offsets = arrival_offsets(2000, 4.0, 1)
     assert offsets == arrival_offsets(2000, 4.0, 1) and offsets[0] == 0.0
     assert offsets == sorted(offsets) and 450 < offsets[-1] < 550  # mean gap 1/4 s
+
+
+def test_placement_report(tmp_path, default_model):
+    out = tmp_path / "p.json"
+    bench("placement", "--model", str(default_model), "--workers", "2", "--systems", "2", "--users", "4",
+          "--system-len", "64", "--user-len", "4", "--output-len", "2", "--request-rate", "20",
+          "--kv-cache-memory", "32MiB", "--result-json", str(out))
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert set(runs) == {"least-loaded", "prefix"} and all(r["requests"] == 8 for r in runs.values())
+    assert runs["prefix"]["hit_rate"] >= runs["least-loaded"]["hit_rate"]
+    assert report["ttft_mean_ratio"] == pytest.approx(runs["prefix"]["ttft_mean_ms"] / runs["least-loaded"]["ttft_mean_ms"])

@@ -71,6 +71,7 @@ def test_metrics_of_every_service_move_by_what_the_clients_received(stack, defau
     for phase in ("queue", "prefill", "decode"):
         assert moved("scheduler", f"vllm:request_{phase}_time_seconds_count") == NUM_REQUESTS, phase
     assert moved("scheduler", "pagedserve_plan_bytes_count") >= MAX_TOKENS
+    assert moved("scheduler", "pagedserve_plans_sent_ahead_total") >= MAX_TOKENS // 2  # overlap scheduling is on
     assert moved("scheduler", "vllm:prefix_cache_queries_total") >= prompt_tokens - NUM_REQUESTS
     assert total(after["scheduler"], "vllm:num_requests_waiting", model_name=model) == 0
     assert ("vllm:num_requests_running", (("model_name", model),)) in after["scheduler"]

@@ -41,7 +41,7 @@ def run(scheduler: Scheduler, metrics: SchedulerMetrics, runner: ScriptedRunner,
         metrics.outputs(out.outputs)
         metrics.plans_sent(out.plans)
         for worker_id, plan in out.plans.items():
-            metrics.plan_encoded(worker_id, 1000)
+            metrics.plan_encoded(worker_id, 1000, 0)
             clock.now += 1.0
             outputs = scheduler.update_from_output({worker_id: runner.execute(plan)})
             metrics.outputs(outputs)

@@ -115,7 +115,7 @@ def test_preemption_recomputes_newest_and_outputs_stay_exact():
 
 
 def test_newest_running_sequence_is_the_victim():
-    engine, runners = make_engine({"w0": 4}, max_num_seqs=8)
+    engine, runners = make_engine({"w0": 4}, max_num_seqs=8, max_plans_in_flight=1)  # one plan per step
     engine.add_request(request("old", 4, 8, t=0))
     engine.add_request(request("new", 4, 8, t=1))
     for _ in range(5):  # prefill (blocks 0, 1), then decodes fill blocks 2, 3 up to slot 7
@@ -127,7 +127,7 @@ def test_newest_running_sequence_is_the_victim():
 
 
 def test_new_sequences_go_to_the_worker_with_most_free_blocks():
-    engine, runners = make_engine({"w0": 8, "w1": 12})
+    engine, runners = make_engine({"w0": 8, "w1": 12}, placement="least-loaded")
     engine.add_request(request("a", 16, 2))  # 4 blocks -> w1 (12 free), then w1 has 8
     engine.add_request(request("b", 4, 2))  # tie 8/8: first registered wins
     engine.add_request(request("c", 4, 2))  # w0 has 7 free, w1 8 -> w1
@@ -185,9 +185,11 @@ def test_failed_worker_sequences_resume_elsewhere():
     st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3), st.booleans()), min_size=1, max_size=12),
     st.integers(6, 20),
     st.integers(4, 24),
+    st.sampled_from([1, 2]),
 )
-def test_random_workloads_are_exact_and_leak_nothing(specs, num_blocks, budget):
-    engine, _ = make_engine({"w0": num_blocks, "w1": num_blocks // 2 + 2}, max_num_seqs=4, max_num_batched_tokens=max(4, budget))
+def test_random_workloads_are_exact_and_leak_nothing(specs, num_blocks, budget, plans_in_flight):
+    engine, _ = make_engine({"w0": num_blocks, "w1": num_blocks // 2 + 2}, max_num_seqs=4,
+                            max_num_batched_tokens=max(4, budget), max_plans_in_flight=plans_in_flight)
     pending = [(request(f"r{i}", p, m, t=i), delay, abort) for i, (p, m, delay, abort) in enumerate(specs)]
     outputs: dict[str, list[int]] = {}
     finished: dict[str, FinishReason] = {}

@@ -81,7 +81,7 @@ def test_without_prefix_caching_nothing_is_shared():
 
 
 def test_decodes_are_served_before_prefill_chunks():
-    engine, runners = make({"w": 64}, max_num_batched_tokens=8)
+    engine, runners = make({"w": 64}, max_num_batched_tokens=8, max_plans_in_flight=1)
     outputs: dict = {}
     engine.add_request(req("a", prompt(4, 5), 12))
     collect(engine, outputs)  # a: prefill
@@ -177,10 +177,11 @@ def test_aborting_a_parallel_request_aborts_every_sample():
     st.sampled_from(["recompute", "swap"]),
     st.sampled_from(["fcfs", "priority"]),
     st.integers(4, 24),
+    st.sampled_from([1, 2]),
 )
-def test_all_features_together_stay_exact(specs, mode, policy, budget):
+def test_all_features_together_stay_exact(specs, mode, policy, budget, plans_in_flight):
     engine, _ = make({"w0": 14, "w1": 10}, cpu_blocks=6, preemption_mode=mode, policy=policy,
-                     max_num_seqs=4, max_num_batched_tokens=budget)
+                     max_num_seqs=4, max_num_batched_tokens=budget, max_plans_in_flight=plans_in_flight)
     shared = prompt(8, 40)
     reqs = []
     for i, (plen, max_tokens, n, priority) in enumerate(specs):

@@ -1,0 +1,114 @@
+"""deploy/kubernetes (kustomize), checked without a cluster: the example overlay renders, every
+object validates against the Kubernetes 1.32 OpenAPI schema, every container runs a real
+`pagedserve` subcommand with flags it accepts, and the pieces point at each other."""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagedserve.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERLAY = ROOT / "deploy" / "kubernetes" / "overlays" / "example"
+KUBERNETES_VERSION = "1.32"
+SECRET_KEYS = {"cluster-token", "redis-password", "api-key"}  # docs/deploy.md creates them
+
+
+@pytest.fixture(scope="module")
+def objects() -> list[dict]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (it renders kustomize offline)")
+    out = subprocess.run(["kubectl", "kustomize", str(OVERLAY)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def pagedserve_containers(objects: list[dict]):
+    for workload in [*by_kind(objects, "Deployment").values(), *by_kind(objects, "StatefulSet").values()]:
+        spec = workload["spec"]["template"]["spec"]
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            if "pagedserve" in container["image"]:
+                yield workload, container
+
+
+def expand(arg: str) -> str:
+    """``$(VAR)`` (Kubernetes expands it from the container's env) as a plausible value."""
+    return re.sub(r"\$\((\w+)\)", lambda m: "/models/m" if m.group(1) == "PAGEDSERVE_MODEL" else "pod-0", arg)
+
+
+def test_every_object_validates_against_the_kubernetes_schema(objects):
+    import kubernetes_validate
+
+    kinds = sorted(o["kind"] for o in objects)
+    assert kinds == sorted(["Namespace", "ConfigMap", "StatefulSet", "Deployment", "Deployment", "Deployment",
+                            "Service", "Service", "Service", "Service", "PodDisruptionBudget", "PodDisruptionBudget",
+                            "HorizontalPodAutoscaler"])
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+    broken = copy.deepcopy(by_kind(objects, "Deployment")["pagedserve-worker"])
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"  # must be a number
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_container_command_parses_with_the_cli(objects):
+    parser = build_parser()
+    commands = {}
+    for workload, container in pagedserve_containers(objects):
+        args = [expand(a) for a in container["args"]]
+        parsed = parser.parse_args(args)  # exits (fails the test) on an unknown subcommand or flag
+        assert parsed.command == args[0]
+        commands[(workload["metadata"]["name"], container["name"])] = parsed
+    assert {c.command for c in commands.values()} == {"prepare-model", "scheduler", "worker", "gateway"}
+    assert commands[("pagedserve-worker", "worker")].kv_cache_memory == "4GiB"  # the overlay's patch
+
+
+def test_pagedserve_containers_probe_their_own_grpc_port_and_read_their_secrets(objects):
+    parser = build_parser()
+    for workload, container in pagedserve_containers(objects):
+        if container["args"][0] == "prepare-model":
+            continue
+        port = parser.parse_args([expand(a) for a in container["args"]]).port
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert container[probe]["grpc"]["port"] == port, (workload["metadata"]["name"], probe)
+        env = {e["name"]: e for e in container["env"]}
+        assert env["PAGEDSERVE_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "pagedserve-secrets",
+                                                                              "key": "cluster-token"}
+        assert env["PAGEDSERVE_REDIS_URL"]["value"] == "redis://:$(PAGEDSERVE_REDIS_PASSWORD)@pagedserve-redis:6379/0"
+        assert list(env).index("PAGEDSERVE_REDIS_PASSWORD") < list(env).index("PAGEDSERVE_REDIS_URL")  # expanded in order
+        assert container["envFrom"] == [{"configMapRef": {"name": "pagedserve-config"}}]
+    for obj in objects:
+        for ref in re.findall(r"'secretKeyRef': \{'name': '([\w-]+)', 'key': '([\w-]+)'", str(obj)):
+            assert ref[0] == "pagedserve-secrets" and ref[1] in SECRET_KEYS
+
+
+def test_services_budgets_and_autoscaler_point_at_the_workloads(objects):
+    deployments, services = by_kind(objects, "Deployment"), by_kind(objects, "Service")
+    labels = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in deployments.items()}
+    for name, service in services.items():
+        if name != "pagedserve-redis":
+            assert service["spec"]["selector"].items() <= labels[name].items(), name
+    gateway = build_parser().parse_args([expand(a) for a in deployments["pagedserve-gateway"]["spec"]["template"]
+                                         ["spec"]["containers"][0]["args"]])
+    scheduler_port = services["pagedserve-scheduler"]["spec"]["ports"][0]["port"]
+    assert gateway.scheduler == f"pagedserve-scheduler:{scheduler_port}"
+    for name, budget in by_kind(objects, "PodDisruptionBudget").items():
+        assert budget["spec"]["selector"]["matchLabels"].items() <= labels[name].items()
+    hpa = by_kind(objects, "HorizontalPodAutoscaler")["pagedserve-worker"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pagedserve-worker"}
+    assert deployments["pagedserve-scheduler"]["spec"]["replicas"] == 1
+    assert deployments["pagedserve-worker"]["spec"]["replicas"] == 3  # the overlay's patch
+    assert all(o["metadata"].get("namespace") == "pagedserve" for o in objects if o["kind"] != "Namespace")
+    config = by_kind(objects, "ConfigMap")["pagedserve-config"]["data"]
+    assert config["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
