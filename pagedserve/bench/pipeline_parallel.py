@@ -13,11 +13,10 @@ Bubble: each rank's busy seconds (time in its runners' ``execute`` minus time bl
 run the stage was idle (Narayanan et al., 2021, §2.2: ``(P-1)/P`` with one plan in flight, less
 when virtual engines overlap). The engine's own scheduling time counts as idle for every stage.
 
-``P:V`` runs the prompts through ``LLM.generate``: one scheduler over the V engines, whose step
-hands their plans over together and waits for all of them, so the pipeline drains at each step's
-end. ``P:Vi`` gives each virtual engine a scheduler and a step loop of its own on its own thread,
-the prompts dealt round-robin, as the services run them (each worker id its own step pipeline):
-an engine gets its next plan as soon as its result is back, so the pipeline does not drain.
+``P:V`` runs the prompts through ``LLM.generate``: one scheduler over the V engines (each keeps
+up to ``max_plans_in_flight`` plans queued on its thread). ``P:Vi`` gives each virtual engine a
+scheduler and a step loop of its own on its own thread, the prompts dealt round-robin, as the
+services run them (each worker id its own step pipeline).
 """
 
 from __future__ import annotations
