@@ -51,7 +51,8 @@ class WorkerConfig:
             registered KV capacity grows with P.
         virtual_engines: with P > 1, virtual engines V (0: P), each served on its own port
             (``port + i`` when a port is given) and registered as worker ``<worker_id>/ve<i>`` with
-            ``1/V`` of each rank's KV budget; each runs its plans one at a time, overlapping the others in the stages.
+            ``1/V`` of each rank's KV budget; each runs its plans one at a time, overlapping the
+            others in the stages.
         cpu_affinity: CPU cores this worker runs on, its OpenMP threads bound one per core (on a
             shared machine, give each worker its own cores); empty: no binding.
         heartbeat_interval_s: how often the registration is refreshed, seconds.
