@@ -21,7 +21,12 @@ def compose() -> dict:
 
 
 def pagedserve_services(compose: dict) -> dict:
-    return {name: svc for name, svc in compose["services"].items() if svc.get("image") == "pagedserve:latest"}
+    """The services running the pagedserve image, their commands with ``${VAR:-default}`` as
+    docker-compose fills them when VAR is unset."""
+    services = {name: dict(svc) for name, svc in compose["services"].items() if svc.get("image") == "pagedserve:latest"}
+    for svc in services.values():
+        svc["command"] = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg) for arg in svc["command"]]
+    return services
 
 
 def test_compose_has_every_part(compose):
@@ -61,6 +66,9 @@ def test_worker_can_be_scaled_and_sees_the_model(compose):
     assert "container_name" not in worker and "ports" not in worker, "--scale worker=2 needs neither"
     args = build_parser().parse_args(worker["command"])
     assert args.host == "0.0.0.0" and args.advertise_host == ""  # advertises the container's own address
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (1, 1)  # unless set in .env
+    raw = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["worker"]["command"]
+    assert "${PAGEDSERVE_TENSOR_PARALLEL_SIZE:-1}" in raw and "${PAGEDSERVE_PIPELINE_PARALLEL_SIZE:-1}" in raw
     for name in ("worker", "gateway"):
         svc = pagedserve_services(compose)[name]
         model = build_parser().parse_args(svc["command"]).model
