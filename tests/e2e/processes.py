@@ -89,6 +89,17 @@ def scheduler_stats(address: str, cluster_token: str = CLUSTER_TOKEN) -> pb.Sche
         return engine_pb2_grpc.SchedulerStub(channel).GetStats(pb.GetStatsRequest(), timeout=5)
 
 
+def num_workers_known(address: str) -> int:
+    """Workers the scheduler at ``address`` knows; -1 while it does not answer (a call that fails
+    while the machine is busy, e.g. UNAVAILABLE "tcp handshaker shutdown", is retried by the caller)."""
+    import grpc
+
+    try:
+        return len(scheduler_stats(address).workers)
+    except grpc.RpcError:
+        return -1
+
+
 def healthy(address: str) -> bool:
     return check_health(address)
 
@@ -147,7 +158,7 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
                                                      tmp_path, env)
         procs = list(processes.values())
         wait_until(lambda: healthy(scheduler), "scheduler", 120, procs)
-        wait_until(lambda: len(scheduler_stats(scheduler).workers) == num_workers, "workers", 300, procs)
+        wait_until(lambda: num_workers_known(scheduler) == num_workers, "workers", 300, procs)
         wait_until(lambda: healthy(f"127.0.0.1:{gw_port}"), "gateway", 120, procs)
     except Exception:
         for p in processes.values():
