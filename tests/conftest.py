@@ -27,5 +27,4 @@ def stack(tmp_path_factory, default_model):
     # Spans are printed to each service's log, so the tracing test can follow one request.
     s = start_stack(tmp_path_factory.mktemp("stack"), default_model, env_extra={"OTEL_TRACES_EXPORTER": "console"})
     yield s
-    for name, p in reversed(list(s.processes.items())):
-        p.stop()
+    s.stop()

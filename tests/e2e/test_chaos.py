@@ -91,8 +91,7 @@ def own_stack(tmp_path, model, num_workers: int = 1, scheduler_args: list[str] =
         print(stack.logs())
         raise
     finally:
-        for p in reversed(list(stack.processes.values())):
-            p.stop()
+        stack.stop()
 
 
 def kill(stack: Stack, name: str) -> None:

@@ -28,5 +28,4 @@ def test_worker_fast_path_matches_in_process(tmp_path, default_model, offline_ou
             assert "".join(r.text for r in responses) == want.text, question
         assert_all_blocks_free(stack)
     finally:
-        for p in stack.processes.values():
-            p.stop()
+        stack.stop()

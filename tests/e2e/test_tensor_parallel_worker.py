@@ -36,8 +36,7 @@ def tp3_stack(tmp_path_factory, default_model):
                         kv_cache_memory=f"{KV_MIB}MiB", worker_args=("--tensor-parallel-size", "3"),
                         scheduler_args=("--step-timeout", "30"))
     yield stack
-    for p in reversed(list(stack.processes.values())):
-        p.stop()
+    stack.stop()
 
 
 def test_tp3_capacity_is_one_ranks_budget_over_one_kv_head(tp3_stack):
