@@ -6,15 +6,13 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def offline_outputs(default_model):
+def offline_outputs(default_llm):
     """Greedy outputs of the in-process engine for QUESTIONS (the reference for the stack)."""
-    from pagedserve.llm import LLM
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.text.tokenizer import ChatTurn
 
-    llm = LLM(default_model, kv_cache_memory="64MiB")
     params = SamplingParams(max_tokens=24, temperature=0.0)
     from tests.e2e.test_stack import QUESTIONS
 
-    results = llm.chat([[ChatTurn("user", q)] for q in QUESTIONS], params)
+    results = default_llm.chat([[ChatTurn("user", q)] for q in QUESTIONS], params)
     return {q: r for q, r in zip(QUESTIONS, results)}

@@ -68,16 +68,13 @@ def summary():
 
 
 @pytest.fixture(scope="module")
-def reference(default_model):
+def reference(default_llm):
     """Token ids of an undisturbed greedy run of each stream, from the in-process engine."""
     from pagedserve.engine.sampling_params import SamplingParams
-    from pagedserve.llm import LLM
     from pagedserve.text.tokenizer import ChatTurn
 
-    llm = LLM(default_model, kv_cache_memory="64MiB")
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
-    outputs = llm.chat([[ChatTurn("user", q)] for q in QUESTIONS[:NUM_STREAMS]], params)
-    del llm
+    outputs = default_llm.chat([[ChatTurn("user", q)] for q in QUESTIONS[:NUM_STREAMS]], params)
     refs = [list(o.token_ids) for o in outputs]
     assert [len(r) for r in refs] == MAX_TOKENS
     return refs
@@ -94,8 +91,7 @@ def own_stack(tmp_path, model, num_workers: int = 1, scheduler_args: list[str] =
         print(stack.logs())
         raise
     finally:
-        for p in reversed(list(stack.processes.values())):
-            p.stop()
+        stack.stop()
 
 
 def kill(stack: Stack, name: str) -> None:

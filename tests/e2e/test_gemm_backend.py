@@ -1,6 +1,6 @@
 """The opt-in fast paths through the real services: a worker started with --gemm-backend onednn, or
-with --compile-mode inductor, gives exactly the in-process engine's greedy output with the same
-kernels."""
+with --compile-mode inductor, gives exactly the greedy output of the in-process engine with its
+default kernels (``offline_outputs``, shared with test_stack) on these questions."""
 
 from __future__ import annotations
 
@@ -15,23 +15,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
 @pytest.mark.parametrize("gemm_backend, compile_mode", [("onednn", "eager"), ("torch", "inductor")])
-def test_worker_fast_path_matches_in_process(tmp_path, default_model, gemm_backend, compile_mode):
-    from pagedserve.engine.sampling_params import SamplingParams
-    from pagedserve.llm import LLM
-    from pagedserve.text.tokenizer import ChatTurn
-
+def test_worker_fast_path_matches_in_process(tmp_path, default_model, offline_outputs, gemm_backend, compile_mode):
     questions = QUESTIONS[:8]
-    llm = LLM(default_model, kv_cache_memory="64MiB", gemm_backend=gemm_backend, compile_mode=compile_mode)
-    expected = llm.chat([[ChatTurn("user", q)] for q in questions], SamplingParams(max_tokens=24, temperature=0.0))
-    del llm
     stack = start_stack(tmp_path, default_model, num_workers=1, worker_threads=2,
                         worker_args=("--gemm-backend", gemm_backend, "--compile-mode", compile_mode))
     try:
         with ThreadPoolExecutor(len(questions)) as pool:
             results = list(pool.map(lambda q: stream(stack.gateway, chat_request(q)), questions))
-        for question, responses, want in zip(questions, results, expected):
+        for question, responses in zip(questions, results):
+            want = offline_outputs[question]
+            assert [t for r in responses for t in r.token_ids] == list(want.token_ids), question
             assert "".join(r.text for r in responses) == want.text, question
         assert_all_blocks_free(stack)
     finally:
-        for p in stack.processes.values():
-            p.stop()
+        stack.stop()

@@ -6,13 +6,28 @@ drop both virtual engines and the worker exit non-zero (no hang)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
 from tests.e2e.processes import scheduler_stats, start_stack
-from tests.e2e.test_tensor_parallel_worker import PROMPTS, _complete, kill_a_rank_and_expect_the_drop
+from tests.e2e.test_tensor_parallel_worker import kill_a_rank_and_expect_the_drop
 from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
+
+PROMPTS = ["t5 t9 t33 t2", "t40 t41 t42 t43 t44 t45 t46 t47 t48", "t90"]
+
+
+def _complete(target: str, prompt: str, env: dict) -> dict:
+    out = subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", target, "--prompt", prompt,
+                          "--json", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "--timeout", "60"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
 
 pytestmark = [pytest.mark.e2e]
 

@@ -21,8 +21,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 def own_stack(tmp_path_factory, default_model):
     s = start_stack(tmp_path_factory.mktemp("restart"), default_model, num_workers=1, worker_threads=2)
     yield s
-    for p in reversed(list(s.processes.values())):
-        p.stop()
+    s.stop()
 
 
 def restart_scheduler(stack, log_dir) -> None:

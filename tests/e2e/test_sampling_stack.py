@@ -18,10 +18,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def offline(default_model):
-    from pagedserve.llm import LLM
-
-    return LLM(default_model, kv_cache_memory="64MiB")
+def offline(default_llm):
+    return default_llm
 
 
 def test_logprobs_penalties_and_bias_equal_the_offline_llm(stack, offline):

@@ -148,8 +148,7 @@ def one_worker_stack(tmp_path_factory, default_model):
     s = start_stack(tmp_path_factory.mktemp("one-worker"), default_model, num_workers=1, worker_threads=2,
                     scheduler_args=("--no-worker-timeout", "3"))
     yield s
-    for p in reversed(list(s.processes.values())):
-        p.stop()
+    s.stop()
 
 
 def test_orphans_are_not_run_after_a_scheduler_restart(one_worker_stack, tmp_path):

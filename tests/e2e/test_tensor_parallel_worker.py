@@ -1,54 +1,72 @@
-"""`pagedserve worker --tensor-parallel-size 2` in the whole stack (tiny Llama): the same greedy
-tokens as the in-process TP=1 engine, twice the KV capacity of one rank's budget, and a killed
-helper rank makes the scheduler drop the worker and the worker exit non-zero (no hang)."""
+"""`pagedserve worker --tensor-parallel-size 3` with the default model (SmolLM2-135M: 9 query heads,
+3 KV heads, so one KV head a rank) in the whole stack: the same greedy tokens as the in-process
+single-rank engine, the KV capacity of one rank's budget over one KV head, and a killed helper
+rank makes the scheduler drop the worker and the worker exit non-zero (no hang). One stack
+startup serves all three checks (issue #12)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 import pytest
 
-from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.llm import LLM
+from services.common.pb import generate_pb2 as gen
+from services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import scheduler_stats, start_stack, wait_until
-from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
+from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 
-pytestmark = [pytest.mark.e2e]
-PROMPTS = ["t5 t9 t33 t2", "t40 t41 t42 t43 t44 t45 t46 t47 t48", "t90"]
-
-
-def _complete(target: str, prompt: str, env: dict) -> dict:
-    out = subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", target, "--prompt", prompt,
-                          "--json", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "--timeout", "60"],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+KV_MIB = 8
 
 
-def _helper_pid(worker_pid: int) -> int:
-    """The spawned helper rank among the worker's children (not multiprocessing's resource tracker)."""
+def _helper_pids(worker_pid: int) -> list[int]:
+    """The spawned helper ranks among the worker's children (not multiprocessing's resource tracker)."""
     children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
-    for pid in map(int, children):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
-        if b"spawn_main" in cmdline:
-            return pid
-    raise AssertionError(f"no helper rank among {children}")
+    return [pid for pid in map(int, children)
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")]
+
+
+@pytest.fixture(scope="module")
+def tp3_stack(tmp_path_factory, default_model):
+    stack = start_stack(tmp_path_factory.mktemp("tp3"), default_model, num_workers=1,
+                        kv_cache_memory=f"{KV_MIB}MiB", worker_args=("--tensor-parallel-size", "3"),
+                        scheduler_args=("--step-timeout", "30"))
+    yield stack
+    stack.stop()
+
+
+def test_tp3_capacity_is_one_ranks_budget_over_one_kv_head(tp3_stack):
+    # Each rank's 8 MiB holds blocks of its 1 KV head (30 layers, K and V, head_dim 64, 16 tokens,
+    # float32): 34 blocks, where one rank holding all 3 KV heads would get 8 MiB // 737280 = 11.
+    assert scheduler_stats(tp3_stack.scheduler).workers[0].num_blocks == (KV_MIB << 20) // (2 * 30 * 64 * 16 * 4) == 34
+    assert len(_helper_pids(tp3_stack.processes["worker-0"].popen.pid)) == 2
+
+
+def test_tp3_greedy_equals_single_rank_in_process(tp3_stack, offline_outputs):
+    questions = QUESTIONS[:4]  # at once: one batch over the three ranks
+    with ThreadPoolExecutor(len(questions)) as pool:
+        results = list(pool.map(lambda q: stream(tp3_stack.gateway, chat_request(q)), questions))
+    for question, responses in zip(questions, results):
+        want = offline_outputs[question]
+        assert [t for r in responses for t in r.token_ids] == list(want.token_ids), question
+        assert "".join(r.text for r in responses) == want.text
+    assert_all_blocks_free(tp3_stack)
 
 
 def kill_a_rank_and_expect_the_drop(stack, worker_ids: tuple[str, ...]) -> None:
-    """Kills worker-0's (first) helper rank, sends a request, and expects the scheduler to drop every
+    """Kills worker-0's first helper rank, sends a request, and expects the scheduler to drop every
     id of ``worker_ids`` ("a step failed") and the worker to exit non-zero, within 40 s."""
-    os.kill(_helper_pid(stack.processes["worker-0"].popen.pid), signal.SIGKILL)
+    os.kill(_helper_pids(stack.processes["worker-0"].popen.pid)[0], signal.SIGKILL)
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", stack.gateway, "--prompt",
-                    PROMPTS[0], "--max-tokens", "4", "--timeout", "15"], capture_output=True, env=stack.env,
-                   timeout=60)
+    with grpc.insecure_channel(stack.gateway) as channel, pytest.raises(grpc.RpcError):
+        # Its step fails on rank 0 (a peer is gone); the client gives up after 5 s.
+        request = gen.GenerateRequest(prompt="Hello", sampling_params=gen.SamplingParams(max_tokens=4))
+        list(generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=5))  # a raw prompt: any tokenizer
     log = stack.processes["scheduler"]
     wait_until(lambda: all(f"worker {w} dropped: a step failed" in log.log_text() for w in worker_ids),
                f"{worker_ids} dropped", 30)
@@ -58,22 +76,6 @@ def kill_a_rank_and_expect_the_drop(stack, worker_ids: tuple[str, ...]) -> None:
     assert time.monotonic() - started < 40
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny_tokenizer(save_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=7))
-
-
-def test_tp2_worker_in_the_stack(tmp_path, tiny):
-    reference = LLM(tiny, kv_cache_memory="4MiB").generate(
-        PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    stack = start_stack(tmp_path, tiny, num_workers=1, kv_cache_memory="4MiB",
-                        worker_args=("--tensor-parallel-size", "2"), scheduler_args=("--step-timeout", "30"))
-    try:
-        # One rank's 4 MiB holds blocks of its 1 KV head: twice the blocks of TP=1 (2 KV heads).
-        assert scheduler_stats(stack.scheduler).workers[0].num_blocks == 2 * (4 << 20) // (2 * 2 * 16 * 2 * 16 * 4)
-        for prompt, want in zip(PROMPTS, reference):
-            assert _complete(stack.gateway, prompt, stack.env)["token_ids"] == list(want.token_ids)
-        kill_a_rank_and_expect_the_drop(stack, ("worker-0",))
-    finally:
-        for p in reversed(list(stack.processes.values())):
-            p.stop()
+def test_killed_helper_rank_drops_the_worker(tp3_stack):
+    """Runs last in this module: it breaks the stack."""
+    kill_a_rank_and_expect_the_drop(tp3_stack, ("worker-0",))

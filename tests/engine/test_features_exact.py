@@ -32,7 +32,8 @@ def plain_outputs(default_model, prompts) -> list[tuple[int, ...]]:
 def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, tokenizer):
     system = tokenizer.encode_prompt(" ".join(f"Rule {i}: be brief, exact and kind." for i in range(90)))[:1000]
     assert len(system) == 1000
-    questions = [tokenizer.encode_prompt(f" Question {i}: what is {i} plus {i}?") for i in range(16)]
+    # Six questions (16 before): the uncached reference prefills each 1000+-token prompt whole.
+    questions = [tokenizer.encode_prompt(f" Question {i}: what is {i} plus {i}?") for i in range(6)]
     prompts = [system + q for q in questions]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     cached = LLM(default_model, kv_cache_memory="128MiB")
@@ -40,7 +41,7 @@ def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, toke
     for p in prompts:  # one after another, so each later request finds the system prompt cached
         with_cache.append(cached.generate(p, params)[0].token_ids)
     stats = cached.stats()
-    assert stats.prefix_cache_hits >= 15 * 992  # 62 full blocks of the system prompt, per later request
+    assert stats.prefix_cache_hits >= 5 * 992  # 62 full blocks of the system prompt, per later request
     uncached = LLM(default_model, kv_cache_memory="128MiB", enable_prefix_caching=False)
     assert [r.token_ids for r in uncached.generate(prompts, params)] == with_cache
     assert uncached.stats().prefix_cache_hits == 0
@@ -65,9 +66,9 @@ def test_preemption_modes_under_a_small_cache(default_model, prompts, plain_outp
     assert (stats.num_swap_preemptions > 0) == (mode == "swap")
 
 
-def test_all_features_together_with_staggered_arrivals(default_model, tokenizer, prompts, plain_outputs):
+def test_all_features_together_with_staggered_arrivals(default_model, default_llm, tokenizer, prompts, plain_outputs):
     long = tokenizer.encode_prompt(BASE_PROMPTS[15])  # ~130 tokens: 8 full blocks to share
-    long_alone = LLM(default_model, kv_cache_memory="64MiB", enable_prefix_caching=False).generate(long, GREEDY)[0]
+    long_alone = default_llm.generate(long, GREEDY)[0]  # alone in its batch
     llm = LLM(default_model, kv_cache_memory=(-(-(len(long) + 12) // 16)) * BLOCK_BYTES, swap_space=64 * BLOCK_BYTES,
               preemption_mode="swap", max_num_batched_tokens=48, max_num_seqs=16, policy="priority")
     outputs = run_staggered(llm, [long, long, *prompts], every=1, params=GREEDY)
@@ -77,7 +78,7 @@ def test_all_features_together_with_staggered_arrivals(default_model, tokenizer,
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
-def test_four_seeded_samples_share_the_prompt_blocks(default_model, tokenizer):
+def test_four_seeded_samples_share_the_prompt_blocks(default_model, default_llm, tokenizer):
     llm = LLM(default_model, kv_cache_memory="64MiB", enable_prefix_caching=False)
     prompt = tokenizer.encode_prompt("A lighthouse keeper lives alone on a rock far out at sea. One night a storm "
                                      "comes, and a small boat appears in the beam. Write one line of what happens next:")
@@ -99,5 +100,5 @@ def test_four_seeded_samples_share_the_prompt_blocks(default_model, tokenizer):
     result = llm.generate(prompt, params)[0]
     samples = [s.token_ids for s in result.samples]
     assert len(samples) == 4 and len(set(samples)) == 4  # four different samples
-    again = LLM(default_model, kv_cache_memory="64MiB").generate(prompt, params)[0]
+    again = default_llm.generate(prompt, params)[0]  # another engine, with a history of its own
     assert [s.token_ids for s in again.samples] == samples  # reproducible with the seed

@@ -9,7 +9,6 @@ import torch
 
 from pagedserve.engine.messages import FinishReason
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.llm import LLM
 from tests.engine.conftest import BASE_PROMPTS
 
 pytestmark = pytest.mark.model
@@ -19,8 +18,8 @@ PROMPTS = [BASE_PROMPTS[i] for i in (1, 4, 8, 15)]
 
 
 @pytest.fixture(scope="module")
-def llm(default_model):
-    return LLM(default_model, kv_cache_memory="64MiB")
+def llm(default_llm):
+    return default_llm
 
 
 class OpenAIPenalties:

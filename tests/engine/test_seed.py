@@ -12,8 +12,8 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def llm(default_model) -> LLM:
-    return LLM(default_model, kv_cache_memory="64MiB")
+def llm(default_llm) -> LLM:
+    return default_llm
 
 
 def test_same_seed_same_tokens_alone_and_in_a_batch_of_eight(llm):

@@ -14,9 +14,9 @@ pytestmark = pytest.mark.model
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
 
-def test_tp3_greedy_equals_one_rank(default_model):
+def test_tp3_greedy_equals_one_rank(default_model, default_llm):
     prompts = BASE_PROMPTS[:8]
-    single = [list(r.token_ids) for r in LLM(default_model, kv_cache_memory="64MiB").generate(prompts, GREEDY)]
+    single = [list(r.token_ids) for r in default_llm.generate(prompts, GREEDY)]
     with LLM(default_model, kv_cache_memory="64MiB", tensor_parallel_size=3) as llm:
         assert [list(r.token_ids) for r in llm.generate(prompts, GREEDY)] == single
 
