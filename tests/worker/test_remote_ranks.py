@@ -1,0 +1,76 @@
+"""Ranks on several machines, one machine standing in for two: rank 1 of a TP=2 worker is a
+separate ``pagedserve worker-rank`` process dialing rank 0 over 127.0.0.1 (``parallel/rank_link.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pagedserve.engine.parallel.group import CollectiveError, free_loopback_port
+from pagedserve.engine.parallel.rank_link import RankPlacement
+from pagedserve.llm import LLM
+from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK, NUM_BLOCKS, assert_a_dead_or_stuck_rank_fails_the_step,
+                                     generated_tokens, tiny_model_and_prompts)
+
+TOKEN = "remote-rank-test-secret-0123456789"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return tiny_model_and_prompts(tmp_path_factory.mktemp("remote"), (1, 4, 7, 13, 20))
+
+
+def start_rank(rank: int, address: str, token: str) -> subprocess.Popen:
+    """``pagedserve worker-rank --rank RANK --rank-address ADDRESS`` with ``token`` in the environment."""
+    env = {**os.environ, "PAGEDSERVE_CLUSTER_TOKEN": token, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-m", "pagedserve", "worker-rank", "--rank", str(rank),
+                             "--rank-address", address, "--num-threads", "1", "--connect-timeout", "60"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def placement(address: str, timeout_s: float = 120.0) -> RankPlacement:
+    return RankPlacement(address, local_ranks=1, authkey=TOKEN.encode(), join_timeout_s=timeout_s)
+
+
+def test_tp2_with_a_remote_rank_equals_one_rank_and_a_killed_rank_fails_the_step(tiny):
+    folder, prompts = tiny
+    reference = generated_tokens(LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK),
+                                 prompts)
+    address = f"127.0.0.1:{free_loopback_port()}"
+    remote = start_rank(1, address, TOKEN)
+    try:
+        llm = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK // 2, block_size=BLOCK,
+                  tensor_parallel_size=2, rank_placement=placement(address))
+        try:
+            assert generated_tokens(llm, prompts) == reference
+            runner = llm._runners["worker-0"]
+            assert runner.helpers[0][0].name.startswith("rank-1 (at 127.0.0.1:")
+            assert_a_dead_or_stuck_rank_fails_the_step(llm, runner, remote.pid, "killed", prompts[:2])
+        finally:
+            llm.close()
+    finally:
+        remote.kill()
+        remote.wait()
+
+
+def test_a_rank_with_a_wrong_secret_is_refused_and_missing_ranks_are_named(tiny):
+    folder, _ = tiny
+    address = f"127.0.0.1:{free_loopback_port()}"
+    intruder = start_rank(1, address, "not-the-cluster-token-at-all")
+    started = time.monotonic()
+    try:
+        with pytest.raises(CollectiveError, match=r"ranks \[1\] did not join .*pagedserve worker-rank --rank 1"):
+            LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
+                tensor_parallel_size=2, rank_placement=placement(address, timeout_s=15.0))
+        out, _ = intruder.communicate(timeout=30)
+    finally:
+        intruder.kill()
+    assert intruder.returncode == 1
+    assert "refused the cluster token" in out
+    assert time.monotonic() - started < 60
