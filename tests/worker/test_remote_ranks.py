@@ -74,3 +74,19 @@ def test_a_rank_with_a_wrong_secret_is_refused_and_missing_ranks_are_named(tiny)
     assert intruder.returncode == 1
     assert "refused the cluster token" in out
     assert time.monotonic() - started < 60
+
+
+def test_pp2_with_a_remote_last_stage_equals_one_rank(tiny):
+    """Rank 1 is the last stage, which samples and sends the results back over the TCP link."""
+    folder, prompts = tiny
+    reference = generated_tokens(LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK),
+                                 prompts)
+    address = f"127.0.0.1:{free_loopback_port()}"
+    remote = start_rank(1, address, TOKEN)
+    try:
+        with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
+                 pipeline_parallel_size=2, num_virtual_engines=1, rank_placement=placement(address)) as llm:
+            assert generated_tokens(llm, prompts) == reference
+        assert remote.wait(timeout=30) == 0  # rank 0 stopped it
+    finally:
+        remote.kill()

@@ -53,8 +53,10 @@ class RankPlacement:
 
         Raises:
             ValueError: ``local_ranks`` outside ``1..world_size``, remote ranks without an address
-                or without a secret.
+                or without a secret, an address that is not ``HOST:PORT``.
         """
+        if self.address:
+            parse_address(self.address)
         local = self.local_ranks or world_size
         if not 1 <= local <= world_size:
             raise ValueError(f"--local-ranks must be in 1..{world_size} (T*P), got {local}")
