@@ -30,7 +30,7 @@ def start_rank(rank: int, address: str, token: str) -> subprocess.Popen:
     """``pagedserve worker-rank --rank RANK --rank-address ADDRESS`` with ``token`` in the environment."""
     env = {**os.environ, "PAGEDSERVE_CLUSTER_TOKEN": token, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "pagedserve", "worker-rank", "--rank", str(rank),
-                             "--rank-address", address, "--num-threads", "1", "--connect-timeout", "60"],
+                             "--rank-address", address, "--num-threads", "1", "--connect-timeout", "180"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -90,3 +90,16 @@ def test_pp2_with_a_remote_last_stage_equals_one_rank(tiny):
         assert remote.wait(timeout=30) == 0  # rank 0 stopped it
     finally:
         remote.kill()
+
+
+def test_a_placement_is_checked_before_anything_starts():
+    assert RankPlacement().spawned(4) == 4
+    assert RankPlacement("10.0.0.1:29600", 2, b"k").spawned(4) == 2
+    assert RankPlacement("10.0.0.1:29600").rendezvous("tcp://127.0.0.1:1") == "tcp://10.0.0.1:29601"
+    assert RankPlacement().rendezvous("tcp://127.0.0.1:1") == "tcp://127.0.0.1:1"
+    for bad, message in ((RankPlacement(local_ranks=2), "give --rank-address"),
+                         (RankPlacement("h:1", 5, b"k"), r"must be in 1\.\.4"),
+                         (RankPlacement("h:1", 2), "cluster token"),
+                         (RankPlacement("no-port", 2, b"k"), "HOST:PORT")):
+        with pytest.raises(ValueError, match=message):
+            bad.spawned(4)
