@@ -26,6 +26,23 @@ def tiny(tmp_path_factory):
     return tiny_model_and_prompts(tmp_path_factory.mktemp("remote"), (1, 4, 7, 13, 20))
 
 
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """One rank's greedy tokens of the prompts."""
+    folder, prompts = tiny
+    return generated_tokens(LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK), prompts)
+
+
+@pytest.fixture
+def remote():
+    """``(address, process)``: rank 1 as a ``pagedserve worker-rank`` process dialing a free loopback port."""
+    address = f"127.0.0.1:{free_loopback_port()}"
+    process = start_rank(1, address, TOKEN)
+    yield address, process
+    process.kill()
+    process.wait()
+
+
 def start_rank(rank: int, address: str, token: str) -> subprocess.Popen:
     """``pagedserve worker-rank --rank RANK --rank-address ADDRESS`` with ``token`` in the environment."""
     env = {**os.environ, "PAGEDSERVE_CLUSTER_TOKEN": token, "PYTHONPATH": str(REPO)}
@@ -38,25 +55,18 @@ def placement(address: str, timeout_s: float = 120.0) -> RankPlacement:
     return RankPlacement(address, local_ranks=1, authkey=TOKEN.encode(), join_timeout_s=timeout_s)
 
 
-def test_tp2_with_a_remote_rank_equals_one_rank_and_a_killed_rank_fails_the_step(tiny):
+def test_tp2_with_a_remote_rank_equals_one_rank_and_a_killed_rank_fails_the_step(tiny, reference, remote):
     folder, prompts = tiny
-    reference = generated_tokens(LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK),
-                                 prompts)
-    address = f"127.0.0.1:{free_loopback_port()}"
-    remote = start_rank(1, address, TOKEN)
+    address, process = remote
+    llm = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK // 2, block_size=BLOCK,
+              tensor_parallel_size=2, rank_placement=placement(address))
     try:
-        llm = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK // 2, block_size=BLOCK,
-                  tensor_parallel_size=2, rank_placement=placement(address))
-        try:
-            assert generated_tokens(llm, prompts) == reference
-            runner = llm._runners["worker-0"]
-            assert runner.helpers[0][0].name.startswith("rank-1 (at 127.0.0.1:")
-            assert_a_dead_or_stuck_rank_fails_the_step(llm, runner, remote.pid, "killed", prompts[:2])
-        finally:
-            llm.close()
+        assert generated_tokens(llm, prompts) == reference
+        runner = llm._runners["worker-0"]
+        assert runner.helpers[0][0].name.startswith("rank-1 (at 127.0.0.1:")
+        assert_a_dead_or_stuck_rank_fails_the_step(llm, runner, process.pid, "killed", prompts[:2])
     finally:
-        remote.kill()
-        remote.wait()
+        llm.close()
 
 
 def test_a_rank_with_a_wrong_secret_is_refused_and_missing_ranks_are_named(tiny):
@@ -76,20 +86,14 @@ def test_a_rank_with_a_wrong_secret_is_refused_and_missing_ranks_are_named(tiny)
     assert time.monotonic() - started < 60
 
 
-def test_pp2_with_a_remote_last_stage_equals_one_rank(tiny):
+def test_pp2_with_a_remote_last_stage_equals_one_rank(tiny, reference, remote):
     """Rank 1 is the last stage, which samples and sends the results back over the TCP link."""
     folder, prompts = tiny
-    reference = generated_tokens(LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK),
-                                 prompts)
-    address = f"127.0.0.1:{free_loopback_port()}"
-    remote = start_rank(1, address, TOKEN)
-    try:
-        with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
-                 pipeline_parallel_size=2, num_virtual_engines=1, rank_placement=placement(address)) as llm:
-            assert generated_tokens(llm, prompts) == reference
-        assert remote.wait(timeout=30) == 0  # rank 0 stopped it
-    finally:
-        remote.kill()
+    address, process = remote
+    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
+             pipeline_parallel_size=2, num_virtual_engines=1, rank_placement=placement(address)) as llm:
+        assert generated_tokens(llm, prompts) == reference
+    assert process.wait(timeout=30) == 0  # rank 0 stopped it
 
 
 def test_a_placement_is_checked_before_anything_starts():
