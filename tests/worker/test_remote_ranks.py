@@ -107,3 +107,21 @@ def test_a_placement_is_checked_before_anything_starts():
                          (RankPlacement("no-port", 2, b"k"), "HOST:PORT")):
         with pytest.raises(ValueError, match=message):
             bad.spawned(4)
+
+
+def test_worker_rank_flags_and_the_worker_s_checks(monkeypatch, tmp_path):
+    from pagedserve.cli import build_parser
+    from services.worker.config import WorkerConfig
+
+    monkeypatch.setenv("PAGEDSERVE_CLUSTER_TOKEN", "tok-from-env-0123456789")
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["worker-rank"]
+    assert "tok-from-env" not in sub.format_help()
+    args = parser.parse_args(["worker-rank", "--rank", "1", "--rank-address", "10.0.0.1:29600"])
+    assert (args.rank, args.rank_address, args.cluster_token) == (1, "10.0.0.1:29600", "tok-from-env-0123456789")
+    base = dict(model=tmp_path, redis_url="redis://127.0.0.1:6379/0", cluster_token="t" * 32, tensor_parallel_size=2)
+    assert WorkerConfig(**base, local_ranks=1, rank_address="0.0.0.0:29600").local_ranks == 1
+    with pytest.raises(ValueError, match="give --rank-address"):
+        WorkerConfig(**base, local_ranks=1)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        WorkerConfig(**base, local_ranks=1, rank_address="29600")
