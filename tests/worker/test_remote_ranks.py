@@ -125,3 +125,31 @@ def test_worker_rank_flags_and_the_worker_s_checks(monkeypatch, tmp_path):
         WorkerConfig(**base, local_ranks=1)
     with pytest.raises(ValueError, match="HOST:PORT"):
         WorkerConfig(**base, local_ranks=1, rank_address="29600")
+
+
+RANK_0 = """
+import sys, time
+from pagedserve.engine.parallel.rank_link import RankPlacement
+from pagedserve.llm import LLM
+placement = RankPlacement(sys.argv[2], local_ranks=1, authkey=sys.argv[3].encode(), join_timeout_s=120)
+llm = LLM(sys.argv[1], kv_cache_memory="1MiB", block_size=4, tensor_parallel_size=2, rank_placement=placement)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_remote_rank_exits_when_rank_0_is_killed(tiny, remote):
+    folder, _ = tiny
+    address, process = remote
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    rank_0 = subprocess.Popen([sys.executable, "-c", RANK_0, str(folder), address, TOKEN], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank_0.stdout.readline().strip() == "ready"
+        rank_0.kill()
+        started = time.monotonic()
+        process.wait(timeout=30)  # EOF on its connection: it exits
+        assert time.monotonic() - started < 30
+    finally:
+        rank_0.kill()
+        rank_0.wait()

@@ -18,6 +18,7 @@ connections: each remote rank reads EOF and exits.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import time
@@ -133,8 +134,7 @@ class RemoteRank:
 
 
 def _dup(conn: Connection) -> int:
-    import os
-
+    """A new descriptor of ``conn``'s socket (for a ``socket.socket`` view that closes only it)."""
     return os.dup(conn.fileno())
 
 
