@@ -5,6 +5,7 @@ worker and the worker exits non-zero."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -15,11 +16,20 @@ from pagedserve.engine.parallel.group import free_loopback_port
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
 from tests.e2e.processes import CLUSTER_TOKEN, start_stack, wait_until
-from tests.e2e.test_tensor_parallel_worker import PROMPTS, _complete
 from tests.worker.test_remote_ranks import start_rank
 from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 pytestmark = [pytest.mark.e2e]
+PROMPTS = ["t5 t9 t33 t2", "t40 t41 t42 t43 t44 t45 t46 t47 t48", "t90"]
+
+
+def _greedy_tokens(target: str, prompt: str, env: dict) -> list[int]:
+    """8 greedy tokens of ``prompt`` through the gateway at ``target`` (`pagedserve complete --json`)."""
+    out = subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", target, "--prompt", prompt,
+                          "--json", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "--timeout", "60"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])["token_ids"]
 
 
 def test_tp2_worker_with_a_remote_rank_in_the_stack(tmp_path):
@@ -34,7 +44,7 @@ def test_tp2_worker_with_a_remote_rank_in_the_stack(tmp_path):
                             worker_args=("--tensor-parallel-size", "2", "--local-ranks", "1",
                                          "--rank-address", address), scheduler_args=("--step-timeout", "30"))
         for prompt, want in zip(PROMPTS, reference):
-            assert _complete(stack.gateway, prompt, stack.env)["token_ids"] == list(want.token_ids)
+            assert _greedy_tokens(stack.gateway, prompt, stack.env) == list(want.token_ids)
         remote.kill()
         started = time.monotonic()
         subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", stack.gateway, "--prompt",
