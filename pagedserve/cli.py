@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     health.set_defaults(func=cmd_health)
 
     from pagedserve.bench.cli import add_bench_parser
+    from pagedserve.worker_rank import add_worker_rank_parser
+
+    add_worker_rank_parser(sub)
 
     add_bench_parser(sub)
     return parser

@@ -72,6 +72,8 @@ class LLM:
             or 1 (made after); see SchedulerConfig. Outputs are the same.
         placement: with several workers, ``"prefix"`` (most cached prompt prefix, balanced against
             load) or ``"least-loaded"`` (most free blocks); see SchedulerConfig.
+        rank_placement: with T*P > 1, a :class:`~pagedserve.engine.parallel.rank_link.RankPlacement`
+            whose remote ranks (``pagedserve worker-rank``) rank 0 waits for; None: all spawned here.
 
     Raises:
         ValueError: an invalid limit or size.
@@ -102,6 +104,7 @@ class LLM:
         num_virtual_engines: int | None = None,
         max_plans_in_flight: int = 2,
         placement: str = "prefix",
+        rank_placement=None,
     ) -> None:
         import torch
 
@@ -125,7 +128,7 @@ class LLM:
             sizes = (tensor_parallel_size, pipeline_parallel_size, num_virtual_engines or pipeline_parallel_size)
             runners = _tensor_parallel_runners(path, num_workers, sizes, memory, block_size,
                                                resolve_dtype(dtype, device), device, attention_backend, swap,
-                                               gemm_backend, compile_mode)
+                                               gemm_backend, compile_mode, rank_placement)
         else:
             runners = {
                 f"worker-{i}": build_model_runner(
@@ -281,11 +284,12 @@ class LLM:
 
 def _tensor_parallel_runners(path: Path, num_workers: int, sizes: tuple[int, int, int], memory: int,
                              block_size: int, dtype: str, device: str, attention_backend: str, swap: int,
-                             gemm_backend: str, compile_mode: str) -> dict:
+                             gemm_backend: str, compile_mode: str, rank_placement=None) -> dict:
     """``num_workers`` workers of ``sizes = (T, P, V)``: T*P ranks each, rank 0 here plus T*P-1 helper
     processes; with P > 1, V virtual engines each (worker ids ``worker-<i>/ve<v>`` when V > 1)."""
     from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
     from pagedserve.engine.parallel.rank import RankConfig
+    from pagedserve.engine.parallel.rank_link import LOCAL
 
     if gemm_backend != "torch" or compile_mode != "eager":
         raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 runs eager torch GEMMs only "
@@ -296,7 +300,7 @@ def _tensor_parallel_runners(path: Path, num_workers: int, sizes: tuple[int, int
     tensor_parallel_size, pipeline_parallel_size, engines = sizes
     config = RankConfig(str(path), memory, block_size, dtype, device, attention_backend, swap,
                         pipeline_parallel_size=pipeline_parallel_size, num_virtual_engines=engines)
-    runner = start_tensor_parallel_runner(config, tensor_parallel_size)
+    runner = start_tensor_parallel_runner(config, tensor_parallel_size, placement=rank_placement or LOCAL)
     if pipeline_parallel_size == 1:
         return {"worker-0": runner}
     views = runner.virtual_engines()

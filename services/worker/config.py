@@ -53,6 +53,10 @@ class WorkerConfig:
             (``port + i`` when a port is given) and registered as worker ``<worker_id>/ve<i>`` with
             ``1/V`` of each rank's KV budget; each runs its plans one at a time, overlapping the
             others in the stages.
+        rank_address: ``HOST:PORT`` where rank 0 waits for the ranks it does not spawn (``pagedserve
+            worker-rank``, authenticated with the cluster token; the gloo rendezvous at ``PORT+1``); "": none.
+        local_ranks: ranks ``0..K-1`` spawned on this machine (0: all ``T*P``); the others dial ``rank_address``.
+        rank_join_timeout_s: seconds rank 0 waits for the remote ranks before failing at start.
         cpu_affinity: CPU cores this worker runs on, its OpenMP threads bound one per core (on a
             shared machine, give each worker its own cores); empty: no binding.
         heartbeat_interval_s: how often the registration is refreshed, seconds.
@@ -82,6 +86,9 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     virtual_engines: int = 0
+    rank_address: str = ""
+    local_ranks: int = 0
+    rank_join_timeout_s: float = 300.0
     cpu_affinity: tuple[int, ...] = ()
     heartbeat_interval_s: float = 1.0
     metrics_port: int | None = None
@@ -109,6 +116,11 @@ class WorkerConfig:
         if self.virtual_engines < 0 or (self.virtual_engines > 1 and self.pipeline_parallel_size == 1):
             raise ValueError(f"--virtual-engines must be 0 (one per pipeline stage), 1, or more with "
                              f"--pipeline-parallel-size > 1; got {self.virtual_engines}")
+        if self.local_ranks or self.rank_address:
+            from pagedserve.engine.parallel.rank_link import RankPlacement
+
+            RankPlacement(self.rank_address, self.local_ranks, self.cluster_token.encode()).spawned(
+                self.tensor_parallel_size * self.pipeline_parallel_size)
         if self.heartbeat_interval_s <= 0:
             raise ValueError("heartbeat interval must be positive")
         if not self.cluster_token:
@@ -160,6 +172,14 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--virtual-engines", type=int, default=0,
                         help="with --pipeline-parallel-size P > 1: virtual engines, each its own worker id "
                         "<id>/ve<i> and port, whose plans overlap in the stages; 0: P (default %(default)s)")
+    parser.add_argument("--rank-address", default="", metavar="HOST:PORT",
+                        help="with --local-ranks K < T*P: listen here for ranks K..T*P-1, started on other machines "
+                        "with `pagedserve worker-rank --rank R --rank-address HOST:PORT` and the cluster token; "
+                        "the gloo rendezvous is at PORT+1 (default: every rank on this machine)")
+    parser.add_argument("--local-ranks", type=int, default=0, metavar="K",
+                        help="ranks 0..K-1 run on this machine, the others dial --rank-address (default: all T*P)")
+    parser.add_argument("--rank-join-timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="how long rank 0 waits for the remote ranks to join before failing (default %(default)s)")
     parser.add_argument(
         "--cpu-affinity", default="",
         help="run on these CPU cores (e.g. 0-3) with torch's OpenMP threads bound to them; give each worker "
@@ -206,6 +226,9 @@ def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConf
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         virtual_engines=args.virtual_engines,
+        rank_address=args.rank_address,
+        local_ranks=args.local_ranks,
+        rank_join_timeout_s=args.rank_join_timeout,
         cpu_affinity=parse_cpu_list(args.cpu_affinity) if args.cpu_affinity else (),
         metrics_port=args.metrics_port,
     )

@@ -119,10 +119,12 @@ def _serve_engine(config: WorkerConfig, worker_id: str, runner, index: int, trac
 
 def _build_engines(config: WorkerConfig) -> dict:
     """Rank 0 of a tensor- and/or pipeline-parallel worker (``pagedserve.engine.parallel.launch``;
-    helpers spawned here), by worker id: the worker itself, or its virtual engines ``<id>/ve<i>``."""
+    helpers spawned here, or dialing ``--rank-address``), by worker id: the worker itself, or its
+    virtual engines ``<id>/ve<i>``."""
     from pagedserve.engine.config import CompileMode, GemmBackend
     from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
     from pagedserve.engine.parallel.rank import RankConfig
+    from pagedserve.engine.parallel.rank_link import RankPlacement
 
     if config.device != "cpu" or config.gemm_backend is not GemmBackend.TORCH or config.compile_mode is not CompileMode.EAGER:
         raise ValueError("--tensor-parallel-size or --pipeline-parallel-size > 1 runs on the CPU with eager torch "
@@ -130,13 +132,16 @@ def _build_engines(config: WorkerConfig) -> dict:
     import torch
 
     ranks = config.tensor_parallel_size * config.pipeline_parallel_size
-    threads = max(1, (config.num_threads or torch.get_num_threads()) // ranks)
-    torch.set_num_threads(threads)  # the worker's threads are shared among its ranks
+    local = config.local_ranks or ranks
+    threads = max(1, (config.num_threads or torch.get_num_threads()) // local)
+    torch.set_num_threads(threads)  # the worker's threads are shared among its ranks on this machine
     rank = RankConfig(str(config.model), config.kv_cache_memory or (1 << 30), config.block_size,
                       resolve_dtype(config.dtype, config.device), config.device, config.attention_backend,
                       config.swap_space, num_threads=threads, pipeline_parallel_size=config.pipeline_parallel_size,
                       num_virtual_engines=config.virtual_engines or config.pipeline_parallel_size)
-    runner = start_tensor_parallel_runner(rank, config.tensor_parallel_size)
+    placement = RankPlacement(config.rank_address, config.local_ranks, config.cluster_token.encode(),
+                              config.rank_join_timeout_s)
+    runner = start_tensor_parallel_runner(rank, config.tensor_parallel_size, placement=placement)
     if config.pipeline_parallel_size == 1:
         return {config.worker_id: runner}
     views = runner.virtual_engines()

@@ -1,5 +1,6 @@
-"""A tensor- and/or pipeline-parallel worker in one machine: rank 0 in this process, ranks
-1..T*P-1 in spawned helpers (the grid layout: ``parallel/pipeline.py``).
+"""A tensor- and/or pipeline-parallel worker: rank 0 in this process, ranks 1..T*P-1 in spawned
+helpers (the grid layout: ``parallel/pipeline.py``), or some of them on other machines, dialing in
+(``parallel/rank_link.py``).
 
 Rank 0 receives each BatchPlan (from the engine, or from the scheduler through a worker service),
 wakes the helpers through a pipe (so an idle worker does not hit the collectives' timeout), then
@@ -24,6 +25,7 @@ from pagedserve.engine.messages import BatchPlan, StepResult
 from pagedserve.engine.model_runner import ModelRunner, PlanMismatchError
 from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup, free_loopback_port
 from pagedserve.engine.parallel.rank import RankConfig, build_rank_runner, check_shardable
+from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement, accept_ranks, send_setup
 
 _STEP, _STOP = "step", "stop"
 STARTUP_TIMEOUT_S = 300.0  # helpers importing torch and loading their shard
@@ -42,7 +44,7 @@ def helper_main(config: RankConfig, spec: GroupSpec, rank: int, conn: Connection
         while True:
             try:
                 command = conn.recv()
-            except EOFError:
+            except (EOFError, OSError):  # rank 0 is gone
                 return
             if command == _STOP:
                 return
@@ -142,63 +144,84 @@ def wait_ready(helpers: list[tuple[mp.Process, Connection]], timeout_s: float) -
         conn.recv()
 
 
-def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int, timeout_s: float = 5.0):
-    """Spawns ranks 1..T*P-1 (P: ``config.pipeline_parallel_size``), joins them as rank 0 over a
-    loopback rendezvous, and loads every shard: a :class:`TensorParallelRunner` when P is 1, else a
+def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int, timeout_s: float = 5.0,
+                                 placement: RankPlacement = LOCAL):
+    """Spawns ranks 1..T*P-1 (P: ``config.pipeline_parallel_size``; with ``placement``, only those
+    up to its local ranks: it waits for the others to dial in), joins them as rank 0 and loads every
+    shard: a :class:`TensorParallelRunner` when P is 1, else a
     :class:`~pagedserve.engine.parallel.pipeline_runner.PipelineParallelRunner`.
 
     Args:
         config: the runner settings every rank uses (``num_threads`` 0: ``cpu_count // (T*P)`` per helper).
         tensor_parallel_size: the tensor-parallel size T (>= 1).
         timeout_s: the collectives' timeout (how long a silent rank is waited for).
+        placement: where the ranks live (``parallel/rank_link.py``); default all on this machine.
 
     Raises:
         ShardingError, PipelineError: the model cannot be split over T ranks or P stages (checked
             before spawning).
-        CollectiveError: a helper failed to start.
+        ValueError: an invalid placement.
+        CollectiveError: a helper failed to start, or remote ranks did not join in time.
     """
     if config.pipeline_parallel_size > 1:
         from pagedserve.engine.parallel.pipeline_runner import start_pipeline_parallel_runner
 
-        return start_pipeline_parallel_runner(config, tensor_parallel_size, timeout_s)
-    group, helpers, runner = launch_ranks(config, tensor_parallel_size, timeout_s, helper_main, build_rank_runner)
+        return start_pipeline_parallel_runner(config, tensor_parallel_size, timeout_s, placement)
+    group, helpers, runner = launch_ranks(config, tensor_parallel_size, timeout_s, helper_main, build_rank_runner,
+                                          placement)
     return TensorParallelRunner(runner, group, helpers)
 
 
 def launch_ranks(config: RankConfig, tensor_parallel_size: int, timeout_s: float,
                  target: Callable[[RankConfig, GroupSpec, int, Connection], None],
-                 build: Callable[[RankConfig, TensorParallelGroup], Any]) -> tuple[TensorParallelGroup, list, Any]:
-    """Spawns helper ranks 1..T*P-1 running ``target(config, spec, rank, pipe)``, joins them as rank 0,
-    builds rank 0's runner(s) with ``build(config, group)`` and waits for every helper's "ready".
+                 build: Callable[[RankConfig, TensorParallelGroup], Any],
+                 placement: RankPlacement = LOCAL) -> tuple[TensorParallelGroup, list, Any]:
+    """Waits for the remote ranks of ``placement`` to dial in (none by default), spawns the local
+    helper ranks running ``target(config, spec, rank, pipe)``, hands the remote ones their setup (they
+    run the same ``target``), joins them all as rank 0, builds rank 0's runner(s) with
+    ``build(config, group)`` and waits for every helper's "ready".
 
     Returns:
-        ``(group, [(process, pipe)] of ranks 1.., what build returned)``.
+        ``(group, [(process or RemoteRank, connection)] of ranks 1.., what build returned)``.
 
     Raises:
-        ShardingError, PipelineError: checked before spawning. CollectiveError: a helper failed to start.
+        ShardingError, PipelineError: checked before spawning. ValueError: an invalid placement.
+        CollectiveError: a helper failed to start; remote ranks did not join in time.
     """
     check_shardable(config.model_path, tensor_parallel_size, config.pipeline_parallel_size)
     world_size = tensor_parallel_size * config.pipeline_parallel_size
+    local = placement.spawned(world_size)
     if config.num_threads == 0:
-        config = replace(config, num_threads=max(1, (mp.cpu_count() or 1) // world_size))
-    spec = GroupSpec(f"tcp://127.0.0.1:{free_loopback_port()}", world_size, timeout_s)
-    context = mp.get_context("spawn")
-    helpers = []
-    for rank in range(1, world_size):
-        ours, theirs = context.Pipe()
-        process = context.Process(target=target, args=(config, spec, rank, theirs), name=f"rank-{rank}", daemon=True)
-        process.start()
-        helpers.append((process, ours))
-    group = None
+        config = replace(config, num_threads=max(1, (mp.cpu_count() or 1) // local))
+    spec = GroupSpec(placement.rendezvous(f"tcp://127.0.0.1:{free_loopback_port()}"), world_size, timeout_s)
+    remotes = accept_ranks(placement, range(local, world_size)) if local < world_size else []
+    helpers, group = [], None
     try:
-        wait_ready(helpers, STARTUP_TIMEOUT_S)
+        helpers = spawn_helpers(config, spec, range(1, local), target)
+        wait_ready(helpers, STARTUP_TIMEOUT_S)  # "started": local imports done
+        send_setup(remotes, config, spec)
+        helpers += remotes
+        wait_ready(remotes, STARTUP_TIMEOUT_S)
         group = TensorParallelGroup(spec, 0)
         built = build(config, group)
         wait_ready(helpers, STARTUP_TIMEOUT_S)
     except BaseException:
-        for process, _ in helpers:
+        for process, _ in helpers + remotes:
             process.kill()
         if group is not None:
             group.close()
         raise
     return group, helpers, built
+
+
+def spawn_helpers(config: RankConfig, spec: GroupSpec, ranks: range,
+                  target: Callable[[RankConfig, GroupSpec, int, Connection], None]) -> list[tuple[mp.Process, Connection]]:
+    """Starts ``target(config, spec, rank, pipe)`` in a spawned process per rank; ``[(process, pipe)]``."""
+    context = mp.get_context("spawn")
+    helpers = []
+    for rank in ranks:
+        ours, theirs = context.Pipe()
+        process = context.Process(target=target, args=(config, spec, rank, theirs), name=f"rank-{rank}", daemon=True)
+        process.start()
+        helpers.append((process, ours))
+    return helpers

@@ -36,6 +36,7 @@ from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorP
 from pagedserve.engine.parallel.launch import launch_ranks, stop_helpers
 from pagedserve.engine.parallel.pipeline import StageRunner
 from pagedserve.engine.parallel.rank import RankConfig, build_stage_runners
+from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement
 
 _STOP, _STATS = "stop", "stats"
 _RESULT, _BUSY = "result", "busy"
@@ -76,7 +77,7 @@ def pipeline_helper_main(config: RankConfig, spec: GroupSpec, rank: int, conn: C
         while True:
             try:
                 message = conn.recv()
-            except EOFError:
+            except (EOFError, OSError):  # rank 0 is gone
                 return
             if message == _STOP:
                 return
@@ -273,15 +274,16 @@ class VirtualEngine:
         self.pipeline.close()
 
 
-def start_pipeline_parallel_runner(config: RankConfig, tensor_parallel_size: int,
-                                   timeout_s: float = 5.0) -> PipelineParallelRunner:
-    """Spawns the ``T x P`` grid's helper ranks, joins them as rank 0 and loads every stage.
+def start_pipeline_parallel_runner(config: RankConfig, tensor_parallel_size: int, timeout_s: float = 5.0,
+                                   placement: RankPlacement = LOCAL) -> PipelineParallelRunner:
+    """Spawns the ``T x P`` grid's helper ranks (or waits for them: ``placement``), joins them as
+    rank 0 and loads every stage.
 
     Raises:
         ShardingError, PipelineError: the model cannot be split (checked before spawning).
-        CollectiveError: a helper failed to start.
+        ValueError: an invalid placement. CollectiveError: a helper failed to start or join.
     """
     group, helpers, runners = launch_ranks(config, tensor_parallel_size, timeout_s, pipeline_helper_main,
-                                           build_stage_runners)
+                                           build_stage_runners, placement)
     leader = (config.pipeline_parallel_size - 1) * tensor_parallel_size
     return PipelineParallelRunner(runners, group, helpers, leader)
