@@ -61,6 +61,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         compile_mode=CompileMode(args.compile_mode),
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        virtual_engines=args.virtual_engines,
         data_dir=default_cache_dir() / f"redis-{redis_port}",
         metrics_port=args.metrics_port,
     )
@@ -161,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--pipeline-parallel-size", type=int, default=1,
                     help="pipeline stages per worker, consecutive layers each (Llama family, CPU; T*P ranks "
                     "share the worker's threads; --kv-cache-memory is per rank) (default %(default)s)")
+    up.add_argument("--virtual-engines", type=int, default=0,
+                    help="with --pipeline-parallel-size P > 1: virtual engines per worker, whose plans overlap "
+                    "in the stages; 0: P (default %(default)s)")
     add_gemm_backend_argument(up)
     add_compile_mode_argument(up)
     add_api_key_arguments(up)

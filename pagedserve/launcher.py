@@ -50,6 +50,7 @@ class StackConfig:
         compile_mode: eager or compiled dense part in the workers (``--compile-mode``).
         tensor_parallel_size: ranks per worker (``--tensor-parallel-size``); they share its threads.
         pipeline_parallel_size: pipeline stages per worker (``--pipeline-parallel-size``): T*P ranks.
+        virtual_engines: virtual engines per pipeline-parallel worker (``--virtual-engines``; 0: P).
         data_dir: where a Redis started by us keeps its append-only file.
         startup_timeout_s: how long to wait for everything to be healthy.
         cluster_token: secret shared by the services (default: a new random one); children get it
@@ -74,6 +75,7 @@ class StackConfig:
     compile_mode: CompileMode = CompileMode.EAGER
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    virtual_engines: int = 0
     startup_timeout_s: float = 600.0
     cluster_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     api_key: str = field(default="", repr=False)
@@ -147,6 +149,7 @@ class Stack:
                 "--gemm-backend", cfg.gemm_backend.value, "--compile-mode", cfg.compile_mode.value,
                 "--tensor-parallel-size", str(cfg.tensor_parallel_size),
                 "--pipeline-parallel-size", str(cfg.pipeline_parallel_size),
+                "--virtual-engines", str(cfg.virtual_engines),
                 *self._cores_of(i), *self._metrics_flag(f"worker-{i}"),
             )
         self._service(

@@ -1,0 +1,26 @@
+"""`pagedserve up` starts each service with flags its own command accepts, and passes on the
+settings it was given (scheduler policy, the workers' rank grid)."""
+
+from __future__ import annotations
+
+from pagedserve.cli import build_parser
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.launcher import Stack, StackConfig
+
+
+def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monkeypatch):
+    policy = SchedulerConfig(max_plans_in_flight=1, placement="least-loaded", max_num_batched_tokens=128)
+    config = StackConfig(model=tmp_path, workers=2, host="127.0.0.1", port=1, scheduler_port=2,
+                         redis_url="redis://127.0.0.1:3/0", kv_cache_memory="64MiB", swap_space="0", policy=policy,
+                         threads_per_worker=1, data_dir=tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2,
+                         virtual_engines=1)
+    stack, commands = Stack(config), []
+    monkeypatch.setattr(stack, "_start_redis", lambda: None)  # nothing is started: only the commands are read
+    monkeypatch.setattr(stack, "_wait_ready", lambda: None)
+    monkeypatch.setattr(stack, "_service", lambda name, *args: commands.append(list(args)))
+    stack.start()
+    parsed = [build_parser().parse_args(args) for args in commands]  # exits (fails) on an unknown flag
+    assert [p.command for p in parsed] == ["scheduler", "worker", "worker", "gateway"]
+    scheduler, worker = parsed[0], parsed[1]
+    assert (scheduler.max_plans_in_flight, scheduler.placement, scheduler.max_num_batched_tokens) == (1, "least-loaded", 128)
+    assert (worker.tensor_parallel_size, worker.pipeline_parallel_size, worker.virtual_engines) == (2, 2, 1)
