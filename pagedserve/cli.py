@@ -11,7 +11,8 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from pagedserve.engine.config import CPU_TOKEN_BUDGET, add_compile_mode_argument, add_gemm_backend_argument
+from pagedserve.engine.config import (CPU_TOKEN_BUDGET, add_compile_mode_argument, add_gemm_backend_argument,
+                                      add_rank_grid_arguments)
 from services.common.service_args import add_model_argument, add_redis_argument, env_default
 
 
@@ -156,15 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU memory per worker for swapped-out KV blocks (--preemption-mode swap), e.g. 2GiB")
     up.add_argument("--threads-per-worker", type=int, default=0,
                     help="torch threads per worker (default: CPU cores / workers)")
-    up.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="ranks per worker that split the model (Llama family, CPU; they share the "
-                    "worker's threads; --kv-cache-memory is per rank) (default %(default)s)")
-    up.add_argument("--pipeline-parallel-size", type=int, default=1,
-                    help="pipeline stages per worker, consecutive layers each (Llama family, CPU; T*P ranks "
-                    "share the worker's threads; --kv-cache-memory is per rank) (default %(default)s)")
-    up.add_argument("--virtual-engines", type=int, default=0,
-                    help="with --pipeline-parallel-size P > 1: virtual engines per worker, whose plans overlap "
-                    "in the stages; 0: P (default %(default)s)")
+    add_rank_grid_arguments(up)
     add_gemm_backend_argument(up)
     add_compile_mode_argument(up)
     add_api_key_arguments(up)
@@ -192,12 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--json", action="store_true",
                           help="print one JSON object at the end: text, token_ids, finish_reason, usage")
     complete.add_argument("--offline", action="store_true", help="run in-process on the engine, no services")
-    complete.add_argument("--tensor-parallel-size", type=int, default=1,
-                          help="with --offline: ranks that split the model (Llama family; rank 0 here, "
-                          "T-1 helper processes; default %(default)s)")
-    complete.add_argument("--pipeline-parallel-size", type=int, default=1,
-                          help="with --offline: pipeline stages of consecutive layers (Llama family; T*P "
-                          "ranks, rank 0 here; default %(default)s)")
+    add_rank_grid_arguments(complete)  # with --offline
     complete.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
     complete.add_argument("--api-key", default=env_default("PAGEDSERVE_API_KEY", ""),
                           help="the gateway's API key, sent as `authorization: Bearer KEY` (env PAGEDSERVE_API_KEY)")

@@ -128,7 +128,8 @@ def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -
     from pagedserve.llm import LLM
 
     llm = LLM(model=args.model or None, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-              pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1))
+              pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+              num_virtual_engines=getattr(args, "virtual_engines", 0) or None)
     from services.gateway.request_parser import parse_generate_request
 
     try:

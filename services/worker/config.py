@@ -14,7 +14,7 @@ from services.common.service_args import (
     add_listen_arguments, add_model_argument, add_redis_argument, env_default, redis_url_from_args,
 )
 from pagedserve.engine.config import (ATTENTION_BACKENDS, CompileMode, GemmBackend, add_compile_mode_argument,
-                                      add_gemm_backend_argument)
+                                      add_gemm_backend_argument, add_rank_grid_arguments)
 from pagedserve.units import parse_bytes, parse_cpu_list
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -163,15 +163,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     add_gemm_backend_argument(parser)
     add_compile_mode_argument(parser)
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks that split the model (Llama family, CPU): rank 0 here, T-1 helper "
-                        "processes; --kv-cache-memory is per rank (default %(default)s)")
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
-                        help="pipeline stages of consecutive layers (Llama family, CPU): T*P ranks, rank 0 "
-                        "here; --kv-cache-memory is per rank (default %(default)s)")
-    parser.add_argument("--virtual-engines", type=int, default=0,
-                        help="with --pipeline-parallel-size P > 1: virtual engines, each its own worker id "
-                        "<id>/ve<i> and port, whose plans overlap in the stages; 0: P (default %(default)s)")
+    add_rank_grid_arguments(parser)
     parser.add_argument("--rank-address", default="", metavar="HOST:PORT",
                         help="with --local-ranks K < T*P: listen here for ranks K..T*P-1, started on other machines "
                         "with `pagedserve worker-rank --rank R --rank-address HOST:PORT` and the cluster token; "
