@@ -114,6 +114,20 @@ class QueuedRequest(_message.Message):
     cache_salt: str
     def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
+class SchedulerRegistration(_message.Message):
+    __slots__ = ("scheduler_id", "address", "instance_id", "num_blocks", "signature")
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    scheduler_id: str
+    address: str
+    instance_id: str
+    num_blocks: int
+    signature: bytes
+    def __init__(self, scheduler_id: _Optional[str] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
 class WorkerRegistration(_message.Message):
     __slots__ = ("worker_id", "address", "num_blocks", "block_size", "model", "num_cpu_blocks", "instance_id", "signature")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -190,7 +204,7 @@ class BlockCopy(_message.Message):
     def __init__(self, source: _Optional[int] = ..., target: _Optional[int] = ...) -> None: ...
 
 class BatchPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "session_id")
+    __slots__ = ("step_id", "new_requests", "cached_requests", "finished_seq_ids", "blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy", "session_id", "lease_epoch")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +213,7 @@ class BatchPlan(_message.Message):
     BLOCKS_TO_SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_TO_COPY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     cached_requests: _containers.RepeatedCompositeFieldContainer[CachedRequest]
@@ -207,7 +222,8 @@ class BatchPlan(_message.Message):
     blocks_to_swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     blocks_to_copy: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     session_id: str
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[_Union[SequenceId, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    lease_epoch: int
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[_Union[SequenceId, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., session_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprob", "sample_index", "logprobs")
@@ -270,10 +286,40 @@ class TokenEvent(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_output_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class TokenEventBatch(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "resume_queries")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_QUERIES_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ...) -> None: ...
+    resume_queries: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., resume_queries: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ResumedSample(_message.Message):
+    __slots__ = ("sample_index", "token_ids", "finished")
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    sample_index: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finished: bool
+    def __init__(self, sample_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "gateway_id", "samples", "num_migrations")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    gateway_id: str
+    samples: _containers.RepeatedCompositeFieldContainer[ResumedSample]
+    num_migrations: int
+    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[ResumedSample, _Mapping]]] = ..., num_migrations: _Optional[int] = ...) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id", "sample_index")

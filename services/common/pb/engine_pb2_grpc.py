@@ -122,6 +122,11 @@ class SchedulerStub:
                 request_serializer=services_dot_common_dot_pb_dot_engine__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=services_dot_common_dot_pb_dot_engine__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/pagedserve.engine.v1.Scheduler/Resume',
+                request_serializer=services_dot_common_dot_pb_dot_engine__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=services_dot_common_dot_pb_dot_engine__pb2.ResumeResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -148,6 +153,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """A gateway's answer to a resume query (TokenEventBatch.resume_queries): the tokens its client
+        already received, after which the request continues on this scheduler (request migration).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -165,6 +178,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=services_dot_common_dot_pb_dot_engine__pb2.GetStatsRequest.FromString,
                     response_serializer=services_dot_common_dot_pb_dot_engine__pb2.SchedulerStats.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=services_dot_common_dot_pb_dot_engine__pb2.ResumeRequest.FromString,
+                    response_serializer=services_dot_common_dot_pb_dot_engine__pb2.ResumeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -248,6 +266,33 @@ class Scheduler:
             '/pagedserve.engine.v1.Scheduler/GetStats',
             services_dot_common_dot_pb_dot_engine__pb2.GetStatsRequest.SerializeToString,
             services_dot_common_dot_pb_dot_engine__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.engine.v1.Scheduler/Resume',
+            services_dot_common_dot_pb_dot_engine__pb2.ResumeRequest.SerializeToString,
+            services_dot_common_dot_pb_dot_engine__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
