@@ -244,19 +244,24 @@ def gateway_aio_interceptors(api_key: str) -> list[grpc.aio.ClientInterceptor]:
     return _aio_interceptors(bearer_metadata(api_key)) if api_key else []
 
 
-def _registration_mac(registration: pb.WorkerRegistration, cluster_token: str) -> bytes:
-    unsigned = pb.WorkerRegistration()
+Registration = pb.WorkerRegistration | pb.SchedulerRegistration
+
+
+def _registration_mac(registration: Registration, cluster_token: str) -> bytes:
+    unsigned = type(registration)()
     unsigned.CopyFrom(registration)
     unsigned.ClearField("signature")
-    return hmac.new(cluster_token.encode(), unsigned.SerializeToString(deterministic=True), hashlib.sha256).digest()
+    signed = registration.DESCRIPTOR.full_name.encode() + b"\0" + unsigned.SerializeToString(deterministic=True)
+    return hmac.new(cluster_token.encode(), signed, hashlib.sha256).digest()
 
 
-def sign_registration(registration: pb.WorkerRegistration, cluster_token: str) -> None:
-    """Sets ``registration.signature``: only holders of the cluster token can register a worker, so
-    a writer to Redis cannot make the scheduler send plans (and the token) to an address of its own."""
+def sign_registration(registration: Registration, cluster_token: str) -> None:
+    """Sets ``registration.signature``: only holders of the cluster token can register a worker or a
+    scheduler, so a writer to Redis cannot make a scheduler send plans (or a gateway send requests'
+    tokens, and the token itself) to an address of its own."""
     registration.signature = _registration_mac(registration, cluster_token)
 
 
-def registration_is_signed(registration: pb.WorkerRegistration, cluster_token: str) -> bool:
+def registration_is_signed(registration: Registration, cluster_token: str) -> bool:
     """Whether ``registration`` was signed with ``cluster_token`` (compared in constant time)."""
     return hmac.compare_digest(registration.signature, _registration_mac(registration, cluster_token))

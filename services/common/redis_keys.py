@@ -16,3 +16,26 @@ WORKERS_HASH = "pagedserve:workers"
 def worker_heartbeat_key(worker_id: str) -> str:
     """Key a worker refreshes with a TTL; the worker is considered gone once it expires."""
     return f"pagedserve:worker:{worker_id}:heartbeat"
+
+
+SCHEDULERS_HASH = "pagedserve:schedulers"
+"""Hash scheduler id -> protobuf ``SchedulerRegistration`` (signed with the cluster token)."""
+
+HANDOFF_CONSUMER = "pagedserve:handoff"
+"""Consumer in SCHEDULER_GROUP holding requests a scheduler gave up (it has no worker left); live
+schedulers with workers claim them. Scheduler ids never contain ':', so none is called this."""
+
+
+def scheduler_lease_key(scheduler_id: str) -> str:
+    """Key a scheduler refreshes with a TTL (value: its instance id); it counts as dead once it expires."""
+    return f"pagedserve:scheduler:{scheduler_id}:lease"
+
+
+def worker_owner_key(worker_id: str) -> str:
+    """Key holding the id of the scheduler that owns the worker (a lease with a TTL the owner renews)."""
+    return f"pagedserve:worker:{worker_id}:owner"
+
+
+def worker_epoch_key(worker_id: str) -> str:
+    """Counter incremented each time the worker gets a new owner: the fencing token in its plans."""
+    return f"pagedserve:worker:{worker_id}:epoch"
