@@ -54,6 +54,22 @@ class EngineRequest:
             raise ValueError(f"request {self.request_id!r}: max_tokens and n must be at least 1")
 
 
+@dataclass(frozen=True)
+class ResumedSample:
+    """What the client already received of one sample of a request, when another scheduler takes
+    the request over (request migration: ``Scheduler.resume_request``).
+
+    Attributes:
+        sample_index: which of the request's ``n`` samples, in ``[0, n)``.
+        output_token_ids: the sample's output tokens delivered so far, in order.
+        finished: the client got the sample's last output (it does not run again).
+    """
+
+    sample_index: int
+    output_token_ids: tuple[int, ...]
+    finished: bool
+
+
 @dataclass(frozen=True, order=True)
 class SequenceId:
     """The engine's key for one sequence: sample ``sample_index`` of request ``request_id``.

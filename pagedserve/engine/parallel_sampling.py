@@ -11,7 +11,7 @@ Kwon et al., SOSP 2023, §4.4). A child whose parent no longer runs is prefilled
 
 from __future__ import annotations
 
-from pagedserve.engine.messages import SequenceId
+from pagedserve.engine.messages import EngineRequest, SequenceId
 from pagedserve.engine.sampling_params import child_sampling
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
@@ -38,6 +38,12 @@ class Forks:
         group.append(child.seq_id)
         waiting.push_preempted(child)
         return child
+
+    def adopt(self, request: EngineRequest, samples: list[Sequence]) -> None:
+        """Makes ``samples`` the live samples of ``request`` (one with ``n > 1`` resumed sample by
+        sample, ``request_resume``); nothing for ``n = 1`` or no sample."""
+        if request.sampling.n > 1 and samples:
+            self._groups[request.request_id] = [seq.seq_id for seq in samples]
 
     def try_fork(self, seq: Sequence, worker: WorkerState, draft: PlanDraft,
                  sequences: dict[SequenceId, Sequence]) -> bool:

@@ -12,15 +12,16 @@ blocks first, under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence as Seq
 
 from pagedserve.engine.block_manager import NO_PREFIX
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
-from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError,
-                                        RequestOutput, SampledToken, SchedulerOutput, SequenceId, StepResult)
+from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, RequestOutput,
+                                        ResumedSample, SampledToken, SchedulerOutput, SequenceId, StepResult)
 from pagedserve.engine.limits import num_new_tokens, rejection_error, worker_loss_error
 from pagedserve.engine.parallel_sampling import Forks
 from pagedserve.engine.policy import POLICIES
+from pagedserve.engine.request_resume import check_resumed, resumed_sequences, starts_fresh
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_state import PlanDraft, WorkerState, pick_worker, scheduler_stats
 
@@ -105,6 +106,25 @@ class Scheduler:
         seq = Sequence(request)
         self._sequences[seq.seq_id] = seq
         self._waiting.push(seq)
+
+    def resume_request(self, request: EngineRequest, resumed: Seq[ResumedSample]) -> None:
+        """Takes over a request another scheduler ran, continuing from the tokens already delivered
+        (request migration, as NVIDIA Dynamo's): ``resumed`` lists them per sample; finished samples
+        do not run again, the others wait like recompute-preempted ones (see ``request_resume``).
+
+        Raises:
+            ValueError: the request is in flight, or ``resumed`` does not fit it; nothing changes then.
+        """
+        if self.has_request(request.request_id):
+            raise ValueError(f"request_id: request {request.request_id!r} is already in flight")
+        check_resumed(request, resumed)
+        if starts_fresh(resumed):
+            return self.add_request(request)
+        sequences = resumed_sequences(request, resumed)
+        for seq in reversed(sequences):  # each goes to the front: sample 0 ends up first
+            self._sequences[seq.seq_id] = seq
+            self._waiting.push_preempted(seq)
+        self._forks.adopt(request, sequences)
 
     def abort_request(self, request_id: str, sample_index: int | None = None,
                       error: RequestError | None = None) -> list[RequestOutput]:
