@@ -6,6 +6,7 @@ Environment variables are read when the parser is built (at start), never at imp
 from __future__ import annotations
 
 import argparse
+import socket
 import os
 from pathlib import Path
 
@@ -73,3 +74,13 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on; 0.0.0.0 serves other machines too (default %(default)s)")
     parser.add_argument("--port", type=int, default=default_port, help="gRPC port (default %(default)s; 0 picks a free one)")
+
+
+def default_advertise_host(listen_host: str) -> str:
+    """The listen address itself, or this machine's address when listening on all interfaces."""
+    if listen_host not in ("0.0.0.0", "::", "[::]", ""):
+        return listen_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"

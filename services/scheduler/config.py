@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from dataclasses import dataclass, field
 
 from pagedserve.engine.config import Placement, PreemptionMode, SchedulerConfig, SchedulingPolicy
 from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args
 from services.common.metrics import add_metrics_port_argument, check_metrics_port
-from services.common.service_args import add_listen_arguments, add_redis_argument, redis_url_from_args
+from services.common.service_args import (add_listen_arguments, add_redis_argument, default_advertise_host,
+                                          redis_url_from_args)
 
 
 @dataclass(frozen=True)
@@ -21,8 +23,14 @@ class SchedulerServiceConfig:
         cluster_token: secret every caller of the Scheduler service must send, and this scheduler
             sends to workers.
         host, port: where the Scheduler gRPC service listens.
-        consumer_name: this scheduler's name in the Redis consumer group; keep it across restarts
-            so that unfinished requests are picked up again.
+        advertise_host: the host name gateways use to reach this scheduler (registered in Redis).
+        consumer_name: this scheduler's id, and its name in the Redis consumer group; unique per
+            scheduler, and kept across restarts so that its unfinished requests are resumed by it
+            (a peer resumes them anyway once its lease expired).
+        lease_ttl_s: time to live of this scheduler's lease and of its leases on workers, seconds:
+            a scheduler that stops renewing is taken over this long after its last renewal.
+        migration_limit: most times one request may move between schedulers; beyond it the
+            request fails with UNAVAILABLE.
         policy: per-iteration limits.
         step_timeout_s: longest a worker may take for one iteration before the step counts as
             failed (the worker is reset and admitted again), seconds.
@@ -43,7 +51,10 @@ class SchedulerServiceConfig:
     cluster_token: str = field(repr=False)
     host: str = "127.0.0.1"
     port: int = 50052
+    advertise_host: str = "127.0.0.1"
     consumer_name: str = "scheduler-0"
+    lease_ttl_s: float = 3.0
+    migration_limit: int = 3
     policy: SchedulerConfig = SchedulerConfig()
     step_timeout_s: float = 120.0
     worker_poll_interval_s: float = 0.5
@@ -56,11 +67,16 @@ class SchedulerServiceConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         check_metrics_port(self.metrics_port)
-        if not self.consumer_name:
-            raise ValueError("--consumer-name must not be empty")
+        if not self.consumer_name or ":" in self.consumer_name or len(self.consumer_name) > 128:
+            raise ValueError(f"--consumer-name must be 1-128 characters without ':', got {self.consumer_name!r}")
         if min(self.step_timeout_s, self.worker_poll_interval_s, self.worker_gone_after_s,
                self.no_worker_timeout_s, self.gateway_grace_s) <= 0:
             raise ValueError("timeouts and intervals must be positive")
+        if self.lease_ttl_s < 3 * self.worker_poll_interval_s:
+            raise ValueError(f"--lease-ttl must be at least {3 * self.worker_poll_interval_s:g} s (three renewals), "
+                             f"got {self.lease_ttl_s:g}")
+        if self.migration_limit < 0:
+            raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if not self.cluster_token:
             raise ValueError(MISSING_CLUSTER_TOKEN)
 
@@ -73,9 +89,24 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     add_metrics_port_argument(parser)
     add_policy_arguments(parser)
     parser.add_argument(
-        "--consumer-name", default="scheduler-0",
-        help="name in the Redis consumer group; keep it across restarts to resume unfinished requests "
-        "(default %(default)s)",
+        "--consumer-name", default="",
+        help="this scheduler's id and its name in the Redis consumer group: unique per scheduler, kept across "
+        "restarts (default: the host name, which is unique per container or pod)",
+    )
+    parser.add_argument(
+        "--advertise-host", default="",
+        help="host name gateways use to reach this scheduler (default: --host, or this machine's address "
+        "when listening on all interfaces)",
+    )
+    parser.add_argument(
+        "--lease-ttl", type=float, default=3.0,
+        help="seconds a scheduler's lease (and its leases on workers) lasts without renewal: a scheduler "
+        "that dies is taken over this long after its last renewal (default %(default)s)",
+    )
+    parser.add_argument(
+        "--migration-limit", type=int, default=3,
+        help="most times one request may move to another scheduler (after a scheduler died or gave it up); "
+        "beyond it the request fails with UNAVAILABLE (default %(default)s)",
     )
     parser.add_argument(
         "--step-timeout", type=float, default=120.0,
@@ -156,7 +187,10 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerServiceConf
         cluster_token=cluster_token_from_args(args),
         host=args.host,
         port=args.port,
-        consumer_name=args.consumer_name,
+        advertise_host=args.advertise_host or default_advertise_host(args.host),
+        consumer_name=args.consumer_name or socket.gethostname(),
+        lease_ttl_s=args.lease_ttl,
+        migration_limit=args.migration_limit,
         policy=policy_from_args(args),
         step_timeout_s=args.step_timeout,
         no_worker_timeout_s=args.no_worker_timeout,

@@ -46,18 +46,25 @@ class GrpcExecutor:
         self._on_done = on_done
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.WorkerStub] = {}
+        self._epochs: dict[str, int] = {}
 
-    def add_worker(self, worker_id: str, address: str) -> None:
-        """Opens a channel to a worker. Raises ValueError if the id is already connected."""
+    def add_worker(self, worker_id: str, address: str, lease_epoch: int) -> None:
+        """Opens a channel to a worker; every plan sent to it carries ``lease_epoch``.
+
+        Raises:
+            ValueError: the id is already connected.
+        """
         if worker_id in self._channels:
             raise ValueError(f"worker {worker_id!r} is already connected")
         channel = cluster_channel(address, self._token)
         self._channels[worker_id] = channel
         self._stubs[worker_id] = engine_pb2_grpc.WorkerStub(channel)
+        self._epochs[worker_id] = lease_epoch
 
     def remove_worker(self, worker_id: str) -> None:
         """Closes the worker's channel (a step in flight fails with CANCELLED)."""
         self._stubs.pop(worker_id, None)
+        self._epochs.pop(worker_id, None)
         channel = self._channels.pop(worker_id, None)
         if channel is not None:
             channel.close()
@@ -70,6 +77,7 @@ class GrpcExecutor:
             KeyError: the worker is not connected.
         """
         message = plan_to_pb(plan)
+        message.lease_epoch = self._epochs[worker_id]
         call = self._stubs[worker_id].Execute.future(message, timeout=self._timeout)
         call.add_done_callback(lambda c: self._on_done(self._answer(worker_id, plan, c)))
         return message.ByteSize()

@@ -13,68 +13,37 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import grpc
 from opentelemetry import trace
 
-from pagedserve.engine.messages import RequestError, RequestOutput
+from pagedserve.engine.messages import EngineRequest, FinishReason, RequestError, RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common import telemetry
 from services.common.convert import output_to_pb, request_from_pb
 from services.common.pb import engine_pb2 as pb
+from services.scheduler.cluster import ClaimedEntries, ClusterView
+from services.scheduler.commands import Abort, Command, GatewayGone, NewEntries, Resume
 from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.gateway_presence import GatewayPresence
 from services.scheduler.gateway_streams import GatewayStreams
 from services.scheduler.grpc_executor import GrpcExecutor, StepDone
 from services.scheduler.membership import WorkerMembership
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.queue_consumer import QueueEntry
-from services.scheduler.redis_io import Acknowledger
+from services.scheduler.migration import PendingResumes, resumed_samples_from_pb
+from services.scheduler.queue_consumer import Delivery, QueueEntry
+from services.scheduler.redis_io import RedisWrites
 
 log = logging.getLogger("pagedserve.scheduler")
 
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
-
-@dataclass(frozen=True)
-class NewEntries:
-    entries: tuple[QueueEntry, ...]
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Abort a request, or only one of its samples when ``sample_index`` is set."""
-
-    request_id: str
-    sample_index: int | None
-    done: Future
-
-
-@dataclass(frozen=True)
-class GatewayGone:
-    """A gateway's output stream (subscription ``generation``) closed; unless a newer one is open,
-    its requests are aborted unless it returns in time."""
-
-    gateway_id: str
-    generation: int
-
-
-@dataclass(frozen=True)
-class GatewayBack:
-    gateway_id: str
-    generation: int
-
-
-@dataclass(frozen=True)
-class Registrations:
-    """The live workers' registrations, as just read from Redis."""
-
-    live: Mapping[str, pb.WorkerRegistration]
-
-
-Command = NewEntries | Abort | GatewayGone | GatewayBack | StepDone | Registrations
+HANDOFF_AFTER_S = 2.0
+"""How long a scheduler without workers keeps its requests before handing them to peers that have
+workers, seconds (a worker reset after a failed step is back within about a second)."""
 
 
 @dataclass
@@ -93,7 +62,7 @@ class SchedulerLoop:
         set_ready: called with whether any worker is up (the scheduler's readiness).
     """
 
-    def __init__(self, config: SchedulerServiceConfig, scheduler: Scheduler, ack: Callable[[bytes], None],
+    def __init__(self, config: SchedulerServiceConfig, scheduler: Scheduler, redis_writes: RedisWrites,
                  tracer: trace.Tracer, set_ready: Callable[[bool], None]) -> None:
         self.config = config
         self.scheduler = scheduler
@@ -103,13 +72,15 @@ class SchedulerLoop:
         self._tracer = tracer
         self._set_ready = set_ready
         self._commands: queue.Queue[Command] = queue.Queue()
-        self.acks = Acknowledger(ack)  # runs on a thread of its own: the loop never waits on Redis
+        self.acks = redis_writes  # runs on a thread of its own: the loop never waits on Redis
+        self.accepting = threading.Event()  # read new requests: this scheduler has workers, or no peer has
+        self.accepting.set()
+        self._resumes = PendingResumes()
+        self._peers_have_workers = False
         self._routes: dict[str, _Route] = {}
         self._in_flight: dict[str, int] = {}  # worker session id -> plans sent and not yet answered
         self._no_workers_since: float | None = time.monotonic()
-        self._gateways_gone: dict[str, float] = {}  # gateway id -> monotonic time its stream closed
-        self._gateways_live: set[str] = set()
-        self._parked: dict[str, dict[str, QueueEntry]] = {}  # gateway id -> request id -> entry read before it connected
+        self._gateways = GatewayPresence(config.gateway_grace_s)
         self._early_aborts: dict[str, float] = {}  # aborted before their entry was read -> when
         self.stats = scheduler.stats()  # the latest snapshot, replaced whole by the loop (others only read it)
         self.model_name = ""  # the workers' model, from their registrations
@@ -126,7 +97,9 @@ class SchedulerLoop:
         try:
             while not stop.is_set():
                 self._abort_for_gone_gateways()
+                self._hand_off_without_workers()
                 self._fail_without_workers()
+                self._drop_unanswered_resumes()
                 self._dispatch()
                 self._handle_commands(wait_s=0.05)
                 self.stats = self.scheduler.stats()
@@ -182,34 +155,34 @@ class SchedulerLoop:
     def _handle(self, command: Command) -> None:
         if isinstance(command, StepDone):
             self._step_done(command)
-        elif isinstance(command, Registrations):
-            self._update_workers(command.live)
-        elif isinstance(command, NewEntries):
+        elif isinstance(command, ClusterView):
+            self._update_workers(command)
+        elif isinstance(command, (NewEntries, ClaimedEntries)):
             for entry in command.entries:
                 self._add(entry)
         elif isinstance(command, Abort):
             command.done.set_result(self._abort(command.request_id, command.sample_index))
+        elif isinstance(command, Resume):
+            self._resume(command)
         elif isinstance(command, GatewayGone):
             if self.streams.is_current(command.gateway_id, command.generation):  # not replaced by a newer stream
-                self._gateways_live.discard(command.gateway_id)
-                self._gateways_gone[command.gateway_id] = time.monotonic()
+                self._gateways.gone(command.gateway_id)
         else:
-            self._gateways_live.add(command.gateway_id)
-            self._gateways_gone.pop(command.gateway_id, None)
-            for entry in self._parked.pop(command.gateway_id, {}).values():
+            for entry in self._gateways.back(command.gateway_id):
                 self._add(entry)
+            queries = self._resumes.queries_for(command.gateway_id)
+            if queries.resume_queries:  # again: the gateway may have missed them while it reconnected
+                self.streams.publish(command.gateway_id, queries)
 
     def _abort_for_gone_gateways(self) -> None:
         """Aborts the requests of gateways whose stream has been closed longer than the grace period."""
         deadline = time.monotonic() - self.config.gateway_grace_s
         self._early_aborts = {r: t for r, t in self._early_aborts.items() if t >= deadline - 60}
-        for gateway_id in [g for g, since in self._gateways_gone.items() if since < deadline]:
-            del self._gateways_gone[gateway_id]
+        for gateway_id, parked in self._gateways.expired().items():
             self.streams.close(gateway_id)
-            parked = self._parked.pop(gateway_id, {})
             if parked:
                 log.info("dropping %d request(s) of gateway %s, which never connected", len(parked), gateway_id)
-            for entry in parked.values():
+            for entry in [*parked, *self._resumes.drop_gateway(gateway_id)]:
                 self.acks.put(entry.entry_id)
             for request_id in [r for r, route in self._routes.items() if route.gateway_id == gateway_id]:
                 log.info("aborting %s: its gateway %s is gone", request_id, gateway_id)
@@ -233,29 +206,97 @@ class SchedulerLoop:
             log.error("dropping stream entry %r: %s", entry.entry_id, exc)
             self.acks.put(entry.entry_id)
             return
-        if request.request_id in self._routes or self.scheduler.has_request(request.request_id):
+        if (request.request_id in self._routes or self.scheduler.has_request(request.request_id)
+                or request.request_id in self._resumes):
             return  # already in flight (read again after a reconnect)
         if self._early_aborts.pop(request.request_id, None) is not None:
             self.acks.put(entry.entry_id)  # its client gave up before we read it
             return
         gateway_id = entry.request.gateway_id
-        if gateway_id not in self._gateways_live:  # run only once its gateway listens: orphans cost nothing
-            self._gateways_gone.setdefault(gateway_id, time.monotonic())  # dropped unless it connects in time
-            self._parked.setdefault(gateway_id, {})[request.request_id] = entry
+        if not self._gateways.is_live(gateway_id):  # run only once its gateway listens: orphans cost nothing
+            self._gateways.park(entry)
             return
+        if entry.delivery is Delivery.REDELIVERED:  # its client may have tokens already: ask what it got
+            self._resumes.add(entry)
+            self.streams.publish(gateway_id, pb.TokenEventBatch(resume_queries=[request.request_id]))
+            return
+        request = self._start(entry, request)
+        self.scheduler.add_request(request)
+        self._deliver([RequestOutput(request.request_id, 0, ())])  # taken: the gateway stops watching Redis
+
+    def _start(self, entry: QueueEntry, request) -> EngineRequest:
+        """Opens the request's route and span; returns the request carrying the span's context."""
         span = self._tracer.start_span(
             "scheduler.request", context=telemetry.extract(request.trace_context),
             attributes={"request_id": request.request_id, "prompt_tokens": len(request.prompt_token_ids)},
         )
         request = replace(request, trace_context=telemetry.inject(trace.set_span_in_context(span)))
-        self._routes[request.request_id] = _Route(gateway_id, entry.entry_id, span)
-        self.scheduler.add_request(request)
+        self._routes[request.request_id] = _Route(entry.request.gateway_id, entry.entry_id, span)
         self.metrics.request_added(request.request_id)
-        self._deliver([RequestOutput(request.request_id, 0, ())])  # taken: the gateway stops watching Redis
+        return request
+
+    def _resume(self, command: Resume) -> None:
+        """Continues a taken-over request after the tokens its client received; ends it instead
+        when it moved more often than ``--migration-limit`` or the account does not fit it."""
+        message = command.message
+        entry = self._resumes.take(message.request_id, message.gateway_id)
+        if entry is None:
+            command.done.set_result(False)
+            return
+        request = self._start(entry, request_from_pb(entry.request))  # decoded once already in _add
+        if message.num_migrations > self.config.migration_limit:
+            command.done.set_result(True)
+            self._fail(request.request_id, RequestError(UNAVAILABLE, (
+                f"the request moved {message.num_migrations} times between schedulers, more than "
+                f"--migration-limit {self.config.migration_limit}; retry")))
+            return
+        try:
+            self.scheduler.resume_request(request, resumed_samples_from_pb(message))
+        except ValueError as exc:  # the gateway's account does not fit the request: it cannot go on exactly
+            command.done.set_exception(exc)
+            self._fail(request.request_id, RequestError(INVALID_ARGUMENT, f"cannot resume the request: {exc}"))
+            return
+        command.done.set_result(True)
+        self.metrics.request_migrated(len(request.prompt_token_ids) + sum(len(s.token_ids) for s in message.samples))
+        self._close_if_done(request.request_id)  # every sample had finished: nothing to run
+
+    def _fail(self, request_id: str, error: RequestError) -> None:
+        """Ends a request that is not in the engine with ``error``."""
+        self._deliver([RequestOutput(request_id, 0, (), FinishReason.ABORT, error)])
+
+    def _hand_off_without_workers(self) -> None:
+        """Gives every request to the peers when this scheduler has had no worker for
+        ``HANDOFF_AFTER_S`` while a peer has: a peer with workers claims and resumes them."""
+        since = self._no_workers_since
+        if since is None or not self._peers_have_workers or time.monotonic() - since < HANDOFF_AFTER_S:
+            return
+        entries = [route.entry_id for route in self._routes.values()]
+        entries += [e.entry_id for e in self._resumes.drop_all()]
+        entries += [e.entry_id for e in self._gateways.take_all_parked()]
+        if not entries:
+            return
+        log.warning("no worker for %g s while peers have some: handing %d request(s) to them", HANDOFF_AFTER_S,
+                    len(entries))
+        for request_id, route in list(self._routes.items()):
+            self.scheduler.abort_request(request_id)  # silently: the peer resumes it for the same client
+            route.span.end()
+            self.metrics.request_closed(request_id)
+        self._routes.clear()
+        self.acks.hand_off(entries)
+
+    def _drop_unanswered_resumes(self) -> None:
+        for entry in self._resumes.expired():
+            log.warning("dropping %s: its gateway %s did not answer the resume query", entry.request.request_id,
+                        entry.request.gateway_id)
+            self.acks.put(entry.entry_id)
 
     def _abort(self, request_id: str, sample_index: int | None = None) -> bool:
         """Aborts a request (or one sample); its gateway gets the final ABORT outputs."""
         outputs = self.scheduler.abort_request(request_id, sample_index)
+        waiting = self._resumes.drop(request_id) if sample_index is None else None
+        if waiting is not None:  # taken over, and its client is gone: nothing to resume
+            self.acks.put(waiting.entry_id)
+            return True
         if not outputs and request_id not in self._routes:
             self._early_aborts[request_id] = time.monotonic()
         self._deliver(outputs)
@@ -278,24 +319,32 @@ class SchedulerLoop:
             if output.finished:
                 route.span.add_event("sample_finished", {"finish_reason": output.finish_reason.value})
         for request_id in {o.request_id for o in outputs}:
-            if request_id in self._routes and not self.scheduler.has_request(request_id):
-                self._close(self._routes.pop(request_id))
-                self.metrics.request_closed(request_id)
+            self._close_if_done(request_id)
         for gateway_id, events in batches.items():
             self.streams.publish(gateway_id, pb.TokenEventBatch(events=events))
+
+    def _close_if_done(self, request_id: str) -> None:
+        if request_id in self._routes and not self.scheduler.has_request(request_id):
+            self._close(self._routes.pop(request_id))
+            self.metrics.request_closed(request_id)
 
     def _close(self, route: _Route) -> None:
         route.span.end()
         self.acks.put(route.entry_id)
 
     # ---- workers -------------------------------------------------------------------------
-    def _update_workers(self, live: Mapping[str, pb.WorkerRegistration]) -> None:
+    def _update_workers(self, view: ClusterView) -> None:
         now = time.monotonic()
-        self.model_name = next((r.model for r in live.values()), self.model_name)
-        self._deliver(self.membership.sync(live))
+        self.model_name = next((r.model for r in view.workers.values()), self.model_name)
+        self._peers_have_workers = view.peers_have_workers
+        self._deliver(self.membership.sync(view.workers, view.epochs))
         has_workers = bool(self.scheduler.worker_ids)
         if has_workers:
             self._no_workers_since = None
         elif self._no_workers_since is None:
             self._no_workers_since = now
+        if has_workers or not view.peers_have_workers:
+            self.accepting.set()
+        else:
+            self.accepting.clear()  # peers with workers read the new requests
         self._set_ready(has_workers)

@@ -8,7 +8,8 @@ process). Every change of membership is logged.
   sequences go back to the queue to be recomputed, and it is admitted again after a back-off
   (1 s, doubling up to 30 s while it keeps failing) if it is still registered. Its new session id
   makes it drop everything it held.
-- A worker that registers with another instance id (it restarted) is reset at once.
+- A worker that registers with another instance id (it restarted), or that this scheduler owns
+  under a new lease epoch (it was another scheduler's meanwhile), is reset at once.
 - A worker whose registration is missing longer than ``gone_after_s`` is dropped; a shorter gap
   (Redis restarted empty, the worker registers again) changes nothing.
 """
@@ -35,6 +36,7 @@ MAX_BACKOFF_S = 30.0
 class _Member:
     instance_id: str
     address: str
+    lease_epoch: int
     missing_since: float | None = None
 
 
@@ -68,8 +70,12 @@ class WorkerMembership:
     def worker_ids(self) -> list[str]:
         return list(self._members)
 
-    def sync(self, live: Mapping[str, pb.WorkerRegistration]) -> list[RequestOutput]:
+    def sync(self, live: Mapping[str, pb.WorkerRegistration], epochs: Mapping[str, int]) -> list[RequestOutput]:
         """Admits new and restarted workers, drops those whose registration stayed missing.
+
+        Args:
+            live: registrations of the live workers this scheduler owns, by worker id.
+            epochs: the lease epoch of each of them (sent in every plan: the worker's fence).
 
         Returns:
             Final outputs of requests ended because their workers kept failing (``Scheduler.remove_worker``).
@@ -83,11 +89,13 @@ class WorkerMembership:
                     outputs += self._drop(worker_id, f"its registration has been missing for {self._gone_after_s:g} s")
             elif (reg.instance_id, reg.address) != (member.instance_id, member.address):
                 outputs += self._drop(worker_id, f"it restarted (instance {reg.instance_id} at {reg.address})")
+            elif epochs[worker_id] != member.lease_epoch:
+                outputs += self._drop(worker_id, f"its lease changed hands (epoch {epochs[worker_id]})")
             else:
                 member.missing_since = None
         for worker_id, reg in live.items():
             if worker_id not in self._members and self._may_admit(worker_id, reg, now):
-                self._admit(reg)
+                self._admit(reg, epochs[worker_id])
         return outputs
 
     def step_failed(self, worker_id: str, error: str) -> list[RequestOutput]:
@@ -116,12 +124,13 @@ class WorkerMembership:
             return False
         return True
 
-    def _admit(self, reg: pb.WorkerRegistration) -> None:
-        self._executor.add_worker(reg.worker_id, reg.address)
+    def _admit(self, reg: pb.WorkerRegistration, lease_epoch: int) -> None:
+        self._executor.add_worker(reg.worker_id, reg.address, lease_epoch)
         self._scheduler.add_worker(reg.worker_id, reg.num_blocks, reg.num_cpu_blocks)
-        self._members[reg.worker_id] = _Member(reg.instance_id, reg.address)
-        log.info("worker %s (instance %s) at %s admitted with %d blocks (%d CPU blocks); %d worker(s) now",
-                 reg.worker_id, reg.instance_id, reg.address, reg.num_blocks, reg.num_cpu_blocks, len(self._members))
+        self._members[reg.worker_id] = _Member(reg.instance_id, reg.address, lease_epoch)
+        log.info("worker %s (instance %s, lease epoch %d) at %s admitted with %d blocks (%d CPU blocks); %d worker(s) "
+                 "now", reg.worker_id, reg.instance_id, lease_epoch, reg.address, reg.num_blocks, reg.num_cpu_blocks,
+                 len(self._members))
 
     def _drop(self, worker_id: str, why: str) -> list[RequestOutput]:
         del self._members[worker_id]

@@ -124,6 +124,12 @@ class SchedulerMetrics:
         self.plans_ahead = Counter("pagedserve_plans_sent_ahead", "BatchPlans sent to a worker before it answered "
                                    "the plan before (overlap scheduling, --max-plans-in-flight 2).",
                                    [MODEL_NAME, "worker"], registry=self.registry)
+        self.migrated = Counter("pagedserve_requests_resumed", "Requests this scheduler took over from another "
+                                "(or from its own backlog after a restart) and resumed after the tokens their "
+                                "clients had received.", labels, registry=self.registry)
+        self.recomputed = Counter("pagedserve_resumed_tokens", "Tokens the requests this scheduler resumed had "
+                                  "before they moved (prompt and output tokens already received), which it computes "
+                                  "again (fewer when its prefix cache holds some).", labels, registry=self.registry)
         self.stream_length = Gauge("pagedserve_redis_stream_length", "Entries in the Redis request stream: requests "
                                    "queued or in flight (an entry is deleted when its request ends).", labels,
                                    registry=self.registry)
@@ -172,6 +178,11 @@ class SchedulerMetrics:
         if first is not None and last is not None:
             self.prefill_time.labels(model).observe(first - times.scheduled)
             self.decode_time.labels(model).observe(last - first)
+
+    def request_migrated(self, num_tokens: int) -> None:
+        """Counts one resumed request that had ``num_tokens`` prompt and received output tokens."""
+        self.migrated.labels(self._model).inc()
+        self.recomputed.labels(self._model).inc(num_tokens)
 
     def request_closed(self, request_id: str) -> None:
         """Forgets a request none of whose samples is in flight any more."""

@@ -6,6 +6,8 @@ the same consumer name first re-reads what it had taken and not finished.
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -14,12 +16,35 @@ from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
 
 
+class Delivery(enum.Enum):
+    """How an entry reached this scheduler."""
+
+    FIRST = "first"  # new on the stream: nothing ran for it yet
+    REDELIVERED = "redelivered"  # read before (this scheduler's backlog after a restart, or taken over
+    # from another): its client may have received tokens already, so it is resumed, not started
+
+
 @dataclass(frozen=True)
 class QueueEntry:
     """A request read from the stream, with the stream entry id to acknowledge later."""
 
     entry_id: bytes
     request: pb.QueuedRequest
+    delivery: Delivery = Delivery.FIRST
+
+
+def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], None]) -> list[QueueEntry]:
+    """Decodes ``(entry id, fields)`` pairs; undecodable entries are acknowledged and skipped."""
+    decoded = []
+    for entry_id, fields in entries:
+        request = pb.QueuedRequest()
+        try:
+            request.ParseFromString((fields or {})[redis_keys.REQUEST_FIELD])
+        except (KeyError, ValueError):  # deleted or not ours: drop it
+            ack(entry_id)
+            continue
+        decoded.append(QueueEntry(entry_id, request, delivery))
+    return decoded
 
 
 class RequestQueueConsumer:
@@ -47,32 +72,20 @@ class RequestQueueConsumer:
         """Returns up to ``count`` entries: first this consumer's unfinished backlog, then new ones.
 
         Blocks up to ``block_ms`` milliseconds for new entries. Undecodable entries are
-        acknowledged and skipped.
+        acknowledged and skipped. Backlog entries are ``Delivery.REDELIVERED``.
         """
         if self._backlog_cursor is not None:  # pending entries come back on every read from an id: page once
             entries = self._xreadgroup(self._backlog_cursor, count, block_ms=None)
             if entries:
                 self._backlog_cursor = entries[-1][0]
-                return self._decode(entries)
+                return decode_entries(entries, Delivery.REDELIVERED, self.ack)
             self._backlog_cursor = None
-        return self._decode(self._xreadgroup(">", count, block_ms))
+        return decode_entries(self._xreadgroup(">", count, block_ms), Delivery.FIRST, self.ack)
 
     def _xreadgroup(self, start: bytes | str, count: int, block_ms: int | None) -> list:
         reply = self._client.xreadgroup(redis_keys.SCHEDULER_GROUP, self._consumer,
                                         {redis_keys.REQUEST_STREAM: start}, count=count, block=block_ms)
         return reply[0][1] if reply else []
-
-    def _decode(self, entries: list) -> list[QueueEntry]:
-        decoded = []
-        for entry_id, fields in entries:
-            request = pb.QueuedRequest()
-            try:
-                request.ParseFromString((fields or {})[redis_keys.REQUEST_FIELD])
-            except (KeyError, ValueError):  # deleted or not ours: drop it
-                self.ack(entry_id)
-                continue
-            decoded.append(QueueEntry(entry_id, request))
-        return decoded
 
     def ack(self, entry_id: bytes) -> None:
         """Marks an entry done and deletes it from the stream."""

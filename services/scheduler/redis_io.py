@@ -1,5 +1,5 @@
-"""The scheduler's Redis I/O that runs beside the loop, on threads of its own, so that the loop thread
-never waits on Redis (a Redis that hangs stalls no token)."""
+"""The scheduler loop's writes to Redis, made on a thread of their own so that the loop thread never
+waits on Redis (a Redis that hangs stalls no token)."""
 
 from __future__ import annotations
 
@@ -7,48 +7,56 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-
-from services.scheduler.worker_registry import WorkerRegistry
+from dataclasses import dataclass
 
 log = logging.getLogger("pagedserve.scheduler")
 
 
-class Acknowledger:
-    """Acknowledges finished requests' stream entries, in the order they are put.
+@dataclass(frozen=True)
+class _Ack:
+    entry_id: bytes
 
-    An entry that cannot be acknowledged (Redis down) stays pending: a restarted scheduler reads it
-    again, and the gateway, which no longer waits for it, aborts it.
+
+@dataclass(frozen=True)
+class _HandOff:
+    entry_ids: tuple[bytes, ...]
+
+
+class RedisWrites:
+    """Acknowledges finished requests' stream entries and hands requests off, in the order asked.
+
+    An entry that cannot be acknowledged (Redis down) stays pending: a restarted scheduler (or a
+    peer) takes it again and asks its gateway, which no longer waits for it, whether to resume it.
 
     Args:
         ack: acknowledges one entry (``RequestQueueConsumer.ack``); may raise Redis errors.
+        hand_off: moves entries to the hand-off consumer (``Leases.hand_off``); may raise Redis errors.
     """
 
-    def __init__(self, ack: Callable[[bytes], None]) -> None:
+    def __init__(self, ack: Callable[[bytes], None], hand_off: Callable[[list[bytes]], None]) -> None:
         self._ack = ack
-        self._entries: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._hand_off = hand_off
+        self._writes: queue.SimpleQueue[_Ack | _HandOff] = queue.SimpleQueue()
 
     def put(self, entry_id: bytes) -> None:
         """Queues an entry to acknowledge (thread-safe, never blocks)."""
-        self._entries.put(entry_id)
+        self._writes.put(_Ack(entry_id))
+
+    def hand_off(self, entry_ids: list[bytes]) -> None:
+        """Queues entries to hand to the peers (thread-safe, never blocks)."""
+        self._writes.put(_HandOff(tuple(entry_ids)))
 
     def run(self, stop: threading.Event) -> None:
-        """Acknowledges queued entries until ``stop`` is set."""
+        """Makes the queued writes until ``stop`` is set."""
         while not stop.is_set():
             try:
-                entry_id = self._entries.get(timeout=0.2)
+                write = self._writes.get(timeout=0.2)
             except queue.Empty:
                 continue
             try:
-                self._ack(entry_id)
+                if isinstance(write, _Ack):
+                    self._ack(write.entry_id)
+                else:
+                    self._hand_off(list(write.entry_ids))
             except Exception as exc:
-                log.warning("could not acknowledge %r: %s", entry_id, exc)
-
-
-def watch_registrations(registry: WorkerRegistry, publish: Callable, interval_s: float, stop: threading.Event) -> None:
-    """Reads the worker registrations every ``interval_s`` seconds and passes them to ``publish``
-    until ``stop`` is set; while Redis is down nothing is published (the workers stay as they are)."""
-    while not stop.wait(interval_s):
-        try:
-            publish(registry.live_workers())
-        except Exception as exc:
-            log.warning("cannot read worker registrations: %s", exc)
+                log.warning("Redis write failed (%s): %s", write, exc)

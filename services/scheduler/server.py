@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from concurrent import futures
 
 import grpc
@@ -17,9 +18,12 @@ from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bin
 from services.common.metrics import serve_metrics
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.redis_wait import connect_redis
+from services.scheduler.cluster import ClusterWatch
 from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.loop import NewEntries, Registrations, SchedulerLoop
-from services.scheduler.redis_io import watch_registrations
+from services.scheduler.leases import Leases
+from services.scheduler.commands import NewEntries
+from services.scheduler.loop import SchedulerLoop
+from services.scheduler.redis_io import RedisWrites
 from services.scheduler.queue_consumer import RequestQueueConsumer
 from services.scheduler.service import SchedulerServicer
 from services.scheduler.worker_registry import WorkerRegistry
@@ -34,11 +38,16 @@ STREAM_LENGTH_INTERVAL_S = 1.0
 """How often the request stream's length is read for ``pagedserve_redis_stream_length``, seconds."""
 
 
-def _read_requests(consumer: RequestQueueConsumer, loop: SchedulerLoop, stop: threading.Event) -> None:
+def _read_requests(consumer: RequestQueueConsumer, loop: SchedulerLoop, lease_held: threading.Event,
+                   stop: threading.Event) -> None:
     """Feeds stream entries to the loop until ``stop`` (and keeps the stream-length gauge current);
-    waits out Redis outages."""
+    waits out Redis outages. Reads only while this scheduler holds its lease (before that, a peer
+    may be taking its backlog over) and while the loop accepts new requests."""
     measured_at = 0.0
     while not stop.is_set():
+        if not (lease_held.is_set() and loop.accepting.is_set()):
+            stop.wait(0.1)
+            continue
         try:
             if loop.model_name and time.monotonic() - measured_at >= STREAM_LENGTH_INTERVAL_S:
                 loop.metrics.stream_length.labels(loop.model_name).set(consumer.length())
@@ -84,25 +93,29 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
     health = add_health(server)
     set_serving(health, False, SCHEDULER_SERVICE)  # until a worker is admitted
-    loop = SchedulerLoop(config, Scheduler(config.policy), consumer.ack, tracer,
+    leases = Leases(client, config.consumer_name, uuid.uuid4().hex, config.lease_ttl_s)
+    loop = SchedulerLoop(config, Scheduler(config.policy), RedisWrites(consumer.ack, leases.hand_off), tracer,
                          set_ready=lambda ready: set_serving(health, ready, SCHEDULER_SERVICE))
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     port = bind(server, config.host, config.port)
     metrics_server = serve_metrics(loop.metrics.registry, config.host, config.metrics_port, "scheduler")
     server.start()
-    registry = WorkerRegistry(client, config.cluster_token)
+    watch = ClusterWatch(client, leases, WorkerRegistry(client, config.cluster_token), config.cluster_token,
+                         f"{config.advertise_host}:{port}", config.lease_ttl_s, loop.submit, threading.Event(),
+                         consumer.ack)
     threads = [
         threading.Thread(target=loop.run, args=(stop,), name="scheduler-loop", daemon=True),
-        threading.Thread(target=_read_requests, args=(consumer, loop, stop), name="request-reader", daemon=True),
-        threading.Thread(target=watch_registrations, name="registrations", daemon=True,
-                         args=(registry, lambda live: loop.submit(Registrations(live)), config.worker_poll_interval_s,
-                               stop)),
-        threading.Thread(target=loop.acks.run, args=(stop,), name="acknowledger", daemon=True),
+        threading.Thread(target=_read_requests, args=(consumer, loop, watch.lease_held, stop), name="request-reader",
+                         daemon=True),
+        threading.Thread(target=watch.run, args=(config.worker_poll_interval_s, stop), name="cluster-watch",
+                         daemon=True),
+        threading.Thread(target=loop.acks.run, args=(stop,), name="redis-writes", daemon=True),
     ]
     for thread in threads:
         thread.start()
     set_serving(health, True)
-    log.info("scheduler listening on %s:%d (consumer %s)", config.host, port, config.consumer_name)
+    log.info("scheduler %s listening on %s:%d, reachable at %s:%d", config.consumer_name, config.host, port,
+             config.advertise_host, port)
     stop.wait()
     set_serving(health, False)
     for thread in threads:

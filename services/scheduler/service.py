@@ -11,11 +11,12 @@ import grpc
 from services.common.convert import stats_to_pb
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from services.scheduler.loop import Abort, GatewayBack, GatewayGone, SchedulerLoop
+from services.scheduler.commands import Abort, GatewayBack, GatewayGone, Resume
+from services.scheduler.loop import SchedulerLoop
 
 
 class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
-    """StreamOutputs, Abort and GetStats over a running ``SchedulerLoop``."""
+    """StreamOutputs, Abort, Resume and GetStats over a running ``SchedulerLoop``."""
 
     def __init__(self, loop: SchedulerLoop, abort_timeout_s: float = 30.0) -> None:
         self._loop = loop
@@ -45,6 +46,21 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
             return pb.AbortResponse(found=done.result(timeout=self._abort_timeout_s))
         except TimeoutError:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler did not answer in {self._abort_timeout_s:g} s; retry")
+
+    def Resume(self, request: pb.ResumeRequest, context: grpc.ServicerContext) -> pb.ResumeResponse:
+        """Continues a request this scheduler took over, after the tokens its client received.
+        An account that does not fit the request (a sample index or token count out of range) is
+        INVALID_ARGUMENT, and the request ends with that error."""
+        if not request.request_id or not request.gateway_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and gateway_id: must not be empty")
+        done: Future = Future()
+        self._loop.submit(Resume(request, done))
+        try:
+            return pb.ResumeResponse(found=done.result(timeout=self._abort_timeout_s))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler did not answer in {self._abort_timeout_s:g} s; retry")
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.SchedulerStats:
         """The loop's latest snapshot of queues and KV occupancy."""

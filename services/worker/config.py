@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +10,8 @@ from pathlib import Path
 from services.common.auth import MISSING_CLUSTER_TOKEN, add_cluster_token_arguments, cluster_token_from_args
 from services.common.metrics import add_metrics_port_argument, check_metrics_port
 from services.common.service_args import (
-    add_listen_arguments, add_model_argument, add_redis_argument, env_default, redis_url_from_args,
+    add_listen_arguments, add_model_argument, add_redis_argument, default_advertise_host, env_default,
+    redis_url_from_args,
 )
 from pagedserve.engine.config import (ATTENTION_BACKENDS, CompileMode, GemmBackend, add_compile_mode_argument,
                                       add_gemm_backend_argument, add_rank_grid_arguments)
@@ -177,16 +177,6 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         help="run on these CPU cores (e.g. 0-3) with torch's OpenMP threads bound to them; give each worker "
         "on a machine its own cores (default: no binding)",
     )
-
-
-def default_advertise_host(listen_host: str) -> str:
-    """The listen address itself, or this machine's address when listening on all interfaces."""
-    if listen_host not in ("0.0.0.0", "::", "[::]", ""):
-        return listen_host
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def worker_config_from_args(args: argparse.Namespace, model: Path) -> WorkerConfig:

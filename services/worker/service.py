@@ -96,6 +96,27 @@ class PlanOrder:
         return plan.step_id == 1
 
 
+class LeaseFence:
+    """Refuses plans sent under a lease epoch older than the newest this worker has accepted.
+
+    Each scheduler that takes this worker over gets a larger epoch (``services.scheduler.leases``)
+    and sends it in every plan, so once the new owner's first plan has arrived, a scheduler that
+    lost its lease (but does not know it yet) cannot drive the worker any more.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.newest_epoch = 0
+
+    def admit(self, lease_epoch: int) -> None:
+        """Raises :class:`PlanOutOfOrder` if ``lease_epoch`` is older than the newest accepted."""
+        with self._lock:
+            if lease_epoch < self.newest_epoch:
+                raise PlanOutOfOrder(f"lease epoch {lease_epoch} is older than {self.newest_epoch}: another "
+                                     "scheduler owns this worker now")
+            self.newest_epoch = lease_epoch
+
+
 class WorkerServicer(engine_pb2_grpc.WorkerServicer):
     """Executes the scheduler's plans one at a time in step order, always on the same thread.
 
@@ -109,10 +130,15 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         self._spans = RequestSpans(tracer)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
         self._order = PlanOrder()
+        self._fence = LeaseFence()
 
     def Execute(self, request: pb.BatchPlan, context: grpc.ServicerContext) -> pb.StepResult:
-        """Runs one plan after the plans before it; a plan that contradicts the worker's state, or
-        comes out of order, is FAILED_PRECONDITION."""
+        """Runs one plan after the plans before it; a plan that contradicts the worker's state,
+        comes out of order, or is fenced off (an older lease epoch), is FAILED_PRECONDITION."""
+        try:
+            self._fence.admit(request.lease_epoch)
+        except PlanOutOfOrder as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         plan = plan_from_pb(request)
         remaining = context.time_remaining()
         wait_s = ORDER_WAIT_S if remaining is None else min(remaining, ORDER_WAIT_S)

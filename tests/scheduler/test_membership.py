@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.messages import EngineRequest, SequenceId
 from pagedserve.engine.sampling_params import EngineSamplingParams
@@ -15,13 +17,18 @@ class Connections:
 
     def __init__(self) -> None:
         self.open: dict[str, str] = {}
+        self.epochs: dict[str, int] = {}
 
-    def add_worker(self, worker_id: str, address: str) -> None:
+    def add_worker(self, worker_id: str, address: str, lease_epoch: int) -> None:
         assert worker_id not in self.open
         self.open[worker_id] = address
+        self.epochs[worker_id] = lease_epoch
 
     def remove_worker(self, worker_id: str) -> None:
         self.open.pop(worker_id, None)
+
+
+EPOCH_1 = defaultdict(lambda: 1)  # every worker owned under lease epoch 1
 
 
 class Clock:
@@ -44,16 +51,16 @@ def make():
 
 def test_a_failed_step_resets_the_worker_and_readmits_it_after_a_backoff():
     scheduler, connections, clock, members = make()
-    members.sync({"w": reg("w")})
+    members.sync({"w": reg("w")}, EPOCH_1)
     scheduler.add_request(EngineRequest("r", (1, 2, 3), EngineSamplingParams(max_tokens=4), 0.0))
     plan = scheduler.schedule(["w"]).plans["w"]
     members.step_failed("w", "DEADLINE_EXCEEDED")
     assert scheduler.worker_ids == [] and connections.open == {}
     assert scheduler.waiting_requests() == ["r"]  # requeued, to be recomputed
-    members.sync({"w": reg("w")})
+    members.sync({"w": reg("w")}, EPOCH_1)
     assert scheduler.worker_ids == []  # still backing off
     clock.now += 1.01
-    members.sync({"w": reg("w")})
+    members.sync({"w": reg("w")}, EPOCH_1)
     assert scheduler.worker_ids == ["w"]
     again = scheduler.schedule(["w"]).plans["w"]
     assert again.session_id != plan.session_id  # the worker drops what it held
@@ -64,52 +71,52 @@ def test_backoff_doubles_while_a_worker_keeps_failing_and_resets_after_success()
     scheduler, _, clock, members = make()
     delays = []
     for _ in range(3):
-        members.sync({"w": reg("w")})
+        members.sync({"w": reg("w")}, EPOCH_1)
         start = clock.now
         members.step_failed("w", "UNAVAILABLE")
         while not scheduler.worker_ids:
             clock.now += 0.25
-            members.sync({"w": reg("w")})
+            members.sync({"w": reg("w")}, EPOCH_1)
         delays.append(clock.now - start)
     assert delays == [1.0, 2.0, 4.0]
     members.step_succeeded("w")
     start = clock.now
     members.step_failed("w", "UNAVAILABLE")
     clock.now += 1.0
-    members.sync({"w": reg("w")})
+    members.sync({"w": reg("w")}, EPOCH_1)
     assert scheduler.worker_ids == ["w"] and clock.now - start == 1.0
 
 
 def test_a_restarted_worker_is_reset_by_its_new_instance_id():
     scheduler, connections, _, members = make()
-    members.sync({"w": reg("w", "i1")})
+    members.sync({"w": reg("w", "i1")}, EPOCH_1)
     first = scheduler.schedule(["w"])  # nothing to do: no plan
     assert first.plans == {}
     session = scheduler.block_manager("w")
-    members.sync({"w": reg("w", "i2")})
+    members.sync({"w": reg("w", "i2")}, EPOCH_1)
     assert scheduler.worker_ids == ["w"] and scheduler.block_manager("w") is not session
     assert connections.open == {"w": "w:1"}
 
 
 def test_a_short_registration_gap_changes_nothing_a_long_one_drops_the_worker():
     scheduler, _, clock, members = make()
-    members.sync({"w": reg("w"), "v": reg("v")})
+    members.sync({"w": reg("w"), "v": reg("v")}, EPOCH_1)
     manager = scheduler.block_manager("w")
-    members.sync({"v": reg("v")})  # Redis restarted empty: w registers again within a second
+    members.sync({"v": reg("v")}, EPOCH_1)  # Redis restarted empty: w registers again within a second
     clock.now += 1.0
-    members.sync({"w": reg("w"), "v": reg("v")})
+    members.sync({"w": reg("w"), "v": reg("v")}, EPOCH_1)
     assert sorted(scheduler.worker_ids) == ["v", "w"] and scheduler.block_manager("w") is manager
-    members.sync({"v": reg("v")})
+    members.sync({"v": reg("v")}, EPOCH_1)
     clock.now += 5.5
-    members.sync({"v": reg("v")})
+    members.sync({"v": reg("v")}, EPOCH_1)
     assert scheduler.worker_ids == ["v"]
 
 
 def test_a_worker_with_another_block_size_is_not_admitted():
     scheduler, connections, _, members = make()
-    members.sync({"w": reg("w", block_size=32)})
+    members.sync({"w": reg("w", block_size=32)}, EPOCH_1)
     assert scheduler.worker_ids == [] and connections.open == {}
-    members.sync({"w": reg("w", "i2", block_size=16)})  # restarted with the right size
+    members.sync({"w": reg("w", "i2", block_size=16)}, EPOCH_1)  # restarted with the right size
     assert scheduler.worker_ids == ["w"]
 
 
@@ -119,7 +126,7 @@ def test_a_request_that_loses_three_workers_ends_with_unavailable():
     scheduler.add_request(EngineRequest("poison", (1, 2, 3), EngineSamplingParams(max_tokens=4), 0.0))
     outputs = []
     for _ in range(3):
-        members.sync({"w": reg("w")})
+        members.sync({"w": reg("w")}, EPOCH_1)
         assert scheduler.schedule(["w"]).plans["w"].new_requests[0].request_id == "poison"
         outputs = members.step_failed("w", "UNAVAILABLE")
         clock.now += 60
@@ -127,3 +134,16 @@ def test_a_request_that_loses_three_workers_ends_with_unavailable():
     assert final.request_id == "poison" and final.finish_reason.value == "abort"
     assert final.error.grpc_code == 14 and "3 times" in final.error.message
     assert not scheduler.has_unfinished_requests()
+
+
+def test_a_worker_owned_under_a_new_lease_epoch_is_reset_and_its_plans_carry_the_epoch():
+    scheduler, connections, clock, members = make()
+    members.sync({"w": reg("w")}, {"w": 7})
+    assert connections.epochs == {"w": 7}
+    scheduler.add_request(EngineRequest("r", (1, 2, 3), EngineSamplingParams(max_tokens=4), 0.0))
+    first = scheduler.schedule(["w"]).plans["w"]
+    members.sync({"w": reg("w")}, {"w": 9})  # another scheduler owned it meanwhile: dropped, admitted anew
+    assert scheduler.worker_ids == ["w"] and scheduler.waiting_requests() == ["r"]
+    assert connections.epochs == {"w": 9}
+    again = scheduler.schedule(["w"]).plans["w"]
+    assert again.session_id != first.session_id and again.new_requests[0].num_computed_tokens == 0

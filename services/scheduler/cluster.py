@@ -1,0 +1,219 @@
+"""The scheduler's view of the cluster, kept on a thread of its own: its lease and registration,
+which workers it owns, and the requests it takes over from schedulers that died or gave them up.
+
+Every ``interval_s`` the watcher:
+
+1. renews this scheduler's lease (takes it again if it was lost) and publishes its registration
+   (address, KV blocks owned) for gateways and peers;
+2. renews the leases of the workers it owns and takes unowned workers: each unowned worker goes to
+   the live scheduler with the fewest blocks (every scheduler computes the same assignment from
+   the same registrations); one unowned for longer than twice the TTL goes to whoever sees it;
+3. claims the pending requests of consumers whose lease is gone and of the hand-off consumer
+   (only while it owns a worker: a scheduler without workers cannot run them);
+4. hands the loop the registrations of its workers, with their lease epochs, and the claimed
+   entries (to be resumed from the tokens their clients already received).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import redis
+
+from services.common import redis_keys
+from services.common.auth import sign_registration
+from services.common.pb import engine_pb2 as pb
+from services.common.scheduler_directory import live_only, verified_registrations
+from services.scheduler.leases import Leases
+from services.scheduler.queue_consumer import Delivery, QueueEntry, decode_entries
+from services.scheduler.worker_registry import WorkerRegistry
+
+log = logging.getLogger("pagedserve.scheduler")
+
+CLAIM_BATCH = 256
+"""Most entries claimed from one consumer per call."""
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the loop needs to know of the cluster, as just read from Redis.
+
+    Attributes:
+        workers: registrations of the workers this scheduler owns, by worker id.
+        epochs: each owned worker's lease epoch (sent in every plan to it).
+        peers_have_workers: another live scheduler owns at least one worker (requests this one
+            cannot run may be handed off).
+    """
+
+    workers: Mapping[str, pb.WorkerRegistration]
+    epochs: Mapping[str, int]
+    peers_have_workers: bool
+
+
+@dataclass(frozen=True)
+class ClaimedEntries:
+    """Requests taken over from another consumer of the group."""
+
+    entries: tuple[QueueEntry, ...]
+
+
+class ClusterWatch:
+    """Runs the steps above until stopped.
+
+    Args:
+        client: a Redis client (bytes responses).
+        leases: this scheduler's lease operations.
+        registry: reads the workers' registrations.
+        cluster_token: signs this scheduler's registration.
+        address: host:port where gateways reach this scheduler.
+        ttl_s: lease time to live, seconds.
+        publish: hands a ``ClusterView`` or ``ClaimedEntries`` to the loop.
+        lease_held: set while this scheduler holds its lease (the request reader waits for it).
+        ack: acknowledges an entry (claimed entries that cannot be decoded are dropped with it).
+    """
+
+    def __init__(self, client: redis.Redis, leases: Leases, registry: WorkerRegistry, cluster_token: str,
+                 address: str, ttl_s: float, publish: Callable[[ClusterView | ClaimedEntries], None],
+                 lease_held: threading.Event, ack: Callable[[bytes], None]) -> None:
+        self._client = client
+        self._leases = leases
+        self._registry = registry
+        self._token = cluster_token
+        self._address = address
+        self._ttl_s = ttl_s
+        self._publish = publish
+        self.lease_held = lease_held
+        self._ack = ack
+        self._owned: dict[str, int] = {}  # worker id -> epoch
+        self._unowned_since: dict[str, float] = {}
+        self._waiting_logged = False
+        self._settled = False
+
+    def run(self, interval_s: float, stop: threading.Event) -> None:
+        """Ticks every ``interval_s`` seconds until ``stop``; gives the leases up when stopping."""
+        while not stop.is_set():
+            try:
+                self.tick()
+            except redis.RedisError as exc:
+                log.warning("cluster state not updated (Redis: %s)", exc)
+            stop.wait(interval_s)
+        self._release_all()
+
+    def tick(self) -> None:
+        """One round of the steps in the module docstring. The first round after taking the lease
+        only registers, so that schedulers started together see each other before sharing workers."""
+        if not self._hold_own_lease():
+            return
+        workers = self._registry.live_workers()
+        self._register(sum(workers[w].num_blocks for w in self._owned if w in workers))
+        schedulers = self._live_schedulers()
+        owners = self._keep_and_take_workers(workers, schedulers) if self._settled else {}
+        self._settled = True
+        peers = any(owner in schedulers and owner != self._leases.scheduler_id for owner in owners.values())
+        self._publish(ClusterView({w: workers[w] for w in self._owned}, dict(self._owned), peers))
+        if self._owned:
+            self._claim_orphans(schedulers)
+
+    def _hold_own_lease(self) -> bool:
+        if self.lease_held.is_set() and self._leases.renew_own():
+            return True
+        if self.lease_held.is_set():
+            log.warning("this scheduler's lease had expired (Redis restarted, or it was cut off); taking it again")
+            self.lease_held.clear()
+        if not self._leases.take_own():
+            if not self._waiting_logged:
+                log.error("another live scheduler uses the id %r; waiting for its lease to expire (give each "
+                          "scheduler its own --consumer-name)", self._leases.scheduler_id)
+                self._waiting_logged = True
+            return False
+        self.lease_held.set()
+        return True
+
+    def _live_schedulers(self) -> dict[str, pb.SchedulerRegistration]:
+        registrations = verified_registrations(self._client.hgetall(redis_keys.SCHEDULERS_HASH), self._token)
+        leases = self._client.mget([redis_keys.scheduler_lease_key(s) for s in registrations]) if registrations else []
+        return live_only(registrations, leases)
+
+    def _register(self, num_blocks: int) -> None:
+        reg = pb.SchedulerRegistration(scheduler_id=self._leases.scheduler_id, address=self._address,
+                                       instance_id=self._leases.instance_id, num_blocks=num_blocks)
+        sign_registration(reg, self._token)
+        self._client.hset(redis_keys.SCHEDULERS_HASH, reg.scheduler_id, reg.SerializeToString())
+
+    def _keep_and_take_workers(self, workers: Mapping[str, pb.WorkerRegistration],
+                               schedulers: Mapping[str, pb.SchedulerRegistration]) -> dict[str, str | None]:
+        """Renews this scheduler's worker leases and takes its share of the unowned workers.
+        Returns each live worker's owner as read before taking (``None``: unowned)."""
+        for worker_id in list(self._owned):
+            epoch = self._leases.renew_worker(worker_id) if worker_id in workers else 0
+            if epoch:
+                self._owned[worker_id] = epoch
+                continue
+            del self._owned[worker_id]
+            if worker_id in workers:
+                log.warning("lost the lease on worker %s (another scheduler owns it now)", worker_id)
+            else:
+                self._leases.release_worker(worker_id)
+        ids = sorted(workers)
+        owners = dict(zip(ids, self._leases.owners(ids)))
+        now = time.monotonic()
+        self._unowned_since = {w: self._unowned_since.get(w, now) for w, owner in owners.items() if owner is None}
+        for worker_id in self._mine(owners, workers, schedulers):
+            epoch = self._leases.acquire_worker(worker_id)
+            if epoch:
+                self._owned[worker_id] = epoch
+                self._unowned_since.pop(worker_id, None)
+                log.info("took worker %s (lease epoch %d)", worker_id, epoch)
+        return owners
+
+    def _mine(self, owners: Mapping[str, str | None], workers: Mapping[str, pb.WorkerRegistration],
+              schedulers: Mapping[str, pb.SchedulerRegistration]) -> list[str]:
+        """The unowned workers this scheduler should take: greedily, in id order, each to the live
+        scheduler owning the fewest blocks (ties by id); and any left unowned longer than twice the TTL."""
+        loads = dict.fromkeys([*schedulers, self._leases.scheduler_id], 0)
+        for worker_id, owner in owners.items():
+            if owner in loads:
+                loads[owner] += workers[worker_id].num_blocks
+        stale_before = time.monotonic() - 2 * self._ttl_s
+        mine = []
+        for worker_id in self._unowned_since:
+            target = min(loads, key=lambda sid: (loads[sid], sid))
+            loads[target] += workers[worker_id].num_blocks
+            if target == self._leases.scheduler_id or self._unowned_since[worker_id] < stale_before:
+                mine.append(worker_id)
+        return mine
+
+    def _claim_orphans(self, schedulers: Mapping[str, pb.SchedulerRegistration]) -> None:
+        """Claims the pending entries of consumers without a lease (dead schedulers, the hand-off
+        consumer); forgets dead consumers with nothing pending."""
+        consumers = self._client.xinfo_consumers(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)
+        for consumer in consumers:
+            name = consumer["name"].decode()
+            if name == self._leases.scheduler_id or name in schedulers:
+                continue
+            lease_key = redis_keys.scheduler_lease_key(name)
+            claimed = self._leases.claim_pending(name, lease_key, CLAIM_BATCH) if consumer["pending"] else []
+            if claimed:
+                log.warning("took over %d request(s) of %s, which %s", len(claimed), name,
+                            "was handed off" if name == redis_keys.HANDOFF_CONSUMER else "is gone")
+                self._publish(ClaimedEntries(tuple(decode_entries(claimed, Delivery.REDELIVERED, self._ack))))
+            elif not consumer["pending"] and name != redis_keys.HANDOFF_CONSUMER and not self._client.exists(lease_key):
+                self._client.xgroup_delconsumer(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, name)
+                self._client.hdel(redis_keys.SCHEDULERS_HASH, name)
+
+    def _release_all(self) -> None:
+        """A clean stop: gives up the workers and the lease so that peers take over at once."""
+        try:
+            for worker_id in self._owned:
+                self._leases.release_worker(worker_id)
+            if self.lease_held.is_set():
+                self._leases.release_own()
+                self._client.hdel(redis_keys.SCHEDULERS_HASH, self._leases.scheduler_id)
+        except redis.RedisError as exc:
+            log.warning("could not give the leases up (they expire on their own): %s", exc)
+        self._owned.clear()
+        self.lease_held.clear()

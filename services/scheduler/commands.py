@@ -1,0 +1,52 @@
+"""The commands other threads hand the scheduler loop (``SchedulerLoop.submit``)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from services.common.pb import engine_pb2 as pb
+from services.scheduler.cluster import ClaimedEntries, ClusterView
+from services.scheduler.grpc_executor import StepDone
+from services.scheduler.queue_consumer import QueueEntry
+
+
+@dataclass(frozen=True)
+class NewEntries:
+    entries: tuple[QueueEntry, ...]
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort a request, or only one of its samples when ``sample_index`` is set."""
+
+    request_id: str
+    sample_index: int | None
+    done: Future
+
+
+@dataclass(frozen=True)
+class GatewayGone:
+    """A gateway's output stream (subscription ``generation``) closed; unless a newer one is open,
+    its requests are aborted unless it returns in time."""
+
+    gateway_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class GatewayBack:
+    gateway_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class Resume:
+    """A gateway's answer to a resume query; ``done`` gets whether the request was waiting for it,
+    or the ``ValueError`` that makes the answer invalid."""
+
+    message: pb.ResumeRequest
+    done: Future
+
+
+Command = NewEntries | ClaimedEntries | Abort | GatewayGone | GatewayBack | StepDone | ClusterView | Resume

@@ -1,0 +1,159 @@
+"""Leases in Redis that keep several schedulers apart.
+
+- A scheduler is alive while its lease key (``redis_keys.scheduler_lease_key``, value: its instance
+  id) exists; it renews the key every tick and takes it again when it finds it gone (Redis
+  restarted, or it was cut off longer than the TTL). Requests a survivor took over meanwhile are
+  fenced by the gateways, which accept a request's tokens only from the scheduler they resumed it
+  with, and abort it on the other.
+- A worker is driven by the one scheduler whose id its owner key holds (a lease with the same
+  TTL). Each new owner gets a larger epoch (Redis's clock in microseconds, and above the last
+  epoch: it still grows after Redis restarts empty); the epoch travels in every plan
+  (``BatchPlan.lease_epoch``) and the worker refuses plans of an epoch older than one it has run,
+  so a scheduler that lost its lease cannot drive the worker any more (a fencing token, as in
+  Kleppmann's "How to do distributed locking", 2016).
+- The pending requests of a dead scheduler (its consumer in the group, with no lease) are claimed
+  by a live one, atomically with the check that the lease is gone, so a scheduler restarting under
+  the same name and a survivor never both take one entry.
+
+All check-and-set steps are Lua scripts: Redis runs each one atomically.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from services.common import redis_keys
+
+_ACQUIRE_WORKER = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return 0
+end
+local now = redis.call('TIME')
+local epoch = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local previous = tonumber(redis.call('GET', KEYS[2]) or '0')
+if epoch <= previous then
+  epoch = previous + 1
+end
+redis.call('SET', KEYS[2], epoch)
+return epoch
+"""
+
+_RENEW_WORKER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return tonumber(redis.call('GET', KEYS[2]) or '0')
+end
+return 0
+"""
+
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+_RENEW_SCHEDULER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_CLAIM_PENDING = """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {}
+end
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[2])
+if #pending == 0 then
+  return {}
+end
+local ids = {}
+for i, entry in ipairs(pending) do
+  ids[i] = entry[1]
+end
+return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
+"""
+
+
+class Leases:
+    """The lease operations of one scheduler.
+
+    Args:
+        client: a Redis client (bytes responses).
+        scheduler_id: this scheduler's id (its consumer name).
+        instance_id: new at each start (and after a lost lease).
+        ttl_s: lease time to live, seconds; renew well within it.
+    """
+
+    def __init__(self, client: redis.Redis, scheduler_id: str, instance_id: str, ttl_s: float) -> None:
+        self._client = client
+        self.scheduler_id = scheduler_id
+        self.instance_id = instance_id
+        self._ttl_ms = int(ttl_s * 1000)
+        self._acquire_worker = client.register_script(_ACQUIRE_WORKER)
+        self._renew_worker = client.register_script(_RENEW_WORKER)
+        self._release = client.register_script(_RELEASE)
+        self._renew_scheduler = client.register_script(_RENEW_SCHEDULER)
+        self._claim = client.register_script(_CLAIM_PENDING)
+
+    # ---- this scheduler ---------------------------------------------------------------
+    def take_own(self) -> bool:
+        """Takes this scheduler's lease; False while another live process holds the same id."""
+        key = redis_keys.scheduler_lease_key(self.scheduler_id)
+        return bool(self._client.set(key, self.instance_id, nx=True, px=self._ttl_ms))
+
+    def renew_own(self) -> bool:
+        """Extends this scheduler's lease; False when it was lost (expired, or taken by another)."""
+        key = redis_keys.scheduler_lease_key(self.scheduler_id)
+        return bool(self._renew_scheduler(keys=[key], args=[self.instance_id, self._ttl_ms]))
+
+    def release_own(self) -> None:
+        """Gives up this scheduler's lease now (a clean stop: peers take over at once)."""
+        self._release(keys=[redis_keys.scheduler_lease_key(self.scheduler_id)], args=[self.instance_id])
+
+    # ---- workers ----------------------------------------------------------------------
+    def acquire_worker(self, worker_id: str) -> int:
+        """Takes an unowned worker. Returns its new epoch (> 0), or 0 when it has an owner."""
+        keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id)]
+        return int(self._acquire_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms]))
+
+    def renew_worker(self, worker_id: str) -> int:
+        """Extends the lease on a worker this scheduler owns. Returns its epoch, or 0 when the
+        lease is not ours any more."""
+        keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id)]
+        return int(self._renew_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms]))
+
+    def release_worker(self, worker_id: str) -> None:
+        """Gives a worker up (if still ours) so that another scheduler may take it at once."""
+        self._release(keys=[redis_keys.worker_owner_key(worker_id)], args=[self.scheduler_id])
+
+    def owners(self, worker_ids: list[str]) -> list[str | None]:
+        """The owner of each worker, in order (``None``: unowned)."""
+        if not worker_ids:
+            return []
+        values = self._client.mget([redis_keys.worker_owner_key(w) for w in worker_ids])
+        return [v.decode() if v is not None else None for v in values]
+
+    # ---- requests ---------------------------------------------------------------------
+    def claim_pending(self, consumer: str, lease_key: str, count: int) -> list:
+        """Moves up to ``count`` pending entries of ``consumer`` to this scheduler, unless
+        ``lease_key`` exists (its owner is alive). Returns them as ``XCLAIM`` does: a list of
+        ``(entry id, fields)``; entries deleted from the stream meanwhile are dropped by Redis."""
+        keys = [redis_keys.REQUEST_STREAM, lease_key]
+        reply = self._claim(keys=keys, args=[redis_keys.SCHEDULER_GROUP, consumer, self.scheduler_id, count])
+        return [(entry[0], _fields(entry[1])) for entry in reply if entry]
+
+    def hand_off(self, entry_ids: list[bytes]) -> None:
+        """Moves this scheduler's pending entries to the hand-off consumer, for a scheduler with
+        workers to claim."""
+        if entry_ids:
+            self._client.xclaim(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, redis_keys.HANDOFF_CONSUMER,
+                                0, entry_ids, justid=True)
+
+
+def _fields(raw) -> dict[bytes, bytes]:
+    """XCLAIM's field list ``[k1, v1, k2, v2, ...]`` as a dict."""
+    if isinstance(raw, dict):
+        return raw
+    return dict(zip(raw[::2], raw[1::2]))

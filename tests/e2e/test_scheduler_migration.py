@@ -1,0 +1,168 @@
+"""Several schedulers (issue #13), real processes: two schedulers, two workers, one gateway.
+
+- kill -9 one scheduler while 32 greedy streams decode: the survivor adopts its worker (lease
+  expiry), claims its pending requests and resumes each after the tokens its client already
+  received; every stream completes token-identical to the in-process engine (no token lost or
+  repeated), within ``STREAM_BOUND_S``; the survivor ends with every block free and both workers.
+- kill -9 the only worker of one scheduler: that scheduler hands its requests to the peer, which
+  resumes them; every stream completes token-identical.
+
+The figures (time to resume, requests moved, tokens computed again) are printed with ``-s`` and
+quoted in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from pagedserve.launcher import free_port
+from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, pagedserve, scheduler_stats, start_redis, stop_all,
+                                 wait_until)
+from tests.e2e.test_chaos import Call, finish_streams, kill, redis_clean
+from tests.e2e.test_stack import QUESTIONS, chat_request
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+NUM_STREAMS = 32
+MAX_TOKENS = [24 + (i % 8) * 2 for i in range(NUM_STREAMS)]  # 24..38, exact lengths (ignore_eos)
+LEASE_TTL_S = 2.0
+ADOPTION_BOUND_S = LEASE_TTL_S + 3.0
+"""A dead scheduler's worker is owned by the survivor within this long (TTL + two ticks + slack)."""
+RESULTS: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary():
+    yield
+    print("\n==== scheduler migration summary")
+    for case, figures in RESULTS.items():
+        print(f"{case}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
+
+
+@pytest.fixture(scope="module")
+def reference(default_llm):
+    """Token ids of an undisturbed greedy run of each stream, from the in-process engine."""
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.text.tokenizer import ChatTurn
+
+    longest = max(MAX_TOKENS)
+    outputs = default_llm.chat([[ChatTurn("user", q)] for q in QUESTIONS],
+                               SamplingParams(max_tokens=longest, temperature=0.0, ignore_eos=True))
+    return [list(outputs[i % len(QUESTIONS)].token_ids[:m]) for i, m in enumerate(MAX_TOKENS)]
+
+
+@contextlib.contextmanager
+def two_schedulers(tmp_path, model):
+    """redis-server, schedulers s0 and s1, workers w0 and w1 (one core each), a gateway; waits until
+    each scheduler owns one worker. Yields (stack, scheduler addresses, metrics addresses)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN}
+    redis_proc, redis_url = start_redis(tmp_path)
+    processes = {"redis": redis_proc}
+    schedulers = {f"s{i}": f"127.0.0.1:{free_port()}" for i in range(2)}
+    metrics = {name: f"127.0.0.1:{free_port()}" for name in ("s0", "s1", "w0", "w1")}
+    common = ["--redis-url", redis_url]
+    try:
+        for name, address in schedulers.items():
+            processes[name] = pagedserve(name, ["scheduler", *common, "--host", "127.0.0.1", "--port",
+                                                address.rsplit(":", 1)[1], "--consumer-name", name, "--lease-ttl",
+                                                str(LEASE_TTL_S), "--metrics-port", metrics[name].rsplit(":", 1)[1]],
+                                         tmp_path, env)
+        for i in range(2):
+            processes[f"w{i}"] = pagedserve(f"w{i}", [
+                "worker", *common, "--model", str(model), "--host", "127.0.0.1", "--port", "0", "--kv-cache-memory",
+                "64MiB", "--num-threads", "1", "--worker-id", f"w{i}", "--cpu-affinity", str(i % (os.cpu_count() or 1)),
+                "--metrics-port", metrics[f"w{i}"].rsplit(":", 1)[1]], tmp_path, env)
+        gateway = f"127.0.0.1:{free_port()}"
+        processes["gateway"] = pagedserve("gateway", ["gateway", *common, "--model", str(model), "--host", "127.0.0.1",
+                                                      "--port", gateway.rsplit(":", 1)[1], "--http-port", "0"],
+                                          tmp_path, env)
+        procs = list(processes.values())
+        for address in schedulers.values():
+            wait_until(lambda a=address: healthy(a) and len(scheduler_stats(a).workers) == 1,
+                       "each scheduler owning one worker", 300, procs)
+        wait_until(lambda: healthy(gateway), "gateway", 120, procs)
+        stack = Stack(redis_url, gateway, schedulers["s0"], processes, env, metrics=metrics)
+        yield stack, schedulers
+    except BaseException:
+        print("\n".join(f"==== {n}\n{p.log_text()[-3000:]}" for n, p in processes.items()))
+        raise
+    finally:
+        stop_all(processes)
+
+
+def metric(address: str, name: str) -> float:
+    """Sum of a Prometheus series' samples at ``http://address/metrics`` (0 if absent)."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def start_calls(target: str) -> list[Call]:
+    calls = [Call(i, chat_request(QUESTIONS[i % len(QUESTIONS)], max_tokens=m, ignore_eos=True))
+             for i, m in enumerate(MAX_TOKENS)]
+    for call in calls:
+        call.thread = threading.Thread(target=call.run, args=(target,), daemon=True)
+        call.thread.start()
+    for call in calls:
+        assert call.decoding.wait(180), f"stream {call.index} produced no tokens"
+    assert all(c.ended_at is None for c in calls), "a stream ended before the fault"
+    return calls
+
+
+def settled(address: str, num_workers: int) -> bool:
+    stats = scheduler_stats(address)
+    return (len(stats.workers) == num_workers and stats.num_running == 0 and stats.num_waiting == 0
+            and all(w.num_free_blocks == w.num_blocks for w in stats.workers))
+
+
+def steps(stack: Stack, worker: str) -> float:
+    return metric(stack.metrics[worker], "pagedserve_worker_step_seconds_count")
+
+
+def test_kill_one_of_two_schedulers_mid_generation(tmp_path, default_model, reference):
+    """kill -9 s0 while 32 streams decode. Expected: s1 adopts w0 within ``ADOPTION_BOUND_S``,
+    resumes s0's requests; all 32 streams complete token-identical; s1 ends with both workers,
+    nothing running, every block free, Redis clean; both workers serve new requests under s1."""
+    with two_schedulers(tmp_path, default_model) as (stack, schedulers):
+        calls = start_calls(stack.gateway)
+        fault_at = time.monotonic()
+        kill(stack, "s0")
+        wait_until(lambda: len(scheduler_stats(schedulers["s1"]).workers) == 2, "s1 adopting w0", ADOPTION_BOUND_S)
+        adopted_after = round(time.monotonic() - fault_at, 2)
+        figures = finish_streams(calls, reference, fault_at, allowed=set())
+        assert figures["completed_identical"] == NUM_STREAMS, figures
+        resumed = metric(stack.metrics["s1"], "pagedserve_requests_resumed_total")
+        assert resumed >= 1, "no request moved: s0 ran none of the streams"
+        wait_until(lambda: settled(schedulers["s1"], 2), "s1 idle with both workers, every block free", 30)
+        wait_until(lambda: redis_clean(stack), "no request entry left in Redis", 10)
+        before = {w: steps(stack, w) for w in ("w0", "w1")}
+        start_calls(stack.gateway)  # new requests: both workers run them under s1
+        wait_until(lambda: settled(schedulers["s1"], 2), "the new requests done", 120)
+        assert all(steps(stack, w) > before[w] for w in before), "a worker adopted by s1 served nothing"
+        RESULTS["kill -9 one of two schedulers, 32 streams"] = {
+            **figures, "worker_adopted_after_s": adopted_after, "requests_resumed": int(resumed),
+            "tokens_computed_again": int(metric(stack.metrics["s1"], "pagedserve_resumed_tokens_total"))}
+
+
+def test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer(tmp_path, default_model, reference):
+    """kill -9 w0 while 32 streams decode. Expected: the scheduler that owned it has no worker
+    left, hands its requests off (after 2 s), the peer resumes them: all 32 complete token-identical."""
+    with two_schedulers(tmp_path, default_model) as (stack, schedulers):
+        owner = next(s for s, a in schedulers.items() if [w.worker_id for w in scheduler_stats(a).workers] == ["w0"])
+        peer = next(s for s in schedulers if s != owner)
+        calls = start_calls(stack.gateway)
+        fault_at = time.monotonic()
+        kill(stack, "w0")
+        figures = finish_streams(calls, reference, fault_at, allowed=set())
+        assert figures["completed_identical"] == NUM_STREAMS, figures
+        resumed = metric(stack.metrics[peer], "pagedserve_requests_resumed_total")
+        assert resumed >= 1, "no request was handed off"
+        wait_until(lambda: settled(schedulers[peer], 1), "the peer idle, every block free", 30)
+        wait_until(lambda: redis_clean(stack), "no request entry left in Redis", 10)
+        RESULTS["kill -9 the only worker of one scheduler, 32 streams"] = {**figures, "requests_resumed": int(resumed)}
