@@ -154,8 +154,7 @@ class Stack:
             )
         self._service(
             "gateway", "gateway", "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
-            "--http-port", str(cfg.http_port), "--scheduler", f"127.0.0.1:{cfg.scheduler_port}",
-            *self._metrics_flag("gateway"),
+            "--http-port", str(cfg.http_port), *self._metrics_flag("gateway"),
         )
         self._wait_ready()
 

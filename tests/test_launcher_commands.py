@@ -21,6 +21,7 @@ def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monke
     stack.start()
     parsed = [build_parser().parse_args(args) for args in commands]  # exits (fails) on an unknown flag
     assert [p.command for p in parsed] == ["scheduler", "worker", "worker", "gateway"]
-    scheduler, worker = parsed[0], parsed[1]
+    scheduler, worker, gateway = parsed[0], parsed[1], parsed[3]
+    assert "scheduler" not in vars(gateway)  # the gateway finds the scheduler in Redis
     assert (scheduler.max_plans_in_flight, scheduler.placement, scheduler.max_num_batched_tokens) == (1, "least-loaded", 128)
     assert (worker.tensor_parallel_size, worker.pipeline_parallel_size, worker.virtual_engines) == (2, 2, 1)

@@ -69,7 +69,7 @@ class RequestTextState:
         self._min_tokens = params.min_tokens
         self._stops = StopStringMatcher(stops if stops is not None else StopStrings(params.stop), params.include_stop_str_in_output)
         self._num_prompt_tokens = len(prompt_token_ids)
-        self._num_output_tokens = 0
+        self._output_token_ids: list[int] = []  # every output id received, in order (held-back text's too)
         self._finish_reason: FinishReason | None = None
 
     @property
@@ -80,7 +80,14 @@ class RequestTextState:
     @property
     def num_output_tokens(self) -> int:
         """Output tokens received so far (the usage's completion tokens)."""
-        return self._num_output_tokens
+        return len(self._output_token_ids)
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """The output token ids received so far, in order: those whose text is still held back for
+        stop-string matching included, those ignored after the sample finished excluded (what a
+        scheduler resuming the request must continue from)."""
+        return tuple(self._output_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -105,34 +112,34 @@ class RequestTextState:
                 Ids the state has already received (a repeated output) are skipped.
         """
         if self.finished:
-            return TextDelta("", (), None, False, self._num_output_tokens)
+            return TextDelta("", (), None, False, self.num_output_tokens)
         already = self._num_already_received(output)
         new_ids, logprobs = tuple(output.new_token_ids[already:]), tuple(output.logprobs[already:])
         prompt = None if output.prompt_logprobs is None else (None, *output.prompt_logprobs)
-        self._num_output_tokens += len(new_ids)
+        self._output_token_ids.extend(new_ids)
         text = self._detokenizer.add(new_ids)
         if output.finished:
             text += self._detokenizer.finish()
-        check = self._stops.feed(text) if self._num_output_tokens >= self._min_tokens else StopCheck(text)
+        check = self._stops.feed(text) if self.num_output_tokens >= self._min_tokens else StopCheck(text)
         if check.stopped:
             self._finish_reason = FinishReason.STOP
-            return TextDelta(check.text, new_ids, FinishReason.STOP, not output.finished, self._num_output_tokens,
+            return TextDelta(check.text, new_ids, FinishReason.STOP, not output.finished, self.num_output_tokens,
                              logprobs, prompt, check.stop)
         text = check.text
         if output.finished:
             text += self._stops.flush()
             self._finish_reason = output.finish_reason
-        return TextDelta(text, new_ids, output.finish_reason, False, self._num_output_tokens, logprobs, prompt,
+        return TextDelta(text, new_ids, output.finish_reason, False, self.num_output_tokens, logprobs, prompt,
                          output.stop_token_id)
 
     def _num_already_received(self, output: RequestOutput) -> int:
         """How many leading ids of ``output`` were received before (0 for a new output)."""
         if not output.new_token_ids:
             return 0
-        already = self._num_output_tokens - output.first_output_index
+        already = self.num_output_tokens - output.first_output_index
         if already < 0:
             raise ValueError(
                 f"request {output.request_id}: output starts at token {output.first_output_index} "
-                f"but only {self._num_output_tokens} tokens were received"
+                f"but only {self.num_output_tokens} tokens were received"
             )
         return already

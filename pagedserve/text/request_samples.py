@@ -30,6 +30,21 @@ class ParsedRequest:
     cache_salt: str = ""
 
 
+@dataclass(frozen=True)
+class ReceivedSample:
+    """What the gateway received of one sample (the answer to a scheduler resuming the request).
+
+    Attributes:
+        sample_index: which of the request's samples, in ``[0, n)``.
+        token_ids: its output token ids received so far, in order.
+        finished: the sample ended (engine finish or stop string): it must not run again.
+    """
+
+    sample_index: int
+    token_ids: tuple[int, ...]
+    finished: bool
+
+
 class RequestSamples:
     """Routes a request's engine outputs to the text state of their sample.
 
@@ -58,6 +73,12 @@ class RequestSamples:
     def num_output_tokens(self) -> int:
         """Output tokens over all samples (the usage's completion tokens)."""
         return sum(sample.num_output_tokens for sample in self.samples)
+
+    def received(self) -> list[ReceivedSample]:
+        """Per sample that received a token or finished, in sample order: its received output ids
+        and whether it finished (samples not listed have received nothing)."""
+        return [ReceivedSample(index, sample.output_token_ids, sample.finished)
+                for index, sample in enumerate(self.samples) if sample.num_output_tokens or sample.finished]
 
     def process(self, output: RequestOutput) -> TextDelta:
         """The text delta of ``output``'s sample (see ``RequestTextState.process``).

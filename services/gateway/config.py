@@ -26,14 +26,15 @@ class GatewayConfig:
 
     Attributes:
         model: model folder (for its tokenizer, chat template, context length and EOS ids).
-        redis_url: where requests are queued (may hold a password: print it with ``redact_url``).
-        scheduler_address: host:port of the Scheduler service (token events, aborts).
-        cluster_token: secret sent to the scheduler with every call.
+        redis_url: where requests are queued and the schedulers register (the gateway connects to
+            every live one it finds there); may hold a password: print it with ``redact_url``.
+        cluster_token: secret sent to the schedulers with every call; scheduler registrations not
+            signed with it are ignored.
         host, port: where the Generation service listens.
         api_key: when not empty, every Generation call must carry ``authorization: Bearer API_KEY``.
         tls_cert_file, tls_key_file: PEM certificate chain and private key; when given, the gateway
             serves TLS only.
-        gateway_id: unique id of this gateway; the scheduler routes tokens by it.
+        gateway_id: unique id of this gateway; the schedulers route tokens by it.
         max_concurrent_requests: requests in flight above which new ones get RESOURCE_EXHAUSTED
             (HTTP 429).
         metrics_port: a separate port for ``/metrics`` on ``host`` (0: a free port, logged); None:
@@ -49,7 +50,6 @@ class GatewayConfig:
 
     model: Path
     redis_url: str = field(repr=False)
-    scheduler_address: str
     cluster_token: str = field(repr=False)
     host: str = "127.0.0.1"
     port: int = 50051
@@ -72,8 +72,6 @@ class GatewayConfig:
             raise ValueError(f"--http-port and --port must differ, both are {self.port}")
         if len(self.served_model_name) > MAX_SERVED_MODEL_NAME_CHARS:
             raise ValueError(f"--served-model-name holds more than {MAX_SERVED_MODEL_NAME_CHARS} characters")
-        if ":" not in self.scheduler_address:
-            raise ValueError(f"--scheduler must be HOST:PORT, got {self.scheduler_address!r}")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be positive, got {self.max_concurrent_requests}")
         if not self.cluster_token:
@@ -97,11 +95,6 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_api_key_arguments(parser)
     parser.add_argument("--tls-cert-file", default="", help="PEM certificate (chain) to serve TLS with")
     parser.add_argument("--tls-key-file", default="", help="PEM private key of --tls-cert-file")
-    parser.add_argument(
-        "--scheduler",
-        default=env_default("PAGEDSERVE_SCHEDULER", "127.0.0.1:50052"),
-        help="HOST:PORT of the scheduler service (env PAGEDSERVE_SCHEDULER; default %(default)s)",
-    )
     parser.add_argument("--gateway-id", default="", help="unique gateway id (default: gateway-<random>)")
     parser.add_argument(
         "--max-concurrent-requests", type=int, default=1024,
@@ -148,7 +141,6 @@ def gateway_config_from_args(args: argparse.Namespace, model: Path) -> GatewayCo
     return GatewayConfig(
         model=model,
         redis_url=redis_url_from_args(args),
-        scheduler_address=args.scheduler,
         cluster_token=cluster_token_from_args(args),
         api_key=api_key_from_args(args),
         tls_cert_file=Path(args.tls_cert_file) if args.tls_cert_file else None,

@@ -12,7 +12,7 @@ import asyncio
 import enum
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
 
 import redis
@@ -23,7 +23,7 @@ from pagedserve.text.request_samples import ParsedRequest, RequestSamples
 from pagedserve.text.tokenizer import PromptTokenizer
 from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.queue_producer import RequestQueueProducer
-from services.gateway.router import OutputRouter
+from services.gateway.router import OutputRouter, ResumeQuery
 
 LOST_CHECK_S = 5
 """How often a request no scheduler has taken yet checks that its stream entry still exists, seconds."""
@@ -120,11 +120,15 @@ class GenerationCore:
     Args:
         tokenizer: decodes the output tokens.
         producer: puts requests on the Redis request stream.
-        router: receives this gateway's token events from the scheduler.
+        router: receives this gateway's token events from the schedulers.
         max_concurrent_requests: requests in flight above which ``check_capacity`` refuses.
         metrics: the gateway's Prometheus series; every request's deltas are recorded there.
-        scheduler_grace_s: how long a request waits for a lost scheduler stream to come back
-            before failing with ``UNAVAILABLE``, seconds.
+        scheduler_grace_s: how long a request waits for its scheduler's lost stream to come back,
+            or (before a scheduler took it) for any scheduler stream, before failing with
+            ``UNAVAILABLE``, seconds. When a scheduler dies, a survivor takes its requests over
+            once the dead one's lease expires and sends a resume query, which makes the survivor
+            the owner: the grace must exceed the scheduler lease's TTL plus the survivors'
+            detection and claim time (a few seconds), or requests fail that would have moved.
     """
 
     def __init__(self, tokenizer: PromptTokenizer, producer: RequestQueueProducer, router: OutputRouter,
@@ -150,16 +154,17 @@ class GenerationCore:
                                   f"the gateway has {self._max_concurrent} requests in flight; retry later")
 
     def check_scheduler(self) -> None:
-        """Raises ``GenerationError(UNAVAILABLE)`` when the scheduler has been unreachable for
+        """Raises ``GenerationError(UNAVAILABLE)`` when no scheduler stream has been open for
         longer than the grace period."""
-        if self._router.disconnected_for_s() > self._grace_s:
-            raise GenerationError(StatusKind.UNAVAILABLE, "the scheduler is unreachable; retry later")
+        if self._router.discovery.none_connected_for_s() > self._grace_s:
+            raise GenerationError(StatusKind.UNAVAILABLE, "no scheduler is reachable; retry later")
 
     async def generate(self, submission: Submission) -> AsyncIterator[SampleDelta]:
         """Queues the request and yields its samples' non-empty deltas until every sample finished.
 
         Closing or cancelling the iteration early (the client went away) aborts the request in
-        the scheduler, which frees its KV blocks, and deletes its queue entry if still unread.
+        the scheduler, which frees its KV blocks, and deletes its queue entry if still unread. When
+        a scheduler takes the request over (a resume query), it is told what the client received.
 
         Raises:
             GenerationError: ``UNAVAILABLE`` (Redis or the scheduler unreachable, the request lost),
@@ -174,19 +179,25 @@ class GenerationCore:
             entry_id = await self._enqueue(submission)
             accepted = False  # until the scheduler's first event: the request may still be lost with Redis
             while not state.finished:
-                output = await self._next_output(outputs, None if accepted else entry_id)
+                output = await self._next_output(key, outputs, None if accepted else entry_id)
                 accepted = True
+                if isinstance(output, ResumeQuery):  # every output queued before it is processed
+                    self._router.resume(key, output, state.received())
+                    continue
                 delta = self._process(state, output)
                 request_metrics.delta(output.sample_index, delta, state.num_prompt_tokens)
                 if delta.stop_string_matched:
-                    self._abort_in_background(key, output.sample_index)
+                    self._in_background(self._router.abort(key, output.sample_index))
                 if delta.text or delta.token_ids or delta.finish_reason:
                     usage = Usage(state.num_prompt_tokens, state.num_output_tokens) if state.finished else None
                     yield SampleDelta(output.sample_index, delta, usage)
         finally:
-            self._router.unregister(key)
-            if not state.finished:  # the client went away or the call failed: nothing may run for it
-                self._abort_in_background(key, forget_entry=entry_id)
+            # Not finished: the client went away or the call failed, nothing may run for it, and a
+            # scheduler restarted later must not run it for nobody (its stream entry goes).
+            self._router.unregister(key, abort=not state.finished)
+            if not state.finished:
+                if entry_id is not None:
+                    self._in_background(self._producer.forget(entry_id))
                 request_metrics.aborted(parsed.params.num_samples)
 
     async def _enqueue(self, submission: Submission) -> bytes:
@@ -212,30 +223,26 @@ class GenerationCore:
         except ValueError as exc:  # tokens missing from the stream: the request cannot go on exactly
             raise GenerationError(StatusKind.ABORTED, f"the token stream broke ({exc}); retry") from exc
 
-    async def _next_output(self, outputs: asyncio.Queue[RequestOutput], unread_entry: bytes | None) -> RequestOutput:
-        """The next event. Fails with UNAVAILABLE when the scheduler stream stays lost too long, or
-        when ``unread_entry`` (the request's stream entry, while no scheduler has taken it) has
-        vanished from Redis (Redis restarted empty): then no scheduler will ever run it."""
+    async def _next_output(self, key: str, outputs: asyncio.Queue[RequestOutput | ResumeQuery],
+                           unread_entry: bytes | None) -> RequestOutput | ResumeQuery:
+        """The next event or resume query. Fails with UNAVAILABLE when the request stays without a
+        reachable scheduler too long (``OutputRouter.unreachable_for_s``), or when ``unread_entry``
+        (the request's stream entry, while no scheduler has taken it) has vanished from Redis (Redis
+        restarted empty): then no scheduler will ever run it."""
         waited_s = 0
         while True:
             try:
                 return await asyncio.wait_for(outputs.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 waited_s += 1
-                if self._router.disconnected_for_s() > self._grace_s:
+                if self._router.unreachable_for_s(key) > self._grace_s:
                     raise GenerationError(StatusKind.UNAVAILABLE, "lost the connection to the scheduler") from None
                 if unread_entry is not None and waited_s % LOST_CHECK_S == 0 and await self._producer.lost(unread_entry):
                     raise GenerationError(StatusKind.UNAVAILABLE,
                                           "the request was lost before a scheduler took it (Redis restarted?); retry")
 
-    def _abort_in_background(self, key: str, sample_index: int | None = None, forget_entry: bytes | None = None) -> None:
-        """Aborts in the scheduler without waiting (safe while the call is being cancelled); with
-        ``forget_entry``, also deletes the request's stream entry so that a scheduler restarted
-        later does not run it for nobody."""
-        loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(self._router.abort(key, sample_index))]
-        if forget_entry is not None:
-            tasks.append(loop.create_task(self._producer.forget(forget_entry)))
-        for task in tasks:
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+    def _in_background(self, coroutine: Coroutine) -> None:
+        """Runs ``coroutine`` without waiting for it (safe while the call is being cancelled)."""
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

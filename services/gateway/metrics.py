@@ -2,7 +2,8 @@
 
 Ownership (see ``services/common/metrics.py``): the gateway owns the latencies its clients
 experience and the tokens it hands them: TTFT, inter-token latency, e2e latency, finished samples
-by finish reason, prompt and generation tokens, and its requests in flight. Queue, prefill and
+by finish reason, prompt and generation tokens, its requests in flight, and the requests it moved
+to another scheduler (``pagedserve_gateway_requests_migrated_total``). Queue, prefill and
 decode times, KV usage and preemptions are the scheduler's: nothing here counts them. With several
 gateways, each counts only its own calls, so sums over gateways count every token once.
 
@@ -58,6 +59,10 @@ class GatewayMetrics:
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
                           [MODEL_NAME, "finished_reason"], registry=r)
         self.success = {reason: success.labels(model_name, reason.value) for reason in FinishReason}
+        self.requests_migrated = Counter(
+            "pagedserve_gateway_requests_migrated", "Requests this gateway resumed on another scheduler (answered "
+            "resume queries the scheduler confirmed; a request that moves twice counts twice).", labels,
+            registry=r).labels(model_name)
         if in_flight is not None:
             Gauge("pagedserve_gateway_requests_in_flight", "Generate calls this gateway is serving now.", labels,
                   registry=r).labels(model_name).set_function(lambda: float(in_flight()))

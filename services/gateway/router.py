@@ -1,117 +1,218 @@
-"""Receives this gateway's token events from the scheduler and hands each to its request's queue."""
+"""Receives this gateway's token events from every live scheduler and hands each to its request's
+queue; tracks which scheduler owns each request and answers the resume queries of request migration."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 
 import grpc
+import redis.asyncio as aioredis
 
-from services.common.convert import output_from_pb
 from pagedserve.engine.messages import RequestOutput
+from pagedserve.text.request_samples import ReceivedSample
+from services.common.convert import output_from_pb
 from services.common.pb import engine_pb2 as pb
-from services.common.pb import engine_pb2_grpc
+from services.gateway.scheduler_discovery import POLL_INTERVAL_S, SchedulerDiscovery
+from services.gateway.scheduler_link import SchedulerLink
 
 log = logging.getLogger("pagedserve.gateway")
 
+MAX_ABORTS_REMEMBERED = 4096
+"""Most recent (scheduler, request) pairs aborted for streaming tokens nobody here takes, so each
+pair is aborted once."""
 
-MAX_ORPHAN_ABORTS = 4096
-"""Most recently aborted orphans remembered, so each is aborted once."""
+CALL_TIMEOUT_S = 30.0
+"""Deadline of an Abort or Resume call, seconds."""
+
+
+@dataclass(frozen=True)
+class ResumeQuery:
+    """Put in a request's queue when ``scheduler_id`` took the request over: the consumer answers
+    with ``OutputRouter.resume`` once it has processed every output queued before it."""
+
+    scheduler_id: str
+
+
+@dataclass
+class _Request:
+    queue: asyncio.Queue[RequestOutput | ResumeQuery] = field(default_factory=asyncio.Queue)
+    owner: str | None = None   # the scheduler whose events are taken; None until the first event or query
+    num_migrations: int = 0    # resumes the owner confirmed
 
 
 class OutputRouter:
-    """Holds the StreamOutputs call to the scheduler (reconnecting when it breaks) and routes events.
+    """One table of request queues fed by the StreamOutputs calls of all live schedulers.
 
-    Tokens of a request that no call here waits for (an orphan: its client already got an error,
-    and a restarted scheduler runs it again) make the router abort it in the scheduler.
+    Ownership: the scheduler whose stream delivers a request's first event owns it, and so does
+    the one that sent a resume query for it (the request moved). Events of a request from any
+    other scheduler are dropped and that scheduler is sent an Abort (this fences a scheduler that
+    lost its lease but still streams), as are the tokens of a request nobody here waits for (an
+    orphan: its client already left). A resume query for a request nobody here waits for is
+    answered with Abort.
 
     Args:
-        channel: an asyncio gRPC channel to the scheduler.
+        client: the gateway's asyncio Redis client (the scheduler directory).
+        cluster_token: verifies scheduler registrations; sent with every call.
         gateway_id: this gateway's id, as written in its queued requests.
+        on_migrated: called once per resume a scheduler confirmed (the migration counter).
+        poll_interval_s: how often the scheduler directory is read, seconds.
     """
 
-    def __init__(self, channel: grpc.aio.Channel, gateway_id: str) -> None:
-        self._stub = engine_pb2_grpc.SchedulerStub(channel)
+    def __init__(self, client: aioredis.Redis, cluster_token: str, gateway_id: str,
+                 on_migrated: Callable[[], None] = lambda: None, poll_interval_s: float = POLL_INTERVAL_S) -> None:
+        self.discovery = SchedulerDiscovery(client, cluster_token, gateway_id, self._dispatch, poll_interval_s)
         self._gateway_id = gateway_id
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._orphans: OrderedDict[str, None] = OrderedDict()
+        self._on_migrated = on_migrated
+        self._requests: dict[str, _Request] = {}
+        self._aborted: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._background: set[asyncio.Task] = set()
-        self.connected = asyncio.Event()
-        self._disconnected_at = time.monotonic()  # not yet connected counts as disconnected
 
-    def register(self, key: str) -> asyncio.Queue[RequestOutput]:
-        """A queue that receives the outputs of the request with this (gateway-made, unique) key.
+    async def run(self) -> None:
+        """Follows the scheduler directory and streams from every live scheduler until cancelled."""
+        await self.discovery.run()
+
+    def register(self, key: str) -> asyncio.Queue[RequestOutput | ResumeQuery]:
+        """A queue that receives the outputs of the request with this (gateway-made, unique) key, and
+        a ``ResumeQuery`` whenever a scheduler takes the request over (answer it with ``resume``).
 
         Raises:
             ValueError: the key is registered already (a bug: keys are new per submission).
         """
-        if key in self._queues:
+        if key in self._requests:
             raise ValueError(f"request {key!r} is registered already")
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[key] = queue
-        return queue
+        request = _Request()
+        self._requests[key] = request
+        return request.queue
 
-    def unregister(self, request_id: str) -> None:
-        self._queues.pop(request_id, None)
-
-    def disconnected_for_s(self) -> float:
-        """Seconds since the scheduler stream was lost (0 while connected)."""
-        return 0.0 if self.connected.is_set() else time.monotonic() - self._disconnected_at
+    def unregister(self, key: str, abort: bool = False) -> None:
+        """Forgets the request; resume queries still queued for it are answered with Abort. With
+        ``abort`` (it did not finish), its owner (every live scheduler while it has none) is told
+        to stop it, in the background."""
+        request = self._requests.pop(key, None)
+        if request is None:
+            return
+        waiting = set()  # schedulers whose resume query was not answered: each waits for an answer
+        while not request.queue.empty():
+            item = request.queue.get_nowait()
+            if isinstance(item, ResumeQuery):
+                waiting.add(item.scheduler_id)
+        for scheduler_id in waiting:
+            self._in_background(self._abort_on(self._link(scheduler_id), key))
+        if abort and request.owner not in waiting:
+            self._remember_aborted(request.owner, key)
+            self._in_background(self._abort_owned(request.owner, key, None))
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._requests)
 
-    async def abort(self, request_id: str, sample_index: int | None = None) -> None:
-        """Asks the scheduler to stop a request (or one sample) and free its blocks (errors are logged)."""
-        message = pb.AbortRequest(request_id=request_id)
+    def unreachable_for_s(self, key: str) -> float:
+        """Seconds the request has been without a scheduler to stream it: since its owner's stream
+        was lost, or, before it has an owner, since no scheduler stream at all was open (0 when
+        one is open)."""
+        request = self._requests.get(key)
+        if request is None or request.owner is None:
+            return self.discovery.none_connected_for_s()
+        return self.discovery.down_for_s(request.owner)
+
+    async def abort(self, key: str, sample_index: int | None = None) -> None:
+        """Asks the request's owner (every live scheduler while it has none) to stop the request
+        (or one sample) and free its blocks; errors are logged."""
+        request = self._requests.get(key)
+        await self._abort_owned(request.owner if request is not None else None, key, sample_index)
+
+    def resume(self, key: str, query: ResumeQuery, received: Sequence[ReceivedSample]) -> None:
+        """Answers ``query`` in the background: ``Resume`` with the samples the client ``received``
+        and the request's migration count plus one. Errors are logged; a failed call leaves the
+        request waiting (the scheduler asks again when this gateway's stream is back)."""
+        request = self._requests.get(key)
+        if request is None:  # unregistered meanwhile: nobody waits for it
+            self._in_background(self._abort_on(self._link(query.scheduler_id), key))
+            return
+        message = pb.ResumeRequest(request_id=key, gateway_id=self._gateway_id,
+                                   num_migrations=request.num_migrations + 1)
+        message.samples.extend(pb.ResumedSample(sample_index=s.sample_index, token_ids=s.token_ids,
+                                                finished=s.finished) for s in received)
+        self._in_background(self._send_resume(query.scheduler_id, request, message))
+
+    def _dispatch(self, scheduler_id: str, batch: pb.TokenEventBatch) -> None:
+        for event in batch.events:
+            self._route_event(scheduler_id, event)
+        for key in batch.resume_queries:
+            request = self._requests.get(key)
+            if request is None:
+                log.info("scheduler %s took over %s, which no call here waits for: aborting it", scheduler_id, key)
+                self._in_background(self._abort_on(self._link(scheduler_id), key))
+                continue
+            if request.owner != scheduler_id:
+                log.info("request %s moves from scheduler %s to %s", key, request.owner, scheduler_id)
+            request.owner = scheduler_id
+            request.queue.put_nowait(ResumeQuery(scheduler_id))
+
+    def _route_event(self, scheduler_id: str, event: pb.TokenEvent) -> None:
+        key = event.request_id
+        request = self._requests.get(key)
+        if request is not None and request.owner is None:
+            request.owner = scheduler_id
+        if request is not None and request.owner == scheduler_id:
+            request.queue.put_nowait(output_from_pb(event))
+        elif not event.finish_reason and (scheduler_id, key) not in self._aborted:
+            why = "no call here waits for its tokens" if request is None else f"scheduler {request.owner} owns it"
+            log.info("aborting %s on scheduler %s: %s", key, scheduler_id, why)
+            self._remember_aborted(scheduler_id, key)
+            self._in_background(self._abort_on(self._link(scheduler_id), key))
+
+    def _link(self, scheduler_id: str | None) -> SchedulerLink | None:
+        return None if scheduler_id is None else self.discovery.links.get(scheduler_id)
+
+    def _remember_aborted(self, scheduler_id: str | None, key: str) -> None:
+        for sid in [scheduler_id] if scheduler_id is not None else list(self.discovery.links):
+            self._aborted[(sid, key)] = None
+            if len(self._aborted) > MAX_ABORTS_REMEMBERED:
+                self._aborted.popitem(last=False)
+
+    async def _abort_owned(self, owner: str | None, key: str, sample_index: int | None) -> None:
+        """Aborts on ``owner`` when it has a link, else on every live scheduler."""
+        link = self._link(owner)
+        targets = [link] if link is not None else list(self.discovery.links.values())
+        await asyncio.gather(*(self._abort_on(t, key, sample_index) for t in targets))
+
+    @staticmethod
+    async def _abort_on(link: SchedulerLink | None, key: str, sample_index: int | None = None) -> None:
+        if link is None:
+            return
+        message = pb.AbortRequest(request_id=key)
         if sample_index is not None:
             message.sample_index = sample_index
         try:
-            await self._stub.Abort(message, timeout=30)
+            await link.stub.Abort(message, timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
-            log.warning("abort of %s failed: %s", request_id, exc)
+            log.warning("abort of %s on scheduler %s failed: %s", key, link.scheduler_id, exc.code())
 
-    async def run(self) -> None:
-        """Receives events until cancelled, reconnecting with backoff."""
-        backoff = 0.1
-        while True:
-            call = self._stub.StreamOutputs(pb.StreamOutputsRequest(gateway_id=self._gateway_id))
-            try:
-                await call.wait_for_connection()
-                self.connected.set()
-                backoff = 0.1
-                async for batch in call:
-                    self._dispatch(batch)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    log.error("the scheduler refused this gateway's cluster token: give the gateway the scheduler's "
-                              "(--cluster-token-file, --cluster-token or PAGEDSERVE_CLUSTER_TOKEN); retrying")
-                else:
-                    log.warning("scheduler stream broke (%s); reconnecting", exc.code())
-            finally:
-                if self.connected.is_set():
-                    self._disconnected_at = time.monotonic()
-                self.connected.clear()
-                call.cancel()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
+    async def _send_resume(self, scheduler_id: str, request: _Request, message: pb.ResumeRequest) -> None:
+        link = self._link(scheduler_id)
+        if link is None:
+            log.warning("cannot resume %s: scheduler %s left the directory", message.request_id, scheduler_id)
+            return
+        try:
+            reply = await link.stub.Resume(message, timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            log.warning("resume of %s on scheduler %s failed (%s); it waits for the query again",
+                        message.request_id, scheduler_id, exc.code())
+            return
+        if not reply.found:
+            log.info("scheduler %s no longer waited for the resume of %s", scheduler_id, message.request_id)
+            return
+        request.num_migrations = max(request.num_migrations, message.num_migrations)
+        self._on_migrated()
+        log.info("request %s resumed on scheduler %s (migration %d)", message.request_id, scheduler_id,
+                 message.num_migrations)
 
-    def _dispatch(self, batch: pb.TokenEventBatch) -> None:
-        for event in batch.events:
-            queue = self._queues.get(event.request_id)
-            if queue is not None:
-                queue.put_nowait(output_from_pb(event))
-            elif not event.finish_reason and event.request_id not in self._orphans:
-                self._abort_orphan(event.request_id)
-
-    def _abort_orphan(self, key: str) -> None:
-        log.info("aborting %s: no call waits for its tokens", key)
-        self._orphans[key] = None
-        if len(self._orphans) > MAX_ORPHAN_ABORTS:
-            self._orphans.popitem(last=False)
-        task = asyncio.get_running_loop().create_task(self.abort(key))
+    def _in_background(self, coroutine: Coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -1,5 +1,5 @@
-"""Runs the gateway process: Generation service, health, reflection, the scheduler stream, and the
-OpenAI-compatible HTTP API (uvicorn on the same event loop)."""
+"""Runs the gateway process: Generation service, health, reflection, the streams of every live
+scheduler, and the OpenAI-compatible HTTP API (uvicorn on the same event loop)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import telemetry
-from services.common.auth import API_KEY_KEY, AioMetadataAuthInterceptor, cluster_aio_channel
+from services.common.auth import API_KEY_KEY, AioMetadataAuthInterceptor
 from services.common.grpc_server import CLIENT_API_SERVER_OPTIONS, bind
 from services.common.metrics import serve_metrics
 from services.common.pb import engine_pb2, generate_pb2
@@ -41,20 +41,30 @@ GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full
 SCHEDULER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
-async def _scheduler_ready(stub: health_pb2_grpc.HealthStub) -> bool:
-    """Whether the scheduler has a worker up (its Scheduler service's health status)."""
+async def _scheduler_ready(channel: grpc.aio.Channel) -> bool:
+    """Whether the scheduler behind ``channel`` has a worker up (its Scheduler service's health)."""
     try:
-        reply = await stub.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=2.0)
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=2.0)
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def _any_scheduler_ready(router: OutputRouter) -> bool:
+    """Whether some scheduler's stream is open and that scheduler has a worker up."""
+    for link in router.discovery.connected_links():
+        if await _scheduler_ready(link.channel):
+            return True
+    return False
+
+
 async def _watch_health(servicer: health.aio.HealthServicer, router: OutputRouter, producer: RequestQueueProducer,
-                        scheduler_health: health_pb2_grpc.HealthStub, http_health: HealthState) -> None:
-    """SERVING while the scheduler stream is up, the scheduler has a worker and Redis answers."""
+                        http_health: HealthState) -> None:
+    """SERVING while at least one scheduler stream is open (to a scheduler with a worker up) and
+    Redis answers."""
     while True:
-        ok = router.connected.is_set() and await _scheduler_ready(scheduler_health) and await producer.ping()
+        ok = await _any_scheduler_ready(router) and await producer.ping()
         http_health.serving = ok
         status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
         await servicer.set("", status)
@@ -127,11 +137,10 @@ async def serve_gateway(config: GatewayConfig) -> None:
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     producer = RequestQueueProducer(redis_client, config.gateway_id)
-    channel = cluster_aio_channel(config.scheduler_address, config.cluster_token)
-    router = OutputRouter(channel, config.gateway_id)
+    metrics = GatewayMetrics(config.model_name, lambda: router.num_in_flight)
+    router = OutputRouter(redis_client, config.cluster_token, config.gateway_id, metrics.requests_migrated.inc)
 
     server = _new_server(config)
-    metrics = GatewayMetrics(config.model_name, lambda: router.num_in_flight)
     core = GenerationCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)
     servicer = GenerationServicer(core, tracer)
     add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
@@ -150,12 +159,12 @@ async def serve_gateway(config: GatewayConfig) -> None:
     if not await producer.ping():
         log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "
                     "NOT_SERVING meanwhile)", redact_url(config.redis_url))
-    watch = _watch_health(health_servicer, router, producer, health_pb2_grpc.HealthStub(channel), http_health)
+    watch = _watch_health(health_servicer, router, producer, http_health)
     tasks = [asyncio.create_task(router.run()), asyncio.create_task(watch)]
     http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]))
-    log.info("gateway %s listening on %s:%d (%s, %s), scheduler %s, model %s", config.gateway_id, config.host, port,
-             "TLS" if credentials else "plaintext", "API key required" if config.api_key else "no API key",
-             config.scheduler_address, config.model.name)
+    log.info("gateway %s listening on %s:%d (%s, %s), schedulers from Redis %s, model %s", config.gateway_id,
+             config.host, port, "TLS" if credentials else "plaintext",
+             "API key required" if config.api_key else "no API key", redact_url(config.redis_url), config.model.name)
     log.info("gateway %s OpenAI-compatible HTTP API listening on %s:%d (http_port=%d), model name %r",
              config.gateway_id, config.host, http_port, http_port, config.model_name)
     if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
@@ -174,7 +183,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     http_socket.close()
     for task in tasks:
         task.cancel()
-    await channel.close()
+    await asyncio.gather(*tasks, return_exceptions=True)  # the router closes its scheduler links
     await redis_client.aclose()
     if metrics_server is not None:
         metrics_server.stop()

@@ -180,7 +180,7 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
             )
         processes["gateway"] = pagedserve("gateway", ["gateway", *common, "--model", str(model), "--host", "127.0.0.1",
                                                       "--port", str(gw_port), "--http-port", str(http_port),
-                                                      "--scheduler", scheduler, *metrics_port("gateway"), *gateway_args],
+                                                      *metrics_port("gateway"), *gateway_args],
                                                      tmp_path, env)
         procs = list(processes.values())
         wait_until(lambda: healthy(scheduler), "scheduler", 120, procs)

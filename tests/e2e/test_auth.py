@@ -96,7 +96,7 @@ def tls_gateway(stack, tmp_path_factory, default_model):
     env = {**stack.env, "PAGEDSERVE_API_KEY": API_KEY}
     process = pagedserve("tls-gateway", [
         "gateway", "--redis-url", stack.redis_url, "--model", str(default_model), "--host", "127.0.0.1",
-        "--port", str(port), "--http-port", str(http_port), "--scheduler", stack.scheduler,
+        "--port", str(port), "--http-port", str(http_port),
         "--tls-cert-file", cert, "--tls-key-file", key], tmp, env)
     credentials = grpc.ssl_channel_credentials(open(cert, "rb").read())
     target = f"127.0.0.1:{port}"

@@ -123,7 +123,7 @@ def start_gateway(stack: Stack, model, log_dir, name: str, gateway_id: str = "")
     port = stack.gateway.rsplit(":", 1)[1]
     same_id = ["--gateway-id", gateway_id] if gateway_id else []
     proc = pagedserve(name, ["gateway", "--redis-url", stack.redis_url, "--model", str(model), "--host", "127.0.0.1",
-                             "--port", port, "--http-port", "0", "--scheduler", stack.scheduler, *same_id],
+                             "--port", port, "--http-port", "0", *same_id],
                       log_dir, stack.env)
     stack.processes[name] = proc
     return proc

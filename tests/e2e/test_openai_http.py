@@ -234,7 +234,7 @@ def keyed_gateway(stack, default_model, tmp_path_factory):
     port, http_port = free_port(), free_port()
     process = pagedserve("keyed-gateway", [
         "gateway", "--redis-url", stack.redis_url, "--model", str(default_model), "--host", "127.0.0.1",
-        "--port", str(port), "--http-port", str(http_port), "--scheduler", stack.scheduler,
+        "--port", str(port), "--http-port", str(http_port),
         "--max-concurrent-requests", "1", "--served-model-name", "smol"], tmp, {**stack.env, "PAGEDSERVE_API_KEY": API_KEY})
 
     def up() -> bool:

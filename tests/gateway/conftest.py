@@ -1,4 +1,5 @@
-"""Fixtures: the default model's real tokenizer, recorded real outputs, a SentencePiece-style tokenizer.
+"""Fixtures: the default model's real tokenizer, recorded real outputs, a SentencePiece-style tokenizer,
+a real redis-server per test module.
 
 ``model_outputs.json`` holds token ids the default model generated (see its ``about`` field), so the
 tests use real model output without running the model.
@@ -12,8 +13,11 @@ from pathlib import Path
 
 import pytest
 
+import redis
+
 from pagedserve.model_files import prepare_default_model
 from pagedserve.text.tokenizer import PromptTokenizer
+from tests.e2e.processes import start_redis
 
 OUTPUTS_FILE = Path(__file__).with_name("model_outputs.json")
 
@@ -61,3 +65,20 @@ def build_sentencepiece_tokenizer():
 @pytest.fixture(scope="session")
 def sp_tokenizer():
     return build_sentencepiece_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> str:
+    """A redis-server of the test module's own, on a free loopback port."""
+    process, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    process.stop()
+
+
+@pytest.fixture
+def client(redis_url) -> redis.Redis:
+    """A client of ``redis_url``, whose database is emptied first."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()

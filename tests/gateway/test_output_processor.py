@@ -135,3 +135,18 @@ def test_repeated_output_is_skipped_and_gap_raises(hf_tokenizer) -> None:
     assert again.num_output_tokens == len(ids)
     with pytest.raises(ValueError, match="starts at token 5"):
         state.process(RequestOutput("r", 5, (7,)))
+
+
+class _Letters:
+    def decode(self, ids, skip_special_tokens):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+def test_output_token_ids_are_the_received_ones_held_back_text_included() -> None:
+    state = RequestTextState(_Letters(), [0], SamplingParams(stop=["cde"]))
+    state.process(RequestOutput("r", 0, (0, 2)))  # "ac": "c" is held back
+    state.process(RequestOutput("r", 1, (2, 3)))  # a repeat of token 1, then "d"
+    assert state.output_token_ids == (0, 2, 3) and not state.finished
+    state.process(RequestOutput("r", 3, (4,)))  # "cde" matched
+    state.process(RequestOutput("r", 4, (5,)))  # ignored: the sample finished
+    assert state.output_token_ids == (0, 2, 3, 4) and state.finished

@@ -1,0 +1,102 @@
+"""Real in-process Scheduler gRPC servers that stream what a test gives them and record the Abort
+and Resume calls they get, and scheduler registrations written into a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+
+import grpc
+import redis
+
+from services.common import redis_keys
+from services.common.auth import CLUSTER_TOKEN_KEY, AioMetadataAuthInterceptor, sign_registration
+from services.common.pb import engine_pb2 as pb
+from services.common.pb import engine_pb2_grpc
+
+TOKEN = "test-cluster-token"
+
+
+class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
+    """A Scheduler service double behind a real asyncio gRPC server (cluster token required).
+
+    Every StreamOutputs call streams the batches put in ``outbox``; Abort and Resume calls are
+    recorded (and answered ``found=True``).
+    """
+
+    def __init__(self, scheduler_id: str) -> None:
+        self.scheduler_id = scheduler_id
+        self.outbox: asyncio.Queue[pb.TokenEventBatch] = asyncio.Queue()
+        self.aborts: list[pb.AbortRequest] = []
+        self.resumes: list[pb.ResumeRequest] = []
+        self.stream_gateways: list[str] = []  # gateway id of every StreamOutputs call
+        self.open_streams = 0
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def start(self) -> FakeScheduler:
+        self.server = grpc.aio.server(interceptors=[AioMetadataAuthInterceptor(CLUSTER_TOKEN_KEY, TOKEN, "token")])
+        engine_pb2_grpc.add_SchedulerServicer_to_server(self, self.server)
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        await self.server.start()
+        return self
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=None)
+
+    def send(self, *events: pb.TokenEvent, resume_queries: tuple[str, ...] = ()) -> None:
+        """Streams one batch to the gateway (when its stream is open)."""
+        self.outbox.put_nowait(pb.TokenEventBatch(events=events, resume_queries=resume_queries))
+
+    def aborted(self, request_id: str) -> list[pb.AbortRequest]:
+        return [a for a in self.aborts if a.request_id == request_id]
+
+    async def StreamOutputs(self, request, context):
+        self.stream_gateways.append(request.gateway_id)
+        await context.send_initial_metadata(())  # as the real scheduler: the stream is up before any event
+        self.open_streams += 1
+        try:
+            while True:
+                yield await self.outbox.get()
+        finally:
+            self.open_streams -= 1
+
+    async def Abort(self, request, context):
+        self.aborts.append(request)
+        return pb.AbortResponse(found=True)
+
+    async def Resume(self, request, context):
+        self.resumes.append(request)
+        return pb.ResumeResponse(found=True)
+
+
+def event(request_id: str, first: int, token_ids: list[int], sample_index: int = 0,
+          finish: int = pb.FINISH_REASON_UNSPECIFIED) -> pb.TokenEvent:
+    return pb.TokenEvent(request_id=request_id, first_output_index=first, token_ids=token_ids,
+                         sample_index=sample_index, finish_reason=finish)
+
+
+def register(client: redis.Redis, scheduler_id: str, address: str, lease_ms: int = 60_000,
+             token: str | None = TOKEN) -> pb.SchedulerRegistration:
+    """Writes a scheduler's registration (signed with ``token``; None: unsigned) and its lease."""
+    registration = pb.SchedulerRegistration(scheduler_id=scheduler_id, address=address,
+                                            instance_id=uuid.uuid4().hex, num_blocks=64)
+    if token is not None:
+        sign_registration(registration, token)
+    client.hset(redis_keys.SCHEDULERS_HASH, scheduler_id, registration.SerializeToString())
+    client.set(redis_keys.scheduler_lease_key(scheduler_id), registration.instance_id, px=lease_ms)
+    return registration
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Waits until ``condition()`` holds.
+
+    Raises:
+        AssertionError: it did not within ``timeout_s`` seconds.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)

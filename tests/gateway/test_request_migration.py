@@ -1,0 +1,183 @@
+"""Request ownership and migration in the gateway, through ``GenerationCore`` with a real Redis and
+real in-process Scheduler gRPC servers: tokens are taken from the request's owner only, and a
+scheduler that takes a request over is told exactly what the client received."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.text.request_samples import ParsedRequest
+from services.common import redis_keys
+from services.common.pb import engine_pb2 as pb
+from services.gateway.generation_core import GenerationCore, GenerationError, StatusKind, Submission
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.queue_producer import RequestQueueProducer
+from services.gateway.router import OutputRouter
+from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, event, register, until
+
+pytestmark = pytest.mark.timeout(60)
+LENGTH = pb.FINISH_REASON_LENGTH
+
+
+class Letters:
+    """Token i decodes to the i-th letter."""
+
+    def decode(self, ids, skip_special_tokens):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+class Gateway:
+    """A gateway's core and router over two fake schedulers registered in Redis; one request's
+    deltas are collected as its client would receive them."""
+
+    def __init__(self, client: redis.Redis, redis_url: str, grace_s: float = 10.0) -> None:
+        self.client, self.redis_url, self.grace_s = client, redis_url, grace_s
+        self.deltas: list = []
+
+    async def __aenter__(self) -> Gateway:
+        self.s1, self.s2 = await FakeScheduler("s1").start(), await FakeScheduler("s2").start()
+        register(self.client, "s1", self.s1.address)
+        register(self.client, "s2", self.s2.address)
+        aclient = aioredis.Redis.from_url(self.redis_url)
+        self.metrics = GatewayMetrics("m")
+        self.router = OutputRouter(aclient, TOKEN, "gw-1", self.metrics.requests_migrated.inc, poll_interval_s=0.1)
+        self.core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1"), self.router, 8, self.metrics,
+                                   scheduler_grace_s=self.grace_s)
+        self._tasks = [asyncio.create_task(self.router.run())]
+        await until(lambda: len(self.router.discovery.connected_links()) == 2, "both scheduler streams")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(self.s1.stop(), self.s2.stop())
+
+    async def submit(self, params: SamplingParams) -> str:
+        """Starts a request and returns its key once it is queued in Redis."""
+        submission = Submission(ParsedRequest((1,), params, params.to_engine(1, 100, 26, ())))
+        self._tasks.append(asyncio.create_task(self._collect(submission)))
+        await until(lambda: self.client.xlen(redis_keys.REQUEST_STREAM) == len(self._tasks) - 1, "the request queued")
+        return submission.key
+
+    async def _collect(self, submission: Submission) -> None:
+        try:
+            async for sample in self.core.generate(submission):
+                self.deltas.append(sample)
+        except GenerationError as exc:
+            self.error = exc
+        self.done = True
+
+    def token_ids(self, sample_index: int = 0) -> list[int]:
+        return [t for d in self.deltas if d.sample_index == sample_index for t in d.delta.token_ids]
+
+    def text(self, sample_index: int = 0) -> str:
+        return "".join(d.delta.text for d in self.deltas if d.sample_index == sample_index)
+
+
+def test_tokens_come_from_the_owner_and_move_with_a_resume_query(client, redis_url):
+    async def scenario():
+        async with Gateway(client, redis_url) as gw:
+            key = await gw.submit(SamplingParams(max_tokens=5))
+            gw.s1.send(event(key, 0, [0, 1]))
+            gw.s1.send(event(key, 2, [2]))
+            await until(lambda: gw.token_ids() == [0, 1, 2], "s1's tokens")
+            gw.s2.send(resume_queries=(key,))  # s2 took the request over
+            await until(lambda: gw.s2.resumes, "the resume")
+            (resume,) = gw.s2.resumes
+            assert (resume.request_id, resume.gateway_id, resume.num_migrations) == (key, "gw-1", 1)
+            assert [(s.sample_index, list(s.token_ids), s.finished) for s in resume.samples] == [(0, [0, 1, 2], False)]
+            gw.s1.send(event(key, 3, [9]))  # s1 lost its lease but still streams: fenced
+            await until(lambda: gw.s1.aborted(key), "an abort to s1")
+            gw.s2.send(event(key, 2, [2, 3]))  # a repeat of a received token is dropped
+            gw.s2.send(event(key, 4, [4], finish=LENGTH))
+            await until(lambda: getattr(gw, "done", False), "the request to finish")
+            assert gw.token_ids() == [0, 1, 2, 3, 4] and gw.text() == "abcde"
+            assert gw.deltas[-1].usage.completion_tokens == 5
+            assert len(gw.s1.aborted(key)) == 1 and gw.s2.aborts == []
+            assert gw.metrics.requests_migrated._value.get() == 1
+
+    asyncio.run(scenario())
+
+
+def test_resume_carries_each_samples_received_tokens_and_finish(client, redis_url):
+    async def scenario():
+        async with Gateway(client, redis_url) as gw:
+            key = await gw.submit(SamplingParams(max_tokens=4, n=2, stop=("cd",)))
+            gw.s1.send(event(key, 0, [0, 2], sample_index=0))  # "ac": "c" is held back (a stop may begin)
+            gw.s1.send(event(key, 0, [2], sample_index=1), event(key, 1, [3], sample_index=1))  # "cd": stopped
+            await until(lambda: gw.s1.aborted(key), "sample 1 aborted on its owner")
+            assert [a.sample_index for a in gw.s1.aborts] == [1] and gw.text(0) == "a" and gw.text(1) == ""
+            gw.s2.send(resume_queries=(key,))
+            await until(lambda: gw.s2.resumes, "the first resume")
+            gw.s1.send(resume_queries=(key,))  # and back to s1
+            await until(lambda: gw.s1.resumes, "the second resume")
+            for scheduler, migrations in ((gw.s2, 1), (gw.s1, 2)):
+                (resume,) = scheduler.resumes
+                assert resume.num_migrations == migrations
+                assert [(s.sample_index, list(s.token_ids), s.finished) for s in resume.samples] == [
+                    (0, [0, 2], False), (1, [2, 3], True)]
+            gw.s1.send(event(key, 2, [4, 5], sample_index=0, finish=LENGTH))
+            await until(lambda: getattr(gw, "done", False), "the request to finish")
+            assert gw.text(0) == "acef" and gw.token_ids(0) == [0, 2, 4, 5]
+            assert gw.metrics.requests_migrated._value.get() == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_resume_query_or_tokens_for_a_request_nobody_waits_for_get_an_abort(client, redis_url):
+    async def scenario():
+        async with Gateway(client, redis_url) as gw:
+            gw.s1.send(resume_queries=("gone",))
+            gw.s2.send(event("orphan", 0, [1]))
+            gw.s2.send(event("orphan", 1, [2]))  # aborted once per scheduler
+            await until(lambda: gw.s1.aborted("gone") and gw.s2.aborted("orphan"), "the aborts")
+            await asyncio.sleep(0.2)
+            assert len(gw.s2.aborted("orphan")) == 1 and gw.s1.resumes == gw.s2.resumes == []
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_leaves_before_any_scheduler_answered_aborts_on_every_scheduler(client, redis_url):
+    async def scenario():
+        async with Gateway(client, redis_url) as gw:
+            key = await gw.submit(SamplingParams(max_tokens=4))
+            gw._tasks[-1].cancel()  # the client goes away
+            await until(lambda: gw.s1.aborted(key) and gw.s2.aborted(key), "an abort to each scheduler")
+            await until(lambda: client.xlen(redis_keys.REQUEST_STREAM) == 0, "the stream entry deleted")
+
+    asyncio.run(scenario())
+
+
+def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_scheduler_is_up(client, redis_url):
+    async def scenario():
+        async with Gateway(client, redis_url, grace_s=1.0) as gw:
+            key = await gw.submit(SamplingParams(max_tokens=4))
+            gw.s1.send(event(key, 0, [0]))
+            await until(lambda: gw.token_ids() == [0], "the first token")
+            await gw.s1.server.stop(grace=None)  # s1 died and no scheduler took the request over
+            await until(lambda: getattr(gw, "done", False), "the request to fail", timeout_s=15)
+            assert gw.error.kind == StatusKind.UNAVAILABLE
+            gw.core.check_scheduler()  # s2 is up: new requests are accepted
+
+    asyncio.run(scenario())
+
+
+def test_new_requests_are_refused_when_no_scheduler_was_reachable_for_the_grace(client, redis_url):
+    async def scenario():
+        aclient = aioredis.Redis.from_url(redis_url)
+        router = OutputRouter(aclient, TOKEN, "gw-1")
+        core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1"), router, 8, GatewayMetrics("m"),
+                              scheduler_grace_s=0.2)
+        core.check_scheduler()
+        await asyncio.sleep(0.3)
+        with pytest.raises(GenerationError) as caught:
+            core.check_scheduler()
+        assert caught.value.kind == StatusKind.UNAVAILABLE
+
+    asyncio.run(scenario())

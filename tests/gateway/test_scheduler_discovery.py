@@ -1,0 +1,80 @@
+"""The gateway finds its schedulers in a real Redis and keeps a real gRPC stream open to each live one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.gateway.scheduler_discovery import SchedulerDiscovery
+from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, register, until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def ignore(scheduler_id, batch) -> None:
+    pass
+
+
+def test_connects_to_every_live_scheduler_and_drops_one_whose_lease_expired(client, redis_url):
+    async def scenario():
+        s1, s2 = await FakeScheduler("s1").start(), await FakeScheduler("s2").start()
+        register(client, "s1", s1.address)
+        register(client, "s2", s2.address, lease_ms=1500)
+        discovery = SchedulerDiscovery(aioredis.Redis.from_url(redis_url), TOKEN, "gw-1", ignore, poll_interval_s=0.1)
+        assert discovery.none_connected_for_s() > 0
+        task = asyncio.create_task(discovery.run())
+        try:
+            await until(lambda: len(discovery.connected_links()) == 2, "both streams")
+            await until(lambda: s1.open_streams == s2.open_streams == 1, "both schedulers to see a stream")
+            assert s1.stream_gateways == s2.stream_gateways == ["gw-1"]
+            assert discovery.none_connected_for_s() == 0
+            await until(lambda: "s2" not in discovery.links, "s2 to leave once its lease expired")
+            await until(lambda: s2.open_streams == 0, "s2's stream to be closed")
+            assert [link.scheduler_id for link in discovery.connected_links()] == ["s1"]
+            assert discovery.down_for_s("s2") > 0 and discovery.down_for_s("s1") == 0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.gather(s1.stop(), s2.stop())
+        assert s1.open_streams == 0  # cancelling discovery closes its streams
+
+    asyncio.run(scenario())
+
+
+def test_registrations_not_signed_with_the_cluster_token_are_ignored(client, redis_url):
+    async def scenario():
+        good, unsigned, foreign = [await FakeScheduler(n).start() for n in ("good", "unsigned", "foreign")]
+        register(client, "good", good.address)
+        register(client, "unsigned", unsigned.address, token=None)
+        register(client, "foreign", foreign.address, token="another-cluster's-token")
+        client.hset("pagedserve:schedulers", "garbage", b"\xff\x00not a protobuf")
+        client.set("pagedserve:scheduler:garbage:lease", "x")
+        discovery = SchedulerDiscovery(aioredis.Redis.from_url(redis_url), TOKEN, "gw-1", ignore)
+        try:
+            for _ in range(2):  # the second refresh reuses what the first one checked
+                await discovery.refresh()
+                assert set(discovery.links) == {"good"}
+        finally:
+            await discovery.close()
+            await asyncio.gather(*(s.stop() for s in (good, unsigned, foreign)))
+        assert unsigned.stream_gateways == foreign.stream_gateways == []
+
+    asyncio.run(scenario())
+
+
+def test_a_registration_whose_lease_holds_another_instance_is_not_live(client, redis_url):
+    async def scenario():
+        s1 = await FakeScheduler("s1").start()
+        register(client, "s1", s1.address)
+        client.set("pagedserve:scheduler:s1:lease", "an-earlier-instance")
+        discovery = SchedulerDiscovery(aioredis.Redis.from_url(redis_url), TOKEN, "gw-1", ignore)
+        try:
+            await discovery.refresh()
+            assert discovery.links == {}
+        finally:
+            await discovery.close()
+            await s1.stop()
+
+    asyncio.run(scenario())
