@@ -25,6 +25,7 @@ import pytest
 from pagedserve.launcher import free_port
 from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, pagedserve, scheduler_stats, start_redis, stop_all,
                                  wait_until)
+from services.common.pb import generate_pb2 as gen
 from tests.e2e.test_chaos import Call, finish_streams, kill, redis_clean
 from tests.e2e.test_stack import QUESTIONS, chat_request
 
@@ -115,6 +116,20 @@ def start_calls(target: str) -> list[Call]:
     return calls
 
 
+def run_fresh_requests(target: str, count: int) -> list[Call]:
+    """``count`` short requests at once with raw prompts unlike any before (no chat template, whose
+    cached prefix would draw them all to one worker); returns them finished."""
+    calls = [Call(i, gen.GenerateRequest(prompt=f"{i * 7919} is a number that", sampling_params=gen.SamplingParams(
+        max_tokens=8, temperature=0.0))) for i in range(count)]
+    for call in calls:
+        call.thread = threading.Thread(target=call.run, args=(target,), daemon=True)
+        call.thread.start()
+    for call in calls:
+        call.thread.join(120)
+        assert not call.thread.is_alive(), f"request {call.index} still running after 120 s"
+    return calls
+
+
 def settled(address: str, num_workers: int) -> bool:
     stats = scheduler_stats(address)
     return (len(stats.workers) == num_workers and stats.num_running == 0 and stats.num_waiting == 0
@@ -142,9 +157,10 @@ def test_kill_one_of_two_schedulers_mid_generation(tmp_path, default_model, refe
         wait_until(lambda: settled(schedulers["s1"], 2), "s1 idle with both workers, every block free", 30)
         wait_until(lambda: redis_clean(stack), "no request entry left in Redis", 10)
         before = {w: steps(stack, w) for w in ("w0", "w1")}
-        start_calls(stack.gateway)  # new requests: both workers run them under s1
-        wait_until(lambda: settled(schedulers["s1"], 2), "the new requests done", 120)
-        assert all(steps(stack, w) > before[w] for w in before), "a worker adopted by s1 served nothing"
+        fresh = run_fresh_requests(stack.gateway, 16)  # prompts no worker has cached: placed by load
+        assert all(c.code is None and c.finish_reason for c in fresh), [(c.code, c.details) for c in fresh]
+        after = {w: steps(stack, w) for w in before}
+        assert all(after[w] > before[w] for w in before), f"a worker adopted by s1 served nothing: {before} -> {after}"
         RESULTS["kill -9 one of two schedulers, 32 streams"] = {
             **figures, "worker_adopted_after_s": adopted_after, "requests_resumed": int(resumed),
             "tokens_computed_again": int(metric(stack.metrics["s1"], "pagedserve_resumed_tokens_total"))}
