@@ -47,6 +47,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     config = StackConfig(
         model=_resolve_model(args.model),
         workers=args.workers,
+        schedulers=args.schedulers,
         host=args.host,
         port=args.port,
         http_port=args.http_port,
@@ -147,10 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default %(default)s)")
     up.add_argument("--http-port", type=int, default=8000,
                     help="gateway OpenAI-compatible HTTP API port (default %(default)s)")
-    up.add_argument("--scheduler-port", type=int, default=50052, help="scheduler port (default %(default)s)")
+    up.add_argument("--schedulers", type=int, default=1,
+                    help="number of scheduler processes: each owns some workers, and the others take over the "
+                    "requests and workers of one that dies (default %(default)s)")
+    up.add_argument("--scheduler-port", type=int, default=50052,
+                    help="port of the first scheduler; scheduler i listens on PORT+i (default %(default)s)")
     up.add_argument("--metrics-port", type=int, default=9450, metavar="PORT",
-                    help="Prometheus /metrics of the gateway at PORT, the scheduler at PORT+1 and worker i at "
-                    "PORT+2+i (0: none) (default %(default)s)")
+                    help="Prometheus /metrics of the gateway at PORT, scheduler i at PORT+1+i and worker i after "
+                    "them (with one scheduler: PORT+2+i) (0: none) (default %(default)s)")
     up.add_argument("--kv-cache-memory", default=env_default("PAGEDSERVE_KV_CACHE_MEMORY", "1GiB"),
                     help="KV-cache memory per worker, e.g. 2GiB (default %(default)s)")
     up.add_argument("--swap-space", default="0",

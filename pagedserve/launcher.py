@@ -1,4 +1,4 @@
-"""`pagedserve up`: Redis (if none answers), the scheduler, N workers and the gateway as child processes."""
+"""`pagedserve up`: Redis (if none answers), the schedulers, N workers and the gateway as child processes."""
 
 from __future__ import annotations
 
@@ -37,8 +37,10 @@ class StackConfig:
     Attributes:
         model: resolved model folder.
         workers: number of worker processes.
+        schedulers: number of scheduler processes (each owns some of the workers; the survivors take
+            over the requests and workers of one that dies).
         host: the gateway's listen address (127.0.0.1: this machine only; 0.0.0.0: every interface).
-        port: gateway port (gRPC); the scheduler listens on ``scheduler_port``.
+        port: gateway port (gRPC); scheduler i listens on ``scheduler_port + i``.
         http_port: the gateway's OpenAI-compatible HTTP API port (on ``host``).
         redis_url: Redis to use; a local ``redis-server`` is started when none answers there (with
             the URL's password, if any). Children get it through the environment, not argv.
@@ -56,8 +58,8 @@ class StackConfig:
         cluster_token: secret shared by the services (default: a new random one); children get it
             through the environment, so `ps` does not show it.
         api_key: when not empty, the gateway's clients must send it (``authorization: Bearer``).
-        metrics_port: first of the ``/metrics`` ports: the gateway's (on ``host``), then the
-            scheduler's, then one per worker (on 127.0.0.1); 0: no metrics servers.
+        metrics_port: first of the ``/metrics`` ports: the gateway's (on ``host``), then one per
+            scheduler, then one per worker (on 127.0.0.1); 0: no metrics servers.
     """
 
     model: Path
@@ -81,18 +83,26 @@ class StackConfig:
     api_key: str = field(default="", repr=False)
     metrics_port: int = 0
     http_port: int = 8000
+    schedulers: int = 1
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {self.workers}")
-        if not 0 <= self.metrics_port <= 65535 - 2 - self.workers:
-            raise ValueError(f"--metrics-port must leave room for {self.workers + 2} ports, got {self.metrics_port}")
+        if self.workers < 1 or self.schedulers < 1:
+            raise ValueError(f"--workers and --schedulers must be at least 1, got {self.workers}, {self.schedulers}")
+        if not 0 <= self.scheduler_port <= 65535 - self.schedulers:
+            raise ValueError(f"--scheduler-port must leave room for {self.schedulers} ports, got {self.scheduler_port}")
+        if not 0 <= self.metrics_port <= 65535 - 1 - self.schedulers - self.workers:
+            raise ValueError(f"--metrics-port must leave room for {self.workers + self.schedulers + 1} ports, "
+                             f"got {self.metrics_port}")
+
+    def scheduler_addresses(self) -> dict[str, str]:
+        """Scheduler name (also its --consumer-name) -> host:port."""
+        return {f"scheduler-{i}": f"127.0.0.1:{self.scheduler_port + i}" for i in range(self.schedulers)}
 
     def metrics_ports(self) -> dict[str, int]:
         """Service name -> its ``/metrics`` port (empty when metrics are off)."""
         if not self.metrics_port:
             return {}
-        names = ["gateway", "scheduler", *(f"worker-{i}" for i in range(self.workers))]
+        names = ["gateway", *self.scheduler_addresses(), *(f"worker-{i}" for i in range(self.workers))]
         return {name: self.metrics_port + i for i, name in enumerate(names)}
 
 
@@ -139,8 +149,9 @@ class Stack:
         cfg = self.config
         self._start_redis()
         policy = policy_to_args(cfg.policy)
-        self._service("scheduler", "scheduler", "--host", "127.0.0.1", "--port", str(cfg.scheduler_port), *policy,
-                      *self._metrics_flag("scheduler"))
+        for name, address in cfg.scheduler_addresses().items():
+            self._service(name, "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
+                          "--consumer-name", name, *policy, *self._metrics_flag(name))
         for i in range(cfg.workers):
             self._service(
                 f"worker-{i}", "worker", "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
@@ -189,10 +200,10 @@ class Stack:
 
     def _wait_ready(self) -> None:
         cfg = self.config
-        scheduler = f"127.0.0.1:{cfg.scheduler_port}"
-        self._wait(lambda: check_health(scheduler), "the scheduler", cfg.startup_timeout_s)
-        self._wait(lambda: num_workers(scheduler, cfg.cluster_token) >= cfg.workers, f"{cfg.workers} worker(s)",
-                   cfg.startup_timeout_s)
+        schedulers = list(cfg.scheduler_addresses().values())
+        self._wait(lambda: all(check_health(s) for s in schedulers), "the scheduler(s)", cfg.startup_timeout_s)
+        self._wait(lambda: sum(num_workers(s, cfg.cluster_token) for s in schedulers) >= cfg.workers,
+                   f"{cfg.workers} worker(s)", cfg.startup_timeout_s)
         self._wait(lambda: check_health(f"127.0.0.1:{cfg.port}"), "the gateway", cfg.startup_timeout_s)
 
     def _wait(self, ready, what: str, timeout_s: float) -> None:

@@ -45,7 +45,7 @@ def ready_message(config: StackConfig) -> str:
     key_note = " (with PAGEDSERVE_API_KEY set to the API key)" if config.api_key else ""
     auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.api_key else ""
     return (
-        f"pagedserve is up ({config.workers} worker(s), model {config.model.name}):\n"
+        f"pagedserve is up ({config.schedulers} scheduler(s), {config.workers} worker(s), model {config.model.name}):\n"
         f"  gRPC API:   {config.host}:{config.port}\n"
         f"  OpenAI API: http://{config.host}:{config.http_port}/v1\n"
         f"Try{key_note}:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "

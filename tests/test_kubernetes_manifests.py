@@ -53,7 +53,7 @@ def test_every_object_validates_against_the_kubernetes_schema(objects):
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == sorted(["Namespace", "ConfigMap", "StatefulSet", "Deployment", "Deployment", "Deployment",
                             "Service", "Service", "Service", "Service", "PodDisruptionBudget", "PodDisruptionBudget",
-                            "HorizontalPodAutoscaler"])
+                            "PodDisruptionBudget", "HorizontalPodAutoscaler"])
     for obj in objects:
         kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
     broken = copy.deepcopy(by_kind(objects, "Deployment")["pagedserve-worker"])
@@ -106,7 +106,10 @@ def test_services_budgets_and_autoscaler_point_at_the_workloads(objects):
         assert budget["spec"]["selector"]["matchLabels"].items() <= labels[name].items()
     hpa = by_kind(objects, "HorizontalPodAutoscaler")["pagedserve-worker"]
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "pagedserve-worker"}
-    assert deployments["pagedserve-scheduler"]["spec"]["replicas"] == 1
+    assert deployments["pagedserve-scheduler"]["spec"]["replicas"] == 2  # several schedulers, each its own id
+    scheduler = build_parser().parse_args([expand(a) for a in deployments["pagedserve-scheduler"]["spec"]["template"]
+                                           ["spec"]["containers"][0]["args"]])
+    assert scheduler.consumer_name == "" and scheduler.advertise_host == "pod-0"  # the pod's name and address
     assert deployments["pagedserve-worker"]["spec"]["replicas"] == 3  # the overlay's patch
     assert all(o["metadata"].get("namespace") == "pagedserve" for o in objects if o["kind"] != "Namespace")
     config = by_kind(objects, "ConfigMap")["pagedserve-config"]["data"]

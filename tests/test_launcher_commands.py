@@ -13,15 +13,16 @@ def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monke
     config = StackConfig(model=tmp_path, workers=2, host="127.0.0.1", port=1, scheduler_port=2,
                          redis_url="redis://127.0.0.1:3/0", kv_cache_memory="64MiB", swap_space="0", policy=policy,
                          threads_per_worker=1, data_dir=tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2,
-                         virtual_engines=1)
+                         virtual_engines=1, schedulers=2)
     stack, commands = Stack(config), []
     monkeypatch.setattr(stack, "_start_redis", lambda: None)  # nothing is started: only the commands are read
     monkeypatch.setattr(stack, "_wait_ready", lambda: None)
     monkeypatch.setattr(stack, "_service", lambda name, *args: commands.append(list(args)))
     stack.start()
     parsed = [build_parser().parse_args(args) for args in commands]  # exits (fails) on an unknown flag
-    assert [p.command for p in parsed] == ["scheduler", "worker", "worker", "gateway"]
-    scheduler, worker, gateway = parsed[0], parsed[1], parsed[3]
-    assert "scheduler" not in vars(gateway)  # the gateway finds the scheduler in Redis
+    assert [p.command for p in parsed] == ["scheduler", "scheduler", "worker", "worker", "gateway"]
+    scheduler, worker, gateway = parsed[0], parsed[2], parsed[4]
+    assert [(p.consumer_name, p.port) for p in parsed[:2]] == [("scheduler-0", 2), ("scheduler-1", 3)]  # one id each
+    assert "scheduler" not in vars(gateway)  # the gateway finds the schedulers in Redis
     assert (scheduler.max_plans_in_flight, scheduler.placement, scheduler.max_num_batched_tokens) == (1, "least-loaded", 128)
     assert (worker.tensor_parallel_size, worker.pipeline_parallel_size, worker.virtual_engines) == (2, 2, 1)

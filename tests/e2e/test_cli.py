@@ -38,7 +38,8 @@ def up(tmp_path_factory, default_model):
     env.pop("PAGEDSERVE_CLUSTER_TOKEN", None)  # up makes one
     log = open(tmp / "up.log", "w+")
     process = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--port", str(port), "--http-port", str(http_port),
+        [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--schedulers", "2", "--port", str(port),
+         "--http-port", str(http_port),
          "--scheduler-port", str(scheduler_port), "--model", str(default_model), "--kv-cache-memory", "64MiB",
          "--metrics-port", "0"],  # no fixed metrics ports: tests run side by side
         stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -59,6 +60,13 @@ def test_complete_streams_text_from_the_stack(up):
                         "--temperature", "0", "--max-tokens", "24", env=up["env"])
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_up_runs_two_schedulers(up):
+    """``--schedulers 2``: both listen (ports PORT and PORT+1); the gateway streams from whichever owns the worker."""
+    _, scheduler_port, _ = up["ports"]
+    assert "(2 scheduler(s), 1 worker(s)" in up["log"].read_text()
+    assert check_health(f"127.0.0.1:{scheduler_port}") and check_health(f"127.0.0.1:{scheduler_port + 1}")
 
 
 def test_complete_json_matches_offline(up, default_model):
@@ -154,7 +162,7 @@ def test_bench_serve_sends_the_api_key(up):
 
 def test_secrets_are_not_in_the_command_lines_of_ups_children(up):
     children = subprocess.run(["pgrep", "-P", str(up["process"].pid)], capture_output=True, text=True).stdout.split()
-    assert len(children) == 4  # redis-server, scheduler, worker, gateway
+    assert len(children) == 5  # redis-server, two schedulers, worker, gateway
     cmdlines = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children]
     prefix = b"PAGEDSERVE_CLUSTER_TOKEN="
     tokens = {entry[len(prefix):] for pid in children for entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")

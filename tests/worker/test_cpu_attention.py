@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 
 import pytest
@@ -110,3 +111,29 @@ def test_a_failed_build_falls_back_to_torch_with_a_warning(tmp_path, monkeypatch
     monkeypatch.setattr(cpu_op, "SOURCE", broken)
     for name in ("auto", "cpu"):
         assert isinstance(make_attention_backend(name, "cpu"), TorchAttentionBackend)
+
+
+def test_a_built_op_loads_without_the_build_lock_and_a_stale_lock_is_removed(tmp_path, monkeypatch):
+    """A worker killed while building leaves ``lock`` behind; the next start must not wait for it:
+    a built op is loaded directly (no lock), and a build removes a lock older than STALE_LOCK_S."""
+    import time
+
+    from torch.utils import cpp_extension
+
+    name = f"pagedserve_cpu_attention_{cpu_op._source_digest(cpu_op.SOURCE)}_{cpu_op._cpu_fingerprint()}"
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / f"{name}.so").touch()
+    (folder / "lock").touch()  # a build in progress elsewhere, or one just killed
+    loaded, built = [], []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: built.append((folder / "lock").exists()))
+    monkeypatch.setattr(cpu_op, "_loaded", {})
+    cpu_op.load_cpu_attention_op(build_dir=tmp_path)
+    assert loaded == [str(folder / f"{name}.so")] and built == []
+    (folder / f"{name}.so").unlink()
+    old = time.time() - cpu_op.STALE_LOCK_S - 1
+    os.utime(folder / "lock", (old, old))
+    monkeypatch.setattr(cpu_op, "_loaded", {})
+    cpu_op.load_cpu_attention_op(build_dir=tmp_path)
+    assert built == [False]  # the stale lock was removed before building

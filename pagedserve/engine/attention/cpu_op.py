@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -80,11 +81,11 @@ def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = N
     folder = (build_dir or default_build_dir()) / name
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        from torch.utils import cpp_extension
-
-        cpp_extension.load(name=name, sources=[str(source)], build_directory=str(folder),
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        built = folder / f"{name}.so"
+        if built.exists():  # built before: load it without taking the build lock
+            torch.ops.load_library(str(built))
+        else:
+            _build(name, source, folder)
         op: PagedAttentionOp | None = torch.ops.pagedserve_cpu.paged_attention
     except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the torch path
         log.warning("the C++ paged-attention op for CPU could not be built (%s: %s); using the torch "
@@ -93,4 +94,26 @@ def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = N
         op = None
     _loaded[source] = op
     return op
+
+
+STALE_LOCK_S = 300.0
+"""A build lock older than this was left by a process killed while building: it is removed (a build
+takes about 10 s on two cores), so that the next start does not wait for it forever."""
+
+
+def _build(name: str, source: Path, folder: Path) -> None:
+    """Compiles and loads the op with ``torch.utils.cpp_extension`` (which holds ``folder/lock``
+    while building). Raises whatever the build raises."""
+    from torch.utils import cpp_extension
+
+    lock = folder / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            log.warning("removing a stale build lock %s (a build was killed)", lock)
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    cpp_extension.load(name=name, sources=[str(source)], build_directory=str(folder),
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
 
