@@ -30,9 +30,10 @@ MAX_LEFT_REMEMBERED = 1024
 class SchedulerDiscovery:
     """Keeps one link per live scheduler: a scheduler joins when its registration (hash
     ``redis_keys.SCHEDULERS_HASH``, signed with the cluster token) is there and its lease key holds
-    its instance id; it leaves (stream closed, channel dropped) once either is gone, or is replaced
-    when its address changes. Unsigned registrations are ignored. While Redis does not answer, the
-    links stay as they are.
+    its instance id; it leaves (stream closed, channel dropped) once either is gone and its stream is
+    down (an open stream proves it alive: Redis may have restarted empty, and it registers again
+    within a tick), or is replaced when its address changes. Unsigned registrations are ignored.
+    While Redis does not answer, the links stay as they are.
 
     Args:
         client: the gateway's asyncio Redis client.
@@ -97,7 +98,8 @@ class SchedulerDiscovery:
         self._redis_answers = True
         for scheduler_id, link in list(self.links.items()):
             registration = live.get(scheduler_id)
-            if registration is None or registration.address != link.address:
+            moved = registration is not None and registration.address != link.address
+            if moved or (registration is None and not link.connected):
                 await self._drop(scheduler_id)
         for scheduler_id, registration in live.items():
             if scheduler_id not in self.links:

@@ -86,7 +86,8 @@ class SchedulerLink:
     async def _run(self) -> None:
         backoff = FIRST_BACKOFF_S
         while True:
-            call = self.stub.StreamOutputs(pb.StreamOutputsRequest(gateway_id=self._gateway_id))
+            request = pb.StreamOutputsRequest(gateway_id=self._gateway_id, scheduler_id=self.scheduler_id)
+            call = self.stub.StreamOutputs(request)
             try:
                 await call.wait_for_connection()
                 self._set_connected(True)

@@ -37,6 +37,10 @@ log = logging.getLogger("pagedserve.scheduler")
 CLAIM_BATCH = 256
 """Most entries claimed from one consumer per call."""
 
+RELEASE_MISSING_AFTER_S = 10.0
+"""An owned worker whose registration has been missing this long is given up, seconds (longer than
+the loop's ``worker_gone_after_s``: a gap from a Redis restart keeps the worker and its sequences)."""
+
 
 @dataclass(frozen=True)
 class ClusterView:
@@ -90,6 +94,7 @@ class ClusterWatch:
         self._ack = ack
         self._owned: dict[str, int] = {}  # worker id -> epoch
         self._unowned_since: dict[str, float] = {}
+        self._missing_since: dict[str, float] = {}  # owned workers whose registration is missing -> since when
         self._waiting_logged = False
         self._settled = False
 
@@ -114,7 +119,8 @@ class ClusterWatch:
         owners = self._keep_and_take_workers(workers, schedulers) if self._settled else {}
         self._settled = True
         peers = any(owner in schedulers and owner != self._leases.scheduler_id for owner in owners.values())
-        self._publish(ClusterView({w: workers[w] for w in self._owned}, dict(self._owned), peers))
+        live = {w: workers[w] for w in self._owned if w in workers}  # a missing one is dropped by the loop in time
+        self._publish(ClusterView(live, {w: self._owned[w] for w in live}, peers))
         if self._owned:
             self._claim_orphans(schedulers)
 
@@ -148,19 +154,21 @@ class ClusterWatch:
                                schedulers: Mapping[str, pb.SchedulerRegistration]) -> dict[str, str | None]:
         """Renews this scheduler's worker leases and takes its share of the unowned workers.
         Returns each live worker's owner as read before taking (``None``: unowned)."""
-        for worker_id in list(self._owned):
-            epoch = self._leases.renew_worker(worker_id) if worker_id in workers else 0
-            if epoch:
-                self._owned[worker_id] = epoch
-                continue
-            del self._owned[worker_id]
+        now = time.monotonic()
+        for worker_id, epoch in list(self._owned.items()):
+            missing_since = now if worker_id in workers else self._missing_since.setdefault(worker_id, now)
             if worker_id in workers:
-                log.warning("lost the lease on worker %s (another scheduler owns it now)", worker_id)
-            else:
+                self._missing_since.pop(worker_id, None)
+            if now - missing_since > RELEASE_MISSING_AFTER_S:  # gone: let whoever sees it again take it
                 self._leases.release_worker(worker_id)
+            elif self._leases.renew_worker(worker_id, epoch):
+                continue
+            else:
+                log.warning("lost the lease on worker %s (another scheduler owns it now)", worker_id)
+            del self._owned[worker_id]
+            self._missing_since.pop(worker_id, None)
         ids = sorted(workers)
         owners = dict(zip(ids, self._leases.owners(ids)))
-        now = time.monotonic()
         self._unowned_since = {w: self._unowned_since.get(w, now) for w, owner in owners.items() if owner is None}
         for worker_id in self._mine(owners, workers, schedulers):
             epoch = self._leases.acquire_worker(worker_id)

@@ -39,9 +39,16 @@ return epoch
 """
 
 _RENEW_WORKER = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local owner = redis.call('GET', KEYS[1])
+local epoch = redis.call('GET', KEYS[2])
+if owner == ARGV[1] and epoch == ARGV[3] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return tonumber(redis.call('GET', KEYS[2]) or '0')
+  return 1
+end
+if not owner and (not epoch or epoch == ARGV[3]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[2], ARGV[3])
+  return 1
 end
 return 0
 """
@@ -118,11 +125,12 @@ class Leases:
         keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id)]
         return int(self._acquire_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms]))
 
-    def renew_worker(self, worker_id: str) -> int:
-        """Extends the lease on a worker this scheduler owns. Returns its epoch, or 0 when the
-        lease is not ours any more."""
+    def renew_worker(self, worker_id: str, epoch: int) -> bool:
+        """Extends the lease this scheduler holds on a worker under ``epoch``. When the lease is
+        gone and no one took the worker since (Redis restarted empty), takes it again under the same
+        epoch, so the worker's sequences go on. False when another owner has (or had) it."""
         keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id)]
-        return int(self._renew_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms]))
+        return bool(self._renew_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms, epoch]))
 
     def release_worker(self, worker_id: str) -> None:
         """Gives a worker up (if still ours) so that another scheduler may take it at once."""

@@ -14,15 +14,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 import grpc
 from opentelemetry import trace
 
-from pagedserve.engine.messages import EngineRequest, FinishReason, RequestError, RequestOutput
+from pagedserve.engine.messages import FinishReason, RequestError, RequestOutput
 from pagedserve.engine.scheduler import Scheduler
-from services.common import telemetry
-from services.common.convert import output_to_pb, request_from_pb
+from services.common.convert import request_from_pb
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.cluster import ClaimedEntries, ClusterView
 from services.scheduler.commands import Abort, Command, GatewayGone, NewEntries, Resume
@@ -35,6 +33,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.migration import PendingResumes, resumed_samples_from_pb
 from services.scheduler.queue_consumer import Delivery, QueueEntry
 from services.scheduler.redis_io import RedisWrites
+from services.scheduler.routes import Routes
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -44,15 +43,6 @@ INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 HANDOFF_AFTER_S = 2.0
 """How long a scheduler without workers keeps its requests before handing them to peers that have
 workers, seconds (a worker reset after a failed step is back within about a second)."""
-
-
-@dataclass
-class _Route:
-    """Where a request came from and where its tokens go."""
-
-    gateway_id: str
-    entry_id: bytes
-    span: trace.Span
 
 
 class SchedulerLoop:
@@ -77,7 +67,6 @@ class SchedulerLoop:
         self.accepting.set()
         self._resumes = PendingResumes()
         self._peers_have_workers = False
-        self._routes: dict[str, _Route] = {}
         self._in_flight: dict[str, int] = {}  # worker session id -> plans sent and not yet answered
         self._no_workers_since: float | None = time.monotonic()
         self._gateways = GatewayPresence(config.gateway_grace_s)
@@ -85,6 +74,8 @@ class SchedulerLoop:
         self.stats = scheduler.stats()  # the latest snapshot, replaced whole by the loop (others only read it)
         self.model_name = ""  # the workers' model, from their registrations
         self.metrics = SchedulerMetrics(lambda: (self.stats, self.model_name))
+        self._routes = Routes(scheduler, self.streams, redis_writes.put, self.metrics, tracer)
+        self._deliver = self._routes.deliver
         self.error: Exception | None = None
 
     def submit(self, command: Command) -> None:
@@ -184,7 +175,7 @@ class SchedulerLoop:
                 log.info("dropping %d request(s) of gateway %s, which never connected", len(parked), gateway_id)
             for entry in [*parked, *self._resumes.drop_gateway(gateway_id)]:
                 self.acks.put(entry.entry_id)
-            for request_id in [r for r, route in self._routes.items() if route.gateway_id == gateway_id]:
+            for request_id in self._routes.of_gateway(gateway_id):
                 log.info("aborting %s: its gateway %s is gone", request_id, gateway_id)
                 self._abort(request_id)
 
@@ -220,20 +211,9 @@ class SchedulerLoop:
             self._resumes.add(entry)
             self.streams.publish(gateway_id, pb.TokenEventBatch(resume_queries=[request.request_id]))
             return
-        request = self._start(entry, request)
+        request = self._routes.open(entry, request)
         self.scheduler.add_request(request)
         self._deliver([RequestOutput(request.request_id, 0, ())])  # taken: the gateway stops watching Redis
-
-    def _start(self, entry: QueueEntry, request) -> EngineRequest:
-        """Opens the request's route and span; returns the request carrying the span's context."""
-        span = self._tracer.start_span(
-            "scheduler.request", context=telemetry.extract(request.trace_context),
-            attributes={"request_id": request.request_id, "prompt_tokens": len(request.prompt_token_ids)},
-        )
-        request = replace(request, trace_context=telemetry.inject(trace.set_span_in_context(span)))
-        self._routes[request.request_id] = _Route(entry.request.gateway_id, entry.entry_id, span)
-        self.metrics.request_added(request.request_id)
-        return request
 
     def _resume(self, command: Resume) -> None:
         """Continues a taken-over request after the tokens its client received; ends it instead
@@ -243,7 +223,7 @@ class SchedulerLoop:
         if entry is None:
             command.done.set_result(False)
             return
-        request = self._start(entry, request_from_pb(entry.request))  # decoded once already in _add
+        request = self._routes.open(entry, request_from_pb(entry.request))  # decoded once already in _add
         if message.num_migrations > self.config.migration_limit:
             command.done.set_result(True)
             self._fail(request.request_id, RequestError(UNAVAILABLE, (
@@ -258,7 +238,7 @@ class SchedulerLoop:
             return
         command.done.set_result(True)
         self.metrics.request_migrated(len(request.prompt_token_ids) + sum(len(s.token_ids) for s in message.samples))
-        self._close_if_done(request.request_id)  # every sample had finished: nothing to run
+        self._routes.close_if_done(request.request_id)  # every sample had finished: nothing to run
 
     def _fail(self, request_id: str, error: RequestError) -> None:
         """Ends a request that is not in the engine with ``error``."""
@@ -270,19 +250,12 @@ class SchedulerLoop:
         since = self._no_workers_since
         if since is None or not self._peers_have_workers or time.monotonic() - since < HANDOFF_AFTER_S:
             return
-        entries = [route.entry_id for route in self._routes.values()]
-        entries += [e.entry_id for e in self._resumes.drop_all()]
-        entries += [e.entry_id for e in self._gateways.take_all_parked()]
-        if not entries:
-            return
-        log.warning("no worker for %g s while peers have some: handing %d request(s) to them", HANDOFF_AFTER_S,
-                    len(entries))
-        for request_id, route in list(self._routes.items()):
-            self.scheduler.abort_request(request_id)  # silently: the peer resumes it for the same client
-            route.span.end()
-            self.metrics.request_closed(request_id)
-        self._routes.clear()
-        self.acks.hand_off(entries)
+        entries = self._routes.give_up_all()  # silently: a peer resumes them for the same clients
+        entries += [e.entry_id for e in [*self._resumes.drop_all(), *self._gateways.take_all_parked()]]
+        if entries:
+            log.warning("no worker for %g s while peers have some: handing %d request(s) to them", HANDOFF_AFTER_S,
+                        len(entries))
+            self.acks.hand_off(entries)
 
     def _drop_unanswered_resumes(self) -> None:
         for entry in self._resumes.expired():
@@ -301,36 +274,6 @@ class SchedulerLoop:
             self._early_aborts[request_id] = time.monotonic()
         self._deliver(outputs)
         return bool(outputs)
-
-    # ---- outputs -------------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Sends outputs to their gateways, one batch per gateway; closes the routes of requests
-        that have no sample left in flight (after the whole batch, so that every sample's last
-        output goes out)."""
-        batches: dict[str, list[pb.TokenEvent]] = {}
-        self.metrics.outputs(outputs)
-        for output in outputs:
-            route = self._routes.get(output.request_id)
-            if route is None:
-                continue
-            batches.setdefault(route.gateway_id, []).append(output_to_pb(output))
-            if output.first_output_index == 0 and output.new_token_ids:
-                route.span.add_event("first_token")
-            if output.finished:
-                route.span.add_event("sample_finished", {"finish_reason": output.finish_reason.value})
-        for request_id in {o.request_id for o in outputs}:
-            self._close_if_done(request_id)
-        for gateway_id, events in batches.items():
-            self.streams.publish(gateway_id, pb.TokenEventBatch(events=events))
-
-    def _close_if_done(self, request_id: str) -> None:
-        if request_id in self._routes and not self.scheduler.has_request(request_id):
-            self._close(self._routes.pop(request_id))
-            self.metrics.request_closed(request_id)
-
-    def _close(self, route: _Route) -> None:
-        route.span.end()
-        self.acks.put(route.entry_id)
 
     # ---- workers -------------------------------------------------------------------------
     def _update_workers(self, view: ClusterView) -> None:

@@ -26,6 +26,10 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
         """Streams the token events of one gateway's requests until the gateway goes away."""
         if not request.gateway_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "gateway_id: must not be empty")
+        own_id = self._loop.config.consumer_name
+        if request.scheduler_id and request.scheduler_id != own_id:  # its address was reused by another scheduler
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"this is scheduler {own_id}, not {request.scheduler_id}: read the schedulers from Redis again")
         context.send_initial_metadata(())  # lets the gateway see the stream is up before any event
         streams, gateway_id = self._loop.streams, request.gateway_id
         generation, events = streams.subscribe(gateway_id)

@@ -166,7 +166,8 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
     common = ["--redis-url", redis_url]
     try:
         processes["scheduler"] = pagedserve("scheduler", ["scheduler", *common, "--host", "127.0.0.1",
-                                                          "--port", str(sched_port), *metrics_port("scheduler"),
+                                                          "--port", str(sched_port), "--consumer-name", "scheduler-0",
+                                                          *metrics_port("scheduler"),
                                                           *scheduler_args], tmp_path, env)
         bind = num_workers * worker_threads <= (os.cpu_count() or 1)
         for i in range(num_workers):

@@ -66,14 +66,17 @@ def test_worker_lease_acquire_renew_release_and_epochs_grow_even_after_redis_res
     a, b = Leases(client, "a", "ia", TTL_S), Leases(client, "b", "ib", TTL_S)
     first = a.acquire_worker("w")
     assert first > 0 and b.acquire_worker("w") == 0
-    assert a.renew_worker("w") == first and b.renew_worker("w") == 0
+    assert a.renew_worker("w", first) and not b.renew_worker("w", first)
     assert a.owners(["w", "v"]) == ["a", None]
     b.release_worker("w")  # not b's: nothing happens
     assert a.owners(["w"]) == ["a"]
     a.release_worker("w")
     second = b.acquire_worker("w")
     assert second > first
-    client.flushall()  # Redis restarted empty: the epoch counter is gone, epochs still grow
+    assert not a.renew_worker("w", first)  # b owns it now
+    client.flushall()  # Redis restarted empty: b keeps it under the same epoch, nobody else having taken it
+    assert b.renew_worker("w", second) and a.owners(["w"]) == ["b"] and a.acquire_worker("w") == 0
+    client.flushall()  # and epochs of new owners still grow
     assert a.acquire_worker("w") > second
 
 

@@ -250,10 +250,12 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
 
 class StreamOutputsRequest(_message.Message):
-    __slots__ = ("gateway_id",)
+    __slots__ = ("gateway_id", "scheduler_id")
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     gateway_id: str
-    def __init__(self, gateway_id: _Optional[str] = ...) -> None: ...
+    scheduler_id: str
+    def __init__(self, gateway_id: _Optional[str] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("grpc_code", "message")
