@@ -66,7 +66,7 @@ def measure_rank_load(folder: str, rank: int, world_size: int, dtype: torch.dtyp
         model = load_model_shard(folder, LoadOnlyRank(rank, world_size), dtype, "cpu")
     owned = {t.data_ptr(): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
     item = dtype.itemsize
-    slices = [t.numel() * item for _, t in iter_sharded_checkpoint(folder, model.shard)]
+    slices = [t.numel() * item for _, t in iter_sharded_checkpoint(folder, model.checkpoint_slice)]
     whole = [t.numel() * item for _, t in iter_checkpoint(folder)]
     return {"rank": rank, "world_size": world_size, "peak": _peak_allocated(prof), "shard": sum(owned.values()),
             "largest_slice": max(slices), "largest_tensor": max(whole)}
