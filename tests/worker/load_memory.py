@@ -1,8 +1,10 @@
 """Peak memory of one tensor-parallel rank while it loads its shard (issue #12).
 
 Run one rank per fresh process: ``python -m tests.worker.load_memory FOLDER RANK WORLD_SIZE [DTYPE]``
-prints one JSON line (bytes): ``peak`` (the most tensor memory live at once while building and
-filling the shard), ``shard`` (the loaded model's parameters and buffers), ``largest_slice`` (the
+(or, ``--each-rank WORLD_SIZE FOLDER...``, every rank of every folder one after another in one fresh
+process, each model freed before the next is measured) prints one JSON line per rank (bytes):
+``peak`` (the most tensor memory live at once while building and filling the shard), ``shard``
+(the loaded model's parameters and buffers), ``largest_slice`` (the
 largest checkpoint slice this rank reads, in the model's dtype) and ``largest_tensor`` (the largest
 whole checkpoint tensor, in the model's dtype).
 
@@ -73,6 +75,12 @@ def measure_rank_load(folder: str, rank: int, world_size: int, dtype: torch.dtyp
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--each-rank":
+        world = int(sys.argv[2])
+        for folder in sys.argv[3:]:
+            for rank in range(world):
+                print(json.dumps({"folder": folder, **measure_rank_load(folder, rank, world)}), flush=True)
+        sys.exit(0)
     folder, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dtype = getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.float32
     print(json.dumps(measure_rank_load(folder, rank, world, dtype)))
