@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The model and run-shape flags of the parallelism benchmarks."""
-    p.add_argument("--model", default="", help="Llama-family model folder (default: the default model)")
+    p.add_argument("--model", default="", help="model folder (default: the default model)")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts (default %(default)s)")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt (default %(default)s)")
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV-cache memory per rank (default %(default)s)")

@@ -31,12 +31,12 @@ def add_rank_grid_arguments(parser: argparse.ArgumentParser) -> None:
     """``--tensor-parallel-size``, ``--pipeline-parallel-size`` and ``--virtual-engines`` for every
     command that builds a worker (worker, up, complete --offline)."""
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks that split each layer of the model (Megatron-LM; Llama family, CPU): rank 0 "
-                        "talks to the scheduler, T-1 helper processes hold the other shards; --kv-cache-memory "
-                        "is per rank (default %(default)s)")
+                        help="ranks that split each layer of the model (Megatron-LM; every architecture, CPU): "
+                        "rank 0 talks to the scheduler, T-1 helper processes hold the other shards; "
+                        "--kv-cache-memory is per rank (default %(default)s)")
     parser.add_argument("--pipeline-parallel-size", type=int, default=1,
-                        help="pipeline stages of consecutive layers (Llama family, CPU): T*P ranks, rank 0 in "
-                        "stage 0; --kv-cache-memory is per rank (default %(default)s)")
+                        help="pipeline stages of consecutive layers (every architecture, CPU): T*P ranks, rank 0 "
+                        "in stage 0; --kv-cache-memory is per rank (default %(default)s)")
     parser.add_argument("--virtual-engines", type=int, default=0,
                         help="with --pipeline-parallel-size P > 1: virtual engines, each its own worker id "
                         "<id>/ve<i> (and port), whose plans overlap in the stages; 0: P (default %(default)s)")

@@ -43,9 +43,9 @@ class WorkerConfig:
         gpu_memory_utilization: on CUDA, the share of the GPU's memory the worker may use in all.
         swap_space: bytes of CPU memory for blocks swapped out by swap preemption (0: none).
         num_threads: torch intra-op threads; 0 keeps torch's default.
-        tensor_parallel_size: ranks that split the model (Llama family, CPU): this process is rank 0
-            and talks to the scheduler, T-1 helper processes hold the other shards; ``kv_cache_memory``
-            is per rank, so the registered KV capacity grows with T.
+        tensor_parallel_size: ranks that split the model (every architecture, CPU): this process is
+            rank 0 and talks to the scheduler, T-1 helper processes hold the other shards;
+            ``kv_cache_memory`` is per rank, so the registered KV capacity grows with T.
         pipeline_parallel_size: pipeline stages (consecutive layers each, same models as TP): the
             worker has ``T * P`` ranks; each rank's KV cache holds its stage's layers only, so the
             registered KV capacity grows with P.

@@ -1,8 +1,10 @@
 """Peak memory of one tensor-parallel rank while it loads its shard (issue #12).
 
 Run one rank per fresh process: ``python -m tests.worker.load_memory FOLDER RANK WORLD_SIZE [DTYPE]``
-prints one JSON line (bytes): ``peak`` (the most tensor memory live at once while building and
-filling the shard), ``shard`` (the loaded model's parameters and buffers), ``largest_slice`` (the
+(or, ``--each-rank WORLD_SIZE FOLDER...``, every rank of every folder one after another in one fresh
+process, each model freed before the next is measured) prints one JSON line per rank (bytes):
+``peak`` (the most tensor memory live at once while building and filling the shard), ``shard``
+(the loaded model's parameters and buffers), ``largest_slice`` (the
 largest checkpoint slice this rank reads, in the model's dtype) and ``largest_tensor`` (the largest
 whole checkpoint tensor, in the model's dtype).
 
@@ -66,13 +68,19 @@ def measure_rank_load(folder: str, rank: int, world_size: int, dtype: torch.dtyp
         model = load_model_shard(folder, LoadOnlyRank(rank, world_size), dtype, "cpu")
     owned = {t.data_ptr(): t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())}
     item = dtype.itemsize
-    slices = [t.numel() * item for _, t in iter_sharded_checkpoint(folder, model.shard)]
+    slices = [t.numel() * item for _, t in iter_sharded_checkpoint(folder, model.checkpoint_slice)]
     whole = [t.numel() * item for _, t in iter_checkpoint(folder)]
     return {"rank": rank, "world_size": world_size, "peak": _peak_allocated(prof), "shard": sum(owned.values()),
             "largest_slice": max(slices), "largest_tensor": max(whole)}
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--each-rank":
+        world = int(sys.argv[2])
+        for folder in sys.argv[3:]:
+            for rank in range(world):
+                print(json.dumps({"folder": folder, **measure_rank_load(folder, rank, world)}), flush=True)
+        sys.exit(0)
     folder, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     dtype = getattr(torch, sys.argv[4]) if len(sys.argv) > 4 else torch.float32
     print(json.dumps(measure_rank_load(folder, rank, world, dtype)))

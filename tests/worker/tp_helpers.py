@@ -29,10 +29,11 @@ NUM_BLOCKS = 24  # 96 token slots for a dozen prompts of up to 41 tokens: preemp
 TIMEOUT_BOUND_S = 20.0  # the collectives' 5 s timeout plus slack on two busy cores
 
 
-def tiny_model_and_prompts(folder: Path, lengths: tuple[int, ...]) -> tuple[Path, list[list[int]]]:
-    """The tiny Llama (seed 7, with a tokenizer) saved in ``folder``, and seeded random prompts of
-    ``lengths`` tokens followed by two that share a 9-token prefix (for the prefix cache)."""
-    model = save_tiny_tokenizer(save_tiny_model(folder, "llama", seed=7))
+def tiny_model_and_prompts(folder: Path, lengths: tuple[int, ...], arch: str = "llama",
+                           **overrides) -> tuple[Path, list[list[int]]]:
+    """The tiny ``arch`` model (default Llama; seed 7, with a tokenizer) saved in ``folder``, and seeded
+    random prompts of ``lengths`` tokens followed by two that share a 9-token prefix (for the prefix cache)."""
+    model = save_tiny_tokenizer(save_tiny_model(folder, arch, seed=7, **overrides))
     rng = random.Random(3)
     shared = [rng.randrange(3, 96) for _ in range(9)]
     prompts = [[rng.randrange(3, 96) for _ in range(n)] for n in lengths]
@@ -83,12 +84,14 @@ def assert_seeded_sampling_equal_one_rank(folder: Path, prompts, **parallel) -> 
         assert got == pytest.approx(want, abs=1e-4)
 
 
-def two_steps(model) -> list[torch.Tensor]:
-    """Logits ``[T, V]`` of the prefill step and of the decode step (same block tables)."""
-    cache = make_cache(model, 12, BLOCK)
-    backend = make_attention_backend("torch", "cpu")
-    prefill = forward_step(model, cache, backend, PREFILL, [0, 0, 0], TABLES)
-    decode = forward_step(model, cache, backend, DECODE, [len(p) for p in PREFILL], TABLES)
+def two_steps(model, backend: str = "torch", cache=None, forward=None) -> list[torch.Tensor]:
+    """Logits ``[T, V]`` of the prefill step and of the decode step (same block tables) through the
+    attention ``backend`` (``torch`` or ``cpu``); ``cache``/``forward``: a pipeline stage's (its
+    runner's), whose logits are the model's on the last stage only."""
+    cache = make_cache(model, 12, BLOCK) if cache is None else cache
+    attention = make_attention_backend(backend, "cpu")
+    prefill = forward_step(model, cache, attention, PREFILL, [0, 0, 0], TABLES, forward=forward)
+    decode = forward_step(model, cache, attention, DECODE, [len(p) for p in PREFILL], TABLES, forward=forward)
     return [prefill, decode]
 
 
@@ -119,12 +122,29 @@ def grid_rank_main(rank: int, folder: str, init_method: str, sizes: tuple[int, i
     group = TensorParallelGroup(GroupSpec(init_method, t * p, timeout_s=30.0), rank)
     try:
         runner = build_stage_runners(RankConfig(folder, 1 << 20, BLOCK, pipeline_parallel_size=p), group)[0]
-        backend = make_attention_backend("torch", "cpu")
-        steps = [(PREFILL, [0, 0, 0]), (DECODE, [len(q) for q in PREFILL])]
-        # forward_step computes logits on every stage; only the last stage's are the model's.
-        logits = [forward_step(runner.model, runner.kv_cache, backend, ids, ctx, TABLES, forward=runner.forward)
-                  for ids, ctx in steps]
+        logits = two_steps(runner.model, cache=runner.kv_cache, forward=runner.forward)
         if rank == (p - 1) * t:  # the last stage's tensor-parallel rank 0
             torch.save(logits, Path(out))
+    finally:
+        group.close()
+
+
+def split_two_ways_main(rank: int, cases: dict[str, tuple[str, tuple[str, ...]]], init_method: str, out: str) -> None:
+    """One of 2 ranks, for every case ``name -> (folder, attention backends)``: :func:`two_steps` over
+    its T=2 shard, then over its stage of P=2 (one group serves both: T=2 x P=1 and T=1 x P=2), per
+    backend. Rank 0 saves the T=2 logits, rank 1 (the last stage) the P=2 ones, in ``out/NAME.tp.pt``
+    and ``out/NAME.pp.pt`` (``{backend: [prefill, decode]}``)."""
+    from pagedserve.engine.parallel.group import GroupSpec, TensorParallelGroup
+    from pagedserve.engine.parallel.rank import RankConfig, build_stage_runners, load_model_shard
+
+    torch.set_num_threads(1)
+    group = TensorParallelGroup(GroupSpec(init_method, 2, timeout_s=30.0), rank)
+    try:
+        for name, (folder, backends) in cases.items():
+            model = load_model_shard(folder, group, torch.float32, "cpu")
+            tp = {b: two_steps(model, b) for b in backends}
+            runner = build_stage_runners(RankConfig(folder, 1 << 20, BLOCK, pipeline_parallel_size=2), group)[0]
+            pp = {b: two_steps(runner.model, b, make_cache(runner.model, 12, BLOCK), runner.forward) for b in backends}
+            torch.save(tp if rank == 0 else pp, Path(out) / f"{name}.{'tp' if rank == 0 else 'pp'}.pt")
     finally:
         group.close()

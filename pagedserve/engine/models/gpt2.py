@@ -7,6 +7,13 @@ last block. Learned absolute position embeddings (``wpe``) are added to the toke
 the MLP is ``c_proj(gelu_new(c_fc(x)))`` with GELU's tanh approximation; the LM head is tied to
 ``wte``. Hugging Face stores the projections as ``Conv1D`` modules whose weights are transposed
 (``[in, out]``); :func:`gpt2_checkpoint_name` maps the checkpoint names and says which to transpose.
+
+Tensor parallelism (Megatron-LM; ``parallel/sharding.py``), on the Conv1D ``[in, out]`` layout:
+``c_attn`` column-parallel (the rank's columns of q, of k and of v: its heads), ``mlp.c_fc``
+column-parallel, ``attn.c_proj`` and ``mlp.c_proj`` row-parallel (rows of the stored ``[in, out]``
+matrix; biases on rank 0 only), one all-reduce after each; ``wte`` (and the tied head)
+vocabulary-parallel; ``wpe`` and the LayerNorms whole. Pipeline stages: ``wte`` and ``wpe`` on the
+first stage (``wte`` on the last too, tied), ``ln_f`` on the last (``models/sharded.py``).
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ import torch
 from torch import nn
 
 from pagedserve.engine.models.config import ModelConfigError
-from pagedserve.engine.models.layers import Embedding, GeluMLP, LayerNorm, Linear, lm_head_logits
+from pagedserve.engine.models.layers import Embedding, GeluMLP, LayerNorm, Linear
 from pagedserve.engine.models.llama import PagedAttentionFn
+from pagedserve.engine.models.sharded import ShardedCausalLM, reduce_partial
+from pagedserve.engine.parallel.sharding import Slice, rank_part, row_parallel, vocab_rows
 
 _GELU_APPROXIMATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 _REFUSED_FLAGS = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
@@ -118,14 +127,16 @@ def gpt2_checkpoint_name(name: str) -> tuple[str, bool] | None:
 
 
 class GPT2Attention(nn.Module):
-    """Multi-head self-attention with fused ``c_attn`` rows ``[q (hidden); k (hidden); v (hidden)]``."""
+    """Multi-head self-attention with fused ``c_attn`` rows ``[q (H*D); k (H*D); v (H*D)]`` (``H*D``
+    is ``hidden``, or a tensor-parallel rank's heads' share of it)."""
 
     def __init__(self, config: GPT2Config, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.layer_index, self.num_heads, self.head_dim = layer_index, config.num_heads, config.head_dim
         self.scale = config.attention_scale
-        self.c_attn = Linear(config.hidden_size, 3 * config.hidden_size, True, dtype, device)
-        self.c_proj = Linear(config.hidden_size, config.hidden_size, True, dtype, device)
+        width = config.num_heads * config.head_dim
+        self.c_attn = Linear(config.hidden_size, 3 * width, True, dtype, device)
+        self.c_proj = Linear(width, config.hidden_size, True, dtype, device)
 
     def forward(self, x: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
         """``x`` ``[T, hidden]`` -> ``[T, hidden]``; ``attention`` writes this step's K/V into the cache."""
@@ -141,6 +152,8 @@ class GPT2Attention(nn.Module):
 class GPT2Block(nn.Module):
     """``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))`` (pre-LayerNorm, Radford et al. 2019 §2.3)."""
 
+    parallel = None  # the tensor-parallel group, set by the model
+
     def __init__(self, config: GPT2Config, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.ln_1 = LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype, device)
@@ -149,13 +162,13 @@ class GPT2Block(nn.Module):
         self.mlp = GeluMLP(config.hidden_size, config.intermediate_size, True, config.gelu_approximate, dtype, device)
 
     def forward(self, x: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]`` (updates ``x`` in place)."""
-        x += self.attn(self.ln_1(x), attention)                           # (T, hidden)
-        x += self.mlp(self.ln_2(x))                                       # (T, hidden)
+        """``[T, hidden]`` -> ``[T, hidden]`` (updates ``x`` in place; one all-reduce per branch under TP)."""
+        x += reduce_partial(self.parallel, self.attn(self.ln_1(x), attention))  # (T, hidden)
+        x += reduce_partial(self.parallel, self.mlp(self.ln_2(x)))       # (T, hidden)
         return x
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(ShardedCausalLM):
     """GPT-2 causal LM. Parameters: ``embed_tokens`` (``wte``), ``embed_positions`` (``wpe``),
     ``layers.N.{ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj}`` with weights ``[out, in]``
     (the checkpoint's Conv1D ``[in, out]`` transposed), ``norm`` (``ln_f``); ``lm_head`` is ``None``
@@ -165,20 +178,44 @@ class GPT2LMHeadModel(nn.Module):
         config: the parsed ``config.json``.
         dtype: parameter and activation dtype.
         device: where the parameters live.
+        parallel, stage: this rank's tensor-parallel group and pipeline stage (``models/sharded.py``).
     """
 
+    checkpoint_layer_lists = ("h",)
+    checkpoint_embeddings = ("wte",)
+    checkpoint_first_stage = ("wpe",)
+
     def __init__(self, config: GPT2Config, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", parallel=None, stage=None) -> None:
         super().__init__()
-        self.config = config
+        config = self.setup_parallel(config, parallel, stage)
         self.dtype = dtype
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.embed_positions = Embedding(config.max_position_embeddings, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(GPT2Block(config, i, dtype, device) for i in range(config.num_layers))
-        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype, device)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+        self.embed_tokens = self.build_embedding(dtype, device)
+        self.embed_positions = (Embedding(config.max_position_embeddings, config.hidden_size, dtype, device)
+                                if self.is_first_stage else None)
+        self.layers = self.build_layers(lambda i: GPT2Block(config, i, dtype, device))
+        self.norm = self.build_final_norm(lambda: LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype,
+                                                            device))
+        self.lm_head = self.build_lm_head(dtype, device)
         self.requires_grad_(False)
+
+    def checkpoint_slice(self, name: str) -> Slice | None:
+        """This rank's part of checkpoint tensor ``name`` (Conv1D weights are ``[in, out]``)."""
+        layout = self.shard
+        parts = name.split(".")
+        owner, module, leaf = ([""] * 3 + parts)[-3:]
+        width = layout.num_heads * layout.head_dim                        # the rank's share of hidden
+        if module == "c_attn":  # columns (weight) or entries (bias) of the rank's heads in q, k and v
+            hidden, r = self.full_config.hidden_size, layout.rank
+            ranges = tuple((i * hidden + r * width, i * hidden + (r + 1) * width) for i in range(3))
+            return Slice(1 if leaf == "weight" else 0, ranges, 3 * width)
+        if module == "c_fc":
+            return rank_part(layout, layout.intermediate_size, dim=1 if leaf == "weight" else 0)
+        if module == "c_proj" and owner in ("attn", "mlp"):  # Conv1D [in, out]: the rank's rows
+            return row_parallel(layout, leaf, width if owner == "attn" else layout.intermediate_size, dim=0)
+        if module in ("wte", "lm_head"):
+            return vocab_rows(layout)
+        return None
 
     def fused_shards(self) -> dict[str, dict[str, tuple[int, int]]]:
         """No fused shards: ``c_attn`` is already one matrix in the checkpoint."""
@@ -214,22 +251,13 @@ class GPT2LMHeadModel(nn.Module):
                 raise WeightLoadError(f"{name} has shape {tuple(tensor.shape)}; {layout}{want} expected")
             yield ours, (tensor.t() if transposed else tensor)            # Conv1D [in, out] -> [out, in]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
-        """Runs the decoder over a flat token batch.
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token plus learned position embeddings: int64 ``[T]`` each -> ``[T, hidden]`` (positions
+        ``< n_positions``)."""
+        return self._embed(input_ids) + self.embed_positions(positions)  # (T, hidden)
 
-        Args:
-            input_ids: int64 ``[T]``.
-            positions: int64 ``[T]``, each token's position in its sequence (``< n_positions``).
-            attention: the step's paged attention (writes K/V into the cache, attends over it).
-
-        Returns:
-            Final-LayerNorm hidden states ``[T, hidden]`` in the model dtype.
-        """
-        x = self.embed_tokens(input_ids) + self.embed_positions(positions)  # (T, hidden)
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
+        """The blocks over ``x`` ``[T, hidden]`` -> ``[T, hidden]`` (``positions`` unused: added by :meth:`embed`)."""
         for layer in self.layers:
             x = layer(x, attention)                                       # (T, hidden)
-        return self.norm(x)                                               # (T, hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
-        return lm_head_logits(hidden, self.lm_head, self.embed_tokens)   # (N, vocab)
+        return x

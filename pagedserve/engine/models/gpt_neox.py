@@ -8,6 +8,13 @@ pairing within those channels). The fused ``query_key_value`` of the checkpoint 
 (rows ``[H, 3, D]``: per head its q, k, v); it is re-laid out into our ``[q; k; v]`` rows at load
 time (:mod:`~pagedserve.engine.models.checkpoint_map`), so the forward pass splits it like Llama's.
 Linear layers are :class:`~pagedserve.engine.models.layers.Linear` (oneDNN packs them).
+
+Tensor parallelism (Megatron-LM; ``parallel/sharding.py``): a rank reads whole heads of the
+``[H, 3, D]`` rows (contiguous) and re-lays them out like the whole model; ``dense_h_to_4h`` is
+column-parallel, ``dense`` and ``dense_4h_to_h`` row-parallel (their biases on rank 0 only). The
+parallel residual sums both branches' partial outputs before one all-reduce per layer (as vLLM's
+Falcon does), the sequential block reduces each branch; embedding and ``embed_out`` are
+vocabulary-parallel. Pipeline stages: see ``models/sharded.py``.
 """
 
 from __future__ import annotations
@@ -22,10 +29,13 @@ from torch import nn
 
 from pagedserve.engine.models.checkpoint_map import grouped_qkv_order, load_renamed
 from pagedserve.engine.models.config import ModelConfigError
-from pagedserve.engine.models.layers import Embedding, LayerNorm, Linear, lm_head_logits
+from pagedserve.engine.models.layers import LayerNorm, Linear
 from pagedserve.engine.models.llama import PagedAttentionFn
 from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
 from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
+from pagedserve.engine.models.sharded import ShardedCausalLM, reduce_partial
+from pagedserve.engine.parallel.sharding import (ShardLayout, Slice, grouped_qkv_slice, rank_part, row_parallel,
+                                                 vocab_rows)
 
 GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 _SKIPPED = (".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")  # buffers old checkpoints saved
@@ -177,8 +187,36 @@ class DenseGeluMLP(nn.Module):
         return self.dense_4h_to_h(h)                                      # (T, hidden)
 
 
+def fused_qkv_checkpoint_slice(name: str, layout: ShardLayout, embeddings: tuple[str, ...]) -> Slice | None:
+    """This rank's part of a GPT-NeoX or Falcon checkpoint tensor: ``query_key_value`` by KV-head
+    groups, ``dense_h_to_4h`` column-parallel, ``dense``/``dense_4h_to_h`` row-parallel, the
+    ``embeddings`` (and ``lm_head``) vocabulary-parallel, the rest (LayerNorms, buffers) whole."""
+    parts = name.split(".")
+    module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
+    if module == "query_key_value":
+        return grouped_qkv_slice(layout)
+    if module == "dense_h_to_4h":
+        return rank_part(layout, layout.intermediate_size)
+    if module in ("dense", "dense_4h_to_h"):
+        width = layout.num_heads * layout.head_dim if module == "dense" else layout.intermediate_size
+        return row_parallel(layout, leaf, width)
+    if module in embeddings or module == "lm_head":
+        return vocab_rows(layout)
+    return None
+
+
+def qkv_row_orders(config) -> dict[str, torch.Tensor]:
+    """The re-layout of the (rank's) fused QKV rows into ours; none when it is already ours (one KV
+    head: ``[q; k; v]``), which spares a copy."""
+    if config.num_kv_heads == 1:
+        return {}
+    return {"qkv_proj": grouped_qkv_order(config.num_heads, config.num_kv_heads, config.head_dim)}
+
+
 class GPTNeoXLayer(nn.Module):
     """Parallel: ``x + attn(ln1(x)) + mlp(ln2(x))``; sequential: ``y = x + attn(ln1(x))``, ``y + mlp(ln2(y))``."""
+
+    parallel = None  # the tensor-parallel group, set by the model
 
     def __init__(self, config: GPTNeoXConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
@@ -192,15 +230,18 @@ class GPTNeoXLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: PagedAttentionFn) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]`` (sums in transformers' order)."""
+        """``[T, hidden]`` -> ``[T, hidden]`` (sums in transformers' order; under TP the partial
+        branch outputs meet in one all-reduce, parallel, or one each, sequential)."""
         attn = self.attention(self.input_layernorm(x), cos, sin, attention)  # (T, hidden)
         if self.use_parallel_residual:  # static: the config's
-            return self.mlp(self.post_attention_layernorm(x)) + attn + x     # (T, hidden)
-        x = attn + x                                                          # (T, hidden)
-        return self.mlp(self.post_attention_layernorm(x)) + x                 # (T, hidden)
+            if self.parallel is None:
+                return self.mlp(self.post_attention_layernorm(x)) + attn + x     # (T, hidden)
+            return self.parallel.all_reduce(self.mlp(self.post_attention_layernorm(x)) + attn) + x
+        x = reduce_partial(self.parallel, attn) + x                           # (T, hidden)
+        return reduce_partial(self.parallel, self.mlp(self.post_attention_layernorm(x))) + x  # (T, hidden)
 
 
-class GPTNeoXForCausalLM(nn.Module):
+class GPTNeoXForCausalLM(ShardedCausalLM):
     """A GPT-NeoX causal LM. Parameter names: the checkpoint's without ``gpt_neox.``, with
     ``embed_in`` -> ``embed_tokens``, ``final_layer_norm`` -> ``norm``, ``query_key_value`` ->
     ``qkv_proj`` (rows re-laid out) and ``embed_out`` -> ``lm_head`` (absent when tied).
@@ -209,18 +250,21 @@ class GPTNeoXForCausalLM(nn.Module):
         config: the parsed ``config.json``.
         dtype: parameter and activation dtype.
         device: where the parameters live.
+        parallel, stage: this rank's tensor-parallel group and pipeline stage (``models/sharded.py``).
     """
 
+    checkpoint_embeddings = ("embed_in",)
+
     def __init__(self, config: GPTNeoXConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", parallel=None, stage=None) -> None:
         super().__init__()
-        self.config = config
+        config = self.setup_parallel(config, parallel, stage)
         self.dtype = dtype
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(GPTNeoXLayer(config, i, dtype, device) for i in range(config.num_layers))
-        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype, device)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else Linear(config.hidden_size, config.vocab_size, False, dtype, device))
+        self.embed_tokens = self.build_embedding(dtype, device)
+        self.layers = self.build_layers(lambda i: GPTNeoXLayer(config, i, dtype, device))
+        self.norm = self.build_final_norm(lambda: LayerNorm(config.hidden_size, config.layer_norm_eps, True, dtype,
+                                                            device))
+        self.lm_head = self.build_lm_head(dtype, device)
         self.rotary = RotaryEmbedding(config.rope, config.rotary_dim).to(device)
         self.requires_grad_(False)
 
@@ -232,21 +276,18 @@ class GPTNeoXForCausalLM(nn.Module):
         parts = name.removeprefix("gpt_neox.").split(".")
         return ".".join(_RENAMES.get(part, part) for part in parts)
 
+    def checkpoint_slice(self, name: str) -> Slice | None:
+        """This rank's part of checkpoint tensor ``name`` (``parallel/sharding.py``)."""
+        return fused_qkv_checkpoint_slice(name, self.shard, ("embed_in", "embed_out"))
+
     def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fills the parameters from a Hugging Face GPT-NeoX checkpoint (``WeightLoadError`` when
-        tensors are missing, unexpected or mis-shaped)."""
-        c = self.config
-        order = grouped_qkv_order(c.num_heads, c.num_kv_heads, c.head_dim)  # [H, 3, D] rows -> [q; k; v]
-        load_renamed(self, tensors, self.checkpoint_name, {"qkv_proj": order})
+        tensors are missing, unexpected or mis-shaped); a rank's ``[H/T, 3, D]`` rows re-laid out alike."""
+        load_renamed(self, tensors, self.checkpoint_name, qkv_row_orders(self.config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
-        """int64 ``input_ids``/``positions`` ``[T]`` -> final-norm hidden states ``[T, hidden]``."""
-        x = self.embed_tokens(input_ids)                                  # (T, hidden)
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
+        """The layers over ``x`` ``[T, hidden]`` (int64 ``positions`` ``[T]``) -> ``[T, hidden]``."""
         cos, sin = self.rotary(positions, self.dtype)                     # (T, 1, R/2) each
         for layer in self.layers:
             x = layer(x, cos, sin, attention)                             # (T, hidden)
-        return self.norm(x)                                               # (T, hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
-        return lm_head_logits(hidden, self.lm_head, self.embed_tokens)   # (N, vocab)
+        return x

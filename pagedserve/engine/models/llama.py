@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from pagedserve.engine.models.config import ModelConfig
-from pagedserve.engine.models.layers import Embedding, GatedMLP, Linear, RMSNorm, lm_head_logits
+from pagedserve.engine.models.layers import GatedMLP, Linear, RMSNorm
 from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from pagedserve.engine.models.sharded import ShardedCausalLM, reduce_partial
+from pagedserve.engine.parallel.sharding import Slice, llama_checkpoint_slice
 
 if TYPE_CHECKING:
     from pagedserve.engine.parallel.group import TensorParallelGroup
@@ -79,13 +81,13 @@ class LlamaDecoderLayer(nn.Module):
         o_proj and down_proj are row-parallel: their partial sums meet in one all-reduce each
         (Shoeybi et al., 2019, §3)."""
         attn = self.self_attn(self.input_layernorm(x), cos, sin, attention)  # (T, hidden), partial under TP
-        x += attn if self.parallel is None else self.parallel.all_reduce(attn)
+        x += reduce_partial(self.parallel, attn)
         mlp = self.mlp(self.post_attention_layernorm(x))                  # (T, hidden), partial under TP
-        x += mlp if self.parallel is None else self.parallel.all_reduce(mlp)
+        x += reduce_partial(self.parallel, mlp)
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(ShardedCausalLM):
     """A Llama-family causal LM; weights come from :func:`pagedserve.engine.weight_loader.load_weights`.
 
     Parameter names follow the Hugging Face ones without the ``model.`` prefix, except the fused
@@ -103,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
         stage: this rank's pipeline stage, or ``None`` (every layer). A stage holds its consecutive
             layers (``layers[i]`` is checkpoint layer ``stage.first_layer + i``, and KV-cache layer
             ``i``), the embedding if first (or last with tied embeddings), the final norm and LM
-            head if last; ``parallel/pipeline.py`` runs it.
+            head if last; ``parallel/pipeline.py`` runs it (see ``models/sharded.py``).
     """
 
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # subclasses swap the block
@@ -112,28 +114,12 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device | str = "cpu", parallel: TensorParallelGroup | None = None,
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
-        self.full_config = config
-        self.parallel = parallel
-        self.shard = None
-        vocab_rows = config.vocab_size
-        if parallel is not None:
-            from pagedserve.engine.parallel.sharding import shard_layout
-
-            self.shard = shard_layout(config, parallel.rank, parallel.world_size)
-            config, vocab_rows = self.shard.local_config(config), self.shard.vocab_per_rank
-        self.config = config
+        config = self.setup_parallel(config, parallel, stage)
         self.dtype = dtype
-        self.stage = stage
-        first, last = stage is None or stage.is_first, stage is None or stage.is_last
-        tied = config.tie_word_embeddings
-        self.embed_tokens = (Embedding(vocab_rows, config.hidden_size, dtype, device)
-                             if first or (last and tied) else None)
-        num_layers = config.num_layers if stage is None else stage.num_layers
-        self.layers = nn.ModuleList(self.decoder_layer_class(config, i, dtype, device) for i in range(num_layers))
-        for layer in self.layers:
-            layer.parallel = parallel
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device) if last else None
-        self.lm_head = Linear(config.hidden_size, vocab_rows, False, dtype, device) if last and not tied else None
+        self.embed_tokens = self.build_embedding(dtype, device)
+        self.layers = self.build_layers(lambda i: self.decoder_layer_class(config, i, dtype, device))
+        self.norm = self.build_final_norm(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device))
+        self.lm_head = self.build_lm_head(dtype, device)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim).to(device)
         self.requires_grad_(False)
 
@@ -154,42 +140,16 @@ class LlamaForCausalLM(nn.Module):
 
         load_weights(self, tensors)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
-        """Runs the decoder over a flat token batch.
+    def checkpoint_slice(self, name: str) -> Slice | None:
+        """This rank's part of checkpoint tensor ``name`` (``parallel/sharding.py``)."""
+        return llama_checkpoint_slice(name, self.shard)
 
-        Args:
-            input_ids: int64 ``[T]``.
-            positions: int64 ``[T]``, each token's position in its sequence.
-            attention: the step's paged attention (writes K/V into the cache, attends over it).
-
-        Returns:
-            Final-norm hidden states ``[T, hidden]`` in the model dtype.
-        """
-        x = self._embed(input_ids)                                        # (T, hidden)
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
+        """The decoder layers over ``x`` ``[T, hidden]`` (int64 ``positions`` ``[T]``) -> ``[T, hidden]``."""
         cos, sin = self.rotary(positions, self.dtype)                     # (T, 1, D/2) each
         for layer in self.layers:
             x = layer(x, cos, sin, attention)                             # (T, hidden)
-        return self.norm(x)                                               # (T, hidden)
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """int64 ``[T]`` -> ``[T, hidden]``. Vocabulary-parallel under TP (Shoeybi et al., 2019, §3):
-        each rank looks up the ids in its row range, zeros elsewhere, and an all-reduce sums them."""
-        if self.parallel is None:
-            return self.embed_tokens(input_ids)                           # (T, hidden)
-        local = input_ids - self.shard.vocab_start                        # (T,)
-        inside = (local >= 0) & (local < self.shard.vocab_per_rank)      # (T,) bool
-        x = self.embed_tokens(local.clamp(0, self.shard.vocab_per_rank - 1))  # (T, hidden)
-        x.mul_(inside.unsqueeze(1).to(x.dtype))
-        return self.parallel.all_reduce(x)                                # (T, hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[N, hidden]`` -> float32 logits ``[N, vocab]``. Under TP each rank computes its
-        vocabulary shard ``[N, ceil(V/T)]``; an all-gather puts the full rows on every rank."""
-        logits = lm_head_logits(hidden, self.lm_head, self.embed_tokens)  # (N, vocab or V/T)
-        if self.parallel is None:
-            return logits                                                 # (N, vocab)
-        gathered = self.parallel.all_gather(logits, dim=1)                # (N, T*ceil(V/T))
-        return gathered[:, : self.full_config.vocab_size]                 # (N, vocab)
+        return x
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -18,6 +18,12 @@ Checkpoints: the per-expert layout ``layers.N.block_sparse_moe.experts.E.w1/w2/w
 transformers 5.x ``save_pretrained`` writes, and the published Mixtral checkpoints) and the fused
 layout of transformers 5.x in memory (``layers.N.mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
 ``...down_proj`` ``[E, H, I]``, ``layers.N.mlp.gate.weight``) both load.
+
+Tensor parallelism (Megatron-LM, as vLLM without expert parallelism): attention as Llama's; the
+router ``gate`` is whole on every rank (each routes the same all-reduced input alike); every
+expert's w1/w3 are column-parallel (``I/T`` rows) and w2 row-parallel, so a rank's
+:meth:`SparseMoeBlock.dispatch` sums its partial expert outputs and the layer's one all-reduce
+after the MLP adds the ranks' partial sums (``LlamaDecoderLayer``).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from torch import nn
 from pagedserve.engine.models.config import ModelConfig, ModelConfigError, parse_model_config
 from pagedserve.engine.models.layers import GatedMLP, Linear
 from pagedserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.engine.parallel.sharding import Slice, llama_checkpoint_slice, rank_part
 
 _blocks: weakref.WeakValueDictionary[int, SparseMoeBlock] = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -195,3 +202,20 @@ class MixtralForCausalLM(LlamaForCausalLM):
         """Fills the parameters from either checkpoint layout (module docstring); ``WeightLoadError``
         when they do not fit."""
         super().load_checkpoint(_checkpoint_names(tensors, self.config.intermediate_size))
+
+    def checkpoint_slice(self, name: str) -> Slice | None:
+        """This rank's part of checkpoint tensor ``name``: Llama's, plus each expert's w1/w3 rows and
+        w2 columns (fused ``[E, 2I, H]`` gate_up: the rank's rows of both halves; ``[E, H, I]``
+        down: its columns); the router whole."""
+        layout, width = self.shard, self.shard.intermediate_size
+        match = _PER_EXPERT.search(name)
+        if match and match.group(3) in ("w1", "w3"):
+            return rank_part(layout, width)
+        if match and match.group(3) == "w2":
+            return rank_part(layout, width, dim=1)
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            full, r = self.full_config.intermediate_size, layout.rank
+            return Slice(1, ((r * width, (r + 1) * width), (full + r * width, full + (r + 1) * width)), 2 * width)
+        if name.endswith(".mlp.experts.down_proj"):
+            return rank_part(layout, width, dim=2)
+        return llama_checkpoint_slice(name, layout)

@@ -4,23 +4,22 @@ A worker of ``T x P`` ranks: rank ``r`` is tensor-parallel rank ``r % T`` of sta
 Stage ``s`` holds layers ``[first_layer, first_layer + num_layers)`` (the ``L`` layers split as
 evenly as possible, the first ``L % P`` stages one more) and a KV cache of only those layers.
 Every rank applies every BatchPlan to its own request states (as under TP); in the forward, stage
-0 embeds the tokens, each stage runs its layers and sends the hidden states ``[tokens, hidden]``
-to the same tensor-parallel rank of the next stage (gloo ``send``/``recv``; this Llama layer API
-carries no separate residual). The last stage applies the final norm, computes the logits and
-samples (its tensor-parallel rank 0, with the same per-request seeds as one rank); the other
-stages learn the sampled tokens with the next plan of the same virtual engine
+0 embeds the tokens (GPT-2: plus its learned positions), each stage runs its layers and sends the
+hidden states ``[tokens, hidden]`` to the same tensor-parallel rank of the next stage (gloo
+``send``/``recv``; no architecture's layers carry a separate residual). The last stage applies
+the final norm, computes the logits and samples (its tensor-parallel rank 0, with the same
+per-request seeds as one rank); the other stages learn the sampled tokens with the next plan of
+the same virtual engine
 (``pipeline_runner.py``, which also hands the plans out).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from pagedserve.engine.messages import PromptLogprobs, SampledToken
 from pagedserve.engine.model_runner import ModelRunner, ScheduledRequest, _batch_order
@@ -73,36 +72,32 @@ def pipeline_stage(num_layers: int, index: int, num_stages: int) -> PipelineStag
     return PipelineStage(index, num_stages, first, base + (index < extra), base + (extra > 0))
 
 
-def stage_checkpoint_name(name: str, stage: PipelineStage, tied: bool) -> str | None:
+def stage_checkpoint_name(name: str, stage: PipelineStage, tied: bool, layer_lists: tuple[str, ...] = ("layers",),
+                          embeddings: tuple[str, ...] = ("embed_tokens",),
+                          first_only: tuple[str, ...] = ()) -> str | None:
     """The model's name for checkpoint tensor ``name`` on ``stage`` (``model.layers.7.x`` ->
-    ``model.layers.3.x`` on a stage starting at layer 4), or ``None`` if the stage does not hold it."""
+    ``model.layers.3.x`` on a stage starting at layer 4), or ``None`` if the stage does not hold it.
+
+    Args:
+        layer_lists: the checkpoint's names of the layer list (``h`` in GPT-2 and Falcon).
+        embeddings: the token embedding's module names (first stage; last too when ``tied``).
+        first_only: other modules of the first stage only (GPT-2's learned positions ``wpe``).
+        The rest (final norm, LM head) belongs to the last stage.
+    """
     parts = name.split(".")
-    if "layers" in parts:
-        at = parts.index("layers") + 1
+    lists = [i for i, part in enumerate(parts[:-1]) if part in layer_lists and parts[i + 1].isdigit()]
+    if lists:
+        at = lists[0] + 1
         local = int(parts[at]) - stage.first_layer
         if not 0 <= local < stage.num_layers:
             return None
         return ".".join([*parts[:at], str(local), *parts[at + 1:]])
     module = parts[-2] if len(parts) >= 2 else ""
-    if module == "embed_tokens":
+    if module in embeddings:
         return name if stage.is_first or (stage.is_last and tied) else None
+    if module in first_only:
+        return name if stage.is_first else None
     return name if stage.is_last else None  # the final norm and the LM head
-
-
-def iter_stage_checkpoint(folder: str | Path, stage: PipelineStage, tied: bool,
-                          layout=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields ``(stage-local name, tensor)`` for the tensors ``stage`` holds, reading no other one;
-    with a :class:`~pagedserve.engine.parallel.sharding.ShardLayout`, only this rank's slice of each."""
-    from pagedserve.engine.parallel.sharding import _read, checkpoint_slice
-    from pagedserve.engine.weight_loader import safetensors_files
-
-    for path in safetensors_files(folder):
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                local = stage_checkpoint_name(name, stage, tied)
-                if local is not None:
-                    piece = None if layout is None else checkpoint_slice(name, layout)
-                    yield local, _read(handle, name, piece)
 
 
 @dataclass(frozen=True)
@@ -138,7 +133,8 @@ class StageForward:
     seconds spent in ``send``/``recv`` (waiting for a neighbour stage included).
 
     Args:
-        model: the stage's ``LlamaForCausalLM`` (built with ``stage=``).
+        model: the stage's model (a :class:`~pagedserve.engine.models.sharded.ShardedCausalLM`
+            built with ``stage=``).
         position: this rank in the grid.
         world: the group of all ranks (point-to-point between stages).
     """
@@ -156,16 +152,14 @@ class StageForward:
         (final-norm hidden states on the last stage). Raises :class:`CollectiveError` when a peer fails."""
         model = self.model
         if self.stage.is_first:
-            x = model._embed(input_ids)                                   # (T, hidden)
+            x = model.embed(input_ids, positions)                         # (T, hidden)
         else:
             x = torch.empty(input_ids.shape[0], model.config.hidden_size, dtype=model.dtype,
                             device=input_ids.device)
             start = time.perf_counter()
             self.world.recv(x, self.prev_rank)                            # (T, hidden)
             self.comm_s += time.perf_counter() - start
-        cos, sin = model.rotary(positions, model.dtype)                   # (T, 1, D/2) each
-        for layer in model.layers:
-            x = layer(x, cos, sin, attention)                             # (T, hidden)
+        x = model.run_layers(x, positions, attention)                     # (T, hidden)
         if not self.stage.is_last:
             start = time.perf_counter()
             self.world.send(x, self.next_rank)

@@ -21,12 +21,9 @@ from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memo
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models import load_model_config, model_class_for
 from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
-from pagedserve.engine.parallel.pipeline import (RankPosition, StageForward, StageRunner, iter_stage_checkpoint,
-                                                 pipeline_stage)
-from pagedserve.engine.parallel.sharding import ShardingError, iter_sharded_checkpoint, shard_layout
+from pagedserve.engine.parallel.pipeline import RankPosition, StageForward, StageRunner, pipeline_stage
+from pagedserve.engine.parallel.sharding import ShardingError, shard_layout
 from pagedserve.engine.sampler import Sampler, SamplerOutput
-
-TP_ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -61,11 +58,15 @@ class RankConfig:
 
 def check_shardable(model_path: str | Path, world_size: int, pipeline_parallel_size: int = 1) -> None:
     """Raises :class:`ShardingError` if the folder's model cannot run over ``world_size``
-    tensor-parallel ranks, or :class:`PipelineError` over ``pipeline_parallel_size`` stages."""
+    tensor-parallel ranks, or :class:`PipelineError` over ``pipeline_parallel_size`` stages (both
+    say which sizes work). Every model class built on ``ShardedCausalLM`` splits (all registered ones)."""
+    from pagedserve.engine.models.sharded import ShardedCausalLM
+
     config = load_model_config(model_path)
-    if config.architecture not in TP_ARCHITECTURES:
-        raise ShardingError(f"tensor and pipeline parallelism support {', '.join(sorted(TP_ARCHITECTURES))}, "
-                            f"not {config.architecture}; run it with tensor_parallel_size=pipeline_parallel_size=1")
+    if (world_size > 1 or pipeline_parallel_size > 1) and not issubclass(model_class_for(config.architecture),
+                                                                          ShardedCausalLM):
+        raise ShardingError(f"{config.architecture} cannot be split over ranks; "
+                            "run it with tensor_parallel_size=pipeline_parallel_size=1")
     shard_layout(config, 0, world_size)
     pipeline_stage(config.num_layers, 0, pipeline_parallel_size)
 
@@ -73,11 +74,11 @@ def check_shardable(model_path: str | Path, world_size: int, pipeline_parallel_s
 def load_model_shard(model_path: str | Path, group: TensorParallelGroup, dtype: torch.dtype,
                      device: str) -> nn.Module:
     """Builds this rank's shard of the folder's model and fills it slice by slice
-    (``iter_sharded_checkpoint``: peak = the shard plus one slice)."""
+    (``model.rank_checkpoint``: peak = the shard plus one slice)."""
     check_shardable(model_path, group.world_size)
     config = load_model_config(model_path)
     model = model_class_for(config.architecture)(config, dtype=dtype, device=device, parallel=group)
-    model.load_checkpoint(iter_sharded_checkpoint(model_path, model.shard))
+    model.load_checkpoint(model.rank_checkpoint(model_path))
     return model.eval()
 
 
@@ -151,7 +152,7 @@ def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[
     stage = pipeline_stage(full.num_layers, position.stage, position.pipeline_parallel_size)
     dtype = getattr(torch, config.dtype)
     model = model_class_for(full.architecture)(full, dtype=dtype, device=config.device, parallel=tp, stage=stage)
-    model.load_checkpoint(iter_stage_checkpoint(config.model_path, stage, full.tie_word_embeddings, model.shard))
+    model.load_checkpoint(model.rank_checkpoint(config.model_path))
     model.eval()
     c = model.config
     sized = KVCacheSpec(stage.max_stage_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
