@@ -161,7 +161,7 @@ class OutputRouter:
         if request is not None and request.owner == scheduler_id:
             request.queue.put_nowait(output_from_pb(event))
         elif not event.finish_reason and (scheduler_id, key) not in self._aborted:
-            why = "no call here waits for its tokens" if request is None else f"scheduler {request.owner} owns it"
+            why = "no call waits for its tokens" if request is None else f"scheduler {request.owner} owns it"
             log.info("aborting %s on scheduler %s: %s", key, scheduler_id, why)
             self._remember_aborted(scheduler_id, key)
             self._in_background(self._abort_on(self._link(scheduler_id), key))
