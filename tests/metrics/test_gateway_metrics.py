@@ -96,7 +96,7 @@ def test_every_service_takes_metrics_port_and_up_spreads_its_ports():
     config = StackConfig(model=Path("m"), workers=2, host="127.0.0.1", port=1, scheduler_port=2, redis_url="redis://x",
                          kv_cache_memory="1GiB", swap_space="0", policy=SchedulerConfig(), threads_per_worker=1,
                          data_dir=Path("."), metrics_port=9000)
-    assert config.metrics_ports() == {"gateway": 9000, "scheduler": 9001, "worker-0": 9002, "worker-1": 9003}
+    assert config.metrics_ports() == {"gateway": 9000, "scheduler-0": 9001, "worker-0": 9002, "worker-1": 9003}
 
 
 def test_a_call_that_ends_early_counts_its_unfinished_samples_as_aborted():
