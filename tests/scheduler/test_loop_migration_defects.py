@@ -1,0 +1,107 @@
+"""Review of issue #13 (several schedulers): the scheduler loop's side of request migration, run on
+its own thread without workers, Redis or gRPC (acknowledgements and hand-offs are recorded)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+from opentelemetry import trace
+
+from pagedserve.engine.messages import EngineRequest
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from services.common.convert import request_to_pb
+from services.common.pb import engine_pb2 as pb
+from services.scheduler import migration
+from services.scheduler.commands import GatewayBack, GatewayGone, NewEntries
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.loop import SchedulerLoop
+from services.scheduler.queue_consumer import Delivery, QueueEntry
+from services.scheduler.redis_io import RedisWrites
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Loop:
+    """A SchedulerLoop running on a thread; what it acknowledged is in ``acked``."""
+
+    def __init__(self, **config) -> None:
+        self.acked: list[bytes] = []
+        self.handed_off: list[bytes] = []
+        config = SchedulerServiceConfig(redis_url="redis://unused", cluster_token="t" * 16, **config)
+        writes = RedisWrites(self.acked.append, self.handed_off.extend)
+        self.loop = SchedulerLoop(config, Scheduler(config.policy), writes, trace.get_tracer("test"), lambda ready: None)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.loop.run, args=(self.stop,), daemon=True),
+                        threading.Thread(target=writes.run, args=(self.stop,), daemon=True)]
+
+    def __enter__(self) -> Loop:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=5)
+        assert self.loop.error is None
+
+    def connect(self, gateway_id: str) -> tuple[int, queue.SimpleQueue]:
+        """A gateway's StreamOutputs call, as ``SchedulerServicer.StreamOutputs`` opens it."""
+        generation, events = self.loop.streams.subscribe(gateway_id)
+        self.loop.submit(GatewayBack(gateway_id, generation))
+        return generation, events
+
+
+def entry(request_id: str, gateway_id: str, delivery: Delivery) -> QueueEntry:
+    request = EngineRequest(request_id, (1, 2, 3), EngineSamplingParams(max_tokens=8), 0.0)
+    return QueueEntry(f"{request_id}-0".encode(), request_to_pb(request, gateway_id), delivery)
+
+
+def next_batch(events: queue.SimpleQueue, timeout_s: float) -> pb.TokenEventBatch | None:
+    try:
+        return events.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
+
+
+def test_a_request_dropped_for_an_unanswered_resume_query_ends_at_its_gateway(monkeypatch):
+    """A taken-over request whose gateway did not answer the resume query in time is dropped (its
+    entry acknowledged). The gateway, which made this scheduler the request's owner when the query
+    arrived (and whose stream to it stays up), must hear that the request ended: otherwise its
+    client waits forever (``unreachable_for_s`` stays 0, nothing else ever ends the request).
+
+    How the gateway misses the deadline without being gone: its answer is sent only when the
+    request's generator reaches the query, i.e. when the client reads (a client that stops reading
+    for RESUME_TIMEOUT_S), or its one Resume call failed while the stream stayed up (the query is
+    sent again only when the stream reconnects)."""
+    monkeypatch.setattr(migration, "RESUME_TIMEOUT_S", 0.3)
+    with Loop() as sched:
+        _, events = sched.connect("gw")
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.REDELIVERED),)))
+        query = next_batch(events, 5)
+        assert query is not None and list(query.resume_queries) == ["r"]
+        while b"r-0" not in sched.acked:  # dropped after RESUME_TIMEOUT_S
+            threading.Event().wait(0.05)
+        final = [e for b in iter(lambda: next_batch(events, 0.5), None) for e in b.events if e.request_id == "r"]
+        assert final and final[-1].finish_reason == pb.FINISH_REASON_ABORT, \
+            "the gateway was never told that its request was dropped: its client hangs"
+
+
+def test_no_output_queue_is_kept_for_a_gateway_whose_requests_were_aborted_for_its_absence():
+    """When a gateway stays away longer than the grace period its queue is closed and its requests
+    aborted; the abort outputs must not make a new queue for it (kept forever: gateway ids are new
+    at every gateway start, so every gateway that ever died holds one)."""
+    with Loop(gateway_grace_s=0.2) as sched:
+        generation, events = sched.connect("gw")
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
+        taken = next_batch(events, 5)
+        assert taken is not None and [e.request_id for e in taken.events] == ["r"]
+        sched.loop.submit(GatewayGone("gw", generation))
+        while b"r-0" not in sched.acked:  # aborted after the grace period
+            threading.Event().wait(0.05)
+        threading.Event().wait(0.2)
+        _, stale = sched.loop.streams.subscribe("gw")  # a later gateway under that id (or a leak check)
+        assert stale.empty(), "the aborted requests' outputs were queued again for the gone gateway"
