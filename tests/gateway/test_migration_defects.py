@@ -55,21 +55,3 @@ def test_a_stale_resume_query_does_not_take_the_request_from_the_scheduler_that_
 
     asyncio.run(scenario())
 
-
-def test_a_request_whose_only_resume_was_refused_does_not_wait_forever(client, redis_url):
-    """s2 took the request over and queried; the gateway answered late (its client was not reading,
-    or its first Resume call failed), after s2 had dropped the request (RESUME_TIMEOUT_S), so the
-    Resume answers found=False. Nobody runs the request any more, and s2's stream stays up: the
-    request must fail (within the gateway's grace) instead of waiting for ever."""
-
-    async def scenario():
-        async with Gateway(client, redis_url, grace_s=1.0) as gw:
-            gw.s2.found = False
-            key = await gw.submit(SamplingParams(max_tokens=4))
-            gw.s1.send(event(key, 0, [0]))
-            await until(lambda: gw.token_ids() == [0], "s1's first token")
-            gw.s2.send(resume_queries=(key,))
-            await until(lambda: gw.s2.resumes, "the refused resume")
-            await until(lambda: getattr(gw, "done", False), "the request to end", timeout_s=5)
-
-    asyncio.run(scenario())
