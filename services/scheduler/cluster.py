@@ -105,6 +105,8 @@ class ClusterWatch:
                 self.tick()
             except redis.RedisError as exc:
                 log.warning("cluster state not updated (Redis: %s)", exc)
+            except Exception:  # garbage in Redis (anyone who can write there): keep the lease and the thread
+                log.exception("cluster state not updated")
             stop.wait(interval_s)
         self._release_all()
 
@@ -121,7 +123,7 @@ class ClusterWatch:
         peers = any(owner in schedulers and owner != self._leases.scheduler_id for owner in owners.values())
         live = {w: workers[w] for w in self._owned if w in workers}  # a missing one is dropped by the loop in time
         self._publish(ClusterView(live, {w: self._owned[w] for w in live}, peers))
-        if self._owned:
+        if live:  # a lease on a worker whose registration is gone (it died) runs nothing: claim only with a live one
             self._claim_orphans(schedulers)
 
     def _hold_own_lease(self) -> bool:
