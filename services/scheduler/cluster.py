@@ -78,11 +78,15 @@ class ClusterWatch:
         publish: hands a ``ClusterView`` or ``ClaimedEntries`` to the loop.
         lease_held: set while this scheduler holds its lease (the request reader waits for it).
         ack: acknowledges an entry (claimed entries that cannot be decoded are dropped with it).
+        can_run: whether the loop has a worker admitted now (one in back-off after failed steps
+            runs nothing either): requests are claimed only then, or a scheduler that handed its
+            requests off would take them back, and hand them off again, until --migration-limit.
     """
 
     def __init__(self, client: redis.Redis, leases: Leases, registry: WorkerRegistry, cluster_token: str,
                  address: str, ttl_s: float, publish: Callable[[ClusterView | ClaimedEntries], None],
-                 lease_held: threading.Event, ack: Callable[[bytes], None]) -> None:
+                 lease_held: threading.Event, ack: Callable[[bytes], None],
+                 can_run: Callable[[], bool] = lambda: True) -> None:
         self._client = client
         self._leases = leases
         self._registry = registry
@@ -92,6 +96,7 @@ class ClusterWatch:
         self._publish = publish
         self.lease_held = lease_held
         self._ack = ack
+        self._can_run = can_run
         self._owned: dict[str, int] = {}  # worker id -> epoch
         self._unowned_since: dict[str, float] = {}
         self._missing_since: dict[str, float] = {}  # owned workers whose registration is missing -> since when
@@ -123,7 +128,7 @@ class ClusterWatch:
         peers = any(owner in schedulers and owner != self._leases.scheduler_id for owner in owners.values())
         live = {w: workers[w] for w in self._owned if w in workers}  # a missing one is dropped by the loop in time
         self._publish(ClusterView(live, {w: self._owned[w] for w in live}, peers))
-        if live:  # a lease on a worker whose registration is gone (it died) runs nothing: claim only with a live one
+        if live and self._can_run():  # a worker that died (registration gone, or in back-off) runs nothing
             self._claim_orphans(schedulers)
 
     def _hold_own_lease(self) -> bool:

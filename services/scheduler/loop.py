@@ -65,6 +65,7 @@ class SchedulerLoop:
         self.acks = redis_writes  # runs on a thread of its own: the loop never waits on Redis
         self.accepting = threading.Event()  # read new requests: this scheduler has workers, or no peer has
         self.accepting.set()
+        self.has_workers = threading.Event()  # a worker is admitted (as of the latest ClusterView): claims may run
         self._resumes = PendingResumes()
         self._peers_have_workers = False
         self._in_flight: dict[str, int] = {}  # worker session id -> plans sent and not yet answered
@@ -258,8 +259,7 @@ class SchedulerLoop:
             self.acks.hand_off(entries)
 
     def _drop_unanswered_resumes(self) -> None:
-        """Drops the taken-over requests whose gateway did not answer in time, and tells the gateway
-        (this scheduler owns the request there since the query: unaware, it would wait for ever)."""
+        """Drops requests whose gateway did not answer the resume query, telling it (else it waits for ever)."""
         for entry in self._resumes.expired():
             request_id, gateway_id = entry.request.request_id, entry.request.gateway_id
             log.warning("dropping %s: its gateway %s did not answer the resume query", request_id, gateway_id)
@@ -288,6 +288,7 @@ class SchedulerLoop:
         self._peers_have_workers = view.peers_have_workers
         self._deliver(self.membership.sync(view.workers, view.epochs))
         has_workers = bool(self.scheduler.worker_ids)
+        self.has_workers.set() if has_workers else self.has_workers.clear()
         if has_workers:
             self._no_workers_since = None
         elif self._no_workers_since is None:

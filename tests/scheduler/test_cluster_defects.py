@@ -149,3 +149,24 @@ def test_a_workers_epoch_key_does_not_outlive_the_worker_for_ever(client):
     client.delete(redis_keys.worker_heartbeat_key("w0"))
     client.hdel(redis_keys.WORKERS_HASH, "w0")
     assert client.pttl(redis_keys.worker_epoch_key("w0")) != -1, "the epoch key has no TTL: it is never removed"
+
+
+def test_a_scheduler_whose_loop_has_no_worker_admitted_does_not_claim(client):
+    """As above, but the dead worker's registration is still there (its heartbeat has not expired
+    yet, or the worker is up but unreachable from this scheduler, or fails every step): the loop
+    has it in back-off and runs nothing, so the watch must not claim (``can_run``)."""
+    register_worker(client, "w0", 10)
+    register_worker(client, "w1", 10)
+    s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
+    s0.watch._can_run = lambda: False  # what SchedulerLoop.has_workers says while its worker is in back-off
+    for _ in range(3):
+        s0.watch.tick()
+        s1.watch.tick()
+    assert len(s0.owned()) == len(s1.owned()) == 1
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    s0.leases.hand_off([entry_id])
+    s0.watch.tick()
+    assert s0.claimed == []
+    s1.watch.tick()
+    assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
