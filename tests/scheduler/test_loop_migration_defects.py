@@ -55,8 +55,8 @@ class Loop:
         return generation, events
 
 
-def entry(request_id: str, gateway_id: str, delivery: Delivery) -> QueueEntry:
-    request = EngineRequest(request_id, (1, 2, 3), EngineSamplingParams(max_tokens=8), 0.0)
+def entry(request_id: str, gateway_id: str, delivery: Delivery, n: int = 1) -> QueueEntry:
+    request = EngineRequest(request_id, (1, 2, 3), EngineSamplingParams(max_tokens=8, n=n), 0.0)
     return QueueEntry(f"{request_id}-0".encode(), request_to_pb(request, gateway_id), delivery)
 
 
@@ -105,3 +105,42 @@ def test_no_output_queue_is_kept_for_a_gateway_whose_requests_were_aborted_for_i
         threading.Event().wait(0.2)
         _, stale = sched.loop.streams.subscribe("gw")  # a later gateway under that id (or a leak check)
         assert stale.empty(), "the aborted requests' outputs were queued again for the gone gateway"
+
+
+def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_later(monkeypatch):
+    """The gateway makes a scheduler the owner as soon as its resume query arrives, and then
+    processes the old owner's outputs queued before the query: a stop string matched there sends
+    this scheduler Abort(request, sample i) while the request waits for its Resume. The loop finds
+    nothing to abort and records an *early abort of the whole request*. The request then resumes and
+    runs; when its entry is added again within the next minute (handed off without workers, then
+    claimed back once a worker returned), the early abort swallows it: the entry is acknowledged,
+    no resume query goes out, and the gateway (owner: this scheduler, stream up) waits for ever."""
+    from concurrent.futures import Future
+
+    from services.scheduler import loop as loop_module
+    from services.scheduler.cluster import ClaimedEntries, ClusterView
+    from services.scheduler.commands import Abort, Resume
+
+    monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
+    with Loop() as sched:
+        _, events = sched.connect("gw")
+        taken_over = entry("r", "gw", Delivery.REDELIVERED, n=2)
+        sched.loop.submit(NewEntries((taken_over,)))
+        assert list(next_batch(events, 5).resume_queries) == ["r"]
+        aborted: Future = Future()
+        sched.loop.submit(Abort("r", 1, aborted))  # a stop string matched on sample 1 (nothing runs yet)
+        assert aborted.result(5) is False
+        resumed: Future = Future()
+        samples = [pb.ResumedSample(sample_index=0, token_ids=[5]), pb.ResumedSample(sample_index=1, token_ids=[6],
+                                                                                     finished=True)]
+        sched.loop.submit(Resume(pb.ResumeRequest(request_id="r", gateway_id="gw", num_migrations=1, samples=samples),
+                                 resumed))
+        assert resumed.result(5) is True
+        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))  # no worker here, a peer has one
+        while not sched.handed_off:
+            threading.Event().wait(0.05)
+        assert sched.handed_off == [b"r-0"]
+        sched.loop.submit(ClaimedEntries((taken_over,)))  # claimed back (its worker is admitted again)
+        query = next_batch(events, 2)
+        assert query is not None and list(query.resume_queries) == ["r"], \
+            f"the request was dropped silently (acknowledged: {sched.acked})"
