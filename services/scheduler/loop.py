@@ -276,7 +276,7 @@ class SchedulerLoop:
         if waiting is not None:  # taken over, and its client is gone: nothing to resume
             self.acks.put(waiting.entry_id)
             return True
-        if not outputs and request_id not in self._routes:
+        if not outputs and request_id not in self._routes and sample_index is None:  # one sample: the rest goes on
             self._early_aborts[request_id] = time.monotonic()
         self._deliver(outputs)
         return bool(outputs)
