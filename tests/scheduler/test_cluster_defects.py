@@ -170,3 +170,26 @@ def test_a_scheduler_whose_loop_has_no_worker_admitted_does_not_claim(client):
     assert s0.claimed == []
     s1.watch.tick()
     assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
+
+
+def test_when_no_scheduler_runs_a_worker_handed_off_requests_are_still_claimed(client):
+    """Claiming only with a running worker must not strand hand-off entries when no scheduler runs
+    one: then any scheduler claims them (they end after --no-worker-timeout instead of waiting for
+    ever), and none counts as a peer to hand off to."""
+    register_worker(client, "w0", 10)
+    register_worker(client, "w1", 10)
+    s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
+    for _ in range(3):
+        s0.watch.tick()
+        s1.watch.tick()
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    for worker_id in ("w0", "w1"):  # both workers die
+        client.delete(redis_keys.worker_heartbeat_key(worker_id))
+        client.hdel(redis_keys.WORKERS_HASH, worker_id)
+    s0.leases.hand_off([entry_id])
+    for _ in range(2):
+        s0.watch.tick()
+        s1.watch.tick()
+    assert not s0.views[-1].peers_have_workers and not s1.views[-1].peers_have_workers
+    assert [e.request.request_id for w in (s0, s1) for c in w.claimed for e in c.entries] == ["r"]
