@@ -144,3 +144,26 @@ def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_l
         query = next_batch(events, 2)
         assert query is not None and list(query.resume_queries) == ["r"], \
             f"the request was dropped silently (acknowledged: {sched.acked})"
+
+
+def test_a_resume_query_withdrawn_while_its_gateway_was_away_is_not_delivered_when_it_returns(monkeypatch):
+    """A query waits in the gateway's queue while its stream is down; meanwhile the request is handed
+    off (no worker here) and a peer resumes it for the gateway. When the gateway's stream comes back,
+    the new subscription takes over the old queue, stale query included: the gateway then makes
+    this scheduler the owner again, drops the peer's tokens and aborts it there, and waits for ever
+    (this scheduler answers the Resume with found=False). Queries of requests still waiting are
+    sent again on every reconnect anyway (GatewayBack), so the queued ones need not be carried over."""
+    from services.scheduler import loop as loop_module
+    from services.scheduler.cluster import ClusterView
+
+    monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
+    with Loop() as sched:
+        generation, _ = sched.connect("gw")
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.REDELIVERED),)))
+        sched.loop.submit(GatewayGone("gw", generation))  # the stream breaks before the query went out
+        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))
+        while not sched.handed_off:
+            threading.Event().wait(0.05)
+        _, events = sched.connect("gw")  # ... and comes back after the hand-off
+        stale = [q for b in iter(lambda: next_batch(events, 0.5), None) for q in b.resume_queries]
+        assert stale == [], "a resume query for a request handed off meanwhile reached the gateway"
