@@ -193,3 +193,19 @@ def test_when_no_scheduler_runs_a_worker_handed_off_requests_are_still_claimed(c
         s1.watch.tick()
     assert not s0.views[-1].peers_have_workers and not s1.views[-1].peers_have_workers
     assert [e.request.request_id for w in (s0, s1) for c in w.claimed for e in c.entries] == ["r"]
+
+
+def test_a_scheduler_that_lost_its_lease_cannot_hand_off_an_entry_a_survivor_took_over(client):
+    """Same as the acknowledgement: the hand-off (XCLAIM with min-idle 0) moved the entry from
+    whoever held it, so a cut-off scheduler that hands off takes it from the survivor running it
+    (which is then fenced off its own request by the gateway once a third scheduler resumes it)."""
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    s0, s1 = Leases(client, "s0", "i0", TTL_S), Leases(client, "s1", "i1", TTL_S)
+    assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)) == 1
+    s0.hand_off([entry_id])
+    assert pending(client) == {entry_id: b"s1"}
+    own = queue_request(client, "q")
+    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    s0.hand_off([own])
+    assert pending(client) == {entry_id: b"s1", own: redis_keys.HANDOFF_CONSUMER.encode()}
