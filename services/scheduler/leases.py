@@ -83,6 +83,19 @@ return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
 """
 
 
+_HAND_OFF = """
+local moved = 0
+for i = 3, #ARGV do
+  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #pending > 0 and pending[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], KEYS[2], 0, ARGV[i], 'JUSTID')
+    moved = moved + 1
+  end
+end
+return moved
+"""
+
+
 class Leases:
     """The lease operations of one scheduler.
 
@@ -103,6 +116,7 @@ class Leases:
         self._release = client.register_script(_RELEASE)
         self._renew_scheduler = client.register_script(_RENEW_SCHEDULER)
         self._claim = client.register_script(_CLAIM_PENDING)
+        self._hand_off = client.register_script(_HAND_OFF)
 
     # ---- this scheduler ---------------------------------------------------------------
     def take_own(self) -> bool:
@@ -154,10 +168,11 @@ class Leases:
 
     def hand_off(self, entry_ids: list[bytes]) -> None:
         """Moves this scheduler's pending entries to the hand-off consumer, for a scheduler with
-        workers to claim."""
+        workers to claim; entries another consumer holds now (taken over while this one was cut
+        off) stay where they are."""
         if entry_ids:
-            self._client.xclaim(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, redis_keys.HANDOFF_CONSUMER,
-                                0, entry_ids, justid=True)
+            self._hand_off(keys=[redis_keys.REQUEST_STREAM, redis_keys.HANDOFF_CONSUMER],
+                           args=[redis_keys.SCHEDULER_GROUP, self.scheduler_id, *entry_ids])
 
 
 def _fields(raw) -> dict[bytes, bytes]:
