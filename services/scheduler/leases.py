@@ -86,8 +86,8 @@ return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
 _HAND_OFF = """
 local moved = 0
 for i = 3, #ARGV do
-  local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if #pending > 0 and pending[1][2] == ARGV[2] then
+  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if not pending.err and #pending > 0 and pending[1][2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], KEYS[2], 0, ARGV[i], 'JUSTID')
     moved = moved + 1
   end

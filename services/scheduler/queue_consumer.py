@@ -48,7 +48,10 @@ def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], Non
 
 
 _ACK = """
-local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if pending.err then  -- no stream or no group (Redis restarted empty): nothing to acknowledge
+  return 0
+end
 if #pending > 0 and pending[1][2] ~= ARGV[3] then
   return 0
 end
