@@ -209,3 +209,18 @@ def test_a_scheduler_that_lost_its_lease_cannot_hand_off_an_entry_a_survivor_too
     assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
     s0.hand_off([own])
     assert pending(client) == {entry_id: b"s1", own: redis_keys.HANDOFF_CONSUMER.encode()}
+
+
+def test_a_consumer_name_that_is_not_text_does_not_stop_the_claims(client):
+    """A consumer named with bytes that are not UTF-8 (anyone who can write to Redis:
+    XGROUP CREATECONSUMER) made every cluster tick fail before claiming: a dead scheduler's
+    requests, and hand-offs, were never taken over."""
+    register_worker(client, "w0", 10)
+    client.xgroup_createconsumer(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, b"\x00\xff")
+    dead = RequestQueueConsumer(client, "zz-dead")
+    queue_request(client, "r")
+    assert len(dead.read(count=10, block_ms=10)) == 1
+    s1 = Watcher(client, "s1")
+    for _ in range(2):
+        s1.watch.tick()
+    assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
