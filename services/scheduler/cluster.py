@@ -211,7 +211,10 @@ class ClusterWatch:
         consumer); forgets dead consumers with nothing pending."""
         consumers = self._client.xinfo_consumers(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)
         for consumer in consumers:
-            name = consumer["name"].decode()
+            try:
+                name = consumer["name"].decode()
+            except UnicodeDecodeError:  # no scheduler of ours (its ids are text): someone else's garbage
+                continue
             if name == self._leases.scheduler_id or name in schedulers:
                 continue
             lease_key = redis_keys.scheduler_lease_key(name)

@@ -31,10 +31,13 @@ end
 local now = redis.call('TIME')
 local epoch = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local previous = tonumber(redis.call('GET', KEYS[2]) or '0')
+if not previous or previous ~= previous or previous >= 2^52 then
+  previous = 0  -- not an epoch of ours (anyone who can write to Redis could put it there)
+end
 if epoch <= previous then
   epoch = previous + 1
 end
-redis.call('SET', KEYS[2], epoch)
+redis.call('SET', KEYS[2], epoch, 'PX', ARGV[3])
 return epoch
 """
 
@@ -43,11 +46,12 @@ local owner = redis.call('GET', KEYS[1])
 local epoch = redis.call('GET', KEYS[2])
 if owner == ARGV[1] and epoch == ARGV[3] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
   return 1
 end
 if not owner and (not epoch or epoch == ARGV[3]) then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  redis.call('SET', KEYS[2], ARGV[3])
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
   return 1
 end
 return 0
@@ -96,6 +100,13 @@ return moved
 """
 
 
+EPOCH_TTL_S = 7 * 24 * 3600.0
+"""How long a worker's epoch key outlives the last lease on it, seconds (worker ids are often new
+at every start: without a TTL, one key per worker ever started would stay in Redis). Epochs come
+from Redis's clock, so a worker that returns after its key expired still gets a larger one."""
+_EPOCH_TTL_MS = int(EPOCH_TTL_S * 1000)
+
+
 class Leases:
     """The lease operations of one scheduler.
 
@@ -137,14 +148,14 @@ class Leases:
     def acquire_worker(self, worker_id: str) -> int:
         """Takes an unowned worker. Returns its new epoch (> 0), or 0 when it has an owner."""
         keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id)]
-        return int(self._acquire_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms]))
+        return int(self._acquire_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms, _EPOCH_TTL_MS]))
 
     def renew_worker(self, worker_id: str, epoch: int) -> bool:
         """Extends the lease this scheduler holds on a worker under ``epoch``. When the lease is
         gone and no one took the worker since (Redis restarted empty), takes it again under the same
         epoch, so the worker's sequences go on. False when another owner has (or had) it."""
         keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id)]
-        return bool(self._renew_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms, epoch]))
+        return bool(self._renew_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms, epoch, _EPOCH_TTL_MS]))
 
     def release_worker(self, worker_id: str) -> None:
         """Gives a worker up (if still ours) so that another scheduler may take it at once."""
@@ -155,7 +166,7 @@ class Leases:
         if not worker_ids:
             return []
         values = self._client.mget([redis_keys.worker_owner_key(w) for w in worker_ids])
-        return [v.decode() if v is not None else None for v in values]
+        return [v.decode(errors="replace") if v is not None else None for v in values]
 
     # ---- requests ---------------------------------------------------------------------
     def claim_pending(self, consumer: str, lease_key: str, count: int) -> list:
