@@ -82,7 +82,7 @@ class ClusterWatch:
             runs nothing either). Only then does the registration announce blocks (peers hand
             requests off only to a scheduler that announces some) and are requests claimed while
             a peer announces some: else a scheduler that handed its requests off would take them
-            back and hand them off again, a migration each time, until --migration-limit.
+            back and hand them off again (with a worker in back-off, a migration each time).
     """
 
     def __init__(self, client: redis.Redis, leases: Leases, registry: WorkerRegistry, cluster_token: str,

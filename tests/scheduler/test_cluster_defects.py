@@ -32,9 +32,13 @@ def test_a_scheduler_whose_workers_are_gone_does_not_claim_back_what_it_handed_o
     """s0's only worker died: its loop drops it at once (the step fails) and, after 2 s without a
     worker while s1 has one, hands its requests off. But s0's cluster watch still holds the lease
     on the dead worker (released only after RELEASE_MISSING_AFTER_S, 10 s), and claims whenever it
-    owns a worker lease: it takes the hand-off entries back, resumes them on no worker, hands them
-    off again (each round a migration), until --migration-limit fails them with UNAVAILABLE,
-    though s1 could have run them."""
+    owns a worker lease: it takes the hand-off entries back (seen in the e2e test
+    test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer: 2 ms after handing 13
+    requests off, s0 took them back), queries their gateway, hands them off again; when its ticks
+    come just before s1's, the entries bounce until the lease is released (the requests stall
+    ~10 s, each round a resume query answered found=False). With a worker still registered but
+    failing (readmitted between back-offs), the Resume lands and each round counts a migration,
+    until --migration-limit fails the requests with UNAVAILABLE, though s1 could have run them."""
     register_worker(client, "w0", 10)
     register_worker(client, "w1", 10)
     s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
