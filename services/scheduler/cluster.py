@@ -4,12 +4,12 @@ which workers it owns, and the requests it takes over from schedulers that died 
 Every ``interval_s`` the watcher:
 
 1. renews this scheduler's lease (takes it again if it was lost) and publishes its registration
-   (address, KV blocks owned) for gateways and peers;
+   (address, KV blocks of the workers it owns and runs) for gateways and peers;
 2. renews the leases of the workers it owns and takes unowned workers: each unowned worker goes to
    the live scheduler with the fewest blocks (every scheduler computes the same assignment from
    the same registrations); one unowned for longer than twice the TTL goes to whoever sees it;
 3. claims the pending requests of consumers whose lease is gone and of the hand-off consumer
-   (only while it owns a worker: a scheduler without workers cannot run them);
+   (only while its loop runs a worker, or no peer does: a scheduler without workers cannot run them);
 4. hands the loop the registrations of its workers, with their lease epochs, and the claimed
    entries (to be resumed from the tokens their clients already received).
 """
@@ -49,8 +49,8 @@ class ClusterView:
     Attributes:
         workers: registrations of the workers this scheduler owns, by worker id.
         epochs: each owned worker's lease epoch (sent in every plan to it).
-        peers_have_workers: another live scheduler owns at least one worker (requests this one
-            cannot run may be handed off).
+        peers_have_workers: another live scheduler runs at least one worker (its registration
+            announces blocks): requests this one cannot run may be handed off.
     """
 
     workers: Mapping[str, pb.WorkerRegistration]
@@ -78,11 +78,17 @@ class ClusterWatch:
         publish: hands a ``ClusterView`` or ``ClaimedEntries`` to the loop.
         lease_held: set while this scheduler holds its lease (the request reader waits for it).
         ack: acknowledges an entry (claimed entries that cannot be decoded are dropped with it).
+        can_run: whether the loop has a worker admitted now (one in back-off after failed steps
+            runs nothing either). Only then does the registration announce blocks (peers hand
+            requests off only to a scheduler that announces some) and are requests claimed while
+            a peer announces some: else a scheduler that handed its requests off would take them
+            back and hand them off again (with a worker in back-off, a migration each time).
     """
 
     def __init__(self, client: redis.Redis, leases: Leases, registry: WorkerRegistry, cluster_token: str,
                  address: str, ttl_s: float, publish: Callable[[ClusterView | ClaimedEntries], None],
-                 lease_held: threading.Event, ack: Callable[[bytes], None]) -> None:
+                 lease_held: threading.Event, ack: Callable[[bytes], None],
+                 can_run: Callable[[], bool] = lambda: True) -> None:
         self._client = client
         self._leases = leases
         self._registry = registry
@@ -92,6 +98,7 @@ class ClusterWatch:
         self._publish = publish
         self.lease_held = lease_held
         self._ack = ack
+        self._can_run = can_run
         self._owned: dict[str, int] = {}  # worker id -> epoch
         self._unowned_since: dict[str, float] = {}
         self._missing_since: dict[str, float] = {}  # owned workers whose registration is missing -> since when
@@ -105,6 +112,8 @@ class ClusterWatch:
                 self.tick()
             except redis.RedisError as exc:
                 log.warning("cluster state not updated (Redis: %s)", exc)
+            except Exception:  # garbage in Redis (anyone who can write there): keep the lease and the thread
+                log.exception("cluster state not updated")
             stop.wait(interval_s)
         self._release_all()
 
@@ -114,14 +123,16 @@ class ClusterWatch:
         if not self._hold_own_lease():
             return
         workers = self._registry.live_workers()
-        self._register(sum(workers[w].num_blocks for w in self._owned if w in workers))
         schedulers = self._live_schedulers()
-        owners = self._keep_and_take_workers(workers, schedulers) if self._settled else {}
+        if self._settled:
+            self._keep_and_take_workers(workers, schedulers)
         self._settled = True
-        peers = any(owner in schedulers and owner != self._leases.scheduler_id for owner in owners.values())
         live = {w: workers[w] for w in self._owned if w in workers}  # a missing one is dropped by the loop in time
+        runs = bool(live) and self._can_run()  # a worker that died (registration gone, or in back-off) runs nothing
+        self._register(sum(w.num_blocks for w in live.values()) if runs else 0)
+        peers = any(reg.num_blocks > 0 for sid, reg in schedulers.items() if sid != self._leases.scheduler_id)
         self._publish(ClusterView(live, {w: self._owned[w] for w in live}, peers))
-        if self._owned:
+        if runs or not peers:  # never take back what was handed off for want of a worker; when none runs, any may
             self._claim_orphans(schedulers)
 
     def _hold_own_lease(self) -> bool:
@@ -200,7 +211,10 @@ class ClusterWatch:
         consumer); forgets dead consumers with nothing pending."""
         consumers = self._client.xinfo_consumers(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)
         for consumer in consumers:
-            name = consumer["name"].decode()
+            try:
+                name = consumer["name"].decode()
+            except UnicodeDecodeError:  # no scheduler of ours (its ids are text): someone else's garbage
+                continue
             if name == self._leases.scheduler_id or name in schedulers:
                 continue
             lease_key = redis_keys.scheduler_lease_key(name)

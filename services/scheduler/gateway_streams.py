@@ -22,7 +22,8 @@ class GatewayStreams:
     produced while a gateway reconnects wait for it. A new subscription under the same gateway id
     (a reconnect whose old stream is not yet known to be dead) takes over the queue and its
     pending events; the older call sees it is no longer current and ends, and its end does not
-    count as the gateway going away.
+    count as the gateway going away. Resume queries are not carried over (a stale one would take a
+    request from the scheduler that resumed it meanwhile): the loop sends those still waiting again.
     """
 
     def __init__(self) -> None:
@@ -37,7 +38,11 @@ class GatewayStreams:
             new = _Stream(self._generations)
             old = self._streams.get(gateway_id)
             while old is not None and not old.events.empty():
-                new.events.put(old.events.get_nowait())
+                batch = old.events.get_nowait()
+                if batch.resume_queries:  # possibly withdrawn meanwhile: the loop sends the live ones again
+                    batch = pb.TokenEventBatch(events=batch.events)  # on the new stream (GatewayBack)
+                if batch.events:
+                    new.events.put(batch)
             self._streams[gateway_id] = new
             return new.generation, new.events
 

@@ -31,10 +31,13 @@ end
 local now = redis.call('TIME')
 local epoch = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local previous = tonumber(redis.call('GET', KEYS[2]) or '0')
+if not previous or previous ~= previous or previous >= 2^52 then
+  previous = 0  -- not an epoch of ours (anyone who can write to Redis could put it there)
+end
 if epoch <= previous then
   epoch = previous + 1
 end
-redis.call('SET', KEYS[2], epoch)
+redis.call('SET', KEYS[2], epoch, 'PX', ARGV[3])
 return epoch
 """
 
@@ -43,11 +46,12 @@ local owner = redis.call('GET', KEYS[1])
 local epoch = redis.call('GET', KEYS[2])
 if owner == ARGV[1] and epoch == ARGV[3] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
   return 1
 end
 if not owner and (not epoch or epoch == ARGV[3]) then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  redis.call('SET', KEYS[2], ARGV[3])
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
   return 1
 end
 return 0
@@ -83,6 +87,26 @@ return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
 """
 
 
+_HAND_OFF = """
+local moved = 0
+for i = 3, #ARGV do
+  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if not pending.err and #pending > 0 and pending[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], KEYS[2], 0, ARGV[i], 'JUSTID')
+    moved = moved + 1
+  end
+end
+return moved
+"""
+
+
+EPOCH_TTL_S = 7 * 24 * 3600.0
+"""How long a worker's epoch key outlives the last lease on it, seconds (worker ids are often new
+at every start: without a TTL, one key per worker ever started would stay in Redis). Epochs come
+from Redis's clock, so a worker that returns after its key expired still gets a larger one."""
+_EPOCH_TTL_MS = int(EPOCH_TTL_S * 1000)
+
+
 class Leases:
     """The lease operations of one scheduler.
 
@@ -103,6 +127,7 @@ class Leases:
         self._release = client.register_script(_RELEASE)
         self._renew_scheduler = client.register_script(_RENEW_SCHEDULER)
         self._claim = client.register_script(_CLAIM_PENDING)
+        self._hand_off = client.register_script(_HAND_OFF)
 
     # ---- this scheduler ---------------------------------------------------------------
     def take_own(self) -> bool:
@@ -123,14 +148,14 @@ class Leases:
     def acquire_worker(self, worker_id: str) -> int:
         """Takes an unowned worker. Returns its new epoch (> 0), or 0 when it has an owner."""
         keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id)]
-        return int(self._acquire_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms]))
+        return int(self._acquire_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms, _EPOCH_TTL_MS]))
 
     def renew_worker(self, worker_id: str, epoch: int) -> bool:
         """Extends the lease this scheduler holds on a worker under ``epoch``. When the lease is
         gone and no one took the worker since (Redis restarted empty), takes it again under the same
         epoch, so the worker's sequences go on. False when another owner has (or had) it."""
         keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id)]
-        return bool(self._renew_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms, epoch]))
+        return bool(self._renew_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms, epoch, _EPOCH_TTL_MS]))
 
     def release_worker(self, worker_id: str) -> None:
         """Gives a worker up (if still ours) so that another scheduler may take it at once."""
@@ -141,7 +166,7 @@ class Leases:
         if not worker_ids:
             return []
         values = self._client.mget([redis_keys.worker_owner_key(w) for w in worker_ids])
-        return [v.decode() if v is not None else None for v in values]
+        return [v.decode(errors="replace") if v is not None else None for v in values]
 
     # ---- requests ---------------------------------------------------------------------
     def claim_pending(self, consumer: str, lease_key: str, count: int) -> list:
@@ -154,10 +179,11 @@ class Leases:
 
     def hand_off(self, entry_ids: list[bytes]) -> None:
         """Moves this scheduler's pending entries to the hand-off consumer, for a scheduler with
-        workers to claim."""
+        workers to claim; entries another consumer holds now (taken over while this one was cut
+        off) stay where they are."""
         if entry_ids:
-            self._client.xclaim(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, redis_keys.HANDOFF_CONSUMER,
-                                0, entry_ids, justid=True)
+            self._hand_off(keys=[redis_keys.REQUEST_STREAM, redis_keys.HANDOFF_CONSUMER],
+                           args=[redis_keys.SCHEDULER_GROUP, self.scheduler_id, *entry_ids])
 
 
 def _fields(raw) -> dict[bytes, bytes]:

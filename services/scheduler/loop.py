@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from pagedserve.engine.messages import FinishReason, RequestError, RequestOutput
 from pagedserve.engine.scheduler import Scheduler
-from services.common.convert import request_from_pb
+from services.common.convert import output_to_pb, request_from_pb
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.cluster import ClaimedEntries, ClusterView
 from services.scheduler.commands import Abort, Command, GatewayGone, NewEntries, Resume
@@ -65,6 +65,7 @@ class SchedulerLoop:
         self.acks = redis_writes  # runs on a thread of its own: the loop never waits on Redis
         self.accepting = threading.Event()  # read new requests: this scheduler has workers, or no peer has
         self.accepting.set()
+        self.has_workers = threading.Event()  # a worker is admitted (as of the latest ClusterView): claims may run
         self._resumes = PendingResumes()
         self._peers_have_workers = False
         self._in_flight: dict[str, int] = {}  # worker session id -> plans sent and not yet answered
@@ -170,7 +171,6 @@ class SchedulerLoop:
         deadline = time.monotonic() - self.config.gateway_grace_s
         self._early_aborts = {r: t for r, t in self._early_aborts.items() if t >= deadline - 60}
         for gateway_id, parked in self._gateways.expired().items():
-            self.streams.close(gateway_id)
             if parked:
                 log.info("dropping %d request(s) of gateway %s, which never connected", len(parked), gateway_id)
             for entry in [*parked, *self._resumes.drop_gateway(gateway_id)]:
@@ -178,6 +178,7 @@ class SchedulerLoop:
             for request_id in self._routes.of_gateway(gateway_id):
                 log.info("aborting %s: its gateway %s is gone", request_id, gateway_id)
                 self._abort(request_id)
+            self.streams.close(gateway_id)  # after the aborts, whose outputs would make its queue again
 
     def _fail_without_workers(self) -> None:
         """Fails every waiting request with UNAVAILABLE once no worker has been up for the timeout."""
@@ -258,10 +259,15 @@ class SchedulerLoop:
             self.acks.hand_off(entries)
 
     def _drop_unanswered_resumes(self) -> None:
+        """Drops requests whose gateway did not answer the resume query, telling it (else it waits for ever)."""
         for entry in self._resumes.expired():
-            log.warning("dropping %s: its gateway %s did not answer the resume query", entry.request.request_id,
-                        entry.request.gateway_id)
+            request_id, gateway_id = entry.request.request_id, entry.request.gateway_id
+            log.warning("dropping %s: its gateway %s did not answer the resume query", request_id, gateway_id)
             self.acks.put(entry.entry_id)
+            error = RequestError(UNAVAILABLE, "the request was taken over by another scheduler, which got no "
+                                              "answer to its resume query in time; retry")
+            output = RequestOutput(request_id, 0, (), FinishReason.ABORT, error)
+            self.streams.publish(gateway_id, pb.TokenEventBatch(events=[output_to_pb(output)]))
 
     def _abort(self, request_id: str, sample_index: int | None = None) -> bool:
         """Aborts a request (or one sample); its gateway gets the final ABORT outputs."""
@@ -270,7 +276,7 @@ class SchedulerLoop:
         if waiting is not None:  # taken over, and its client is gone: nothing to resume
             self.acks.put(waiting.entry_id)
             return True
-        if not outputs and request_id not in self._routes:
+        if not outputs and request_id not in self._routes and sample_index is None:  # one sample: the rest goes on
             self._early_aborts[request_id] = time.monotonic()
         self._deliver(outputs)
         return bool(outputs)
@@ -282,6 +288,7 @@ class SchedulerLoop:
         self._peers_have_workers = view.peers_have_workers
         self._deliver(self.membership.sync(view.workers, view.epochs))
         has_workers = bool(self.scheduler.worker_ids)
+        self.has_workers.set() if has_workers else self.has_workers.clear()
         if has_workers:
             self._no_workers_since = None
         elif self._no_workers_since is None:

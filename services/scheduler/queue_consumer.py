@@ -47,6 +47,23 @@ def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], Non
     return decoded
 
 
+_ACK = """
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[2], ARGV[2], 1)
+if pending.err then  -- no stream or no group (Redis restarted empty): nothing to acknowledge
+  return 0
+end
+if #pending > 0 and pending[1][2] ~= ARGV[3] then
+  return 0
+end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+"""XACK + XDEL of one entry, unless another consumer holds it pending: a scheduler that lost its
+lease (a pause, a partition) and then ends a request must not take the entry from the survivor that
+resumed the request meanwhile (a second failure would lose it)."""
+
+
 class RequestQueueConsumer:
     """One consumer of the scheduler group on the request stream.
 
@@ -59,6 +76,7 @@ class RequestQueueConsumer:
         self._client = client
         self._consumer = consumer_name
         self._backlog_cursor: bytes | None = b"0"  # where to continue reading our pending entries; None when done
+        self._ack = client.register_script(_ACK)
 
     def ensure_group(self) -> None:
         """Creates the stream and the consumer group if they do not exist."""
@@ -88,11 +106,9 @@ class RequestQueueConsumer:
         return reply[0][1] if reply else []
 
     def ack(self, entry_id: bytes) -> None:
-        """Marks an entry done and deletes it from the stream."""
-        pipe = self._client.pipeline()
-        pipe.xack(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, entry_id)
-        pipe.xdel(redis_keys.REQUEST_STREAM, entry_id)
-        pipe.execute()
+        """Marks an entry done and deletes it from the stream, unless another consumer holds it now
+        (a peer took it over while this scheduler was cut off)."""
+        self._ack(keys=[redis_keys.REQUEST_STREAM], args=[redis_keys.SCHEDULER_GROUP, entry_id, self._consumer])
 
     def length(self) -> int:
         """Entries in the request stream (queued or in flight: an entry is deleted when acknowledged)."""

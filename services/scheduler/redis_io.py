@@ -9,7 +9,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
+
 log = logging.getLogger("pagedserve.scheduler")
+
+RETRY_AFTER_S = 1.0
+"""Wait before a write that failed on a Redis error is made again, seconds."""
 
 
 @dataclass(frozen=True)
@@ -25,8 +30,11 @@ class _HandOff:
 class RedisWrites:
     """Acknowledges finished requests' stream entries and hands requests off, in the order asked.
 
-    An entry that cannot be acknowledged (Redis down) stays pending: a restarted scheduler (or a
-    peer) takes it again and asks its gateway, which no longer waits for it, whether to resume it.
+    A write that fails on a Redis error is made again (after the others queued meanwhile) until it
+    succeeds or the scheduler stops: an entry not acknowledged would stay in Redis, and requests not
+    handed off would wait for ever (nobody runs them, and this scheduler's lease keeps peers off).
+    An entry left pending at a stop is taken again by a restarted scheduler (or a peer), which asks
+    its gateway whether to resume it.
 
     Args:
         ack: acknowledges one entry (``RequestQueueConsumer.ack``); may raise Redis errors.
@@ -58,5 +66,9 @@ class RedisWrites:
                     self._ack(write.entry_id)
                 else:
                     self._hand_off(list(write.entry_ids))
+            except redis.RedisError as exc:  # made again: a hand-off lost here would strand its requests
+                log.warning("Redis write failed (%s): %s; retrying in %g s", write, exc, RETRY_AFTER_S)
+                self._writes.put(write)
+                stop.wait(RETRY_AFTER_S)
             except Exception as exc:
                 log.warning("Redis write failed (%s): %s", write, exc)

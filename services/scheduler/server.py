@@ -102,7 +102,7 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     server.start()
     watch = ClusterWatch(client, leases, WorkerRegistry(client, config.cluster_token), config.cluster_token,
                          f"{config.advertise_host}:{port}", config.lease_ttl_s, loop.submit, threading.Event(),
-                         consumer.ack)
+                         consumer.ack, loop.has_workers.is_set)
     threads = [
         threading.Thread(target=loop.run, args=(stop,), name="scheduler-loop", daemon=True),
         threading.Thread(target=_read_requests, args=(consumer, loop, watch.lease_held, stop), name="request-reader",

@@ -67,16 +67,18 @@ class PlanOrder:
         self._next_step = 1
         self._failed_session = ""
 
-    def start_in_turn(self, plan: BatchPlan, timeout_s: float, start: Callable[[], Future]) -> Future:
-        """Waits until ``plan`` is next, then calls ``start`` (which must queue the plan for the
-        model thread) before letting the next plan through.
+    def start_in_turn(self, plan: BatchPlan, timeout_s: float, start: Callable[[], Future],
+                      admit: Callable[[], None] = lambda: None) -> Future:
+        """Waits until ``plan`` is next, calls ``admit`` (which may refuse it), then ``start`` (which
+        must queue the plan for the model thread) before letting the next plan through.
 
         Raises:
-            PlanOutOfOrder: ``plan`` is not next within ``timeout_s`` seconds.
+            PlanOutOfOrder: ``plan`` is not next within ``timeout_s`` seconds, or ``admit`` refused it.
         """
         with self._turn:
             if not self._turn.wait_for(lambda: self._is_next(plan), timeout=timeout_s):
                 raise PlanOutOfOrder(f"the worker expects plan {self._next_step} of session {self._session[:8]}")
+            admit()  # here, not only on arrival: a newer owner's plan may have started meanwhile
             self._session, self._next_step = plan.session_id, plan.step_id + 1
             self._turn.notify_all()
             return start()
@@ -143,7 +145,8 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         remaining = context.time_remaining()
         wait_s = ORDER_WAIT_S if remaining is None else min(remaining, ORDER_WAIT_S)
         try:
-            result = self._order.start_in_turn(plan, wait_s, lambda: self._model_thread.submit(self._execute, plan)).result()
+            result = self._order.start_in_turn(plan, wait_s, lambda: self._model_thread.submit(self._execute, plan),
+                                               lambda: self._fence.admit(request.lease_epoch)).result()
         except (ValueError, KeyError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"plan {plan.step_id} does not apply: {exc}")
         return step_result_to_pb(result)

@@ -1,0 +1,230 @@
+"""Review of issue #13 (several schedulers): leases, claims and acknowledgements with a real
+redis-server, in the failure orders the feature is meant to survive."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from services.common import redis_keys
+from services.common.pb import engine_pb2 as pb
+from services.scheduler.leases import Leases
+from services.scheduler.queue_consumer import RequestQueueConsumer
+from tests.scheduler.test_leases import TTL_S, Watcher, client, redis_url, register_worker  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def queue_request(client, request_id: str) -> bytes:
+    return client.xadd(redis_keys.REQUEST_STREAM,
+                       {redis_keys.REQUEST_FIELD: pb.QueuedRequest(request_id=request_id).SerializeToString()})
+
+
+def pending(client) -> dict[bytes, bytes]:
+    """Entry id -> consumer, of every pending entry."""
+    rows = client.xpending_range(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, "-", "+", 100)
+    return {row["message_id"]: row["consumer"] for row in rows}
+
+
+def test_a_scheduler_whose_workers_are_gone_does_not_claim_back_what_it_handed_off(client):
+    """s0's only worker died: its loop drops it at once (the step fails) and, after 2 s without a
+    worker while s1 has one, hands its requests off. But s0's cluster watch still holds the lease
+    on the dead worker (released only after RELEASE_MISSING_AFTER_S, 10 s), and claims whenever it
+    owns a worker lease: it takes the hand-off entries back (seen in the e2e test
+    test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer: 2 ms after handing 13
+    requests off, s0 took them back), queries their gateway, hands them off again; when its ticks
+    come just before s1's, the entries bounce until the lease is released (the requests stall
+    ~10 s, each round a resume query answered found=False). With a worker still registered but
+    failing (readmitted between back-offs), the Resume lands and each round counts a migration,
+    until --migration-limit fails the requests with UNAVAILABLE, though s1 could have run them."""
+    register_worker(client, "w0", 10)
+    register_worker(client, "w1", 10)
+    s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
+    for _ in range(3):
+        s0.watch.tick()
+        s1.watch.tick()
+    assert len(s0.owned()) == len(s1.owned()) == 1
+    (dead,) = s0.owned()
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    client.delete(redis_keys.worker_heartbeat_key(dead))  # s0's worker is killed
+    client.hdel(redis_keys.WORKERS_HASH, dead)
+    s0.leases.hand_off([entry_id])  # what s0's loop does 2 s later
+    s0.watch.tick()
+    assert s0.owned() == set()  # s0 knows it has no live worker ...
+    assert s0.claimed == [], "s0 took back the request it had just handed off, with no worker to run it"
+    s1.watch.tick()
+    assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
+
+
+def test_a_scheduler_that_lost_its_lease_cannot_acknowledge_an_entry_a_survivor_took_over(client):
+    """s0 is cut off longer than the TTL (a pause, a partition) while running a request; s1 claims
+    the entry and resumes the request. When s0 comes back, the gateway fences it: it drops s0's
+    tokens and sends s0 an Abort; the abort closes s0's route, which acknowledges (XACK + XDEL) the
+    entry by id, though s1 holds it now. The entry leaves s1's pending list and the stream: if s1
+    dies next, nobody can claim the request and its client fails instead of moving again."""
+    entry_id = queue_request(client, "r")
+    s0 = RequestQueueConsumer(client, "s0")
+    assert len(s0.read(count=10, block_ms=10)) == 1
+    s1 = Leases(client, "s1", "i1", TTL_S)
+    assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)) == 1  # s0's lease is gone
+    assert pending(client) == {entry_id: b"s1"}
+    s0.ack(entry_id)  # s0's route for r closes (aborted by the gateway, or finished)
+    assert pending(client) == {entry_id: b"s1"}, "s0 acknowledged the entry s1 runs: a second failure loses it"
+    assert client.xlen(redis_keys.REQUEST_STREAM) == 1
+
+
+@pytest.mark.parametrize("garbage", [b"9223372036854775807", b"1e300", b"not a number"])
+def test_a_garbage_epoch_key_never_makes_an_epoch_a_plan_cannot_carry(client, garbage):
+    """Whoever can write to Redis (no cluster token needed) can set a worker's epoch key. The next
+    owner's epoch then comes back from the script as -2**63 (Lua's double cast to an integer), and
+    ``BatchPlan.lease_epoch`` (uint64) refuses it: ``GrpcExecutor.submit`` raises ValueError in the
+    scheduler loop, which stops the scheduler process; every scheduler that takes the worker next
+    does the same. A non-number makes the script fail, which aborts every cluster tick (no
+    ClusterView, no claims) of every scheduler that tries to take the worker."""
+    client.set(redis_keys.worker_epoch_key("w"), garbage)
+    epoch = Leases(client, "s0", "i0", TTL_S).acquire_worker("w")
+    assert 0 <= epoch < 2**64
+    pb.BatchPlan(lease_epoch=epoch)  # what GrpcExecutor.submit does with it
+
+
+def test_the_cluster_watch_thread_survives_a_garbage_owner_key(client):
+    """A worker's owner key holding bytes that are not UTF-8 (anyone who can write to Redis) makes
+    ``Leases.owners`` raise UnicodeDecodeError, which ``ClusterWatch.run`` does not catch (only
+    RedisError): the watch thread of every scheduler dies silently. The scheduler's lease then
+    expires while its loop and request reader go on: peers claim every request it reads and take
+    its workers, and it never notices."""
+    register_worker(client, "w0", 10)
+    client.set(redis_keys.worker_owner_key("w0"), b"\xff\xfe", px=60_000)
+    s0 = Watcher(client, "s0")
+    stop = threading.Event()
+    thread = threading.Thread(target=s0.watch.run, args=(0.1, stop), daemon=True)
+    thread.start()
+    try:
+        time.sleep(3 * TTL_S)
+        assert thread.is_alive(), "the cluster watch thread died"
+        assert client.get(redis_keys.scheduler_lease_key("s0")) is not None
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+
+
+def test_a_hand_off_that_fails_on_a_redis_error_is_made_again():
+    """The loop drops the requests it hands off (silently: a peer is to resume them for the same
+    clients) and queues the XCLAIM to the hand-off consumer on ``RedisWrites``, which logs a failed
+    write and forgets it. After one Redis error (a timeout, a reset connection) the entries stay
+    pending under this live scheduler, which will never read them again (it read its backlog at
+    start) and whose lease keeps peers off: their gateways wait for ever (the owner's stream is up)
+    and the entries stay in Redis until the scheduler restarts."""
+    import redis as redis_lib
+
+    from services.scheduler.redis_io import RedisWrites
+
+    calls: list[list[bytes]] = []
+
+    def hand_off(entry_ids: list[bytes]) -> None:
+        calls.append(entry_ids)
+        if len(calls) == 1:
+            raise redis_lib.ConnectionError("Connection reset by peer")
+
+    writes = RedisWrites(lambda entry_id: None, hand_off)
+    writes.hand_off([b"1-0"])
+    stop = threading.Event()
+    thread = threading.Thread(target=writes.run, args=(stop,), daemon=True)
+    thread.start()
+    time.sleep(2.0)
+    stop.set()
+    thread.join(timeout=5)
+    assert len(calls) >= 2, "the failed hand-off was not made again: its requests are lost"
+
+
+def test_a_workers_epoch_key_does_not_outlive_the_worker_for_ever(client):
+    """``pagedserve:worker:<id>:epoch`` is set without a TTL and never deleted. Worker ids are new
+    at every start where none is given (``worker-<uuid>``, docker compose --scale) or are pod names
+    (Kubernetes Deployment): one key per worker process ever started stays in Redis for ever."""
+    register_worker(client, "w0", 10)
+    s0 = Watcher(client, "s0")
+    for _ in range(2):
+        s0.watch.tick()
+    assert s0.owned() == {"w0"}
+    s0.watch._release_all()  # a clean stop; the worker goes away too
+    client.delete(redis_keys.worker_heartbeat_key("w0"))
+    client.hdel(redis_keys.WORKERS_HASH, "w0")
+    assert client.pttl(redis_keys.worker_epoch_key("w0")) != -1, "the epoch key has no TTL: it is never removed"
+
+
+def test_a_scheduler_whose_loop_has_no_worker_admitted_does_not_claim(client):
+    """As above, but the dead worker's registration is still there (its heartbeat has not expired
+    yet, or the worker is up but unreachable from this scheduler, or fails every step): the loop
+    has it in back-off and runs nothing, so the watch must not claim (``can_run``)."""
+    register_worker(client, "w0", 10)
+    register_worker(client, "w1", 10)
+    s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
+    s0.watch._can_run = lambda: False  # what SchedulerLoop.has_workers says while its worker is in back-off
+    for _ in range(3):
+        s0.watch.tick()
+        s1.watch.tick()
+    assert len(s0.owned()) == len(s1.owned()) == 1
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    s0.leases.hand_off([entry_id])
+    s0.watch.tick()
+    assert s0.claimed == []
+    s1.watch.tick()
+    assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
+
+
+def test_when_no_scheduler_runs_a_worker_handed_off_requests_are_still_claimed(client):
+    """Claiming only with a running worker must not strand hand-off entries when no scheduler runs
+    one: then any scheduler claims them (they end after --no-worker-timeout instead of waiting for
+    ever), and none counts as a peer to hand off to."""
+    register_worker(client, "w0", 10)
+    register_worker(client, "w1", 10)
+    s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
+    for _ in range(3):
+        s0.watch.tick()
+        s1.watch.tick()
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    for worker_id in ("w0", "w1"):  # both workers die
+        client.delete(redis_keys.worker_heartbeat_key(worker_id))
+        client.hdel(redis_keys.WORKERS_HASH, worker_id)
+    s0.leases.hand_off([entry_id])
+    for _ in range(2):
+        s0.watch.tick()
+        s1.watch.tick()
+    assert not s0.views[-1].peers_have_workers and not s1.views[-1].peers_have_workers
+    assert [e.request.request_id for w in (s0, s1) for c in w.claimed for e in c.entries] == ["r"]
+
+
+def test_a_scheduler_that_lost_its_lease_cannot_hand_off_an_entry_a_survivor_took_over(client):
+    """Same as the acknowledgement: the hand-off (XCLAIM with min-idle 0) moved the entry from
+    whoever held it, so a cut-off scheduler that hands off takes it from the survivor running it
+    (which is then fenced off its own request by the gateway once a third scheduler resumes it)."""
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    s0, s1 = Leases(client, "s0", "i0", TTL_S), Leases(client, "s1", "i1", TTL_S)
+    assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)) == 1
+    s0.hand_off([entry_id])
+    assert pending(client) == {entry_id: b"s1"}
+    own = queue_request(client, "q")
+    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    s0.hand_off([own])
+    assert pending(client) == {entry_id: b"s1", own: redis_keys.HANDOFF_CONSUMER.encode()}
+
+
+def test_a_consumer_name_that_is_not_text_does_not_stop_the_claims(client):
+    """A consumer named with bytes that are not UTF-8 (anyone who can write to Redis:
+    XGROUP CREATECONSUMER) made every cluster tick fail before claiming: a dead scheduler's
+    requests, and hand-offs, were never taken over."""
+    register_worker(client, "w0", 10)
+    client.xgroup_createconsumer(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, b"\x00\xff")
+    dead = RequestQueueConsumer(client, "zz-dead")
+    queue_request(client, "r")
+    assert len(dead.read(count=10, block_ms=10)) == 1
+    s1 = Watcher(client, "s1")
+    for _ in range(2):
+        s1.watch.tick()
+    assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]

@@ -1,0 +1,169 @@
+"""Review of issue #13 (several schedulers): the scheduler loop's side of request migration, run on
+its own thread without workers, Redis or gRPC (acknowledgements and hand-offs are recorded)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+from opentelemetry import trace
+
+from pagedserve.engine.messages import EngineRequest
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.scheduler import Scheduler
+from services.common.convert import request_to_pb
+from services.common.pb import engine_pb2 as pb
+from services.scheduler import migration
+from services.scheduler.commands import GatewayBack, GatewayGone, NewEntries
+from services.scheduler.config import SchedulerServiceConfig
+from services.scheduler.loop import SchedulerLoop
+from services.scheduler.queue_consumer import Delivery, QueueEntry
+from services.scheduler.redis_io import RedisWrites
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Loop:
+    """A SchedulerLoop running on a thread; what it acknowledged is in ``acked``."""
+
+    def __init__(self, **config) -> None:
+        self.acked: list[bytes] = []
+        self.handed_off: list[bytes] = []
+        config = SchedulerServiceConfig(redis_url="redis://unused", cluster_token="t" * 16, **config)
+        writes = RedisWrites(self.acked.append, self.handed_off.extend)
+        self.loop = SchedulerLoop(config, Scheduler(config.policy), writes, trace.get_tracer("test"), lambda ready: None)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self.loop.run, args=(self.stop,), daemon=True),
+                        threading.Thread(target=writes.run, args=(self.stop,), daemon=True)]
+
+    def __enter__(self) -> Loop:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=5)
+        assert self.loop.error is None
+
+    def connect(self, gateway_id: str) -> tuple[int, queue.SimpleQueue]:
+        """A gateway's StreamOutputs call, as ``SchedulerServicer.StreamOutputs`` opens it."""
+        generation, events = self.loop.streams.subscribe(gateway_id)
+        self.loop.submit(GatewayBack(gateway_id, generation))
+        return generation, events
+
+
+def entry(request_id: str, gateway_id: str, delivery: Delivery, n: int = 1) -> QueueEntry:
+    request = EngineRequest(request_id, (1, 2, 3), EngineSamplingParams(max_tokens=8, n=n), 0.0)
+    return QueueEntry(f"{request_id}-0".encode(), request_to_pb(request, gateway_id), delivery)
+
+
+def next_batch(events: queue.SimpleQueue, timeout_s: float) -> pb.TokenEventBatch | None:
+    try:
+        return events.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
+
+
+def test_a_request_dropped_for_an_unanswered_resume_query_ends_at_its_gateway(monkeypatch):
+    """A taken-over request whose gateway did not answer the resume query in time is dropped (its
+    entry acknowledged). The gateway, which made this scheduler the request's owner when the query
+    arrived (and whose stream to it stays up), must hear that the request ended: otherwise its
+    client waits forever (``unreachable_for_s`` stays 0, nothing else ever ends the request).
+
+    How the gateway misses the deadline without being gone: its answer is sent only when the
+    request's generator reaches the query, i.e. when the client reads (a client that stops reading
+    for RESUME_TIMEOUT_S), or its one Resume call failed while the stream stayed up (the query is
+    sent again only when the stream reconnects)."""
+    monkeypatch.setattr(migration, "RESUME_TIMEOUT_S", 0.3)
+    with Loop() as sched:
+        _, events = sched.connect("gw")
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.REDELIVERED),)))
+        query = next_batch(events, 5)
+        assert query is not None and list(query.resume_queries) == ["r"]
+        while b"r-0" not in sched.acked:  # dropped after RESUME_TIMEOUT_S
+            threading.Event().wait(0.05)
+        final = [e for b in iter(lambda: next_batch(events, 0.5), None) for e in b.events if e.request_id == "r"]
+        assert final and final[-1].finish_reason == pb.FINISH_REASON_ABORT, \
+            "the gateway was never told that its request was dropped: its client hangs"
+
+
+def test_no_output_queue_is_kept_for_a_gateway_whose_requests_were_aborted_for_its_absence():
+    """When a gateway stays away longer than the grace period its queue is closed and its requests
+    aborted; the abort outputs must not make a new queue for it (kept forever: gateway ids are new
+    at every gateway start, so every gateway that ever died holds one)."""
+    with Loop(gateway_grace_s=0.2) as sched:
+        generation, events = sched.connect("gw")
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
+        taken = next_batch(events, 5)
+        assert taken is not None and [e.request_id for e in taken.events] == ["r"]
+        sched.loop.submit(GatewayGone("gw", generation))
+        while b"r-0" not in sched.acked:  # aborted after the grace period
+            threading.Event().wait(0.05)
+        threading.Event().wait(0.2)
+        _, stale = sched.loop.streams.subscribe("gw")  # a later gateway under that id (or a leak check)
+        assert stale.empty(), "the aborted requests' outputs were queued again for the gone gateway"
+
+
+def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_later(monkeypatch):
+    """The gateway makes a scheduler the owner as soon as its resume query arrives, and then
+    processes the old owner's outputs queued before the query: a stop string matched there sends
+    this scheduler Abort(request, sample i) while the request waits for its Resume. The loop finds
+    nothing to abort and records an *early abort of the whole request*. The request then resumes and
+    runs; when its entry is added again within the next minute (handed off without workers, then
+    claimed back once a worker returned), the early abort swallows it: the entry is acknowledged,
+    no resume query goes out, and the gateway (owner: this scheduler, stream up) waits for ever."""
+    from concurrent.futures import Future
+
+    from services.scheduler import loop as loop_module
+    from services.scheduler.cluster import ClaimedEntries, ClusterView
+    from services.scheduler.commands import Abort, Resume
+
+    monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
+    with Loop() as sched:
+        _, events = sched.connect("gw")
+        taken_over = entry("r", "gw", Delivery.REDELIVERED, n=2)
+        sched.loop.submit(NewEntries((taken_over,)))
+        assert list(next_batch(events, 5).resume_queries) == ["r"]
+        aborted: Future = Future()
+        sched.loop.submit(Abort("r", 1, aborted))  # a stop string matched on sample 1 (nothing runs yet)
+        assert aborted.result(5) is False
+        resumed: Future = Future()
+        samples = [pb.ResumedSample(sample_index=0, token_ids=[5]), pb.ResumedSample(sample_index=1, token_ids=[6],
+                                                                                     finished=True)]
+        sched.loop.submit(Resume(pb.ResumeRequest(request_id="r", gateway_id="gw", num_migrations=1, samples=samples),
+                                 resumed))
+        assert resumed.result(5) is True
+        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))  # no worker here, a peer has one
+        while not sched.handed_off:
+            threading.Event().wait(0.05)
+        assert sched.handed_off == [b"r-0"]
+        sched.loop.submit(ClaimedEntries((taken_over,)))  # claimed back (its worker is admitted again)
+        query = next_batch(events, 2)
+        assert query is not None and list(query.resume_queries) == ["r"], \
+            f"the request was dropped silently (acknowledged: {sched.acked})"
+
+
+def test_a_resume_query_withdrawn_while_its_gateway_was_away_is_not_delivered_when_it_returns(monkeypatch):
+    """A query waits in the gateway's queue while its stream is down; meanwhile the request is handed
+    off (no worker here) and a peer resumes it for the gateway. When the gateway's stream comes back,
+    the new subscription takes over the old queue, stale query included: the gateway then makes
+    this scheduler the owner again, drops the peer's tokens and aborts it there, and waits for ever
+    (this scheduler answers the Resume with found=False). Queries of requests still waiting are
+    sent again on every reconnect anyway (GatewayBack), so the queued ones need not be carried over."""
+    from services.scheduler import loop as loop_module
+    from services.scheduler.cluster import ClusterView
+
+    monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
+    with Loop() as sched:
+        generation, _ = sched.connect("gw")
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.REDELIVERED),)))
+        sched.loop.submit(GatewayGone("gw", generation))  # the stream breaks before the query went out
+        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))
+        while not sched.handed_off:
+            threading.Event().wait(0.05)
+        _, events = sched.connect("gw")  # ... and comes back after the hand-off
+        stale = [q for b in iter(lambda: next_batch(events, 0.5), None) for q in b.resume_queries]
+        assert stale == [], "a resume query for a request handed off meanwhile reached the gateway"
