@@ -223,9 +223,8 @@ class ClusterWatch:
                 log.warning("took over %d request(s) of %s, which %s", len(claimed), name,
                             "was handed off" if name == redis_keys.HANDOFF_CONSUMER else "is gone")
                 self._publish(ClaimedEntries(tuple(decode_entries(claimed, Delivery.REDELIVERED, self._ack))))
-            elif not consumer["pending"] and name != redis_keys.HANDOFF_CONSUMER and not self._client.exists(lease_key):
-                self._client.xgroup_delconsumer(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, name)
-                self._client.hdel(redis_keys.SCHEDULERS_HASH, name)
+            elif not consumer["pending"] and name != redis_keys.HANDOFF_CONSUMER:
+                self._leases.forget_consumer(name, lease_key)
 
     def _release_all(self) -> None:
         """A clean stop: gives up the workers and the lease so that peers take over at once."""

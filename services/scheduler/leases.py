@@ -64,6 +64,19 @@ end
 return 0
 """
 
+_FORGET_CONSUMER = """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return 0
+end
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if #pending > 0 then
+  return 0
+end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HDEL', KEYS[3], ARGV[2])
+return 1
+"""
+
 _RENEW_SCHEDULER = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -127,6 +140,7 @@ class Leases:
         self._release = client.register_script(_RELEASE)
         self._renew_scheduler = client.register_script(_RENEW_SCHEDULER)
         self._claim = client.register_script(_CLAIM_PENDING)
+        self._forget = client.register_script(_FORGET_CONSUMER)
         self._hand_off = client.register_script(_HAND_OFF)
 
     # ---- this scheduler ---------------------------------------------------------------
@@ -176,6 +190,13 @@ class Leases:
         keys = [redis_keys.REQUEST_STREAM, lease_key]
         reply = self._claim(keys=keys, args=[redis_keys.SCHEDULER_GROUP, consumer, self.scheduler_id, count])
         return [(entry[0], _fields(entry[1])) for entry in reply if entry]
+
+    def forget_consumer(self, consumer: str, lease_key: str) -> bool:
+        """Deletes a dead scheduler's consumer and registration if it holds nothing pending and
+        ``lease_key`` does not exist, in one step (a scheduler restarting under that id takes its
+        lease before reading: it never loses entries it read in between). True if forgotten."""
+        keys = [redis_keys.REQUEST_STREAM, lease_key, redis_keys.SCHEDULERS_HASH]
+        return bool(self._forget(keys=keys, args=[redis_keys.SCHEDULER_GROUP, consumer]))
 
     def hand_off(self, entry_ids: list[bytes]) -> None:
         """Moves this scheduler's pending entries to the hand-off consumer, for a scheduler with

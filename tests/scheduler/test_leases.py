@@ -174,3 +174,21 @@ def test_the_worker_fence_refuses_plans_of_an_older_lease_epoch():
     with pytest.raises(PlanOutOfOrder, match="older than 9"):
         fence.admit(5)
     assert fence.newest_epoch == 9
+
+
+def test_a_dead_consumer_is_forgotten_only_without_a_lease_and_with_nothing_pending(client):
+    s1 = Leases(client, "s1", "i1", TTL_S)
+    reg = pb.SchedulerRegistration(scheduler_id="s0", address="s0:1", instance_id="old")
+    client.hset(redis_keys.SCHEDULERS_HASH, "s0", reg.SerializeToString())
+    s0 = RequestQueueConsumer(client, "s0")
+    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: pb.QueuedRequest(request_id="a").SerializeToString()})
+    entry = s0.read(count=10, block_ms=10)[0]
+    lease_key = redis_keys.scheduler_lease_key("s0")
+    assert not s1.forget_consumer("s0", lease_key)  # something pending
+    s0.ack(entry.entry_id)
+    client.set(lease_key, b"new", px=60_000)  # restarted under the same id
+    assert not s1.forget_consumer("s0", lease_key)
+    client.delete(lease_key)
+    assert s1.forget_consumer("s0", lease_key)
+    names = {c["name"] for c in client.xinfo_consumers(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)}
+    assert b"s0" not in names and not client.hexists(redis_keys.SCHEDULERS_HASH, "s0")
