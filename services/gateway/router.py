@@ -42,6 +42,7 @@ class _Request:
     queue: asyncio.Queue[RequestOutput | ResumeQuery] = field(default_factory=asyncio.Queue)
     owner: str | None = None   # the scheduler whose events are taken; None until the first event or query
     num_migrations: int = 0    # resumes the owner confirmed
+    taken_at_us: int = 0       # stamp of the newest resume query followed (Redis clock, microseconds)
 
 
 class OutputRouter:
@@ -142,12 +143,17 @@ class OutputRouter:
     def _dispatch(self, scheduler_id: str, batch: pb.TokenEventBatch) -> None:
         for event in batch.events:
             self._route_event(scheduler_id, event)
-        for key in batch.resume_queries:
+        for query in batch.resume_queries:
+            key = query.request_id
             request = self._requests.get(key)
             if request is None:
                 log.info("scheduler %s took over %s, which no call here waits for: aborting it", scheduler_id, key)
                 self._in_background(self._abort_on(self._link(scheduler_id), key))
                 continue
+            if query.taken_at_us < request.taken_at_us:  # sent before another scheduler took the request over
+                log.info("ignoring scheduler %s's stale resume query for %s", scheduler_id, key)
+                continue
+            request.taken_at_us = query.taken_at_us
             if request.owner != scheduler_id:
                 log.info("request %s moves from scheduler %s to %s", key, request.owner, scheduler_id)
             request.owner = scheduler_id

@@ -218,11 +218,13 @@ class ClusterWatch:
             if name == self._leases.scheduler_id or name in schedulers:
                 continue
             lease_key = redis_keys.scheduler_lease_key(name)
-            claimed = self._leases.claim_pending(name, lease_key, CLAIM_BATCH) if consumer["pending"] else []
+            taken_at_us, claimed = (self._leases.claim_pending(name, lease_key, CLAIM_BATCH) if consumer["pending"]
+                                    else (0, []))
             if claimed:
                 log.warning("took over %d request(s) of %s, which %s", len(claimed), name,
                             "was handed off" if name == redis_keys.HANDOFF_CONSUMER else "is gone")
-                self._publish(ClaimedEntries(tuple(decode_entries(claimed, Delivery.REDELIVERED, self._ack))))
+                entries = decode_entries(claimed, Delivery.REDELIVERED, self._ack, taken_at_us)
+                self._publish(ClaimedEntries(tuple(entries)))
             elif not consumer["pending"] and name != redis_keys.HANDOFF_CONSUMER:
                 self._leases.forget_consumer(name, lease_key)
 

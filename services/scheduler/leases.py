@@ -96,7 +96,8 @@ local ids = {}
 for i, entry in ipairs(pending) do
   ids[i] = entry[1]
 end
-return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))
+local now = redis.call('TIME')
+return {now[1], now[2], redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpack(ids))}
 """
 
 
@@ -183,13 +184,17 @@ class Leases:
         return [v.decode(errors="replace") if v is not None else None for v in values]
 
     # ---- requests ---------------------------------------------------------------------
-    def claim_pending(self, consumer: str, lease_key: str, count: int) -> list:
+    def claim_pending(self, consumer: str, lease_key: str, count: int) -> tuple[int, list]:
         """Moves up to ``count`` pending entries of ``consumer`` to this scheduler, unless
-        ``lease_key`` exists (its owner is alive). Returns them as ``XCLAIM`` does: a list of
+        ``lease_key`` exists (its owner is alive). Returns Redis's clock at the claim
+        (microseconds; 0 when nothing was claimed) and the entries as ``XCLAIM`` does: a list of
         ``(entry id, fields)``; entries deleted from the stream meanwhile are dropped by Redis."""
         keys = [redis_keys.REQUEST_STREAM, lease_key]
         reply = self._claim(keys=keys, args=[redis_keys.SCHEDULER_GROUP, consumer, self.scheduler_id, count])
-        return [(entry[0], _fields(entry[1])) for entry in reply if entry]
+        if not reply:
+            return 0, []
+        seconds, micros, claimed = reply
+        return int(seconds) * 1_000_000 + int(micros), [(e[0], _fields(e[1])) for e in claimed if e]
 
     def forget_consumer(self, consumer: str, lease_key: str) -> bool:
         """Deletes a dead scheduler's consumer and registration if it holds nothing pending and

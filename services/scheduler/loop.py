@@ -30,7 +30,7 @@ from services.scheduler.gateway_streams import GatewayStreams
 from services.scheduler.grpc_executor import GrpcExecutor, StepDone
 from services.scheduler.membership import WorkerMembership
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.migration import PendingResumes, resumed_samples_from_pb
+from services.scheduler.migration import PendingResumes, resume_query, resumed_samples_from_pb
 from services.scheduler.queue_consumer import Delivery, QueueEntry
 from services.scheduler.redis_io import RedisWrites
 from services.scheduler.routes import Routes
@@ -210,7 +210,7 @@ class SchedulerLoop:
             return
         if entry.delivery is Delivery.REDELIVERED:  # its client may have tokens already: ask what it got
             self._resumes.add(entry)
-            self.streams.publish(gateway_id, pb.TokenEventBatch(resume_queries=[request.request_id]))
+            self.streams.publish(gateway_id, pb.TokenEventBatch(resume_queries=[resume_query(entry)]))
             return
         request = self._routes.open(entry, request)
         self.scheduler.add_request(request)

@@ -51,7 +51,7 @@ class PendingResumes:
 
     def queries_for(self, gateway_id: str) -> pb.TokenEventBatch:
         """The resume queries of every request of ``gateway_id`` still waiting (empty batch if none)."""
-        return pb.TokenEventBatch(resume_queries=[r for r, w in self._waiting.items()
+        return pb.TokenEventBatch(resume_queries=[resume_query(w.entry) for w in self._waiting.values()
                                                   if w.entry.request.gateway_id == gateway_id])
 
     def take(self, request_id: str, gateway_id: str) -> QueueEntry | None:
@@ -82,6 +82,12 @@ class PendingResumes:
         deadline = self._clock() - RESUME_TIMEOUT_S
         ids = [r for r, w in self._waiting.items() if w.since < deadline]
         return [self._waiting.pop(r).entry for r in ids]
+
+
+def resume_query(entry: QueueEntry) -> pb.ResumeQuery:
+    """The query asking the gateway of a taken-over ``entry`` what its client received, stamped
+    with when this scheduler took it."""
+    return pb.ResumeQuery(request_id=entry.request.request_id, taken_at_us=entry.taken_at_us)
 
 
 def resumed_samples_from_pb(message: pb.ResumeRequest) -> list[ResumedSample]:

@@ -31,9 +31,11 @@ class QueueEntry:
     entry_id: bytes
     request: pb.QueuedRequest
     delivery: Delivery = Delivery.FIRST
+    taken_at_us: int = 0  # for a redelivered entry: Redis's clock when this scheduler took it (its resume query's stamp)
 
 
-def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], None]) -> list[QueueEntry]:
+def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], None],
+                   taken_at_us: int = 0) -> list[QueueEntry]:
     """Decodes ``(entry id, fields)`` pairs; undecodable entries are acknowledged and skipped."""
     decoded = []
     for entry_id, fields in entries:
@@ -43,7 +45,7 @@ def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], Non
         except (KeyError, ValueError):  # deleted or not ours: drop it
             ack(entry_id)
             continue
-        decoded.append(QueueEntry(entry_id, request, delivery))
+        decoded.append(QueueEntry(entry_id, request, delivery, taken_at_us))
     return decoded
 
 
@@ -96,7 +98,8 @@ class RequestQueueConsumer:
             entries = self._xreadgroup(self._backlog_cursor, count, block_ms=None)
             if entries:
                 self._backlog_cursor = entries[-1][0]
-                return decode_entries(entries, Delivery.REDELIVERED, self.ack)
+                seconds, micros = self._client.time()
+                return decode_entries(entries, Delivery.REDELIVERED, self.ack, seconds * 1_000_000 + micros)
             self._backlog_cursor = None
         return decode_entries(self._xreadgroup(">", count, block_ms), Delivery.FIRST, self.ack)
 

@@ -4,6 +4,7 @@ and Resume calls they get, and scheduler registrations written into a real Redis
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import Callable
 
@@ -45,9 +46,11 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
     async def stop(self) -> None:
         await self.server.stop(grace=None)
 
-    def send(self, *events: pb.TokenEvent, resume_queries: tuple[str, ...] = ()) -> None:
+    def send(self, *events: pb.TokenEvent, resume_queries: tuple[str | tuple[str, int], ...] = ()) -> None:
         """Streams one batch to the gateway (when its stream is open)."""
-        self.outbox.put_nowait(pb.TokenEventBatch(events=events, resume_queries=resume_queries))
+        queries = [pb.ResumeQuery(request_id=q, taken_at_us=time.time_ns() // 1000) if isinstance(q, str)
+                   else pb.ResumeQuery(request_id=q[0], taken_at_us=q[1]) for q in resume_queries]
+        self.outbox.put_nowait(pb.TokenEventBatch(events=events, resume_queries=queries))
 
     def aborted(self, request_id: str) -> list[pb.AbortRequest]:
         return [a for a in self.aborts if a.request_id == request_id]

@@ -69,7 +69,7 @@ def test_a_scheduler_that_lost_its_lease_cannot_acknowledge_an_entry_a_survivor_
     s0 = RequestQueueConsumer(client, "s0")
     assert len(s0.read(count=10, block_ms=10)) == 1
     s1 = Leases(client, "s1", "i1", TTL_S)
-    assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)) == 1  # s0's lease is gone
+    assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)[1]) == 1  # s0's lease is gone
     assert pending(client) == {entry_id: b"s1"}
     s0.ack(entry_id)  # s0's route for r closes (aborted by the gateway, or finished)
     assert pending(client) == {entry_id: b"s1"}, "s0 acknowledged the entry s1 runs: a second failure loses it"
@@ -206,7 +206,7 @@ def test_a_scheduler_that_lost_its_lease_cannot_hand_off_an_entry_a_survivor_too
     entry_id = queue_request(client, "r")
     assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
     s0, s1 = Leases(client, "s0", "i0", TTL_S), Leases(client, "s1", "i1", TTL_S)
-    assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)) == 1
+    assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)[1]) == 1
     s0.hand_off([entry_id])
     assert pending(client) == {entry_id: b"s1"}
     own = queue_request(client, "q")

@@ -109,10 +109,12 @@ def test_a_dead_schedulers_requests_are_claimed_once_and_only_after_its_lease_is
     lease_key = redis_keys.scheduler_lease_key("dead")
     client.set(lease_key, b"alive", px=60_000)
     survivors = [Leases(client, f"s{i}", f"i{i}", TTL_S) for i in range(2)]
-    assert survivors[0].claim_pending("dead", lease_key, 10) == []  # still alive
+    assert survivors[0].claim_pending("dead", lease_key, 10) == (0, [])  # still alive
     client.delete(lease_key)
-    claimed = [s.claim_pending("dead", lease_key, 10) for s in survivors]
+    stamped = [s.claim_pending("dead", lease_key, 10) for s in survivors]
+    claimed = [entries for _, entries in stamped]
     assert [len(c) for c in claimed] == [2, 0]
+    assert abs(stamped[0][0] / 1e6 - time.time()) < 60  # Redis's clock at the claim: the resume queries' stamp
     pending = client.xpending_range(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, "-", "+", 10)
     assert {p["consumer"] for p in pending} == {b"s0"}
 
@@ -125,9 +127,10 @@ def test_a_scheduler_restarting_under_its_name_reads_its_backlog_only_while_hold
     assert len(old.read(count=10, block_ms=10)) == 1
     restarted, survivor = Leases(client, "s0", "new", TTL_S), Leases(client, "s1", "i1", TTL_S)
     assert restarted.take_own()
-    assert survivor.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10) == []
+    assert survivor.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10) == (0, [])
     backlog = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
     assert [e.request.request_id for e in backlog] == ["a"] and backlog[0].delivery is Delivery.REDELIVERED
+    assert backlog[0].taken_at_us > 0
 
 
 def test_unowned_workers_are_shared_out_by_blocks_and_a_dead_schedulers_workers_are_adopted(client):

@@ -82,7 +82,7 @@ def test_a_request_dropped_for_an_unanswered_resume_query_ends_at_its_gateway(mo
         _, events = sched.connect("gw")
         sched.loop.submit(NewEntries((entry("r", "gw", Delivery.REDELIVERED),)))
         query = next_batch(events, 5)
-        assert query is not None and list(query.resume_queries) == ["r"]
+        assert query is not None and [q.request_id for q in query.resume_queries] == ["r"]
         while b"r-0" not in sched.acked:  # dropped after RESUME_TIMEOUT_S
             threading.Event().wait(0.05)
         final = [e for b in iter(lambda: next_batch(events, 0.5), None) for e in b.events if e.request_id == "r"]
@@ -126,7 +126,7 @@ def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_l
         _, events = sched.connect("gw")
         taken_over = entry("r", "gw", Delivery.REDELIVERED, n=2)
         sched.loop.submit(NewEntries((taken_over,)))
-        assert list(next_batch(events, 5).resume_queries) == ["r"]
+        assert [q.request_id for q in next_batch(events, 5).resume_queries] == ["r"]
         aborted: Future = Future()
         sched.loop.submit(Abort("r", 1, aborted))  # a stop string matched on sample 1 (nothing runs yet)
         assert aborted.result(5) is False
@@ -142,7 +142,7 @@ def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_l
         assert sched.handed_off == [b"r-0"]
         sched.loop.submit(ClaimedEntries((taken_over,)))  # claimed back (its worker is admitted again)
         query = next_batch(events, 2)
-        assert query is not None and list(query.resume_queries) == ["r"], \
+        assert query is not None and [q.request_id for q in query.resume_queries] == ["r"], \
             f"the request was dropped silently (acknowledged: {sched.acked})"
 
 
@@ -165,5 +165,5 @@ def test_a_resume_query_withdrawn_while_its_gateway_was_away_is_not_delivered_wh
         while not sched.handed_off:
             threading.Event().wait(0.05)
         _, events = sched.connect("gw")  # ... and comes back after the hand-off
-        stale = [q for b in iter(lambda: next_batch(events, 0.5), None) for q in b.resume_queries]
+        stale = [q.request_id for b in iter(lambda: next_batch(events, 0.5), None) for q in b.resume_queries]
         assert stale == [], "a resume query for a request handed off meanwhile reached the gateway"

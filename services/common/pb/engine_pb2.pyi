@@ -292,8 +292,16 @@ class TokenEventBatch(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     RESUME_QUERIES_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
-    resume_queries: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., resume_queries: _Optional[_Iterable[str]] = ...) -> None: ...
+    resume_queries: _containers.RepeatedCompositeFieldContainer[ResumeQuery]
+    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., resume_queries: _Optional[_Iterable[_Union[ResumeQuery, _Mapping]]] = ...) -> None: ...
+
+class ResumeQuery(_message.Message):
+    __slots__ = ("request_id", "taken_at_us")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_AT_US_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    taken_at_us: int
+    def __init__(self, request_id: _Optional[str] = ..., taken_at_us: _Optional[int] = ...) -> None: ...
 
 class ResumedSample(_message.Message):
     __slots__ = ("sample_index", "token_ids", "finished")
