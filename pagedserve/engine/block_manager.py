@@ -88,6 +88,10 @@ class BlockManager:
     def num_evictions(self) -> int:
         return self._pool.num_evictions
 
+    def cached_digests(self) -> list[bytes]:
+        """Content hashes of the blocks findable by hash (none without prefix caching)."""
+        return self._pool.cached_digests()
+
     # ---- allocation ----------------------------------------------------------------------
     def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:
         """Cached blocks holding the start of ``token_ids``; none without prefix caching."""

@@ -144,6 +144,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_digests(self) -> list[bytes]:
+        """The content hashes (``BlockHash.digest``) of every cached block, in no order."""
+        return list(self._cached)
+
     def take(self, count: int) -> list[Block]:
         """Takes ``count`` free blocks (least recently freed first), each with ``ref_count`` 1.
 

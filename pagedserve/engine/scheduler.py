@@ -204,6 +204,10 @@ class Scheduler:
                 outputs.append(self._append(seq, sampled))
         return outputs
 
+    def cached_block_digests(self) -> frozenset[bytes]:
+        """Content hashes of the prompt blocks cached on any worker (what peers route by)."""
+        return frozenset(d for worker in self._workers.values() for d in worker.blocks.cached_digests())
+
     def stats(self) -> SchedulerStats:
         return scheduler_stats(self._workers.values(), len(self._waiting), self._step_id, self._num_preemptions,
                                self._num_swap_preemptions)

@@ -39,3 +39,18 @@ def worker_owner_key(worker_id: str) -> str:
 def worker_epoch_key(worker_id: str) -> str:
     """Counter incremented each time the worker gets a new owner: the fencing token in its plans."""
     return f"pagedserve:worker:{worker_id}:epoch"
+
+
+INBOX_PREFIX = "pagedserve:to:"
+"""Consumers in SCHEDULER_GROUP named ``INBOX_PREFIX + scheduler id`` hold requests forwarded to that
+scheduler (it caches more of their prompts); it claims them as new requests."""
+
+
+def inbox_consumer(scheduler_id: str) -> str:
+    """The consumer holding the requests forwarded to ``scheduler_id``."""
+    return INBOX_PREFIX + scheduler_id
+
+
+def scheduler_blocks_key(scheduler_id: str) -> str:
+    """Set of the content hashes of the KV blocks cached on the scheduler's workers (a TTL it renews)."""
+    return f"pagedserve:scheduler:{scheduler_id}:blocks"

@@ -29,6 +29,7 @@ from services.common.auth import sign_registration
 from services.common.pb import engine_pb2 as pb
 from services.common.scheduler_directory import live_only, verified_registrations
 from services.scheduler.leases import Leases
+from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.queue_consumer import Delivery, QueueEntry, decode_entries
 from services.scheduler.worker_registry import WorkerRegistry
 
@@ -83,12 +84,19 @@ class ClusterWatch:
             requests off only to a scheduler that announces some) and are requests claimed while
             a peer announces some: else a scheduler that handed its requests off would take them
             back and hand them off again (with a worker in back-off, a migration each time).
+        index: where the cached blocks are published for peers (None: not shared).
+        load: the loop's waiting requests and cached block hashes (published with the registration).
+
+    Attributes:
+        peer_queues: the live peers that run a worker, with their waiting requests (read by the
+            request reader to forward requests whose prompt a peer caches better).
     """
 
     def __init__(self, client: redis.Redis, leases: Leases, registry: WorkerRegistry, cluster_token: str,
                  address: str, ttl_s: float, publish: Callable[[ClusterView | ClaimedEntries], None],
                  lease_held: threading.Event, ack: Callable[[bytes], None],
-                 can_run: Callable[[], bool] = lambda: True) -> None:
+                 can_run: Callable[[], bool] = lambda: True, index: PrefixIndex | None = None,
+                 load: Callable[[], tuple[int, frozenset[bytes]]] = lambda: (0, frozenset())) -> None:
         self._client = client
         self._leases = leases
         self._registry = registry
@@ -99,6 +107,9 @@ class ClusterWatch:
         self.lease_held = lease_held
         self._ack = ack
         self._can_run = can_run
+        self._index = index
+        self._load = load
+        self.peer_queues: dict[str, int] = {}
         self._owned: dict[str, int] = {}  # worker id -> epoch
         self._unowned_since: dict[str, float] = {}
         self._missing_since: dict[str, float] = {}  # owned workers whose registration is missing -> since when
@@ -129,7 +140,12 @@ class ClusterWatch:
         self._settled = True
         live = {w: workers[w] for w in self._owned if w in workers}  # a missing one is dropped by the loop in time
         runs = bool(live) and self._can_run()  # a worker that died (registration gone, or in back-off) runs nothing
-        self._register(sum(w.num_blocks for w in live.values()) if runs else 0)
+        waiting, digests = self._load()
+        self._register(sum(w.num_blocks for w in live.values()) if runs else 0, waiting)
+        if self._index is not None:
+            self._index.publish(digests if runs else frozenset())
+        me = self._leases.scheduler_id
+        self.peer_queues = {sid: reg.num_waiting for sid, reg in schedulers.items() if sid != me and reg.num_blocks}
         peers = any(reg.num_blocks > 0 for sid, reg in schedulers.items() if sid != self._leases.scheduler_id)
         self._publish(ClusterView(live, {w: self._owned[w] for w in live}, peers))
         if runs or not peers:  # never take back what was handed off for want of a worker; when none runs, any may
@@ -155,9 +171,10 @@ class ClusterWatch:
         leases = self._client.mget([redis_keys.scheduler_lease_key(s) for s in registrations]) if registrations else []
         return live_only(registrations, leases)
 
-    def _register(self, num_blocks: int) -> None:
+    def _register(self, num_blocks: int, num_waiting: int) -> None:
         reg = pb.SchedulerRegistration(scheduler_id=self._leases.scheduler_id, address=self._address,
-                                       instance_id=self._leases.instance_id, num_blocks=num_blocks)
+                                       instance_id=self._leases.instance_id, num_blocks=num_blocks,
+                                       num_waiting=num_waiting)
         sign_registration(reg, self._token)
         self._client.hset(redis_keys.SCHEDULERS_HASH, reg.scheduler_id, reg.SerializeToString())
 
@@ -207,17 +224,18 @@ class ClusterWatch:
         return mine
 
     def _claim_orphans(self, schedulers: Mapping[str, pb.SchedulerRegistration]) -> None:
-        """Claims the pending entries of consumers without a lease (dead schedulers, the hand-off
-        consumer); forgets dead consumers with nothing pending."""
+        """Claims the pending entries of consumers without a lease (dead schedulers and their
+        inboxes, the hand-off consumer); forgets dead consumers with nothing pending."""
         consumers = self._client.xinfo_consumers(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)
         for consumer in consumers:
             try:
                 name = consumer["name"].decode()
             except UnicodeDecodeError:  # no scheduler of ours (its ids are text): someone else's garbage
                 continue
-            if name == self._leases.scheduler_id or name in schedulers:
+            owner = name.removeprefix(redis_keys.INBOX_PREFIX)  # an inbox lives as long as its scheduler
+            if owner == self._leases.scheduler_id or owner in schedulers:
                 continue
-            lease_key = redis_keys.scheduler_lease_key(name)
+            lease_key = redis_keys.scheduler_lease_key(owner)
             taken_at_us, claimed = (self._leases.claim_pending(name, lease_key, CLAIM_BATCH) if consumer["pending"]
                                     else (0, []))
             if claimed:

@@ -143,9 +143,9 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         "while the model runs the current one (overlap scheduling), 1 makes it after the "
                         "answer; outputs are the same (default %(default)s)")
     parser.add_argument("--placement", choices=[p.value for p in Placement], default=defaults.placement.value,
-                        help="where a new request runs: prefix (the worker holding most of its prompt's prefix "
-                        "in cache, balanced against KV usage and running sequences) or least-loaded (the most "
-                        "free KV blocks) (default %(default)s)")
+                        help="where a new request runs: prefix (the scheduler, then the worker, holding most of its "
+                        "prompt's prefix in cache, balanced against queues, KV usage and running sequences) or "
+                        "least-loaded (the most free KV blocks; no forwarding between schedulers) (default %(default)s)")
 
 
 def policy_from_args(args: argparse.Namespace) -> SchedulerConfig:

@@ -203,6 +203,17 @@ class Leases:
         keys = [redis_keys.REQUEST_STREAM, lease_key, redis_keys.SCHEDULERS_HASH]
         return bool(self._forget(keys=keys, args=[redis_keys.SCHEDULER_GROUP, consumer]))
 
+    def forward(self, entry_id: bytes, scheduler_id: str) -> bool:
+        """Moves an entry this scheduler holds to ``scheduler_id``'s inbox (it caches more of the
+        prompt). False when this scheduler no longer holds it."""
+        keys = [redis_keys.REQUEST_STREAM, redis_keys.inbox_consumer(scheduler_id)]
+        return bool(self._hand_off(keys=keys, args=[redis_keys.SCHEDULER_GROUP, self.scheduler_id, entry_id]))
+
+    def claim_inbox(self, count: int) -> list:
+        """Takes up to ``count`` requests peers forwarded to this scheduler; ``(entry id, fields)`` pairs."""
+        inbox = redis_keys.inbox_consumer(self.scheduler_id)
+        return self.claim_pending(inbox, redis_keys.scheduler_lease_key(inbox), count)[1]  # that key never exists
+
     def hand_off(self, entry_ids: list[bytes]) -> None:
         """Moves this scheduler's pending entries to the hand-off consumer, for a scheduler with
         workers to claim; entries another consumer holds now (taken over while this one was cut

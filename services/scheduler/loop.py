@@ -40,6 +40,9 @@ log = logging.getLogger("pagedserve.scheduler")
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
+CACHE_SNAPSHOT_S = 0.5
+"""How often the loop copies its cached block hashes for the shared index, seconds."""
+
 HANDOFF_AFTER_S = 2.0
 """How long a scheduler without workers keeps its requests before handing them to peers that have
 workers, seconds (a worker reset after a failed step is back within about a second)."""
@@ -78,6 +81,19 @@ class SchedulerLoop:
         self._routes = Routes(scheduler, self.streams, redis_writes.put, self.metrics, tracer)
         self._deliver = self._routes.deliver
         self.error: Exception | None = None
+        self._cache_snapshot: tuple[int, frozenset[bytes]] = (0, frozenset())
+        self._cache_snapshot_at = 0.0
+
+    def cached_load(self) -> tuple[int, frozenset[bytes]]:
+        """Waiting requests and cached block hashes, as of the last snapshot (thread-safe)."""
+        return self._cache_snapshot
+
+    def _snapshot_cache(self) -> None:
+        """Refreshes ``cached_load``'s snapshot every ``CACHE_SNAPSHOT_S`` (it walks every cached block)."""
+        now = time.monotonic()
+        if now - self._cache_snapshot_at >= CACHE_SNAPSHOT_S:
+            self._cache_snapshot = (self.stats.num_waiting, self.scheduler.cached_block_digests())
+            self._cache_snapshot_at = now
 
     def submit(self, command: Command) -> None:
         """Hands a command to the loop thread (thread-safe)."""
@@ -95,6 +111,7 @@ class SchedulerLoop:
                 self._dispatch()
                 self._handle_commands(wait_s=0.05)
                 self.stats = self.scheduler.stats()
+                self._snapshot_cache()
         except Exception as exc:
             log.exception("scheduler loop failed")
             self.error = exc

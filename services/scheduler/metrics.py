@@ -127,6 +127,9 @@ class SchedulerMetrics:
         self.migrated = Counter("pagedserve_requests_resumed", "Requests this scheduler took over from another "
                                 "(or from its own backlog after a restart) and resumed after the tokens their "
                                 "clients had received.", labels, registry=self.registry)
+        self.forwarded = Counter("pagedserve_requests_forwarded", "New requests this scheduler moved to a peer "
+                                 "that caches more of their prompt (the shared index of cached blocks).", labels,
+                                 registry=self.registry)
         self.recomputed = Counter("pagedserve_resumed_tokens", "Tokens the requests this scheduler resumed had "
                                   "before they moved (prompt and output tokens already received), which it computes "
                                   "again (fewer when its prefix cache holds some).", labels, registry=self.registry)
@@ -178,6 +181,10 @@ class SchedulerMetrics:
         if first is not None and last is not None:
             self.prefill_time.labels(model).observe(first - times.scheduled)
             self.decode_time.labels(model).observe(last - first)
+
+    def request_forwarded(self) -> None:
+        """Counts a new request moved to a peer that caches more of its prompt."""
+        self.forwarded.labels(self._model).inc()
 
     def request_migrated(self, num_tokens: int) -> None:
         """Counts one resumed request that had ``num_tokens`` prompt and received output tokens."""

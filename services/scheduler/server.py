@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from concurrent import futures
 
 import grpc
-import redis
 
 from pagedserve.engine.scheduler import Scheduler
 from services.common import telemetry
@@ -20,8 +18,10 @@ from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.redis_wait import connect_redis
 from services.scheduler.cluster import ClusterWatch
 from services.scheduler.config import SchedulerServiceConfig
+from pagedserve.engine.config import Placement
 from services.scheduler.leases import Leases
-from services.scheduler.commands import NewEntries
+from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.request_reader import RequestReader
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.redis_io import RedisWrites
 from services.scheduler.queue_consumer import RequestQueueConsumer
@@ -32,50 +32,6 @@ log = logging.getLogger("pagedserve.scheduler")
 
 SCHEDULER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 """Its health status is the scheduler's readiness: SERVING while at least one worker is up."""
-
-
-STREAM_LENGTH_INTERVAL_S = 1.0
-"""How often the request stream's length is read for ``pagedserve_redis_stream_length``, seconds."""
-
-
-def _read_requests(consumer: RequestQueueConsumer, loop: SchedulerLoop, lease_held: threading.Event,
-                   stop: threading.Event) -> None:
-    """Feeds stream entries to the loop until ``stop`` (and keeps the stream-length gauge current);
-    waits out Redis outages. Reads only while this scheduler holds its lease (before that, a peer
-    may be taking its backlog over) and while the loop accepts new requests."""
-    measured_at = 0.0
-    while not stop.is_set():
-        if not (lease_held.is_set() and loop.accepting.is_set()):
-            stop.wait(0.1)
-            continue
-        try:
-            if loop.model_name and time.monotonic() - measured_at >= STREAM_LENGTH_INTERVAL_S:
-                loop.metrics.stream_length.labels(loop.model_name).set(consumer.length())
-                measured_at = time.monotonic()
-            entries = consumer.read(count=256, block_ms=200)
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            log.warning("the request stream's consumer group is gone (Redis restarted empty?); creating it again")
-            _retry_until_stopped(consumer.ensure_group, stop)
-            continue
-        except redis.RedisError as exc:
-            log.warning("reading the request stream failed: %s", exc)
-            stop.wait(1.0)
-            continue
-        if entries:
-            loop.submit(NewEntries(tuple(entries)))
-
-
-def _retry_until_stopped(action, stop: threading.Event) -> None:
-    """Runs ``action`` until it succeeds (Redis errors are retried every second) or ``stop`` is set."""
-    while not stop.is_set():
-        try:
-            action()
-            return
-        except redis.RedisError as exc:
-            log.warning("Redis: %s; retrying", exc)
-            stop.wait(1.0)
 
 
 def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> None:
@@ -94,6 +50,7 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     health = add_health(server)
     set_serving(health, False, SCHEDULER_SERVICE)  # until a worker is admitted
     leases = Leases(client, config.consumer_name, uuid.uuid4().hex, config.lease_ttl_s)
+    index = PrefixIndex(client, config.consumer_name, config.policy.block_size, config.lease_ttl_s)
     loop = SchedulerLoop(config, Scheduler(config.policy), RedisWrites(consumer.ack, leases.hand_off), tracer,
                          set_ready=lambda ready: set_serving(health, ready, SCHEDULER_SERVICE))
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
@@ -102,10 +59,12 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     server.start()
     watch = ClusterWatch(client, leases, WorkerRegistry(client, config.cluster_token), config.cluster_token,
                          f"{config.advertise_host}:{port}", config.lease_ttl_s, loop.submit, threading.Event(),
-                         consumer.ack, loop.has_workers.is_set)
+                         consumer.ack, loop.has_workers.is_set, index, loop.cached_load)
+    reader = RequestReader(consumer, loop, watch, leases,
+                           index if config.policy.placement is Placement.PREFIX else None)
     threads = [
         threading.Thread(target=loop.run, args=(stop,), name="scheduler-loop", daemon=True),
-        threading.Thread(target=_read_requests, args=(consumer, loop, watch.lease_held, stop), name="request-reader",
+        threading.Thread(target=reader.run, args=(stop,), name="request-reader",
                          daemon=True),
         threading.Thread(target=watch.run, args=(config.worker_poll_interval_s, stop), name="cluster-watch",
                          daemon=True),

@@ -182,3 +182,27 @@ def test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer(tmp_p
         wait_until(lambda: settled(schedulers[peer], 1), "the peer idle, every block free", 30)
         wait_until(lambda: redis_clean(stack), "no request entry left in Redis", 10)
         RESULTS["kill -9 the only worker of one scheduler, 32 streams"] = {**figures, "requests_resumed": int(resumed)}
+
+
+def test_requests_sharing_a_prompt_prefix_all_run_on_the_scheduler_that_caches_it(tmp_path, default_model):
+    """8 requests with one long shared prefix (about 20 blocks), one after another: Redis hands each
+    to either scheduler, and the one that does not cache the prefix forwards it to the one that does
+    (the shared index of cached blocks). Expected: all 8 run on one scheduler, 7 with the prefix
+    from its cache."""
+    prefix = " ".join(f"Rule {i}: answer briefly and politely." for i in range(40))
+    with two_schedulers(tmp_path, default_model) as (stack, schedulers):
+        for i in range(8):
+            call = Call(i, gen.GenerateRequest(prompt=f"{prefix}\nQuestion {i}:", sampling_params=gen.SamplingParams(
+                max_tokens=4, temperature=0.0)))
+            call.run(stack.gateway)
+            assert call.code is None and call.finish_reason, (call.code, call.details)
+            time.sleep(1.0)  # the holder publishes its cached blocks every 0.5 s
+        stats = {name: scheduler_stats(address) for name, address in schedulers.items()}
+        ran = [name for name, s in stats.items() if s.prefix_cache_queries > 0]
+        forwarded = {name: int(metric(stack.metrics[name], "pagedserve_requests_forwarded_total")) for name in stats}
+        assert len(ran) == 1, f"requests ran on {ran}; forwarded {forwarded}"
+        holder = stats[ran[0]]
+        assert holder.prefix_cache_hits >= 7 * 16 * 16, (holder.prefix_cache_hits, holder.prefix_cache_queries)
+        RESULTS["8 requests sharing a prefix, 2 schedulers"] = {
+            "ran_on": ran[0], "forwarded": forwarded, "prefix_hit_tokens": holder.prefix_cache_hits,
+            "prefix_queried_tokens": holder.prefix_cache_queries}

@@ -1,0 +1,105 @@
+"""The scheduler's request reader, on a thread of its own: new entries from the Redis stream, the
+requests peers forwarded to this scheduler, and the forwarding of new requests whose prompt a peer
+caches better (``prefix_index``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import redis
+
+from services.scheduler.cluster import ClusterWatch
+from services.scheduler.commands import NewEntries
+from services.scheduler.leases import Leases
+from services.scheduler.loop import SchedulerLoop
+from services.scheduler.prefix_index import PrefixIndex
+from services.scheduler.queue_consumer import Delivery, QueueEntry, RequestQueueConsumer, decode_entries
+
+log = logging.getLogger("pagedserve.scheduler")
+
+STREAM_LENGTH_INTERVAL_S = 1.0
+"""How often the request stream's length is read for ``pagedserve_redis_stream_length``, seconds."""
+
+READ_BATCH = 256
+"""Most entries read (or claimed from the inbox) at once."""
+
+
+class RequestReader:
+    """Feeds requests to the loop until stopped.
+
+    Reads only while this scheduler holds its lease (before that, a peer may be taking its backlog
+    over) and while the loop accepts new requests; waits out Redis outages.
+
+    Args:
+        consumer: this scheduler's consumer of the request stream.
+        loop: the scheduler loop (gets ``NewEntries``; its stats give this scheduler's queue).
+        watch: the cluster watch (its lease flag, and the peers that run workers).
+        leases: forwards entries to peers and claims this scheduler's inbox.
+        index: the shared index of cached blocks; None to run every request read here
+            (``--placement least-loaded``).
+    """
+
+    def __init__(self, consumer: RequestQueueConsumer, loop: SchedulerLoop, watch: ClusterWatch, leases: Leases,
+                 index: PrefixIndex | None) -> None:
+        self._consumer = consumer
+        self._loop = loop
+        self._watch = watch
+        self._leases = leases
+        self._index = index
+
+    def run(self, stop: threading.Event) -> None:
+        measured_at = 0.0
+        while not stop.is_set():
+            if not (self._watch.lease_held.is_set() and self._loop.accepting.is_set()):
+                stop.wait(0.1)
+                continue
+            try:
+                if self._loop.model_name and time.monotonic() - measured_at >= STREAM_LENGTH_INTERVAL_S:
+                    self._loop.metrics.stream_length.labels(self._loop.model_name).set(self._consumer.length())
+                    measured_at = time.monotonic()
+                entries = self._consumer.read(count=READ_BATCH, block_ms=200)
+                entries = self._forward_to_peers(entries)
+                entries += decode_entries(self._leases.claim_inbox(READ_BATCH), Delivery.FIRST, self._consumer.ack)
+            except redis.ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("the request stream's consumer group is gone (Redis restarted empty?); creating it again")
+                self._retry_until_stopped(self._consumer.ensure_group, stop)
+                continue
+            except redis.RedisError as exc:
+                log.warning("reading the request stream failed: %s", exc)
+                stop.wait(1.0)
+                continue
+            if entries:
+                self._loop.submit(NewEntries(tuple(entries)))
+
+    def _forward_to_peers(self, entries: list[QueueEntry]) -> list[QueueEntry]:
+        """The entries to run here; new ones whose prompt a peer caches better go to its inbox."""
+        peers = self._watch.peer_queues
+        if not peers or self._index is None:
+            return entries
+        keep = []
+        own_waiting = self._loop.stats.num_waiting
+        for entry in entries:
+            target = self._index.better_peer(entry.request, peers, own_waiting) if entry.delivery is Delivery.FIRST \
+                else None
+            if target is not None and self._leases.forward(entry.entry_id, target):
+                log.info("forwarding %s to scheduler %s, which caches more of its prompt", entry.request.request_id,
+                         target)
+                self._loop.metrics.request_forwarded()
+            else:
+                keep.append(entry)
+        return keep
+
+    @staticmethod
+    def _retry_until_stopped(action, stop: threading.Event) -> None:
+        """Runs ``action`` until it succeeds (Redis errors are retried every second) or ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                action()
+                return
+            except redis.RedisError as exc:
+                log.warning("Redis: %s; retrying", exc)
+                stop.wait(1.0)

@@ -1,0 +1,76 @@
+"""The index of cached blocks shared by schedulers, and forwarding a request to the peer that caches
+more of its prompt, with a real redis-server."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from pagedserve.engine.block_hash import hash_full_blocks
+from services.common import redis_keys
+from services.common.pb import engine_pb2 as pb
+from services.scheduler.leases import Leases
+from services.scheduler.prefix_index import MIN_GAIN_BLOCKS, PrefixIndex, cached_prefix_blocks
+from services.scheduler.queue_consumer import RequestQueueConsumer
+from tests.e2e.processes import start_redis
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    process, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    process.stop()
+
+
+@pytest.fixture()
+def client(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    RequestQueueConsumer(client, "setup").ensure_group()
+    return client
+
+
+def digests(tokens: list[int], salt: str = "") -> frozenset[bytes]:
+    return frozenset(h.digest for h in hash_full_blocks(tokens, BLOCK, salt.encode()))
+
+
+PROMPT = list(range(100, 124))  # 6 full blocks of 4
+
+
+def request(tokens=PROMPT, salt: str = "") -> pb.QueuedRequest:
+    return pb.QueuedRequest(request_id="r", prompt_token_ids=tokens, cache_salt=salt)
+
+
+def test_leading_blocks_count_only_an_unbroken_prefix():
+    assert [cached_prefix_blocks(p) for p in ([1, 1, 0, 1], [0, 1], [1, 1, 1], [])] == [2, 0, 3, 0]
+
+
+def test_a_request_goes_to_the_peer_caching_more_of_its_prompt_unless_its_queue_is_longer(client):
+    me, s1, s2 = (PrefixIndex(client, sid, BLOCK, ttl_s=60) for sid in ("me", "s1", "s2"))
+    me.publish(digests(PROMPT[:4]))                   # 1 block
+    s1.publish(digests(PROMPT[:12]))                  # 3 blocks
+    s2.publish(digests(PROMPT[:20]))                  # 5 blocks
+    assert me.better_peer(request(), {"s1": 0, "s2": 0}, own_waiting=0) == "s2"
+    assert me.better_peer(request(), {"s1": 0, "s2": 5}, own_waiting=0) == "s1"  # s2 is busier than me
+    assert me.better_peer(request(), {}, own_waiting=0) is None
+    me.publish(digests(PROMPT[:16]))                  # 4 blocks: s2's one more is less than MIN_GAIN_BLOCKS
+    assert MIN_GAIN_BLOCKS == 2 and me.better_peer(request(), {"s1": 0, "s2": 0}, own_waiting=0) is None
+    assert me.better_peer(request(salt="other"), {"s2": 0}, own_waiting=0) is None  # salted: nothing shared
+    s2.publish(frozenset())
+    assert not client.exists(redis_keys.scheduler_blocks_key("s2"))
+
+
+def test_a_forwarded_entry_is_claimed_from_the_inbox_once_and_only_by_its_target(client):
+    reader = RequestQueueConsumer(client, "s0")
+    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: request().SerializeToString()})
+    entry = reader.read(count=10, block_ms=10)[0]
+    s0, s1 = Leases(client, "s0", "i0", 3.0), Leases(client, "s1", "i1", 3.0)
+    assert not s1.forward(entry.entry_id, "s0")  # s1 does not hold it
+    assert s0.forward(entry.entry_id, "s1")
+    assert s0.claim_inbox(10) == []
+    claimed = s1.claim_inbox(10)
+    assert [e[0] for e in claimed] == [entry.entry_id] and s1.claim_inbox(10) == []
+    pending = client.xpending_range(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, "-", "+", 10)
+    assert [p["consumer"] for p in pending] == [b"s1"]
