@@ -30,7 +30,9 @@ class RequestReader:
     """Feeds requests to the loop until stopped.
 
     Reads only while this scheduler holds its lease (before that, a peer may be taking its backlog
-    over) and while the loop accepts new requests; waits out Redis outages.
+    over), and new entries only while the loop accepts new requests (requests forwarded here are
+    taken even then: a scheduler without workers hands them off like its own); waits out Redis
+    outages.
 
     Args:
         consumer: this scheduler's consumer of the request stream.
@@ -52,15 +54,18 @@ class RequestReader:
     def run(self, stop: threading.Event) -> None:
         measured_at = 0.0
         while not stop.is_set():
-            if not (self._watch.lease_held.is_set() and self._loop.accepting.is_set()):
+            if not self._watch.lease_held.is_set():
                 stop.wait(0.1)
                 continue
             try:
                 if self._loop.model_name and time.monotonic() - measured_at >= STREAM_LENGTH_INTERVAL_S:
                     self._loop.metrics.stream_length.labels(self._loop.model_name).set(self._consumer.length())
                     measured_at = time.monotonic()
-                entries = self._consumer.read(count=READ_BATCH, block_ms=200)
-                entries = self._forward_to_peers(entries)
+                entries: list[QueueEntry] = []
+                if self._loop.accepting.is_set():
+                    entries = self._forward_to_peers(self._consumer.read(count=READ_BATCH, block_ms=200))
+                else:
+                    stop.wait(0.2)
                 entries += decode_entries(self._leases.claim_inbox(READ_BATCH), Delivery.FIRST, self._consumer.ack)
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
