@@ -197,13 +197,15 @@ def pick_worker(workers: Iterable[WorkerState], drafts: dict[str, PlanDraft], co
                 seq: Sequence) -> WorkerState | None:
     """Where to admit ``seq``: ``LEAST_LOADED``, the worker with the most free blocks among those
     being scheduled now (in ``drafts``) that can take another sequence (none that preempted in
-    this iteration, has no budget left, or runs ``max_num_seqs``); ``PREFIX``, the best
+    this iteration, has no budget left, runs ``max_num_seqs``, or is too small ever to hold ``seq``); ``PREFIX``, the best
     :func:`placement_score` among all ``workers`` that are eligible or busy with a step (not in
     ``drafts``): a busy one is returned too, and the caller waits for it. Ties go to the most free
     blocks."""
-    def eligible(w: WorkerState) -> bool:
+    def eligible(w: WorkerState) -> bool:  # (a worker too small for it could win on prefix and never take it)
         draft = drafts.get(w.worker_id)
-        return len(w.running) < config.max_num_seqs and (draft is None or (not draft.preempted and draft.token_budget > 0))
+        fits = seq.num_tokens <= w.blocks.num_blocks * config.block_size
+        return fits and len(w.running) < config.max_num_seqs and (
+            draft is None or (not draft.preempted and draft.token_budget > 0))
 
     if config.placement is Placement.LEAST_LOADED:
         now = [w for w in workers if w.worker_id in drafts and eligible(w)]

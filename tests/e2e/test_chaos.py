@@ -408,7 +408,7 @@ def test_kill_and_restart_the_gateway_with_the_same_id(tmp_path, default_model, 
         start_gateway(stack, default_model, tmp_path, "gateway-restarted", gateway_id)
         recovery = probe(stack.gateway, fault_at)
         figures, freed_after = end_of_dead_gateways_calls(stack, calls, reference, fault_at)
-        orphans = stack.processes["gateway-restarted"].log_text().count("no call here waits for its tokens")
+        orphans = stack.processes["gateway-restarted"].log_text().count("no call waits for its tokens")
         if recovery < GATEWAY_GRACE_S:  # (a gateway slower to restart finds them aborted by the grace period)
             assert orphans == NUM_STREAMS, f"{orphans} orphans aborted by the restarted gateway"
         RESULTS["5b kill + restart gateway, same id"] = {

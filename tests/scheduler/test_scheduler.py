@@ -235,3 +235,18 @@ def test_a_sequence_that_fills_its_worker_alone_finishes_with_length():
     assert outputs["long"] == reference_output(list(request("long", 4, 100).prompt_token_ids), 13)
     assert engine.scheduler.stats().num_preemptions == 0
     assert_all_free(engine)
+
+
+def test_a_prompt_cached_on_a_worker_too_small_for_it_runs_on_one_that_holds_it():
+    """Found by the property test above: r2 (21 tokens: 6 blocks) is prefilled in part on w1 (5
+    blocks), preempted, and its cached prefix there made prefix placement pick w1 for ever, which can
+    never hold it, while w0 (6 blocks) stood free."""
+    engine, _ = make_engine({"w0": 6, "w1": 5}, max_num_seqs=4, max_num_batched_tokens=9, max_plans_in_flight=1)
+    reqs = [request("r0", 5, 2, t=0), request("r1", 1, 3, t=1), request("r2", 21, 1, t=2)]
+    for r in reqs:
+        engine.add_request(r)
+    outputs: dict[str, list[int]] = {}
+    run_to_completion(engine, outputs)
+    for r in reqs:
+        assert outputs[r.request_id] == reference_output(list(r.prompt_token_ids), r.sampling.max_tokens)
+    assert_all_free(engine)
