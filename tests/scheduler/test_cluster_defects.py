@@ -12,7 +12,7 @@ from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.leases import Leases
 from services.scheduler.queue_consumer import RequestQueueConsumer
-from tests.scheduler.test_leases import TTL_S, Watcher, client, redis_url, register_worker  # noqa: F401 (fixtures)
+from tests.scheduler.test_leases import TTL_S, Watcher, register_worker
 
 pytestmark = pytest.mark.timeout(30)
 

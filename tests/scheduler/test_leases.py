@@ -17,24 +17,9 @@ from services.scheduler.leases import Leases
 from services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
 from services.scheduler.worker_registry import WorkerRegistry
 from services.worker.service import LeaseFence, PlanOutOfOrder
-from tests.e2e.processes import CLUSTER_TOKEN, start_redis
+from tests.e2e.processes import CLUSTER_TOKEN
 
 TTL_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    process, url = start_redis(tmp_path_factory.mktemp("redis"))
-    yield url
-    process.stop()
-
-
-@pytest.fixture()
-def client(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    RequestQueueConsumer(client, "setup").ensure_group()
-    return client
 
 
 def register_worker(client: redis.Redis, worker_id: str, num_blocks: int) -> None:

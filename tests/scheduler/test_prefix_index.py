@@ -3,8 +3,6 @@ more of its prompt, with a real redis-server."""
 
 from __future__ import annotations
 
-import pytest
-import redis
 
 from pagedserve.engine.block_hash import hash_full_blocks
 from services.common import redis_keys
@@ -12,24 +10,8 @@ from services.common.pb import engine_pb2 as pb
 from services.scheduler.leases import Leases
 from services.scheduler.prefix_index import MIN_GAIN_BLOCKS, PrefixIndex, cached_prefix_blocks
 from services.scheduler.queue_consumer import RequestQueueConsumer
-from tests.e2e.processes import start_redis
 
 BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    process, url = start_redis(tmp_path_factory.mktemp("redis"))
-    yield url
-    process.stop()
-
-
-@pytest.fixture()
-def client(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    client.flushall()
-    RequestQueueConsumer(client, "setup").ensure_group()
-    return client
 
 
 def digests(tokens: list[int], salt: str = "") -> frozenset[bytes]:
