@@ -4,7 +4,7 @@ settings it was given (scheduler policy, the workers' rank grid)."""
 from __future__ import annotations
 
 from pagedserve.cli import build_parser
-from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
 from pagedserve.launcher import Stack, StackConfig
 
 
@@ -13,7 +13,8 @@ def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monke
     config = StackConfig(model=tmp_path, workers=2, host="127.0.0.1", port=1, scheduler_port=2,
                          redis_url="redis://127.0.0.1:3/0", kv_cache_memory="64MiB", swap_space="0", policy=policy,
                          threads_per_worker=1, data_dir=tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2,
-                         virtual_engines=1, schedulers=2)
+                         virtual_engines=1, schedulers=2, compile_mode=CompileMode.INDUCTOR,
+                         gemm_backend=GemmBackend.ONEDNN)
     stack, commands = Stack(config), []
     monkeypatch.setattr(stack, "_start_redis", lambda: None)  # nothing is started: only the commands are read
     monkeypatch.setattr(stack, "_wait_ready", lambda: None)
@@ -26,3 +27,4 @@ def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monke
     assert "scheduler" not in vars(gateway)  # the gateway finds the schedulers in Redis
     assert (scheduler.max_plans_in_flight, scheduler.placement, scheduler.max_num_batched_tokens) == (1, "least-loaded", 128)
     assert (worker.tensor_parallel_size, worker.pipeline_parallel_size, worker.virtual_engines) == (2, 2, 1)
+    assert (worker.compile_mode, worker.gemm_backend) == ("inductor", "onednn")

@@ -14,7 +14,9 @@ from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
-@pytest.mark.parametrize("gemm_backend, compile_mode", [("onednn", "eager"), ("torch", "inductor")])
+# (inductor through the stack took 40 s of compiling in CI; compiled outputs are checked in-process in
+# tests/worker/test_compiled_forward.py, and up's commands carry --compile-mode: tests/test_launcher_commands.py)
+@pytest.mark.parametrize("gemm_backend, compile_mode", [("onednn", "eager")])
 def test_worker_fast_path_matches_in_process(tmp_path, default_model, offline_outputs, gemm_backend, compile_mode):
     questions = QUESTIONS[:8]
     stack = start_stack(tmp_path, default_model, num_workers=1, worker_threads=2,
