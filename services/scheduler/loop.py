@@ -89,10 +89,13 @@ class SchedulerLoop:
         return self._cache_snapshot
 
     def _snapshot_cache(self) -> None:
-        """Refreshes ``cached_load``'s snapshot every ``CACHE_SNAPSHOT_S`` (it walks every cached block)."""
+        """Refreshes ``cached_load``'s snapshot every ``CACHE_SNAPSHOT_S``. The block hashes (a walk
+        over every cached block) are taken only while a peer runs workers: only such a peer reads
+        new requests, and forwards them by this index."""
         now = time.monotonic()
         if now - self._cache_snapshot_at >= CACHE_SNAPSHOT_S:
-            self._cache_snapshot = (self.stats.num_waiting, self.scheduler.cached_block_digests())
+            digests = self.scheduler.cached_block_digests() if self._peers_have_workers else frozenset()
+            self._cache_snapshot = (self.stats.num_waiting, digests)
             self._cache_snapshot_at = now
 
     def submit(self, command: Command) -> None:
