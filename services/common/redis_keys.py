@@ -6,6 +6,10 @@ REQUEST_STREAM = "pagedserve:requests"
 REQUEST_FIELD = b"request"
 """The stream entry field that holds the encoded request."""
 
+RESUME_FIELD = b"resume"
+"""Present in an entry a scheduler queued again for a request it ran (Redis had forgotten the first
+entry): whoever reads it resumes the request from the tokens its client received, as a claimed one."""
+
 SCHEDULER_GROUP = "schedulers"
 """Consumer group on REQUEST_STREAM: an entry stays pending until its request finishes."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
@@ -25,8 +26,22 @@ from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter, ResumeQuery
 
+log = logging.getLogger("pagedserve.gateway")
+
 LOST_CHECK_S = 5
 """How often a request no scheduler has taken yet checks that its stream entry still exists, seconds."""
+
+MAX_REQUEUES = 3
+"""How often a request whose stream entry vanished before any scheduler took it (Redis restarted
+empty) is queued again before it fails with ``UNAVAILABLE``."""
+
+
+@dataclass
+class _QueuedEntry:
+    """A request's stream entry, and how often it was queued again."""
+
+    entry_id: bytes
+    requeues: int = 0
 
 
 class StatusKind(enum.Enum):
@@ -174,12 +189,12 @@ class GenerationCore:
         outputs = self._router.register(key)
         state = RequestSamples(self.tokenizer, parsed.prompt_token_ids, parsed.params)
         request_metrics = RequestMetrics(self.metrics, submission.arrived_s)
-        entry_id: bytes | None = None
+        entry: _QueuedEntry | None = None
         try:
-            entry_id = await self._enqueue(submission)
+            entry = _QueuedEntry(await self._enqueue(submission))
             accepted = False  # until the scheduler's first event: the request may still be lost with Redis
             while not state.finished:
-                output = await self._next_output(key, outputs, None if accepted else entry_id)
+                output = await self._next_output(submission, outputs, None if accepted else entry)
                 accepted = True
                 if isinstance(output, ResumeQuery):  # every output queued before it is processed
                     self._router.resume(key, output, state.received())
@@ -196,8 +211,8 @@ class GenerationCore:
             # scheduler restarted later must not run it for nobody (its stream entry goes).
             self._router.unregister(key, abort=not state.finished)
             if not state.finished:
-                if entry_id is not None:
-                    self._in_background(self._producer.forget(entry_id))
+                if entry is not None:
+                    self._in_background(self._producer.forget(entry.entry_id))
                 request_metrics.aborted(parsed.params.num_samples)
 
     async def _enqueue(self, submission: Submission) -> bytes:
@@ -223,23 +238,37 @@ class GenerationCore:
         except ValueError as exc:  # tokens missing from the stream: the request cannot go on exactly
             raise GenerationError(StatusKind.ABORTED, f"the token stream broke ({exc}); retry") from exc
 
-    async def _next_output(self, key: str, outputs: asyncio.Queue[RequestOutput | ResumeQuery],
-                           unread_entry: bytes | None) -> RequestOutput | ResumeQuery:
+    async def _next_output(self, submission: Submission, outputs: asyncio.Queue[RequestOutput | ResumeQuery],
+                           unread: _QueuedEntry | None) -> RequestOutput | ResumeQuery:
         """The next event or resume query. Fails with UNAVAILABLE when the request stays without a
-        reachable scheduler too long (``OutputRouter.unreachable_for_s``), or when ``unread_entry``
-        (the request's stream entry, while no scheduler has taken it) has vanished from Redis (Redis
-        restarted empty): then no scheduler will ever run it."""
+        reachable scheduler too long (``OutputRouter.unreachable_for_s``). While no scheduler has
+        taken the request (``unread``: its stream entry), the entry is checked every
+        ``LOST_CHECK_S``: one that vanished from Redis (it restarted empty) is queued again, at
+        most ``MAX_REQUEUES`` times (no scheduler ran it: the new entry starts it exactly)."""
         waited_s = 0
         while True:
             try:
                 return await asyncio.wait_for(outputs.get(), timeout=1.0)
             except asyncio.TimeoutError:
                 waited_s += 1
-                if self._router.unreachable_for_s(key) > self._grace_s:
+                if self._router.unreachable_for_s(submission.key) > self._grace_s:
                     raise GenerationError(StatusKind.UNAVAILABLE, "lost the connection to the scheduler") from None
-                if unread_entry is not None and waited_s % LOST_CHECK_S == 0 and await self._producer.lost(unread_entry):
-                    raise GenerationError(StatusKind.UNAVAILABLE,
-                                          "the request was lost before a scheduler took it (Redis restarted?); retry")
+                if unread is not None and waited_s % LOST_CHECK_S == 0 and await self._producer.lost(unread.entry_id):
+                    await self._requeue(submission, unread)
+
+    async def _requeue(self, submission: Submission, entry: _QueuedEntry) -> None:
+        """Queues a request whose entry Redis lost again (updating ``entry``).
+
+        Raises:
+            GenerationError: ``UNAVAILABLE`` after ``MAX_REQUEUES`` times, or when Redis refuses.
+        """
+        if entry.requeues == MAX_REQUEUES:
+            raise GenerationError(StatusKind.UNAVAILABLE, f"the request was lost {MAX_REQUEUES + 1} times before a "
+                                                          "scheduler took it (Redis keeps restarting?); retry")
+        log.warning("request %s was lost from Redis before a scheduler took it (Redis restarted empty?); "
+                    "queuing it again", submission.key)
+        entry.entry_id = await self._enqueue(submission)
+        entry.requeues += 1
 
     def _in_background(self, coroutine: Coroutine) -> None:
         """Runs ``coroutine`` without waiting for it (safe while the call is being cancelled)."""

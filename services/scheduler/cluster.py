@@ -115,6 +115,7 @@ class ClusterWatch:
         self._missing_since: dict[str, float] = {}  # owned workers whose registration is missing -> since when
         self._waiting_logged = False
         self._settled = False
+        self._take_after = 0.0  # monotonic time before which no unowned worker is taken (after a lost lease)
 
     def run(self, interval_s: float, stop: threading.Event) -> None:
         """Ticks every ``interval_s`` seconds until ``stop``; gives the leases up when stopping."""
@@ -155,8 +156,10 @@ class ClusterWatch:
         if self.lease_held.is_set() and self._leases.renew_own():
             return True
         if self.lease_held.is_set():
-            log.warning("this scheduler's lease had expired (Redis restarted, or it was cut off); taking it again")
+            log.warning("this scheduler's lease had expired (Redis restarted, or it was cut off); taking it again, "
+                        "and taking no unowned worker for %g s while live peers renew theirs", self._ttl_s)
             self.lease_held.clear()
+            self._take_after = time.monotonic() + self._ttl_s
         if not self._leases.take_own():
             if not self._waiting_logged:
                 log.error("another live scheduler uses the id %r; waiting for its lease to expire (give each "
@@ -180,8 +183,10 @@ class ClusterWatch:
 
     def _keep_and_take_workers(self, workers: Mapping[str, pb.WorkerRegistration],
                                schedulers: Mapping[str, pb.SchedulerRegistration]) -> dict[str, str | None]:
-        """Renews this scheduler's worker leases and takes its share of the unowned workers.
-        Returns each live worker's owner as read before taking (``None``: unowned)."""
+        """Renews this scheduler's worker leases and takes its share of the unowned workers (none
+        within a TTL of retaking its own lost lease: after Redis restarted empty, every worker looks
+        unowned until its owner's next tick renews it, and taking a live peer's worker would strand
+        that peer's requests). Returns each live worker's owner as read before taking (``None``: unowned)."""
         now = time.monotonic()
         for worker_id, epoch in list(self._owned.items()):
             missing_since = now if worker_id in workers else self._missing_since.setdefault(worker_id, now)
@@ -198,6 +203,8 @@ class ClusterWatch:
         ids = sorted(workers)
         owners = dict(zip(ids, self._leases.owners(ids)))
         self._unowned_since = {w: self._unowned_since.get(w, now) for w, owner in owners.items() if owner is None}
+        if now < self._take_after:  # Redis forgot every lease: a worker unowned now may be a live peer's
+            return owners
         for worker_id in self._mine(owners, workers, schedulers):
             epoch = self._leases.acquire_worker(worker_id)
             if epoch:

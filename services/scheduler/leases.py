@@ -23,6 +23,7 @@ from __future__ import annotations
 import redis
 
 from services.common import redis_keys
+from services.scheduler.queue_consumer import QueueEntry
 
 _ACQUIRE_WORKER = """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
@@ -101,16 +102,27 @@ return {now[1], now[2], redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, unpac
 """
 
 
+_FORWARD = """
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if not pending.err and #pending > 0 and pending[1][2] == ARGV[2] then
+  redis.call('XCLAIM', KEYS[1], ARGV[1], KEYS[2], 0, ARGV[3], 'JUSTID')
+  return 1
+end
+return 0
+"""
+
 _HAND_OFF = """
-local moved = 0
-for i = 3, #ARGV do
+local requeued = 0
+for i = 5, #ARGV, 2 do
   local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
-  if not pending.err and #pending > 0 and pending[1][2] == ARGV[2] then
+  if pending.err or #pending == 0 then  -- Redis forgot the entry (restarted empty): queue it again
+    redis.call('XADD', KEYS[1], '*', ARGV[3], ARGV[i + 1], ARGV[4], '1')
+    requeued = requeued + 1
+  elseif pending[1][2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], KEYS[2], 0, ARGV[i], 'JUSTID')
-    moved = moved + 1
   end
 end
-return moved
+return requeued
 """
 
 
@@ -142,6 +154,7 @@ class Leases:
         self._renew_scheduler = client.register_script(_RENEW_SCHEDULER)
         self._claim = client.register_script(_CLAIM_PENDING)
         self._forget = client.register_script(_FORGET_CONSUMER)
+        self._forward = client.register_script(_FORWARD)
         self._hand_off = client.register_script(_HAND_OFF)
 
     # ---- this scheduler ---------------------------------------------------------------
@@ -207,21 +220,25 @@ class Leases:
         """Moves an entry this scheduler holds to ``scheduler_id``'s inbox (it caches more of the
         prompt). False when this scheduler no longer holds it."""
         keys = [redis_keys.REQUEST_STREAM, redis_keys.inbox_consumer(scheduler_id)]
-        return bool(self._hand_off(keys=keys, args=[redis_keys.SCHEDULER_GROUP, self.scheduler_id, entry_id]))
+        return bool(self._forward(keys=keys, args=[redis_keys.SCHEDULER_GROUP, self.scheduler_id, entry_id]))
 
     def claim_inbox(self, count: int) -> list:
         """Takes up to ``count`` requests peers forwarded to this scheduler; ``(entry id, fields)`` pairs."""
         inbox = redis_keys.inbox_consumer(self.scheduler_id)
         return self.claim_pending(inbox, redis_keys.scheduler_lease_key(inbox), count)[1]  # that key never exists
 
-    def hand_off(self, entry_ids: list[bytes]) -> None:
+    def hand_off(self, entries: list[QueueEntry]) -> int:
         """Moves this scheduler's pending entries to the hand-off consumer, for a scheduler with
         workers to claim; entries another consumer holds now (taken over while this one was cut
-        off) stay where they are."""
-        if entry_ids:
-            self._hand_off(keys=[redis_keys.REQUEST_STREAM, redis_keys.HANDOFF_CONSUMER],
-                           args=[redis_keys.SCHEDULER_GROUP, self.scheduler_id, *entry_ids])
-
+        off) stay where they are; a request whose entry Redis no longer has (it restarted empty)
+        is queued again, marked to be resumed (``redis_keys.RESUME_FIELD``): every request handed
+        off reaches a scheduler that runs it. Returns how many were queued again."""
+        if not entries:
+            return 0
+        args = [redis_keys.SCHEDULER_GROUP, self.scheduler_id, redis_keys.REQUEST_FIELD, redis_keys.RESUME_FIELD]
+        for entry in entries:
+            args += [entry.entry_id, entry.request.SerializeToString()]
+        return int(self._hand_off(keys=[redis_keys.REQUEST_STREAM, redis_keys.HANDOFF_CONSUMER], args=args))
 
 def _fields(raw) -> dict[bytes, bytes]:
     """XCLAIM's field list ``[k1, v1, k2, v2, ...]`` as a dict."""

@@ -272,7 +272,7 @@ class SchedulerLoop:
         if since is None or not self._peers_have_workers or time.monotonic() - since < HANDOFF_AFTER_S:
             return
         entries = self._routes.give_up_all()  # silently: a peer resumes them for the same clients
-        entries += [e.entry_id for e in [*self._resumes.drop_all(), *self._gateways.take_all_parked()]]
+        entries += [*self._resumes.drop_all(), *self._gateways.take_all_parked()]
         if entries:
             log.warning("no worker for %g s while peers have some: handing %d request(s) to them", HANDOFF_AFTER_S,
                         len(entries))

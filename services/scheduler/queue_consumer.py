@@ -36,7 +36,9 @@ class QueueEntry:
 
 def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], None],
                    taken_at_us: int = 0) -> list[QueueEntry]:
-    """Decodes ``(entry id, fields)`` pairs; undecodable entries are acknowledged and skipped."""
+    """Decodes ``(entry id, fields)`` pairs; undecodable entries are acknowledged and skipped. An
+    entry queued again to be resumed (``redis_keys.RESUME_FIELD``) is ``Delivery.REDELIVERED``
+    however it was read (``taken_at_us`` must then be Redis's clock at the read)."""
     decoded = []
     for entry_id, fields in entries:
         request = pb.QueuedRequest()
@@ -45,8 +47,14 @@ def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], Non
         except (KeyError, ValueError):  # deleted or not ours: drop it
             ack(entry_id)
             continue
-        decoded.append(QueueEntry(entry_id, request, delivery, taken_at_us))
+        resumed = redis_keys.RESUME_FIELD in fields
+        decoded.append(QueueEntry(entry_id, request, Delivery.REDELIVERED if resumed else delivery, taken_at_us))
     return decoded
+
+
+def to_resume(entries: list) -> bool:
+    """Whether any of these ``(entry id, fields)`` pairs was queued again to be resumed."""
+    return any(redis_keys.RESUME_FIELD in (fields or {}) for _, fields in entries)
 
 
 _ACK = """
@@ -98,10 +106,14 @@ class RequestQueueConsumer:
             entries = self._xreadgroup(self._backlog_cursor, count, block_ms=None)
             if entries:
                 self._backlog_cursor = entries[-1][0]
-                seconds, micros = self._client.time()
-                return decode_entries(entries, Delivery.REDELIVERED, self.ack, seconds * 1_000_000 + micros)
+                return decode_entries(entries, Delivery.REDELIVERED, self.ack, self._redis_clock_us())
             self._backlog_cursor = None
-        return decode_entries(self._xreadgroup(">", count, block_ms), Delivery.FIRST, self.ack)
+        entries = self._xreadgroup(">", count, block_ms)
+        return decode_entries(entries, Delivery.FIRST, self.ack, self._redis_clock_us() if to_resume(entries) else 0)
+
+    def _redis_clock_us(self) -> int:
+        seconds, micros = self._client.time()
+        return seconds * 1_000_000 + micros
 
     def _xreadgroup(self, start: bytes | str, count: int, block_ms: int | None) -> list:
         reply = self._client.xreadgroup(redis_keys.SCHEDULER_GROUP, self._consumer,

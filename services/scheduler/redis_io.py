@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import redis
 
+from services.scheduler.queue_consumer import QueueEntry
+
 log = logging.getLogger("pagedserve.scheduler")
 
 RETRY_AFTER_S = 1.0
@@ -24,7 +26,7 @@ class _Ack:
 
 @dataclass(frozen=True)
 class _HandOff:
-    entry_ids: tuple[bytes, ...]
+    entries: tuple[QueueEntry, ...]
 
 
 class RedisWrites:
@@ -38,10 +40,11 @@ class RedisWrites:
 
     Args:
         ack: acknowledges one entry (``RequestQueueConsumer.ack``); may raise Redis errors.
-        hand_off: moves entries to the hand-off consumer (``Leases.hand_off``); may raise Redis errors.
+        hand_off: moves entries to the hand-off consumer, or queues again those Redis forgot
+            (``Leases.hand_off``, returns how many); may raise Redis errors.
     """
 
-    def __init__(self, ack: Callable[[bytes], None], hand_off: Callable[[list[bytes]], None]) -> None:
+    def __init__(self, ack: Callable[[bytes], None], hand_off: Callable[[list[QueueEntry]], int]) -> None:
         self._ack = ack
         self._hand_off = hand_off
         self._writes: queue.SimpleQueue[_Ack | _HandOff] = queue.SimpleQueue()
@@ -50,9 +53,9 @@ class RedisWrites:
         """Queues an entry to acknowledge (thread-safe, never blocks)."""
         self._writes.put(_Ack(entry_id))
 
-    def hand_off(self, entry_ids: list[bytes]) -> None:
-        """Queues entries to hand to the peers (thread-safe, never blocks)."""
-        self._writes.put(_HandOff(tuple(entry_ids)))
+    def hand_off(self, entries: list[QueueEntry]) -> None:
+        """Queues requests to hand to the peers (thread-safe, never blocks)."""
+        self._writes.put(_HandOff(tuple(entries)))
 
     def run(self, stop: threading.Event) -> None:
         """Makes the queued writes until ``stop`` is set."""
@@ -64,8 +67,9 @@ class RedisWrites:
             try:
                 if isinstance(write, _Ack):
                     self._ack(write.entry_id)
-                else:
-                    self._hand_off(list(write.entry_ids))
+                elif requeued := self._hand_off(list(write.entries)):
+                    log.warning("%d of %d request(s) handed off had no entry in Redis any more (it restarted "
+                                "empty): queued again, to be resumed by a peer", requeued, len(write.entries))
             except redis.RedisError as exc:  # made again: a hand-off lost here would strand its requests
                 log.warning("Redis write failed (%s): %s; retrying in %g s", write, exc, RETRY_AFTER_S)
                 self._writes.put(write)

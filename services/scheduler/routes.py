@@ -21,9 +21,12 @@ from services.scheduler.queue_consumer import QueueEntry
 class _Route:
     """Where a request came from and where its tokens go."""
 
-    gateway_id: str
-    entry_id: bytes
+    entry: QueueEntry
     span: trace.Span
+
+    @property
+    def gateway_id(self) -> str:
+        return self.entry.request.gateway_id
 
 
 class Routes:
@@ -61,7 +64,7 @@ class Routes:
             attributes={"request_id": request.request_id, "prompt_tokens": len(request.prompt_token_ids)},
         )
         request = replace(request, trace_context=telemetry.inject(trace.set_span_in_context(span)))
-        self._routes[request.request_id] = _Route(entry.request.gateway_id, entry.entry_id, span)
+        self._routes[request.request_id] = _Route(entry, span)
         self._metrics.request_added(request.request_id)
         return request
 
@@ -90,17 +93,17 @@ class Routes:
         if request_id in self._routes and not self._scheduler.has_request(request_id):
             route = self._routes.pop(request_id)
             route.span.end()
-            self._ack(route.entry_id)
+            self._ack(route.entry.entry_id)
             self._metrics.request_closed(request_id)
 
-    def give_up_all(self) -> list[bytes]:
+    def give_up_all(self) -> list[QueueEntry]:
         """Removes every request from the engine and closes its route without a word to its gateway
-        or an acknowledgement (a peer resumes it for the same client); returns their entry ids."""
+        or an acknowledgement (a peer resumes it for the same client); returns their entries."""
         entries = []
         for request_id, route in self._routes.items():
             self._scheduler.abort_request(request_id)
             route.span.end()
             self._metrics.request_closed(request_id)
-            entries.append(route.entry_id)
+            entries.append(route.entry)
         self._routes.clear()
         return entries

@@ -28,7 +28,7 @@ from pagedserve.launcher import free_port
 from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, pagedserve, scheduler_stats, start_redis, stop_all,
                                  wait_until)
 from services.common.pb import generate_pb2 as gen
-from tests.e2e.test_chaos import Call, finish_streams, kill, redis_clean
+from tests.e2e.test_chaos import Call, finish_streams, kill, redis_clean, start_redis_on
 from tests.e2e.test_stack import QUESTIONS, chat_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -38,6 +38,9 @@ MAX_TOKENS = [24 + (i % 8) * 2 for i in range(NUM_STREAMS)]  # 24..38, exact len
 LEASE_TTL_S = 2.0
 ADOPTION_BOUND_S = LEASE_TTL_S + 3.0
 """A dead scheduler's worker is owned by the survivor within this long (TTL + two ticks + slack)."""
+REDIS_RESTART_BOUND_S = 60.0
+"""After Redis restarts empty, every stream ends within this long, seconds: the schedulers'
+requests live on in their memory, and those handed off are queued again."""
 RESULTS: dict[str, dict] = {}
 
 
@@ -209,3 +212,30 @@ def requests_sharing_a_prefix(stack: Stack, schedulers: dict[str, str]) -> None:
     RESULTS["6 requests sharing a prefix, 2 schedulers"] = {
         "ran_on": ran[0], "forwarded": forwarded, "prefix_hit_tokens": holder.prefix_cache_hits,
         "prefix_queried_tokens": holder.prefix_cache_queries}
+
+
+def test_redis_restarted_empty_then_a_worker_killed_loses_no_stream(tmp_path, default_model, reference):
+    """kill -9 Redis and restart it empty while 32 streams decode on two schedulers (every lease,
+    registration, stream entry and the consumer group are gone), then kill -9 w0: its scheduler,
+    left without a worker, hands its requests off, though Redis holds no entry of theirs any more.
+    Expected: they are queued again and the peer resumes them; every stream ends within
+    ``REDIS_RESTART_BOUND_S`` of the fault, completed token-identical (never a hang until the
+    client's deadline); the peer keeps its own worker, ends idle with every block free, and
+    serves new requests."""
+    with two_schedulers(tmp_path, default_model) as (stack, schedulers):
+        owner = next(s for s, a in schedulers.items() if [w.worker_id for w in scheduler_stats(a).workers] == ["w0"])
+        peer = next(s for s in schedulers if s != owner)
+        calls = start_calls(stack.gateway)
+        fault_at = time.monotonic()
+        kill(stack, "redis")
+        start_redis_on(stack, tmp_path, "redis-restarted")
+        kill(stack, "w0")
+        figures = finish_streams(calls, reference, fault_at, allowed=set())
+        assert figures["last_stream_end_s"] <= REDIS_RESTART_BOUND_S, figures
+        assert figures["completed_identical"] == NUM_STREAMS, figures
+        wait_until(lambda: settled(schedulers[peer], 1), "the peer idle with its own worker, every block free", 30)
+        assert "queued again, to be resumed by a peer" in stack.processes[owner].log_text()
+        fresh = run_fresh_requests(stack.gateway, 8)
+        assert all(c.code is None and c.finish_reason for c in fresh), [(c.code, c.details) for c in fresh]
+        RESULTS["kill -9 Redis, restart it empty, kill -9 a worker; 2 schedulers, 32 streams"] = {
+            **figures, "requests_resumed": int(metric(stack.metrics[peer], "pagedserve_requests_resumed_total"))}

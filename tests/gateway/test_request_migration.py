@@ -181,3 +181,22 @@ def test_new_requests_are_refused_when_no_scheduler_was_reachable_for_the_grace(
         assert caught.value.kind == StatusKind.UNAVAILABLE
 
     asyncio.run(scenario())
+
+
+def test_a_request_redis_lost_before_any_scheduler_took_it_is_queued_again(client, redis_url):
+    """Redis restarts empty while a request waits in the stream: no scheduler will ever read it. It
+    used to fail with UNAVAILABLE; since nothing ran for it yet, it is queued again and completes."""
+    async def scenario():
+        async with Gateway(client, redis_url) as gw:
+            key = await gw.submit(SamplingParams(max_tokens=2))
+            client.flushall()  # Redis restarted empty; the schedulers register again
+            register(client, "s1", gw.s1.address)
+            register(client, "s2", gw.s2.address)
+            await until(lambda: client.xlen(redis_keys.REQUEST_STREAM) == 1, "the request queued again", 10)
+            (_, fields), = client.xrange(redis_keys.REQUEST_STREAM)
+            assert pb.QueuedRequest.FromString(fields[redis_keys.REQUEST_FIELD]).request_id == key
+            gw.s1.send(event(key, 0, [0, 1], finish=LENGTH))
+            await until(lambda: getattr(gw, "done", False), "the request to finish")
+            assert gw.token_ids() == [0, 1] and not hasattr(gw, "error")
+
+    asyncio.run(scenario())

@@ -11,8 +11,8 @@ import pytest
 from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.leases import Leases
-from services.scheduler.queue_consumer import RequestQueueConsumer
-from tests.scheduler.test_leases import TTL_S, Watcher, register_worker
+from services.scheduler.queue_consumer import QueueEntry, RequestQueueConsumer
+from tests.scheduler.test_leases import TTL_S, Watcher, register_worker, two_schedulers_with_a_worker_each
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -39,19 +39,14 @@ def test_a_scheduler_whose_workers_are_gone_does_not_claim_back_what_it_handed_o
     ~10 s, each round a resume query answered found=False). With a worker still registered but
     failing (readmitted between back-offs), the Resume lands and each round counts a migration,
     until --migration-limit fails the requests with UNAVAILABLE, though s1 could have run them."""
-    register_worker(client, "w0", 10)
-    register_worker(client, "w1", 10)
-    s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
-    for _ in range(3):
-        s0.watch.tick()
-        s1.watch.tick()
-    assert len(s0.owned()) == len(s1.owned()) == 1
+    s0, s1 = two_schedulers_with_a_worker_each(client)
     (dead,) = s0.owned()
-    entry_id = queue_request(client, "r")
-    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    queue_request(client, "r")
+    entries = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    assert len(entries) == 1
     client.delete(redis_keys.worker_heartbeat_key(dead))  # s0's worker is killed
     client.hdel(redis_keys.WORKERS_HASH, dead)
-    s0.leases.hand_off([entry_id])  # what s0's loop does 2 s later
+    s0.leases.hand_off(entries)  # what s0's loop does 2 s later
     s0.watch.tick()
     assert s0.owned() == set()  # s0 knows it has no live worker ...
     assert s0.claimed == [], "s0 took back the request it had just handed off, with no worker to run it"
@@ -122,15 +117,16 @@ def test_a_hand_off_that_fails_on_a_redis_error_is_made_again():
 
     from services.scheduler.redis_io import RedisWrites
 
-    calls: list[list[bytes]] = []
+    calls: list[list[QueueEntry]] = []
 
-    def hand_off(entry_ids: list[bytes]) -> None:
-        calls.append(entry_ids)
+    def hand_off(entries: list[QueueEntry]) -> int:
+        calls.append(entries)
         if len(calls) == 1:
             raise redis_lib.ConnectionError("Connection reset by peer")
+        return 0
 
     writes = RedisWrites(lambda entry_id: None, hand_off)
-    writes.hand_off([b"1-0"])
+    writes.hand_off([QueueEntry(b"1-0", pb.QueuedRequest(request_id="r"))])
     stop = threading.Event()
     thread = threading.Thread(target=writes.run, args=(stop,), daemon=True)
     thread.start()
@@ -167,9 +163,10 @@ def test_a_scheduler_whose_loop_has_no_worker_admitted_does_not_claim(client):
         s0.watch.tick()
         s1.watch.tick()
     assert len(s0.owned()) == len(s1.owned()) == 1
-    entry_id = queue_request(client, "r")
-    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
-    s0.leases.hand_off([entry_id])
+    queue_request(client, "r")
+    entries = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    assert len(entries) == 1
+    s0.leases.hand_off(entries)
     s0.watch.tick()
     assert s0.claimed == []
     s1.watch.tick()
@@ -180,18 +177,14 @@ def test_when_no_scheduler_runs_a_worker_handed_off_requests_are_still_claimed(c
     """Claiming only with a running worker must not strand hand-off entries when no scheduler runs
     one: then any scheduler claims them (they end after --no-worker-timeout instead of waiting for
     ever), and none counts as a peer to hand off to."""
-    register_worker(client, "w0", 10)
-    register_worker(client, "w1", 10)
-    s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
-    for _ in range(3):
-        s0.watch.tick()
-        s1.watch.tick()
-    entry_id = queue_request(client, "r")
-    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    s0, s1 = two_schedulers_with_a_worker_each(client)
+    queue_request(client, "r")
+    entries = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    assert len(entries) == 1
     for worker_id in ("w0", "w1"):  # both workers die
         client.delete(redis_keys.worker_heartbeat_key(worker_id))
         client.hdel(redis_keys.WORKERS_HASH, worker_id)
-    s0.leases.hand_off([entry_id])
+    s0.leases.hand_off(entries)
     for _ in range(2):
         s0.watch.tick()
         s1.watch.tick()
@@ -204,14 +197,13 @@ def test_a_scheduler_that_lost_its_lease_cannot_hand_off_an_entry_a_survivor_too
     whoever held it, so a cut-off scheduler that hands off takes it from the survivor running it
     (which is then fenced off its own request by the gateway once a third scheduler resumes it)."""
     entry_id = queue_request(client, "r")
-    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
+    taken = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
     s0, s1 = Leases(client, "s0", "i0", TTL_S), Leases(client, "s1", "i1", TTL_S)
     assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)[1]) == 1
-    s0.hand_off([entry_id])
+    s0.hand_off(taken)
     assert pending(client) == {entry_id: b"s1"}
     own = queue_request(client, "q")
-    assert len(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)) == 1
-    s0.hand_off([own])
+    s0.hand_off(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10))
     assert pending(client) == {entry_id: b"s1", own: redis_keys.HANDOFF_CONSUMER.encode()}
 
 

@@ -47,6 +47,18 @@ class Watcher:
         return set(self.views[-1].workers) if self.views else set()
 
 
+def two_schedulers_with_a_worker_each(client: redis.Redis) -> tuple[Watcher, Watcher]:
+    """Workers w0 and w1 registered, schedulers s0 and s1 ticked until each owns one."""
+    register_worker(client, "w0", 10)
+    register_worker(client, "w1", 10)
+    s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
+    for _ in range(3):
+        s0.watch.tick()
+        s1.watch.tick()
+    assert len(s0.owned()) == len(s1.owned()) == 1
+    return s0, s1
+
+
 def test_worker_lease_acquire_renew_release_and_epochs_grow_even_after_redis_restarts_empty(client):
     a, b = Leases(client, "a", "ia", TTL_S), Leases(client, "b", "ib", TTL_S)
     first = a.acquire_worker("w")

@@ -31,11 +31,15 @@ class Loop:
         self.acked: list[bytes] = []
         self.handed_off: list[bytes] = []
         config = SchedulerServiceConfig(redis_url="redis://unused", cluster_token="t" * 16, **config)
-        writes = RedisWrites(self.acked.append, self.handed_off.extend)
+        writes = RedisWrites(self.acked.append, self._hand_off)
         self.loop = SchedulerLoop(config, Scheduler(config.policy), writes, trace.get_tracer("test"), lambda ready: None)
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self.loop.run, args=(self.stop,), daemon=True),
                         threading.Thread(target=writes.run, args=(self.stop,), daemon=True)]
+
+    def _hand_off(self, entries: list[QueueEntry]) -> int:
+        self.handed_off += [e.entry_id for e in entries]
+        return 0
 
     def __enter__(self) -> Loop:
         for thread in self.threads:

@@ -1,0 +1,78 @@
+"""Redis restarted empty under running schedulers (issue #20, defect 1), with a real redis-server:
+every lease, registration, stream entry and the consumer group are gone, while the schedulers
+still run their requests. Nothing may be lost: no scheduler takes a live peer's worker in the gap
+before the peer renews its lease, and a request handed off whose entry Redis forgot is queued again
+for a peer to resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common import redis_keys
+from services.common.pb import engine_pb2 as pb
+from services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
+from tests.scheduler.test_cluster_defects import pending, queue_request
+from tests.scheduler.test_leases import Watcher, register_worker, two_schedulers_with_a_worker_each
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def restart_redis_empty(client) -> None:
+    """FLUSHALL, then the workers register again (their heartbeat) and a reader makes the group again."""
+    client.flushall()
+    register_worker(client, "w0", 10)
+    register_worker(client, "w1", 10)
+    RequestQueueConsumer(client, "setup").ensure_group()
+
+
+def test_after_redis_restarts_empty_no_scheduler_takes_the_worker_a_live_peer_runs(client):
+    """The first scheduler to tick after the restart sees its peer's worker unowned (the lease key
+    died with Redis) and no peer registration: it used to take the worker, stranding the peer's
+    requests (7 and 10 of 16 streams hung in the attack run)."""
+    s0, s1 = two_schedulers_with_a_worker_each(client)
+    before = (s0.owned(), s1.owned())
+    restart_redis_empty(client)
+    for _ in range(4):  # s0 ticks first each round; both within the lease TTL of the restart
+        s0.watch.tick()
+        s1.watch.tick()
+    assert (s0.owned(), s1.owned()) == before
+
+
+def test_a_worker_whose_scheduler_died_with_redis_down_is_still_taken_after_the_ttl(client):
+    s0, s1 = two_schedulers_with_a_worker_each(client)
+    (orphan,) = s1.owned()
+    restart_redis_empty(client)  # and s1 is gone: it never ticks again
+    s0.watch.tick()
+    assert orphan not in s0.owned()
+    s0.watch._take_after = 0.0  # a TTL later
+    s0.watch.tick()
+    s0.watch.tick()
+    assert orphan in s0.owned()
+
+
+def test_a_hand_off_of_entries_redis_forgot_queues_them_again_to_be_resumed(client):
+    """s0 runs request r; Redis restarts empty (its entry is gone), then s0 loses its only worker
+    and hands r off. The hand-off used to move nothing (no entry) and s0 closed r's route without
+    a word: r's client waited until its own deadline. Now r goes on the stream again, marked to be
+    resumed (its client has tokens already), so any scheduler with a worker resumes it."""
+    entry_id = queue_request(client, "r")
+    s0 = Watcher(client, "s0")
+    (entry,) = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    restart_redis_empty(client)
+    s0.leases.hand_off([entry])
+    (read,) = RequestQueueConsumer(client, "s1").read(count=10, block_ms=10)
+    assert read.request == entry.request and read.entry_id != entry_id
+    assert read.delivery is Delivery.REDELIVERED and read.taken_at_us > 0
+    assert pending(client) == {read.entry_id: b"s1"}
+
+
+def test_a_hand_off_moves_an_entry_redis_still_holds_and_leaves_one_a_peer_took(client):
+    first, second = queue_request(client, "r1"), queue_request(client, "r2")
+    entries = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
+    s1.leases.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 1)  # s1 took r1 over (s0 was cut off)
+    s0.leases.hand_off(entries)
+    assert pending(client) == {first: b"s1", second: redis_keys.HANDOFF_CONSUMER.encode()}
+    assert client.xlen(redis_keys.REQUEST_STREAM) == 2  # nothing queued again
+    assert [pb.QueuedRequest.FromString(f[redis_keys.REQUEST_FIELD]).request_id
+            for _, f in client.xrange(redis_keys.REQUEST_STREAM)] == ["r1", "r2"]
