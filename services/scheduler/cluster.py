@@ -60,6 +60,21 @@ class ClusterView:
 
 
 @dataclass(frozen=True)
+class LoadSnapshot:
+    """A scheduler's load, published with its registration.
+
+    Attributes:
+        num_waiting: requests waiting in its queue.
+        num_running: sequences running on its workers.
+        digests: content hashes of the blocks cached on its workers (empty: not shared).
+    """
+
+    num_waiting: int = 0
+    num_running: int = 0
+    digests: frozenset[bytes] = frozenset()
+
+
+@dataclass(frozen=True)
 class ClaimedEntries:
     """Requests taken over from another consumer of the group."""
 
@@ -85,18 +100,19 @@ class ClusterWatch:
             a peer announces some: else a scheduler that handed its requests off would take them
             back and hand them off again (with a worker in back-off, a migration each time).
         index: where the cached blocks are published for peers (None: not shared).
-        load: the loop's waiting requests and cached block hashes (published with the registration).
+        load: the loop's load and cached block hashes (published with the registration).
 
     Attributes:
-        peer_queues: the live peers that run a worker, with their waiting requests (read by the
-            request reader to forward requests whose prompt a peer caches better).
+        peer_loads: the live peers that run a worker, with their load (waiting requests plus
+            running sequences), read by the request reader to forward new requests to a peer that
+            caches more of their prompt or carries less; replaced whole at each tick.
     """
 
     def __init__(self, client: redis.Redis, leases: Leases, registry: WorkerRegistry, cluster_token: str,
                  address: str, ttl_s: float, publish: Callable[[ClusterView | ClaimedEntries], None],
                  lease_held: threading.Event, ack: Callable[[bytes], None],
                  can_run: Callable[[], bool] = lambda: True, index: PrefixIndex | None = None,
-                 load: Callable[[], tuple[int, frozenset[bytes]]] = lambda: (0, frozenset())) -> None:
+                 load: Callable[[], LoadSnapshot] = LoadSnapshot) -> None:
         self._client = client
         self._leases = leases
         self._registry = registry
@@ -109,7 +125,7 @@ class ClusterWatch:
         self._can_run = can_run
         self._index = index
         self._load = load
-        self.peer_queues: dict[str, int] = {}
+        self.peer_loads: dict[str, int] = {}
         self._owned: dict[str, int] = {}  # worker id -> epoch
         self._unowned_since: dict[str, float] = {}
         self._missing_since: dict[str, float] = {}  # owned workers whose registration is missing -> since when
@@ -141,12 +157,13 @@ class ClusterWatch:
         self._settled = True
         live = {w: workers[w] for w in self._owned if w in workers}  # a missing one is dropped by the loop in time
         runs = bool(live) and self._can_run()  # a worker that died (registration gone, or in back-off) runs nothing
-        waiting, digests = self._load()
-        self._register(sum(w.num_blocks for w in live.values()) if runs else 0, waiting)
+        load = self._load()
+        self._register(sum(w.num_blocks for w in live.values()) if runs else 0, load)
         if self._index is not None:
-            self._index.publish(digests if runs else frozenset())
+            self._index.publish(load.digests if runs else frozenset())
         me = self._leases.scheduler_id
-        self.peer_queues = {sid: reg.num_waiting for sid, reg in schedulers.items() if sid != me and reg.num_blocks}
+        self.peer_loads = {sid: reg.num_waiting + reg.num_running for sid, reg in schedulers.items()
+                           if sid != me and reg.num_blocks}
         peers = any(reg.num_blocks > 0 for sid, reg in schedulers.items() if sid != self._leases.scheduler_id)
         self._publish(ClusterView(live, {w: self._owned[w] for w in live}, peers))
         if runs or not peers:  # never take back what was handed off for want of a worker; when none runs, any may
@@ -174,10 +191,10 @@ class ClusterWatch:
         leases = self._client.mget([redis_keys.scheduler_lease_key(s) for s in registrations]) if registrations else []
         return live_only(registrations, leases)
 
-    def _register(self, num_blocks: int, num_waiting: int) -> None:
+    def _register(self, num_blocks: int, load: LoadSnapshot) -> None:
         reg = pb.SchedulerRegistration(scheduler_id=self._leases.scheduler_id, address=self._address,
                                        instance_id=self._leases.instance_id, num_blocks=num_blocks,
-                                       num_waiting=num_waiting)
+                                       num_waiting=load.num_waiting, num_running=load.num_running)
         sign_registration(reg, self._token)
         self._client.hset(redis_keys.SCHEDULERS_HASH, reg.scheduler_id, reg.SerializeToString())
 

@@ -22,7 +22,7 @@ from pagedserve.engine.messages import FinishReason, RequestError, RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common.convert import output_to_pb, request_from_pb
 from services.common.pb import engine_pb2 as pb
-from services.scheduler.cluster import ClaimedEntries, ClusterView
+from services.scheduler.cluster import ClaimedEntries, ClusterView, LoadSnapshot
 from services.scheduler.commands import Abort, Command, GatewayGone, NewEntries, Resume
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.gateway_presence import GatewayPresence
@@ -81,11 +81,11 @@ class SchedulerLoop:
         self._routes = Routes(scheduler, self.streams, redis_writes.put, self.metrics, tracer)
         self._deliver = self._routes.deliver
         self.error: Exception | None = None
-        self._cache_snapshot: tuple[int, frozenset[bytes]] = (0, frozenset())
+        self._cache_snapshot = LoadSnapshot()
         self._cache_snapshot_at = 0.0
 
-    def cached_load(self) -> tuple[int, frozenset[bytes]]:
-        """Waiting requests and cached block hashes, as of the last snapshot (thread-safe)."""
+    def cached_load(self) -> LoadSnapshot:
+        """Load and cached block hashes, as of the last snapshot (thread-safe)."""
         return self._cache_snapshot
 
     def _snapshot_cache(self) -> None:
@@ -95,7 +95,7 @@ class SchedulerLoop:
         now = time.monotonic()
         if now - self._cache_snapshot_at >= CACHE_SNAPSHOT_S:
             digests = self.scheduler.cached_block_digests() if self._peers_have_workers else frozenset()
-            self._cache_snapshot = (self.stats.num_waiting, digests)
+            self._cache_snapshot = LoadSnapshot(self.stats.num_waiting, self.stats.num_running, digests)
             self._cache_snapshot_at = now
 
     def submit(self, command: Command) -> None:

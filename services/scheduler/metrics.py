@@ -130,6 +130,9 @@ class SchedulerMetrics:
         self.forwarded = Counter("pagedserve_requests_forwarded", "New requests this scheduler moved to a peer "
                                  "that caches more of their prompt (the shared index of cached blocks).", labels,
                                  registry=self.registry)
+        self.balanced = Counter("pagedserve_requests_balanced", "New requests this scheduler moved to a peer with "
+                                "a lighter load (waiting plus running), so that a burst spreads over the schedulers.",
+                                labels, registry=self.registry)
         self.recomputed = Counter("pagedserve_resumed_tokens", "Tokens the requests this scheduler resumed had "
                                   "before they moved (prompt and output tokens already received), which it computes "
                                   "again (fewer when its prefix cache holds some).", labels, registry=self.registry)
@@ -185,6 +188,10 @@ class SchedulerMetrics:
     def request_forwarded(self) -> None:
         """Counts a new request moved to a peer that caches more of its prompt."""
         self.forwarded.labels(self._model).inc()
+
+    def request_balanced(self) -> None:
+        """Counts a new request moved to a peer with a lighter load."""
+        self.balanced.labels(self._model).inc()
 
     def request_migrated(self, num_tokens: int) -> None:
         """Counts one resumed request that had ``num_tokens`` prompt and received output tokens."""

@@ -70,10 +70,11 @@ class PrefixIndex:
         pipe.execute()
         self._published = digests
 
-    def better_peer(self, request: pb.QueuedRequest, peers: Mapping[str, int], own_waiting: int) -> str | None:
+    def better_peer(self, request: pb.QueuedRequest, peers: Mapping[str, int], most_load: int) -> str | None:
         """The peer that caches ``MIN_GAIN_BLOCKS`` or more leading blocks of the request's prompt
-        than this scheduler and has no more waiting requests (``peers``: id -> its waiting
-        requests); the one with the most such blocks, ties by id. None: keep the request.
+        than this scheduler, among those whose load is at most ``most_load`` (``peers``: id -> its
+        load, waiting plus running); the one with the most such blocks, ties by id. None: keep
+        the request.
 
         Raises:
             redis.RedisError: Redis unreachable.
@@ -84,7 +85,7 @@ class PrefixIndex:
         digests = [h.digest for h in hash_full_blocks(tokens, self._block_size, request.cache_salt.encode())]
         if len(digests) < MIN_GAIN_BLOCKS:
             return None
-        candidates = [self._id, *sorted(p for p, waiting in peers.items() if waiting <= own_waiting)]
+        candidates = [self._id, *sorted(p for p, load in peers.items() if load <= most_load)]
         pipe = self._client.pipeline()
         for scheduler_id in candidates:
             pipe.smismember(redis_keys.scheduler_blocks_key(scheduler_id), digests)

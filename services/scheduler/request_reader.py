@@ -1,6 +1,6 @@
 """The scheduler's request reader, on a thread of its own: new entries from the Redis stream, the
-requests peers forwarded to this scheduler, and the forwarding of new requests whose prompt a peer
-caches better (``prefix_index``)."""
+requests peers forwarded to this scheduler, and the forwarding of new requests to a peer that caches
+more of their prompt (``prefix_index``) or carries a lighter load (``load_balance``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import redis
 from services.scheduler.cluster import ClusterWatch
 from services.scheduler.commands import NewEntries
 from services.scheduler.leases import Leases
+from services.scheduler.load_balance import BALANCE_SLACK, PeerLoads
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.queue_consumer import Delivery, QueueEntry, RequestQueueConsumer, decode_entries
@@ -23,7 +24,11 @@ STREAM_LENGTH_INTERVAL_S = 1.0
 """How often the request stream's length is read for ``pagedserve_redis_stream_length``, seconds."""
 
 READ_BATCH = 256
-"""Most entries read (or claimed from the inbox) at once."""
+"""Most entries claimed from the inbox at once."""
+
+NEW_READ_BATCH = 16
+"""Most new entries read at once: small reads give every scheduler's reader a share of a burst, and
+the load each forwards by stays current."""
 
 
 class RequestReader:
@@ -39,7 +44,7 @@ class RequestReader:
         loop: the scheduler loop (gets ``NewEntries``; its stats give this scheduler's queue).
         watch: the cluster watch (its lease flag, and the peers that run workers).
         leases: forwards entries to peers and claims this scheduler's inbox.
-        index: the shared index of cached blocks; None to run every request read here
+        index: the shared index of cached blocks; None to place by load only
             (``--placement least-loaded``).
     """
 
@@ -50,6 +55,9 @@ class RequestReader:
         self._watch = watch
         self._leases = leases
         self._index = index
+        self._peer_loads = PeerLoads()
+        self._stats_seen = loop.stats
+        self._kept_unseen = 0  # entries kept since the loop's stats last changed
 
     def run(self, stop: threading.Event) -> None:
         measured_at = 0.0
@@ -63,7 +71,7 @@ class RequestReader:
                     measured_at = time.monotonic()
                 entries: list[QueueEntry] = []
                 if self._loop.accepting.is_set():
-                    entries = self._forward_to_peers(self._consumer.read(count=READ_BATCH, block_ms=200))
+                    entries = self._forward_to_peers(self._consumer.read(count=NEW_READ_BATCH, block_ms=200))
                 else:
                     stop.wait(0.2)
                 entries += decode_entries(self._leases.claim_inbox(READ_BATCH), Delivery.FIRST, self._consumer.ack)
@@ -81,22 +89,43 @@ class RequestReader:
                 self._loop.submit(NewEntries(tuple(entries)))
 
     def _forward_to_peers(self, entries: list[QueueEntry]) -> list[QueueEntry]:
-        """The entries to run here; new ones whose prompt a peer caches better go to its inbox."""
-        peers = self._watch.peer_queues
-        if not peers or self._index is None:
-            return entries
-        keep = []
-        own_waiting = self._loop.stats.num_waiting
+        """The entries to run here; a new one goes to the inbox of a peer that caches more of its
+        prompt, else of a peer with a lighter load."""
+        keep: list[QueueEntry] = []
+        stats = self._loop.stats
+        if stats is not self._stats_seen:  # the loop took what was kept before into its stats
+            self._stats_seen, self._kept_unseen = stats, 0
+        own_load = stats.num_waiting + stats.num_running + self._kept_unseen
         for entry in entries:
-            target = self._index.better_peer(entry.request, peers, own_waiting) if entry.delivery is Delivery.FIRST \
-                else None
+            if entry.delivery is not Delivery.FIRST:
+                keep.append(entry)
+                continue
+            target = self._peer_for(entry, own_load + len(keep) + 1)
             if target is not None and self._leases.forward(entry.entry_id, target):
-                log.info("forwarding %s to scheduler %s, which caches more of its prompt", entry.request.request_id,
-                         target)
-                self._loop.metrics.request_forwarded()
+                self._peer_loads.forwarded(target)
             else:
                 keep.append(entry)
+        self._kept_unseen += len(keep)
         return keep
+
+    def _peer_for(self, entry: QueueEntry, own_load: int) -> str | None:
+        """The peer a new request goes to (None: run it here): one that caches more of its prompt
+        among those whose load stays within the slack of ``own_load`` (this scheduler's, with the
+        request), else one with a lighter load."""
+        published = self._watch.peer_loads
+        if self._index is not None and published:
+            loads = self._peer_loads.estimates(published)
+            peer = self._index.better_peer(entry.request, loads, own_load + BALANCE_SLACK)
+            if peer is not None:
+                log.info("forwarding %s to scheduler %s, which caches more of its prompt", entry.request.request_id,
+                         peer)
+                self._loop.metrics.request_forwarded()
+                return peer
+        peer = self._peer_loads.lighter_peer(published, own_load)
+        if peer is not None:
+            log.debug("forwarding %s to scheduler %s, which has a lighter load", entry.request.request_id, peer)
+            self._loop.metrics.request_balanced()
+        return peer
 
     @staticmethod
     def _retry_until_stopped(action, stop: threading.Event) -> None:

@@ -7,7 +7,8 @@
 - kill -9 the only worker of one scheduler: that scheduler hands its requests to the peer, which
   resumes them; every stream completes token-identical.
 - before that, requests sharing a long prompt prefix all run on the scheduler that caches it (the
-  other forwards them: the shared index of cached blocks).
+  other forwards them: the shared index of cached blocks), one after another; a burst of them at
+  once is spread over both schedulers by load.
 
 The figures (time to resume, requests moved, tokens computed again) are printed with ``-s`` and
 quoted in docs/benchmarks.md.
@@ -176,7 +177,8 @@ def test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer(tmp_p
     32 streams decode. Expected: the scheduler that owned it has no worker left, hands its requests
     off (after 2 s), the peer resumes them: all 32 complete token-identical."""
     with two_schedulers(tmp_path, default_model) as (stack, schedulers):
-        requests_sharing_a_prefix(stack, schedulers)
+        prefix = requests_sharing_a_prefix(stack, schedulers)
+        a_burst_sharing_the_cached_prefix_is_balanced(stack, schedulers, prefix)
         owner = next(s for s, a in schedulers.items() if [w.worker_id for w in scheduler_stats(a).workers] == ["w0"])
         peer = next(s for s in schedulers if s != owner)
         calls = start_calls(stack.gateway)
@@ -191,7 +193,7 @@ def test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer(tmp_p
         RESULTS["kill -9 the only worker of one scheduler, 32 streams"] = {**figures, "requests_resumed": int(resumed)}
 
 
-def requests_sharing_a_prefix(stack: Stack, schedulers: dict[str, str]) -> None:
+def requests_sharing_a_prefix(stack: Stack, schedulers: dict[str, str]) -> str:
     """6 requests with one long shared prefix (about 20 blocks), one after another: Redis hands each
     to either scheduler, and the one that does not cache the prefix forwards it to the one that does
     (the shared index of cached blocks). Expected: all 6 run on one scheduler, 5 with the prefix
@@ -212,6 +214,27 @@ def requests_sharing_a_prefix(stack: Stack, schedulers: dict[str, str]) -> None:
     RESULTS["6 requests sharing a prefix, 2 schedulers"] = {
         "ran_on": ran[0], "forwarded": forwarded, "prefix_hit_tokens": holder.prefix_cache_hits,
         "prefix_queried_tokens": holder.prefix_cache_queries}
+    return prefix
+
+
+def a_burst_sharing_the_cached_prefix_is_balanced(stack: Stack, schedulers: dict[str, str], prefix: str) -> None:
+    """16 requests at once with the prefix one scheduler caches. Forwarding by cached prefix alone
+    sent every one to that scheduler (the issue's burst of 100 split 96/4): a peer with a cached
+    prefix is chosen only while its load stays within the slack of the reader's. Expected: each
+    scheduler runs at least 4 of them."""
+    ran = {name: metric(stack.metrics[name], "vllm:request_queue_time_seconds_count") for name in schedulers}
+    calls = [Call(i, gen.GenerateRequest(prompt=f"{prefix}\nQuestion {100 + i}:", sampling_params=gen.SamplingParams(
+        max_tokens=2, temperature=0.0))) for i in range(16)]
+    for call in calls:
+        call.thread = threading.Thread(target=call.run, args=(stack.gateway,), daemon=True)
+        call.thread.start()
+    for call in calls:
+        call.thread.join(120)
+        assert call.code is None and call.finish_reason, (call.code, call.details)
+    split = {name: int(metric(stack.metrics[name], "vllm:request_queue_time_seconds_count") - ran[name])
+             for name in schedulers}
+    assert min(split.values()) >= 4, f"a burst of 16 sharing a cached prefix split {split}"
+    RESULTS["16 requests at once sharing a cached prefix, 2 schedulers"] = {"split": split}
 
 
 def test_redis_restarted_empty_then_a_worker_killed_loses_no_stream(tmp_path, default_model, reference):

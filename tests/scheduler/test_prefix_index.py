@@ -34,12 +34,12 @@ def test_a_request_goes_to_the_peer_caching_more_of_its_prompt_unless_its_queue_
     me.publish(digests(PROMPT[:4]))                   # 1 block
     s1.publish(digests(PROMPT[:12]))                  # 3 blocks
     s2.publish(digests(PROMPT[:20]))                  # 5 blocks
-    assert me.better_peer(request(), {"s1": 0, "s2": 0}, own_waiting=0) == "s2"
-    assert me.better_peer(request(), {"s1": 0, "s2": 5}, own_waiting=0) == "s1"  # s2 is busier than me
-    assert me.better_peer(request(), {}, own_waiting=0) is None
+    assert me.better_peer(request(), {"s1": 0, "s2": 0}, most_load=0) == "s2"
+    assert me.better_peer(request(), {"s1": 0, "s2": 5}, most_load=0) == "s1"  # s2 carries more than allowed
+    assert me.better_peer(request(), {}, most_load=0) is None
     me.publish(digests(PROMPT[:16]))                  # 4 blocks: s2's one more is less than MIN_GAIN_BLOCKS
-    assert MIN_GAIN_BLOCKS == 2 and me.better_peer(request(), {"s1": 0, "s2": 0}, own_waiting=0) is None
-    assert me.better_peer(request(salt="other"), {"s2": 0}, own_waiting=0) is None  # salted: nothing shared
+    assert MIN_GAIN_BLOCKS == 2 and me.better_peer(request(), {"s1": 0, "s2": 0}, most_load=0) is None
+    assert me.better_peer(request(salt="other"), {"s2": 0}, most_load=0) is None  # salted: nothing shared
     s2.publish(frozenset())
     assert not client.exists(redis_keys.scheduler_blocks_key("s2"))
 
