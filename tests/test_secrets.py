@@ -107,17 +107,6 @@ def test_message_size_limits_are_explicit():
     assert dict(INTERNAL_SERVER_OPTIONS)["grpc.so_reuseport"] == 0
 
 
-def test_worker_registrations_are_signed_with_the_cluster_token():
-    from services.common.auth import registration_is_signed, sign_registration
-    from services.common.pb import engine_pb2 as pb
-
-    reg = pb.WorkerRegistration(worker_id="w", address="127.0.0.1:1", num_blocks=8, block_size=16, instance_id="i")
-    sign_registration(reg, "t" * 32)
-    assert registration_is_signed(reg, "t" * 32) and not registration_is_signed(reg, "u" * 32)
-    reg.address = "127.0.0.1:2"  # moved by someone without the token
-    assert not registration_is_signed(reg, "t" * 32)
-
-
 def test_short_cluster_tokens_are_refused():
     import argparse
 

@@ -18,12 +18,9 @@ import hmac
 from collections.abc import Iterable
 from pathlib import Path
 
-import hashlib
-
 import grpc
 
 from services.common.grpc_server import INTERNAL_CHANNEL_OPTIONS
-from services.common.pb import engine_pb2 as pb
 from services.common.service_args import env_default
 
 CLUSTER_TOKEN_KEY = "x-pagedserve-cluster-token"
@@ -242,26 +239,3 @@ def cluster_aio_channel(target: str, token: str) -> grpc.aio.Channel:
 def gateway_aio_interceptors(api_key: str) -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors that send ``api_key`` to a gateway (none when ``api_key`` is "")."""
     return _aio_interceptors(bearer_metadata(api_key)) if api_key else []
-
-
-Registration = pb.WorkerRegistration | pb.SchedulerRegistration
-
-
-def _registration_mac(registration: Registration, cluster_token: str) -> bytes:
-    unsigned = type(registration)()
-    unsigned.CopyFrom(registration)
-    unsigned.ClearField("signature")
-    signed = registration.DESCRIPTOR.full_name.encode() + b"\0" + unsigned.SerializeToString(deterministic=True)
-    return hmac.new(cluster_token.encode(), signed, hashlib.sha256).digest()
-
-
-def sign_registration(registration: Registration, cluster_token: str) -> None:
-    """Sets ``registration.signature``: only holders of the cluster token can register a worker or a
-    scheduler, so a writer to Redis cannot make a scheduler send plans (or a gateway send requests'
-    tokens, and the token itself) to an address of its own."""
-    registration.signature = _registration_mac(registration, cluster_token)
-
-
-def registration_is_signed(registration: Registration, cluster_token: str) -> bool:
-    """Whether ``registration`` was signed with ``cluster_token`` (compared in constant time)."""
-    return hmac.compare_digest(registration.signature, _registration_mac(registration, cluster_token))

@@ -15,6 +15,8 @@ counted twice across processes):
   ``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``, and
   ``pagedserve_plan_bytes``, ``pagedserve_redis_stream_length``, ``pagedserve_worker_kv_cache_usage_perc``.
 - worker (``services/worker/metrics.py``): ``pagedserve_worker_step_seconds{worker}``.
+- gateway and scheduler: ``pagedserve_redis_records_refused_total{kind}`` (``refused_records_counter``):
+  each counts the records from Redis it refused itself (``services/common/signed_records.py``).
 
 Every series has the ``model_name`` label, as vLLM's do.
 """
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 from threading import Thread
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest, start_http_server
 
 log = logging.getLogger("pagedserve.metrics")
 
@@ -52,6 +54,14 @@ PLAN_BYTES_BUCKETS = tuple(float(256 * 4 ** i) for i in range(9))  # 256 B .. 16
 def new_registry() -> CollectorRegistry:
     """An empty registry for one process's series."""
     return CollectorRegistry()
+
+
+def refused_records_counter(registry: CollectorRegistry) -> Counter:
+    """``pagedserve_redis_records_refused_total{model_name, kind}`` in ``registry``: records read
+    from Redis that failed the cluster token's check (``signed_records.RecordKind`` values)."""
+    return Counter("pagedserve_redis_records_refused", "Records read from Redis that were dropped: not signed "
+                   "with this cluster token, undecodable, or stored under another id than their own.",
+                   [MODEL_NAME, "kind"], registry=registry)
 
 
 def render(registry: CollectorRegistry) -> tuple[bytes, str]:

@@ -3,32 +3,16 @@ by schedulers (to find dead peers and to balance workers)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 
-from google.protobuf.message import DecodeError
-
-from services.common.auth import registration_is_signed
 from services.common.pb import engine_pb2 as pb
+from services.common.signed_records import RecordCheck, SignedHash
 
-log = logging.getLogger("pagedserve")
 
-
-def verified_registrations(raw: Mapping[bytes, bytes], cluster_token: str) -> dict[str, pb.SchedulerRegistration]:
-    """Decodes the values of ``redis_keys.SCHEDULERS_HASH``, keeping those signed with the cluster
-    token and stored under their own id (others are logged and ignored)."""
-    registrations = {}
-    for key, value in raw.items():
-        reg = pb.SchedulerRegistration()
-        try:
-            reg.ParseFromString(value)
-        except DecodeError:
-            reg = None
-        if reg is None or not registration_is_signed(reg, cluster_token) or key != reg.scheduler_id.encode():
-            log.warning("ignoring a scheduler registration under %r not signed with this cluster token", key)
-            continue
-        registrations[reg.scheduler_id] = reg
-    return registrations
+def scheduler_registrations(check: RecordCheck) -> SignedHash[pb.SchedulerRegistration]:
+    """The verified values of ``redis_keys.SCHEDULERS_HASH``: those signed with the cluster token and
+    stored under their own id (others are refused once each, ``SignedHash``)."""
+    return SignedHash(pb.SchedulerRegistration, check, lambda reg: reg.scheduler_id)
 
 
 def live_only(registrations: Mapping[str, pb.SchedulerRegistration],

@@ -3,7 +3,8 @@
 Ownership (see ``services/common/metrics.py``): the gateway owns the latencies its clients
 experience and the tokens it hands them: TTFT, inter-token latency, e2e latency, finished samples
 by finish reason, prompt and generation tokens, its requests in flight, and the requests it moved
-to another scheduler (``pagedserve_gateway_requests_migrated_total``). Queue, prefill and
+to another scheduler (``pagedserve_gateway_requests_migrated_total``), and the records from Redis it
+refused (``pagedserve_redis_records_refused_total``). Queue, prefill and
 decode times, KV usage and preemptions are the scheduler's: nothing here counts them. With several
 gateways, each counts only its own calls, so sums over gateways count every token once.
 
@@ -28,8 +29,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pagedserve.engine.messages import FinishReason
 from pagedserve.text.output_processor import TextDelta
 from services.common.metrics import (
-    INTER_TOKEN_BUCKETS_S, MODEL_NAME, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S, new_registry, render,
+    INTER_TOKEN_BUCKETS_S, MODEL_NAME, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S, new_registry, refused_records_counter,
+    render,
 )
+from services.common.signed_records import RecordKind
 
 
 class GatewayMetrics:
@@ -63,9 +66,15 @@ class GatewayMetrics:
             "pagedserve_gateway_requests_migrated", "Requests this gateway resumed on another scheduler (answered "
             "resume queries the scheduler confirmed; a request that moves twice counts twice).", labels,
             registry=r).labels(model_name)
+        self._refused = refused_records_counter(r)
+        self._model_name = model_name
         if in_flight is not None:
             Gauge("pagedserve_gateway_requests_in_flight", "Generate calls this gateway is serving now.", labels,
                   registry=r).labels(model_name).set_function(lambda: float(in_flight()))
+
+    def record_refused(self, kind: RecordKind) -> None:
+        """Counts a record from Redis that failed the cluster token's check."""
+        self._refused.labels(self._model_name, kind.value).inc()
 
     def start_request(self) -> RequestMetrics:
         """A tracker for one call, its clock started now (call when the call arrives)."""

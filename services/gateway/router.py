@@ -16,6 +16,7 @@ from pagedserve.engine.messages import RequestOutput
 from pagedserve.text.request_samples import ReceivedSample
 from services.common.convert import output_from_pb
 from services.common.pb import engine_pb2 as pb
+from services.common.signed_records import RecordKind
 from services.gateway.scheduler_discovery import POLL_INTERVAL_S, SchedulerDiscovery
 from services.gateway.scheduler_link import SchedulerLink
 
@@ -61,11 +62,14 @@ class OutputRouter:
         gateway_id: this gateway's id, as written in its queued requests.
         on_migrated: called once per resume a scheduler confirmed (the migration counter).
         poll_interval_s: how often the scheduler directory is read, seconds.
+        on_refused: called with the kind of each record from Redis refused (the gateway's counter).
     """
 
     def __init__(self, client: aioredis.Redis, cluster_token: str, gateway_id: str,
-                 on_migrated: Callable[[], None] = lambda: None, poll_interval_s: float = POLL_INTERVAL_S) -> None:
-        self.discovery = SchedulerDiscovery(client, cluster_token, gateway_id, self._dispatch, poll_interval_s)
+                 on_migrated: Callable[[], None] = lambda: None, poll_interval_s: float = POLL_INTERVAL_S,
+                 on_refused: Callable[[RecordKind], None] = lambda kind: None) -> None:
+        self.discovery = SchedulerDiscovery(client, cluster_token, gateway_id, self._dispatch, poll_interval_s,
+                                            on_refused)
         self._gateway_id = gateway_id
         self._on_migrated = on_migrated
         self._requests: dict[str, _Request] = {}

@@ -8,14 +8,15 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable
 
 import redis
 import redis.asyncio as aioredis
 
 from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
-from services.common.scheduler_directory import live_only, verified_registrations
+from services.common.scheduler_directory import live_only, scheduler_registrations
+from services.common.signed_records import RecordCheck, RecordKind
 from services.gateway.scheduler_link import BatchHandler, SchedulerLink
 
 log = logging.getLogger("pagedserve.gateway")
@@ -32,7 +33,8 @@ class SchedulerDiscovery:
     ``redis_keys.SCHEDULERS_HASH``, signed with the cluster token) is there and its lease key holds
     its instance id; it leaves (stream closed, channel dropped) once either is gone and its stream is
     down (an open stream proves it alive: Redis may have restarted empty, and it registers again
-    within a tick), or is replaced when its address changes. Unsigned registrations are ignored.
+    within a tick), or is replaced when its address changes. Unsigned registrations are ignored
+    (counted by ``on_refused`` and logged once each).
     While Redis does not answer, the links stay as they are.
 
     Args:
@@ -41,10 +43,12 @@ class SchedulerDiscovery:
         gateway_id: this gateway's id (the StreamOutputs calls ask for its events).
         on_batch: receives every batch of every scheduler, with the scheduler's id.
         poll_interval_s: how often the directory is read, seconds (> 0).
+        on_refused: called with the kind of each record refused (the gateway's counter).
     """
 
     def __init__(self, client: aioredis.Redis, cluster_token: str, gateway_id: str, on_batch: BatchHandler,
-                 poll_interval_s: float = POLL_INTERVAL_S) -> None:
+                 poll_interval_s: float = POLL_INTERVAL_S,
+                 on_refused: Callable[[RecordKind], None] = lambda kind: None) -> None:
         self.links: dict[str, SchedulerLink] = {}
         self._redis = client
         self._token = cluster_token
@@ -53,7 +57,7 @@ class SchedulerDiscovery:
         self._interval_s = poll_interval_s
         self._left_at: OrderedDict[str, float] = OrderedDict()  # id -> monotonic time its stream was lost
         self._none_connected_since: float | None = time.monotonic()
-        self._checked: dict[bytes, tuple[bytes, pb.SchedulerRegistration | None]] = {}  # hash field -> (value, verified)
+        self._registrations = scheduler_registrations(RecordCheck(cluster_token, on_refused))
         self._redis_answers = True
 
     def connected_links(self) -> list[SchedulerLink]:
@@ -112,23 +116,11 @@ class SchedulerDiscovery:
 
     async def _read_live(self) -> dict[str, pb.SchedulerRegistration]:
         """The live, verified registrations by scheduler id. Raises ``redis.RedisError``."""
-        registrations = self._verified(await self._redis.hgetall(redis_keys.SCHEDULERS_HASH))
+        registrations = self._registrations.verified(await self._redis.hgetall(redis_keys.SCHEDULERS_HASH))
         if not registrations:
             return {}
         leases = await self._redis.mget([redis_keys.scheduler_lease_key(sid) for sid in registrations])
         return live_only(registrations, leases)
-
-    def _verified(self, raw: Mapping[bytes, bytes]) -> dict[str, pb.SchedulerRegistration]:
-        """``verified_registrations`` of ``raw``, each value checked (and a rejected one logged)
-        only when it is new or changed."""
-        checked = {}
-        for key, value in raw.items():
-            known = self._checked.get(key)
-            if known is None or known[0] != value:
-                known = (value, next(iter(verified_registrations({key: value}, self._token).values()), None))
-            checked[key] = known
-        self._checked = checked
-        return {reg.scheduler_id: reg for _, reg in checked.values() if reg is not None}
 
     def _add(self, registration: pb.SchedulerRegistration) -> None:
         sid = registration.scheduler_id

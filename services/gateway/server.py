@@ -136,9 +136,10 @@ async def serve_gateway(config: GatewayConfig) -> None:
         config.redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=5,
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError])
-    producer = RequestQueueProducer(redis_client, config.gateway_id)
+    producer = RequestQueueProducer(redis_client, config.gateway_id, config.cluster_token)
     metrics = GatewayMetrics(config.model_name, lambda: router.num_in_flight)
-    router = OutputRouter(redis_client, config.cluster_token, config.gateway_id, metrics.requests_migrated.inc)
+    router = OutputRouter(redis_client, config.cluster_token, config.gateway_id, metrics.requests_migrated.inc,
+                          on_refused=metrics.record_refused)
 
     server = _new_server(config)
     core = GenerationCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import redis
 
 from services.common import redis_keys
-from services.common.auth import sign_registration
 from services.common.pb import engine_pb2 as pb
-from services.common.scheduler_directory import live_only, verified_registrations
+from services.common.scheduler_directory import live_only, scheduler_registrations
+from services.common.signed_records import RecordCheck
 from services.scheduler.leases import Leases
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.queue_consumer import Delivery, QueueEntry, decode_entries
@@ -49,7 +49,8 @@ class ClusterView:
 
     Attributes:
         workers: registrations of the workers this scheduler owns, by worker id.
-        epochs: each owned worker's lease epoch (sent in every plan to it).
+        epochs: the lease epoch of every worker this scheduler owns (sent in every plan to it),
+            also of those whose registration is missing now: a worker not here lost its lease.
         peers_have_workers: another live scheduler runs at least one worker (its registration
             announces blocks): requests this one cannot run may be handed off.
     """
@@ -88,7 +89,7 @@ class ClusterWatch:
         client: a Redis client (bytes responses).
         leases: this scheduler's lease operations.
         registry: reads the workers' registrations.
-        cluster_token: signs this scheduler's registration.
+        check: signs this scheduler's registration, verifies its peers' and the claimed requests.
         address: host:port where gateways reach this scheduler.
         ttl_s: lease time to live, seconds.
         publish: hands a ``ClusterView`` or ``ClaimedEntries`` to the loop.
@@ -108,7 +109,7 @@ class ClusterWatch:
             caches more of their prompt or carries less; replaced whole at each tick.
     """
 
-    def __init__(self, client: redis.Redis, leases: Leases, registry: WorkerRegistry, cluster_token: str,
+    def __init__(self, client: redis.Redis, leases: Leases, registry: WorkerRegistry, check: RecordCheck,
                  address: str, ttl_s: float, publish: Callable[[ClusterView | ClaimedEntries], None],
                  lease_held: threading.Event, ack: Callable[[bytes], None],
                  can_run: Callable[[], bool] = lambda: True, index: PrefixIndex | None = None,
@@ -116,7 +117,8 @@ class ClusterWatch:
         self._client = client
         self._leases = leases
         self._registry = registry
-        self._token = cluster_token
+        self._check = check
+        self._schedulers = scheduler_registrations(check)
         self._address = address
         self._ttl_s = ttl_s
         self._publish = publish
@@ -165,7 +167,7 @@ class ClusterWatch:
         self.peer_loads = {sid: reg.num_waiting + reg.num_running for sid, reg in schedulers.items()
                            if sid != me and reg.num_blocks}
         peers = any(reg.num_blocks > 0 for sid, reg in schedulers.items() if sid != self._leases.scheduler_id)
-        self._publish(ClusterView(live, {w: self._owned[w] for w in live}, peers))
+        self._publish(ClusterView(live, dict(self._owned), peers))
         if runs or not peers:  # never take back what was handed off for want of a worker; when none runs, any may
             self._claim_orphans(schedulers)
 
@@ -187,7 +189,7 @@ class ClusterWatch:
         return True
 
     def _live_schedulers(self) -> dict[str, pb.SchedulerRegistration]:
-        registrations = verified_registrations(self._client.hgetall(redis_keys.SCHEDULERS_HASH), self._token)
+        registrations = self._schedulers.verified(self._client.hgetall(redis_keys.SCHEDULERS_HASH))
         leases = self._client.mget([redis_keys.scheduler_lease_key(s) for s in registrations]) if registrations else []
         return live_only(registrations, leases)
 
@@ -195,8 +197,7 @@ class ClusterWatch:
         reg = pb.SchedulerRegistration(scheduler_id=self._leases.scheduler_id, address=self._address,
                                        instance_id=self._leases.instance_id, num_blocks=num_blocks,
                                        num_waiting=load.num_waiting, num_running=load.num_running)
-        sign_registration(reg, self._token)
-        self._client.hset(redis_keys.SCHEDULERS_HASH, reg.scheduler_id, reg.SerializeToString())
+        self._client.hset(redis_keys.SCHEDULERS_HASH, reg.scheduler_id, self._check.sign(reg))
 
     def _keep_and_take_workers(self, workers: Mapping[str, pb.WorkerRegistration],
                                schedulers: Mapping[str, pb.SchedulerRegistration]) -> dict[str, str | None]:
@@ -265,7 +266,7 @@ class ClusterWatch:
             if claimed:
                 log.warning("took over %d request(s) of %s, which %s", len(claimed), name,
                             "was handed off" if name == redis_keys.HANDOFF_CONSUMER else "is gone")
-                entries = decode_entries(claimed, Delivery.REDELIVERED, self._ack, taken_at_us)
+                entries = decode_entries(claimed, Delivery.REDELIVERED, self._ack, self._check, taken_at_us)
                 self._publish(ClaimedEntries(tuple(entries)))
             elif not consumer["pending"] and name != redis_keys.HANDOFF_CONSUMER:
                 self._leases.forget_consumer(name, lease_key)

@@ -12,6 +12,8 @@ process). Every change of membership is logged.
   under a new lease epoch (it was another scheduler's meanwhile), is reset at once.
 - A worker whose registration is missing longer than ``gone_after_s`` is dropped; a shorter gap
   (Redis restarted empty, the worker registers again) changes nothing.
+- A worker this scheduler no longer owns (it lost the worker's lease to a peer) is dropped at once:
+  the worker refuses its plans now.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class WorkerMembership:
 
         Args:
             live: registrations of the live workers this scheduler owns, by worker id.
-            epochs: the lease epoch of each of them (sent in every plan: the worker's fence).
+            epochs: the lease epoch of every worker this scheduler owns (sent in every plan: the
+                worker's fence), registered or not; a member not here lost its lease.
 
         Returns:
             Final outputs of requests ended because their workers kept failing (``Scheduler.remove_worker``).
@@ -83,7 +86,9 @@ class WorkerMembership:
         now, outputs = self._clock(), []
         for worker_id, member in list(self._members.items()):
             reg = live.get(worker_id)
-            if reg is None:
+            if worker_id not in epochs:
+                outputs += self._drop(worker_id, "this scheduler no longer holds its lease")
+            elif reg is None:
                 member.missing_since = member.missing_since or now
                 if now - member.missing_since > self._gone_after_s:
                     outputs += self._drop(worker_id, f"its registration has been missing for {self._gone_after_s:g} s")

@@ -25,7 +25,10 @@ from prometheus_client.registry import Collector
 
 from pagedserve.engine.config import SchedulerStats
 from pagedserve.engine.messages import BatchPlan, RequestOutput
-from services.common.metrics import MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, new_registry
+from services.common.metrics import (
+    MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, new_registry, refused_records_counter,
+)
+from services.common.signed_records import RecordKind
 
 
 def kv_cache_usage(stats: SchedulerStats) -> float:
@@ -139,6 +142,7 @@ class SchedulerMetrics:
         self.stream_length = Gauge("pagedserve_redis_stream_length", "Entries in the Redis request stream: requests "
                                    "queued or in flight (an entry is deleted when its request ends).", labels,
                                    registry=self.registry)
+        self.refused = refused_records_counter(self.registry)
 
     @property
     def _model(self) -> str:
@@ -184,6 +188,10 @@ class SchedulerMetrics:
         if first is not None and last is not None:
             self.prefill_time.labels(model).observe(first - times.scheduled)
             self.decode_time.labels(model).observe(last - first)
+
+    def record_refused(self, kind: RecordKind) -> None:
+        """Counts a record from Redis that failed the cluster token's check (any thread)."""
+        self.refused.labels(self._model, kind.value).inc()
 
     def request_forwarded(self) -> None:
         """Counts a new request moved to a peer that caches more of its prompt."""

@@ -1,7 +1,9 @@
 """Reads requests from the Redis stream with a consumer group (XREADGROUP), acknowledges finished ones.
 
 An entry stays pending in the group until its request finishes, so a scheduler that restarts under
-the same consumer name first re-reads what it had taken and not finished.
+the same consumer name first re-reads what it had taken and not finished. An entry that does not
+decode, or is not signed with the cluster token (``services.common.signed_records``), is dropped:
+acknowledged, deleted and counted, wherever it is read (new, backlog, claimed from a peer, inbox).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
+from google.protobuf.message import DecodeError
 
 from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
+from services.common.signed_records import RecordCheck, RecordKind
 
 
 class Delivery(enum.Enum):
@@ -34,17 +38,25 @@ class QueueEntry:
     taken_at_us: int = 0  # for a redelivered entry: Redis's clock when this scheduler took it (its resume query's stamp)
 
 
-def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], None],
+def decode_entries(entries: list, delivery: Delivery, ack: Callable[[bytes], None], check: RecordCheck,
                    taken_at_us: int = 0) -> list[QueueEntry]:
-    """Decodes ``(entry id, fields)`` pairs; undecodable entries are acknowledged and skipped. An
+    """Decodes ``(entry id, fields)`` pairs; entries deleted meanwhile, undecodable or not signed
+    with the cluster token are acknowledged and skipped (the last two refused by ``check``). An
     entry queued again to be resumed (``redis_keys.RESUME_FIELD``) is ``Delivery.REDELIVERED``
     however it was read (``taken_at_us`` must then be Redis's clock at the read)."""
     decoded = []
     for entry_id, fields in entries:
+        if not fields:  # deleted from the stream while pending (its client went away)
+            ack(entry_id)
+            continue
         request = pb.QueuedRequest()
         try:
-            request.ParseFromString((fields or {})[redis_keys.REQUEST_FIELD])
-        except (KeyError, ValueError):  # deleted or not ours: drop it
+            request.ParseFromString(fields[redis_keys.REQUEST_FIELD])
+        except (KeyError, DecodeError):  # (DecodeError is no ValueError: it used to end the reader thread)
+            check.refuse(RecordKind.QUEUED_REQUEST, "?", "undecodable")
+            ack(entry_id)
+            continue
+        if not check.passes(request, request.gateway_id):
             ack(entry_id)
             continue
         resumed = redis_keys.RESUME_FIELD in fields
@@ -80,11 +92,13 @@ class RequestQueueConsumer:
     Args:
         client: a Redis client (bytes responses).
         consumer_name: stable across restarts of the same scheduler.
+        check: verifies the entries read (``decode``).
     """
 
-    def __init__(self, client: redis.Redis, consumer_name: str) -> None:
+    def __init__(self, client: redis.Redis, consumer_name: str, check: RecordCheck) -> None:
         self._client = client
         self._consumer = consumer_name
+        self._check = check
         self._backlog_cursor: bytes | None = b"0"  # where to continue reading our pending entries; None when done
         self._ack = client.register_script(_ACK)
 
@@ -99,17 +113,21 @@ class RequestQueueConsumer:
     def read(self, count: int, block_ms: int) -> list[QueueEntry]:
         """Returns up to ``count`` entries: first this consumer's unfinished backlog, then new ones.
 
-        Blocks up to ``block_ms`` milliseconds for new entries. Undecodable entries are
-        acknowledged and skipped. Backlog entries are ``Delivery.REDELIVERED``.
+        Blocks up to ``block_ms`` milliseconds for new entries. Entries that fail ``decode_entries``
+        are acknowledged and skipped. Backlog entries are ``Delivery.REDELIVERED``.
         """
         if self._backlog_cursor is not None:  # pending entries come back on every read from an id: page once
             entries = self._xreadgroup(self._backlog_cursor, count, block_ms=None)
             if entries:
                 self._backlog_cursor = entries[-1][0]
-                return decode_entries(entries, Delivery.REDELIVERED, self.ack, self._redis_clock_us())
+                return self.decode(entries, Delivery.REDELIVERED, self._redis_clock_us())
             self._backlog_cursor = None
         entries = self._xreadgroup(">", count, block_ms)
-        return decode_entries(entries, Delivery.FIRST, self.ack, self._redis_clock_us() if to_resume(entries) else 0)
+        return self.decode(entries, Delivery.FIRST, self._redis_clock_us() if to_resume(entries) else 0)
+
+    def decode(self, entries: list, delivery: Delivery, taken_at_us: int = 0) -> list[QueueEntry]:
+        """``decode_entries`` of ``(entry id, fields)`` pairs this consumer holds."""
+        return decode_entries(entries, delivery, self.ack, self._check, taken_at_us)
 
     def _redis_clock_us(self) -> int:
         seconds, micros = self._client.time()

@@ -16,7 +16,7 @@ from services.scheduler.leases import Leases
 from services.scheduler.load_balance import BALANCE_SLACK, PeerLoads
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.prefix_index import PrefixIndex
-from services.scheduler.queue_consumer import Delivery, QueueEntry, RequestQueueConsumer, decode_entries
+from services.scheduler.queue_consumer import Delivery, QueueEntry, RequestQueueConsumer
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -74,7 +74,7 @@ class RequestReader:
                     entries = self._forward_to_peers(self._consumer.read(count=NEW_READ_BATCH, block_ms=200))
                 else:
                     stop.wait(0.2)
-                entries += decode_entries(self._leases.claim_inbox(READ_BATCH), Delivery.FIRST, self._consumer.ack)
+                entries += self._consumer.decode(self._leases.claim_inbox(READ_BATCH), Delivery.FIRST)
             except redis.ResponseError as exc:
                 if "NOGROUP" not in str(exc):
                     raise

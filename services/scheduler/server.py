@@ -16,6 +16,7 @@ from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bin
 from services.common.metrics import serve_metrics
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.common.redis_wait import connect_redis
+from services.common.signed_records import RecordCheck
 from services.scheduler.cluster import ClusterWatch
 from services.scheduler.config import SchedulerServiceConfig
 from pagedserve.engine.config import Placement
@@ -43,21 +44,24 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     """
     tracer = telemetry.setup_tracing("pagedserve-scheduler")
     client = connect_redis(config.redis_url, stop)
-    consumer = RequestQueueConsumer(client, config.consumer_name)
+    # Records from Redis that fail the cluster token's check are counted in the loop's metrics (made below).
+    check = RecordCheck(config.cluster_token, lambda kind: loop.metrics.record_refused(kind))
+    consumer = RequestQueueConsumer(client, config.consumer_name, check)
     consumer.ensure_group()
     auth = MetadataAuthInterceptor(CLUSTER_TOKEN_KEY, config.cluster_token, "cluster token")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64), interceptors=[auth], options=INTERNAL_SERVER_OPTIONS)
     health = add_health(server)
     set_serving(health, False, SCHEDULER_SERVICE)  # until a worker is admitted
     leases = Leases(client, config.consumer_name, uuid.uuid4().hex, config.lease_ttl_s)
-    index = PrefixIndex(client, config.consumer_name, config.policy.block_size, config.lease_ttl_s)
+    index = PrefixIndex(client, config.consumer_name, config.policy.block_size, config.lease_ttl_s,
+                        config.cluster_token)
     loop = SchedulerLoop(config, Scheduler(config.policy), RedisWrites(consumer.ack, leases.hand_off), tracer,
                          set_ready=lambda ready: set_serving(health, ready, SCHEDULER_SERVICE))
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     port = bind(server, config.host, config.port)
     metrics_server = serve_metrics(loop.metrics.registry, config.host, config.metrics_port, "scheduler")
     server.start()
-    watch = ClusterWatch(client, leases, WorkerRegistry(client, config.cluster_token), config.cluster_token,
+    watch = ClusterWatch(client, leases, WorkerRegistry(client, check), check,
                          f"{config.advertise_host}:{port}", config.lease_ttl_s, loop.submit, threading.Event(),
                          consumer.ack, loop.has_workers.is_set, index, loop.cached_load)
     reader = RequestReader(consumer, loop, watch, leases,

@@ -11,12 +11,13 @@ from concurrent import futures
 import grpc
 
 from services.common import telemetry
-from services.common.auth import CLUSTER_TOKEN_KEY, MetadataAuthInterceptor, sign_registration
+from services.common.auth import CLUSTER_TOKEN_KEY, MetadataAuthInterceptor
 from services.common.grpc_server import INTERNAL_SERVER_OPTIONS, add_health, bind, set_serving
 from services.common.metrics import serve_metrics
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.redis_wait import connect_redis
+from services.common.signed_records import sign_record
 from pagedserve.engine.runner_factory import resolve_dtype
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
@@ -108,7 +109,7 @@ def _serve_engine(config: WorkerConfig, worker_id: str, runner, index: int, trac
         num_cpu_blocks=runner.num_cpu_blocks,
         instance_id=uuid.uuid4().hex,
     )
-    sign_registration(registration, config.cluster_token)
+    sign_record(registration, config.cluster_token)
     registrar = WorkerRegistrar(redis_client, registration, config.heartbeat_interval_s)
     registrar.start()
     set_serving(health, True)

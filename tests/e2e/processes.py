@@ -17,9 +17,13 @@ from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
+from services.common.signed_records import RecordCheck
 
 CLUSTER_TOKEN = secrets.token_hex(32)
 """The cluster token of every stack the tests start (services get it as PAGEDSERVE_CLUSTER_TOKEN)."""
+
+RECORDS = RecordCheck(CLUSTER_TOKEN)
+"""Signs (and checks) records in Redis as the services of the tests' stacks do."""
 
 
 def wait_until(ready: Callable[[], bool], what: str, timeout_s: float, processes: list["Process"] = ()) -> None:
@@ -119,6 +123,20 @@ def num_workers_known(address: str) -> int:
         return len(scheduler_stats(address).workers)
     except grpc.RpcError:
         return -1
+
+
+def stranger_server(add_servicer, servicer) -> tuple["grpc.Server", int]:
+    """A started gRPC server without the cluster token's check on a free loopback port, serving
+    ``servicer`` (added with ``add_servicer``, e.g. ``add_WorkerServicer_to_server``): someone posing
+    as a service. Returns it and its port."""
+    import grpc
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = grpc.server(ThreadPoolExecutor(2))
+    add_servicer(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
 
 
 def healthy(address: str) -> bool:

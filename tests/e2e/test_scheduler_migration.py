@@ -24,8 +24,14 @@ import time
 import urllib.request
 
 import pytest
+import redis
 
+from pagedserve.engine.block_hash import hash_full_blocks
+from pagedserve.engine.config import SchedulerConfig
 from pagedserve.launcher import free_port
+from pagedserve.text.tokenizer import PromptTokenizer
+from services.common import redis_keys
+from services.common.signed_records import BlockDigestKey
 from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, pagedserve, scheduler_stats, start_redis, stop_all,
                                  wait_until)
 from services.common.pb import generate_pb2 as gen
@@ -177,7 +183,7 @@ def test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer(tmp_p
     32 streams decode. Expected: the scheduler that owned it has no worker left, hands its requests
     off (after 2 s), the peer resumes them: all 32 complete token-identical."""
     with two_schedulers(tmp_path, default_model) as (stack, schedulers):
-        prefix = requests_sharing_a_prefix(stack, schedulers)
+        prefix = requests_sharing_a_prefix(stack, schedulers, default_model)
         a_burst_sharing_the_cached_prefix_is_balanced(stack, schedulers, prefix)
         owner = next(s for s, a in schedulers.items() if [w.worker_id for w in scheduler_stats(a).workers] == ["w0"])
         peer = next(s for s in schedulers if s != owner)
@@ -193,11 +199,12 @@ def test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer(tmp_p
         RESULTS["kill -9 the only worker of one scheduler, 32 streams"] = {**figures, "requests_resumed": int(resumed)}
 
 
-def requests_sharing_a_prefix(stack: Stack, schedulers: dict[str, str]) -> str:
+def requests_sharing_a_prefix(stack: Stack, schedulers: dict[str, str], model) -> str:
     """6 requests with one long shared prefix (about 20 blocks), one after another: Redis hands each
     to either scheduler, and the one that does not cache the prefix forwards it to the one that does
     (the shared index of cached blocks). Expected: all 6 run on one scheduler, 5 with the prefix
-    from its cache."""
+    from its cache; the index holds the prefix's blocks keyed with the cluster token, never their
+    plain SHA-256 hashes (issue #20, defect 5: a PIN in a cached prompt was recovered from them)."""
     prefix = " ".join(f"Rule {i}: answer briefly and politely." for i in range(40))
     for i in range(6):
         call = Call(i, gen.GenerateRequest(prompt=f"{prefix}\nQuestion {i}:", sampling_params=gen.SamplingParams(
@@ -211,6 +218,11 @@ def requests_sharing_a_prefix(stack: Stack, schedulers: dict[str, str]) -> str:
     assert len(ran) == 1, f"requests ran on {ran}; forwarded {forwarded}"
     holder = stats[ran[0]]
     assert holder.prefix_cache_hits >= 5 * 16 * 16, (holder.prefix_cache_hits, holder.prefix_cache_queries)
+    published = redis.Redis.from_url(stack.redis_url).smembers(redis_keys.scheduler_blocks_key(ran[0]))
+    prompt = PromptTokenizer.from_folder(model).encode_prompt(f"{prefix}\nQuestion 0:")
+    plain = [h.digest for h in hash_full_blocks(prompt, SchedulerConfig().block_size)][:16]  # the shared prefix's
+    assert len(plain) == 16 and not published & set(plain)
+    assert {BlockDigestKey(CLUSTER_TOKEN)(d) for d in plain} <= published
     RESULTS["6 requests sharing a prefix, 2 schedulers"] = {
         "ran_on": ran[0], "forwarded": forwarded, "prefix_hit_tokens": holder.prefix_cache_hits,
         "prefix_queried_tokens": holder.prefix_cache_queries}

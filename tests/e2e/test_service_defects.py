@@ -16,12 +16,14 @@ import pytest
 import redis
 
 from services.common import redis_keys
-from services.common.auth import CLUSTER_TOKEN_KEY, sign_registration
+from services.common.auth import CLUSTER_TOKEN_KEY
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
-from tests.e2e.processes import CLUSTER_TOKEN, healthy, pagedserve, scheduler_stats, start_stack, wait_until
+from services.common.signed_records import sign_record
+from tests.e2e.processes import (CLUSTER_TOKEN, healthy, pagedserve, scheduler_stats, start_stack, stranger_server,
+                                 wait_until)
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -245,15 +247,12 @@ def test_a_registration_written_to_redis_without_the_token_is_ignored(stack, sig
     """Review finding: anyone who could write to Redis could register a worker, then receive plans
     (every prompt, and the cluster token) and answer with forged tokens."""
     fake = RecordingWorker()
-    server = grpc.server(ThreadPoolExecutor(2))
-    engine_pb2_grpc.add_WorkerServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, port = stranger_server(engine_pb2_grpc.add_WorkerServicer_to_server, fake)
     client = redis.Redis.from_url(stack.redis_url)
     reg = pb.WorkerRegistration(worker_id="evil", address=f"127.0.0.1:{port}", num_blocks=100000, block_size=16,
                                 instance_id="evil-1")
     if signing_token:
-        sign_registration(reg, signing_token)
+        sign_record(reg, signing_token)
     try:
         for _ in range(8):  # keep it fresh for 4 s: eight registry polls
             client.hset(redis_keys.WORKERS_HASH, "evil", reg.SerializeToString())

@@ -12,9 +12,10 @@ import grpc
 import redis
 
 from services.common import redis_keys
-from services.common.auth import CLUSTER_TOKEN_KEY, AioMetadataAuthInterceptor, sign_registration
+from services.common.auth import CLUSTER_TOKEN_KEY, AioMetadataAuthInterceptor
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
+from services.common.signed_records import sign_record
 
 TOKEN = "test-cluster-token"
 
@@ -86,7 +87,7 @@ def register(client: redis.Redis, scheduler_id: str, address: str, lease_ms: int
     registration = pb.SchedulerRegistration(scheduler_id=scheduler_id, address=address,
                                             instance_id=uuid.uuid4().hex, num_blocks=64)
     if token is not None:
-        sign_registration(registration, token)
+        sign_record(registration, token)
     client.hset(redis_keys.SCHEDULERS_HASH, scheduler_id, registration.SerializeToString())
     client.set(redis_keys.scheduler_lease_key(scheduler_id), registration.instance_id, px=lease_ms)
     return registration

@@ -46,7 +46,7 @@ class Gateway:
         aclient = aioredis.Redis.from_url(self.redis_url)
         self.metrics = GatewayMetrics("m")
         self.router = OutputRouter(aclient, TOKEN, "gw-1", self.metrics.requests_migrated.inc, poll_interval_s=0.1)
-        self.core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1"), self.router, 8, self.metrics,
+        self.core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1", TOKEN), self.router, 8, self.metrics,
                                    scheduler_grace_s=self.grace_s)
         self._tasks = [asyncio.create_task(self.router.run())]
         await until(lambda: len(self.router.discovery.connected_links()) == 2, "both scheduler streams")
@@ -172,7 +172,7 @@ def test_new_requests_are_refused_when_no_scheduler_was_reachable_for_the_grace(
     async def scenario():
         aclient = aioredis.Redis.from_url(redis_url)
         router = OutputRouter(aclient, TOKEN, "gw-1")
-        core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1"), router, 8, GatewayMetrics("m"),
+        core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1", TOKEN), router, 8, GatewayMetrics("m"),
                               scheduler_grace_s=0.2)
         core.check_scheduler()
         await asyncio.sleep(0.3)

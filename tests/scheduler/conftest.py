@@ -6,7 +6,7 @@ import pytest
 import redis
 
 from services.scheduler.queue_consumer import RequestQueueConsumer
-from tests.e2e.processes import start_redis
+from tests.e2e.processes import RECORDS, start_redis
 
 
 @pytest.fixture(scope="module")
@@ -22,5 +22,5 @@ def client(redis_url):
     """A client of an emptied Redis holding the request stream and its consumer group."""
     client = redis.Redis.from_url(redis_url)
     client.flushall()
-    RequestQueueConsumer(client, "setup").ensure_group()
+    RequestQueueConsumer(client, "setup", RECORDS).ensure_group()
     return client

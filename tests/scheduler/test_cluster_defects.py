@@ -3,6 +3,7 @@ redis-server, in the failure orders the feature is meant to survive."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -10,8 +11,10 @@ import pytest
 
 from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
+from services.common.signed_records import RecordKind
 from services.scheduler.leases import Leases
 from services.scheduler.queue_consumer import QueueEntry, RequestQueueConsumer
+from tests.e2e.processes import RECORDS
 from tests.scheduler.test_leases import TTL_S, Watcher, register_worker, two_schedulers_with_a_worker_each
 
 pytestmark = pytest.mark.timeout(30)
@@ -19,7 +22,7 @@ pytestmark = pytest.mark.timeout(30)
 
 def queue_request(client, request_id: str) -> bytes:
     return client.xadd(redis_keys.REQUEST_STREAM,
-                       {redis_keys.REQUEST_FIELD: pb.QueuedRequest(request_id=request_id).SerializeToString()})
+                       {redis_keys.REQUEST_FIELD: RECORDS.sign(pb.QueuedRequest(request_id=request_id))})
 
 
 def pending(client) -> dict[bytes, bytes]:
@@ -42,7 +45,7 @@ def test_a_scheduler_whose_workers_are_gone_does_not_claim_back_what_it_handed_o
     s0, s1 = two_schedulers_with_a_worker_each(client)
     (dead,) = s0.owned()
     queue_request(client, "r")
-    entries = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    entries = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     assert len(entries) == 1
     client.delete(redis_keys.worker_heartbeat_key(dead))  # s0's worker is killed
     client.hdel(redis_keys.WORKERS_HASH, dead)
@@ -61,7 +64,7 @@ def test_a_scheduler_that_lost_its_lease_cannot_acknowledge_an_entry_a_survivor_
     entry by id, though s1 holds it now. The entry leaves s1's pending list and the stream: if s1
     dies next, nobody can claim the request and its client fails instead of moving again."""
     entry_id = queue_request(client, "r")
-    s0 = RequestQueueConsumer(client, "s0")
+    s0 = RequestQueueConsumer(client, "s0", RECORDS)
     assert len(s0.read(count=10, block_ms=10)) == 1
     s1 = Leases(client, "s1", "i1", TTL_S)
     assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)[1]) == 1  # s0's lease is gone
@@ -164,7 +167,7 @@ def test_a_scheduler_whose_loop_has_no_worker_admitted_does_not_claim(client):
         s1.watch.tick()
     assert len(s0.owned()) == len(s1.owned()) == 1
     queue_request(client, "r")
-    entries = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    entries = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     assert len(entries) == 1
     s0.leases.hand_off(entries)
     s0.watch.tick()
@@ -179,7 +182,7 @@ def test_when_no_scheduler_runs_a_worker_handed_off_requests_are_still_claimed(c
     ever), and none counts as a peer to hand off to."""
     s0, s1 = two_schedulers_with_a_worker_each(client)
     queue_request(client, "r")
-    entries = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    entries = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     assert len(entries) == 1
     for worker_id in ("w0", "w1"):  # both workers die
         client.delete(redis_keys.worker_heartbeat_key(worker_id))
@@ -197,13 +200,13 @@ def test_a_scheduler_that_lost_its_lease_cannot_hand_off_an_entry_a_survivor_too
     whoever held it, so a cut-off scheduler that hands off takes it from the survivor running it
     (which is then fenced off its own request by the gateway once a third scheduler resumes it)."""
     entry_id = queue_request(client, "r")
-    taken = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    taken = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     s0, s1 = Leases(client, "s0", "i0", TTL_S), Leases(client, "s1", "i1", TTL_S)
     assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)[1]) == 1
     s0.hand_off(taken)
     assert pending(client) == {entry_id: b"s1"}
     own = queue_request(client, "q")
-    s0.hand_off(RequestQueueConsumer(client, "s0").read(count=10, block_ms=10))
+    s0.hand_off(RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10))
     assert pending(client) == {entry_id: b"s1", own: redis_keys.HANDOFF_CONSUMER.encode()}
 
 
@@ -213,10 +216,69 @@ def test_a_consumer_name_that_is_not_text_does_not_stop_the_claims(client):
     requests, and hand-offs, were never taken over."""
     register_worker(client, "w0", 10)
     client.xgroup_createconsumer(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP, b"\x00\xff")
-    dead = RequestQueueConsumer(client, "zz-dead")
+    dead = RequestQueueConsumer(client, "zz-dead", RECORDS)
     queue_request(client, "r")
     assert len(dead.read(count=10, block_ms=10)) == 1
     s1 = Watcher(client, "s1")
     for _ in range(2):
         s1.watch.tick()
     assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
+
+
+def test_a_forged_scheduler_registration_is_logged_once_not_at_every_tick(client, caplog):
+    """Issue #20, defect 9: an entry in the scheduler directory not signed with the cluster token
+    was logged at WARNING at every tick (twice a second, by every scheduler) while it stayed."""
+    register_worker(client, "w0", 10)
+    forged = pb.SchedulerRegistration(scheduler_id="evil", address="127.0.0.1:1", instance_id="i", num_blocks=99)
+    client.hset(redis_keys.SCHEDULERS_HASH, "evil", forged.SerializeToString())
+    client.set(redis_keys.scheduler_lease_key("evil"), "i")
+    s0 = Watcher(client, "s0")
+    with caplog.at_level(logging.WARNING, logger="pagedserve"):
+        for _ in range(6):
+            s0.watch.tick()
+    warnings = [r.getMessage() for r in caplog.records if "'evil'" in r.getMessage()]
+    assert len(warnings) == 1 and "scheduler registration" in warnings[0], warnings
+    assert s0.refused == [RecordKind.SCHEDULER_REGISTRATION]
+    assert s0.watch.peer_loads == {}  # and it is no peer
+
+
+def test_forged_requests_claimed_from_a_dead_consumer_are_dropped(client):
+    """Issue #20, defect 3, on the claim path: what a scheduler takes over is checked too."""
+    register_worker(client, "w0", 10)
+    forged = client.xadd(redis_keys.REQUEST_STREAM, {
+        redis_keys.REQUEST_FIELD: pb.QueuedRequest(request_id="victim", prompt_token_ids=[6]).SerializeToString()})
+    queue_request(client, "r")
+    client.xreadgroup(redis_keys.SCHEDULER_GROUP, "zz-dead", {redis_keys.REQUEST_STREAM: ">"})  # an intruder's
+    s1 = Watcher(client, "s1")
+    for _ in range(2):
+        s1.watch.tick()
+    assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
+    assert s1.refused == [RecordKind.QUEUED_REQUEST] and s1.acked == [forged]
+
+
+def test_a_worker_whose_lease_was_lost_is_dropped_as_such_not_as_missing(client, caplog):
+    """Issue #20, defect 9: a scheduler that lost a worker's lease kept it until its registration
+    timeout and then logged that the registration "has been missing", which was false."""
+    from pagedserve.engine.config import SchedulerConfig
+    from pagedserve.engine.scheduler import Scheduler
+    from services.scheduler.membership import WorkerMembership
+    from tests.scheduler.test_membership import Clock, Connections
+
+    register_worker(client, "w0", 10)
+    s0 = Watcher(client, "s0")
+    for _ in range(2):
+        s0.watch.tick()
+    assert s0.owned() == {"w0"}
+    clock = Clock()
+    members = WorkerMembership(Scheduler(SchedulerConfig()), Connections(), gone_after_s=5.0, clock=clock)
+    members.sync(s0.views[-1].workers, s0.views[-1].epochs)
+    client.set(redis_keys.worker_owner_key("w0"), "s1")  # s0 was cut off; s1 owns w0 now
+    client.set(redis_keys.worker_epoch_key("w0"), s0.views[-1].epochs["w0"] + 1)
+    s0.watch.tick()
+    with caplog.at_level(logging.INFO, logger="pagedserve"):
+        for _ in range(3):
+            members.sync(s0.views[-1].workers, s0.views[-1].epochs)
+            clock.now += 5.0
+    dropped = [r.getMessage() for r in caplog.records if "worker w0 dropped" in r.getMessage()]
+    assert len(dropped) == 1 and "lease" in dropped[0] and "missing" not in dropped[0], dropped
+    assert members.worker_ids == []

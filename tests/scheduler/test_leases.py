@@ -10,14 +10,14 @@ import pytest
 import redis
 
 from services.common import redis_keys
-from services.common.auth import sign_registration
 from services.common.pb import engine_pb2 as pb
+from services.common.signed_records import RecordCheck, RecordKind, sign_record
 from services.scheduler.cluster import ClaimedEntries, ClusterView, ClusterWatch
 from services.scheduler.leases import Leases
 from services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
 from services.scheduler.worker_registry import WorkerRegistry
 from services.worker.service import LeaseFence, PlanOutOfOrder
-from tests.e2e.processes import CLUSTER_TOKEN
+from tests.e2e.processes import CLUSTER_TOKEN, RECORDS
 
 TTL_S = 1.0
 
@@ -25,7 +25,7 @@ TTL_S = 1.0
 def register_worker(client: redis.Redis, worker_id: str, num_blocks: int) -> None:
     reg = pb.WorkerRegistration(worker_id=worker_id, address=f"{worker_id}:1", num_blocks=num_blocks, block_size=16,
                                 instance_id="i")
-    sign_registration(reg, CLUSTER_TOKEN)
+    sign_record(reg, CLUSTER_TOKEN)
     client.hset(redis_keys.WORKERS_HASH, worker_id, reg.SerializeToString())
     client.set(redis_keys.worker_heartbeat_key(worker_id), b"1", px=60_000)
 
@@ -36,9 +36,12 @@ class Watcher:
     def __init__(self, client: redis.Redis, scheduler_id: str) -> None:
         self.views: list[ClusterView] = []
         self.claimed: list[ClaimedEntries] = []
+        self.refused: list[RecordKind] = []  # records from Redis its check refused
+        self.acked: list[bytes] = []
         self.leases = Leases(client, scheduler_id, f"{scheduler_id}-instance", TTL_S)
-        self.watch = ClusterWatch(client, self.leases, WorkerRegistry(client, CLUSTER_TOKEN), CLUSTER_TOKEN,
-                                  f"{scheduler_id}:1", TTL_S, self._publish, threading.Event(), lambda entry_id: None)
+        check = RecordCheck(CLUSTER_TOKEN, self.refused.append)
+        self.watch = ClusterWatch(client, self.leases, WorkerRegistry(client, check), check,
+                                  f"{scheduler_id}:1", TTL_S, self._publish, threading.Event(), self.acked.append)
 
     def _publish(self, item) -> None:
         (self.views if isinstance(item, ClusterView) else self.claimed).append(item)
@@ -99,9 +102,9 @@ def test_two_schedulers_racing_for_the_same_workers_never_both_win(client):
 
 
 def test_a_dead_schedulers_requests_are_claimed_once_and_only_after_its_lease_is_gone(client):
-    dead = RequestQueueConsumer(client, "dead")
+    dead = RequestQueueConsumer(client, "dead", RECORDS)
     for rid in ("a", "b"):
-        client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: pb.QueuedRequest(request_id=rid).SerializeToString()})
+        client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: RECORDS.sign(pb.QueuedRequest(request_id=rid))})
     assert len(dead.read(count=10, block_ms=10)) == 2
     lease_key = redis_keys.scheduler_lease_key("dead")
     client.set(lease_key, b"alive", px=60_000)
@@ -119,13 +122,13 @@ def test_a_dead_schedulers_requests_are_claimed_once_and_only_after_its_lease_is
 def test_a_scheduler_restarting_under_its_name_reads_its_backlog_only_while_holding_its_lease(client):
     """The lease is taken before the backlog is read, and claims check the lease atomically: the
     restarted scheduler and a survivor never both get an entry."""
-    old = RequestQueueConsumer(client, "s0")
-    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: pb.QueuedRequest(request_id="a").SerializeToString()})
+    old = RequestQueueConsumer(client, "s0", RECORDS)
+    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: RECORDS.sign(pb.QueuedRequest(request_id="a"))})
     assert len(old.read(count=10, block_ms=10)) == 1
     restarted, survivor = Leases(client, "s0", "new", TTL_S), Leases(client, "s1", "i1", TTL_S)
     assert restarted.take_own()
     assert survivor.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10) == (0, [])
-    backlog = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    backlog = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     assert [e.request.request_id for e in backlog] == ["a"] and backlog[0].delivery is Delivery.REDELIVERED
     assert backlog[0].taken_at_us > 0
 
@@ -153,8 +156,8 @@ def test_unowned_workers_are_shared_out_by_blocks_and_a_dead_schedulers_workers_
 def test_a_dead_schedulers_requests_go_to_a_survivor_with_workers(client):
     register_worker(client, "w0", 10)
     survivor = Watcher(client, "s1")
-    dead = RequestQueueConsumer(client, "s0")
-    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: pb.QueuedRequest(request_id="a").SerializeToString()})
+    dead = RequestQueueConsumer(client, "s0", RECORDS)
+    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: RECORDS.sign(pb.QueuedRequest(request_id="a"))})
     assert len(dead.read(count=10, block_ms=10)) == 1
     survivor.watch.tick()  # takes its lease and registers
     survivor.watch.tick()  # takes the worker, then claims (s0 has no lease)
@@ -180,8 +183,8 @@ def test_a_dead_consumer_is_forgotten_only_without_a_lease_and_with_nothing_pend
     s1 = Leases(client, "s1", "i1", TTL_S)
     reg = pb.SchedulerRegistration(scheduler_id="s0", address="s0:1", instance_id="old")
     client.hset(redis_keys.SCHEDULERS_HASH, "s0", reg.SerializeToString())
-    s0 = RequestQueueConsumer(client, "s0")
-    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: pb.QueuedRequest(request_id="a").SerializeToString()})
+    s0 = RequestQueueConsumer(client, "s0", RECORDS)
+    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: RECORDS.sign(pb.QueuedRequest(request_id="a"))})
     entry = s0.read(count=10, block_ms=10)[0]
     lease_key = redis_keys.scheduler_lease_key("s0")
     assert not s1.forget_consumer("s0", lease_key)  # something pending

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.messages import EngineRequest, SequenceId
 from pagedserve.engine.sampling_params import EngineSamplingParams
@@ -28,7 +26,17 @@ class Connections:
         self.open.pop(worker_id, None)
 
 
-EPOCH_1 = defaultdict(lambda: 1)  # every worker owned under lease epoch 1
+class AllOwned(dict):
+    """The epochs of a scheduler that owns every worker, each under lease epoch 1."""
+
+    def __contains__(self, worker_id) -> bool:
+        return True
+
+    def __missing__(self, worker_id) -> int:
+        return 1
+
+
+EPOCH_1 = AllOwned()
 
 
 class Clock:

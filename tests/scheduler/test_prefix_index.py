@@ -4,12 +4,14 @@ more of its prompt, with a real redis-server."""
 from __future__ import annotations
 
 
-from pagedserve.engine.block_hash import hash_full_blocks
+from pagedserve.engine.block_hash import hash_block, hash_full_blocks
+from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
 from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.leases import Leases
 from services.scheduler.prefix_index import MIN_GAIN_BLOCKS, PrefixIndex, cached_prefix_blocks
 from services.scheduler.queue_consumer import RequestQueueConsumer
+from tests.e2e.processes import CLUSTER_TOKEN, RECORDS
 
 BLOCK = 4
 
@@ -30,7 +32,7 @@ def test_leading_blocks_count_only_an_unbroken_prefix():
 
 
 def test_a_request_goes_to_the_peer_caching_more_of_its_prompt_unless_its_queue_is_longer(client):
-    me, s1, s2 = (PrefixIndex(client, sid, BLOCK, ttl_s=60) for sid in ("me", "s1", "s2"))
+    me, s1, s2 = (PrefixIndex(client, sid, BLOCK, 60, CLUSTER_TOKEN) for sid in ("me", "s1", "s2"))
     me.publish(digests(PROMPT[:4]))                   # 1 block
     s1.publish(digests(PROMPT[:12]))                  # 3 blocks
     s2.publish(digests(PROMPT[:20]))                  # 5 blocks
@@ -44,9 +46,32 @@ def test_a_request_goes_to_the_peer_caching_more_of_its_prompt_unless_its_queue_
     assert not client.exists(redis_keys.scheduler_blocks_key("s2"))
 
 
+def published(client, scheduler_id: str) -> set[bytes]:
+    return client.smembers(redis_keys.scheduler_blocks_key(scheduler_id))
+
+
+def test_the_published_hashes_are_keyed_with_the_cluster_token_and_separated_by_the_cache_salt(client):
+    """Issue #20, defect 5: the published hashes were the engine's plain SHA-256 block hashes; a
+    reader of Redis recovered a 4-digit PIN in a cached prompt by hashing the 10,000 candidates."""
+    for salt in ("tenant-1", "tenant-2"):  # the engine's cache, one salt each: as the scheduler publishes it
+        blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK)
+        blocks.allocate_slots("r", len(PROMPT))
+        blocks.cache_full_blocks("r", lambda: PROMPT, len(PROMPT), extra=salt.encode())
+        PrefixIndex(client, salt, BLOCK, 60, CLUSTER_TOKEN).publish(frozenset(blocks.cached_digests()))
+    one, two = published(client, "tenant-1"), published(client, "tenant-2")
+    assert len(one) == len(two) == len(PROMPT) // BLOCK and not one & two
+    plain = digests(PROMPT, "tenant-1") | digests(PROMPT, "tenant-2") | digests(PROMPT)
+    assert hash_block(None, PROMPT[:BLOCK], b"tenant-1").digest in plain and not plain & (one | two)
+    PrefixIndex(client, "other-cluster", BLOCK, 60, "another-cluster-token-0123456789").publish(
+        digests(PROMPT, "tenant-1"))
+    assert not published(client, "other-cluster") & one  # the token keys them
+    me = PrefixIndex(client, "me", BLOCK, 60, CLUSTER_TOKEN)  # looked up keyed, as published
+    assert me.better_peer(request(salt="tenant-1"), {"tenant-1": 0, "tenant-2": 0}, most_load=0) == "tenant-1"
+
+
 def test_a_forwarded_entry_is_claimed_from_the_inbox_once_and_only_by_its_target(client):
-    reader = RequestQueueConsumer(client, "s0")
-    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: request().SerializeToString()})
+    reader = RequestQueueConsumer(client, "s0", RECORDS)
+    client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: RECORDS.sign(request())})
     entry = reader.read(count=10, block_ms=10)[0]
     s0, s1 = Leases(client, "s0", "i0", 3.0), Leases(client, "s1", "i1", 3.0)
     assert not s1.forward(entry.entry_id, "s0")  # s1 does not hold it

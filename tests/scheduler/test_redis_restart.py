@@ -11,6 +11,7 @@ import pytest
 from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
+from tests.e2e.processes import RECORDS
 from tests.scheduler.test_cluster_defects import pending, queue_request
 from tests.scheduler.test_leases import Watcher, register_worker, two_schedulers_with_a_worker_each
 
@@ -22,7 +23,7 @@ def restart_redis_empty(client) -> None:
     client.flushall()
     register_worker(client, "w0", 10)
     register_worker(client, "w1", 10)
-    RequestQueueConsumer(client, "setup").ensure_group()
+    RequestQueueConsumer(client, "setup", RECORDS).ensure_group()
 
 
 def test_after_redis_restarts_empty_no_scheduler_takes_the_worker_a_live_peer_runs(client):
@@ -57,10 +58,10 @@ def test_a_hand_off_of_entries_redis_forgot_queues_them_again_to_be_resumed(clie
     resumed (its client has tokens already), so any scheduler with a worker resumes it."""
     entry_id = queue_request(client, "r")
     s0 = Watcher(client, "s0")
-    (entry,) = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    (entry,) = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     restart_redis_empty(client)
     s0.leases.hand_off([entry])
-    (read,) = RequestQueueConsumer(client, "s1").read(count=10, block_ms=10)
+    (read,) = RequestQueueConsumer(client, "s1", RECORDS).read(count=10, block_ms=10)
     assert read.request == entry.request and read.entry_id != entry_id
     assert read.delivery is Delivery.REDELIVERED and read.taken_at_us > 0
     assert pending(client) == {read.entry_id: b"s1"}
@@ -68,7 +69,7 @@ def test_a_hand_off_of_entries_redis_forgot_queues_them_again_to_be_resumed(clie
 
 def test_a_hand_off_moves_an_entry_redis_still_holds_and_leaves_one_a_peer_took(client):
     first, second = queue_request(client, "r1"), queue_request(client, "r2")
-    entries = RequestQueueConsumer(client, "s0").read(count=10, block_ms=10)
+    entries = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
     s1.leases.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 1)  # s1 took r1 over (s0 was cut off)
     s0.leases.hand_off(entries)

@@ -88,7 +88,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, seq_id: _Optional[_Union[SequenceId, _Mapping]] = ..., first_position: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class QueuedRequest(_message.Message):
-    __slots__ = ("request_id", "gateway_id", "prompt_token_ids", "sampling_params", "arrival_time", "trace_context", "priority", "cache_salt")
+    __slots__ = ("request_id", "gateway_id", "prompt_token_ids", "sampling_params", "arrival_time", "trace_context", "priority", "cache_salt", "signature")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class QueuedRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     gateway_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -112,7 +113,8 @@ class QueuedRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     priority: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SchedulerRegistration(_message.Message):
     __slots__ = ("scheduler_id", "address", "instance_id", "num_blocks", "signature", "num_waiting", "num_running")
