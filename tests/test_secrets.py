@@ -49,6 +49,7 @@ def test_launch_errors_never_show_the_password(tmp_path):
         Stack(config).start()  # no Redis answers there, and it is not local
     assert "s3cret" not in str(info.value) and "redis://:***@192.0.2.1:6379/0" in str(info.value)
     assert "s3cret" not in repr(config) and config.cluster_token not in repr(config)
+    assert config.redis_password not in repr(config)
     assert len(config.cluster_token) == 64  # a random one per stack
 
 
