@@ -12,16 +12,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 import grpc
-import redis
 
 from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
+from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
 from services.common.service_args import redact_url
 from services.scheduler.config import policy_to_args
 
@@ -123,13 +123,6 @@ class StackConfig:
         return {name: self.metrics_port + i for i, name in enumerate(names)}
 
 
-def redis_answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
 class Stack:
     """The child processes of one `pagedserve up`, started in order and stopped together."""
 
@@ -223,9 +216,7 @@ class Stack:
             url = url._replace(netloc=f":{cfg.redis_password}@{url.netloc.rpartition('@')[2]}")
             self.redis_url = url.geturl()
             self.generated_redis_password = True
-            cfg.redis_password_file.touch(mode=0o600)
-            cfg.redis_password_file.chmod(0o600)
-            cfg.redis_password_file.write_text(cfg.redis_password + "\n")
+            write_secret_file(cfg.redis_password_file, cfg.redis_password)
         # "-": the settings come on stdin, so that a password never shows in `ps`
         self._spawn("redis", [binary, "-"], stdin_text=redis_settings(url.port or 6379, cfg.data_dir, url))
         self._wait(lambda: redis_answers(self.redis_url), "redis-server", 30)
@@ -287,26 +278,6 @@ class Stack:
 
 MAX_RESTARTS = 5
 """Restarts of one child within a minute after which `pagedserve up` gives up."""
-
-
-def redis_settings(port: int, data_dir: Path, url) -> str:
-    """redis-server configuration (file syntax) for a local Redis at ``port`` that requires the
-    password of the parsed ``url``, if it has one (for its user name, if not ``default``)."""
-    lines = ["bind 127.0.0.1", f"port {port}", f"dir {_quoted(str(data_dir))}", "appendonly yes", 'save ""',
-             "loglevel warning"]
-    if url.password:
-        password, user = unquote(url.password), unquote(url.username or "")
-        if user and user != "default":
-            lines.append(f"user {_quoted(user)} on {_quoted('>' + password)} ~* &* +@all")
-        else:
-            lines.append(f"requirepass {_quoted(password)}")
-    return "\n".join(lines) + "\n"
-
-
-def _quoted(value: str) -> str:
-    """``value`` as a double-quoted redis.conf string."""
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{escaped}"'
 
 
 def num_workers(scheduler_address: str, cluster_token: str) -> int:

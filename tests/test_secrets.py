@@ -9,7 +9,8 @@ from urllib.parse import urlparse
 import pytest
 
 from pagedserve.cli import build_parser
-from pagedserve.launcher import LaunchError, Stack, StackConfig, redis_settings
+from pagedserve.launcher import LaunchError, Stack, StackConfig
+from pagedserve.local_redis import redis_settings
 from pagedserve.engine.config import SchedulerConfig
 from services.common.auth import read_secret
 from services.common.grpc_server import (
