@@ -12,18 +12,26 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 import grpc
-import redis
 
 from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
+from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
 from services.common.service_args import redact_url
 from services.scheduler.config import policy_to_args
+
+
+STOP_TIMEOUT_S = 15.0
+"""How long `pagedserve up` waits for each child to exit after SIGTERM before it kills it, seconds."""
+
+GATEWAY_SHUTDOWN_GRACE_S = 10.0
+"""The gateway's ``--shutdown-grace-s`` under `pagedserve up`: with the gateway's closing time
+(``SHUTDOWN_CLOSE_S``) it fits in ``STOP_TIMEOUT_S``."""
 
 
 class LaunchError(RuntimeError):
@@ -42,8 +50,9 @@ class StackConfig:
         host: the gateway's listen address (127.0.0.1: this machine only; 0.0.0.0: every interface).
         port: gateway port (gRPC); scheduler i listens on ``scheduler_port + i``.
         http_port: the gateway's OpenAI-compatible HTTP API port (on ``host``).
-        redis_url: Redis to use; a local ``redis-server`` is started when none answers there (with
-            the URL's password, if any). Children get it through the environment, not argv.
+        redis_url: Redis to use; a local ``redis-server`` is started when none answers there, requiring
+            the URL's password, or ``redis_password`` when the URL has none. Children get the URL
+            (with the password) through the environment, not argv.
         kv_cache_memory: KV memory per worker, as written on the command line (``1GiB``).
         swap_space: CPU memory per worker for swapped-out blocks (``0``: none).
         policy: scheduler limits.
@@ -57,6 +66,8 @@ class StackConfig:
         startup_timeout_s: how long to wait for everything to be healthy.
         cluster_token: secret shared by the services (default: a new random one); children get it
             through the environment, so `ps` does not show it.
+        redis_password: password of a Redis started by us when ``redis_url`` has none (default: a
+            new random one); written to ``redis_password_file`` for other clients.
         api_key: when not empty, the gateway's clients must send it (``authorization: Bearer``).
         metrics_port: first of the ``/metrics`` ports: the gateway's (on ``host``), then one per
             scheduler, then one per worker (on 127.0.0.1); 0: no metrics servers.
@@ -80,6 +91,7 @@ class StackConfig:
     virtual_engines: int = 0
     startup_timeout_s: float = 600.0
     cluster_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    redis_password: str = field(default_factory=lambda: secrets.token_hex(24), repr=False)
     api_key: str = field(default="", repr=False)
     metrics_port: int = 0
     http_port: int = 8000
@@ -98,6 +110,11 @@ class StackConfig:
         """Scheduler name (also its --consumer-name) -> host:port."""
         return {f"scheduler-{i}": f"127.0.0.1:{self.scheduler_port + i}" for i in range(self.schedulers)}
 
+    @property
+    def redis_password_file(self) -> Path:
+        """Where a Redis started by us with ``redis_password`` has it written (readable by this user only)."""
+        return self.data_dir / "redis-password"
+
     def metrics_ports(self) -> dict[str, int]:
         """Service name -> its ``/metrics`` port (empty when metrics are off)."""
         if not self.metrics_port:
@@ -106,18 +123,16 @@ class StackConfig:
         return {name: self.metrics_port + i for i, name in enumerate(names)}
 
 
-def redis_answers(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
-    except redis.RedisError:
-        return False
-
-
 class Stack:
     """The child processes of one `pagedserve up`, started in order and stopped together."""
 
     def __init__(self, config: StackConfig) -> None:
         self.config = config
+        self.redis_url = config.redis_url
+        """The URL the services use: ``config.redis_url``, with ``config.redis_password`` when we started
+        a Redis for a URL without a password."""
+        self.generated_redis_password = False
+        """Whether the Redis we started requires ``config.redis_password`` (see ``redis_password_file``)."""
         self.children: list[tuple[str, subprocess.Popen]] = []
         self._specs: dict[str, tuple[list[str], dict[str, str] | None, str]] = {}
         self._restarts: dict[str, list[float]] = {}
@@ -133,7 +148,7 @@ class Stack:
 
     def _service(self, name: str, *args: str) -> None:
         """A pagedserve service; its secrets travel in the environment, where only this user can read them."""
-        env = {**os.environ, "PAGEDSERVE_REDIS_URL": self.config.redis_url,
+        env = {**os.environ, "PAGEDSERVE_REDIS_URL": self.redis_url,
                "PAGEDSERVE_CLUSTER_TOKEN": self.config.cluster_token}
         env.pop("PAGEDSERVE_API_KEY", None)
         if name == "gateway" and self.config.api_key:
@@ -165,7 +180,8 @@ class Stack:
             )
         self._service(
             "gateway", "gateway", "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
-            "--http-port", str(cfg.http_port), *self._metrics_flag("gateway"),
+            "--http-port", str(cfg.http_port), "--shutdown-grace-s", str(GATEWAY_SHUTDOWN_GRACE_S),
+            *self._metrics_flag("gateway"),
         )
         self._wait_ready()
 
@@ -182,6 +198,8 @@ class Stack:
         return ["--cpu-affinity", f"{first}-{first + threads - 1}"]
 
     def _start_redis(self) -> None:
+        """Starts a local redis-server unless one answers at the URL already; it requires a password
+        (the URL's, else a new one, see ``StackConfig.redis_password``)."""
         cfg = self.config
         if redis_answers(cfg.redis_url):
             return
@@ -194,9 +212,14 @@ class Stack:
             raise LaunchError("redis-server is not installed (Debian: apt-get install -y redis-server)")
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         cfg.data_dir.chmod(0o700)  # its append-only file holds every queued prompt
+        if url.password is None:
+            url = url._replace(netloc=f":{cfg.redis_password}@{url.netloc.rpartition('@')[2]}")
+            self.redis_url = url.geturl()
+            self.generated_redis_password = True
+            write_secret_file(cfg.redis_password_file, cfg.redis_password)
         # "-": the settings come on stdin, so that a password never shows in `ps`
         self._spawn("redis", [binary, "-"], stdin_text=redis_settings(url.port or 6379, cfg.data_dir, url))
-        self._wait(lambda: redis_answers(cfg.redis_url), "redis-server", 30)
+        self._wait(lambda: redis_answers(self.redis_url), "redis-server", 30)
 
     def _wait_ready(self) -> None:
         cfg = self.config
@@ -240,8 +263,9 @@ class Stack:
                   file=sys.stderr, flush=True)
             self._spawn(name, *self._specs[name])
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM to every child (gateway first, Redis last), then SIGKILL what is left."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM to every child (gateway first, Redis last), then SIGKILL what is left after
+        ``timeout_s`` seconds (each)."""
         for _, process in reversed(self.children):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -254,26 +278,6 @@ class Stack:
 
 MAX_RESTARTS = 5
 """Restarts of one child within a minute after which `pagedserve up` gives up."""
-
-
-def redis_settings(port: int, data_dir: Path, url) -> str:
-    """redis-server configuration (file syntax) for a local Redis at ``port`` that requires the
-    password of the parsed ``url``, if it has one (for its user name, if not ``default``)."""
-    lines = ["bind 127.0.0.1", f"port {port}", f"dir {_quoted(str(data_dir))}", "appendonly yes", 'save ""',
-             "loglevel warning"]
-    if url.password:
-        password, user = unquote(url.password), unquote(url.username or "")
-        if user and user != "default":
-            lines.append(f"user {_quoted(user)} on {_quoted('>' + password)} ~* &* +@all")
-        else:
-            lines.append(f"requirepass {_quoted(password)}")
-    return "\n".join(lines) + "\n"
-
-
-def _quoted(value: str) -> str:
-    """``value`` as a double-quoted redis.conf string."""
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{escaped}"'
 
 
 def num_workers(scheduler_address: str, cluster_token: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from urllib.parse import urlparse
 
 from pagedserve.launcher import LaunchError, Stack, StackConfig
 
@@ -21,7 +22,7 @@ def run_stack(config: StackConfig) -> int:
     status = 0
     try:
         stack.start()
-        print(ready_message(config), flush=True)
+        print(ready_message(config, _redis_note(stack)), flush=True)
         while not stop.wait(0.5):
             stack.restart_exited()
     except LaunchError as exc:
@@ -40,8 +41,19 @@ def _metrics_note(config: StackConfig) -> str:
     return "Prometheus metrics: " + ", ".join(f"{n} http://{hosts[n]}:{p}/metrics" for n, p in ports.items()) + "\n"
 
 
-def ready_message(config: StackConfig) -> str:
-    """What `pagedserve up` prints once the stack serves: both endpoints and how to try them."""
+def _redis_note(stack: Stack) -> str:
+    """How to reach the Redis that `up` started with a password of its own ("" otherwise)."""
+    if not stack.generated_redis_password:
+        return ""
+    config = stack.config
+    port = urlparse(config.redis_url).port or 6379
+    return (f"Redis: 127.0.0.1:{port}, password in {config.redis_password_file} "
+            f"(REDISCLI_AUTH=$(cat {config.redis_password_file}) redis-cli -p {port})\n")
+
+
+def ready_message(config: StackConfig, redis_note: str = "") -> str:
+    """What `pagedserve up` prints once the stack serves: both endpoints and how to try them, then
+    ``redis_note`` (how to reach its Redis, when it started one)."""
     key_note = " (with PAGEDSERVE_API_KEY set to the API key)" if config.api_key else ""
     auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.api_key else ""
     return (
@@ -52,5 +64,5 @@ def ready_message(config: StackConfig) -> str:
         f"--temperature 0 --prompt 'What is the capital of France?'\n"
         f"  curl http://127.0.0.1:{config.http_port}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{config.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
-        f"{_metrics_note(config)}Ctrl-C stops everything."
+        f"{_metrics_note(config)}{redis_note}Ctrl-C stops everything."
     )

@@ -122,3 +122,12 @@ def test_services_listen_in_their_container_and_need_a_cluster_token(compose):
     assert services["gateway"]["environment"]["PAGEDSERVE_API_KEY"] == "${PAGEDSERVE_API_KEY:-}"
     assert "PAGEDSERVE_API_KEY" not in services["scheduler"]["environment"]
     assert ".env" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_gateway_has_time_to_drain_before_docker_compose_kills_it(compose):
+    from services.gateway.config import SHUTDOWN_CLOSE_S
+
+    gateway = compose["services"]["gateway"]
+    grace_s = build_parser().parse_args(gateway["command"]).shutdown_grace_s
+    period = re.fullmatch(r"(\d+)s", gateway["stop_grace_period"])
+    assert period and grace_s + SHUTDOWN_CLOSE_S <= int(period.group(1)), (grace_s, gateway["stop_grace_period"])

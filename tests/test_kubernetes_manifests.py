@@ -114,3 +114,11 @@ def test_services_budgets_and_autoscaler_point_at_the_workloads(objects):
     assert all(o["metadata"].get("namespace") == "pagedserve" for o in objects if o["kind"] != "Namespace")
     config = by_kind(objects, "ConfigMap")["pagedserve-config"]["data"]
     assert config["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+
+
+def test_the_gateway_has_time_to_drain_before_kubernetes_kills_it(objects):
+    from services.gateway.config import SHUTDOWN_CLOSE_S
+
+    pod = by_kind(objects, "Deployment")["pagedserve-gateway"]["spec"]["template"]["spec"]
+    grace_s = build_parser().parse_args([expand(a) for a in pod["containers"][0]["args"]]).shutdown_grace_s
+    assert grace_s + SHUTDOWN_CLOSE_S <= pod["terminationGracePeriodSeconds"], grace_s

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pagedserve.cli import build_parser
 from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
-from pagedserve.launcher import Stack, StackConfig
+from pagedserve.launcher import STOP_TIMEOUT_S, Stack, StackConfig
+from services.gateway.config import SHUTDOWN_CLOSE_S
 
 
 def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monkeypatch):
@@ -28,3 +29,4 @@ def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monke
     assert (scheduler.max_plans_in_flight, scheduler.placement, scheduler.max_num_batched_tokens) == (1, "least-loaded", 128)
     assert (worker.tensor_parallel_size, worker.pipeline_parallel_size, worker.virtual_engines) == (2, 2, 1)
     assert (worker.compile_mode, worker.gemm_backend) == ("inductor", "onednn")
+    assert gateway.shutdown_grace_s + SHUTDOWN_CLOSE_S <= STOP_TIMEOUT_S  # up waits for the gateway's drain

@@ -9,7 +9,8 @@ from urllib.parse import urlparse
 import pytest
 
 from pagedserve.cli import build_parser
-from pagedserve.launcher import LaunchError, Stack, StackConfig, redis_settings
+from pagedserve.launcher import LaunchError, Stack, StackConfig
+from pagedserve.local_redis import redis_settings
 from pagedserve.engine.config import SchedulerConfig
 from services.common.auth import read_secret
 from services.common.grpc_server import (
@@ -49,6 +50,7 @@ def test_launch_errors_never_show_the_password(tmp_path):
         Stack(config).start()  # no Redis answers there, and it is not local
     assert "s3cret" not in str(info.value) and "redis://:***@192.0.2.1:6379/0" in str(info.value)
     assert "s3cret" not in repr(config) and config.cluster_token not in repr(config)
+    assert config.redis_password not in repr(config)
     assert len(config.cluster_token) == 64  # a random one per stack
 
 

@@ -6,24 +6,21 @@ import logging
 import threading
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
+from services.common.redis_pool import threaded_redis_client
 from services.common.service_args import redact_url
 
 log = logging.getLogger("pagedserve")
 
 
 def connect_redis(url: str, stop: threading.Event, timeout_s: float = 120.0) -> redis.Redis:
-    """A client for ``url`` once Redis answers a PING; logs while it waits.
+    """A client for ``url`` (``redis_pool.threaded_redis_client``) once Redis answers a PING; logs
+    while it waits.
 
     Raises:
         ConnectionError: Redis did not answer within ``timeout_s`` (or ``stop`` was set).
     """
-    # Retries reconnect after Redis restarts (a pooled connection to the old server is dead).
-    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=5,
-                                  retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
-                                  retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+    client = threaded_redis_client(url)
     shown = redact_url(url)
     waited = 0.0
     while not stop.is_set():

@@ -19,6 +19,15 @@ from services.common.service_args import (
 MAX_SERVED_MODEL_NAME_CHARS = 256
 """Longest ``--served-model-name`` (the HTTP API bounds a request's ``model`` by it)."""
 
+REDIS_CONNECTIONS_BESIDES_REQUESTS = 16
+"""Pooled Redis connections beyond one per request in flight: the scheduler directory's polls, the
+health check's PING, and the background deletes of abandoned requests' queue entries."""
+
+SHUTDOWN_CLOSE_S = 5.0
+"""Longest time, after ``--shutdown-grace-s``, that the gateway takes to end the calls left and exit,
+seconds: a supervisor's grace period (docker-compose ``stop_grace_period``, Kubernetes
+``terminationGracePeriodSeconds``) must be at least the two together."""
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -43,6 +52,13 @@ class GatewayConfig:
             which the gateway logs).
         served_model_name: the model name HTTP clients must send as ``model`` and ``/v1/models``
             lists ("" means the model folder's name, see ``model_name``).
+        shutdown_grace_s: on SIGTERM or SIGINT the gateway drains: health turns NOT_SERVING, new
+            requests are refused with UNAVAILABLE (HTTP 503), and the requests in flight may finish
+            for this many seconds; those left then end with UNAVAILABLE and the process exits
+            (within ``SHUTDOWN_CLOSE_S`` more).
+        http_header_timeout_s: an HTTP connection must send a request's complete headers within
+            this many seconds of opening (or of its first byte after a previous request), else it
+            is closed (idle keep-alive connections close after 30 s).
 
     Raises:
         ValueError: a value out of range, no cluster token, or only one of the TLS files.
@@ -61,6 +77,8 @@ class GatewayConfig:
     metrics_port: int | None = None
     http_port: int = 8000
     served_model_name: str = ""
+    shutdown_grace_s: float = 30.0
+    http_header_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -74,6 +92,10 @@ class GatewayConfig:
             raise ValueError(f"--served-model-name holds more than {MAX_SERVED_MODEL_NAME_CHARS} characters")
         if self.max_concurrent_requests < 1:
             raise ValueError(f"--max-concurrent-requests must be positive, got {self.max_concurrent_requests}")
+        if not 0 <= self.shutdown_grace_s <= 3600:
+            raise ValueError(f"--shutdown-grace-s must be in [0, 3600], got {self.shutdown_grace_s}")
+        if not 0 < self.http_header_timeout_s <= 3600:
+            raise ValueError(f"--http-header-timeout-s must be in (0, 3600], got {self.http_header_timeout_s}")
         if not self.cluster_token:
             raise ValueError(MISSING_CLUSTER_TOKEN)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -83,6 +105,13 @@ class GatewayConfig:
     def model_name(self) -> str:
         """The served model name: ``served_model_name``, else the model folder's name."""
         return self.served_model_name or self.model.name
+
+    @property
+    def redis_max_connections(self) -> int:
+        """Size of the gateway's Redis pool: one connection per request in flight (each queues
+        itself, and checks its queue entry while no scheduler has taken it) and a few more
+        (``REDIS_CONNECTIONS_BESIDES_REQUESTS``)."""
+        return self.max_concurrent_requests + REDIS_CONNECTIONS_BESIDES_REQUESTS
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +128,17 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-concurrent-requests", type=int, default=1024,
         help="requests in flight before new ones are refused with RESOURCE_EXHAUSTED, HTTP 429 (default %(default)s)",
+    )
+    parser.add_argument(
+        "--shutdown-grace-s", type=float, default=GatewayConfig.shutdown_grace_s,
+        help="on SIGTERM, seconds the requests in flight may take to finish while new ones are refused; keep "
+        f"the supervisor's grace period (Kubernetes terminationGracePeriodSeconds) {SHUTDOWN_CLOSE_S:g} s "
+        "longer (default %(default)s)",
+    )
+    parser.add_argument(
+        "--http-header-timeout-s", type=float, default=GatewayConfig.http_header_timeout_s,
+        help="seconds an HTTP client has to send a request's complete headers before its connection is "
+        "closed (default %(default)s)",
     )
     add_http_arguments(parser)
 
@@ -152,4 +192,6 @@ def gateway_config_from_args(args: argparse.Namespace, model: Path) -> GatewayCo
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
+        shutdown_grace_s=args.shutdown_grace_s,
+        http_header_timeout_s=args.http_header_timeout_s,
     )

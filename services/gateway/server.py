@@ -4,17 +4,10 @@ scheduler, and the OpenAI-compatible HTTP API (uvicorn on the same event loop)."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-import socket
 
 import grpc
-import redis
-import uvicorn
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -22,12 +15,15 @@ from services.common import telemetry
 from services.common.auth import API_KEY_KEY, AioMetadataAuthInterceptor
 from services.common.grpc_server import CLIENT_API_SERVER_OPTIONS, bind
 from services.common.metrics import serve_metrics
+from services.common.open_files import raise_open_files_limit
+from services.common.redis_pool import async_redis_client
 from services.common.pb import engine_pb2, generate_pb2
 from services.common.service_args import redact_url
-from services.gateway.config import GatewayConfig
-from services.gateway.generation_core import GenerationCore
+from services.gateway.config import SHUTDOWN_CLOSE_S, GatewayConfig
+from services.gateway.drain import DrainingCore
 from services.gateway.generation_handler import add_generation_service
 from services.gateway.http_app import HealthState, HttpSettings, add_metrics_route, build_http_app
+from services.gateway.http_server import EmbeddedUvicorn, listening_socket, new_http_server
 from services.gateway.openai_serving import OpenAIServing
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_producer import RequestQueueProducer
@@ -39,6 +35,10 @@ log = logging.getLogger("pagedserve.gateway")
 
 GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 SCHEDULER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+OTHER_OPEN_FILES = 256
+"""File descriptors the gateway needs besides client and Redis connections (scheduler channels,
+model files, logs)."""
 
 
 async def _scheduler_ready(channel: grpc.aio.Channel) -> bool:
@@ -91,39 +91,18 @@ def _new_server(config: GatewayConfig) -> grpc.aio.Server:
     return grpc.aio.server(interceptors=interceptors, options=CLIENT_API_SERVER_OPTIONS)
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn inside the gateway's event loop: the gateway handles the signals, not uvicorn."""
-
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-
-def _http_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: a free one).
-
-    Raises:
-        OSError: the address cannot be bound.
-    """
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    try:
-        return socket.create_server((host, port), family=family, backlog=2048)
-    except OSError as exc:
-        raise OSError(f"cannot listen on {host}:{port} (--http-port): {exc.strerror or exc}") from exc
-
-
 def _http_server(config: GatewayConfig, serving: OpenAIServing, http_health: HealthState,
-                 metrics: GatewayMetrics) -> uvicorn.Server:
+                 metrics: GatewayMetrics) -> EmbeddedUvicorn:
     app = build_http_app(serving, http_health, HttpSettings(api_key=config.api_key))
     add_metrics_route(app, metrics.render)
     # TLS: the same certificate as the gRPC port.
     tls = dict(ssl_certfile=str(config.tls_cert_file), ssl_keyfile=str(config.tls_key_file)) if config.tls_cert_file else {}
-    uv_config = uvicorn.Config(app, lifespan="off", access_log=False, log_level="warning", timeout_keep_alive=30,
-                               timeout_graceful_shutdown=5, **tls)
-    return _EmbeddedUvicorn(uv_config)
+    return new_http_server(app, config.http_header_timeout_s, SHUTDOWN_CLOSE_S / 2, tls)
 
 
 async def serve_gateway(config: GatewayConfig) -> None:
-    """Serves until SIGINT or SIGTERM.
+    """Serves until SIGINT or SIGTERM, then drains (``drain.DrainingCore``): within
+    ``config.shutdown_grace_s`` plus ``SHUTDOWN_CLOSE_S`` seconds it returns.
 
     Raises:
         OSError: the port cannot be bound, the model folder has no tokenizer, or a TLS file cannot be read.
@@ -131,18 +110,16 @@ async def serve_gateway(config: GatewayConfig) -> None:
     credentials = _server_credentials(config)
     tracer = telemetry.setup_tracing("pagedserve-gateway")
     tokenizer = PromptTokenizer.from_folder(config.model)
-    # Retries reconnect after Redis restarts (a pooled connection to the old server is dead).
-    redis_client = aioredis.Redis.from_url(
-        config.redis_url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=5,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
-        retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+    # a file descriptor per client connection (up to one per request) and per pooled Redis connection
+    raise_open_files_limit(config.max_concurrent_requests + config.redis_max_connections + OTHER_OPEN_FILES)
+    redis_client = async_redis_client(config.redis_url, config.redis_max_connections)
     producer = RequestQueueProducer(redis_client, config.gateway_id, config.cluster_token)
     metrics = GatewayMetrics(config.model_name, lambda: router.num_in_flight)
     router = OutputRouter(redis_client, config.cluster_token, config.gateway_id, metrics.requests_migrated.inc,
                           on_refused=metrics.record_refused)
 
     server = _new_server(config)
-    core = GenerationCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)
+    core = DrainingCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)
     servicer = GenerationServicer(core, tracer)
     add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
     health_servicer = health.aio.HealthServicer()
@@ -153,15 +130,15 @@ async def serve_gateway(config: GatewayConfig) -> None:
     port = bind(server, config.host, config.port, credentials)
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, "gateway")
     http_health = HealthState()
-    http_socket = _http_socket(config.host, config.http_port)
+    http_socket = listening_socket(config.host, config.http_port)
     http_port = http_socket.getsockname()[1]
     http_server = _http_server(config, OpenAIServing(core, config.model_name, tracer), http_health, metrics)
     await server.start()
     if not await producer.ping():
         log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "
                     "NOT_SERVING meanwhile)", redact_url(config.redis_url))
-    watch = _watch_health(health_servicer, router, producer, http_health)
-    tasks = [asyncio.create_task(router.run()), asyncio.create_task(watch)]
+    watch = asyncio.create_task(_watch_health(health_servicer, router, producer, http_health))
+    tasks = [asyncio.create_task(router.run()), watch]
     http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]))
     log.info("gateway %s listening on %s:%d (%s, %s), schedulers from Redis %s, model %s", config.gateway_id,
              config.host, port, "TLS" if credentials else "plaintext",
@@ -177,10 +154,13 @@ async def serve_gateway(config: GatewayConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    watch.cancel()  # from now on NOT_SERVING
     await health_servicer.enter_graceful_shutdown()
     http_health.serving = False
+    await core.drain(config.shutdown_grace_s)
+    log.info("gateway %s drained; closing", config.gateway_id)
     http_server.should_exit = True
-    await asyncio.gather(server.stop(grace=5), http_task, return_exceptions=True)
+    await asyncio.gather(server.stop(grace=SHUTDOWN_CLOSE_S / 2), http_task, return_exceptions=True)
     http_socket.close()
     for task in tasks:
         task.cancel()
@@ -189,3 +169,4 @@ async def serve_gateway(config: GatewayConfig) -> None:
     if metrics_server is not None:
         metrics_server.stop()
     telemetry.shutdown_tracing()
+    log.info("gateway %s stopped", config.gateway_id)

@@ -109,6 +109,33 @@ def pagedserve(name: str, args: list[str], log_dir: Path, env: dict | None = Non
     return Process(name, [sys.executable, "-m", "pagedserve", *args], log_dir, env)
 
 
+def http_health(base_url: str) -> int:
+    """The status of ``GET /health`` at an HTTP API's base URL (0 when it does not answer)."""
+    import httpx
+
+    try:
+        return httpx.get(base_url + "/health", timeout=5).status_code
+    except httpx.HTTPError:
+        return 0
+
+
+def start_gateway(name: str, stack: "Stack", model: Path, log_dir: Path, args: tuple[str, ...] = (),
+                  env_extra: dict | None = None) -> tuple[Process, str, str]:
+    """Another gateway on ``stack`` (with ``args`` added to its flags), once its HTTP health is 200.
+    Returns the process, its gRPC address and its HTTP base URL."""
+    port, http_port = free_port(), free_port()
+    process = pagedserve(name, ["gateway", "--redis-url", stack.redis_url, "--model", str(model), "--host", "127.0.0.1",
+                                "--port", str(port), "--http-port", str(http_port), *args],
+                         log_dir, {**stack.env, **(env_extra or {})})
+    http = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_until(lambda: http_health(http) == 200, name, 120, [process])
+    except BaseException:
+        process.stop()
+        raise
+    return process, f"127.0.0.1:{port}", http
+
+
 def scheduler_stats(address: str, cluster_token: str = CLUSTER_TOKEN) -> pb.SchedulerStats:
     with cluster_channel(address, cluster_token) as channel:
         return engine_pb2_grpc.SchedulerStub(channel).GetStats(pb.GetStatsRequest(), timeout=5)

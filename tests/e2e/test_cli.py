@@ -24,17 +24,17 @@ def pagedserve(*args: str, env: dict, timeout: float = 300) -> subprocess.Comple
                           env=env, timeout=timeout)
 
 
-REDIS_PASSWORD = "redis-pw-5f3a9c"
 API_KEY = "cli-api-key-77e1"
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, default_model):
-    """`pagedserve up` with an API key and a Redis password, both given through the environment."""
+    """`pagedserve up` with an API key given through the environment, starting its own Redis (which
+    gets a password up makes, as it makes the cluster token)."""
     tmp = tmp_path_factory.mktemp("up")
     port, scheduler_port, redis_port, http_port = free_port(), free_port(), free_port(), free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "PAGEDSERVE_API_KEY": API_KEY,
-           "PAGEDSERVE_REDIS_URL": f"redis://:{REDIS_PASSWORD}@127.0.0.1:{redis_port}/0"}
+           "PAGEDSERVE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0"}
     env.pop("PAGEDSERVE_CLUSTER_TOKEN", None)  # up makes one
     log = open(tmp / "up.log", "w+")
     process = subprocess.Popen(
@@ -49,7 +49,7 @@ def up(tmp_path_factory, default_model):
         assert process.poll() is None, (tmp / "up.log").read_text()
         assert time.monotonic() < deadline, "pagedserve up did not come up"
         time.sleep(0.5)
-    yield {"process": process, "target": f"127.0.0.1:{port}", "env": env, "log": tmp / "up.log",
+    yield {"process": process, "target": f"127.0.0.1:{port}", "env": env, "log": tmp / "up.log", "cache_dir": tmp,
            "ports": (port, scheduler_port, redis_port), "http": f"http://127.0.0.1:{http_port}"}
     if process.poll() is None:
         process.kill()
@@ -160,6 +160,14 @@ def test_bench_serve_sends_the_api_key(up):
     assert errors("") == ["UNAUTHENTICATED", "UNAUTHENTICATED"]
 
 
+def _redis_password(up) -> str:
+    """The password up made for its Redis (in the file its ready message names)."""
+    password_file = up["cache_dir"] / f"redis-{up['ports'][2]}" / "redis-password"
+    assert f"password in {password_file}" in up["log"].read_text()  # how to connect, without the password
+    assert password_file.stat().st_mode & 0o077 == 0
+    return password_file.read_text().strip()
+
+
 def test_secrets_are_not_in_the_command_lines_of_ups_children(up):
     children = subprocess.run(["pgrep", "-P", str(up["process"].pid)], capture_output=True, text=True).stdout.split()
     assert len(children) == 5  # redis-server, two schedulers, worker, gateway
@@ -171,12 +179,21 @@ def test_secrets_are_not_in_the_command_lines_of_ups_children(up):
     token = tokens.pop()
     assert len(token) == 64
     assert sum(b"redis-server" in c for c in cmdlines) == 1
+    password = _redis_password(up)
     for cmdline in cmdlines:
         assert token not in cmdline
-        assert REDIS_PASSWORD.encode() not in cmdline and API_KEY.encode() not in cmdline
-    assert REDIS_PASSWORD not in up["log"].read_text()
-    with pytest.raises(redis.AuthenticationError):  # the Redis that up started wants the URL's password
+        assert password.encode() not in cmdline and API_KEY.encode() not in cmdline
+    assert password not in up["log"].read_text()
+
+
+def test_up_starts_its_redis_with_a_password_it_makes(up):
+    """Given a Redis URL without a password, up's own Redis still requires one (issue #20); the
+    stack serves through it (the other tests of this module)."""
+    password = _redis_password(up)
+    assert len(password) == 48
+    with pytest.raises(redis.AuthenticationError):
         redis.Redis(host="127.0.0.1", port=up["ports"][2]).ping()
+    assert redis.Redis(host="127.0.0.1", port=up["ports"][2], password=password).ping()
 
 
 def test_complete_reports_server_errors_by_status_name(up):

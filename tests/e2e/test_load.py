@@ -1,11 +1,14 @@
-"""Load through the real stack: 256 concurrent greedy streams, each exactly its own text (issue #9)."""
+"""Load through the real stack: 1,000 concurrent greedy streams, half over gRPC and half over the
+OpenAI HTTP API (server-sent events), every one served and each exactly its own text (issues #9, #20)."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import httpx
 import pytest
 
 from services.common.pb import generate_pb2_grpc
@@ -13,29 +16,73 @@ from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-COPIES = 16  # of each of the 16 questions: 256 streams at once
+STREAMS_PER_API = 500  # 1,000 at once: more than redis-py's default pool of 100 connections
+MAX_TOKENS = 4
 
 
-def test_256_concurrent_streams_with_shared_labels_get_exactly_their_own_tokens(stack, offline_outputs):
-    with grpc.insecure_channel(stack.gateway) as channel:
+@pytest.fixture(scope="module")
+def short_outputs(default_llm):
+    """Greedy in-process outputs of MAX_TOKENS tokens for QUESTIONS (the reference)."""
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.text.tokenizer import ChatTurn
+
+    results = default_llm.chat([[ChatTurn("user", q)] for q in QUESTIONS], SamplingParams(max_tokens=MAX_TOKENS,
+                                                                                           temperature=0.0))
+    return dict(zip(QUESTIONS, results))
+
+
+async def _grpc_stream(stub: generate_pb2_grpc.GenerationStub, i: int) -> tuple[str, list[int] | str]:
+    question = QUESTIONS[i % len(QUESTIONS)]
+    request = chat_request(question, max_tokens=MAX_TOKENS)
+    request.request_id = f"label-{i % 4}"  # labels shared by many calls
+    try:
+        return question, [t async for r in stub.Generate(request, timeout=600) for t in r.token_ids]
+    except grpc.RpcError as exc:
+        return question, f"gRPC {exc.code().name}: {exc.details()}"
+
+
+async def _http_stream(http: httpx.AsyncClient, model: str, i: int) -> tuple[str, str | None, str]:
+    """(question, streamed text, failure or "")."""
+    question = QUESTIONS[i % len(QUESTIONS)]
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "stream": True}
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                return question, None, f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+            text, done = [], False
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        return question, None, f"SSE error {chunk['error']}"
+                    text.extend(c["delta"].get("content") or "" for c in chunk["choices"])
+            return question, "".join(text), "" if done else "no [DONE]"
+    except httpx.HTTPError as exc:
+        return question, None, f"{type(exc).__name__}: {exc}"
+
+
+async def _run_mixed_load(stack, model: str) -> tuple[list, list]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with grpc.aio.insecure_channel(stack.gateway) as channel, \
+            httpx.AsyncClient(base_url=stack.http, timeout=600, limits=limits) as http:
         stub = generate_pb2_grpc.GenerationStub(channel)
+        grpc_calls = [_grpc_stream(stub, i) for i in range(STREAMS_PER_API)]
+        http_calls = [_http_stream(http, model, i) for i in range(STREAMS_PER_API)]
+        results = await asyncio.gather(*grpc_calls, *http_calls)
+    return results[:STREAMS_PER_API], results[STREAMS_PER_API:]
 
-        def one(i: int) -> tuple[str, list[int] | str]:
-            question = QUESTIONS[i % len(QUESTIONS)]
-            request = chat_request(question)
-            request.request_id = f"label-{i % 4}"  # labels shared by 64 calls each
-            try:
-                return question, [t for r in stub.Generate(request, timeout=600) for t in r.token_ids]
-            except grpc.RpcError as exc:
-                return question, exc.code().name
 
-        started = time.monotonic()
-        with ThreadPoolExecutor(len(QUESTIONS) * COPIES) as pool:
-            results = list(pool.map(one, range(len(QUESTIONS) * COPIES)))
-        elapsed = time.monotonic() - started
-    failures = [r for _, r in results if isinstance(r, str)]
-    mixed = [q for q, r in results if not isinstance(r, str) and r != list(offline_outputs[q].token_ids)]
-    print(f"\n{len(results)} concurrent streams in {elapsed:.1f} s: {len(failures)} failed, {len(mixed)} with "
-          f"other tokens than their own")
+def test_1000_concurrent_grpc_and_http_streams_all_get_exactly_their_own_tokens(stack, short_outputs, default_model):
+    started = time.monotonic()
+    grpc_results, http_results = asyncio.run(_run_mixed_load(stack, default_model.name))
+    elapsed = time.monotonic() - started
+    failures = [r for _, r in grpc_results if isinstance(r, str)] + [f for _, _, f in http_results if f]
+    mixed = [q for q, r in grpc_results if not isinstance(r, str) and r != list(short_outputs[q].token_ids)]
+    mixed += [q for q, text, f in http_results if not f and text != short_outputs[q].text]
+    print(f"\n{2 * STREAMS_PER_API} concurrent streams (half gRPC, half HTTP) in {elapsed:.1f} s: {len(failures)} "
+          f"failed, {len(mixed)} with other tokens than their own; failures: {sorted(set(failures))[:5]}")
     assert failures == [] and mixed == []
     assert_all_blocks_free(stack)

@@ -11,9 +11,8 @@ import openai
 import pytest
 
 from services.common.pb import generate_pb2 as gen
-from tests.e2e.processes import pagedserve, wait_until
+from tests.e2e.processes import start_gateway, wait_until
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
-from pagedserve.launcher import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -230,22 +229,11 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(stack, client, mo
 @pytest.fixture(scope="module")
 def keyed_gateway(stack, default_model, tmp_path_factory):
     """A second gateway on the session stack with an API key and room for one request at a time."""
-    tmp = tmp_path_factory.mktemp("keyed-gateway")
-    port, http_port = free_port(), free_port()
-    process = pagedserve("keyed-gateway", [
-        "gateway", "--redis-url", stack.redis_url, "--model", str(default_model), "--host", "127.0.0.1",
-        "--port", str(port), "--http-port", str(http_port),
-        "--max-concurrent-requests", "1", "--served-model-name", "smol"], tmp, {**stack.env, "PAGEDSERVE_API_KEY": API_KEY})
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"http://127.0.0.1:{http_port}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    process, _, http = start_gateway("keyed-gateway", stack, default_model, tmp_path_factory.mktemp("keyed-gateway"),
+                                     ("--max-concurrent-requests", "1", "--served-model-name", "smol"),
+                                     {"PAGEDSERVE_API_KEY": API_KEY})
     try:
-        wait_until(up, "keyed gateway", 120, [process])
-        yield f"http://127.0.0.1:{http_port}"
+        yield http
     finally:
         process.stop()
 
