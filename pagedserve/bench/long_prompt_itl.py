@@ -83,7 +83,8 @@ def _gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:])]
 
 
-def _run_streams(llm, prompts: list[list[int]], max_tokens: int, long_prompt: list[int] | None) -> tuple[list[float], float]:
+def _run_streams(llm, prompts: list[list[int]], max_tokens: int,
+                 long_prompt: list[int] | None) -> tuple[list[float], float]:
     """Decodes ``prompts``; with ``long_prompt``, adds it once every stream has ``WARM_TOKENS``
     tokens and stops at its first token. Returns the streams' gaps (seconds; only those after the
     long prompt's arrival when there is one) and the long prompt's TTFT (0 without one)."""
@@ -124,8 +125,8 @@ def run_config(model: Path, args: argparse.Namespace, budget: int, slowdown: flo
              gemm_backend=args.gemm_backend, compile_mode=args.compile_mode,
              max_plans_in_flight=args.max_plans_in_flight, max_decode_slowdown=slowdown) as llm:
         alone, _ = _run_streams(llm, [prompt(STREAM_PROMPT_TOKENS) for _ in range(args.streams)], args.alone_tokens, None)
-        beside, ttft = _run_streams(llm, [prompt(STREAM_PROMPT_TOKENS) for _ in range(args.streams)], BESIDE_MAX_TOKENS,
-                                    prompt(args.long_prompt))
+        streams = [prompt(STREAM_PROMPT_TOKENS) for _ in range(args.streams)]
+        beside, ttft = _run_streams(llm, streams, BESIDE_MAX_TOKENS, prompt(args.long_prompt))
     a, b = latency_stats(alone), latency_stats(beside)
     return LongPromptRun(budget, slowdown, a.median_ms, a.p99_ms, b.median_ms, b.p99_ms, b.p99_ms / a.p99_ms,
                          1000 * max(beside), 1000 * ttft)

@@ -9,7 +9,8 @@ time, not tokens:
 
 * each worker's step time is modelled as ``fixed + per_token * tokens + per_pair * pairs``, where
   ``pairs`` counts the (query, key) pairs attention computes; the three coefficients are fitted,
-  non-negative, to the worker's last :data:`WINDOW` observed steps (:class:`StepCostModel`);
+  non-negative, to the worker's last :data:`WINDOW` observed steps with a prefill chunk and its
+  last :data:`DECODE_WINDOW` without (:class:`StepCostModel`);
 * a step that runs decodes may take at most ``max_decode_slowdown`` times as long as its decodes
   alone would: the prefill chunks in it get the rest of that time, each sized from the model for
   the context it starts at (:func:`prefill_chunk_tokens`); a step without decodes is capped by
@@ -17,7 +18,10 @@ time, not tokens:
 
 Until a worker has run a step with a prefill chunk in it, its model counts every second as
 per-token (fixed and per-pair cost 0): a conservative guess that lets the first chunk beside
-decodes be about as long as the decode batch, after which the fit knows better.
+decodes be about as long as the decode batch, after which the fit knows better. And a fit is not
+trusted far beyond the steps it was fitted to: beside decodes a chunk has at most
+:data:`EXTRAPOLATION` times the tokens of the largest step in the window (a few noisy steps can
+make prefill look free), so chunks grow step by step to what the fit allows.
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from collections import deque
 from dataclasses import dataclass
 
 WINDOW = 64
-"""Steps of a worker the cost model is fitted to (the newest; older ones are forgotten)."""
+"""Steps with a prefill chunk the cost model is fitted to (the newest; older ones are forgotten)."""
+DECODE_WINDOW = 16
+"""Steps without a prefill chunk it is fitted to besides. Kept apart because while a long prompt
+is prefilled every step has a chunk sized to take the same time: fitted to those alone, that time
+could as well be all fixed cost (prefill looks free); the decode-only steps pin the fixed cost."""
+EXTRAPOLATION = 2
+"""A chunk beside decodes has at most this many times the tokens of the largest step fitted."""
 
 
 def attention_pairs(context: int, num_new: int) -> int:
@@ -37,11 +47,13 @@ def attention_pairs(context: int, num_new: int) -> int:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step's predicted time, seconds: ``fixed_s + per_token_s * tokens + per_pair_s * pairs``."""
+    """A step's predicted time, seconds: ``fixed_s + per_token_s * tokens + per_pair_s * pairs``,
+    fitted to steps of at most ``largest_step_tokens`` tokens."""
 
     fixed_s: float
     per_token_s: float
     per_pair_s: float
+    largest_step_tokens: int
 
     def step_seconds(self, tokens: int, pairs: int) -> float:
         """The whole step: ``tokens`` computed, attending over ``pairs`` (query, key) pairs."""
@@ -54,9 +66,10 @@ class StepCost:
 
 def prefill_chunk_tokens(cost: StepCost, allowance_s: float, context: int, limit: int) -> int:
     """The most tokens (at most ``limit``) a prefill chunk after ``context`` cached tokens may have
-    so that it adds at most ``allowance_s`` seconds to the step (``cost.chunk_seconds``); 0 if not
-    even one token fits. The chunk's cost grows with its length: a binary search finds it."""
-    low, high = 0, max(0, limit)  # low fits; high + 1 does not, or is beyond the limit
+    so that it adds at most ``allowance_s`` seconds to the step (``cost.chunk_seconds``) and has at
+    most ``EXTRAPOLATION * cost.largest_step_tokens`` tokens; 0 if not even one token fits. The
+    chunk's cost grows with its length: a binary search finds it."""
+    low, high = 0, max(0, min(limit, EXTRAPOLATION * cost.largest_step_tokens))  # low fits; high + 1 does not
     while low < high:
         middle = (low + high + 1) // 2
         if cost.chunk_seconds(context, middle) <= allowance_s:
@@ -83,19 +96,21 @@ class StepCostModel:
     """
 
     def __init__(self) -> None:
-        self._steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
+        self._prefill_steps: deque[tuple[StepShape, float]] = deque(maxlen=WINDOW)
+        self._decode_steps: deque[tuple[StepShape, float]] = deque(maxlen=DECODE_WINDOW)
         self._fit: StepCost | None = None
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Adds a step that took ``seconds``; a step that computed nothing is ignored."""
         if shape.tokens > 0 and seconds > 0:
-            self._steps.append((shape, seconds))
+            (self._prefill_steps if shape.has_prefill else self._decode_steps).append((shape, seconds))
             self._fit = None
 
     def cost(self) -> StepCost | None:
         """The fitted cost; None before any step was observed."""
-        if self._fit is None and self._steps:
-            self._fit = fit_step_cost(list(self._steps))
+        steps = [*self._decode_steps, *self._prefill_steps]
+        if self._fit is None and steps:
+            self._fit = fit_step_cost(steps)
         return self._fit
 
 
@@ -104,8 +119,9 @@ def fit_step_cost(steps: list[tuple[StepShape, float]]) -> StepCost:
     on each subset of the three features, the best of those that come out non-negative (the
     optimum of the constrained problem is one of them). Without a prefill among ``steps``, the
     conservative all-per-token model (the largest seconds per token seen)."""
+    largest = max(shape.tokens for shape, _ in steps)
     if not any(shape.has_prefill for shape, _ in steps):
-        return StepCost(0.0, max(seconds / shape.tokens for shape, seconds in steps), 0.0)
+        return StepCost(0.0, max(seconds / shape.tokens for shape, seconds in steps), 0.0, largest)
     rows = [(1.0, float(shape.tokens), float(shape.pairs)) for shape, _ in steps]
     targets = [seconds for _, seconds in steps]
     scales = [max(abs(r[j]) for r in rows) or 1.0 for j in range(3)]  # columns scaled to [0, 1]: a sane system
@@ -123,7 +139,7 @@ def fit_step_cost(steps: list[tuple[StepShape, float]]) -> StepCost:
                     coefficients[j] = x / scales[j]
                 best = (residual, coefficients)
     assert best is not None  # the fixed-cost-only fit (the mean) is never negative
-    return StepCost(*best[1])
+    return StepCost(*best[1], largest)
 
 
 def _least_squares(rows: list[list[float]], targets: list[float]) -> list[float] | None:

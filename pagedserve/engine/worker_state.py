@@ -56,7 +56,8 @@ class PlanDraft:
         the time the decodes leave (``step_cost``). The step's first chunk gets at least one
         token, so a prompt never starves behind decodes."""
         limit = min(remaining, self.token_budget)
-        if remaining == 1 or self.cost is None or not self.decodes or limit == 0:
+        unsized = self.cost is None or not self.decodes or math.isinf(self.max_decode_slowdown)
+        if remaining == 1 or limit == 0 or unsized:
             return limit
         decodes_s = self.cost.step_seconds(self.decodes, self.decode_pairs)
         allowance_s = (self.max_decode_slowdown - 1) * decodes_s - self.prefill_s
