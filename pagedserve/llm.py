@@ -72,6 +72,8 @@ class LLM:
             or 1 (made after); see SchedulerConfig. Outputs are the same.
         placement: with several workers, ``"prefix"`` (most cached prompt prefix, balanced against
             load) or ``"least-loaded"`` (most free blocks); see SchedulerConfig.
+        max_decode_slowdown: how much longer than its decodes alone a step with prefill chunks beside
+            them may take (predicted); see SchedulerConfig and ``pagedserve/engine/step_cost.py``.
         rank_placement: with T*P > 1, a :class:`~pagedserve.engine.parallel.rank_link.RankPlacement`
             whose remote ranks (``pagedserve worker-rank``) rank 0 waits for; None: all spawned here.
 
@@ -104,6 +106,7 @@ class LLM:
         num_virtual_engines: int | None = None,
         max_plans_in_flight: int = 2,
         placement: str = "prefix",
+        max_decode_slowdown: float = SchedulerConfig.max_decode_slowdown,
         rank_placement=None,
     ) -> None:
         import torch
@@ -119,7 +122,7 @@ class LLM:
             max_num_batched_tokens = default_token_budget(device)
         config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
                                  enable_prefix_caching, preemption_mode, policy, max_plans_in_flight,
-                                 placement)
+                                 placement, max_decode_slowdown)
         engines = num_virtual_engines or 1
         if engines < 1 or (engines > 1 and pipeline_parallel_size == 1):
             raise ValueError(f"num_virtual_engines={num_virtual_engines}: give 1, or more than 1 with "

@@ -9,8 +9,8 @@ from pagedserve.launcher import STOP_TIMEOUT_S, Stack, StackConfig
 from services.gateway.config import SHUTDOWN_CLOSE_S
 
 
-def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monkeypatch):
-    policy = SchedulerConfig(max_plans_in_flight=1, placement="least-loaded", max_num_batched_tokens=128)
+def up_commands(tmp_path, monkeypatch, policy: SchedulerConfig) -> list:
+    """The parsed command lines `up` starts its services with (two schedulers, two workers)."""
     config = StackConfig(model=tmp_path, workers=2, host="127.0.0.1", port=1, scheduler_port=2,
                          redis_url="redis://127.0.0.1:3/0", kv_cache_memory="64MiB", swap_space="0", policy=policy,
                          threads_per_worker=1, data_dir=tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2,
@@ -21,12 +21,37 @@ def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monke
     monkeypatch.setattr(stack, "_wait_ready", lambda: None)
     monkeypatch.setattr(stack, "_service", lambda name, *args: commands.append(list(args)))
     stack.start()
-    parsed = [build_parser().parse_args(args) for args in commands]  # exits (fails) on an unknown flag
+    return [build_parser().parse_args(args) for args in commands]  # exits (fails) on an unknown flag
+
+
+def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monkeypatch):
+    policy = SchedulerConfig(max_plans_in_flight=1, placement="least-loaded", max_num_batched_tokens=128,
+                             max_decode_slowdown=1.5)
+    parsed = up_commands(tmp_path, monkeypatch, policy)
     assert [p.command for p in parsed] == ["scheduler", "scheduler", "worker", "worker", "gateway"]
     scheduler, worker, gateway = parsed[0], parsed[2], parsed[4]
     assert [(p.consumer_name, p.port) for p in parsed[:2]] == [("scheduler-0", 2), ("scheduler-1", 3)]  # one id each
     assert "scheduler" not in vars(gateway)  # the gateway finds the schedulers in Redis
     assert (scheduler.max_plans_in_flight, scheduler.placement, scheduler.max_num_batched_tokens) == (1, "least-loaded", 128)
+    assert scheduler.max_decode_slowdown == 1.5
     assert (worker.tensor_parallel_size, worker.pipeline_parallel_size, worker.virtual_engines) == (2, 2, 1)
     assert (worker.compile_mode, worker.gemm_backend) == ("inductor", "onednn")
     assert gateway.shutdown_grace_s + SHUTDOWN_CLOSE_S <= STOP_TIMEOUT_S  # up waits for the gateway's drain
+
+
+def test_prefill_chunk_sizing_defaults_agree_in_the_offline_engine_the_scheduler_and_up(tmp_path, monkeypatch):
+    """How long a step with decodes may take (``max_decode_slowdown``, issue #20): one default,
+    SchedulerConfig's, wherever a scheduler runs."""
+    import inspect
+
+    from pagedserve.llm import LLM
+    from services.scheduler.config import policy_from_args
+
+    default = SchedulerConfig().max_decode_slowdown
+    assert default == 2.0
+    assert inspect.signature(LLM).parameters["max_decode_slowdown"].default == default
+    standalone = build_parser().parse_args(["scheduler", "--redis-url", "redis://127.0.0.1:3/0"])
+    assert standalone.max_decode_slowdown == default
+    up_policy = policy_from_args(build_parser().parse_args(["up"]))
+    assert up_policy.max_decode_slowdown == default
+    assert [p.max_decode_slowdown for p in up_commands(tmp_path, monkeypatch, up_policy)[:2]] == [default, default]

@@ -107,8 +107,9 @@ class SchedulerConfig:
         block_size: token slots per KV-cache block; every worker must use the same.
         max_num_seqs: most sequences running on one worker at once.
         max_num_batched_tokens: most tokens (decodes + prefill chunks) one worker computes in one
-            iteration. Decodes are served first; prefill chunks fill the rest. The default suits
-            GPU workers; see :func:`default_token_budget` for CPU ones.
+            iteration. Decodes are served first; prefill chunks fill the rest, within the time
+            ``max_decode_slowdown`` leaves them. The default suits GPU workers; see
+            :func:`default_token_budget` for CPU ones.
         enable_chunked_prefill: prefill prompts longer than what is left of the budget over several
             iterations; without it a prompt is prefilled whole or waits (and one longer than the
             budget is refused).
@@ -123,21 +124,27 @@ class SchedulerConfig:
             Outputs are the same either way (see docs/architecture.md, "Overlap scheduling").
         placement: ``prefix`` (the worker holding the longest cached prefix of the prompt, balanced
             against load) or ``least-loaded`` (the most free blocks).
+        max_decode_slowdown: with chunked prefill, a step that runs decodes takes at most this
+            many times as long as its decodes alone would (predicted from the worker's step
+            times): its prefill chunks are sized to fit (``pagedserve/engine/step_cost.py``).
+            Bounds the inter-token latency of running requests while long prompts are prefilled;
+            ``inf``: chunks fill the token budget.
 
     Raises:
         ValueError: a non-positive limit, more than ``MAX_PLANS_IN_FLIGHT`` plans in flight,
-            an unknown mode or policy.
+            a decode slowdown below 1, an unknown mode or policy.
     """
 
     block_size: int = 16
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = GPU_TOKEN_BUDGET
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_plans_in_flight: int = 2
     placement: Placement = Placement.PREFIX
+    max_decode_slowdown: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_plans_in_flight"):
@@ -145,6 +152,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_plans_in_flight > MAX_PLANS_IN_FLIGHT:
             raise ValueError(f"max_plans_in_flight must be at most {MAX_PLANS_IN_FLIGHT}, got {self.max_plans_in_flight}")
+        if not self.max_decode_slowdown >= 1:  # NaN too
+            raise ValueError(f"max_decode_slowdown must be at least 1, got {self.max_decode_slowdown}")
         # The enums' values are accepted too (flags, ``LLM(policy="priority")``).
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))

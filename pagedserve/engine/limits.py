@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.messages import RequestError
 from pagedserve.engine.sequence import Sequence
+from pagedserve.engine.worker_state import PlanDraft
 
 GRPC_RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED
 GRPC_UNAVAILABLE = 14  # grpc.StatusCode.UNAVAILABLE
@@ -14,14 +15,15 @@ MAX_WORKER_LOSSES = 3
 """A sequence whose worker failed or went away this often ends instead of being recomputed again."""
 
 
-def num_new_tokens(seq: Sequence, token_budget: int, config: SchedulerConfig, num_computed: int | None = None) -> int:
-    """Tokens to compute now: all that remain, or a chunk of the budget; 0 when a prefill must run
-    whole (chunked prefill off) and does not fit in what is left of the budget."""
+def num_new_tokens(seq: Sequence, draft: PlanDraft, config: SchedulerConfig, num_computed: int | None = None) -> int:
+    """Tokens to compute now: with chunked prefill, ``PlanDraft.chunk_tokens`` (a decode, or a
+    chunk sized by the token budget and the step's time); without, all that remain, or 0 when they
+    do not fit in what is left of the budget."""
     computed = seq.num_computed_tokens if num_computed is None else num_computed
     remaining = seq.num_tokens + seq.num_tokens_in_flight - computed
-    if remaining > token_budget and not config.enable_chunked_prefill:
-        return 0
-    return min(remaining, token_budget)
+    if not config.enable_chunked_prefill:
+        return remaining if remaining <= draft.token_budget else 0
+    return draft.chunk_tokens(computed, remaining)
 
 
 def rejection_reason(seq: Sequence, worker_blocks: Seq[int], config: SchedulerConfig) -> str | None:

@@ -3,7 +3,8 @@
 Each iteration, per worker: running sequences that decode get their token first, then running
 sequences in the middle of a chunked prefill get the next chunk; when blocks run out, the last
 running sequence in the policy's order is preempted (by recompute, or by swapping its blocks to
-CPU memory). Then swapped-out sequences come back, and waiting sequences are admitted in the
+CPU memory). Prefill chunks beside decodes are sized so that the step stays within
+``max_decode_slowdown`` times the decodes' own time (``step_cost``, ``PlanDraft.chunk_tokens``). Then swapped-out sequences come back, and waiting sequences are admitted in the
 policy's order onto the worker that holds most of their prompt's prefix, balanced against its
 load (or the one with the most free blocks: ``SchedulerConfig.placement``), taking cached prefix
 blocks first, under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
@@ -172,7 +173,7 @@ class Scheduler:
         blocks; waiting requests are admitted onto these workers only."""
         self._step_id += 1
         workers = [self._workers[w] for w in worker_ids if w in self._workers]
-        drafts = {w.worker_id: PlanDraft(self.config.max_num_batched_tokens) for w in workers}
+        drafts = {w.worker_id: w.new_draft() for w in workers}
         for worker in workers:
             self._schedule_running(worker, drafts[worker.worker_id])
             worker.swap_in(drafts[worker.worker_id], self.config.max_num_seqs)
@@ -189,6 +190,8 @@ class Scheduler:
         """
         outputs = []
         for worker_id, result in results.items():
+            if (worker := self._workers.get(worker_id)) is not None:
+                worker.step_answered(result.step_id)
             for chunk in result.prompt_logprobs:
                 if (seq := self._sequences.get(chunk.seq_id)) is not None:
                     seq.add_prompt_logprobs(chunk)
@@ -221,7 +224,7 @@ class Scheduler:
                       [s for s in ordered if s.num_uncomputed_tokens > 1])
         while queue and draft.token_budget > 0:
             seq = queue.popleft()
-            num_new = num_new_tokens(seq, draft.token_budget, self.config)
+            num_new = num_new_tokens(seq, draft, self.config)
             if num_new == 0:
                 continue
             total = seq.num_computed_tokens + num_new
@@ -260,7 +263,7 @@ class Scheduler:
                 continue
             # prompt logprobs need every prompt position computed: no cached prefix (as vLLM)
             prefix = worker.cached_prefix(seq) if seq.sampling.prompt_logprobs is None else NO_PREFIX
-            num_new = num_new_tokens(seq, draft.token_budget, self.config, prefix.num_tokens)
+            num_new = num_new_tokens(seq, draft, self.config, prefix.num_tokens)
             total = prefix.num_tokens + num_new
             if num_new == 0 or not worker.blocks.can_allocate(seq.seq_id, total, prefix):
                 return

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-import uuid
 
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId
 from pagedserve.engine.block_manager import NO_PREFIX, BlockManager, CachedPrefix, blocks_for_tokens
 from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
 from pagedserve.engine.config import Placement, SchedulerConfig, SchedulerStats, WorkerStats
 from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.step_cost import StepCost, StepCostModel, StepShape, attention_pairs, prefill_chunk_tokens
 
 
 @dataclass
@@ -21,12 +23,20 @@ class PlanDraft:
 
     Attributes:
         token_budget: tokens still free in this iteration.
+        cost: the worker's fitted step cost (``step_cost``); None (no step seen yet): prefill
+            chunks are capped by the token budget only.
+        max_decode_slowdown: ``SchedulerConfig.max_decode_slowdown``.
         preempted: a sequence was preempted here this iteration (no admissions then).
         swap_out, swap_in, copies: block copies for the worker, in the order it makes them.
         scheduled: tokens scheduled per sequence in this iteration.
+        decodes, decode_pairs: the decodes scheduled so far, and the attention pairs they compute.
+        pairs: the attention pairs of everything scheduled so far.
+        prefill_s: the predicted seconds of the prefill chunks scheduled so far.
     """
 
     token_budget: int
+    cost: StepCost | None = None
+    max_decode_slowdown: float = math.inf
     scheduled: dict[SequenceId, int] = field(default_factory=dict)
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
@@ -34,6 +44,40 @@ class PlanDraft:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    decodes: int = 0
+    decode_pairs: int = 0
+    pairs: int = 0
+    prefill_s: float = 0.0
+
+    def chunk_tokens(self, context: int, remaining: int) -> int:
+        """Tokens to compute now for a sequence with ``remaining`` tokens after ``context`` computed
+        ones: a decode (``remaining`` 1) while the token budget lasts; a prefill chunk as long as
+        the budget allows and, when the step runs decodes, as ``prefill_chunk_tokens`` sizes it in
+        the time the decodes leave (``step_cost``). The step's first chunk gets at least one
+        token, so a prompt never starves behind decodes."""
+        limit = min(remaining, self.token_budget)
+        unsized = self.cost is None or not self.decodes or math.isinf(self.max_decode_slowdown)
+        if remaining == 1 or limit == 0 or unsized:
+            return limit
+        decodes_s = self.cost.step_seconds(self.decodes, self.decode_pairs)
+        allowance_s = (self.max_decode_slowdown - 1) * decodes_s - self.prefill_s
+        tokens = prefill_chunk_tokens(self.cost, allowance_s, context, limit)
+        return max(tokens, 1) if self.prefill_s == 0 else tokens
+
+    def add(self, context: int, num_new: int) -> None:
+        """Counts ``num_new`` tokens after ``context`` computed ones as scheduled in this step."""
+        self.token_budget -= num_new
+        pairs = attention_pairs(context, num_new)
+        self.pairs += pairs
+        if num_new == 1:
+            self.decodes += 1
+            self.decode_pairs += pairs
+        elif self.cost is not None:
+            self.prefill_s += self.cost.chunk_seconds(context, num_new)
+
+    def shape(self) -> StepShape:
+        """What the drafted step computes (for the worker's cost model)."""
+        return StepShape(sum(self.scheduled.values()), self.pairs, any(n > 1 for n in self.scheduled.values()))
 
 
 class WorkerState:
@@ -55,6 +99,23 @@ class WorkerState:
         self.swapped: OrderedDict[SequenceId, Sequence] = OrderedDict()
         self.dropped_ids: list[SequenceId] = []
         self.num_steps = 0
+        self.step_cost = StepCostModel()
+        self._sent: dict[int, tuple[StepShape, float]] = {}  # step id -> what it computes, when it was made
+        self._last_answer = 0.0  # monotonic seconds of the latest answer
+
+    def new_draft(self) -> PlanDraft:
+        """An empty plan for this iteration, with the worker's fitted step cost."""
+        return PlanDraft(self.config.max_num_batched_tokens, self.step_cost.cost(), self.config.max_decode_slowdown)
+
+    def step_answered(self, step_id: int) -> None:
+        """Feeds the cost model the step's time: from when it was made, or from the previous
+        answer if the worker was still busy with that one (plans queue up on a worker), to now."""
+        now = time.monotonic()
+        sent = self._sent.pop(step_id, None)
+        if sent is not None:
+            shape, made = sent
+            self.step_cost.observe(shape, now - max(made, self._last_answer))
+        self._last_answer = now
 
     def release(self, seq_id: SequenceId) -> None:
         """Frees a sequence's blocks here (device or swapped) and tells the worker to drop it."""
@@ -82,8 +143,8 @@ class WorkerState:
     def advance(self, seq: Sequence, num_new: int, draft: PlanDraft) -> None:
         """Counts ``num_new`` tokens of ``seq`` as computed in this step (one more token is in
         flight when they reach its end); caches blocks that filled up."""
+        draft.add(seq.num_computed_tokens, num_new)
         seq.num_computed_tokens += num_new
-        draft.token_budget -= num_new
         draft.scheduled[seq.seq_id] = num_new
         if seq.num_computed_tokens == seq.num_tokens + seq.num_tokens_in_flight:
             seq.sampling_scheduled(self.worker_id)
@@ -104,15 +165,15 @@ class WorkerState:
 
     def swap_in(self, draft: PlanDraft, max_num_seqs: int) -> None:
         """Brings swapped-out sequences back and starts them (oldest first) while blocks, budget
-        and room allow."""
+        (tokens and prefill time) and room allow."""
         blocks = self.blocks
         for seq in list(self.swapped.values()):
             if seq.num_tokens_in_flight or draft.preempted or draft.token_budget == 0 or len(self.running) >= max_num_seqs:
                 return
-            num_new = min(seq.num_uncomputed_tokens, draft.token_budget)
+            num_new = draft.chunk_tokens(seq.num_computed_tokens, seq.num_uncomputed_tokens)
             total = seq.num_computed_tokens + num_new
             needed = max(len(blocks.cpu_block_table(seq.seq_id)), blocks_for_tokens(total, blocks.block_size))
-            if needed > blocks.num_free_blocks:
+            if num_new == 0 or needed > blocks.num_free_blocks:
                 return
             draft.swap_in.extend(blocks.swap_in(seq.seq_id))
             blocks.allocate_slots(seq.seq_id, total)
@@ -136,6 +197,7 @@ class WorkerState:
     def take_plan(self, draft: PlanDraft) -> BatchPlan:
         """The iteration's plan for this worker; clears the pending drops and counts the step."""
         self.num_steps += 1
+        self._sent[self.num_steps] = (draft.shape(), time.monotonic())
         plan = BatchPlan(
             session_id=self.session_id,
             step_id=self.num_steps,

@@ -142,6 +142,11 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plans a worker may have been sent before it answers: 2 makes the next plan "
                         "while the model runs the current one (overlap scheduling), 1 makes it after the "
                         "answer; outputs are the same (default %(default)s)")
+    parser.add_argument("--max-decode-slowdown", type=float, default=defaults.max_decode_slowdown,
+                        help="a step that runs decodes may take at most this many times as long as the decodes "
+                        "alone (predicted from the worker's step times); prefill chunks beside them are sized to "
+                        "fit, so a long prompt does not stall running streams; inf: chunks fill the token budget "
+                        "(default %(default)s)")
     parser.add_argument("--placement", choices=[p.value for p in Placement], default=defaults.placement.value,
                         help="where a new request runs: prefix (the scheduler, then the worker, holding most of its "
                         "prompt's prefix in cache, balanced against queues, KV usage and running sequences) or "
@@ -159,6 +164,7 @@ def policy_from_args(args: argparse.Namespace) -> SchedulerConfig:
         policy=args.scheduling_policy,
         max_plans_in_flight=args.max_plans_in_flight,
         placement=args.placement,
+        max_decode_slowdown=args.max_decode_slowdown,
     )
 
 
@@ -167,7 +173,8 @@ def policy_to_args(config: SchedulerConfig) -> list[str]:
     args = ["--block-size", str(config.block_size), "--max-num-seqs", str(config.max_num_seqs),
             "--max-num-batched-tokens", str(config.max_num_batched_tokens),
             "--preemption-mode", config.preemption_mode.value, "--scheduling-policy", config.policy.value,
-            "--max-plans-in-flight", str(config.max_plans_in_flight), "--placement", config.placement.value]
+            "--max-plans-in-flight", str(config.max_plans_in_flight), "--placement", config.placement.value,
+            "--max-decode-slowdown", repr(config.max_decode_slowdown)]
     if not config.enable_chunked_prefill:
         args.append("--no-chunked-prefill")
     if not config.enable_prefix_caching:

@@ -109,6 +109,19 @@ def test_token_budget_sweep_reports_each_budget(tmp_path, default_model):
     assert "vs largest" in stdout
 
 
+def test_long_prompt_itl_reports_each_configuration(tmp_path, default_model):
+    out = tmp_path / "l.json"
+    stdout = bench("long-prompt-itl", "--model", str(default_model), "--configs", "64:inf,64:2", "--streams", "2",
+                   "--long-prompt", "200", "--alone-tokens", "6", "--kv-cache-memory", "64MiB", "--result-json", str(out))
+    report = json.loads(out.read_text())
+    assert [(r["budget"], r["max_decode_slowdown"]) for r in report["runs"]] == [(64, float("inf")), (64, 2.0)]
+    for run in report["runs"]:
+        assert 0 < run["alone_p50_ms"] <= run["alone_p99_ms"] and 0 < run["beside_p50_ms"] <= run["beside_p99_ms"]
+        assert run["p99_ratio"] == pytest.approx(run["beside_p99_ms"] / run["alone_p99_ms"])
+        assert run["long_ttft_ms"] > 0 and run["longest_gap_ms"] >= run["beside_p99_ms"]
+    assert "p99 ratio" in stdout
+
+
 def test_arrival_offsets_are_seeded_poisson_or_all_at_once():
     from pagedserve.bench.token_budget import arrival_offsets
 

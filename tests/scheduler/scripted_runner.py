@@ -8,7 +8,14 @@ sequence so far, so recompute after preemption must reproduce the same output. I
 use the real model instead.
 """
 
+import math
+
 from pagedserve.engine.messages import BatchPlan, SampledToken, StepResult
+
+TOKEN_COUNTS_ONLY = {"max_decode_slowdown": math.inf}
+"""SchedulerConfig settings for tests that script exact token counts: prefill chunks fill the token
+budget, not the time a scripted step (microseconds of noise) would leave them (step_cost.py has
+its own tests)."""
 
 
 def next_token(tokens: list[int], sample_index: int = 0) -> int:

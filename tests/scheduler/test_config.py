@@ -12,6 +12,8 @@ from services.scheduler.config import add_policy_arguments, policy_from_args, po
     SchedulerConfig(),
     SchedulerConfig(block_size=8, max_num_seqs=4, max_num_batched_tokens=32, enable_chunked_prefill=False,
                     enable_prefix_caching=False, preemption_mode="swap", policy="priority"),
+    SchedulerConfig(max_decode_slowdown=float("inf")),
+    SchedulerConfig(max_decode_slowdown=1.25),
 ])
 def test_policy_flags_round_trip(config):
     parser = argparse.ArgumentParser()
@@ -20,7 +22,8 @@ def test_policy_flags_round_trip(config):
 
 
 @pytest.mark.parametrize("bad", [dict(block_size=0), dict(max_num_seqs=0), dict(preemption_mode="drop"),
-                                 dict(policy="lifo")])
+                                 dict(policy="lifo"), dict(max_decode_slowdown=0.5),
+                                 dict(max_decode_slowdown=float("nan"))])
 def test_invalid_values_raise(bad):
     with pytest.raises(ValueError):
         SchedulerConfig(**bad)

@@ -12,7 +12,7 @@ from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.messages import EngineRequest, FinishReason, ResumedSample, SequenceId
 from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
 from pagedserve.engine.scheduler import Scheduler
-from tests.scheduler.scripted_runner import ScriptedRunner, reference_output
+from tests.scheduler.scripted_runner import TOKEN_COUNTS_ONLY, ScriptedRunner, reference_output
 from tests.scheduler.test_scheduler import make_engine, run_to_completion
 
 PROMPT = (11, 12, 13, 14, 15, 16)  # 6 tokens: one full block of 4, and 2 slots of the next
@@ -26,7 +26,7 @@ def make_request(rid: str = "r", n: int = 3, max_tokens: int = 10, **sampling) -
 
 def make_scheduler(**config) -> Scheduler:
     scheduler = Scheduler(SchedulerConfig(**{"block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64,
-                                             **config}))
+                                             **TOKEN_COUNTS_ONLY, **config}))
     scheduler.add_worker("w0", NUM_BLOCKS)
     return scheduler
 

@@ -14,6 +14,7 @@ from pagedserve.engine.messages import EngineRequest, FinishReason, RequestOutpu
 from pagedserve.engine.runner_factory import build_model_runner
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.scheduler import Scheduler
+from tests.scheduler.scripted_runner import TOKEN_COUNTS_ONLY
 from tests.worker.tiny_models import save_tiny_model
 
 BLOCK = 4
@@ -32,7 +33,8 @@ class Run:
     """An engine over ``runner`` (its worker state starts afresh) and the outputs per sample."""
 
     def __init__(self, runner, **config) -> None:
-        cfg = SchedulerConfig(**{"block_size": BLOCK, "max_num_seqs": 16, "max_num_batched_tokens": 24, **config})
+        cfg = SchedulerConfig(**{"block_size": BLOCK, "max_num_seqs": 16, "max_num_batched_tokens": 24, **TOKEN_COUNTS_ONLY,
+                                  **config})
         self.scheduler = Scheduler(cfg)
         self.scheduler.add_worker("w", runner.num_blocks)
         self.engine = Engine(self.scheduler, LocalExecutor({"w": runner}))

@@ -9,7 +9,7 @@ from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
 from pagedserve.engine.scheduler import Scheduler
-from tests.scheduler.scripted_runner import ScriptedRunner, reference_output
+from tests.scheduler.scripted_runner import TOKEN_COUNTS_ONLY, ScriptedRunner, reference_output
 
 
 def request(rid: str, prompt_len: int, max_tokens: int, t: float = 0.0) -> EngineRequest:
@@ -18,7 +18,7 @@ def request(rid: str, prompt_len: int, max_tokens: int, t: float = 0.0) -> Engin
 
 
 def make_engine(workers: dict[str, int], **config) -> tuple[Engine, dict[str, ScriptedRunner]]:
-    cfg = SchedulerConfig(**{"block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64, **config})
+    cfg = SchedulerConfig(**{"block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64, **TOKEN_COUNTS_ONLY, **config})
     scheduler = Scheduler(cfg)
     runners = {}
     for wid, num_blocks in workers.items():

@@ -12,11 +12,11 @@ from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
 from pagedserve.engine.scheduler import Scheduler
-from tests.scheduler.scripted_runner import ScriptedRunner, reference_output
+from tests.scheduler.scripted_runner import TOKEN_COUNTS_ONLY, ScriptedRunner, reference_output
 
 
 def make(workers: dict[str, int], cpu_blocks: int = 0, **config) -> tuple[Engine, dict[str, ScriptedRunner]]:
-    cfg = SchedulerConfig(**{"block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64, **config})
+    cfg = SchedulerConfig(**{"block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64, **TOKEN_COUNTS_ONLY, **config})
     scheduler, runners = Scheduler(cfg), {}
     for wid, num_blocks in workers.items():
         scheduler.add_worker(wid, num_blocks, cpu_blocks)
