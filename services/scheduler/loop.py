@@ -218,9 +218,11 @@ class SchedulerLoop:
             log.error("dropping stream entry %r: %s", entry.entry_id, exc)
             self.acks.put(entry.entry_id)
             return
-        if (request.request_id in self._routes or self.scheduler.has_request(request.request_id)
-                or request.request_id in self._resumes):
-            return  # already in flight (read again after a reconnect)
+        held = self._routes.entry_id(request.request_id) or self._resumes.entry_id(request.request_id)
+        if held is not None or self.scheduler.has_request(request.request_id):
+            if held is not None and held != entry.entry_id:  # another entry of a request in flight (a replay)
+                self.acks.put(entry.entry_id)
+            return  # already in flight (its own entry read again after a reconnect is kept)
         if self._early_aborts.pop(request.request_id, None) is not None:
             self.acks.put(entry.entry_id)  # its client gave up before we read it
             return

@@ -54,6 +54,11 @@ class PendingResumes:
         return pb.TokenEventBatch(resume_queries=[resume_query(w.entry) for w in self._waiting.values()
                                                   if w.entry.request.gateway_id == gateway_id])
 
+    def entry_id(self, request_id: str) -> bytes | None:
+        """The stream entry of a request waiting for its resume (None: not waiting)."""
+        waiting = self._waiting.get(request_id)
+        return None if waiting is None else waiting.entry.entry_id
+
     def take(self, request_id: str, gateway_id: str) -> QueueEntry | None:
         """Removes and returns the waiting entry of ``request_id`` if ``gateway_id`` queued it."""
         waiting = self._waiting.get(request_id)

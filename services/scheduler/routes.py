@@ -53,6 +53,11 @@ class Routes:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._routes
 
+    def entry_id(self, request_id: str) -> bytes | None:
+        """The stream entry of a request this scheduler runs (None: no route)."""
+        route = self._routes.get(request_id)
+        return None if route is None else route.entry.entry_id
+
     def of_gateway(self, gateway_id: str) -> list[str]:
         """Ids of the requests whose outputs go to ``gateway_id``."""
         return [r for r, route in self._routes.items() if route.gateway_id == gateway_id]

@@ -171,3 +171,19 @@ def test_a_resume_query_withdrawn_while_its_gateway_was_away_is_not_delivered_wh
         _, events = sched.connect("gw")  # ... and comes back after the hand-off
         stale = [q.request_id for b in iter(lambda: next_batch(events, 0.5), None) for q in b.resume_queries]
         assert stale == [], "a resume query for a request handed off meanwhile reached the gateway"
+
+
+def test_a_second_entry_of_a_request_in_flight_is_acknowledged_and_its_own_is_kept():
+    """Issue #20's attack run: byte copies of a queued request (a replay by a Redis writer, or the
+    gateway queuing again an entry it thought lost) were ignored while the request ran, but never
+    acknowledged: 1,425 of 1,495 copies stayed pending in Redis for ever. Its own entry read again
+    (after a reconnect) must stay pending: it is the request's durability."""
+    with Loop() as sched:
+        _, events = sched.connect("gw")
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
+        assert next_batch(events, 5) is not None  # taken
+        copy = QueueEntry(b"r-1", entry("r", "gw", Delivery.FIRST).request)
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST), copy)))
+        while b"r-1" not in sched.acked:
+            threading.Event().wait(0.05)
+        assert b"r-0" not in sched.acked
