@@ -198,8 +198,8 @@ class Scheduler:
             # forked samples first: they fork from sample 0, which may finish on its own token
             for sampled in sorted(result.sampled, key=lambda s: s.sample_index == s.seq_id.sample_index):
                 seq = self._sequences.get(sampled.seq_id)
-                if seq is None or seq.in_flight_worker_id != worker_id:
-                    continue  # aborted while the step ran, or its worker was dropped meanwhile
+                if seq is None or not seq.expects(worker_id, result.step_id):
+                    continue  # aborted while the step ran (and maybe taken again since), or its worker dropped
                 if sampled.sample_index != seq.sample_index:
                     seq = self._forks.add_child(seq, sampled.sample_index, self._sequences, self._waiting)
                 else:

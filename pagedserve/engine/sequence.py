@@ -33,6 +33,9 @@ class Sequence:
         num_tokens_in_flight: tokens that plans already sent will sample but whose ids have not
             come back yet (0 unless the scheduler runs ahead of the worker, see ``can_run_ahead``).
         in_flight_worker_id: the worker those tokens come from (``None`` when none is in flight).
+        in_flight_steps: the step ids (on that worker) whose answers carry them, oldest first: an
+            answer to an older step belongs to another incarnation of the same sequence id (the
+            request was aborted and taken again meanwhile, as migration back and forth does).
         worker_id: the worker holding its blocks while running or swapped; ``None`` otherwise.
         num_preemptions: how often its blocks were taken back.
         num_worker_losses: how often the worker running it failed or went away.
@@ -51,6 +54,7 @@ class Sequence:
         "num_computed_tokens",
         "num_tokens_in_flight",
         "in_flight_worker_id",
+        "in_flight_steps",
         "worker_id",
         "finish_reason",
         "num_preemptions",
@@ -70,6 +74,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_tokens_in_flight = 0
         self.in_flight_worker_id: str | None = None
+        self.in_flight_steps: list[int] = []
         self.worker_id: str | None = None
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -114,20 +119,27 @@ class Sequence:
         wanted = self.sampling.max_tokens - self.num_output_tokens - self.num_tokens_in_flight
         return wanted > 0 and not (self.num_output_tokens == 0 and self.sampling.n > 1)
 
-    def sampling_scheduled(self, worker_id: str) -> None:
-        """A step that computes its last token was planned on ``worker_id``: one more token is in flight."""
+    def sampling_scheduled(self, worker_id: str, step_id: int) -> None:
+        """Step ``step_id``, which computes its last token, was planned on ``worker_id``: one more
+        token is in flight."""
         self.num_tokens_in_flight += 1
         self.in_flight_worker_id = worker_id
+        self.in_flight_steps.append(step_id)
+
+    def expects(self, worker_id: str, step_id: int) -> bool:
+        """Whether the answer of step ``step_id`` on ``worker_id`` carries a token of this sequence."""
+        return worker_id == self.in_flight_worker_id and step_id in self.in_flight_steps
 
     def token_arrived(self) -> None:
         """One token in flight came back (it is appended next)."""
         self.num_tokens_in_flight -= 1
+        self.in_flight_steps.pop(0)
         if self.num_tokens_in_flight == 0:
             self.in_flight_worker_id = None
 
     def tokens_lost(self) -> None:
         """The worker its tokens were coming from is gone: none is in flight any more."""
-        self.num_tokens_in_flight, self.in_flight_worker_id = 0, None
+        self.num_tokens_in_flight, self.in_flight_worker_id, self.in_flight_steps = 0, None, []
 
     def all_token_ids(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids + tuple(self.output_token_ids)

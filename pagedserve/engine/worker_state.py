@@ -147,7 +147,7 @@ class WorkerState:
         seq.num_computed_tokens += num_new
         draft.scheduled[seq.seq_id] = num_new
         if seq.num_computed_tokens == seq.num_tokens + seq.num_tokens_in_flight:
-            seq.sampling_scheduled(self.worker_id)
+            seq.sampling_scheduled(self.worker_id, self.num_steps + 1)  # the step ``take_plan`` makes next
         self.cache_full_blocks(seq)
 
     def cache_full_blocks(self, seq: Sequence) -> None:

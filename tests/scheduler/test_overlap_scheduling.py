@@ -107,3 +107,27 @@ def test_stop_tokens_with_shared_prefixes_and_preemption_stay_exact(specs, num_b
         assert got[key] == want[: len(got[key])] and got[key]  # shorter only when it filled a whole worker
     assert sum(got[k] == want for k, want in expected.items()) >= len(expected) // 2
     assert all_free(engine)
+
+
+def test_an_answer_to_a_step_sent_for_an_aborted_incarnation_never_reaches_the_request_taken_again():
+    """Issue #20's attack run (entries moved between schedulers every 0.2 s): a request aborted
+    while a step sampling its next token was in flight, then taken again under the same id (a
+    migration back to this scheduler), got the old step's token as its first output: 6 of 16
+    clients received a token of output index 2 first, with status OK. A sampled token is applied
+    only to the incarnation whose step it answers."""
+    from pagedserve.engine.messages import SampledToken, StepResult
+    from pagedserve.engine.scheduler import Scheduler
+    from pagedserve.engine.config import SchedulerConfig
+
+    scheduler = Scheduler(SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64))
+    scheduler.add_worker("w", 16, 0)
+    scheduler.add_request(req("r", prompt(4), 5))
+    first = scheduler.schedule(["w"]).plans["w"]  # the prefill: samples output 0
+    scheduler.abort_request("r")  # fenced by its gateway while that step runs ...
+    scheduler.add_request(req("r", prompt(4), 5))  # ... and taken again
+    second = scheduler.schedule(["w"]).plans["w"]
+    assert [n.seq_id for n in second.new_requests] == [SequenceId("r")] and SequenceId("r") in second.finished_seq_ids
+    stale = StepResult(first.step_id, (SampledToken(SequenceId("r"), 777, 0.0),))
+    assert scheduler.update_from_output({"w": stale}) == []
+    (output,) = scheduler.update_from_output({"w": StepResult(second.step_id, (SampledToken(SequenceId("r"), 55, 0.0),))})
+    assert (output.first_output_index, output.new_token_ids) == (0, (55,))
