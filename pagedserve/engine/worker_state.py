@@ -6,7 +6,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId
@@ -23,19 +23,20 @@ class PlanDraft:
 
     Attributes:
         token_budget: tokens still free in this iteration.
-        cost: the worker's fitted step cost (``step_cost``); None (no step seen yet): prefill
-            chunks are capped by the token budget only.
+        cost: the worker's fitted step cost (``step_cost``; None before any step was seen: prefill
+            chunks are capped by the token budget only), asked for only when a prefill chunk is
+            sized beside decodes (a fit takes about a millisecond, and every answer changes it).
         max_decode_slowdown: ``SchedulerConfig.max_decode_slowdown``.
         preempted: a sequence was preempted here this iteration (no admissions then).
         swap_out, swap_in, copies: block copies for the worker, in the order it makes them.
         scheduled: tokens scheduled per sequence in this iteration.
         decodes, decode_pairs: the decodes scheduled so far, and the attention pairs they compute.
         pairs: the attention pairs of everything scheduled so far.
-        prefill_s: the predicted seconds of the prefill chunks scheduled so far.
+        chunks: the prefill chunks scheduled so far, as (context, tokens).
     """
 
     token_budget: int
-    cost: StepCost | None = None
+    cost: Callable[[], StepCost | None] = lambda: None
     max_decode_slowdown: float = math.inf
     scheduled: dict[SequenceId, int] = field(default_factory=dict)
     new_requests: list[NewRequestData] = field(default_factory=list)
@@ -47,7 +48,7 @@ class PlanDraft:
     decodes: int = 0
     decode_pairs: int = 0
     pairs: int = 0
-    prefill_s: float = 0.0
+    chunks: list[tuple[int, int]] = field(default_factory=list)
 
     def chunk_tokens(self, context: int, remaining: int) -> int:
         """Tokens to compute now for a sequence with ``remaining`` tokens after ``context`` computed
@@ -56,13 +57,16 @@ class PlanDraft:
         the time the decodes leave (``step_cost``). The step's first chunk gets at least one
         token, so a prompt never starves behind decodes."""
         limit = min(remaining, self.token_budget)
-        unsized = self.cost is None or not self.decodes or math.isinf(self.max_decode_slowdown)
-        if remaining == 1 or limit == 0 or unsized:
+        if remaining == 1 or limit == 0 or not self.decodes or math.isinf(self.max_decode_slowdown):
             return limit
-        decodes_s = self.cost.step_seconds(self.decodes, self.decode_pairs)
-        allowance_s = (self.max_decode_slowdown - 1) * decodes_s - self.prefill_s
-        tokens = prefill_chunk_tokens(self.cost, allowance_s, context, limit)
-        return max(tokens, 1) if self.prefill_s == 0 else tokens
+        cost = self.cost()
+        if cost is None:
+            return limit
+        decodes_s = cost.step_seconds(self.decodes, self.decode_pairs)
+        prefill_s = sum(cost.chunk_seconds(c, n) for c, n in self.chunks)
+        allowance_s = (self.max_decode_slowdown - 1) * decodes_s - prefill_s
+        tokens = prefill_chunk_tokens(cost, allowance_s, context, limit)
+        return max(tokens, 1) if prefill_s == 0 else tokens
 
     def add(self, context: int, num_new: int) -> None:
         """Counts ``num_new`` tokens after ``context`` computed ones as scheduled in this step."""
@@ -72,8 +76,8 @@ class PlanDraft:
         if num_new == 1:
             self.decodes += 1
             self.decode_pairs += pairs
-        elif self.cost is not None:
-            self.prefill_s += self.cost.chunk_seconds(context, num_new)
+        else:
+            self.chunks.append((context, num_new))
 
     def shape(self) -> StepShape:
         """What the drafted step computes (for the worker's cost model)."""
@@ -105,7 +109,7 @@ class WorkerState:
 
     def new_draft(self) -> PlanDraft:
         """An empty plan for this iteration, with the worker's fitted step cost."""
-        return PlanDraft(self.config.max_num_batched_tokens, self.step_cost.cost(), self.config.max_decode_slowdown)
+        return PlanDraft(self.config.max_num_batched_tokens, self.step_cost.cost, self.config.max_decode_slowdown)
 
     def step_answered(self, step_id: int) -> None:
         """Feeds the cost model the step's time: from when it was made, or from the previous

@@ -58,7 +58,7 @@ class GatewayConfig:
             (within ``SHUTDOWN_CLOSE_S`` more).
         http_header_timeout_s: an HTTP connection must send a request's complete headers within
             this many seconds of opening (or of its first byte after a previous request), else it
-            is closed (idle keep-alive connections close after 30 s).
+            is closed (idle keep-alive connections close after ``http_server.KEEP_ALIVE_S``).
 
     Raises:
         ValueError: a value out of range, no cluster token, or only one of the TLS files.

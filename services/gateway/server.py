@@ -100,6 +100,17 @@ def _http_server(config: GatewayConfig, serving: OpenAIServing, http_health: Hea
     return new_http_server(app, config.http_header_timeout_s, SHUTDOWN_CLOSE_S / 2, tls)
 
 
+async def _close(server: grpc.aio.Server, http_task: asyncio.Task, tasks: list[asyncio.Task],
+                 redis_client) -> None:
+    """Stops the gRPC and HTTP servers, then the router's tasks (which close the scheduler links),
+    then the Redis pool."""
+    await asyncio.gather(server.stop(grace=SHUTDOWN_CLOSE_S / 2), http_task, return_exceptions=True)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await redis_client.aclose()
+
+
 async def serve_gateway(config: GatewayConfig) -> None:
     """Serves until SIGINT or SIGTERM, then drains (``drain.DrainingCore``): within
     ``config.shutdown_grace_s`` plus ``SHUTDOWN_CLOSE_S`` seconds it returns.
@@ -160,12 +171,12 @@ async def serve_gateway(config: GatewayConfig) -> None:
     await core.drain(config.shutdown_grace_s)
     log.info("gateway %s drained; closing", config.gateway_id)
     http_server.should_exit = True
-    await asyncio.gather(server.stop(grace=SHUTDOWN_CLOSE_S / 2), http_task, return_exceptions=True)
+    try:  # the bound this function promises, whatever a link or a Redis connection waits for
+        await asyncio.wait_for(_close(server, http_task, tasks, redis_client), SHUTDOWN_CLOSE_S)
+    except asyncio.TimeoutError:
+        log.warning("gateway %s: closing its connections took over %g s; exiting anyway", config.gateway_id,
+                    SHUTDOWN_CLOSE_S)
     http_socket.close()
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)  # the router closes its scheduler links
-    await redis_client.aclose()
     if metrics_server is not None:
         metrics_server.stop()
     telemetry.shutdown_tracing()

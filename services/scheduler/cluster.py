@@ -166,7 +166,7 @@ class ClusterWatch:
         me = self._leases.scheduler_id
         self.peer_loads = {sid: reg.num_waiting + reg.num_running for sid, reg in schedulers.items()
                            if sid != me and reg.num_blocks}
-        peers = any(reg.num_blocks > 0 for sid, reg in schedulers.items() if sid != self._leases.scheduler_id)
+        peers = bool(self.peer_loads)  # a live peer runs a worker
         self._publish(ClusterView(live, dict(self._owned), peers))
         if runs or not peers:  # never take back what was handed off for want of a worker; when none runs, any may
             self._claim_orphans(schedulers)

@@ -36,7 +36,7 @@ def test_a_chunk_is_not_sized_far_beyond_the_steps_the_cost_was_fitted_to():
 
 
 def draft_with_decodes(cost: StepCost | None, slowdown: float, decodes: int, budget: int = 256) -> PlanDraft:
-    draft = PlanDraft(budget, cost, slowdown)
+    draft = PlanDraft(budget, lambda: cost, slowdown)
     for _ in range(decodes):
         draft.add(context=99, num_new=1)  # 100 pairs each
     return draft
