@@ -1,15 +1,17 @@
-"""The step loop: schedule, execute, apply.
+"""The one step driver: schedule, send plans to an executor, apply the answers.
 
-``Engine`` drives model runners in this process (``LocalExecutor``, used by
-``pagedserve.llm.LLM``, the tests and the benchmarks); the scheduler service runs the same
-``Scheduler`` over worker services reached by gRPC (``services/scheduler/loop.py``). Both keep up
-to ``SchedulerConfig.max_plans_in_flight`` plans per worker: with 2, the next plan is made while
-the model runs the current one (overlap scheduling).
+``Engine`` keeps up to ``SchedulerConfig.max_plans_in_flight`` plans unanswered per worker session
+(with 2, the next plan is made while the model runs the current one: overlap scheduling) and
+applies each answer when it comes. It drives any :class:`Executor`: ``LocalExecutor`` runs model
+runners in this process (``pagedserve.llm.LLM``, the tests, the benchmarks), and the scheduler
+service's ``GrpcExecutor`` sends plans to worker services. The offline path calls :meth:`Engine.step`,
+which waits for the oldest answer; the service calls :meth:`Engine.send_plans` and
+:meth:`Engine.apply` as answers arrive (``services/scheduler/loop.py``).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -17,6 +19,21 @@ from typing import Protocol
 
 from pagedserve.engine.messages import BatchPlan, EngineRequest, RequestOutput, StepResult
 from pagedserve.engine.scheduler import Scheduler
+
+
+class StepFailed(Exception):
+    """A worker did not answer a plan (it failed, timed out or went away); the message says how."""
+
+
+class Executor(Protocol):
+    """Runs plans on workers.
+
+    ``submit`` returns at once; the future holds the worker's :class:`StepResult`, or raises why it
+    has none (``StepFailed`` from a remote worker; a local runner's own exception). Plans sent to one
+    worker run in the order they were submitted (a plan finds the tokens the one before it sampled).
+    """
+
+    def submit(self, worker_id: str, plan: BatchPlan) -> Future[StepResult]: ...
 
 
 class PlanRunner(Protocol):
@@ -27,8 +44,7 @@ class PlanRunner(Protocol):
 
 class LocalExecutor:
     """Runs plans on model runners in this process: each runner on a thread of its own, its plans
-    one after another in the order they were submitted (so a plan finds the tokens that the one
-    before it sampled), different runners at the same time."""
+    one after another in the order they were submitted, different runners at the same time."""
 
     def __init__(self, runners: Mapping[str, PlanRunner]) -> None:
         self.runners = dict(runners)
@@ -45,22 +61,39 @@ class LocalExecutor:
             thread.shutdown()
 
 
-@dataclass(frozen=True)
-class _InFlight:
+@dataclass(frozen=True, eq=False)
+class SentPlan:
+    """A plan on its way to a worker.
+
+    Attributes:
+        worker_id: the worker it went to.
+        plan: the plan (its ``session_id`` tells an answer from a reset worker's older session).
+        answer: the worker's answer, when it comes.
+        num_ahead: plans of the same session sent before it and not answered yet.
+    """
+
     worker_id: str
-    result: Future[StepResult]
+    plan: BatchPlan
+    answer: Future[StepResult]
+    num_ahead: int
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """What one :meth:`Engine.send_plans` did: outputs made while scheduling (refused or aborted
+    samples) and the plans it sent."""
+
+    outputs: list[RequestOutput]
+    sent: list[SentPlan]
 
 
 class Engine:
-    """Drives a scheduler and a :class:`LocalExecutor`, one answered plan per :meth:`step`.
+    """Drives a scheduler over an :class:`Executor`. Not thread-safe: one thread calls it."""
 
-    Not thread-safe: one thread calls it.
-    """
-
-    def __init__(self, scheduler: Scheduler, executor: LocalExecutor) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
         self.scheduler = scheduler
         self.executor = executor
-        self._in_flight: deque[_InFlight] = deque()  # plans sent, oldest first
+        self._in_flight: deque[SentPlan] = deque()  # plans sent and not yet applied, oldest first
 
     def add_request(self, request: EngineRequest) -> None:
         """Queues a request (see ``Scheduler.add_request``)."""
@@ -78,40 +111,56 @@ class Engine:
         """Whether ``step`` has anything to do (requests, worker state to drop, answers to wait for)."""
         return self.scheduler.has_work() or bool(self._in_flight)
 
-    def step(self) -> list[RequestOutput]:
-        """Sends each worker plans until it has ``max_plans_in_flight`` in flight (the next made
-        while the model runs the current one), then applies the oldest plan's answer.
-
-        Returns:
-            What the iteration produced for each request (tokens, finished or refused samples).
-
-        Raises:
-            Whatever a runner raised for the oldest plan (e.g. ``PlanMismatchError``).
-        """
-        outputs = self._send_plans()
-        if self._in_flight:
-            outputs += self._apply_oldest()
-        while self._in_flight and not self.scheduler.has_unfinished_requests():
-            outputs += self._apply_oldest()  # steps run ahead for sequences that have finished since
-        return outputs
-
-    def _apply_oldest(self) -> list[RequestOutput]:
-        done = self._in_flight.popleft()
-        return self.scheduler.update_from_output({done.worker_id: done.result.result()})
-
-    def _send_plans(self) -> list[RequestOutput]:
+    def send_plans(self) -> Dispatch:
+        """Sends each worker plans until its session has ``max_plans_in_flight`` unanswered."""
+        most = self.scheduler.config.max_plans_in_flight
         outputs: list[RequestOutput] = []
-        for _ in range(self.scheduler.config.max_plans_in_flight):
-            counts = {w: 0 for w in self.scheduler.worker_ids}
-            for sent in self._in_flight:
-                counts[sent.worker_id] = counts.get(sent.worker_id, 0) + 1
-            room = [w for w, n in counts.items() if n < self.scheduler.config.max_plans_in_flight]
+        sent: list[SentPlan] = []
+        for _ in range(most):
+            unanswered = Counter(s.plan.session_id for s in self._in_flight)
+            room = [w for w in self.scheduler.worker_ids if unanswered[self.scheduler.session_id(w)] < most]
             if not room or not self.scheduler.has_work():
                 break
             scheduled = self.scheduler.schedule(room)
             outputs += scheduled.outputs
             for worker_id, plan in scheduled.plans.items():
-                self._in_flight.append(_InFlight(worker_id, self.executor.submit(worker_id, plan)))
+                sent.append(SentPlan(worker_id, plan, self.executor.submit(worker_id, plan),
+                                     unanswered[plan.session_id]))
+                self._in_flight.append(sent[-1])
             if not scheduled.plans:
                 break
+        return Dispatch(outputs, sent)
+
+    def is_current(self, sent: SentPlan) -> bool:
+        """Whether ``sent`` belongs to its worker's current session (not to one reset since, when
+        the worker failed or restarted: such an answer is dropped)."""
+        return sent.plan.session_id == self.scheduler.session_id(sent.worker_id)
+
+    def apply(self, sent: SentPlan) -> list[RequestOutput]:
+        """Applies a sent plan's answer (waiting for it if it has not come); an answer from a
+        worker session that was reset since (the worker failed or restarted) is dropped.
+
+        Raises:
+            Whatever the answer holds instead of a result: ``StepFailed``, or a local runner's
+            exception (e.g. ``PlanMismatchError``). The plan counts as answered either way.
+        """
+        self._in_flight.remove(sent)
+        if not self.is_current(sent):
+            return []
+        return self.scheduler.update_from_output({sent.worker_id: sent.answer.result()})
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: sends plans, then applies the oldest plan's answer (waiting for it).
+
+        Returns:
+            What the iteration produced for each request (tokens, finished or refused samples).
+
+        Raises:
+            Whatever the oldest plan's answer raised (see :meth:`apply`).
+        """
+        outputs = self.send_plans().outputs
+        if self._in_flight:
+            outputs += self.apply(self._in_flight[0])
+        while self._in_flight and not self.scheduler.has_unfinished_requests():
+            outputs += self.apply(self._in_flight[0])  # steps run ahead for sequences that have finished since
         return outputs

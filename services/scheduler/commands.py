@@ -5,9 +5,9 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from pagedserve.engine.engine import SentPlan
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.cluster import ClaimedEntries, ClusterView
-from services.scheduler.grpc_executor import StepDone
 from services.scheduler.queue_consumer import QueueEntry
 
 
@@ -38,6 +38,13 @@ class GatewayGone:
 class GatewayBack:
     gateway_id: str
     generation: int
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A plan's answer came (or its call failed): the loop applies it."""
+
+    sent: SentPlan
 
 
 @dataclass(frozen=True)

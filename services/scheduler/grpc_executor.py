@@ -1,49 +1,37 @@
-"""Sends plans to worker services over gRPC, one step in flight per worker, answers as they come."""
+"""Sends plans to worker services over gRPC: the scheduler service's ``Executor`` (see
+``pagedserve/engine/engine.py``). A plan's answer is a future, settled on a gRPC thread."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from services.common.auth import cluster_channel
+from pagedserve.engine.engine import StepFailed
 from pagedserve.engine.messages import BatchPlan, StepResult
+from services.common.auth import cluster_channel
 from services.common.convert import plan_to_pb, step_result_from_pb
 from services.common.pb import engine_pb2_grpc
 
 
-@dataclass(frozen=True)
-class StepDone:
-    """A worker's answer to one plan: its result, or why the step failed.
-
-    Attributes:
-        worker_id: the worker that ran the plan.
-        session_id: the plan's session (an answer from an older session of the worker is stale).
-        result: the step's result; ``None`` when the step failed.
-        error: what went wrong (gRPC status and details) when it failed.
-    """
-
-    worker_id: str
-    session_id: str
-    result: StepResult | None
-    error: str = ""
-
-
 class GrpcExecutor:
-    """Runs each worker's step pipeline: ``submit`` sends a plan with ``Worker.Execute`` without
-    waiting; ``on_done`` is called (on a gRPC thread) with the answer.
+    """Sends each plan with ``Worker.Execute`` without waiting; its future gets the worker's
+    ``StepResult`` or ``StepFailed`` (gRPC status and details). One channel per worker keeps a
+    worker's plans in the order they were sent.
 
     Args:
         step_timeout_s: longest one step may take on a worker before it counts as failed, seconds.
         cluster_token: sent with every call (workers refuse calls without it).
-        on_done: receives every answer, failed or not.
+        observe_plan_bytes: told each encoded plan's worker id and size, bytes (a metric).
     """
 
-    def __init__(self, step_timeout_s: float, cluster_token: str, on_done: Callable[[StepDone], None]) -> None:
+    def __init__(self, step_timeout_s: float, cluster_token: str,
+                 observe_plan_bytes: Callable[[str, int], None]) -> None:
         self._timeout = step_timeout_s
         self._token = cluster_token
-        self._on_done = on_done
+        self._observe_plan_bytes = observe_plan_bytes
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, engine_pb2_grpc.WorkerStub] = {}
         self._epochs: dict[str, int] = {}
@@ -69,24 +57,28 @@ class GrpcExecutor:
         if channel is not None:
             channel.close()
 
-    def submit(self, worker_id: str, plan: BatchPlan) -> int:
-        """Sends ``plan`` to its worker; the answer goes to ``on_done``. Returns the encoded plan's
-        size, bytes.
+    def submit(self, worker_id: str, plan: BatchPlan) -> Future[StepResult]:
+        """Sends ``plan`` to its worker; returns its answer's future.
 
         Raises:
             KeyError: the worker is not connected.
         """
         message = plan_to_pb(plan)
         message.lease_epoch = self._epochs[worker_id]
+        self._observe_plan_bytes(worker_id, message.ByteSize())
+        answer: Future[StepResult] = Future()
         call = self._stubs[worker_id].Execute.future(message, timeout=self._timeout)
-        call.add_done_callback(lambda c: self._on_done(self._answer(worker_id, plan, c)))
-        return message.ByteSize()
+        call.add_done_callback(lambda c: _settle(answer, c))
+        return answer
 
-    @staticmethod
-    def _answer(worker_id: str, plan: BatchPlan, call: grpc.Future) -> StepDone:
-        try:
-            return StepDone(worker_id, plan.session_id, step_result_from_pb(call.result()))
-        except grpc.RpcError as exc:
-            return StepDone(worker_id, plan.session_id, None, f"{exc.code().name}: {exc.details()}")
-        except grpc.FutureCancelledError:
-            return StepDone(worker_id, plan.session_id, None, "CANCELLED")
+
+def _settle(answer: Future[StepResult], call: grpc.Future) -> None:
+    """Gives ``answer`` the call's step result, or ``StepFailed`` saying why there is none."""
+    try:
+        answer.set_result(step_result_from_pb(call.result()))
+    except grpc.RpcError as exc:
+        answer.set_exception(StepFailed(f"{exc.code().name}: {exc.details()}"))
+    except grpc.FutureCancelledError:
+        answer.set_exception(StepFailed("CANCELLED"))
+    except (DecodeError, ValueError) as exc:  # an answer no worker of ours sends
+        answer.set_exception(StepFailed(f"malformed step result: {exc}"))

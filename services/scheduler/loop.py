@@ -18,16 +18,17 @@ from collections.abc import Callable
 import grpc
 from opentelemetry import trace
 
+from pagedserve.engine.engine import Engine, SentPlan, StepFailed
 from pagedserve.engine.messages import FinishReason, RequestError, RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common.convert import output_to_pb, request_from_pb
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.cluster import ClaimedEntries, ClusterView, LoadSnapshot
-from services.scheduler.commands import Abort, Command, GatewayGone, NewEntries, Resume
+from services.scheduler.commands import Abort, Command, GatewayGone, NewEntries, Resume, StepDone
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.gateway_presence import GatewayPresence
 from services.scheduler.gateway_streams import GatewayStreams
-from services.scheduler.grpc_executor import GrpcExecutor, StepDone
+from services.scheduler.grpc_executor import GrpcExecutor
 from services.scheduler.membership import WorkerMembership
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.migration import PendingResumes, resume_query, resumed_samples_from_pb
@@ -60,7 +61,11 @@ class SchedulerLoop:
         self.config = config
         self.scheduler = scheduler
         self.streams = GatewayStreams()
-        self.executor = GrpcExecutor(config.step_timeout_s, config.cluster_token, self.submit)
+        self.stats = scheduler.stats()  # the latest snapshot, replaced whole by the loop (others only read it)
+        self.model_name = ""  # the workers' model, from their registrations
+        self.metrics = SchedulerMetrics(lambda: (self.stats, self.model_name))
+        self.executor = GrpcExecutor(config.step_timeout_s, config.cluster_token, self.metrics.observe_plan_size)
+        self.engine = Engine(scheduler, self.executor)
         self.membership = WorkerMembership(scheduler, self.executor, config.worker_gone_after_s)
         self._tracer = tracer
         self._set_ready = set_ready
@@ -71,13 +76,9 @@ class SchedulerLoop:
         self.has_workers = threading.Event()  # a worker is admitted (as of the latest ClusterView): claims may run
         self._resumes = PendingResumes()
         self._peers_have_workers = False
-        self._in_flight: dict[str, int] = {}  # worker session id -> plans sent and not yet answered
         self._no_workers_since: float | None = time.monotonic()
         self._gateways = GatewayPresence(config.gateway_grace_s)
         self._early_aborts: dict[str, float] = {}  # aborted before their entry was read -> when
-        self.stats = scheduler.stats()  # the latest snapshot, replaced whole by the loop (others only read it)
-        self.model_name = ""  # the workers' model, from their registrations
-        self.metrics = SchedulerMetrics(lambda: (self.stats, self.model_name))
         self._routes = Routes(scheduler, self.streams, redis_writes.put, self.metrics, tracer)
         self._deliver = self._routes.deliver
         self.error: Exception | None = None
@@ -122,34 +123,25 @@ class SchedulerLoop:
 
     # ---- the step pipelines --------------------------------------------------------------
     def _dispatch(self) -> None:
-        """Sends every worker plans until it has ``max_plans_in_flight`` unanswered (with 2, the
-        next plan is on its way while the worker runs the current one)."""
-        most = self.scheduler.config.max_plans_in_flight
-        for _ in range(most):
-            room = [w for w in self.scheduler.worker_ids if self._in_flight.get(self.scheduler.session_id(w), 0) < most]
-            if not room or not self.scheduler.has_work():
-                return
-            scheduled = self.scheduler.schedule(room)
-            self._deliver(list(scheduled.outputs))
-            self.metrics.plans_sent(scheduled.plans)
-            for worker_id, plan in scheduled.plans.items():
-                unanswered = self._in_flight.get(plan.session_id, 0)
-                self._in_flight[plan.session_id] = unanswered + 1
-                self.metrics.plan_encoded(worker_id, self.executor.submit(worker_id, plan), unanswered)
-            if not scheduled.plans:
-                return
+        """Sends every worker its next plans (``Engine.send_plans``); each answer comes back to
+        the loop as a ``StepDone`` command."""
+        dispatch = self.engine.send_plans()
+        self._deliver(dispatch.outputs)
+        for sent in dispatch.sent:
+            self.metrics.plan_sent(sent.worker_id, sent.plan, sent.num_ahead)
+            sent.answer.add_done_callback(lambda _answer, sent=sent: self.submit(StepDone(sent)))
 
-    def _step_done(self, done: StepDone) -> None:
-        left = self._in_flight.pop(done.session_id, 0) - 1
-        if left > 0:
-            self._in_flight[done.session_id] = left
-        if done.session_id != self.scheduler.session_id(done.worker_id):
-            return  # an answer from a session that was reset meanwhile (the worker failed or restarted)
-        if done.result is None:
-            self._deliver(self.membership.step_failed(done.worker_id, done.error))
-            return
-        self.membership.step_succeeded(done.worker_id)
-        self._deliver(self.scheduler.update_from_output({done.worker_id: done.result}))
+    def _step_done(self, sent: SentPlan) -> None:
+        """Applies a worker's answer; a failed step resets the worker (``WorkerMembership.step_failed``)."""
+        current = self.engine.is_current(sent)
+        try:
+            outputs = self.engine.apply(sent)
+        except StepFailed as exc:
+            outputs = self.membership.step_failed(sent.worker_id, str(exc))
+        else:
+            if current:
+                self.membership.step_succeeded(sent.worker_id)
+        self._deliver(outputs)
 
     # ---- commands ------------------------------------------------------------------------
     def _handle_commands(self, wait_s: float) -> None:
@@ -166,7 +158,7 @@ class SchedulerLoop:
 
     def _handle(self, command: Command) -> None:
         if isinstance(command, StepDone):
-            self._step_done(command)
+            self._step_done(command.sent)
         elif isinstance(command, ClusterView):
             self._update_workers(command)
         elif isinstance(command, (NewEntries, ClaimedEntries)):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -151,20 +151,20 @@ class SchedulerMetrics:
     def request_added(self, request_id: str) -> None:
         self._requests.setdefault(request_id, _Times(self._clock()))
 
-    def plans_sent(self, plans: Mapping[str, BatchPlan]) -> None:
-        """Marks the requests whose first sequence is in ``plans`` as scheduled."""
+    def plan_sent(self, worker_id: str, plan: BatchPlan, num_ahead: int) -> None:
+        """Marks the requests whose first sequence is in ``plan`` as scheduled; counts a plan sent
+        while ``num_ahead`` earlier plans of the worker were unanswered."""
         now = self._clock()
-        for plan in plans.values():
-            for new in plan.new_requests:
-                times = self._requests.get(new.seq_id.request_id)
-                if times is not None and times.scheduled is None:
-                    times.scheduled = now
-
-    def plan_encoded(self, worker_id: str, num_bytes: int, num_unanswered: int) -> None:
-        """Observes a plan sent to ``worker_id``, which has ``num_unanswered`` earlier plans unanswered."""
-        self.plan_bytes.labels(self._model, worker_id).observe(num_bytes)
-        if num_unanswered:
+        for new in plan.new_requests:
+            times = self._requests.get(new.seq_id.request_id)
+            if times is not None and times.scheduled is None:
+                times.scheduled = now
+        if num_ahead:
             self.plans_ahead.labels(self._model, worker_id).inc()
+
+    def observe_plan_size(self, worker_id: str, num_bytes: int) -> None:
+        """Observes the encoded size of a plan sent to ``worker_id``, bytes."""
+        self.plan_bytes.labels(self._model, worker_id).observe(num_bytes)
 
     def outputs(self, outputs: Iterable[RequestOutput]) -> None:
         """Notes the samples' token times; observes the phases of samples that finished."""

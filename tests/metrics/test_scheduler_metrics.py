@@ -39,9 +39,9 @@ def run(scheduler: Scheduler, metrics: SchedulerMetrics, runner: ScriptedRunner,
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule(["w"])
         metrics.outputs(out.outputs)
-        metrics.plans_sent(out.plans)
         for worker_id, plan in out.plans.items():
-            metrics.plan_encoded(worker_id, 1000, 0)
+            metrics.plan_sent(worker_id, plan, 0)
+            metrics.observe_plan_size(worker_id, 1000)
             clock.now += 1.0
             outputs = scheduler.update_from_output({worker_id: runner.execute(plan)})
             metrics.outputs(outputs)
@@ -65,7 +65,7 @@ def test_scripted_requests_move_every_scheduler_series_exactly():
 
     # mid-flight: one step in, both running and holding blocks
     out = scheduler.schedule(["w"])
-    metrics.plans_sent(out.plans)
+    metrics.plan_sent("w", out.plans["w"], 0)
     clock.now += 1.0
     metrics.outputs(scheduler.update_from_output({"w": runner.execute(out.plans["w"])}))
     stats[0] = scheduler.stats()
