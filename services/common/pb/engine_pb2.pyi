@@ -13,10 +13,21 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_KIND_UNSPECIFIED: _ClassVar[ErrorKind]
+    ERROR_KIND_INVALID_ARGUMENT: _ClassVar[ErrorKind]
+    ERROR_KIND_RESOURCE_EXHAUSTED: _ClassVar[ErrorKind]
+    ERROR_KIND_UNAVAILABLE: _ClassVar[ErrorKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+ERROR_KIND_UNSPECIFIED: ErrorKind
+ERROR_KIND_INVALID_ARGUMENT: ErrorKind
+ERROR_KIND_RESOURCE_EXHAUSTED: ErrorKind
+ERROR_KIND_UNAVAILABLE: ErrorKind
 
 class EngineSamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop_token_ids", "ignore_eos", "eos_token_ids", "n", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
@@ -264,12 +275,12 @@ class StreamOutputsRequest(_message.Message):
     def __init__(self, gateway_id: _Optional[str] = ..., scheduler_id: _Optional[str] = ...) -> None: ...
 
 class RequestError(_message.Message):
-    __slots__ = ("grpc_code", "message")
-    GRPC_CODE_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("message", "kind")
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    grpc_code: int
+    KIND_FIELD_NUMBER: _ClassVar[int]
     message: str
-    def __init__(self, grpc_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    kind: ErrorKind
+    def __init__(self, message: _Optional[str] = ..., kind: _Optional[_Union[ErrorKind, str]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("request_id", "first_output_index", "token_ids", "finish_reason", "error", "sample_index", "logprobs", "prompt_logprobs", "stop_token_id")
