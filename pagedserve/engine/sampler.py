@@ -1,6 +1,6 @@
 """Turns a step's logits into one token per row: greedy, or filtered sampling with per-request seeds.
 
-Per row, in order: min_tokens masking of stop tokens, ``logit_bias`` and the repetition,
+Per row, in order: min_tokens masking of stop tokens, ``allowed_token_ids`` and bad words, ``logit_bias`` and the repetition,
 frequency and presence penalties (``pagedserve.engine.penalties``; only rows that ask), then
 (sampled rows only) temperature; the logprobs a row asks for are taken here (log-softmax of the
 processed logits, ``pagedserve.engine.logprobs``); then top-k, top-p (nucleus; Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration"),
@@ -55,6 +55,28 @@ def mask_stop_tokens(logits: torch.Tensor, params: Sequence[EngineSamplingParams
             cols += ids
     if rows:
         logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+
+def mask_disallowed(logits: torch.Tensor, params: Sequence[EngineSamplingParams],
+                    histories: Sequence[TokenHistory] | None) -> None:
+    """Sets to ``-inf`` (in place) what a row may not choose (vLLM's semantics): every id outside its
+    ``allowed_token_ids``, and the last token of each of its ``bad_words_token_ids`` whose other
+    tokens end the row's output so far (a one-token word: always).
+
+    Args:
+        logits: float32 ``[N, vocab]``.
+        histories: per row, its tokens; only read for rows with bad words (``needs_history``).
+    """
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            banned = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)  # (V,)
+            banned[torch.tensor(p.allowed_token_ids, device=logits.device)] = False
+            logits[row].masked_fill_(banned, float("-inf"))
+        if p.bad_words_token_ids:
+            output = tuple(histories[row].token_ids[histories[row].num_prompt_tokens:])
+            last = [word[-1] for word in p.bad_words_token_ids
+                    if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]]
+            logits[row, last] = float("-inf")
 
 
 def _top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -187,6 +209,7 @@ class Sampler:
         if not len(params) == len(num_output_tokens) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(num_output_tokens)} counts")
         mask_stop_tokens(logits, params, num_output_tokens)
+        mask_disallowed(logits, params, histories)
         apply_penalties(logits, params, histories)
         token_ids = logits.argmax(dim=-1)                                 # (N,) greedy for every row
         logprobs = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)

@@ -87,6 +87,9 @@ class ChoosingParams:
         repetition_penalty: > 0, 1 is off; divides positive (multiplies negative) logits of
             tokens in the prompt or the output (CTRL, Keskar et al., 2019, §4.1).
         logit_bias: ``(token id, bias)`` pairs added to the logits, ids sorted and distinct.
+        allowed_token_ids: ``None`` (all) or the only ids that may be chosen (vLLM's).
+        bad_words_token_ids: token sequences never to generate: a sequence's last token is masked
+            while the output ends with its other tokens (vLLM's ``bad_words``, tokenized).
     """
 
     temperature: float = 1.0
@@ -100,6 +103,8 @@ class ChoosingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def is_greedy(self) -> bool:
@@ -114,7 +119,7 @@ class ChoosingParams:
     def needs_history(self) -> bool:
         """Whether choosing reads the row's tokens so far (prompt and output): the sampler then
         gets its ``TokenHistory``."""
-        return self.has_penalties
+        return self.has_penalties or bool(self.bad_words_token_ids)
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,8 @@ class SamplingParams:
             cumulative logprob (offline ``LLM`` only; the streaming gRPC API refuses best_of > n).
         spaces_between_special_tokens: passed to the tokenizer's decode; only slow (Python)
             Hugging Face tokenizers use it, fast ones such as the default model's ignore it.
+        allowed_token_ids: ``None`` or the only token ids that may be generated (not empty).
+        bad_words: words never to generate, each with and without a leading space (vLLM's).
 
     Raises:
         InvalidRequestError: a value outside its range; the message names the field.
@@ -184,6 +191,8 @@ class SamplingParams:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     best_of: int | None = None
     spaces_between_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     @property
     def num_samples(self) -> int:
@@ -199,6 +208,7 @@ class SamplingParams:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
+        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
     ) -> EngineSamplingParams:
         """Resolves the parameters against a tokenized prompt and the model.
 
@@ -207,6 +217,7 @@ class SamplingParams:
             max_model_len: the model's context length in tokens.
             vocab_size: number of token ids the model knows.
             eos_token_ids: the model's EOS ids.
+            bad_words_token_ids: ``bad_words`` tokenized (``request_samples.bad_words_token_ids``).
 
         Raises:
             InvalidRequestError: ``max_tokens`` beyond the context, or a token id outside the
@@ -221,6 +232,11 @@ class SamplingParams:
             )
         _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
         _check_token_ids("logit_bias", self.logit_bias, vocab_size)
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids", "must hold at least one token id when given")
+        _check_token_ids("allowed_token_ids", self.allowed_token_ids or (), vocab_size)
+        for word in bad_words_token_ids:
+            _check_token_ids("bad_words", word, vocab_size)
         # best_of > n ranks samples by their cumulative logprob: the engine must compute it
         logprobs = 0 if self.logprobs is None and self.num_samples > self.n else self.logprobs
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineSamplingParams) if hasattr(self, f.name)}
@@ -233,6 +249,7 @@ class SamplingParams:
             n=self.num_samples,
             logprobs=logprobs,
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items() if b != 0.0)),
+            bad_words_token_ids=bad_words_token_ids,
         ))
 
 

@@ -47,8 +47,24 @@ def parse_request(tokenizer: PromptTokenizer, prompt_token_ids: Sequence[int], f
     """
     info = tokenizer.info
     check_prompt_length(len(prompt_token_ids), info.max_model_len, field_name)
-    engine_params = params.to_engine(len(prompt_token_ids), info.max_model_len, info.vocab_size, info.eos_token_ids)
+    engine_params = params.to_engine(len(prompt_token_ids), info.max_model_len, info.vocab_size, info.eos_token_ids,
+                                     bad_words_token_ids(tokenizer, params.bad_words))
     return ParsedRequest(tuple(prompt_token_ids), params, engine_params, priority, cache_salt)
+
+
+def bad_words_token_ids(tokenizer: PromptTokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of ``bad_words`` as vLLM tokenizes them: each word (leading spaces
+    stripped) alone, and after a space when that gives as many tokens with another first token
+    (the word inside a sentence); no special tokens."""
+    encode = tokenizer.hf_tokenizer.encode
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences += [alone] if alone else []
+        if alone and spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,8 @@ class SamplingFields(BaseModel):
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     best_of: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None
+    allowed_token_ids: TokenIds | None = Field(None, description="the only token ids that may be generated")
+    bad_words: StopStrings | None = Field(None, description="words never generated (with or without a leading space)")
 
 
 class CompletionRequest(SamplingFields):
