@@ -14,13 +14,8 @@ from services.common.auth import bearer_metadata
 from services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
-
-FINISH_REASON_NAMES = {
-    gen.FINISH_REASON_STOP: "stop",
-    gen.FINISH_REASON_LENGTH: "length",
-    gen.FINISH_REASON_ABORT: "abort",
-}
-
+from services.common.pb_fields import enum_from_pb
+from pagedserve.engine.messages import FinishReason
 
 @dataclass
 class Sample:
@@ -116,7 +111,7 @@ def stream_completion(target: str, request: gen.GenerateRequest, timeout_s: floa
             if echo and response.text and response.index == 0:
                 print(response.text, end="", flush=True)
             if response.finish_reason:
-                sample.finish_reason = FINISH_REASON_NAMES[response.finish_reason]
+                sample.finish_reason = enum_from_pb(response.finish_reason, gen.FinishReason.DESCRIPTOR, FinishReason).value
             if response.HasField("usage"):
                 completion.prompt_tokens = response.usage.prompt_tokens
                 completion.completion_tokens = response.usage.completion_tokens

@@ -18,8 +18,8 @@ from pagedserve.model_files import resolve_model
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.units import parse_bytes
 from pagedserve.text.output_processor import TextDelta
-from pagedserve.text.request_samples import ParsedRequest, RequestSamples
-from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer, check_prompt_length
+from pagedserve.text.request_samples import ParsedRequest, RequestSamples, parse_request
+from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer
 from pagedserve.engine.config import SchedulerConfig, SchedulerStats, default_token_budget
 from pagedserve.engine.engine import Engine, LocalExecutor
 from pagedserve.engine.scheduler import Scheduler
@@ -182,10 +182,7 @@ class LLM:
             ids, field_name = self.tokenizer.encode_chat(prompt), "chat"
         else:
             ids, field_name = self.tokenizer.check_token_ids(list(prompt)), "prompt_token_ids"
-        info = self.tokenizer.info
-        check_prompt_length(len(ids), info.max_model_len, field_name)
-        engine_params = params.to_engine(len(ids), info.max_model_len, info.vocab_size, info.eos_token_ids)
-        return self.add_parsed(ParsedRequest(tuple(ids), params, engine_params), request_id)
+        return self.add_parsed(parse_request(self.tokenizer, ids, field_name, params), request_id)
 
     def add_parsed(self, parsed: ParsedRequest, request_id: str | None = None) -> str:
         """Queues an already validated request; returns its id."""

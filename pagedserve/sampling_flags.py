@@ -26,21 +26,25 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def sampling_pb_from_args(args: argparse.Namespace) -> gen.SamplingParams:
-    """The flags as the protobuf message the gateway validates (unset flags stay unset)."""
-    msg = gen.SamplingParams(
-        min_tokens=args.min_tokens,
-        stop=args.stop,
-        stop_token_ids=args.stop_token_ids,
-        ignore_eos=args.ignore_eos,
-        include_stop_str_in_output=args.include_stop_str_in_output,
-    )
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n"):
-        value = getattr(args, name)
-        if value is not None:
-            try:
+    """The flags as the protobuf message the gateway validates, by field name (a flag is named as
+    its field; unset flags stay unset, ``--keep-special-tokens`` sets ``skip_special_tokens`` false).
+
+    Raises:
+        InvalidRequestError: a value outside its field's protobuf type (int32, uint64), named as
+            the gRPC API names it (``sampling_params.seed``).
+    """
+    msg = gen.SamplingParams()
+    for name, pf in gen.SamplingParams.DESCRIPTOR.fields_by_name.items():
+        value = getattr(args, name, None)
+        if value is None or value is False or (pf.is_repeated and not value):
+            continue
+        try:
+            if pf.is_repeated:
+                getattr(msg, name).extend(value)
+            else:
                 setattr(msg, name, value)
-            except ValueError as exc:  # outside the field's protobuf type (int32, uint64)
-                raise InvalidRequestError(f"sampling_params.{name}", f"{value} is out of range") from exc
+        except ValueError as exc:  # outside the field's protobuf type (int32, uint64)
+            raise InvalidRequestError(f"sampling_params.{name}", f"{value} is out of range") from exc
     if args.keep_special_tokens:
         msg.skip_special_tokens = False
     return msg

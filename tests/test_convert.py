@@ -3,6 +3,7 @@
 from services.common import convert
 from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, NewRequestData,
                                       RequestError, RequestOutput, SampledToken, SequenceId, StepResult)
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerStats, WorkerStats
 
@@ -38,7 +39,7 @@ def test_plan_round_trip():
 def test_results_outputs_and_stats_round_trip():
     result = StepResult(3, (SampledToken(SequenceId("a", 0), 11, -0.5, 2),))
     assert convert.step_result_from_pb(convert.step_result_to_pb(result)) == result
-    output = RequestOutput("a", 4, (11,), FinishReason.LENGTH, RequestError(8, "too big"), 2)
+    output = RequestOutput("a", 4, (11,), FinishReason.LENGTH, RequestError(ErrorKind.RESOURCE_EXHAUSTED, "too big"), 2)
     assert convert.output_from_pb(convert.output_to_pb(output)) == output
     stats = SchedulerStats(1, 2, 3, 4, (WorkerStats("w", 10, 5, 2, 1, 3),), 1, 2, 100, 40)
     assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats

@@ -6,11 +6,10 @@ from collections.abc import Sequence as Seq
 
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.messages import RequestError
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sequence import Sequence
 from pagedserve.engine.worker_state import PlanDraft
 
-GRPC_RESOURCE_EXHAUSTED = 8  # grpc.StatusCode.RESOURCE_EXHAUSTED
-GRPC_UNAVAILABLE = 14  # grpc.StatusCode.UNAVAILABLE
 MAX_WORKER_LOSSES = 3
 """A sequence whose worker failed or went away this often ends instead of being recomputed again."""
 
@@ -44,9 +43,9 @@ def rejection_reason(seq: Sequence, worker_blocks: Seq[int], config: SchedulerCo
 
 
 def rejection_error(seq: Sequence, worker_blocks: Seq[int], config: SchedulerConfig) -> RequestError | None:
-    """``rejection_reason`` as the error the request ends with (RESOURCE_EXHAUSTED), or ``None``."""
+    """``rejection_reason`` as the error the request ends with (``RESOURCE_EXHAUSTED``), or ``None``."""
     reason = rejection_reason(seq, worker_blocks, config)
-    return None if reason is None else RequestError(GRPC_RESOURCE_EXHAUSTED, reason)
+    return None if reason is None else RequestError(ErrorKind.RESOURCE_EXHAUSTED, reason)
 
 
 def worker_loss_error(seq: Sequence) -> RequestError | None:
@@ -54,5 +53,5 @@ def worker_loss_error(seq: Sequence) -> RequestError | None:
     brings down every worker it runs on must not go on forever), or ``None``."""
     if seq.num_worker_losses < MAX_WORKER_LOSSES:
         return None
-    return RequestError(GRPC_UNAVAILABLE, f"the workers running this request failed {seq.num_worker_losses} "
+    return RequestError(ErrorKind.UNAVAILABLE, f"the workers running this request failed {seq.num_worker_losses} "
                                           "times; retry later")

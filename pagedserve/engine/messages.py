@@ -13,6 +13,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 
 
@@ -252,9 +253,9 @@ class StepResult:
 
 @dataclass(frozen=True)
 class RequestError:
-    """Why the engine could not serve a request. ``grpc_code`` is a ``grpc.StatusCode`` value[0]."""
+    """Why the engine could not serve a request; each front end maps ``kind`` to its own status."""
 
-    grpc_code: int
+    kind: ErrorKind
     message: str
 
 

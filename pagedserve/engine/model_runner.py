@@ -239,7 +239,7 @@ class ModelRunner:
         if len(rows) > len(ends):
             logits = logits[torch.tensor(rows, device=logits.device)]    # (N', vocab): n rows per n-sample prompt
         histories = ([TokenHistory(s.state.token_ids, s.state.num_prompt_tokens) for s, _ in samples]
-                     if any(p.has_penalties for p in params) else None)  # only penalties read them
+                     if any(p.needs_history for p in params) else None)
         out = self.sampler(logits, params, counts, histories)
         by_id: dict[SequenceId, list[SampledToken]] = {}
         for (s, index), token_id, logprob, entry in zip(samples, out.token_ids, out.logprobs, out.token_logprobs):

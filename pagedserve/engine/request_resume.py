@@ -10,7 +10,7 @@ waiting to be computed again like a recompute-preempted sequence:
 
 * its tokens are the prompt followed by its delivered tokens, which count as its output tokens:
   ``max_tokens``, ``min_tokens``, stop checks, the penalties, the logprobs and the seeded draw
-  (which depends on the seed and the output index alone, ``sampler.draw_seed``) treat them as
+  (which depends on the seed and the output index alone, ``sampling_params.derive_seed``) treat them as
   tokens generated here, on the scheduler and on the worker (``NewRequestData.num_prompt_tokens``
   separates prompt from output, as after a recompute preemption);
 * its sampling parameters are ``child_sampling(request.sampling, i)``: sample 0 keeps the

@@ -1,6 +1,6 @@
 """Turns a step's logits into one token per row: greedy, or filtered sampling with per-request seeds.
 
-Per row, in order: min_tokens masking of stop tokens, ``logit_bias`` and the repetition,
+Per row, in order: min_tokens masking of stop tokens, ``allowed_token_ids`` and bad words, ``logit_bias`` and the repetition,
 frequency and presence penalties (``pagedserve.engine.penalties``; only rows that ask), then
 (sampled rows only) temperature; the logprobs a row asks for are taken here (log-softmax of the
 processed logits, ``pagedserve.engine.logprobs``); then top-k, top-p (nucleus; Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration"),
@@ -9,13 +9,12 @@ min-p (Nguyen et al., 2024, "Turning Up the Heat: Min-p Sampling"), and the draw
 The draw is inverse-transform sampling: one uniform ``u`` per row picks the first token whose
 cumulative probability exceeds ``u`` (one random number per row instead of one per vocabulary
 entry, as an exponential race would need). A seeded request's ``u`` for its output token ``i``
-comes from a generator seeded by a hash of ``(seed, i)`` alone, so the token does not depend on
+comes from a generator seeded by ``derive_seed(seed, i)`` alone, so the token does not depend on
 the other rows of the batch, nor on the worker, nor on a recompute after preemption.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import torch
 from pagedserve.engine.logprobs import token_logprobs
 from pagedserve.engine.messages import TokenLogprobs
 from pagedserve.engine.penalties import TokenHistory, apply_penalties
-from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.sampling_params import EngineSamplingParams, derive_seed
 
 
 @dataclass(frozen=True)
@@ -38,20 +37,10 @@ class SamplerOutput:
     token_logprobs: list[TokenLogprobs | None]
 
 
-def draw_seed(seed: int, output_index: int) -> int:
-    """A 63-bit generator seed derived from a request seed and an output index (BLAKE2b of both)."""
-    digest = hashlib.blake2b(f"{seed}:{output_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def stop_token_ids_to_mask(params: EngineSamplingParams) -> tuple[int, ...]:
-    """Token ids that would end the request now, hence masked while fewer than ``min_tokens`` exist."""
-    return params.stop_token_ids + (() if params.ignore_eos else params.eos_token_ids)
-
-
 def mask_stop_tokens(logits: torch.Tensor, params: Sequence[EngineSamplingParams],
                      num_output_tokens: Sequence[int]) -> None:
-    """Sets to ``-inf`` (in place) the stop/EOS logits of rows with fewer outputs than ``min_tokens``.
+    """Sets to ``-inf`` (in place) the logits of the ids that would stop a row (``StoppingParams.stop_ids``)
+    while it has fewer outputs than ``min_tokens``.
 
     Args:
         logits: float32 ``[N, vocab]``.
@@ -61,11 +50,33 @@ def mask_stop_tokens(logits: torch.Tensor, params: Sequence[EngineSamplingParams
     rows, cols = [], []
     for row, (p, count) in enumerate(zip(params, num_output_tokens)):
         if count < p.min_tokens:
-            ids = stop_token_ids_to_mask(p)
+            ids = p.stop_ids
             rows += [row] * len(ids)
             cols += ids
     if rows:
         logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+
+def mask_disallowed(logits: torch.Tensor, params: Sequence[EngineSamplingParams],
+                    histories: Sequence[TokenHistory] | None) -> None:
+    """Sets to ``-inf`` (in place) what a row may not choose (vLLM's semantics): every id outside its
+    ``allowed_token_ids``, and the last token of each of its ``bad_words_token_ids`` whose other
+    tokens end the row's output so far (a one-token word: always).
+
+    Args:
+        logits: float32 ``[N, vocab]``.
+        histories: per row, its tokens; only read for rows with bad words (``needs_history``).
+    """
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            banned = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)  # (V,)
+            banned[torch.tensor(p.allowed_token_ids, device=logits.device)] = False
+            logits[row].masked_fill_(banned, float("-inf"))
+        if p.bad_words_token_ids:
+            output = tuple(histories[row].token_ids[histories[row].num_prompt_tokens:])
+            last = [word[-1] for word in p.bad_words_token_ids
+                    if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]]
+            logits[row, last] = float("-inf")
 
 
 def _top_k_top_p_candidates(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -185,8 +196,8 @@ class Sampler:
             params: ``N`` sampling parameter sets.
             num_output_tokens: ``N`` counts of tokens each request generated before this one
                 (the index of the token drawn now).
-            histories: ``N`` token histories (prompt + output) for the penalties; may be ``None``
-                when no row has a penalty.
+            histories: ``N`` token histories (prompt + output); may be ``None`` when no row
+                ``needs_history`` (the penalties read them).
 
         Returns:
             ``N`` token ids and logprobs, in row order.
@@ -198,6 +209,7 @@ class Sampler:
         if not len(params) == len(num_output_tokens) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(num_output_tokens)} counts")
         mask_stop_tokens(logits, params, num_output_tokens)
+        mask_disallowed(logits, params, histories)
         apply_penalties(logits, params, histories)
         token_ids = logits.argmax(dim=-1)                                 # (N,) greedy for every row
         logprobs = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
@@ -234,6 +246,6 @@ class Sampler:
         draws = torch.rand(len(params), generator=self._generator, device=self.device)  # (R,)
         for i, (p, count) in enumerate(zip(params, counts)):
             if p.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(draw_seed(p.seed, count))
+                generator = torch.Generator(device=self.device).manual_seed(derive_seed(p.seed, count))
                 draws[i] = torch.rand(1, generator=generator, device=self.device)[0]
         return draws

@@ -302,8 +302,7 @@ class Scheduler:
             self._finish(seq, reason)
         elif seq.status is SequenceStatus.RUNNING:
             self._workers[seq.worker_id].cache_full_blocks(seq)  # a block may have waited for this token
-        eos = not seq.sampling.ignore_eos and token_id in seq.sampling.eos_token_ids
-        stop_token_id = token_id if reason is FinishReason.STOP and not eos else None
+        stop_token_id = seq.sampling.stop_token_id(token_id) if reason is FinishReason.STOP else None
         logprobs = (sampled.logprobs,) if sampled.logprobs is not None else ()
         return RequestOutput(seq.request_id, index, (token_id,), reason, None, seq.sample_index, logprobs,
                              prompt_logprobs, stop_token_id)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.engine.sampling_params import MAX_N, InvalidRequestError
+from pagedserve.engine.request_errors import InvalidRequestError
+from pagedserve.engine.sampling_checks import MAX_N, check_count  # noqa: F401 (re-exported for the text checks)
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,6 @@ class RequestLimits:
     def max_prompt_bytes(self, max_model_len: int) -> int:
         """Most UTF-8 bytes of prompt text for a model whose context is ``max_model_len`` tokens."""
         return max_model_len * self.prompt_bytes_per_context_token
-
-
-def check_count(field: str, count: int, limit: int, what: str) -> None:
-    """Raises ``InvalidRequestError(field, ...)`` when ``count > limit`` (``what`` names the unit)."""
-    if count > limit:
-        raise InvalidRequestError(field, f"holds {count} {what}; at most {limit} are allowed")
 
 
 def check_text_bytes(field: str, text: str, limit: int) -> int:

@@ -10,6 +10,7 @@ from pagedserve.engine.sampling_params import EngineSamplingParams, SamplingPara
 from pagedserve.text.detokenizer import TokenDecoder
 from pagedserve.text.output_processor import RequestTextState, TextDelta
 from pagedserve.text.stop_strings import StopStrings
+from pagedserve.text.tokenizer import PromptTokenizer, check_prompt_length
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,42 @@ class ParsedRequest:
     engine_params: EngineSamplingParams
     priority: int = 0
     cache_salt: str = ""
+
+
+def parse_request(tokenizer: PromptTokenizer, prompt_token_ids: Sequence[int], field_name: str,
+                  params: SamplingParams, priority: int = 0, cache_salt: str = "") -> ParsedRequest:
+    """The one validation of a tokenized request, for the gRPC and HTTP APIs and ``LLM`` alike:
+    the prompt against the model's context, the parameters against the prompt and the model.
+
+    Args:
+        prompt_token_ids: the prompt, tokenized and checked by ``tokenizer``.
+        field_name: the prompt's field, as errors name it (``prompt``, ``chat``, ``messages``).
+        params: the client's parameters (validated on construction).
+
+    Raises:
+        InvalidRequestError: the prompt fills the context (``field_name``), ``max_tokens`` does
+            not fit after it, or a token id outside the vocabulary; bare field names.
+    """
+    info = tokenizer.info
+    check_prompt_length(len(prompt_token_ids), info.max_model_len, field_name)
+    engine_params = params.to_engine(len(prompt_token_ids), info.max_model_len, info.vocab_size, info.eos_token_ids,
+                                     bad_words_token_ids(tokenizer, params.bad_words))
+    return ParsedRequest(tuple(prompt_token_ids), params, engine_params, priority, cache_salt)
+
+
+def bad_words_token_ids(tokenizer: PromptTokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of ``bad_words`` as vLLM tokenizes them: each word (leading spaces
+    stripped) alone, and after a space when that gives as many tokens with another first token
+    (the word inside a sentence); no special tokens."""
+    encode = tokenizer.hf_tokenizer.encode
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(encode(" " + word.lstrip(), add_special_tokens=False))
+        sequences += [alone] if alone else []
+        if alone and spaced and len(spaced) == len(alone) and spaced[0] != alone[0]:
+            sequences.append(spaced)
+    return tuple(sequences)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@ Every message that crosses a process boundary goes through here, so each field i
 
 from __future__ import annotations
 
+import grpc
+
 from pagedserve.engine.messages import (
     BatchPlan,
     CachedRequestData,
@@ -20,63 +22,27 @@ from pagedserve.engine.messages import (
 from services.common.convert_logprobs import (entries_from_pb, prompt_logprobs_from_pb, prompt_logprobs_to_pb,
                                               token_logprobs_from_pb, token_logprobs_to_pb)
 from services.common.pb import engine_pb2 as pb
+from services.common.pb_fields import enum_from_pb, enum_to_pb, from_pb, to_pb
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerStats, WorkerStats
 
-_FINISH_TO_PB = {
-    FinishReason.STOP: pb.FINISH_REASON_STOP,
-    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
-}
-_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
-
-
 def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
-    """EngineSamplingParams -> pb.EngineSamplingParams (optional fields set only when given)."""
-    msg = pb.EngineSamplingParams(
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        min_tokens=params.min_tokens,
-        stop_token_ids=params.stop_token_ids,
-        ignore_eos=params.ignore_eos,
-        eos_token_ids=params.eos_token_ids,
-        n=params.n,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        logit_bias=dict(params.logit_bias),
-    )
-    for name in ("seed", "logprobs", "prompt_logprobs"):
-        if getattr(params, name) is not None:
-            setattr(msg, name, getattr(params, name))
-    if params.repetition_penalty != 1.0:
-        msg.repetition_penalty = params.repetition_penalty
-    return msg
+    """EngineSamplingParams -> pb.EngineSamplingParams, by field name (``pb_fields``)."""
+    return to_pb(params, pb.EngineSamplingParams)
 
 
 def sampling_from_pb(msg: pb.EngineSamplingParams) -> EngineSamplingParams:
-    """pb.EngineSamplingParams -> EngineSamplingParams (an unset seed stays ``None``, n 0 reads as 1)."""
-    return EngineSamplingParams(
-        max_tokens=msg.max_tokens,
-        temperature=msg.temperature,
-        top_p=msg.top_p,
-        top_k=msg.top_k,
-        min_p=msg.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-        min_tokens=msg.min_tokens,
-        stop_token_ids=tuple(msg.stop_token_ids),
-        ignore_eos=msg.ignore_eos,
-        eos_token_ids=tuple(msg.eos_token_ids),
-        n=max(1, msg.n),
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-        logit_bias=tuple(sorted(msg.logit_bias.items())),
-    )
+    """pb.EngineSamplingParams -> EngineSamplingParams (unset optional fields: the defaults)."""
+    return from_pb(msg, EngineSamplingParams)
+
+
+def _error_kind(kind: ErrorKind | int) -> ErrorKind:
+    """``kind`` as an ErrorKind. services/scheduler/loop.py still builds its RequestErrors with gRPC
+    status numbers (its rewrite is under way elsewhere); those are read by the status's name."""
+    if isinstance(kind, ErrorKind):
+        return kind
+    return ErrorKind[next(code.name for code in grpc.StatusCode if code.value[0] == kind)]
 
 
 def request_to_pb(request: EngineRequest, gateway_id: str) -> pb.QueuedRequest:
@@ -226,9 +192,9 @@ def output_to_pb(output: RequestOutput) -> pb.TokenEvent:
     if output.stop_token_id is not None:
         event.stop_token_id = output.stop_token_id
     if output.finish_reason is not None:
-        event.finish_reason = _FINISH_TO_PB[output.finish_reason]
+        event.finish_reason = enum_to_pb(output.finish_reason, pb.FinishReason.DESCRIPTOR)
     if output.error is not None:
-        event.error.grpc_code = output.error.grpc_code
+        event.error.kind = enum_to_pb(_error_kind(output.error.kind), pb.ErrorKind.DESCRIPTOR)
         event.error.message = output.error.message
     return event
 
@@ -239,13 +205,19 @@ def output_from_pb(event: pb.TokenEvent) -> RequestOutput:
         request_id=event.request_id,
         first_output_index=event.first_output_index,
         new_token_ids=tuple(event.token_ids),
-        finish_reason=_FINISH_FROM_PB.get(event.finish_reason),
-        error=RequestError(event.error.grpc_code, event.error.message) if event.HasField("error") else None,
+        finish_reason=enum_from_pb(event.finish_reason, pb.FinishReason.DESCRIPTOR, FinishReason),
+        error=_error_from_pb(event.error) if event.HasField("error") else None,
         sample_index=event.sample_index,
         logprobs=entries_from_pb(event.logprobs),
         prompt_logprobs=entries_from_pb(event.prompt_logprobs.entries) if event.HasField("prompt_logprobs") else None,
         stop_token_id=event.stop_token_id if event.HasField("stop_token_id") else None,
     )
+
+
+def _error_from_pb(msg: pb.RequestError) -> RequestError:
+    """An error of a kind this side does not know (a newer scheduler's) reads as UNAVAILABLE."""
+    kind = enum_from_pb(msg.kind, pb.ErrorKind.DESCRIPTOR, ErrorKind) or ErrorKind.UNAVAILABLE
+    return RequestError(kind, msg.message)
 
 
 def stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:

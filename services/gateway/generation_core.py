@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import redis
 
 from pagedserve.engine.messages import EngineRequest, RequestOutput
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.text.output_processor import TextDelta
 from pagedserve.text.request_samples import ParsedRequest, RequestSamples
 from pagedserve.text.tokenizer import PromptTokenizer
@@ -45,8 +46,7 @@ class _QueuedEntry:
 
 
 class StatusKind(enum.Enum):
-    """Why a request failed; the values are the canonical status codes gRPC uses (so an engine
-    ``RequestError.grpc_code`` converts with ``StatusKind(code)``)."""
+    """Why a request failed; the values are the canonical status codes gRPC uses."""
 
     CANCELLED = 1
     UNKNOWN = 2
@@ -64,6 +64,14 @@ class StatusKind(enum.Enum):
     UNAVAILABLE = 14
     DATA_LOSS = 15
     UNAUTHENTICATED = 16
+
+
+STATUS_OF_ERROR = {
+    ErrorKind.INVALID_ARGUMENT: StatusKind.INVALID_ARGUMENT,
+    ErrorKind.RESOURCE_EXHAUSTED: StatusKind.RESOURCE_EXHAUSTED,
+    ErrorKind.UNAVAILABLE: StatusKind.UNAVAILABLE,
+}
+"""The gateway's status for each kind of engine error (HTTP maps ``StatusKind`` on in ``openai_errors``)."""
 
 
 class GenerationError(Exception):
@@ -228,11 +236,7 @@ class GenerationCore:
     @staticmethod
     def _process(state: RequestSamples, output: RequestOutput) -> TextDelta:
         if output.error is not None:
-            try:
-                kind = StatusKind(output.error.grpc_code)
-            except ValueError:
-                kind = StatusKind.UNAVAILABLE
-            raise GenerationError(kind, output.error.message)
+            raise GenerationError(STATUS_OF_ERROR[output.error.kind], output.error.message)
         try:
             return state.process(output)
         except ValueError as exc:  # tokens missing from the stream: the request cannot go on exactly

@@ -12,7 +12,7 @@ from starlette.responses import Response, StreamingResponse
 
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.chat_encoding import ChatPromptMode
-from pagedserve.text.request_samples import ParsedRequest
+from pagedserve.text.request_samples import ParsedRequest, parse_request
 from pagedserve.text.tokenizer import CHAT_FIELD, ChatTurn, PromptTokenizer
 from services.gateway.generation_core import GenerationError, SampleDelta
 from services.gateway.openai_errors import error_event
@@ -25,7 +25,7 @@ from services.gateway.openai_responses import (
     UsageInfo, ResponseMeta, finish_reason_name,
 )
 from services.gateway.openai_serving import (
-    SSE_DONE, OpenAIServing, open_generation, parsed_request, sse_event, unless_disconnected, with_first,
+    SSE_DONE, OpenAIServing, open_generation, sse_event, unless_disconnected, with_first,
 )
 
 
@@ -70,7 +70,7 @@ def parse_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer) -> Parse
     """
     params = sampling_params_from_openai(body)
     mode = chat_prompt_mode(body.add_generation_prompt, body.continue_final_message)
-    return parsed_request(tokenizer, encode_messages(tokenizer, body.messages, mode), "messages", params)
+    return parse_request(tokenizer, encode_messages(tokenizer, body.messages, mode), "messages", params)
 
 
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, request: Request) -> Response:

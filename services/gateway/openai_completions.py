@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from pagedserve.engine.messages import TokenLogprobs
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.llm_outputs import SampleOutput
-from pagedserve.text.request_samples import ParsedRequest
+from pagedserve.text.request_samples import ParsedRequest, parse_request
 from pagedserve.text.tokenizer import TOKEN_IDS_FIELD, PromptTokenizer
 from services.gateway.generation_core import GenerationError, SampleDelta
 from services.gateway.openai_params import sampling_params_from_openai
@@ -28,7 +28,7 @@ from services.gateway.openai_responses import (
 from services.gateway.openai_logprobs import CompletionOffsets, TokenNames, prompt_logprobs_out
 from services.gateway.openai_samples import EchoPrompt, StreamEcho, collect_samples
 from services.gateway.openai_serving import (
-    SSE_DONE, OpenAIServing, open_generation, parsed_request, sse_event, unless_disconnected, with_first,
+    SSE_DONE, OpenAIServing, open_generation, sse_event, unless_disconnected, with_first,
 )
 from services.gateway.openai_errors import error_event
 
@@ -56,7 +56,7 @@ def parse_completion(body: CompletionRequest, tokenizer: PromptTokenizer) -> lis
         prompts, fields = [prompt], ["prompt"]
     else:
         prompts, fields = list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
-    return [parsed_request(tokenizer, ids, field, params)
+    return [parse_request(tokenizer, ids, field, params)
             for ids, field in ((_prompt_ids(tokenizer, p, f), f) for p, f in zip(prompts, fields))]
 
 

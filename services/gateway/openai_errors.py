@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine.sampling_params import InvalidRequestError
-from services.gateway.generation_core import GenerationError, StatusKind
+from services.gateway.generation_core import STATUS_OF_ERROR, GenerationError, StatusKind
 from services.gateway.openai_responses import ErrorInfo, ErrorResponse
 from services.gateway.openai_serving import ClientDisconnected
 
@@ -97,7 +97,7 @@ async def _on_generation_error(request: Request, exc: GenerationError) -> JSONRe
 
 
 async def _on_invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
-    return error_response(400, str(exc), exc.field_name)
+    return error_response(http_status(STATUS_OF_ERROR[exc.kind]), str(exc), exc.field_name)
 
 
 async def _on_client_disconnected(request: Request, exc: ClientDisconnected) -> Response:

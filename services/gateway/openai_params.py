@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from pagedserve.engine.sampling_params import MAX_LOGPROBS, InvalidRequestError, SamplingParams
+from pagedserve.engine.sampling_checks import MAX_LOGPROBS
+from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
-
-_ENGINE_PREFIX = "sampling_params."
 
 
 def _not_yet(request: SamplingFields) -> list[tuple[str, object, object]]:
@@ -91,51 +90,31 @@ def _check_best_of(request: SamplingFields) -> None:
                                   "set stream to false or best_of to n")
 
 
+def _given(request: SamplingFields) -> dict[str, object]:
+    """The request's fields that ``SamplingParams`` has by the same name, when set (lists as tuples)."""
+    values = {name: getattr(request, name) for name in SUPPORTED_FIELDS if name in type(request).model_fields}
+    return {name: tuple(v) if isinstance(v, list) else v for name, v in values.items() if v is not None}
+
+
 def sampling_params_from_openai(request: SamplingFields) -> SamplingParams:
-    """The validated ``SamplingParams`` of an OpenAI completions or chat request (unset fields
-    take ``SamplingParams``' defaults; ``user`` is ignored).
+    """The validated ``SamplingParams`` of an OpenAI completions or chat request: each field of the
+    same name, by name; then the fields OpenAI spells its own way (``max_completion_tokens``, a
+    single ``stop`` string, ``logit_bias`` keys as strings, the logprobs forms). Unset fields take
+    ``SamplingParams``' defaults; ``user`` is ignored.
 
     Raises:
-        InvalidRequestError: a value out of range or a field not supported; ``field_name`` is
-            the OpenAI field's name (``temperature``, not ``sampling_params.temperature``).
+        InvalidRequestError: a value out of range or a field not supported, named as the OpenAI
+            API names it (the engine's names are bare, as here).
     """
     check_supported(request)
     _check_best_of(request)
-    defaults = SamplingParams()
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    values = dict(
+    return SamplingParams(**_given(request) | dict(
         max_tokens=_max_tokens(request),
-        temperature=defaults.temperature if request.temperature is None else request.temperature,
-        top_p=defaults.top_p if request.top_p is None else request.top_p,
-        top_k=defaults.top_k if request.top_k is None else request.top_k,
-        min_p=defaults.min_p if request.min_p is None else request.min_p,
-        seed=request.seed,
-        min_tokens=request.min_tokens,
         stop=stop,
-        stop_token_ids=tuple(request.stop_token_ids or ()),
-        ignore_eos=request.ignore_eos,
-        include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens,
-        n=request.n,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        repetition_penalty=request.repetition_penalty,
         logit_bias=logit_bias_of(request.logit_bias),
-        best_of=request.best_of,
-        spaces_between_special_tokens=request.spaces_between_special_tokens,
         **_logprobs_fields(request),
-    )
-    try:
-        return SamplingParams(**values)
-    except InvalidRequestError as exc:
-        raise openai_field_error(exc) from exc
-
-
-def openai_field_error(exc: InvalidRequestError) -> InvalidRequestError:
-    """``exc`` with the field named as the OpenAI API names it (engine prefix dropped; a
-    ``max_tokens`` error of a chat request stays ``max_tokens``)."""
-    name = exc.field_name.removeprefix(_ENGINE_PREFIX)
-    return InvalidRequestError(name, exc.reason)
+    ))
 
 
 SUPPORTED_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from pagedserve.engine.sampling_checks import MAX_LOGIT_BIAS
 from pagedserve.text.request_limits import RequestLimits
 
 _LIMITS = RequestLimits()
@@ -23,8 +24,6 @@ MAX_TOKEN_IDS = 1 << 20
 """Longest token-id list (the model's context bounds a prompt more tightly)."""
 MAX_NAME_CHARS = 256
 """Longest model name, user, or message name."""
-MAX_LOGIT_BIAS_ENTRIES = 1024
-"""Most entries in ``logit_bias``."""
 
 Text = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS)]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
@@ -72,9 +71,11 @@ class SamplingFields(BaseModel):
     frequency_penalty: StrictFloat = 0.0
     repetition_penalty: StrictFloat = 1.0
     logit_bias: Annotated[dict[Annotated[str, Field(max_length=16)], StrictFloat],
-                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
     best_of: StrictInt | None = None
     prompt_logprobs: StrictInt | None = None
+    allowed_token_ids: TokenIds | None = Field(None, description="the only token ids that may be generated")
+    bad_words: StopStrings | None = Field(None, description="words never generated (with or without a leading space)")
 
 
 class CompletionRequest(SamplingFields):

@@ -17,13 +17,9 @@ from pagedserve.engine.messages import FinishReason
 from services.gateway.generation_core import Usage
 from services.gateway.openai_logprobs import ChatLogprobs, CompletionLogprobs, PromptLogprob
 
-FINISH_REASON_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
-"""OpenAI's names of the engine's finish reasons."""
-
-
 def finish_reason_name(reason: FinishReason | None) -> str | None:
-    """OpenAI's ``finish_reason`` string (None while the choice runs)."""
-    return None if reason is None else FINISH_REASON_NAMES[reason]
+    """OpenAI's ``finish_reason`` string (None while the choice runs): the enum's values are OpenAI's."""
+    return None if reason is None else reason.value
 
 
 def new_id(prefix: str) -> str:

@@ -13,12 +13,11 @@ from opentelemetry import trace
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.request_samples import ParsedRequest
-from pagedserve.text.tokenizer import PromptTokenizer, check_prompt_length
+from pagedserve.text.tokenizer import PromptTokenizer
 from services.common import telemetry
-from services.gateway.generation_core import GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
-from services.gateway.openai_params import openai_field_error
+from services.gateway.generation_core import STATUS_OF_ERROR, GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
 
 T = TypeVar("T")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -54,25 +53,9 @@ class OpenAIServing:
                                   f"`{self.model_name}`", "model")
 
 
-def parsed_request(tokenizer: PromptTokenizer, ids: Sequence[int], field: str, params: SamplingParams) -> ParsedRequest:
-    """A tokenized prompt and its parameters, checked against the model's context.
-
-    Raises:
-        InvalidRequestError: the prompt fills the context (``field``), or ``max_tokens`` does not
-            fit after it, or a stop token id outside the vocabulary (OpenAI field names).
-    """
-    info = tokenizer.info
-    check_prompt_length(len(ids), info.max_model_len, field)
-    try:
-        engine = params.to_engine(len(ids), info.max_model_len, info.vocab_size, info.eos_token_ids)
-    except InvalidRequestError as exc:
-        raise openai_field_error(exc) from exc
-    return ParsedRequest(tuple(ids), params, engine)
-
-
 def invalid(exc: InvalidRequestError) -> GenerationError:
     """An ``InvalidRequestError`` as an ``INVALID_ARGUMENT`` error naming its field."""
-    return GenerationError(StatusKind.INVALID_ARGUMENT, str(exc), exc.field_name)
+    return GenerationError(STATUS_OF_ERROR[exc.kind], str(exc), exc.field_name)
 
 
 async def merged_outputs(core: GenerationCore, submissions: Sequence[Submission]) -> AsyncIterator[tuple[int, SampleDelta]]:

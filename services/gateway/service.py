@@ -11,18 +11,14 @@ import grpc
 from opentelemetry import trace
 
 from services.common import telemetry
-from pagedserve.engine.messages import FinishReason, TokenLogprobs
+from pagedserve.engine.messages import TokenLogprobs
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
+from services.common.pb_fields import enum_to_pb
 from pagedserve.engine.sampling_params import InvalidRequestError
-from services.gateway.generation_core import GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
+from services.gateway.generation_core import STATUS_OF_ERROR, GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
 from services.gateway.request_parser import parse_generate_request
 
-_FINISH_TO_PB = {
-    FinishReason.STOP: gen.FINISH_REASON_STOP,
-    FinishReason.LENGTH: gen.FINISH_REASON_LENGTH,
-    FinishReason.ABORT: gen.FINISH_REASON_ABORT,
-}
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
 
@@ -58,7 +54,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             try:
                 parsed = await asyncio.to_thread(parse_generate_request, request, self._core.tokenizer)  # off the loop
             except InvalidRequestError as exc:
-                raise GenerationError(StatusKind.INVALID_ARGUMENT, str(exc), exc.field_name) from exc
+                raise GenerationError(STATUS_OF_ERROR[exc.kind], str(exc), exc.field_name) from exc
             self._core.check_scheduler()
         except GenerationError as exc:
             await context.abort(grpc_status(exc.kind), exc.message)
@@ -90,7 +86,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         elif delta.stop_reason is not None:
             response.stop_token_id = delta.stop_reason
         if delta.finish_reason is not None:
-            response.finish_reason = _FINISH_TO_PB[delta.finish_reason]
+            response.finish_reason = enum_to_pb(delta.finish_reason, gen.FinishReason.DESCRIPTOR)
         if sample.usage is not None:
             response.usage.prompt_tokens = sample.usage.prompt_tokens
             response.usage.completion_tokens = sample.usage.completion_tokens

@@ -91,6 +91,24 @@ def test_penalties_and_logit_bias_change_the_output_as_grpc_does(stack, client, 
     assert forced.text == " cat" * 3
 
 
+def test_allowed_token_ids_and_bad_words_as_grpc_does(stack, client, model_name):  # noqa: F811
+    fields = dict(max_tokens=10, temperature=0.0)
+    plain = client.completions.create(model=model_name, prompt=PROMPTS[1], **fields).choices[0].text
+    word = plain.split()[0]
+    expected = "".join(r.text for r in stream(stack.gateway, gen.GenerateRequest(
+        prompt=PROMPTS[1], sampling_params=gen.SamplingParams(bad_words=[word], **fields))))
+    got = client.completions.create(model=model_name, prompt=PROMPTS[1], extra_body={"bad_words": [word]},
+                                    **fields).choices[0].text
+    assert got == expected != plain
+    token = httpx.post(stack.http + "/tokenize", json={"prompt": " cat"}, timeout=60).json()["tokens"][-1]
+    chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": QUESTIONS[0]}],
+                                          max_tokens=4, temperature=0, extra_body={"allowed_token_ids": [token]})
+    assert chat.choices[0].message.content == " cat" * 4
+    empty = httpx.post(stack.http + "/v1/completions", timeout=60, json={
+        "model": model_name, "prompt": "Hi", "max_tokens": 2, "allowed_token_ids": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "allowed_token_ids"
+
+
 def test_stop_reason_names_the_stop_string(stack, client, model_name):  # noqa: F811
     plain = client.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=12, temperature=0).choices[0]
     assert plain.model_extra["stop_reason"] is None and plain.finish_reason == "length"

@@ -63,6 +63,26 @@ def test_stop_reasons(stack, offline):
     assert_all_blocks_free(stack)
 
 
+def test_allowed_token_ids_and_bad_words_as_the_offline_llm_does(stack, offline):
+    """allowed_token_ids = the greedy output's own tokens leaves it unchanged; a bad word taken from
+    the greedy output never appears (as a token sequence) while it would without; gRPC and LLM agree."""
+    fields = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+    greedy = offline.generate(PROMPT, SamplingParams(**fields))[0]
+    kept = stream(stack.gateway, gen.GenerateRequest(prompt=PROMPT, sampling_params=gen.SamplingParams(
+        allowed_token_ids=sorted(set(greedy.token_ids)), **fields)))
+    assert [t for r in kept for t in r.token_ids] == list(greedy.token_ids)
+    word = greedy.text.split()[1]
+    banned = offline.generate(PROMPT, SamplingParams(bad_words=(word,), **fields))[0]
+    served = stream(stack.gateway, gen.GenerateRequest(prompt=PROMPT, sampling_params=gen.SamplingParams(
+        bad_words=[word], **fields)))
+    assert [t for r in served for t in r.token_ids] == list(banned.token_ids) != list(greedy.token_ids)
+    encode = offline.tokenizer.hf_tokenizer.encode
+    for sequence in (encode(word, add_special_tokens=False), encode(" " + word, add_special_tokens=False)):
+        ids = list(banned.token_ids)
+        assert not any(ids[i:i + len(sequence)] == sequence for i in range(len(ids)))
+    assert_all_blocks_free(stack)
+
+
 BAD = [
     (dict(logprobs=21), "sampling_params.logprobs"),
     (dict(prompt_logprobs=-1), "sampling_params.prompt_logprobs"),
@@ -73,6 +93,7 @@ BAD = [
     (dict(logit_bias={49152: 1.0}), "sampling_params.logit_bias[49152]"),
     (dict(logit_bias={i: 1.0 for i in range(301)}), "sampling_params.logit_bias"),
     (dict(n=2, best_of=3), "sampling_params.best_of"),
+    (dict(allowed_token_ids=[5, 49152]), "sampling_params.allowed_token_ids[1]"),
 ]
 
 

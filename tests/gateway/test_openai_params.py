@@ -23,12 +23,13 @@ def test_every_field_is_mapped():
         temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=3, n=2, stop="x", stop_token_ids=[5], ignore_eos=True,
         min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False, user="someone",
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={"7": 2.0, " 9": -1.0},
-        best_of=3, spaces_between_special_tokens=False, logprobs=True, top_logprobs=4)
+        best_of=3, spaces_between_special_tokens=False, logprobs=True, top_logprobs=4, allowed_token_ids=[3, 4],
+        bad_words=["no"])
     expected = SamplingParams(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=3, min_tokens=2, stop=("x",),
         stop_token_ids=(5,), ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False, n=2,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={7: 2.0, 9: -1.0},
-        best_of=3, spaces_between_special_tokens=False, logprobs=4)
+        best_of=3, spaces_between_special_tokens=False, logprobs=4, allowed_token_ids=(3, 4), bad_words=("no",))
     assert sampling_params_from_openai(body) == expected
     assert sampling_params_from_openai(completion(prompt_logprobs=1)).prompt_logprobs == 1  # completions only
     defaults = SamplingParams()

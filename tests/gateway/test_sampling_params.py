@@ -25,7 +25,7 @@ def test_values_that_would_not_survive_the_wire_are_refused(field, value):
 
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value})
-    assert info.value.field_name == f"sampling_params.{field}"
+    assert info.value.field_name == field  # bare: the gRPC front end adds "sampling_params."
 
 
 def test_the_extremes_that_survive_the_wire_are_accepted():

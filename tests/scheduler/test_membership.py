@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.messages import EngineRequest, SequenceId
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from services.common.pb import engine_pb2 as pb
@@ -140,7 +141,7 @@ def test_a_request_that_loses_three_workers_ends_with_unavailable():
         clock.now += 60
     [final] = outputs
     assert final.request_id == "poison" and final.finish_reason.value == "abort"
-    assert final.error.grpc_code == 14 and "3 times" in final.error.message
+    assert final.error.kind is ErrorKind.UNAVAILABLE and "3 times" in final.error.message
     assert not scheduler.has_unfinished_requests()
 
 

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.engine.messages import EngineRequest, FinishReason, SequenceId
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
@@ -158,7 +159,7 @@ def test_request_larger_than_any_worker_is_rejected_with_resource_exhausted():
     engine.add_request(request("ok", 2, 1))
     outputs = engine.step()
     assert outputs[0].request_id == "huge" and outputs[0].finish_reason is FinishReason.ABORT
-    assert outputs[0].error is not None and outputs[0].error.grpc_code == 8
+    assert outputs[0].error is not None and outputs[0].error.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert [o.request_id for o in outputs[1:]] == ["ok"]
     assert not engine.has_unfinished_requests()
 

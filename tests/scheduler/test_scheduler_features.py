@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedserve.engine.messages import EngineRequest, SequenceId
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
@@ -105,7 +106,7 @@ def test_without_chunking_a_prompt_runs_whole_or_is_refused():
     engine.add_request(req("fits", prompt(8), 2))
     outputs: dict = {}
     first = engine.step()
-    assert first[0].request_id == "too-long" and first[0].error.grpc_code == 8
+    assert first[0].request_id == "too-long" and first[0].error.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert [(n.request_id, n.num_scheduled_tokens) for n in runners["w"].plans[-1].new_requests] == [("fits", 8)]
     outputs[("fits", 0)] = [o.new_token_ids[0] for o in first if o.request_id == "fits"]
     assert run(engine, outputs)[("fits", 0)] == reference_output(prompt(8), 2)

@@ -61,9 +61,9 @@ def test_sampler_applies_them_before_the_greedy_choice():
 def test_invalid_values_name_the_field(kw, field):
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**kw)
-    assert info.value.field_name == "sampling_params." + field
+    assert info.value.field_name == field  # bare: the gRPC front end adds "sampling_params."
 
 
 def test_logit_bias_ids_checked_against_the_vocabulary():
-    with pytest.raises(InvalidRequestError, match=r"sampling_params.logit_bias\[50\]"):
+    with pytest.raises(InvalidRequestError, match=r"^logit_bias\[50\]"):
         SamplingParams(logit_bias={50: 1.0}).to_engine(3, 100, 50, (0,))

@@ -121,3 +121,23 @@ def test_unseeded_rows_use_the_sampler_generator():
 def test_length_mismatch_raises():
     with pytest.raises(ValueError):
         Sampler(seed=0)(_flat(2), [_params()], [0, 0])
+
+
+def test_allowed_token_ids_restrict_the_choice_greedy_or_sampled():
+    sampler = Sampler(seed=0)
+    out = sampler(_logits(rows=2), [_params(temperature=0.0, allowed_token_ids=(2, 3)),
+                                    _params(temperature=1.0, allowed_token_ids=(3,))], [0, 0])
+    assert out.token_ids == [2, 3]
+
+
+def test_a_bad_word_masks_its_last_token_when_the_output_ends_with_the_rest():
+    from pagedserve.engine.penalties import TokenHistory
+
+    words = ((1, 0), (3, 2, 1))  # token 0 after 1; token 1 after 3, 2
+    params = [_params(temperature=0.0, bad_words_token_ids=words)] * 3
+    histories = [TokenHistory((9, 1), 1), TokenHistory((9, 3), 1), TokenHistory((9, 3, 2), 1)]
+    out = Sampler(seed=0)(_logits(rows=3), params, [1, 1, 2], histories)
+    assert out.token_ids == [1, 0, 0]  # 0 masked after 1; nothing after 3 alone; 1 masked after 3, 2
+    alone = Sampler(seed=0)(_logits(), [_params(temperature=0.0, bad_words_token_ids=((0,),))], [0],
+                            [TokenHistory((9,), 1)])
+    assert alone.token_ids == [1]  # a one-token word is always masked
