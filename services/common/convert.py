@@ -5,7 +5,6 @@ Every message that crosses a process boundary goes through here, so each field i
 
 from __future__ import annotations
 
-import grpc
 
 from pagedserve.engine.messages import (
     BatchPlan,
@@ -35,14 +34,6 @@ def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
 def sampling_from_pb(msg: pb.EngineSamplingParams) -> EngineSamplingParams:
     """pb.EngineSamplingParams -> EngineSamplingParams (unset optional fields: the defaults)."""
     return from_pb(msg, EngineSamplingParams)
-
-
-def _error_kind(kind: ErrorKind | int) -> ErrorKind:
-    """``kind`` as an ErrorKind. services/scheduler/loop.py still builds its RequestErrors with gRPC
-    status numbers (its rewrite is under way elsewhere); those are read by the status's name."""
-    if isinstance(kind, ErrorKind):
-        return kind
-    return ErrorKind[next(code.name for code in grpc.StatusCode if code.value[0] == kind)]
 
 
 def request_to_pb(request: EngineRequest, gateway_id: str) -> pb.QueuedRequest:
@@ -194,7 +185,7 @@ def output_to_pb(output: RequestOutput) -> pb.TokenEvent:
     if output.finish_reason is not None:
         event.finish_reason = enum_to_pb(output.finish_reason, pb.FinishReason.DESCRIPTOR)
     if output.error is not None:
-        event.error.kind = enum_to_pb(_error_kind(output.error.kind), pb.ErrorKind.DESCRIPTOR)
+        event.error.kind = enum_to_pb(output.error.kind, pb.ErrorKind.DESCRIPTOR)
         event.error.message = output.error.message
     return event
 

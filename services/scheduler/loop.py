@@ -15,11 +15,11 @@ import threading
 import time
 from collections.abc import Callable
 
-import grpc
 from opentelemetry import trace
 
 from pagedserve.engine.engine import Engine, SentPlan, StepFailed
 from pagedserve.engine.messages import FinishReason, RequestError, RequestOutput
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.scheduler import Scheduler
 from services.common.convert import output_to_pb, request_from_pb
 from services.common.pb import engine_pb2 as pb
@@ -37,9 +37,6 @@ from services.scheduler.redis_io import RedisWrites
 from services.scheduler.routes import Routes
 
 log = logging.getLogger("pagedserve.scheduler")
-
-UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
-INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 CACHE_SNAPSHOT_S = 0.5
 """How often the loop copies its cached block hashes for the shared index, seconds."""
@@ -197,7 +194,7 @@ class SchedulerLoop:
         since = self._no_workers_since
         if since is None or time.monotonic() - since < self.config.no_worker_timeout_s:
             return
-        error = RequestError(UNAVAILABLE, f"no worker has been available for {self.config.no_worker_timeout_s:g} s; "
+        error = RequestError(ErrorKind.UNAVAILABLE, f"no worker has been available for {self.config.no_worker_timeout_s:g} s; "
                                           "start a worker (pagedserve worker) and retry")
         for request_id in self.scheduler.waiting_requests():
             log.warning("failing %s: no worker is up", request_id)
@@ -241,7 +238,7 @@ class SchedulerLoop:
         request = self._routes.open(entry, request_from_pb(entry.request))  # decoded once already in _add
         if message.num_migrations > self.config.migration_limit:
             command.done.set_result(True)
-            self._fail(request.request_id, RequestError(UNAVAILABLE, (
+            self._fail(request.request_id, RequestError(ErrorKind.UNAVAILABLE, (
                 f"the request moved {message.num_migrations} times between schedulers, more than "
                 f"--migration-limit {self.config.migration_limit}; retry")))
             return
@@ -249,7 +246,7 @@ class SchedulerLoop:
             self.scheduler.resume_request(request, resumed_samples_from_pb(message))
         except ValueError as exc:  # the gateway's account does not fit the request: it cannot go on exactly
             command.done.set_exception(exc)
-            self._fail(request.request_id, RequestError(INVALID_ARGUMENT, f"cannot resume the request: {exc}"))
+            self._fail(request.request_id, RequestError(ErrorKind.INVALID_ARGUMENT, f"cannot resume the request: {exc}"))
             return
         command.done.set_result(True)
         self.metrics.request_migrated(len(request.prompt_token_ids) + sum(len(s.token_ids) for s in message.samples))
@@ -278,7 +275,7 @@ class SchedulerLoop:
             request_id, gateway_id = entry.request.request_id, entry.request.gateway_id
             log.warning("dropping %s: its gateway %s did not answer the resume query", request_id, gateway_id)
             self.acks.put(entry.entry_id)
-            error = RequestError(UNAVAILABLE, "the request was taken over by another scheduler, which got no "
+            error = RequestError(ErrorKind.UNAVAILABLE, "the request was taken over by another scheduler, which got no "
                                               "answer to its resume query in time; retry")
             output = RequestOutput(request_id, 0, (), FinishReason.ABORT, error)
             self.streams.publish(gateway_id, pb.TokenEventBatch(events=[output_to_pb(output)]))
