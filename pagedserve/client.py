@@ -120,11 +120,11 @@ def stream_completion(target: str, request: gen.GenerateRequest, timeout_s: floa
 
 def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -> Completion:
     """The same request on the in-process engine (no services)."""
+    from pagedserve.config_flags import config_from_args
+    from pagedserve.engine.runner_config import EngineConfig
     from pagedserve.llm import LLM
 
-    llm = LLM(model=args.model or None, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-              pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
-              num_virtual_engines=getattr(args, "virtual_engines", 0) or None)
+    llm = LLM(args.model or None, config_from_args(EngineConfig, args, EngineConfig.of()))
     from services.gateway.request_parser import parse_generate_request
 
     try:

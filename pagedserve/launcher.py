@@ -16,14 +16,17 @@ from urllib.parse import urlparse
 
 import grpc
 
-from services.common.auth import cluster_channel
+from services.common.auth import api_key_option, cluster_channel, cluster_token_option
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
+from pagedserve.config_flags import config_to_argv
+from pagedserve.engine.config import CPU_TOKEN_BUDGET, SchedulerConfig
+from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
+from pagedserve.model_files import default_cache_dir
 from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
-from services.common.service_args import redact_url
-from services.scheduler.config import policy_to_args
+from pagedserve.options import nested, option
+from services.common.service_args import model_option, redact_url, redis_url_option
 
 
 STOP_TIMEOUT_S = 15.0
@@ -40,66 +43,52 @@ class LaunchError(RuntimeError):
 
 @dataclass(frozen=True)
 class StackConfig:
-    """What `pagedserve up` starts.
+    """What `pagedserve up` starts: the services' configs composed (the option fields are its flags,
+    documented by their help; ``redis_url``, ``cluster_token`` and ``api_key`` reach the children
+    through the environment, so `ps` does not show them).
 
     Attributes:
-        model: resolved model folder.
-        workers: number of worker processes.
-        schedulers: number of scheduler processes (each owns some of the workers; the survivors take
-            over the requests and workers of one that dies).
-        host: the gateway's listen address (127.0.0.1: this machine only; 0.0.0.0: every interface).
-        port: gateway port (gRPC); scheduler i listens on ``scheduler_port + i``.
-        http_port: the gateway's OpenAI-compatible HTTP API port (on ``host``).
-        redis_url: Redis to use; a local ``redis-server`` is started when none answers there, requiring
-            the URL's password, or ``redis_password`` when the URL has none. Children get the URL
-            (with the password) through the environment, not argv.
-        kv_cache_memory: KV memory per worker, as written on the command line (``1GiB``).
-        swap_space: CPU memory per worker for swapped-out blocks (``0``: none).
-        policy: scheduler limits.
-        threads_per_worker: torch threads of each worker.
-        gemm_backend: the workers' linear-layer kernels (``--gemm-backend``).
-        compile_mode: eager or compiled dense part in the workers (``--compile-mode``).
-        tensor_parallel_size: ranks per worker (``--tensor-parallel-size``); they share its threads.
-        pipeline_parallel_size: pipeline stages per worker (``--pipeline-parallel-size``): T*P ranks.
-        virtual_engines: virtual engines per pipeline-parallel worker (``--virtual-engines``; 0: P).
-        data_dir: where a Redis started by us keeps its append-only file.
-        startup_timeout_s: how long to wait for everything to be healthy.
-        cluster_token: secret shared by the services (default: a new random one); children get it
-            through the environment, so `ps` does not show it.
+        data_dir: where a Redis started by us keeps its append-only file; None: ``redis-<port>`` in
+            ``pagedserve.model_files.default_cache_dir()``.
+        startup_timeout_s: how long to wait for everything to be healthy, seconds.
         redis_password: password of a Redis started by us when ``redis_url`` has none (default: a
             new random one); written to ``redis_password_file`` for other clients.
-        api_key: when not empty, the gateway's clients must send it (``authorization: Bearer``).
-        metrics_port: first of the ``/metrics`` ports: the gateway's (on ``host``), then one per
-            scheduler, then one per worker (on 127.0.0.1); 0: no metrics servers.
     """
 
-    model: Path
-    workers: int
-    host: str
-    port: int
-    scheduler_port: int
-    redis_url: str = field(repr=False)
-    kv_cache_memory: str
-    swap_space: str
-    policy: SchedulerConfig
-    threads_per_worker: int
-    data_dir: Path
-    gemm_backend: GemmBackend = GemmBackend.TORCH
-    compile_mode: CompileMode = CompileMode.EAGER
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    virtual_engines: int = 0
+    model: Path = model_option()
+    redis_url: str = redis_url_option()
+    cluster_token: str = cluster_token_option("default: a new random one")
+    api_key: str = api_key_option()
+    workers: int = option("number of worker processes", 1)
+    schedulers: int = option("number of scheduler processes: each owns some workers, and the others take over "
+                             "the requests and workers of one that dies", 1)
+    host: str = option("gateway listen address; 0.0.0.0 serves other machines too", "127.0.0.1")
+    port: int = option("gateway gRPC port", 50051)
+    http_port: int = option("gateway OpenAI-compatible HTTP API port", 8000)
+    scheduler_port: int = option("port of the first scheduler; scheduler i listens on PORT+i", 50052)
+    metrics_port: int = option("Prometheus /metrics of the gateway at PORT (on --host), scheduler i at PORT+1+i and "
+                               "worker i after them, on 127.0.0.1 (with one scheduler: PORT+2+i); 0: none", 9450,
+                               metavar="PORT")
+    threads_per_worker: int = option("torch threads per worker; each worker gets its own cores when they fit", 0,
+                                     default_help="CPU cores / workers")
+    policy: SchedulerConfig = nested("scheduling (per worker and iteration)",
+                                     SchedulerConfig(max_num_batched_tokens=CPU_TOKEN_BUDGET))  # CPU workers
+    runner: RunnerConfig = nested("the workers' model runners", RunnerConfig(kv_cache_memory=DEFAULT_KV_CACHE_MEMORY),
+                                  exclude=("dtype", "device", "attention_backend", "gpu_memory_utilization"))
+    data_dir: Path | None = None
     startup_timeout_s: float = 600.0
-    cluster_token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     redis_password: str = field(default_factory=lambda: secrets.token_hex(24), repr=False)
-    api_key: str = field(default="", repr=False)
-    metrics_port: int = 0
-    http_port: int = 8000
-    schedulers: int = 1
 
     def __post_init__(self) -> None:
         if self.workers < 1 or self.schedulers < 1:
             raise ValueError(f"--workers and --schedulers must be at least 1, got {self.workers}, {self.schedulers}")
+        if not self.cluster_token:
+            object.__setattr__(self, "cluster_token", secrets.token_hex(32))
+        if self.data_dir is None:
+            port = urlparse(self.redis_url).port or 6379
+            object.__setattr__(self, "data_dir", default_cache_dir() / f"redis-{port}")
+        if not self.threads_per_worker:
+            object.__setattr__(self, "threads_per_worker", default_threads_per_worker(self.workers))
         if not 0 <= self.scheduler_port <= 65535 - self.schedulers:
             raise ValueError(f"--scheduler-port must leave room for {self.schedulers} ports, got {self.scheduler_port}")
         if not 0 <= self.metrics_port <= 65535 - 1 - self.schedulers - self.workers:
@@ -163,20 +152,15 @@ class Stack:
         """
         cfg = self.config
         self._start_redis()
-        policy = policy_to_args(cfg.policy)
+        policy = config_to_argv(cfg.policy)
         for name, address in cfg.scheduler_addresses().items():
             self._service(name, "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
                           "--consumer-name", name, *policy, *self._metrics_flag(name))
         for i in range(cfg.workers):
             self._service(
                 f"worker-{i}", "worker", "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
-                "--kv-cache-memory", cfg.kv_cache_memory, "--block-size", str(cfg.policy.block_size),
-                "--num-threads", str(cfg.threads_per_worker), "--swap-space", cfg.swap_space,
-                "--gemm-backend", cfg.gemm_backend.value, "--compile-mode", cfg.compile_mode.value,
-                "--tensor-parallel-size", str(cfg.tensor_parallel_size),
-                "--pipeline-parallel-size", str(cfg.pipeline_parallel_size),
-                "--virtual-engines", str(cfg.virtual_engines),
-                *self._cores_of(i), *self._metrics_flag(f"worker-{i}"),
+                "--block-size", str(cfg.policy.block_size), "--num-threads", str(cfg.threads_per_worker),
+                *config_to_argv(cfg.runner), *self._cores_of(i), *self._metrics_flag(f"worker-{i}"),
             )
         self._service(
             "gateway", "gateway", "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),
@@ -298,4 +282,5 @@ def free_port() -> int:
 
 
 def default_threads_per_worker(workers: int) -> int:
+    """Torch threads of each of ``workers`` workers on this machine: its cores shared out, at least 1."""
     return max(1, (os.cpu_count() or 1) // workers)

@@ -11,16 +11,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pagedserve.engine.messages import EngineRequest, FinishReason
 from pagedserve.llm_outputs import CompletionOutput, SampleCollector, SampleOutput, best_samples  # noqa: F401 (re-exported)
 from pagedserve.model_files import resolve_model
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.units import parse_bytes
 from pagedserve.text.output_processor import TextDelta
 from pagedserve.text.request_samples import ParsedRequest, RequestSamples, parse_request
 from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer
-from pagedserve.engine.config import SchedulerConfig, SchedulerStats, default_token_budget
+from pagedserve.engine.config import SchedulerStats
+from pagedserve.engine.local_runners import build_local_runners
+from pagedserve.engine.runner_config import EngineConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
 from pagedserve.engine.scheduler import Scheduler
 
@@ -43,107 +45,31 @@ class LLM:
 
     Args:
         model: a local Hugging Face model folder; ``None`` for the default model.
-        kv_cache_memory: KV-cache bytes per worker (an int, or a string such as ``"512MiB"``).
-        block_size, max_num_seqs, max_num_batched_tokens: scheduler limits (see SchedulerConfig);
-            the token budget defaults to :func:`~pagedserve.engine.config.default_token_budget` of ``device``.
-        num_workers: model runners, each with its own weights and KV cache.
-        dtype: ``"auto"`` (bfloat16 on CUDA, float32 elsewhere), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
-        device: torch device of the runners.
-        attention_backend: ``"auto"`` (Triton on CUDA, the C++ op elsewhere), ``"cpu"``, ``"torch"`` or ``"triton"``.
-        gemm_backend: ``"torch"`` (``F.linear``: greedy output token-identical to transformers) or
-            ``"onednn"`` (prepacked oneDNN GEMMs on CPU: 2-3x faster matmuls, float32 sums in
-            another order, so greedy output can differ from transformers at near-ties; opt-in).
-        compile_mode: ``"eager"`` or ``"inductor"`` (the dense part compiled by ``torch.compile``:
-            shorter steps on CPU after tens of seconds of compiling here; reductions in another
-            order, so greedy output can differ from transformers at near-ties; opt-in).
-        enable_chunked_prefill, enable_prefix_caching, preemption_mode, policy: see SchedulerConfig.
-        swap_space: CPU bytes per worker for swapped-out blocks (``preemption_mode="swap"``).
-        tensor_parallel_size: ranks per worker (Megatron-LM sharding, Llama/Mistral/Qwen2 only; eager
-            ``torch`` GEMMs): rank 0 runs here, T-1 helper processes hold the other shards.
-            ``kv_cache_memory`` and ``swap_space`` are per rank. Call :meth:`close` to stop the helpers;
-            one tensor-parallel ``LLM`` (one worker) per process at a time.
-        pipeline_parallel_size: pipeline stages per worker (consecutive layers per stage, same
-            models and limits as ``tensor_parallel_size``; ``T * P`` ranks, rank 0 here): the KV
-            cache of each rank holds only its stage's layers, so the worker's blocks grow with P.
-        num_virtual_engines: with ``pipeline_parallel_size`` P > 1, how many virtual engines the
-            worker has (default P): each is a worker id to the scheduler (``worker-0/ve<i>``), with
-            its own sequences and ``1/V`` of each rank's KV budget; their plans overlap in the stages.
-        max_plans_in_flight: 2 (overlap scheduling: the next plan is made while the model runs)
-            or 1 (made after); see SchedulerConfig. Outputs are the same.
-        placement: with several workers, ``"prefix"`` (most cached prompt prefix, balanced against
-            load) or ``"least-loaded"`` (most free blocks); see SchedulerConfig.
-        max_decode_slowdown: how much longer than its decodes alone a step with prefill chunks beside
-            them may take (predicted); see SchedulerConfig and ``pagedserve/engine/step_cost.py``.
+        config: the engine's config (scheduler limits, runners, number of workers).
         rank_placement: with T*P > 1, a :class:`~pagedserve.engine.parallel.rank_link.RankPlacement`
             whose remote ranks (``pagedserve worker-rank``) rank 0 waits for; None: all spawned here.
+        options: instead of ``config``, any of its fields by name (``LLM(block_size=8,
+            gemm_backend="onednn")``, see :meth:`EngineConfig.of`): KV-cache sizes per worker (and
+            per rank with T*P > 1) as bytes or strings such as ``"512MiB"``, modes as enums or
+            their values. One tensor- or pipeline-parallel ``LLM`` (one worker) per process at a
+            time; call :meth:`close` to stop its helper ranks.
 
     Raises:
+        TypeError: an unknown option, or options beside ``config``.
         ValueError: an invalid limit or size.
         pagedserve.engine.model_info.ModelFolderError: not a supported model folder.
     """
 
-    def __init__(
-        self,
-        model: str | Path | None = None,
-        *,
-        kv_cache_memory: int | str = "1GiB",
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        num_workers: int = 1,
-        dtype: str = "auto",
-        device: str = "cpu",
-        attention_backend: str = "auto",
-        gemm_backend: str = "torch",
-        compile_mode: str = "eager",
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-        preemption_mode: str = "recompute",
-        swap_space: int | str = 0,
-        policy: str = "fcfs",
-        tensor_parallel_size: int = 1,
-        pipeline_parallel_size: int = 1,
-        num_virtual_engines: int | None = None,
-        max_plans_in_flight: int = 2,
-        placement: str = "prefix",
-        max_decode_slowdown: float = SchedulerConfig.max_decode_slowdown,
-        rank_placement=None,
-    ) -> None:
-        import torch
-
-        from pagedserve.engine.runner_factory import resolve_dtype
-        from pagedserve.engine.runner_factory import build_model_runner
-
+    def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, *,
+                 rank_placement=None, **options: Any) -> None:
+        if config is not None and options:
+            raise TypeError(f"give config or options, not both (got {sorted(options)})")
+        self.config = config or EngineConfig.of(**options)
         path = resolve_model(str(model) if model else None)
         self.tokenizer = PromptTokenizer.from_folder(path)
-        memory = parse_bytes(kv_cache_memory) if isinstance(kv_cache_memory, str) else kv_cache_memory
-        swap = parse_bytes(swap_space) if isinstance(swap_space, str) else swap_space
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = default_token_budget(device)
-        config = SchedulerConfig(block_size, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
-                                 enable_prefix_caching, preemption_mode, policy, max_plans_in_flight,
-                                 placement, max_decode_slowdown)
-        engines = num_virtual_engines or 1
-        if engines < 1 or (engines > 1 and pipeline_parallel_size == 1):
-            raise ValueError(f"num_virtual_engines={num_virtual_engines}: give 1, or more than 1 with "
-                             f"pipeline_parallel_size > 1 (it is {pipeline_parallel_size})")
-        if tensor_parallel_size > 1 or pipeline_parallel_size > 1:
-            sizes = (tensor_parallel_size, pipeline_parallel_size, num_virtual_engines or pipeline_parallel_size)
-            runners = _tensor_parallel_runners(path, num_workers, sizes, memory, block_size,
-                                               resolve_dtype(dtype, device), device, attention_backend, swap,
-                                               gemm_backend, compile_mode, rank_placement)
-        else:
-            runners = {
-                f"worker-{i}": build_model_runner(
-                    path, kv_cache_memory_bytes=memory, block_size=block_size,
-                    dtype=getattr(torch, resolve_dtype(dtype, device)), device=device,
-                    attention_backend=attention_backend, gemm_backend=gemm_backend, compile_mode=compile_mode,
-                    swap_space_bytes=swap,
-                )
-                for i in range(num_workers)
-            }
+        runners = build_local_runners(path, self.config, rank_placement)
         self._runners = runners
-        scheduler = Scheduler(config)
+        scheduler = Scheduler(self.config.scheduler)
         for worker_id, runner in runners.items():
             scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks)
         self.engine = Engine(scheduler, LocalExecutor(runners))  # a thread per worker id: virtual engines overlap
@@ -281,27 +207,3 @@ class LLM:
             for rid in request_ids
         ]
 
-
-def _tensor_parallel_runners(path: Path, num_workers: int, sizes: tuple[int, int, int], memory: int,
-                             block_size: int, dtype: str, device: str, attention_backend: str, swap: int,
-                             gemm_backend: str, compile_mode: str, rank_placement=None) -> dict:
-    """``num_workers`` workers of ``sizes = (T, P, V)``: T*P ranks each, rank 0 here plus T*P-1 helper
-    processes; with P > 1, V virtual engines each (worker ids ``worker-<i>/ve<v>`` when V > 1)."""
-    from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
-    from pagedserve.engine.parallel.rank import RankConfig
-    from pagedserve.engine.parallel.rank_link import LOCAL
-
-    if gemm_backend != "torch" or compile_mode != "eager":
-        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 runs eager torch GEMMs only "
-                         "(gemm_backend='torch', compile_mode='eager')")
-    if num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
-        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "
-                         "(num_workers=1)")
-    tensor_parallel_size, pipeline_parallel_size, engines = sizes
-    config = RankConfig(str(path), memory, block_size, dtype, device, attention_backend, swap,
-                        pipeline_parallel_size=pipeline_parallel_size, num_virtual_engines=engines)
-    runner = start_tensor_parallel_runner(config, tensor_parallel_size, placement=rank_placement or LOCAL)
-    if pipeline_parallel_size == 1:
-        return {"worker-0": runner}
-    views = runner.virtual_engines()
-    return {"worker-0": views[0]} if len(views) == 1 else {f"worker-0/ve{i}": v for i, v in enumerate(views)}

@@ -43,3 +43,17 @@ def parse_cpu_list(text: str) -> tuple[int, ...]:
             raise ValueError(f"empty CPU range {part!r} in {text!r}")
         cores.update(range(first, last + 1))
     return tuple(sorted(cores))
+
+
+def parse_bytes_or_zero(text: str) -> int:
+    """Like :func:`parse_bytes`, and ``"0"`` (or ``""``) is 0: for sizes that may be none."""
+    return 0 if text.strip() in ("", "0") else parse_bytes(text)
+
+
+def format_bytes(size: int) -> str:
+    """``size`` bytes as :func:`parse_bytes` reads it back: in the largest binary unit that divides
+    it (``1073741824`` -> ``"1GiB"``), else in bytes."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if size and size % _BYTE_UNITS[unit.lower()] == 0:
+            return f"{size // _BYTE_UNITS[unit.lower()]}{unit}"
+    return str(size)

@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 def add_worker_rank_parser(sub) -> None:
     """Adds the ``worker-rank`` command to the subcommands ``sub``."""
-    from services.common.auth import add_cluster_token_arguments
+    from pagedserve.config_flags import add_config_arguments
+    from services.common.auth import ClusterAuth
 
     p = sub.add_parser(
         "worker-rank", help="join a tensor/pipeline-parallel worker as one of its ranks, from another machine",
@@ -35,7 +36,7 @@ def add_worker_rank_parser(sub) -> None:
                    help="torch CPU threads of this rank (default: this machine's cores)")
     p.add_argument("--connect-timeout", type=float, default=300.0,
                    help="seconds to keep dialing while rank 0 is not listening yet (default %(default)s)")
-    add_cluster_token_arguments(p)
+    add_config_arguments(p, ClusterAuth)
     p.set_defaults(func=cmd_worker_rank)
 
 
@@ -44,11 +45,10 @@ def cmd_worker_rank(args: argparse.Namespace) -> int:
     from multiprocessing import AuthenticationError
 
     from pagedserve.engine.parallel.group import CollectiveError
-    from services.common.auth import MISSING_CLUSTER_TOKEN, cluster_token_from_args
+    from pagedserve.config_flags import config_from_args
+    from services.common.auth import ClusterAuth
 
-    token = cluster_token_from_args(args)
-    if not token:
-        raise ValueError(MISSING_CLUSTER_TOKEN)
+    token = config_from_args(ClusterAuth, args).cluster_token
     try:
         run_remote_rank(args.rank_address, args.rank, token.encode(), args.connect_timeout, args.model,
                         args.num_threads)

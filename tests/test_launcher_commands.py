@@ -4,7 +4,9 @@ settings it was given (scheduler policy, the workers' rank grid)."""
 from __future__ import annotations
 
 from pagedserve.cli import build_parser
+from pagedserve.config_flags import config_from_args
 from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
+from pagedserve.engine.runner_config import EngineConfig, RunnerConfig
 from pagedserve.launcher import STOP_TIMEOUT_S, Stack, StackConfig
 from services.gateway.config import SHUTDOWN_CLOSE_S
 
@@ -12,10 +14,10 @@ from services.gateway.config import SHUTDOWN_CLOSE_S
 def up_commands(tmp_path, monkeypatch, policy: SchedulerConfig) -> list:
     """The parsed command lines `up` starts its services with (two schedulers, two workers)."""
     config = StackConfig(model=tmp_path, workers=2, host="127.0.0.1", port=1, scheduler_port=2,
-                         redis_url="redis://127.0.0.1:3/0", kv_cache_memory="64MiB", swap_space="0", policy=policy,
-                         threads_per_worker=1, data_dir=tmp_path, tensor_parallel_size=2, pipeline_parallel_size=2,
-                         virtual_engines=1, schedulers=2, compile_mode=CompileMode.INDUCTOR,
-                         gemm_backend=GemmBackend.ONEDNN)
+                         redis_url="redis://127.0.0.1:3/0", policy=policy, threads_per_worker=1, data_dir=tmp_path,
+                         runner=RunnerConfig(kv_cache_memory="64MiB", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                             virtual_engines=1, compile_mode=CompileMode.INDUCTOR,
+                                             gemm_backend=GemmBackend.ONEDNN), schedulers=2)
     stack, commands = Stack(config), []
     monkeypatch.setattr(stack, "_start_redis", lambda: None)  # nothing is started: only the commands are read
     monkeypatch.setattr(stack, "_wait_ready", lambda: None)
@@ -42,14 +44,12 @@ def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monke
 def test_prefill_chunk_sizing_defaults_agree_in_the_offline_engine_the_scheduler_and_up(tmp_path, monkeypatch):
     """How long a step with decodes may take (``max_decode_slowdown``, issue #20): one default,
     SchedulerConfig's, wherever a scheduler runs."""
-    import inspect
-
-    from pagedserve.llm import LLM
-    from services.scheduler.config import policy_from_args
+    def policy_from_args(args):
+        return config_from_args(SchedulerConfig, args, SchedulerConfig())
 
     default = SchedulerConfig().max_decode_slowdown
     assert default == 2.0
-    assert inspect.signature(LLM).parameters["max_decode_slowdown"].default == default
+    assert EngineConfig.of().scheduler.max_decode_slowdown == default  # what LLM(...) runs with
     standalone = build_parser().parse_args(["scheduler", "--redis-url", "redis://127.0.0.1:3/0"])
     assert standalone.max_decode_slowdown == default
     up_policy = policy_from_args(build_parser().parse_args(["up"]))

@@ -12,6 +12,7 @@ from pagedserve.cli import build_parser
 from pagedserve.launcher import LaunchError, Stack, StackConfig
 from pagedserve.local_redis import redis_settings
 from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.runner_config import RunnerConfig
 from services.common.auth import read_secret
 from services.common.grpc_server import (
     CLIENT_API_SERVER_OPTIONS, INTERNAL_CHANNEL_OPTIONS, INTERNAL_SERVER_OPTIONS, MiB,
@@ -44,7 +45,7 @@ def test_waiting_for_redis_never_shows_the_password():
 
 def test_launch_errors_never_show_the_password(tmp_path):
     config = StackConfig(model=tmp_path, workers=1, host="127.0.0.1", port=1, scheduler_port=2,
-                         redis_url="redis://:s3cret@192.0.2.1:6379/0", kv_cache_memory="64MiB", swap_space="0",
+                         redis_url="redis://:s3cret@192.0.2.1:6379/0", runner=RunnerConfig(kv_cache_memory="64MiB"),
                          policy=SchedulerConfig(), threads_per_worker=1, data_dir=tmp_path)
     with pytest.raises(LaunchError) as info:
         Stack(config).start()  # no Redis answers there, and it is not local
@@ -112,7 +113,7 @@ def test_message_size_limits_are_explicit():
 def test_short_cluster_tokens_are_refused():
     import argparse
 
-    from services.common.auth import cluster_token_from_args
+    from services.common.auth import read_cluster_token
 
     with pytest.raises(ValueError, match="fewer than 16"):
-        cluster_token_from_args(argparse.Namespace(cluster_token="x", cluster_token_file=""))
+        read_cluster_token("x", "")

@@ -21,11 +21,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedserve.config_flags import add_config_arguments, fields_except
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.metrics import latency_stats
 from pagedserve.bench.report import format_table
 from pagedserve.bench.throughput import add_plans_in_flight_argument
-from pagedserve.engine.config import CPU_TOKEN_BUDGET, add_compile_mode_argument, add_gemm_backend_argument
+from pagedserve.engine.config import CPU_TOKEN_BUDGET
 
 STREAM_PROMPT_TOKENS = 32
 WARM_TOKENS = 3
@@ -72,8 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="tokens each stream decodes in the run without the long prompt (default %(default)s)")
     p.add_argument("--kv-cache-memory", default="1GiB", help="engine KV-cache memory (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default %(default)s)")
-    add_gemm_backend_argument(p)
-    add_compile_mode_argument(p)
+    add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
     add_plans_in_flight_argument(p)
     p.add_argument("--result-json", type=Path, help="write every figure to this file")
     p.set_defaults(func=main)

@@ -25,12 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedserve.config_flags import add_config_arguments, fields_except
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.in_process import ttft_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.scheduler_cost import scheduler_iteration_ms
-from pagedserve.engine.config import (CompileMode, GemmBackend, SchedulerConfig, add_compile_mode_argument,
-                                      add_gemm_backend_argument)
+from pagedserve.engine.config import SchedulerConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,8 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="", help="model folder (default: the default model)")
     add_dataset_arguments(p)
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory of the worker (default %(default)s)")
-    add_gemm_backend_argument(p)
-    add_compile_mode_argument(p)
+    add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
     p.add_argument("--threads-per-worker", type=int, default=0,
                    help="model threads on both sides, pinned to the first cores (default: every core); fewer "
                         "than the cores leaves the rest to the gateway, scheduler, Redis and this client")
@@ -155,12 +155,13 @@ def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Name
         try:
             for n in plans_in_flight:
                 ports = [free_port() for _ in range(4)]
+                runner = RunnerConfig(kv_cache_memory=args.kv_cache_memory, gemm_backend=args.gemm_backend,
+                                      compile_mode=args.compile_mode)
                 stack = Stack(StackConfig(
                     model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
-                    redis_url=f"redis://127.0.0.1:{ports[2]}/0", kv_cache_memory=args.kv_cache_memory,
-                    swap_space="0", policy=SchedulerConfig(max_plans_in_flight=n), threads_per_worker=_threads(args),
-                    data_dir=Path(data_dir) / str(n), gemm_backend=GemmBackend(args.gemm_backend),
-                    compile_mode=CompileMode(args.compile_mode), http_port=ports[3],
+                    redis_url=f"redis://127.0.0.1:{ports[2]}/0", runner=runner,
+                    policy=SchedulerConfig(max_plans_in_flight=n), threads_per_worker=_threads(args),
+                    data_dir=Path(data_dir) / str(n), http_port=ports[3],
                 ))
                 stacks.append(stack)
                 stack.start()

@@ -1,7 +1,7 @@
 """`pagedserve bench pipeline-parallel`: offline throughput of one worker split into P pipeline
 stages (with V virtual engines) vs one rank, and the pipeline bubble.
 
-For each ``P:V`` a fresh in-process engine (``LLM(pipeline_parallel_size=P, num_virtual_engines=V)``:
+For each ``P:V`` a fresh in-process engine (``LLM(pipeline_parallel_size=P, virtual_engines=V)``:
 rank 0 here, P-1 helper processes over gloo) runs the same seeded random-token prompts as
 ``bench tensor-parallel``, greedy with EOS ignored; a short warm-up request runs first and is not
 timed. The ranks share this machine's cores (``cores // P`` torch threads each), so on a CPU the
@@ -90,7 +90,7 @@ def run_config(model: Path, stages: int, engines: int, prompts: list[list[int]],
     torch.set_num_threads(threads)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     try:
-        with LLM(model, kv_cache_memory=kv_memory, pipeline_parallel_size=stages, num_virtual_engines=engines) as llm:
+        with LLM(model, kv_cache_memory=kv_memory, pipeline_parallel_size=stages, virtual_engines=engines) as llm:
             llm.generate([prompts[0][:8]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
             pipeline = getattr(next(iter(llm._runners.values())), "pipeline", None)
             before = pipeline.stage_busy_seconds() if pipeline else None

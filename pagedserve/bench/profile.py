@@ -20,8 +20,10 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from pagedserve.config_flags import add_config_arguments, fields_except
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig
 from pagedserve.bench.machine import machine_info, machine_line
-from pagedserve.engine.config import ATTENTION_BACKENDS, add_compile_mode_argument, add_gemm_backend_argument
+from pagedserve.engine.config import ATTENTION_BACKENDS
 
 GEMMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PIECES = ("embed", "norm", "rotary", *GEMMS, "write_kv", "attention", "lm_head")
@@ -194,8 +196,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed decode steps per case (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory (default %(default)s)")
-    add_gemm_backend_argument(p)
-    add_compile_mode_argument(p)
+    add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: the C++ op on CPU; torch: gathered copies and SDPA, as before it (default %(default)s)")
     p.add_argument("--result-json", default="", help="write every figure to this file")

@@ -13,12 +13,13 @@ import argparse
 import json
 from pathlib import Path
 
+from pagedserve.config_flags import add_config_arguments, fields_except
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig
 from pagedserve.bench.datasets import add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.profile import StepTimers, instrument
 from pagedserve.bench.report import format_table
 from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
-from pagedserve.engine.config import add_compile_mode_argument, add_gemm_backend_argument
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="", help="model folder (default: the default model)")
     add_dataset_arguments(p)
     add_engine_arguments(p)
-    add_gemm_backend_argument(p)
-    add_compile_mode_argument(p)
+    add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
     p.add_argument("--result-json", type=Path, help="write every figure to this file")
     p.set_defaults(func=main, dtype="float32", device="cpu")
 

@@ -15,9 +15,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedserve.config_flags import add_config_arguments, fields_except
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.machine import machine_info, machine_line
-from pagedserve.engine.config import add_compile_mode_argument, add_gemm_backend_argument
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="dtype for both systems; auto: bfloat16 on CUDA, float32 on CPU (default %(default)s)")
     add_engine_arguments(p)
-    add_gemm_backend_argument(p)
-    add_compile_mode_argument(p)
+    add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
     p.add_argument("--result-json", type=Path, help="write every figure here")
     p.set_defaults(func=run)
 

@@ -24,12 +24,13 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedserve.config_flags import add_config_arguments, fields_except
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig
 from pagedserve.bench.datasets import add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.metrics import latency_stats
 from pagedserve.bench.report import format_table
 from pagedserve.bench.throughput import add_plans_in_flight_argument, build_engine
-from pagedserve.engine.config import add_compile_mode_argument, add_gemm_backend_argument
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="requests per second, Poisson arrivals; inf: all at once (default %(default)s)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="engine KV-cache memory (default %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine: most running sequences (default %(default)s)")
-    add_gemm_backend_argument(p)
-    add_compile_mode_argument(p)
+    add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
     add_plans_in_flight_argument(p)
     p.add_argument("--result-json", type=Path, help="write every figure to this file")
     p.set_defaults(func=main, dtype="float32", device="cpu")

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import enum
 from dataclasses import dataclass
+
+from pagedserve.options import option
 
 
 # Paged-attention implementations a worker may be started with (make_attention_backend picks one).
@@ -18,45 +19,11 @@ class GemmBackend(enum.Enum):
     ONEDNN = "onednn"  # oneDNN, weights prepacked: 2-3x faster on CPU; float32 sums in another order (opt-in)
 
 
-def add_gemm_backend_argument(parser: argparse.ArgumentParser) -> None:
-    """``--gemm-backend`` for every command that builds a model (worker, up, benchmarks)."""
-    parser.add_argument(
-        "--gemm-backend", choices=[b.value for b in GemmBackend], default=GemmBackend.TORCH.value,
-        help="linear layers on CPU: torch (F.linear; greedy output token-identical to transformers) or "
-             "onednn (weights prepacked for oneDNN: 2-3x faster matmuls, float32 sums in another order, so "
-             "greedy output can differ from transformers where two logits nearly tie) (default %(default)s)")
-
-
-def add_rank_grid_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--tensor-parallel-size``, ``--pipeline-parallel-size`` and ``--virtual-engines`` for every
-    command that builds a worker (worker, up, complete --offline)."""
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="ranks that split each layer of the model (Megatron-LM; every architecture, CPU): "
-                        "rank 0 talks to the scheduler, T-1 helper processes hold the other shards; "
-                        "--kv-cache-memory is per rank (default %(default)s)")
-    parser.add_argument("--pipeline-parallel-size", type=int, default=1,
-                        help="pipeline stages of consecutive layers (every architecture, CPU): T*P ranks, rank 0 "
-                        "in stage 0; --kv-cache-memory is per rank (default %(default)s)")
-    parser.add_argument("--virtual-engines", type=int, default=0,
-                        help="with --pipeline-parallel-size P > 1: virtual engines, each its own worker id "
-                        "<id>/ve<i> (and port), whose plans overlap in the stages; 0: P (default %(default)s)")
-
-
 class CompileMode(enum.Enum):
     """How the worker runs the model's dense part (``pagedserve/engine/models/compiled.py``)."""
 
     EAGER = "eager"  # op by op in torch eager: greedy output token-identical to HF with --gemm-backend torch
     INDUCTOR = "inductor"  # torch.compile (inductor) fuses norms, rotary, SiLU-mul, residual adds (opt-in)
-
-
-def add_compile_mode_argument(parser: argparse.ArgumentParser) -> None:
-    """``--compile-mode`` for every command that builds a model (worker, up, benchmarks)."""
-    parser.add_argument(
-        "--compile-mode", choices=[m.value for m in CompileMode], default=CompileMode.EAGER.value,
-        help="eager: run the model op by op (greedy output token-identical to transformers with "
-             "--gemm-backend torch); inductor: torch.compile the layers' dense part (fused RMSNorm, "
-             "rotary, SiLU*mul, residual adds; busy decode steps 4-15%% shorter on CPU, single-sequence "
-             "steps slightly longer; reductions in another order; about 40 s of compiling at start) (default %(default)s)")
 
 
 class PreemptionMode(enum.Enum):
@@ -101,50 +68,44 @@ def default_token_budget(device: str) -> int:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one iteration on one worker.
-
-    Attributes:
-        block_size: token slots per KV-cache block; every worker must use the same.
-        max_num_seqs: most sequences running on one worker at once.
-        max_num_batched_tokens: most tokens (decodes + prefill chunks) one worker computes in one
-            iteration. Decodes are served first; prefill chunks fill the rest, within the time
-            ``max_decode_slowdown`` leaves them. The default suits GPU workers; see
-            :func:`default_token_budget` for CPU ones.
-        enable_chunked_prefill: prefill prompts longer than what is left of the budget over several
-            iterations; without it a prompt is prefilled whole or waits (and one longer than the
-            budget is refused).
-        enable_prefix_caching: share cached full blocks between requests with the same prefix.
-        preemption_mode: ``recompute`` (free the blocks, prefill again later) or ``swap`` (copy
-            them to the worker's CPU blocks and back; recompute when CPU blocks run out).
-        policy: ``fcfs`` or ``priority`` (see pagedserve/engine/policy.py).
-        max_plans_in_flight: plans a worker may have been sent and not yet answered. 1: the next
-            plan is made once the worker's answer is in. 2 (overlap scheduling): the next plan is
-            made while the worker runs the current one; a sequence that decodes is scheduled
-            again before its new token is known, and the worker feeds that token in itself.
-            Outputs are the same either way (see docs/architecture.md, "Overlap scheduling").
-        placement: ``prefix`` (the worker holding the longest cached prefix of the prompt, balanced
-            against load) or ``least-loaded`` (the most free blocks).
-        max_decode_slowdown: with chunked prefill, a step that runs decodes takes at most this
-            many times as long as its decodes alone would (predicted from the worker's step
-            times): its prefill chunks are sized to fit (``pagedserve/engine/step_cost.py``).
-            Bounds the inter-token latency of running requests while long prompts are prefilled;
-            ``inf``: chunks fill the token budget.
+    """Limits of one iteration on one worker (its fields' ``help`` documents them).
 
     Raises:
         ValueError: a non-positive limit, more than ``MAX_PLANS_IN_FLIGHT`` plans in flight,
             a decode slowdown below 1, an unknown mode or policy.
     """
 
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = GPU_TOKEN_BUDGET
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
-    policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    max_plans_in_flight: int = 2
-    placement: Placement = Placement.PREFIX
-    max_decode_slowdown: float = 2.0
+    block_size: int = option("token slots per KV block; workers must use the same", 16)
+    max_num_seqs: int = option("most sequences running on one worker at once", 256)
+    max_num_batched_tokens: int = option(
+        "token budget of one iteration on one worker: decodes first, then prefill chunks within the time "
+        "--max-decode-slowdown leaves them; 256 suits CPU workers, 2048 GPU ones (see default_token_budget)",
+        GPU_TOKEN_BUDGET)
+    enable_chunked_prefill: bool = option(
+        "chunked prefill: a prompt longer than what is left of the budget is prefilled over several iterations "
+        "(off: each prompt whole in one iteration, and one longer than the budget is refused)", True)
+    enable_prefix_caching: bool = option("automatic prefix caching: cached full prompt blocks are shared "
+                                         "between requests with the same prefix", True)
+    preemption_mode: PreemptionMode = option(
+        "how to take blocks back from a running sequence when they run out: recompute (free them, prefill "
+        "again later) or swap (copy them to the worker's CPU blocks and back; needs workers with --swap-space)",
+        PreemptionMode.RECOMPUTE)
+    policy: SchedulingPolicy = option("fcfs, or priority (lower request priority runs first; "
+                                      "pagedserve/engine/policy.py)", SchedulingPolicy.FCFS, flag="scheduling-policy")
+    max_plans_in_flight: int = option(
+        f"plans a worker may have been sent before it answers (at most {MAX_PLANS_IN_FLIGHT}): 2 makes the next "
+        "plan while the model runs the current one (overlap scheduling: a decoding sequence is scheduled again "
+        "before its new token is known, the worker feeds it in itself), 1 makes it after the answer; outputs "
+        "are the same (docs/architecture.md, Overlap scheduling)", 2)
+    placement: Placement = option(
+        "where a new request runs: prefix (the scheduler, then the worker, holding most of its prompt's prefix "
+        "in cache, balanced against queues, KV usage and running sequences) or least-loaded (the most free KV "
+        "blocks; no forwarding between schedulers)", Placement.PREFIX)
+    max_decode_slowdown: float = option(
+        "with chunked prefill, a step that runs decodes may take at most this many times as long as the "
+        "decodes alone (predicted from the worker's step times, pagedserve/engine/step_cost.py); prefill "
+        "chunks beside them are sized to fit, so a long prompt does not stall running streams; inf: chunks "
+        "fill the token budget", 2.0)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_plans_in_flight"):

@@ -12,16 +12,17 @@ ends with ``UNAUTHENTICATED``.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import hmac
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from services.common.grpc_server import INTERNAL_CHANNEL_OPTIONS
-from services.common.service_args import env_default
+from pagedserve.options import Secret, option
 
 CLUSTER_TOKEN_KEY = "x-pagedserve-cluster-token"
 """Metadata key of the cluster token."""
@@ -57,33 +58,32 @@ def read_secret(value: str, path: str, what: str) -> str:
     return value
 
 
-def add_cluster_token_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
-    """Adds ``--cluster-token`` (env PAGEDSERVE_CLUSTER_TOKEN) and ``--cluster-token-file``.
+def cluster_token_option(when_missing: str = "required") -> Any:
+    """The ``cluster_token`` field of a config: ``--cluster-token`` (env PAGEDSERVE_CLUSTER_TOKEN) and
+    ``--cluster-token-file``; never shown in ``--help``. ``when_missing`` says what happens without one."""
+    return option(f"secret shared by the scheduler, workers and gateways ({when_missing}); on the command line it is "
+                  "visible in `ps`, prefer the file or the variable", "", repr=False, env="PAGEDSERVE_CLUSTER_TOKEN",
+                  secret=Secret(read_cluster_token, "the cluster token"))
 
-    The environment variable is read now, when the parser is built. The token is never shown in
-    ``--help``.
-    """
-    note = "required" if required else "default: a new random one"
-    parser.add_argument(
-        "--cluster-token", default=env_default("PAGEDSERVE_CLUSTER_TOKEN", ""),
-        help=f"secret shared by the scheduler, workers and gateways (env PAGEDSERVE_CLUSTER_TOKEN; {note}); "
-        "on the command line it is visible in `ps`, prefer the file or the variable",
-    )
-    parser.add_argument("--cluster-token-file", default="",
-                        help="file holding the cluster token (takes precedence over --cluster-token)")
+
+def api_key_option() -> Any:
+    """The ``api_key`` field of a config: ``--api-key`` (env PAGEDSERVE_API_KEY) and ``--api-key-file``."""
+    return option("clients must send `authorization: Bearer KEY` (default: no key); on the command line it is "
+                  "visible in `ps`, prefer the file or the variable", "", repr=False, env="PAGEDSERVE_API_KEY",
+                  secret=Secret(lambda value, path: read_secret(value, path, "the API key"), "the API key"))
 
 
 MIN_CLUSTER_TOKEN_CHARS = 16
 """A shorter cluster token is refused: it would be guessable."""
 
 
-def cluster_token_from_args(args: argparse.Namespace) -> str:
-    """The cluster token the flags name ("" when none).
+def read_cluster_token(value: str, path: str) -> str:
+    """The cluster token in the file ``path`` when given, else ``value`` ("" when none).
 
     Raises:
         ValueError: a token shorter than ``MIN_CLUSTER_TOKEN_CHARS`` (and as ``read_secret``).
     """
-    token = read_secret(args.cluster_token, args.cluster_token_file, "the cluster token")
+    token = read_secret(value, path, "the cluster token")
     if token and len(token) < MIN_CLUSTER_TOKEN_CHARS:
         raise ValueError(f"the cluster token has {len(token)} characters, fewer than {MIN_CLUSTER_TOKEN_CHARS}; "
                          "make one with `openssl rand -hex 32`")
@@ -239,3 +239,19 @@ def cluster_aio_channel(target: str, token: str) -> grpc.aio.Channel:
 def gateway_aio_interceptors(api_key: str) -> list[grpc.aio.ClientInterceptor]:
     """Client interceptors that send ``api_key`` to a gateway (none when ``api_key`` is "")."""
     return _aio_interceptors(bearer_metadata(api_key)) if api_key else []
+
+
+@dataclass(frozen=True)
+class ClusterAuth:
+    """The cluster token alone, for a command that needs nothing else of a service's config
+    (``pagedserve worker-rank``).
+
+    Raises:
+        ValueError: no cluster token.
+    """
+
+    cluster_token: str = cluster_token_option()
+
+    def __post_init__(self) -> None:
+        if not self.cluster_token:
+            raise ValueError(MISSING_CLUSTER_TOKEN)

@@ -23,13 +23,15 @@ Every series has the ``model_name`` label, as vLLM's do.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from dataclasses import dataclass
 from threading import Thread
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest, start_http_server
+
+from pagedserve.options import option
 
 log = logging.getLogger("pagedserve.metrics")
 
@@ -101,13 +103,10 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None, serv
     return running
 
 
-def add_metrics_port_argument(parser: argparse.ArgumentParser) -> None:
-    """``--metrics-port``: where the service serves Prometheus metrics (default: nowhere)."""
-    parser.add_argument(
-        "--metrics-port", type=int, default=None, metavar="PORT",
-        help="serve Prometheus metrics at /metrics on this port of the --host address (0 picks a free port, "
-        "logged at start; default: no metrics server)",
-    )
+def metrics_port_option() -> Any:
+    """The ``metrics_port`` field of a service's config: where it serves Prometheus metrics."""
+    return option("serve Prometheus metrics at /metrics on this port of the --host address (0 picks a free "
+                  "port, logged at start)", None, metavar="PORT", default_help="no metrics server")
 
 
 def check_metrics_port(port: int | None) -> None:

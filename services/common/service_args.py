@@ -1,14 +1,18 @@
-"""Command-line flags shared by several services, with environment-variable defaults.
+"""Config fields shared by several services (their flags: ``pagedserve/config_flags.py``).
 
 Environment variables are read when the parser is built (at start), never at import.
 """
 
 from __future__ import annotations
 
-import argparse
-import socket
+import dataclasses
 import os
+import socket
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from pagedserve.options import Secret, option
 
 
 def env_default(name: str, default: str) -> str:
@@ -32,48 +36,61 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{shown}@{after}"
 
 
-def add_redis_argument(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--redis-url`` (env PAGEDSERVE_REDIS_URL) and ``--redis-url-file``; read them with
-    ``redis_url_from_args``."""
-    default = env_default("PAGEDSERVE_REDIS_URL", "redis://127.0.0.1:6379/0")
-    parser.add_argument(
-        "--redis-url", default=default,
-        help="Redis holding the request stream and worker registrations (env PAGEDSERVE_REDIS_URL; "
-        f"default {redact_url(default)}); a URL with a password is visible in `ps` here, prefer the file "
-        "or the variable".replace("%", "%%"),
-    )
-    parser.add_argument("--redis-url-file", default="",
-                        help="file holding the Redis URL (takes precedence over --redis-url)")
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def redis_url_from_args(args: argparse.Namespace) -> str:
-    """The Redis URL of ``--redis-url-file`` if given, else of ``--redis-url``.
+def read_redis_url(value: str, path: str) -> str:
+    """The Redis URL in the file ``path`` when given, else ``value``.
 
     Raises:
         OSError: the file cannot be read.
         ValueError: the file is empty.
     """
-    if not args.redis_url_file:
-        return args.redis_url
-    url = Path(args.redis_url_file).read_text().strip()
+    if not path:
+        return value
+    url = Path(path).read_text().strip()
     if not url:
-        raise ValueError(f"--redis-url-file {args.redis_url_file} is empty")
+        raise ValueError(f"--redis-url-file {path} is empty")
     return url
 
 
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=env_default("PAGEDSERVE_MODEL", ""),
-        help="local Hugging Face model folder (env PAGEDSERVE_MODEL); default: SmolLM2-135M-Instruct, "
-        "built on first use by `pagedserve prepare-model`",
-    )
+def redis_url_option() -> Any:
+    """The ``redis_url`` field of a service's config: ``--redis-url`` (env PAGEDSERVE_REDIS_URL) and
+    ``--redis-url-file``. The URL may hold a password: print it with ``redact_url``."""
+    return option(
+        "Redis holding the request stream and worker registrations; a URL with a "
+        "password is visible in `ps` here, prefer the file or the variable", DEFAULT_REDIS_URL, repr=False,
+        env="PAGEDSERVE_REDIS_URL", secret=Secret(read_redis_url, "the Redis URL"), show=redact_url)
 
 
-def add_listen_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on; 0.0.0.0 serves other machines too (default %(default)s)")
-    parser.add_argument("--port", type=int, default=default_port, help="gRPC port (default %(default)s; 0 picks a free one)")
+def model_option(default: Any = dataclasses.MISSING) -> Any:
+    """The ``model`` field of a config: ``--model`` (env PAGEDSERVE_MODEL), the folder as given; the
+    command resolves it (``pagedserve.model_files.resolve_model``) and passes the folder."""
+    return option("local Hugging Face model folder", default, parse=str, env="PAGEDSERVE_MODEL",
+                  default_help="SmolLM2-135M-Instruct, built on first use by `pagedserve prepare-model`")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """The ``--model`` flag alone, for a command that resolves the folder itself (``complete``)."""
+
+    model: str = model_option("")
+
+
+def host_option() -> Any:
+    """The ``host`` field of a service's config: where its gRPC service listens."""
+    return option("address to listen on; 0.0.0.0 serves other machines too", "127.0.0.1")
+
+
+def port_option(default: int) -> Any:
+    """The ``port`` field of a service's config (0 picks a free one)."""
+    return option("gRPC port (0 picks a free one)", default)
+
+
+def advertise_host_option(env: str = "") -> Any:
+    """The ``advertise_host`` field: the address peers dial; "" makes it ``default_advertise_host(host)``."""
+    return option("host name or address the other services use to reach this one (registered in Redis)", "",
+                  env=env, default_help="--host, or this machine's address when listening on all interfaces")
 
 
 def default_advertise_host(listen_host: str) -> str:

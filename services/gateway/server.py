@@ -111,6 +111,27 @@ async def _close(server: grpc.aio.Server, http_task: asyncio.Task, tasks: list[a
     await redis_client.aclose()
 
 
+def _log_started(config: GatewayConfig, port: int, http_port: int, tls: bool) -> None:
+    """Logs where the gateway listens, and warns when it serves other machines without an API key."""
+    log.info("gateway %s listening on %s:%d (%s, %s), schedulers from Redis %s, model %s", config.gateway_id,
+             config.host, port, "TLS" if tls else "plaintext",
+             "API key required" if config.api_key else "no API key", redact_url(config.redis_url), config.model.name)
+    log.info("gateway %s OpenAI-compatible HTTP API listening on %s:%d (http_port=%d), model name %r",
+             config.gateway_id, config.host, http_port, http_port, config.model_name)
+    if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s without an API key: anyone who reaches this port can generate "
+                    "(set --api-key-file or PAGEDSERVE_API_KEY)", config.host)
+
+
+async def _until_signalled() -> None:
+    """Returns on the first SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
 async def serve_gateway(config: GatewayConfig) -> None:
     """Serves until SIGINT or SIGTERM, then drains (``drain.DrainingCore``): within
     ``config.shutdown_grace_s`` plus ``SHUTDOWN_CLOSE_S`` seconds it returns.
@@ -151,20 +172,8 @@ async def serve_gateway(config: GatewayConfig) -> None:
     watch = asyncio.create_task(_watch_health(health_servicer, router, producer, http_health))
     tasks = [asyncio.create_task(router.run()), watch]
     http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]))
-    log.info("gateway %s listening on %s:%d (%s, %s), schedulers from Redis %s, model %s", config.gateway_id,
-             config.host, port, "TLS" if credentials else "plaintext",
-             "API key required" if config.api_key else "no API key", redact_url(config.redis_url), config.model.name)
-    log.info("gateway %s OpenAI-compatible HTTP API listening on %s:%d (http_port=%d), model name %r",
-             config.gateway_id, config.host, http_port, http_port, config.model_name)
-    if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s without an API key: anyone who reaches this port can generate "
-                    "(set --api-key-file or PAGEDSERVE_API_KEY)", config.host)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    _log_started(config, port, http_port, tls=credentials is not None)
+    await _until_signalled()
     watch.cancel()  # from now on NOT_SERVING
     await health_servicer.enter_graceful_shutdown()
     http_health.serving = False

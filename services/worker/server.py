@@ -55,18 +55,18 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     tracer = telemetry.setup_tracing("pagedserve-worker")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    ranks = config.runner.tensor_parallel_size * config.runner.pipeline_parallel_size
     engines = _build_engines(config) if ranks > 1 else {config.worker_id: build_model_runner(
         config.model,
-        kv_cache_memory_bytes=config.kv_cache_memory,
+        kv_cache_memory_bytes=config.runner.kv_cache_memory,
         block_size=config.block_size,
-        dtype=getattr(torch, resolve_dtype(config.dtype, config.device)),
-        device=config.device,
-        attention_backend=config.attention_backend,
-        gemm_backend=config.gemm_backend,
-        compile_mode=config.compile_mode,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        swap_space_bytes=config.swap_space,
+        dtype=getattr(torch, resolve_dtype(config.runner.dtype, config.runner.device)),
+        device=config.runner.device,
+        attention_backend=config.runner.attention_backend,
+        gemm_backend=config.runner.gemm_backend,
+        compile_mode=config.runner.compile_mode,
+        gpu_memory_utilization=config.runner.gpu_memory_utilization,
+        swap_space_bytes=config.runner.swap_space,
     )}
     runner = next(iter(engines.values()))
     if hasattr(runner, "on_failure"):  # a tensor/pipeline-parallel worker whose rank died cannot recover: stop
@@ -127,23 +127,23 @@ def _build_engines(config: WorkerConfig) -> dict:
     from pagedserve.engine.parallel.rank import RankConfig
     from pagedserve.engine.parallel.rank_link import RankPlacement
 
-    if config.device != "cpu" or config.gemm_backend is not GemmBackend.TORCH or config.compile_mode is not CompileMode.EAGER:
+    if config.runner.device != "cpu" or config.runner.gemm_backend is not GemmBackend.TORCH or config.runner.compile_mode is not CompileMode.EAGER:
         raise ValueError("--tensor-parallel-size or --pipeline-parallel-size > 1 runs on the CPU with eager torch "
                          "GEMMs only (gloo; NCCL later)")
     import torch
 
-    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    ranks = config.runner.tensor_parallel_size * config.runner.pipeline_parallel_size
     local = config.local_ranks or ranks
     threads = max(1, (config.num_threads or torch.get_num_threads()) // local)
     torch.set_num_threads(threads)  # the worker's threads are shared among its ranks on this machine
-    rank = RankConfig(str(config.model), config.kv_cache_memory or (1 << 30), config.block_size,
-                      resolve_dtype(config.dtype, config.device), config.device, config.attention_backend,
-                      config.swap_space, num_threads=threads, pipeline_parallel_size=config.pipeline_parallel_size,
-                      num_virtual_engines=config.virtual_engines or config.pipeline_parallel_size)
+    rank = RankConfig(str(config.model), config.runner.kv_cache_memory or (1 << 30), config.block_size,
+                      resolve_dtype(config.runner.dtype, config.runner.device), config.runner.device, config.runner.attention_backend,
+                      config.runner.swap_space, num_threads=threads, pipeline_parallel_size=config.runner.pipeline_parallel_size,
+                      num_virtual_engines=config.runner.virtual_engines or config.runner.pipeline_parallel_size)
     placement = RankPlacement(config.rank_address, config.local_ranks, config.cluster_token.encode(),
                               config.rank_join_timeout_s)
-    runner = start_tensor_parallel_runner(rank, config.tensor_parallel_size, placement=placement)
-    if config.pipeline_parallel_size == 1:
+    runner = start_tensor_parallel_runner(rank, config.runner.tensor_parallel_size, placement=placement)
+    if config.runner.pipeline_parallel_size == 1:
         return {config.worker_id: runner}
     views = runner.virtual_engines()
     if len(views) == 1:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.cli import build_parser
-from services.gateway.config import gateway_config_from_args
+from pagedserve.config_flags import config_from_args
+from services.gateway.config import GatewayConfig
 
 
 def test_the_gateway_takes_no_scheduler_address(tmp_path, monkeypatch, capsys):
@@ -16,6 +17,6 @@ def test_the_gateway_takes_no_scheduler_address(tmp_path, monkeypatch, capsys):
         parser.parse_args(["gateway", "--scheduler", "127.0.0.1:50052"])
     assert "--scheduler" in capsys.readouterr().err
     args = parser.parse_args(["gateway", "--redis-url", "redis://127.0.0.1:6390/0", "--gateway-id", "gw-7"])
-    config = gateway_config_from_args(args, tmp_path)
+    config = config_from_args(GatewayConfig, args, model=tmp_path)
     assert (config.redis_url, config.gateway_id, config.cluster_token) == ("redis://127.0.0.1:6390/0", "gw-7", "a-long-enough-cluster-token")
     assert not hasattr(config, "scheduler_address") and "10.0.0.1" not in repr(config)

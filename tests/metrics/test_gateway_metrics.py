@@ -11,6 +11,7 @@ from pagedserve.cli import build_parser
 from pagedserve.engine.messages import FinishReason
 from pagedserve.launcher import StackConfig
 from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.runner_config import RunnerConfig
 from pagedserve.text.output_processor import TextDelta
 from services.common.metrics import serve_metrics
 from services.gateway.metrics import GatewayMetrics
@@ -94,7 +95,7 @@ def test_every_service_takes_metrics_port_and_up_spreads_its_ports():
         assert parser.parse_args([*command, "--metrics-port", "0"]).metrics_port == 0
     assert parser.parse_args(["up"]).metrics_port == 9450
     config = StackConfig(model=Path("m"), workers=2, host="127.0.0.1", port=1, scheduler_port=2, redis_url="redis://x",
-                         kv_cache_memory="1GiB", swap_space="0", policy=SchedulerConfig(), threads_per_worker=1,
+                         runner=RunnerConfig(kv_cache_memory="1GiB"), policy=SchedulerConfig(), threads_per_worker=1,
                          data_dir=Path("."), metrics_port=9000)
     assert config.metrics_ports() == {"gateway": 9000, "scheduler-0": 9001, "worker-0": 9002, "worker-1": 9003}
 

@@ -4,8 +4,8 @@ import argparse
 
 import pytest
 
+from pagedserve.config_flags import add_config_arguments, config_from_args, config_to_argv
 from pagedserve.engine.config import SchedulerConfig
-from services.scheduler.config import add_policy_arguments, policy_from_args, policy_to_args
 
 
 @pytest.mark.parametrize("config", [
@@ -17,8 +17,8 @@ from services.scheduler.config import add_policy_arguments, policy_from_args, po
 ])
 def test_policy_flags_round_trip(config):
     parser = argparse.ArgumentParser()
-    add_policy_arguments(parser)
-    assert policy_from_args(parser.parse_args(policy_to_args(config))) == config
+    add_config_arguments(parser, SchedulerConfig)
+    assert config_from_args(SchedulerConfig, parser.parse_args(config_to_argv(config))) == config
 
 
 @pytest.mark.parametrize("bad", [dict(block_size=0), dict(max_num_seqs=0), dict(preemption_mode="drop"),
@@ -35,6 +35,9 @@ def test_token_budget_defaults_follow_the_device():
     from pagedserve.cli import build_parser
     from pagedserve.engine.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, default_token_budget
 
+    def policy_from_args(args):
+        return config_from_args(SchedulerConfig, args)
+
     assert (default_token_budget("cpu"), default_token_budget("cuda"), default_token_budget("cuda:1")) == (
         CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET) == (256, 2048, 2048)
     up = build_parser().parse_args(["up"])
@@ -42,5 +45,5 @@ def test_token_budget_defaults_follow_the_device():
     assert policy_from_args(build_parser().parse_args(["up", "--max-num-batched-tokens", "1024"])
                             ).max_num_batched_tokens == 1024
     parser = argparse.ArgumentParser()
-    add_policy_arguments(parser)
+    add_config_arguments(parser, SchedulerConfig)
     assert policy_from_args(parser.parse_args([])).max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens

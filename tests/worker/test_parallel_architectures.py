@@ -80,7 +80,7 @@ def test_t2_and_p2_greedy_equal_one_rank_with_prefix_caching_and_preemption(tmp_
     reference = [generated_tokens(single, prompts) for _ in range(2)]  # the second round hits the prefix cache
     for t, p in ((2, 1), (1, 2)):
         with LLM(folder, kv_cache_memory=_kv_memory(folder, t, p), block_size=BLOCK, tensor_parallel_size=t,
-                 pipeline_parallel_size=p, num_virtual_engines=1) as llm:
+                 pipeline_parallel_size=p, virtual_engines=1) as llm:
             assert llm.stats().workers[0].num_blocks == NUM_BLOCKS
             assert [generated_tokens(llm, prompts) for _ in range(2)] == reference, (t, p)
             stats = llm.stats()

@@ -62,8 +62,8 @@ def test_unsupported_combinations_are_refused(tmp_path):
     folder = save_tiny_model(tmp_path / "m", "llama")  # 2 layers
     with pytest.raises(PipelineError, match="use fewer stages"):
         check_shardable(folder, 1, 3)
-    with pytest.raises(ValueError, match="num_virtual_engines=2: give 1, or more than 1 with pipeline_parallel_size > 1"):
-        LLM(save_tiny_tokenizer(folder), num_virtual_engines=2)
+    with pytest.raises(ValueError, match="virtual_engines=2: give 1, or more than 1 with pipeline_parallel_size > 1"):
+        LLM(save_tiny_tokenizer(folder), virtual_engines=2)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -40,7 +40,7 @@ def test_pipeline_greedy_equals_one_rank_with_prefix_caching_and_preemption(tiny
     # Each rank holds 1 of the 2 layers (and 1 of the 2 KV heads when T=2): 1/(T*P) of the bytes give
     # NUM_BLOCKS blocks, split between the V virtual engines; V times that gives each engine NUM_BLOCKS.
     with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK * v // (t * p), block_size=BLOCK,
-             tensor_parallel_size=t, pipeline_parallel_size=p, num_virtual_engines=v) as llm:
+             tensor_parallel_size=t, pipeline_parallel_size=p, virtual_engines=v) as llm:
         assert [w.num_blocks for w in llm.stats().workers] == [NUM_BLOCKS] * v
         assert [_tokens(llm, prompts) for _ in range(2)] == reference
         stats = llm.stats()
@@ -61,7 +61,7 @@ def test_a_rank_killed_mid_step_fails_the_step(tiny):
     and waits for the result; the last stage is then killed: the step raises within 2 s."""
     folder, prompts = tiny
     llm = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK, pipeline_parallel_size=2,
-              num_virtual_engines=1)
+              virtual_engines=1)
     try:
         runner = llm._runners["worker-0"]
         last_stage = runner.pipeline.helpers[0][0]
@@ -112,7 +112,7 @@ def test_a_plan_that_does_not_apply_is_refused_and_the_worker_goes_on(tiny, refe
     sampling rank's answer included), the worker is not broken, and the next prompts run."""
     folder, prompts = tiny
     with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
-             pipeline_parallel_size=2, num_virtual_engines=1) as llm:
+             pipeline_parallel_size=2, virtual_engines=1) as llm:
         assert _tokens(llm, prompts[:3]) == reference[0][:3]
         runner = llm._runners["worker-0"]
         session = runner.pipeline.runners[0]._session_id

@@ -91,7 +91,7 @@ def test_pp2_with_a_remote_last_stage_equals_one_rank(tiny, reference, remote):
     folder, prompts = tiny
     address, process = remote
     with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
-             pipeline_parallel_size=2, num_virtual_engines=1, rank_placement=placement(address)) as llm:
+             pipeline_parallel_size=2, virtual_engines=1, rank_placement=placement(address)) as llm:
         assert generated_tokens(llm, prompts) == reference
     assert process.wait(timeout=30) == 0  # rank 0 stopped it
 
@@ -111,6 +111,7 @@ def test_a_placement_is_checked_before_anything_starts():
 
 def test_worker_rank_flags_and_the_worker_s_checks(monkeypatch, tmp_path):
     from pagedserve.cli import build_parser
+    from pagedserve.engine.runner_config import RunnerConfig
     from services.worker.config import WorkerConfig
 
     monkeypatch.setenv("PAGEDSERVE_CLUSTER_TOKEN", "tok-from-env-0123456789")
@@ -119,7 +120,8 @@ def test_worker_rank_flags_and_the_worker_s_checks(monkeypatch, tmp_path):
     assert "tok-from-env" not in sub.format_help()
     args = parser.parse_args(["worker-rank", "--rank", "1", "--rank-address", "10.0.0.1:29600"])
     assert (args.rank, args.rank_address, args.cluster_token) == (1, "10.0.0.1:29600", "tok-from-env-0123456789")
-    base = dict(model=tmp_path, redis_url="redis://127.0.0.1:6379/0", cluster_token="t" * 32, tensor_parallel_size=2)
+    base = dict(model=tmp_path, redis_url="redis://127.0.0.1:6379/0", cluster_token="t" * 32,
+                runner=RunnerConfig(tensor_parallel_size=2))
     assert WorkerConfig(**base, local_ranks=1, rank_address="0.0.0.0:29600").local_ranks == 1
     with pytest.raises(ValueError, match="give --rank-address"):
         WorkerConfig(**base, local_ranks=1)

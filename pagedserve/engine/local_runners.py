@@ -1,0 +1,65 @@
+"""The model runners of an in-process engine (``pagedserve.llm.LLM``), by worker id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagedserve.engine.config import CompileMode, GemmBackend
+from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+
+
+def build_local_runners(path: Path, config: EngineConfig, rank_placement=None) -> dict:
+    """``config.num_workers`` workers' runners over the model folder ``path``, by worker id
+    (``worker-<i>``, or ``worker-0/ve<v>`` for virtual engines).
+
+    Args:
+        rank_placement: with T*P > 1, a :class:`~pagedserve.engine.parallel.rank_link.RankPlacement`
+            whose remote ranks (``pagedserve worker-rank``) rank 0 waits for; None: all spawned here.
+
+    Raises:
+        ValueError: T*P > 1 with several workers or with other kernels than eager torch GEMMs (and
+            the runners' own errors).
+    """
+    import torch
+
+    from pagedserve.engine.runner_factory import build_model_runner, resolve_dtype
+
+    runner = config.runner
+    if runner.ranks > 1:
+        return _parallel_runners(path, config, rank_placement)
+    return {
+        f"worker-{i}": build_model_runner(
+            path, kv_cache_memory_bytes=runner.kv_cache_memory, block_size=config.scheduler.block_size,
+            dtype=getattr(torch, resolve_dtype(runner.dtype, runner.device)), device=runner.device,
+            attention_backend=runner.attention_backend, gemm_backend=runner.gemm_backend,
+            compile_mode=runner.compile_mode, gpu_memory_utilization=runner.gpu_memory_utilization,
+            swap_space_bytes=runner.swap_space,
+        )
+        for i in range(config.num_workers)
+    }
+
+
+def _parallel_runners(path: Path, config: EngineConfig, rank_placement=None) -> dict:
+    """One worker of T*P ranks, rank 0 here plus T*P-1 helper processes (or remote ranks); with
+    P > 1, its virtual engines (worker ids ``worker-0/ve<v>`` when there are several)."""
+    from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
+    from pagedserve.engine.parallel.rank import RankConfig
+    from pagedserve.engine.parallel.rank_link import LOCAL
+    from pagedserve.engine.runner_factory import resolve_dtype
+
+    runner = config.runner
+    if runner.gemm_backend is not GemmBackend.TORCH or runner.compile_mode is not CompileMode.EAGER:
+        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 runs eager torch GEMMs only "
+                         "(gemm_backend='torch', compile_mode='eager')")
+    if config.num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
+        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "
+                         "(num_workers=1)")
+    ranks = RankConfig(str(path), runner.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, config.scheduler.block_size,
+                       resolve_dtype(runner.dtype, runner.device), runner.device, runner.attention_backend,
+                       runner.swap_space, pipeline_parallel_size=runner.pipeline_parallel_size,
+                       num_virtual_engines=runner.num_virtual_engines)
+    leader = start_tensor_parallel_runner(ranks, runner.tensor_parallel_size, placement=rank_placement or LOCAL)
+    if runner.pipeline_parallel_size == 1:
+        return {"worker-0": leader}
+    views = leader.virtual_engines()
+    return {"worker-0": views[0]} if len(views) == 1 else {f"worker-0/ve{i}": v for i, v in enumerate(views)}

@@ -1,0 +1,48 @@
+"""Configs made from their dataclasses' fields: every service config goes through its own flags
+and comes back equal (what `pagedserve up` relies on to start its children), and LLM's options
+are the engine config's fields."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedserve.cli import build_parser
+from pagedserve.config_flags import config_from_args, config_to_argv
+from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.runner_config import EngineConfig, RunnerConfig
+from services.gateway.config import GatewayConfig
+from services.scheduler.config import SchedulerServiceConfig
+from services.worker.config import WorkerConfig
+
+TOKEN = "a-long-enough-cluster-token"
+
+
+@pytest.mark.parametrize("command, config", [
+    ("scheduler", SchedulerServiceConfig(cluster_token=TOKEN, port=7, consumer_name="s-1", lease_ttl_s=4.5,
+                                         policy=SchedulerConfig(enable_chunked_prefill=False, policy="priority",
+                                                                max_decode_slowdown=float("inf")))),
+    ("worker", WorkerConfig(model=Path("/m"), cluster_token=TOKEN, worker_id="w-1", cpu_affinity=(0, 1, 3),
+                            runner=RunnerConfig(kv_cache_memory="512MiB", swap_space="3MiB", gemm_backend="onednn",
+                                                pipeline_parallel_size=2, virtual_engines=2))),
+    ("gateway", GatewayConfig(model=Path("/m"), cluster_token=TOKEN, gateway_id="g-1", tls_cert_file=Path("c"),
+                              tls_key_file=Path("k"), metrics_port=0, shutdown_grace_s=2.5)),
+])
+def test_a_service_config_comes_back_equal_from_its_flags(monkeypatch, command, config):
+    monkeypatch.setenv("PAGEDSERVE_CLUSTER_TOKEN", TOKEN)  # secrets travel in the environment, not argv
+    argv = config_to_argv(config)
+    assert TOKEN not in argv
+    args = build_parser().parse_args([command, *argv])
+    given = {"model": config.model} if hasattr(config, "model") else {}
+    assert config_from_args(type(config), args, **given) == config
+
+
+def test_llm_options_are_the_engine_config_s_fields():
+    config = EngineConfig.of(block_size=8, gemm_backend="onednn", kv_cache_memory="4MiB", num_workers=2)
+    assert (config.scheduler.block_size, config.runner.gemm_backend.value, config.runner.kv_cache_memory,
+            config.num_workers) == (8, "onednn", 4 << 20, 2)
+    assert config.scheduler.max_num_batched_tokens == 256  # the CPU token budget
+    assert EngineConfig.of(device="cuda").scheduler.max_num_batched_tokens == 2048
+    with pytest.raises(TypeError, match="num_virtual_engines"):
+        EngineConfig.of(num_virtual_engines=2)
