@@ -79,7 +79,7 @@ class LLM:
 
     Raises:
         ValueError: an invalid limit or size.
-        pagedserve.engine.model_info.ModelFolderError: not a supported model folder.
+        pagedserve.engine.models.config.ModelConfigError: not a supported model folder.
     """
 
     def __init__(
