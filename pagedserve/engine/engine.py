@@ -15,7 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedserve.engine.messages import BatchPlan, EngineRequest, RequestOutput, StepResult
+from pagedserve.engine.messages import BatchPlan, EngineRequest, StepResult
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 
 

@@ -17,8 +17,9 @@ from collections.abc import Collection, Mapping, Sequence as Seq
 
 from pagedserve.engine.block_manager import NO_PREFIX
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
-from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, RequestOutput,
-                                        ResumedSample, SampledToken, SchedulerOutput, SequenceId, StepResult)
+from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, ResumedSample,
+                                        SampledToken, SequenceId, StepResult)
+from pagedserve.engine.outputs import RequestOutput, SchedulerOutput
 from pagedserve.engine.limits import num_new_tokens, rejection_error, worker_loss_error
 from pagedserve.engine.parallel_sampling import Forks
 from pagedserve.engine.policy import POLICIES
@@ -144,8 +145,8 @@ class Scheduler:
             self._finish(seq, FinishReason.ABORT)
         if sample_index is None:
             self._forks.forget(request_id)
-        return [RequestOutput(seq.request_id, seq.num_output_tokens, (), FinishReason.ABORT, error, seq.sample_index)
-                for seq in found]
+        return [RequestOutput.aborted(seq.request_id, error, sample_index=seq.sample_index,
+                                      first_output_index=seq.num_output_tokens) for seq in found]
 
     def has_request(self, request_id: str) -> bool:
         """Whether any sample of request ``request_id`` is still in flight."""
@@ -305,14 +306,15 @@ class Scheduler:
         eos = not seq.sampling.ignore_eos and token_id in seq.sampling.eos_token_ids
         stop_token_id = token_id if reason is FinishReason.STOP and not eos else None
         logprobs = (sampled.logprobs,) if sampled.logprobs is not None else ()
-        return RequestOutput(seq.request_id, index, (token_id,), reason, None, seq.sample_index, logprobs,
-                             prompt_logprobs, stop_token_id)
+        return RequestOutput(request_id=seq.request_id, first_output_index=index, new_token_ids=(token_id,),
+                             finish_reason=reason, sample_index=seq.sample_index, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs, stop_token_id=stop_token_id)
 
     def _out_of_memory(self, seq: Sequence) -> None:
         """Finishes a sequence that fills its worker's whole cache, with reason ``length``."""
         self._finish(seq, FinishReason.LENGTH)
-        self._outputs.append(RequestOutput(seq.request_id, seq.num_output_tokens, (), FinishReason.LENGTH,
-                                           None, seq.sample_index))
+        self._outputs.append(RequestOutput(request_id=seq.request_id, first_output_index=seq.num_output_tokens,
+                                           finish_reason=FinishReason.LENGTH, sample_index=seq.sample_index))
 
     def _preempt(self, worker: WorkerState, seq: Sequence, draft: PlanDraft) -> None:
         """Takes a running sequence's blocks back: swap when asked and possible, else recompute."""

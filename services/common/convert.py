@@ -12,11 +12,11 @@ from pagedserve.engine.messages import (
     FinishReason,
     NewRequestData,
     RequestError,
-    RequestOutput,
     SampledToken,
     SequenceId,
     StepResult,
 )
+from pagedserve.engine.outputs import OutputKind, RequestOutput
 from services.common.convert_logprobs import (entries_from_pb, prompt_logprobs_from_pb, prompt_logprobs_to_pb,
                                               token_logprobs_from_pb, token_logprobs_to_pb)
 from services.common.pb import engine_pb2 as pb
@@ -29,6 +29,8 @@ _FINISH_TO_PB = {
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+_KIND_TO_PB = {OutputKind.TOKENS: pb.TOKEN_EVENT_KIND_TOKENS, OutputKind.TAKEN: pb.TOKEN_EVENT_KIND_TAKEN}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
 
 def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
@@ -215,6 +217,7 @@ def output_to_pb(output: RequestOutput) -> pb.TokenEvent:
     """RequestOutput -> pb.TokenEvent (scheduler to gateway)."""
     event = pb.TokenEvent(
         request_id=output.request_id,
+        kind=_KIND_TO_PB[output.kind],
         first_output_index=output.first_output_index,
         token_ids=output.new_token_ids,
         sample_index=output.sample_index,
@@ -237,6 +240,7 @@ def output_from_pb(event: pb.TokenEvent) -> RequestOutput:
     """pb.TokenEvent -> RequestOutput (in the gateway)."""
     return RequestOutput(
         request_id=event.request_id,
+        kind=_KIND_FROM_PB[event.kind],
         first_output_index=event.first_output_index,
         new_token_ids=tuple(event.token_ids),
         finish_reason=_FINISH_FROM_PB.get(event.finish_reason),

@@ -41,7 +41,8 @@ from torch import nn
 from pagedserve.engine.attention.alibi import alibi_slopes
 from pagedserve.engine.models.checkpoint_map import load_renamed
 from pagedserve.engine.models.gpt_config import FalconConfig
-from pagedserve.engine.models.gpt_neox import DenseGeluMLP, FusedQKVAttention, fused_qkv_checkpoint_slice, qkv_row_orders
+from pagedserve.engine.models.gpt_neox import (DenseGeluMLP, FusedQKVAttention, fused_qkv_checkpoint_slice,
+                                               qkv_row_orders)
 from pagedserve.engine.models.layers import LayerNorm
 from pagedserve.engine.models.llama import PagedAttentionFn
 from pagedserve.engine.models.rope import RotaryEmbedding

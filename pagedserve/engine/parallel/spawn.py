@@ -83,7 +83,7 @@ def stop_helpers(helpers: list[tuple[mp.Process, Connection]]) -> None:
     """Tells each helper rank to stop, waits up to 10 s for it, then kills it."""
     for process, conn in helpers:
         try:
-            conn.send(_STOP)
+            conn.send(STOP)
         except OSError:
             pass
         process.join(timeout=10)
