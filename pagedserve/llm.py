@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.engine.messages import EngineRequest, FinishReason
+from pagedserve.engine.messages import EngineRequest, FinishReason, SequenceId
 from pagedserve.llm_outputs import CompletionOutput, SampleCollector, SampleOutput, best_samples  # noqa: F401 (re-exported)
 from pagedserve.model_files import resolve_model
 from pagedserve.engine.sampling_params import SamplingParams
@@ -215,7 +215,7 @@ class LLM:
                 continue
             delta = state.process(output)
             if delta.stop_string_matched:
-                self.engine.abort_request(output.request_id, output.sample_index)
+                self.engine.abort_sample(SequenceId(output.request_id, output.sample_index))
             if state.finished:
                 del self._states[output.request_id]
                 del self._prompts[output.request_id]

@@ -77,7 +77,7 @@ class Scheduler:
             seq.num_worker_losses += 1
             self._requeue(seq)
             if (error := worker_loss_error(seq)) is not None:
-                outputs += self.abort_request(seq.request_id, seq.sample_index, error)
+                outputs += self.abort_sample(seq.seq_id, error)
         return outputs
 
     @property
@@ -128,23 +128,25 @@ class Scheduler:
             self._waiting.push_preempted(seq)
         self._forks.adopt(request, sequences)
 
-    def abort_request(self, request_id: str, sample_index: int | None = None,
-                      error: RequestError | None = None) -> list[RequestOutput]:
-        """Finishes a request now (all its samples, or only ``sample_index``) and frees its blocks.
+    def abort_request(self, request_id: str, error: RequestError | None = None) -> list[RequestOutput]:
+        """Finishes every sample of a request now and frees their blocks.
 
         Returns:
             The final output (reason ``abort``, with ``error`` if given) of every sample that was
             in flight; empty if none was.
         """
-        if sample_index is None:
-            ids = self._forks.sequence_ids(request_id) or [SequenceId(request_id, 0)]
-        else:
-            ids = [SequenceId(request_id, sample_index)]
+        outputs = self._abort(self._forks.sequence_ids(request_id) or [SequenceId(request_id, 0)], error)
+        self._forks.forget(request_id)
+        return outputs
+
+    def abort_sample(self, seq_id: SequenceId, error: RequestError | None = None) -> list[RequestOutput]:
+        """Finishes one sample of a request now (the others go on); as :meth:`abort_request`."""
+        return self._abort([seq_id], error)
+
+    def _abort(self, ids: list[SequenceId], error: RequestError | None) -> list[RequestOutput]:
         found = [self._sequences[i] for i in ids if i in self._sequences]
         for seq in found:
             self._finish(seq, FinishReason.ABORT)
-        if sample_index is None:
-            self._forks.forget(request_id)
         return [RequestOutput.aborted(seq.request_id, error, sample_index=seq.sample_index,
                                       first_output_index=seq.num_output_tokens) for seq in found]
 
@@ -289,7 +291,7 @@ class Scheduler:
         """Ends (with RESOURCE_EXHAUSTED) a sequence no worker could ever run; True if it fits."""
         error = rejection_error(seq, [w.blocks.num_blocks for w in self._workers.values()], self.config)
         if error is not None:
-            self._outputs += self.abort_request(seq.request_id, seq.sample_index, error)
+            self._outputs += self.abort_sample(seq.seq_id, error)
         return error is None
 
     # ---- state changes -------------------------------------------------------------------

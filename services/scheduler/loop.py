@@ -18,7 +18,7 @@ from collections.abc import Callable
 import grpc
 from opentelemetry import trace
 
-from pagedserve.engine.messages import RequestError
+from pagedserve.engine.messages import RequestError, SequenceId
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common.convert import output_to_pb, request_from_pb
@@ -294,7 +294,8 @@ class SchedulerLoop:
 
     def _abort(self, request_id: str, sample_index: int | None = None) -> bool:
         """Aborts a request (or one sample); its gateway gets the final ABORT outputs."""
-        outputs = self.scheduler.abort_request(request_id, sample_index)
+        outputs = (self.scheduler.abort_request(request_id) if sample_index is None
+                   else self.scheduler.abort_sample(SequenceId(request_id, sample_index)))
         waiting = self._resumes.drop(request_id) if sample_index is None else None
         if waiting is not None:  # taken over, and its client is gone: nothing to resume
             self.acks.put(waiting.entry_id)
