@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedserve.engine.messages import EngineRequest, FinishReason
+from pagedserve.engine.messages import EngineRequest, FinishReason, SequenceId
 from pagedserve.llm_outputs import CompletionOutput, SampleCollector, SampleOutput, best_samples  # noqa: F401 (re-exported)
 from pagedserve.model_files import resolve_model
 from pagedserve.engine.sampling_params import SamplingParams
@@ -57,7 +57,7 @@ class LLM:
     Raises:
         TypeError: an unknown option, or options beside ``config``.
         ValueError: an invalid limit or size.
-        pagedserve.engine.model_info.ModelFolderError: not a supported model folder.
+        pagedserve.engine.models.config.ModelConfigError: not a supported model folder.
     """
 
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None, *,
@@ -138,7 +138,7 @@ class LLM:
                 continue
             delta = state.process(output)
             if delta.stop_string_matched:
-                self.engine.abort_request(output.request_id, output.sample_index)
+                self.engine.abort_sample(SequenceId(output.request_id, output.sample_index))
             if state.finished:
                 del self._states[output.request_id]
                 del self._prompts[output.request_id]

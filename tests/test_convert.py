@@ -2,7 +2,8 @@
 
 from services.common import convert
 from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, NewRequestData,
-                                      RequestError, RequestOutput, SampledToken, SequenceId, StepResult)
+                                        RequestError, SampledToken, SequenceId, StepResult)
+from pagedserve.engine.outputs import OutputKind, RequestOutput
 from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerStats, WorkerStats
@@ -39,8 +40,11 @@ def test_plan_round_trip():
 def test_results_outputs_and_stats_round_trip():
     result = StepResult(3, (SampledToken(SequenceId("a", 0), 11, -0.5, 2),))
     assert convert.step_result_from_pb(convert.step_result_to_pb(result)) == result
-    output = RequestOutput("a", 4, (11,), FinishReason.LENGTH, RequestError(ErrorKind.RESOURCE_EXHAUSTED, "too big"), 2)
+    output = RequestOutput(request_id="a", first_output_index=4, new_token_ids=(11,),
+                           finish_reason=FinishReason.LENGTH, error=RequestError(ErrorKind.RESOURCE_EXHAUSTED, "too big"), sample_index=2)
     assert convert.output_from_pb(convert.output_to_pb(output)) == output
+    for kind in OutputKind:
+        assert convert.output_from_pb(convert.output_to_pb(RequestOutput(request_id="a", kind=kind))).kind is kind
     stats = SchedulerStats(1, 2, 3, 4, (WorkerStats("w", 10, 5, 2, 1, 3),), 1, 2, 100, 40)
     assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats
 
@@ -60,7 +64,8 @@ def test_sampling_logprobs_and_stop_reason_round_trip():
     result = StepResult(3, (SampledToken(seq, 7, -0.5, 0, entry), SampledToken(SequenceId("q"), 1, 0.0)),
                         (PromptLogprobs(seq, 1, (entry,)),))
     assert step_result_from_pb(step_result_to_pb(result)) == result
-    output = RequestOutput("r", 0, (7,), FinishReason.STOP, None, 0, (entry,), (entry,), 7)
+    output = RequestOutput(request_id="r", new_token_ids=(7,), finish_reason=FinishReason.STOP, logprobs=(entry,),
+                           prompt_logprobs=(entry,), stop_token_id=7)
     assert output_from_pb(output_to_pb(output)) == output
-    bare = RequestOutput("r", 1, (8,))
+    bare = RequestOutput(request_id="r", first_output_index=1, new_token_ids=(8,))
     assert output_from_pb(output_to_pb(bare)) == bare

@@ -111,7 +111,7 @@ def run_config(model: Path, stages: int, engines: int, prompts: list[list[int]],
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedserve.engine.models import load_model_config
+    from pagedserve.engine.models.registry import load_model_config
     from pagedserve.model_files import resolve_model
 
     model = resolve_model(args.model or None)

@@ -17,7 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedserve.engine.messages import BatchPlan, EngineRequest, RequestOutput, StepResult
+from pagedserve.engine.messages import BatchPlan, EngineRequest, SequenceId, StepResult
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 
 
@@ -99,10 +100,14 @@ class Engine:
         """Queues a request (see ``Scheduler.add_request``)."""
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str, sample_index: int | None = None) -> list[RequestOutput]:
-        """Stops a request (or one of its samples) and frees its blocks; returns the final outputs
-        of the samples that were in flight (none if it had finished)."""
-        return self.scheduler.abort_request(request_id, sample_index)
+    def abort_request(self, request_id: str) -> list[RequestOutput]:
+        """Stops every sample of a request and frees its blocks; returns the final outputs of the
+        samples that were in flight (none if it had finished)."""
+        return self.scheduler.abort_request(request_id)
+
+    def abort_sample(self, seq_id: SequenceId) -> list[RequestOutput]:
+        """Stops one sample of a request (the others go on); as :meth:`abort_request`."""
+        return self.scheduler.abort_sample(seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

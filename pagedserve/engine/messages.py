@@ -1,7 +1,8 @@
 """In-process messages of the engine: frozen dataclasses mirroring proto/engine.proto.
 
 The scheduler produces a ``BatchPlan`` per worker per iteration; the worker answers with a
-``StepResult``; the scheduler turns results into ``RequestOutput`` events for the front end.
+``StepResult``; the scheduler turns results into ``RequestOutput`` events for the front end
+(``outputs.py``).
 The plan carries deltas, as vLLM V1's scheduler output does: a request travels in full once
 (``NewRequestData``), then only as ``CachedRequestData`` (new block ids, tokens scheduled now).
 ``services/common/convert.py`` maps these to and from protobuf at process boundaries.
@@ -257,49 +258,3 @@ class RequestError:
 
     kind: ErrorKind
     message: str
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one iteration produced for one request, for the front end.
-
-    Attributes:
-        first_output_index: position in the output of ``new_token_ids[0]`` (0 for the first token).
-        new_token_ids: tokens generated in this iteration (zero or one today).
-        finish_reason: set once per sample, on its last output.
-        error: set when the request was aborted because it cannot be served.
-        sample_index: which of the request's ``n`` samples the tokens belong to.
-        logprobs: when the request asks for ``logprobs``: one entry per ``new_token_ids`` entry; else empty.
-        prompt_logprobs: when the request asks for ``prompt_logprobs``: on sample 0's first output
-            only, one entry per prompt position 1..P-1 (position 0 has none); else ``None``.
-        stop_token_id: the id from ``stop_token_ids`` that finished the sample (vLLM's
-            ``stop_reason`` for a stop token); ``None`` otherwise (EOS, length, abort).
-    """
-
-    request_id: str
-    first_output_index: int
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None = None
-    error: RequestError | None = None
-    sample_index: int = 0
-    logprobs: tuple[TokenLogprobs, ...] = ()
-    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
-    stop_token_id: int | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """What one ``schedule`` call produced.
-
-    Attributes:
-        plans: one plan per worker that has something to do, keyed by worker id.
-        outputs: outputs made while scheduling (requests refused as too large for any worker,
-            sequences that filled a whole worker and end with ``length``).
-    """
-
-    plans: Mapping[str, BatchPlan]
-    outputs: tuple[RequestOutput, ...] = ()

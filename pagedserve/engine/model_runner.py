@@ -80,8 +80,9 @@ def _check_schedulable(state: RequestState, num_scheduled: int, num_blocks: int,
             f"sequence {state.seq_id}: {num_blocks} blocks of {block_size} cannot hold {end} tokens")
 
 
-def _batch_order(s: ScheduledRequest) -> tuple[bool, int]:
-    """Decodes first, longest context first (so decode chunks pad little); prefills keep plan order."""
+def batch_order(s: ScheduledRequest) -> tuple[bool, int]:
+    """The order a step runs its sequences in (also a pipeline stage's): decodes first, longest context
+    first (so decode chunks pad little); prefills keep plan order."""
     is_decode = s.num_scheduled_tokens == 1
     return (not is_decode, -s.state.num_computed_tokens if is_decode else 0)
 
@@ -219,7 +220,7 @@ class ModelRunner:
     def _run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[SampledToken], list[PromptLogprobs]]:
         """Forward + sampling; appends sampled tokens to the states; returns them in ``scheduled``
         order, and the prompt logprobs of the chunks computed for sequences that ask for them."""
-        batch = sorted(scheduled, key=_batch_order)
+        batch = sorted(scheduled, key=batch_order)
         hidden = self._forward(batch)                                     # (T, hidden)
         ends, rows, chunks, total = [], [], [], 0
         for s in batch:

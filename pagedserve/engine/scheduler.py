@@ -17,8 +17,9 @@ from collections.abc import Collection, Mapping, Sequence as Seq
 
 from pagedserve.engine.block_manager import NO_PREFIX
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
-from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, RequestOutput,
-                                        ResumedSample, SampledToken, SchedulerOutput, SequenceId, StepResult)
+from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, ResumedSample,
+                                        SampledToken, SequenceId, StepResult)
+from pagedserve.engine.outputs import RequestOutput, SchedulerOutput
 from pagedserve.engine.limits import num_new_tokens, rejection_error, worker_loss_error
 from pagedserve.engine.parallel_sampling import Forks
 from pagedserve.engine.policy import POLICIES
@@ -76,7 +77,7 @@ class Scheduler:
             seq.num_worker_losses += 1
             self._requeue(seq)
             if (error := worker_loss_error(seq)) is not None:
-                outputs += self.abort_request(seq.request_id, seq.sample_index, error)
+                outputs += self.abort_sample(seq.seq_id, error)
         return outputs
 
     @property
@@ -127,25 +128,27 @@ class Scheduler:
             self._waiting.push_preempted(seq)
         self._forks.adopt(request, sequences)
 
-    def abort_request(self, request_id: str, sample_index: int | None = None,
-                      error: RequestError | None = None) -> list[RequestOutput]:
-        """Finishes a request now (all its samples, or only ``sample_index``) and frees its blocks.
+    def abort_request(self, request_id: str, error: RequestError | None = None) -> list[RequestOutput]:
+        """Finishes every sample of a request now and frees their blocks.
 
         Returns:
             The final output (reason ``abort``, with ``error`` if given) of every sample that was
             in flight; empty if none was.
         """
-        if sample_index is None:
-            ids = self._forks.sequence_ids(request_id) or [SequenceId(request_id, 0)]
-        else:
-            ids = [SequenceId(request_id, sample_index)]
+        outputs = self._abort(self._forks.sequence_ids(request_id) or [SequenceId(request_id, 0)], error)
+        self._forks.forget(request_id)
+        return outputs
+
+    def abort_sample(self, seq_id: SequenceId, error: RequestError | None = None) -> list[RequestOutput]:
+        """Finishes one sample of a request now (the others go on); as :meth:`abort_request`."""
+        return self._abort([seq_id], error)
+
+    def _abort(self, ids: list[SequenceId], error: RequestError | None) -> list[RequestOutput]:
         found = [self._sequences[i] for i in ids if i in self._sequences]
         for seq in found:
             self._finish(seq, FinishReason.ABORT)
-        if sample_index is None:
-            self._forks.forget(request_id)
-        return [RequestOutput(seq.request_id, seq.num_output_tokens, (), FinishReason.ABORT, error, seq.sample_index)
-                for seq in found]
+        return [RequestOutput.aborted(seq.request_id, error, sample_index=seq.sample_index,
+                                      first_output_index=seq.num_output_tokens) for seq in found]
 
     def has_request(self, request_id: str) -> bool:
         """Whether any sample of request ``request_id`` is still in flight."""
@@ -288,7 +291,7 @@ class Scheduler:
         """Ends (with RESOURCE_EXHAUSTED) a sequence no worker could ever run; True if it fits."""
         error = rejection_error(seq, [w.blocks.num_blocks for w in self._workers.values()], self.config)
         if error is not None:
-            self._outputs += self.abort_request(seq.request_id, seq.sample_index, error)
+            self._outputs += self.abort_sample(seq.seq_id, error)
         return error is None
 
     # ---- state changes -------------------------------------------------------------------
@@ -304,14 +307,15 @@ class Scheduler:
             self._workers[seq.worker_id].cache_full_blocks(seq)  # a block may have waited for this token
         stop_token_id = seq.sampling.stop_token_id(token_id) if reason is FinishReason.STOP else None
         logprobs = (sampled.logprobs,) if sampled.logprobs is not None else ()
-        return RequestOutput(seq.request_id, index, (token_id,), reason, None, seq.sample_index, logprobs,
-                             prompt_logprobs, stop_token_id)
+        return RequestOutput(request_id=seq.request_id, first_output_index=index, new_token_ids=(token_id,),
+                             finish_reason=reason, sample_index=seq.sample_index, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs, stop_token_id=stop_token_id)
 
     def _out_of_memory(self, seq: Sequence) -> None:
         """Finishes a sequence that fills its worker's whole cache, with reason ``length``."""
         self._finish(seq, FinishReason.LENGTH)
-        self._outputs.append(RequestOutput(seq.request_id, seq.num_output_tokens, (), FinishReason.LENGTH,
-                                           None, seq.sample_index))
+        self._outputs.append(RequestOutput(request_id=seq.request_id, first_output_index=seq.num_output_tokens,
+                                           finish_reason=FinishReason.LENGTH, sample_index=seq.sample_index))
 
     def _preempt(self, worker: WorkerState, seq: Sequence, draft: PlanDraft) -> None:
         """Takes a running sequence's blocks back: swap when asked and possible, else recompute."""

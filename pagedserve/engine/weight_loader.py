@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from pagedserve.engine.models import load_model_config, model_class_for
+from pagedserve.engine.models.registry import load_model_config, model_class_for
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some older checkpoints saved
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedserve.engine.messages import FinishReason, RequestOutput, TokenLogprobs
+from pagedserve.engine.messages import FinishReason, TokenLogprobs
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.detokenizer import IncrementalDetokenizer, TokenDecoder
 from pagedserve.text.stop_strings import StopCheck, StopStringMatcher, StopStrings

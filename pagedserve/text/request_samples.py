@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedserve.engine.messages import RequestOutput
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import EngineSamplingParams, SamplingParams
 from pagedserve.text.detokenizer import TokenDecoder
 from pagedserve.text.output_processor import RequestTextState, TextDelta

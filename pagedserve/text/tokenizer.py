@@ -80,7 +80,7 @@ class PromptTokenizer:
         """Loads the tokenizer and model facts from a local Hugging Face model folder (no hub access).
 
         Raises:
-            pagedserve.engine.model_info.ModelFolderError: no usable ``config.json``.
+            pagedserve.engine.models.config.ModelConfigError: no usable ``config.json``.
             OSError: the folder has no tokenizer files.
         """
         from transformers import AutoTokenizer  # heavy import, kept off module import

@@ -5,7 +5,6 @@ Every message that crosses a process boundary goes through here, so each field i
 
 from __future__ import annotations
 
-
 from pagedserve.engine.messages import (
     BatchPlan,
     CachedRequestData,
@@ -13,11 +12,11 @@ from pagedserve.engine.messages import (
     FinishReason,
     NewRequestData,
     RequestError,
-    RequestOutput,
     SampledToken,
     SequenceId,
     StepResult,
 )
+from pagedserve.engine.outputs import OutputKind, RequestOutput
 from services.common.convert_logprobs import (entries_from_pb, prompt_logprobs_from_pb, prompt_logprobs_to_pb,
                                               token_logprobs_from_pb, token_logprobs_to_pb)
 from services.common.pb import engine_pb2 as pb
@@ -172,6 +171,7 @@ def output_to_pb(output: RequestOutput) -> pb.TokenEvent:
     """RequestOutput -> pb.TokenEvent (scheduler to gateway)."""
     event = pb.TokenEvent(
         request_id=output.request_id,
+        kind=enum_to_pb(output.kind, pb.TokenEventKind.DESCRIPTOR),
         first_output_index=output.first_output_index,
         token_ids=output.new_token_ids,
         sample_index=output.sample_index,
@@ -194,6 +194,7 @@ def output_from_pb(event: pb.TokenEvent) -> RequestOutput:
     """pb.TokenEvent -> RequestOutput (in the gateway)."""
     return RequestOutput(
         request_id=event.request_id,
+        kind=enum_from_pb(event.kind, pb.TokenEventKind.DESCRIPTOR, OutputKind) or OutputKind.TOKENS,
         first_output_index=event.first_output_index,
         new_token_ids=tuple(event.token_ids),
         finish_reason=enum_from_pb(event.finish_reason, pb.FinishReason.DESCRIPTOR, FinishReason),

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from pagedserve.engine.messages import EngineRequest, RequestOutput
+from pagedserve.engine.messages import EngineRequest
+from pagedserve.engine.outputs import OutputKind, RequestOutput
 from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.text.output_processor import TextDelta
 from pagedserve.text.request_samples import ParsedRequest, RequestSamples
@@ -206,6 +207,8 @@ class GenerationCore:
                 accepted = True
                 if isinstance(output, ResumeQuery):  # every output queued before it is processed
                     self._router.resume(key, output, state.received())
+                    continue
+                if output.kind is OutputKind.TAKEN:  # no tokens yet: the queue entry is no longer watched
                     continue
                 delta = self._process(state, output)
                 request_metrics.delta(output.sample_index, delta, state.num_prompt_tokens)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 import redis.asyncio as aioredis
 
-from pagedserve.engine.messages import RequestOutput
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.text.request_samples import ReceivedSample
 from services.common.convert import output_from_pb
 from services.common.pb import engine_pb2 as pb

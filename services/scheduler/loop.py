@@ -18,7 +18,8 @@ from collections.abc import Callable
 from opentelemetry import trace
 
 from pagedserve.engine.engine import Engine, SentPlan, StepFailed
-from pagedserve.engine.messages import FinishReason, RequestError, RequestOutput
+from pagedserve.engine.messages import RequestError, SequenceId
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.scheduler import Scheduler
 from services.common.convert import output_to_pb, request_from_pb
@@ -225,7 +226,7 @@ class SchedulerLoop:
             return
         request = self._routes.open(entry, request)
         self.scheduler.add_request(request)
-        self._deliver([RequestOutput(request.request_id, 0, ())])  # taken: the gateway stops watching Redis
+        self._deliver([RequestOutput.taken(request.request_id)])
 
     def _resume(self, command: Resume) -> None:
         """Continues a taken-over request after the tokens its client received; ends it instead
@@ -254,7 +255,7 @@ class SchedulerLoop:
 
     def _fail(self, request_id: str, error: RequestError) -> None:
         """Ends a request that is not in the engine with ``error``."""
-        self._deliver([RequestOutput(request_id, 0, (), FinishReason.ABORT, error)])
+        self._deliver([RequestOutput.aborted(request_id, error)])
 
     def _hand_off_without_workers(self) -> None:
         """Gives every request to the peers when this scheduler has had no worker for
@@ -277,12 +278,13 @@ class SchedulerLoop:
             self.acks.put(entry.entry_id)
             error = RequestError(ErrorKind.UNAVAILABLE, "the request was taken over by another scheduler, which got no "
                                               "answer to its resume query in time; retry")
-            output = RequestOutput(request_id, 0, (), FinishReason.ABORT, error)
+            output = RequestOutput.aborted(request_id, error)
             self.streams.publish(gateway_id, pb.TokenEventBatch(events=[output_to_pb(output)]))
 
     def _abort(self, request_id: str, sample_index: int | None = None) -> bool:
         """Aborts a request (or one sample); its gateway gets the final ABORT outputs."""
-        outputs = self.scheduler.abort_request(request_id, sample_index)
+        outputs = (self.scheduler.abort_request(request_id) if sample_index is None
+                   else self.scheduler.abort_sample(SequenceId(request_id, sample_index)))
         waiting = self._resumes.drop(request_id) if sample_index is None else None
         if waiting is not None:  # taken over, and its client is gone: nothing to resume
             self.acks.put(waiting.entry_id)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from pagedserve.engine.messages import RequestOutput
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.grpc_executor import GrpcExecutor

@@ -24,7 +24,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pagedserve.engine.config import SchedulerStats
-from pagedserve.engine.messages import BatchPlan, RequestOutput
+from pagedserve.engine.messages import BatchPlan
+from pagedserve.engine.outputs import RequestOutput
 from services.common.metrics import (
     MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, new_registry, refused_records_counter,
 )

@@ -7,7 +7,8 @@ from dataclasses import dataclass, replace
 
 from opentelemetry import trace
 
-from pagedserve.engine.messages import EngineRequest, RequestOutput
+from pagedserve.engine.messages import EngineRequest
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common import telemetry
 from services.common.convert import output_to_pb

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.messages import FinishReason, RequestOutput
+from pagedserve.engine.messages import FinishReason
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.output_processor import RequestTextState, TextDelta
 
@@ -15,7 +16,8 @@ def engine_stream(output_ids: list[int], finish: FinishReason, request_id: str =
     """One RequestOutput per token, the last one finished, as the scheduler emits them."""
     last = len(output_ids) - 1
     return [
-        RequestOutput(request_id, i, (token,), finish if i == last else None) for i, token in enumerate(output_ids)
+        RequestOutput(request_id=request_id, first_output_index=i, new_token_ids=(token,),
+                      finish_reason=finish if i == last else None) for i, token in enumerate(output_ids)
     ]
 
 
@@ -120,21 +122,23 @@ def test_length_finish_flushes_broken_bytes(hf_tokenizer) -> None:
 
 def test_abort_without_tokens_flushes(hf_tokenizer) -> None:
     state = RequestTextState(hf_tokenizer, [28120], SamplingParams(stop=("yes!",)))
-    first = state.process(RequestOutput("r", 0, tuple(hf_tokenizer.encode(" yes", add_special_tokens=False))))
+    yes = tuple(hf_tokenizer.encode(" yes", add_special_tokens=False))
+    first = state.process(RequestOutput(request_id="r", first_output_index=0, new_token_ids=yes))
     assert first.text == " "  # "yes" could begin the stop string
-    last = state.process(RequestOutput("r", 1, (), FinishReason.ABORT))
+    last = state.process(RequestOutput.aborted("r", first_output_index=1))
     assert last == TextDelta("yes", (), FinishReason.ABORT, False, 1)
 
 
 def test_repeated_output_is_skipped_and_gap_raises(hf_tokenizer) -> None:
     ids = hf_tokenizer.encode("one two three", add_special_tokens=False)
     state = RequestTextState(hf_tokenizer, [28120], SamplingParams())
-    assert state.process(RequestOutput("r", 0, tuple(ids[:2]))).text == "one two"
-    again = state.process(RequestOutput("r", 1, tuple(ids[1:])))
+    first = state.process(RequestOutput(request_id="r", first_output_index=0, new_token_ids=tuple(ids[:2])))
+    assert first.text == "one two"
+    again = state.process(RequestOutput(request_id="r", first_output_index=1, new_token_ids=tuple(ids[1:])))
     assert again.token_ids == tuple(ids[2:]) and again.text == " three"
     assert again.num_output_tokens == len(ids)
     with pytest.raises(ValueError, match="starts at token 5"):
-        state.process(RequestOutput("r", 5, (7,)))
+        state.process(RequestOutput(request_id="r", first_output_index=5, new_token_ids=(7,)))
 
 
 class _Letters:
@@ -144,9 +148,9 @@ class _Letters:
 
 def test_output_token_ids_are_the_received_ones_held_back_text_included() -> None:
     state = RequestTextState(_Letters(), [0], SamplingParams(stop=["cde"]))
-    state.process(RequestOutput("r", 0, (0, 2)))  # "ac": "c" is held back
-    state.process(RequestOutput("r", 1, (2, 3)))  # a repeat of token 1, then "d"
+    state.process(RequestOutput(request_id="r", first_output_index=0, new_token_ids=(0, 2)))  # "ac": "c" held back
+    state.process(RequestOutput(request_id="r", first_output_index=1, new_token_ids=(2, 3)))  # token 1 again, "d"
     assert state.output_token_ids == (0, 2, 3) and not state.finished
-    state.process(RequestOutput("r", 3, (4,)))  # "cde" matched
-    state.process(RequestOutput("r", 4, (5,)))  # ignored: the sample finished
+    state.process(RequestOutput(request_id="r", first_output_index=3, new_token_ids=(4,)))  # "cde" matched
+    state.process(RequestOutput(request_id="r", first_output_index=4, new_token_ids=(5,)))  # ignored: it finished
     assert state.output_token_ids == (0, 2, 3, 4) and state.finished

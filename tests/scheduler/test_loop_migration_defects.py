@@ -102,7 +102,7 @@ def test_no_output_queue_is_kept_for_a_gateway_whose_requests_were_aborted_for_i
         generation, events = sched.connect("gw")
         sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
         taken = next_batch(events, 5)
-        assert taken is not None and [e.request_id for e in taken.events] == ["r"]
+        assert taken is not None and [(e.request_id, e.kind) for e in taken.events] == [("r", pb.TOKEN_EVENT_KIND_TAKEN)]
         sched.loop.submit(GatewayGone("gw", generation))
         while b"r-0" not in sched.acked:  # aborted after the grace period
             threading.Event().wait(0.05)

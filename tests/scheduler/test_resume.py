@@ -133,7 +133,7 @@ def test_has_request_and_aborts_know_every_resumed_sample():
     plan = scheduler.schedule(["w0"]).plans["w0"]
     scheduler.update_from_output({"w0": ScriptedRunner(NUM_BLOCKS, 4).execute(plan)})
     assert free_blocks(scheduler) == NUM_BLOCKS - 3  # sample 1: 8 slots, sample 2: 6 (sharing block 0)
-    assert [(o.sample_index, o.finish_reason) for o in scheduler.abort_request("r", 2)] == [(2, FinishReason.ABORT)]
+    assert [(o.sample_index, o.finish_reason) for o in scheduler.abort_sample(SequenceId("r", 2))] == [(2, FinishReason.ABORT)]
     assert scheduler.has_request("r")
     outputs = scheduler.abort_request("r")
     assert [(o.sample_index, o.first_output_index, o.finish_reason) for o in outputs] == [(1, 3, FinishReason.ABORT)]

@@ -10,7 +10,8 @@ import pytest
 
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
-from pagedserve.engine.messages import EngineRequest, FinishReason, RequestOutput, ResumedSample
+from pagedserve.engine.messages import EngineRequest, FinishReason, ResumedSample
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.runner_factory import build_model_runner
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.scheduler import Scheduler

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.engine.attention import CpuAttentionBackend, TorchAttentionBackend, cpu_op
 from pagedserve.engine.attention.alibi import alibi_slopes
-from pagedserve.engine.models import load_model_config
+from pagedserve.engine.models.registry import load_model_config
 from pagedserve.engine.weight_loader import load_model
 from tests.worker.test_neox_falcon_parity import _check, _tokens
 from tests.worker.tiny_models import forward_step, hf_greedy, hf_logits, hf_model, make_cache, save_tiny_model, \

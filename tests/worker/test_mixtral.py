@@ -15,7 +15,8 @@ import torch
 
 from pagedserve.engine.attention import TorchAttentionBackend
 from pagedserve.engine.model_info import load_model_info
-from pagedserve.engine.models import ModelConfigError, parse_config
+from pagedserve.engine.models.config import ModelConfigError
+from pagedserve.engine.models.registry import parse_config
 from pagedserve.engine.models.mixtral import MixtralForCausalLM, SparseMoeBlock
 from pagedserve.engine.weight_loader import load_model
 from tests.worker.tiny_models import (TINY, TINY_MIXTRAL, forward_step, hf_greedy, hf_logits, hf_model, make_cache,

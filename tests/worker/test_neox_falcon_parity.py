@@ -11,7 +11,7 @@ import torch
 
 from pagedserve.engine.attention import TorchAttentionBackend
 from pagedserve.engine.model_info import load_model_info
-from pagedserve.engine.models import load_model_config
+from pagedserve.engine.models.registry import load_model_config
 from pagedserve.engine.models.checkpoint_map import grouped_qkv_order
 from pagedserve.engine.weight_loader import WeightLoadError, iter_checkpoint, load_model
 from tests.worker.tiny_models import (forward_step, hf_greedy, hf_logits, hf_model, make_cache, relative_errors,

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from pagedserve.engine.kv_cache import KVCacheSpec
-from pagedserve.engine.models import load_model_config
+from pagedserve.engine.models.registry import load_model_config
 from pagedserve.engine.parallel.group import free_loopback_port
 from pagedserve.engine.parallel.rank import check_shardable
 from pagedserve.engine.parallel.sharding import ShardingError, grouped_qkv_slice, shard_layout
@@ -141,7 +141,7 @@ def test_mixtral_fused_expert_layout_shards_like_the_per_expert_one(tmp_path):
 
     from safetensors.torch import save_file
 
-    from pagedserve.engine.models import MixtralForCausalLM
+    from pagedserve.engine.models.mixtral import MixtralForCausalLM
     from tests.worker.load_memory import LoadOnlyRank
     from tests.worker.tiny_models import hf_model
 

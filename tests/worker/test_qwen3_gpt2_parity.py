@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagedserve.engine.attention import TorchAttentionBackend
-from pagedserve.engine.models import ModelConfigError
+from pagedserve.engine.models.config import ModelConfigError
 from pagedserve.engine.models.gpt2 import gpt2_checkpoint_name
 from pagedserve.engine.weight_loader import WeightLoadError, iter_checkpoint, load_model
 from tests.worker.tiny_models import (forward_step, hf_logits, hf_model, make_cache, relative_errors,
@@ -85,7 +85,7 @@ def test_gpt2_checkpoint_names():
 
 
 def _gpt2(folder):
-    from pagedserve.engine.models import load_model_config
+    from pagedserve.engine.models.registry import load_model_config
     from pagedserve.engine.models.gpt2 import GPT2LMHeadModel
 
     return GPT2LMHeadModel(load_model_config(folder))

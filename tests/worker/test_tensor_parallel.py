@@ -12,7 +12,7 @@ from pagedserve.engine.parallel.group import free_loopback_port
 from pagedserve.engine.parallel.rank import check_shardable
 from pagedserve.engine.parallel.sharding import ShardingError, checkpoint_slice, shard_layout
 from pagedserve.engine.weight_loader import load_model
-from pagedserve.engine.models import load_model_config
+from pagedserve.engine.models.registry import load_model_config
 from tests.worker.tiny_models import save_tiny_model
 from tests.worker.tp_helpers import rank_main, two_steps
 

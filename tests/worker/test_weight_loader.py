@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagedserve.engine.models import UnsupportedArchitectureError
+from pagedserve.engine.models.registry import UnsupportedArchitectureError
 from pagedserve.engine.weight_loader import WeightLoadError, load_model
 from tests.worker.tiny_models import rewrite_config, save_tiny_model
 

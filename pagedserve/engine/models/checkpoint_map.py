@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from pagedserve.engine.weight_loader import WeightLoadError
+
 Rename = Callable[[str], "str | None"]
 
 
@@ -35,12 +37,6 @@ def grouped_qkv_order(num_heads: int, num_kv_heads: int, head_dim: int) -> torch
     k = rows[:, group].reshape(-1)                                        # (Hkv*D,)
     v = rows[:, group + 1].reshape(-1)                                    # (Hkv*D,)
     return torch.cat((q, k, v))                                           # ((H+2Hkv)*D,)
-
-
-def _weight_load_error(message: str) -> Exception:
-    from pagedserve.engine.weight_loader import WeightLoadError  # the loader imports the models package
-
-    return WeightLoadError(message)
 
 
 def load_renamed(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], rename: Rename,
@@ -70,9 +66,9 @@ def load_renamed(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
             continue
         target = params[ours]
         if tuple(target.shape) != tuple(tensor.shape):
-            raise _weight_load_error(f"{name} has shape {tuple(tensor.shape)}; {ours} expects {tuple(target.shape)}")
+            raise WeightLoadError(f"{name} has shape {tuple(tensor.shape)}; {ours} expects {tuple(target.shape)}")
         if ours in filled:
-            raise _weight_load_error(f"{name} appears twice in the checkpoint (as {ours})")
+            raise WeightLoadError(f"{name} appears twice in the checkpoint (as {ours})")
         module = ours.rsplit(".", 2)[-2] if "." in ours else ""
         if module in row_orders:
             tensor = tensor.index_select(0, row_orders[module])           # (rows, ...) in our layout
@@ -85,4 +81,4 @@ def load_renamed(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
     if unexpected:
         problems.append(f"the model has no parameter for checkpoint tensors: {', '.join(unexpected)}")
     if problems:
-        raise _weight_load_error("; ".join(problems))
+        raise WeightLoadError("; ".join(problems))

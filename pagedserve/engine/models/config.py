@@ -1,7 +1,9 @@
-"""Our own model configuration, parsed from a Hugging Face ``config.json`` (no transformers classes).
+"""The model-config base every architecture's config extends, and the helpers their parsers share.
 
-Both config formats are read: transformers >= 5 writes ``rope_parameters`` (holding ``rope_theta``
-and ``rope_type``); older files carry ``rope_theta`` and ``rope_scaling`` (``type`` or ``rope_type``).
+Everything here reads a parsed Hugging Face ``config.json`` (a ``dict``) without torch or
+transformers, so the gateway can use it. Each architecture's own fields and parser live in
+``llama_config.py`` (Llama, Mistral, Qwen2/3, Mixtral) and ``gpt_config.py`` (GPT-2, GPT-NeoX,
+Falcon); ``registry.py`` names which parser reads which architecture.
 """
 
 from __future__ import annotations
@@ -13,25 +15,26 @@ from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
 
 
 class ModelConfigError(ValueError):
-    """``config.json`` describes a model this worker cannot build (missing field, unsupported option)."""
+    """``config.json`` describes a model pagedserve cannot build (missing field, unsupported
+    architecture or option), or the folder has no ``config.json``."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A decoder-only Llama-family transformer.
+    """What every architecture's config holds (the engine, the KV cache and the services read these).
 
     Attributes:
         architecture: ``config.json["architectures"][0]``.
         vocab_size, hidden_size, intermediate_size: widths.
         num_layers: decoder layers.
-        num_heads, num_kv_heads, head_dim: attention geometry (``num_heads % num_kv_heads == 0``).
-        rms_norm_eps: epsilon of every RMSNorm.
+        num_heads, num_kv_heads, head_dim: attention geometry (``num_heads % num_kv_heads == 0``);
+            the KV cache holds ``num_layers`` x ``num_kv_heads`` x ``head_dim`` per token.
         max_position_embeddings: context length the model was configured for, in tokens.
         tie_word_embeddings: the LM head reuses the input embedding matrix.
-        qkv_bias: q/k/v projections have biases (Qwen2; Llama's ``attention_bias``).
-        o_bias: the output projection has a bias (Llama's ``attention_bias``).
-        mlp_bias: gate/up/down projections have biases.
-        rope: rotary position embedding settings.
+        eos_token_ids: ``config.json``'s ``eos_token_id`` (``generation_config.json`` may override
+            it: ``model_info.py``).
+        sliding_window: the attention window in tokens, when the model has one (Mistral); ``None``
+            otherwise. Full attention is exact only within it.
     """
 
     architecture: str
@@ -42,13 +45,10 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    rope: RopeConfig
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
 
     @property
     def q_size(self) -> int:
@@ -58,55 +58,61 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest context served, in tokens: ``max_position_embeddings``, capped by the
+        sliding window when there is one (inside it full attention is exact)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
-def _require(raw: dict[str, Any], key: str) -> Any:
-    if key not in raw:
-        raise ModelConfigError(f"config.json has no {key!r}")
-    return raw[key]
 
-
-def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
-    """Builds a :class:`ModelConfig` from the parsed JSON of a ``config.json``.
+def require(raw: dict[str, Any], *keys: str) -> Any:
+    """The value of the first of ``keys`` present (not null) in ``raw``: the names one field has in
+    different ``config.json`` generations (``num_attention_heads``, then GPT-2's ``n_head``).
 
     Raises:
-        ModelConfigError: a required field is missing, ``hidden_act`` is not SiLU, the head counts
-            do not divide, or the RoPE settings are unsupported.
+        ModelConfigError: none is present; the message names ``keys[0]``.
     """
-    architectures = raw.get("architectures") or []
-    if not architectures:
-        raise ModelConfigError("config.json has no 'architectures' entry")
-    architecture = architectures[0]
-    act = raw.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ModelConfigError(f"hidden_act {act!r} is not supported (only silu)")
-    num_heads = int(_require(raw, "num_attention_heads"))
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ModelConfigError(
-            f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    hidden = int(_require(raw, "hidden_size"))
-    head_dim = int(raw.get("head_dim") or hidden // num_heads)
-    max_pos = int(raw.get("max_position_embeddings", 2048))
-    is_qwen2 = architecture == "Qwen2ForCausalLM"
-    attention_bias = bool(raw.get("attention_bias", False))
+    for key in keys:
+        if raw.get(key) is not None:
+            return raw[key]
+    raise ModelConfigError(f"config.json has no {keys[0]!r}")
+
+
+def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """An ``eos_token_id`` entry (one id, a list, or absent) as a tuple of ids."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def sliding_window(raw: dict[str, Any]) -> int | None:
+    """``sliding_window`` when set and not switched off by ``use_sliding_window: false``."""
+    window = raw.get("sliding_window")
+    return int(window) if window and raw.get("use_sliding_window", True) else None
+
+
+def rope_config(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
+    """:func:`~pagedserve.engine.models.rope_config.parse_rope_config`, refusing with ``ModelConfigError``."""
     try:
-        rope = parse_rope_config(raw, max_pos)
+        return parse_rope_config(raw, max_position_embeddings)
     except ValueError as exc:
         raise ModelConfigError(str(exc)) from exc
-    return ModelConfig(
-        architecture=architecture,
-        vocab_size=int(_require(raw, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(_require(raw, "intermediate_size")),
-        num_layers=int(_require(raw, "num_hidden_layers")),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=is_qwen2 or attention_bias,
-        o_bias=attention_bias and not is_qwen2,
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        rope=rope,
-    )
+
+
+GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+
+
+def gelu_approximation(raw: dict[str, Any], key: str, default: str,
+                       supported: tuple[str, ...] = ("gelu", "gelu_new", "gelu_pytorch_tanh")) -> str:
+    """The activation ``raw[key]`` (``default`` when absent) -> ``F.gelu``'s ``approximate``
+    (``"none"``: exact erf GELU, or ``"tanh"``).
+
+    Raises:
+        ModelConfigError: the activation is not among ``supported``.
+    """
+    name = raw.get(key, default)
+    if name not in supported:
+        raise ModelConfigError(f"{key} {name!r} is not supported (supported: {', '.join(supported)})")
+    return GELU_APPROXIMATIONS[name]

@@ -34,114 +34,22 @@ untied ``lm_head`` are vocabulary-parallel. Pipeline stages: see ``models/sharde
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from pagedserve.engine.attention.alibi import alibi_slopes
 from pagedserve.engine.models.checkpoint_map import load_renamed
-from pagedserve.engine.models.config import ModelConfigError
+from pagedserve.engine.models.gpt_config import FalconConfig
 from pagedserve.engine.models.gpt_neox import (DenseGeluMLP, FusedQKVAttention, fused_qkv_checkpoint_slice,
-                                               gelu_approximation, qkv_row_orders, require)
+                                               qkv_row_orders)
 from pagedserve.engine.models.layers import LayerNorm
 from pagedserve.engine.models.llama import PagedAttentionFn
 from pagedserve.engine.models.rope import RotaryEmbedding
-from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
 from pagedserve.engine.models.sharded import ShardedCausalLM, reduce_partial
 from pagedserve.engine.parallel.sharding import Slice
 
 _RENAMES = {"word_embeddings": "embed_tokens", "h": "layers", "ln_f": "norm", "query_key_value": "qkv_proj"}
-
-
-@dataclass(frozen=True)
-class FalconConfig:
-    """A Falcon model (rotary, or ALiBi when ``alibi``).
-
-    Attributes:
-        num_kv_heads: ``num_kv_heads`` (new decoder), 1 (``multi_query``) or ``num_heads``.
-        new_decoder_architecture: the fused QKV is KV-grouped; the block is parallel.
-        parallel_attn: attention and MLP read the same input (else sequential, with a
-            ``post_attention_layernorm``).
-        num_layernorms: LayerNorms in front of a parallel block: 2 (``ln_attn``, ``ln_mlp``) or 1
-            (``input_layernorm``).
-        bias: the linear layers have biases (LayerNorms always do).
-        gelu_approximate: ``"none"`` (exact erf GELU) or ``"tanh"``.
-        alibi: ALiBi position bias instead of rotary (``rope`` is then ``None``).
-    """
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    layer_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    new_decoder_architecture: bool
-    parallel_attn: bool
-    num_layernorms: int
-    bias: bool
-    gelu_approximate: str
-    rope: RopeConfig | None
-    alibi: bool = False
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
-def _block_layout(raw: dict[str, Any], num_heads: int) -> tuple[int, bool, int]:
-    """``(num_kv_heads, parallel_attn, num_layernorms)`` as transformers' FalconDecoderLayer builds
-    them. Raises ``ModelConfigError`` for combinations it cannot run either."""
-    num_ln = raw.get("num_ln_in_parallel_attn")
-    if raw.get("new_decoder_architecture"):
-        if not raw.get("parallel_attn", True):
-            raise ModelConfigError("Falcon's new_decoder_architecture needs parallel_attn: true")
-        num_kv_heads = int(raw.get("num_kv_heads") or raw.get("n_head_kv") or num_heads)
-        if num_heads % num_kv_heads:
-            raise ModelConfigError(f"num_attention_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-        return num_kv_heads, True, int(num_ln or 2)
-    if num_ln == 2:
-        raise ModelConfigError("num_ln_in_parallel_attn: 2 needs new_decoder_architecture: true")
-    return (1 if raw.get("multi_query", True) else num_heads), bool(raw.get("parallel_attn", True)), 1
-
-
-def parse_falcon_config(raw: dict[str, Any]) -> FalconConfig:
-    """Builds a :class:`FalconConfig` from a parsed ``config.json`` (also the older ``n_head``,
-    ``n_layer``, ``n_embed``, ``n_head_kv`` names).
-
-    Raises:
-        ModelConfigError: a missing field, an unsupported activation or RoPE type (rotary models),
-            or a block layout transformers cannot build.
-    """
-    alibi = bool(raw.get("alibi", False))
-    num_heads = int(require(raw, "num_attention_heads", "n_head"))
-    hidden = int(require(raw, "hidden_size", "n_embed"))
-    num_kv_heads, parallel_attn, num_layernorms = _block_layout(raw, num_heads)
-    max_pos = int(raw.get("max_position_embeddings", 2048))
-    try:
-        rope = None if alibi else parse_rope_config(raw, max_pos)
-    except ValueError as exc:
-        raise ModelConfigError(str(exc)) from exc
-    return FalconConfig(
-        architecture=raw["architectures"][0], vocab_size=int(require(raw, "vocab_size")), hidden_size=hidden,
-        intermediate_size=int(raw.get("ffn_hidden_size") or 4 * hidden),
-        num_layers=int(require(raw, "num_hidden_layers", "n_layer")), num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=hidden // num_heads,
-        layer_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)), max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        new_decoder_architecture=bool(raw.get("new_decoder_architecture", False)), parallel_attn=parallel_attn,
-        num_layernorms=num_layernorms, bias=bool(raw.get("bias", False)),
-        gelu_approximate=gelu_approximation(raw.get("activation", "gelu")), rope=rope, alibi=alibi)
 
 
 class AlibiQKVAttention(FusedQKVAttention):

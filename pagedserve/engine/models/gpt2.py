@@ -19,96 +19,20 @@ first stage (``wte`` on the last too, tied), ``ln_f`` on the last (``models/shar
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from pagedserve.engine.models.config import ModelConfigError
+from pagedserve.engine.models.gpt_config import GPT2Config
 from pagedserve.engine.models.layers import Embedding, GeluMLP, LayerNorm, Linear
 from pagedserve.engine.models.llama import PagedAttentionFn
 from pagedserve.engine.models.sharded import ShardedCausalLM, reduce_partial
 from pagedserve.engine.parallel.sharding import Slice, rank_part, row_parallel, vocab_rows
+from pagedserve.engine.weight_loader import WeightLoadError, load_weights
 
-_GELU_APPROXIMATIONS = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
-_REFUSED_FLAGS = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention")
 _TOP_LEVEL = {"wte": "embed_tokens", "wpe": "embed_positions", "ln_f": "norm", "h": "layers"}
 _CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers older checkpoints saved
-
-
-@dataclass(frozen=True)
-class GPT2Config:
-    """A GPT-2 model, parsed from its ``config.json`` (``n_embd``, ``n_head``, ... names).
-
-    Attributes:
-        architecture: ``"GPT2LMHeadModel"``.
-        vocab_size, hidden_size (``n_embd``), intermediate_size (``n_inner``, default 4 x hidden).
-        num_layers (``n_layer``), num_heads (``n_head``); ``num_kv_heads == num_heads``.
-        head_dim: ``hidden_size // num_heads``.
-        max_position_embeddings (``n_positions``): rows of ``wpe``, the longest context.
-        layer_norm_eps (``layer_norm_epsilon``).
-        gelu_approximate: ``"tanh"`` (``gelu_new``) or ``"none"`` (``gelu``).
-        attention_scale: ``1/sqrt(head_dim)``, or 1 when ``scale_attn_weights`` is false.
-        tie_word_embeddings: the LM head is ``wte`` (GPT-2's default).
-    """
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    layer_norm_eps: float
-    gelu_approximate: str
-    attention_scale: float
-    tie_word_embeddings: bool
-
-
-def _require(raw: dict[str, Any], key: str) -> Any:
-    if raw.get(key) is None:
-        raise ModelConfigError(f"GPT-2 config.json has no {key!r}")
-    return raw[key]
-
-
-def parse_gpt2_config(raw: dict[str, Any]) -> GPT2Config:
-    """A GPT-2 ``config.json`` -> :class:`GPT2Config`.
-
-    Raises:
-        ModelConfigError: a required field is missing, ``n_embd`` is not a multiple of ``n_head``,
-            an activation other than the GELUs, or a flag this model does not implement
-            (``scale_attn_by_inverse_layer_idx``, ``reorder_and_upcast_attn``, ``add_cross_attention``).
-    """
-    for flag in _REFUSED_FLAGS:
-        if raw.get(flag):
-            raise ModelConfigError(f"GPT-2 with {flag}=true is not supported")
-    act = raw.get("activation_function", "gelu_new")
-    if act not in _GELU_APPROXIMATIONS:
-        raise ModelConfigError(
-            f"GPT-2 activation_function {act!r} is not supported (supported: {', '.join(_GELU_APPROXIMATIONS)})")
-    hidden, heads = int(_require(raw, "n_embd")), int(_require(raw, "n_head"))
-    if hidden % heads:
-        raise ModelConfigError(f"GPT-2 n_embd {hidden} is not a multiple of n_head {heads}")
-    head_dim = hidden // heads
-    return GPT2Config(
-        architecture=(raw.get("architectures") or ["GPT2LMHeadModel"])[0],
-        vocab_size=int(_require(raw, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(raw.get("n_inner") or 4 * hidden),
-        num_layers=int(_require(raw, "n_layer")),
-        num_heads=heads,
-        num_kv_heads=heads,
-        head_dim=head_dim,
-        max_position_embeddings=int(raw.get("n_positions", 1024)),
-        layer_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
-        gelu_approximate=_GELU_APPROXIMATIONS[act],
-        attention_scale=head_dim ** -0.5 if raw.get("scale_attn_weights", True) else 1.0,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-    )
 
 
 def gpt2_checkpoint_name(name: str) -> tuple[str, bool] | None:
@@ -228,14 +152,10 @@ class GPT2LMHeadModel(ShardedCausalLM):
             WeightLoadError: missing, unexpected, duplicate or mis-shaped tensors (a Conv1D weight
                 must be ``[in, out]``).
         """
-        from pagedserve.engine.weight_loader import load_weights
-
         load_weights(self, self._renamed(tensors))
 
     def _renamed(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Checkpoint pairs -> pairs named and laid out as our parameters (buffers dropped)."""
-        from pagedserve.engine.weight_loader import WeightLoadError
-
         params = dict(self.named_parameters())
         for name, tensor in tensors:
             mapped = gpt2_checkpoint_name(name)

@@ -20,111 +20,23 @@ vocabulary-parallel. Pipeline stages: see ``models/sharded.py``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.engine.models.checkpoint_map import grouped_qkv_order, load_renamed
-from pagedserve.engine.models.config import ModelConfigError
+from pagedserve.engine.models.gpt_config import GPTNeoXConfig
 from pagedserve.engine.models.layers import LayerNorm, Linear
 from pagedserve.engine.models.llama import PagedAttentionFn
 from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
-from pagedserve.engine.models.rope_config import RopeConfig, parse_rope_config
 from pagedserve.engine.models.sharded import ShardedCausalLM, reduce_partial
 from pagedserve.engine.parallel.sharding import (ShardLayout, Slice, grouped_qkv_slice, rank_part, row_parallel,
                                                  vocab_rows)
 
-GELU_APPROXIMATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
 _SKIPPED = (".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")  # buffers old checkpoints saved
 _RENAMES = {"embed_in": "embed_tokens", "final_layer_norm": "norm", "query_key_value": "qkv_proj",
             "embed_out": "lm_head"}
-
-
-@dataclass(frozen=True)
-class GPTNeoXConfig:
-    """A GPT-NeoX model (``num_kv_heads == num_heads``; LayerNorms and linears have biases).
-
-    Attributes:
-        rotary_dim: channels of each head that are rotated (``int(head_dim * rotary_pct)``, even).
-        use_parallel_residual: attention and MLP both read the block input (else sequential).
-        attention_bias: ``query_key_value`` and ``dense`` have biases.
-        gelu_approximate: ``"none"`` (exact erf GELU) or ``"tanh"``.
-    """
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    layer_norm_eps: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    use_parallel_residual: bool
-    attention_bias: bool
-    gelu_approximate: str
-    rope: RopeConfig
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
-def require(raw: dict[str, Any], *keys: str) -> Any:
-    """The first of ``keys`` present in ``raw`` (aliases of one field). Raises ``ModelConfigError``."""
-    for key in keys:
-        if raw.get(key) is not None:
-            return raw[key]
-    raise ModelConfigError(f"config.json has no {keys[0]!r}")
-
-
-def gelu_approximation(name: str) -> str:
-    """``hidden_act``/``activation`` -> ``F.gelu``'s ``approximate``. Raises ``ModelConfigError``."""
-    if name not in GELU_APPROXIMATIONS:
-        raise ModelConfigError(f"activation {name!r} is not supported ({', '.join(GELU_APPROXIMATIONS)})")
-    return GELU_APPROXIMATIONS[name]
-
-
-def parse_gpt_neox_config(raw: dict[str, Any]) -> GPTNeoXConfig:
-    """Builds a :class:`GPTNeoXConfig` from a parsed ``config.json`` (``rotary_pct`` and
-    ``rotary_emb_base``, or transformers 5's ``rope_parameters`` with ``partial_rotary_factor``).
-
-    Raises:
-        ModelConfigError: a missing field, an unsupported activation or RoPE type, or an odd
-            rotary width.
-    """
-    num_heads, hidden = int(require(raw, "num_attention_heads")), int(require(raw, "hidden_size"))
-    head_dim = hidden // num_heads
-    rope_params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    rotary_pct = float(rope_params.pop("partial_rotary_factor", raw.get("rotary_pct", 0.25)))
-    rope_params.setdefault("rope_theta", raw.get("rotary_emb_base", 10000.0))
-    rotary_dim = int(head_dim * rotary_pct)
-    if rotary_dim % 2:
-        raise ModelConfigError(f"rotary width {rotary_dim} (head_dim {head_dim} x rotary_pct {rotary_pct}) is odd")
-    max_pos = int(raw.get("max_position_embeddings", 2048))
-    try:
-        rope = parse_rope_config({"rope_parameters": rope_params}, max_pos)
-    except ValueError as exc:
-        raise ModelConfigError(str(exc)) from exc
-    return GPTNeoXConfig(
-        architecture=raw["architectures"][0], vocab_size=int(require(raw, "vocab_size")), hidden_size=hidden,
-        intermediate_size=int(raw.get("intermediate_size") or 4 * hidden),
-        num_layers=int(require(raw, "num_hidden_layers")), num_heads=num_heads, num_kv_heads=num_heads,
-        head_dim=head_dim, rotary_dim=rotary_dim, layer_norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
-        max_position_embeddings=max_pos, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        use_parallel_residual=bool(raw.get("use_parallel_residual", True)),
-        attention_bias=bool(raw.get("attention_bias", True)),
-        gelu_approximate=gelu_approximation(raw.get("hidden_act", "gelu")), rope=rope)
 
 
 def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagedserve.engine.models.config import ModelConfig
+from pagedserve.engine.models.llama_config import LlamaConfig
 from pagedserve.engine.models.layers import GatedMLP, Linear, RMSNorm
 from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
 from pagedserve.engine.models.sharded import ShardedCausalLM, reduce_partial
 from pagedserve.engine.parallel.sharding import Slice, llama_checkpoint_slice
+from pagedserve.engine.weight_loader import load_weights
 
 if TYPE_CHECKING:
     from pagedserve.engine.parallel.group import TensorParallelGroup
@@ -34,7 +35,7 @@ PagedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, floa
 class LlamaAttention(nn.Module):
     """Self-attention with fused q/k/v rows ``[q (H*D); k (Hkv*D); v (Hkv*D)]``."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: LlamaConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -63,14 +64,14 @@ class LlamaDecoderLayer(nn.Module):
     attention_class: type[nn.Module] = LlamaAttention
     parallel: TensorParallelGroup | None = None  # set by the model under tensor parallelism
 
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: LlamaConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.self_attn = self.attention_class(config, layer_index, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.mlp = self.build_mlp(config, dtype, device)
 
-    def build_mlp(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    def build_mlp(self, config: LlamaConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
         """The feed-forward block, ``[T, hidden]`` -> ``[T, hidden]``: SwiGLU here; subclasses
         (e.g. Mixtral's sparse mixture of experts) return another."""
         return GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, dtype, device)
@@ -110,7 +111,7 @@ class LlamaForCausalLM(ShardedCausalLM):
 
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # subclasses swap the block
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+    def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", parallel: TensorParallelGroup | None = None,
                  stage: PipelineStage | None = None) -> None:
         super().__init__()
@@ -136,8 +137,6 @@ class LlamaForCausalLM(ShardedCausalLM):
     def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fills the parameters from Hugging Face checkpoint tensors (``WeightLoadError`` when they
         do not fit); see :func:`pagedserve.engine.weight_loader.load_weights`."""
-        from pagedserve.engine.weight_loader import load_weights
-
         load_weights(self, tensors)
 
     def checkpoint_slice(self, name: str) -> Slice | None:

@@ -32,54 +32,17 @@ import itertools
 import re
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, fields, replace
-from typing import Any
 
 import torch
 from torch import nn
 
-from pagedserve.engine.models.config import ModelConfig, ModelConfigError, parse_model_config
+from pagedserve.engine.models.llama_config import MixtralConfig
 from pagedserve.engine.models.layers import GatedMLP, Linear
 from pagedserve.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.engine.parallel.sharding import Slice, llama_checkpoint_slice, rank_part
 
 _blocks: weakref.WeakValueDictionary[int, SparseMoeBlock] = weakref.WeakValueDictionary()
 _ids = itertools.count()
-
-
-@dataclass(frozen=True)
-class MixtralConfig(ModelConfig):
-    """:class:`ModelConfig` plus the mixture of experts.
-
-    Attributes:
-        num_local_experts: experts per layer (8 in Mixtral 8x7B).
-        num_experts_per_tok: experts each token is routed to (top-k, 2).
-    """
-
-    num_local_experts: int
-    num_experts_per_tok: int
-
-
-def parse_mixtral_config(raw: dict[str, Any]) -> MixtralConfig:
-    """The shared Llama-family fields (:func:`parse_model_config`) plus the expert counts.
-
-    A ``sliding_window`` is handled as for Mistral: :func:`pagedserve.engine.model_info.load_model_info`
-    caps the context to it, inside which full attention is exact. Mixtral has no projection biases.
-
-    Raises:
-        ModelConfigError: what :func:`parse_model_config` refuses, a missing expert count, or
-            ``num_experts_per_tok`` outside ``1..num_local_experts``.
-    """
-    base = parse_model_config(raw)
-    base = replace(base, qkv_bias=False, o_bias=False, mlp_bias=False)
-    try:
-        experts, top_k = int(raw["num_local_experts"]), int(raw.get("num_experts_per_tok", 2))
-    except KeyError:
-        raise ModelConfigError("config.json has no 'num_local_experts'") from None
-    if not 1 <= top_k <= experts:
-        raise ModelConfigError(f"num_experts_per_tok {top_k} must be in 1..num_local_experts ({experts})")
-    shared = {f.name: getattr(base, f.name) for f in fields(ModelConfig)}
-    return MixtralConfig(**shared, num_local_experts=experts, num_experts_per_tok=top_k)
 
 
 @torch.library.custom_op("pagedserve::moe_experts", mutates_args=())

@@ -9,31 +9,18 @@ applied to each query and each key head after the projection and before the rota
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from pagedserve.engine.models.config import ModelConfig, ModelConfigError, parse_model_config
+from pagedserve.engine.models.llama_config import LlamaConfig
 from pagedserve.engine.models.layers import RMSNorm
 from pagedserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, PagedAttentionFn
 from pagedserve.engine.models.rope import apply_rotary
 
 
-def parse_qwen3_config(raw: dict[str, Any]) -> ModelConfig:
-    """A Qwen3 ``config.json`` -> :class:`ModelConfig` (``attention_bias`` biases q/k/v and o alike).
-
-    Raises:
-        ModelConfigError: what :func:`parse_model_config` refuses, or no explicit ``head_dim``.
-    """
-    if not raw.get("head_dim"):
-        raise ModelConfigError("Qwen3 config.json has no 'head_dim' (Qwen3 sets it explicitly)")
-    return parse_model_config(raw)  # its Llama rule for attention_bias (q/k/v and o) is Qwen3's too
-
-
 class Qwen3Attention(LlamaAttention):
     """Llama attention plus per-head RMSNorm of q and k (``q_norm``, ``k_norm``: ``[head_dim]``)."""
 
-    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(self, config: LlamaConfig, layer_index: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__(config, layer_index, dtype, device)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)

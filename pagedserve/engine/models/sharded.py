@@ -23,11 +23,11 @@ import torch
 from torch import nn
 
 from pagedserve.engine.models.layers import Embedding, Linear, lm_head_logits
+from pagedserve.engine.parallel.pipeline import PipelineStage, stage_checkpoint_name
+from pagedserve.engine.parallel.sharding import ShardLayout, Slice, iter_checkpoint_parts, shard_layout
 
 if TYPE_CHECKING:
     from pagedserve.engine.parallel.group import Collectives
-    from pagedserve.engine.parallel.pipeline import PipelineStage
-    from pagedserve.engine.parallel.sharding import ShardLayout, Slice
 
 
 def reduce_partial(parallel: Collectives | None, x: torch.Tensor) -> torch.Tensor:
@@ -70,8 +70,6 @@ class ShardedCausalLM(nn.Module):
         self.shard: ShardLayout | None = None
         self.vocab_rows = config.vocab_size
         if parallel is not None:
-            from pagedserve.engine.parallel.sharding import shard_layout
-
             self.shard = shard_layout(config, parallel.rank, parallel.world_size)
             config, self.vocab_rows = self.shard.local_config(config), self.shard.vocab_per_rank
         self.config = config
@@ -162,8 +160,6 @@ class ShardedCausalLM(nn.Module):
     def stage_checkpoint_name(self, name: str) -> str | None:
         """Checkpoint tensor ``name`` under this stage's layer numbering, or ``None`` if the stage
         does not hold it."""
-        from pagedserve.engine.parallel.pipeline import stage_checkpoint_name
-
         return stage_checkpoint_name(name, self.stage, self.full_config.tie_word_embeddings,
                                      self.checkpoint_layer_lists, self.checkpoint_embeddings,
                                      self.checkpoint_first_stage)
@@ -171,7 +167,5 @@ class ShardedCausalLM(nn.Module):
     def rank_checkpoint(self, folder: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         """The ``(name, tensor)`` pairs this rank loads from the folder: only its stage's tensors,
         only its slice of each, one in memory at a time (for :meth:`load_checkpoint`)."""
-        from pagedserve.engine.parallel.sharding import iter_checkpoint_parts
-
         return iter_checkpoint_parts(folder, None if self.shard is None else self.checkpoint_slice,
                                      None if self.stage is None else self.stage_checkpoint_name)

@@ -3,7 +3,7 @@
 
 ``group``: the process group and its collectives; ``sharding``: which slice of each checkpoint
 tensor a rank holds, read with safetensors' ``get_slice``; ``rank``: one rank's runner(s);
-``pipeline``: stage layouts and a stage's forward; ``launch``: rank 0 in this process driving
-spawned helper ranks (``pipeline_runner`` when there are stages). Kept free of imports here so
-that the model classes can import ``sharding`` lazily without a cycle.
+``pipeline``: stage layouts and a stage's forward; ``spawn``: starting, readying and stopping
+helper ranks; ``launch``: rank 0 in this process driving spawned helper ranks
+(``pipeline_runner`` when there are stages). This package module imports nothing.
 """

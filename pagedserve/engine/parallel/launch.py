@@ -13,22 +13,20 @@ the runner is then broken and every later step raises too.
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 from collections.abc import Callable
-from typing import Any
-from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import torch
 
 from pagedserve.engine.messages import BatchPlan, StepResult
 from pagedserve.engine.model_runner import ModelRunner, PlanMismatchError
-from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup, free_loopback_port
-from pagedserve.engine.parallel.rank import RankConfig, build_rank_runner, check_shardable
-from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement, accept_ranks, send_setup
+from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup
+from pagedserve.engine.parallel.pipeline_runner import start_pipeline_parallel_runner
+from pagedserve.engine.parallel.rank import RankConfig, build_rank_runner
+from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement
+from pagedserve.engine.parallel.spawn import STOP, launch_ranks, stop_helpers
 
-_STEP, _STOP = "step", "stop"
-STARTUP_TIMEOUT_S = 300.0  # helpers importing torch and loading their shard
+_STEP = "step"
 
 
 def helper_main(config: RankConfig, spec: GroupSpec, rank: int, conn: Connection) -> None:
@@ -46,7 +44,7 @@ def helper_main(config: RankConfig, spec: GroupSpec, rank: int, conn: Connection
                 command = conn.recv()
             except (EOFError, OSError):  # rank 0 is gone
                 return
-            if command == _STOP:
+            if command == STOP:
                 return
             plan = group.broadcast_object(None)
             try:
@@ -119,31 +117,6 @@ class TensorParallelRunner:
         self.group.close()
 
 
-def stop_helpers(helpers: list[tuple[mp.Process, Connection]]) -> None:
-    """Tells each helper rank to stop, waits up to 10 s for it, then kills it."""
-    for process, conn in helpers:
-        try:
-            conn.send(_STOP)
-        except OSError:
-            pass
-        process.join(timeout=10)
-        if process.is_alive():
-            process.kill()
-
-
-def wait_ready(helpers: list[tuple[mp.Process, Connection]], timeout_s: float) -> None:
-    """Waits for one message of every helper ("started", then "ready" once its shard is loaded);
-    raises if one exits first or the time runs out."""
-    deadline = time.monotonic() + timeout_s
-    for process, conn in helpers:
-        while not conn.poll(0.2):
-            if not process.is_alive():
-                raise CollectiveError(f"helper rank {process.name} exited with code {process.exitcode} while starting")
-            if time.monotonic() > deadline:
-                raise CollectiveError(f"helper rank {process.name} not ready after {timeout_s} s")
-        conn.recv()
-
-
 def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int, timeout_s: float = 5.0,
                                  placement: RankPlacement = LOCAL):
     """Spawns ranks 1..T*P-1 (P: ``config.pipeline_parallel_size``; with ``placement``, only those
@@ -164,64 +137,9 @@ def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int, 
         CollectiveError: a helper failed to start, or remote ranks did not join in time.
     """
     if config.pipeline_parallel_size > 1:
-        from pagedserve.engine.parallel.pipeline_runner import start_pipeline_parallel_runner
-
         return start_pipeline_parallel_runner(config, tensor_parallel_size, timeout_s, placement)
     group, helpers, runner = launch_ranks(config, tensor_parallel_size, timeout_s, helper_main, build_rank_runner,
                                           placement)
     return TensorParallelRunner(runner, group, helpers)
 
 
-def launch_ranks(config: RankConfig, tensor_parallel_size: int, timeout_s: float,
-                 target: Callable[[RankConfig, GroupSpec, int, Connection], None],
-                 build: Callable[[RankConfig, TensorParallelGroup], Any],
-                 placement: RankPlacement = LOCAL) -> tuple[TensorParallelGroup, list, Any]:
-    """Waits for the remote ranks of ``placement`` to dial in (none by default), spawns the local
-    helper ranks running ``target(config, spec, rank, pipe)``, hands the remote ones their setup (they
-    run the same ``target``), joins them all as rank 0, builds rank 0's runner(s) with
-    ``build(config, group)`` and waits for every helper's "ready".
-
-    Returns:
-        ``(group, [(process or RemoteRank, connection)] of ranks 1.., what build returned)``.
-
-    Raises:
-        ShardingError, PipelineError: checked before spawning. ValueError: an invalid placement.
-        CollectiveError: a helper failed to start; remote ranks did not join in time.
-    """
-    check_shardable(config.model_path, tensor_parallel_size, config.pipeline_parallel_size)
-    world_size = tensor_parallel_size * config.pipeline_parallel_size
-    local = placement.spawned(world_size)
-    if config.num_threads == 0:
-        config = replace(config, num_threads=max(1, (mp.cpu_count() or 1) // local))
-    spec = GroupSpec(placement.rendezvous(f"tcp://127.0.0.1:{free_loopback_port()}"), world_size, timeout_s)
-    remotes = accept_ranks(placement, range(local, world_size)) if local < world_size else []
-    helpers, group = [], None
-    try:
-        helpers = spawn_helpers(config, spec, range(1, local), target)
-        wait_ready(helpers, STARTUP_TIMEOUT_S)  # "started": local imports done
-        send_setup(remotes, config, spec)
-        helpers += remotes
-        wait_ready(remotes, STARTUP_TIMEOUT_S)
-        group = TensorParallelGroup(spec, 0)
-        built = build(config, group)
-        wait_ready(helpers, STARTUP_TIMEOUT_S)
-    except BaseException:
-        for process, _ in helpers + remotes:
-            process.kill()
-        if group is not None:
-            group.close()
-        raise
-    return group, helpers, built
-
-
-def spawn_helpers(config: RankConfig, spec: GroupSpec, ranks: range,
-                  target: Callable[[RankConfig, GroupSpec, int, Connection], None]) -> list[tuple[mp.Process, Connection]]:
-    """Starts ``target(config, spec, rank, pipe)`` in a spawned process per rank; ``[(process, pipe)]``."""
-    context = mp.get_context("spawn")
-    helpers = []
-    for rank in ranks:
-        ours, theirs = context.Pipe()
-        process = context.Process(target=target, args=(config, spec, rank, theirs), name=f"rank-{rank}", daemon=True)
-        process.start()
-        helpers.append((process, ours))
-    return helpers

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.messages import PromptLogprobs, SampledToken
-from pagedserve.engine.model_runner import ModelRunner, ScheduledRequest, _batch_order
+from pagedserve.engine.model_runner import ModelRunner, ScheduledRequest, batch_order
 from pagedserve.engine.parallel.group import TensorParallelGroup
 
 
@@ -197,5 +197,5 @@ class StageRunner(ModelRunner):
         """Forward, and on the last stage logits and sampling; the other stages return nothing."""
         if self.is_last:
             return super()._run(scheduled)
-        self._forward(sorted(scheduled, key=_batch_order))
+        self._forward(sorted(scheduled, key=batch_order))
         return [], []

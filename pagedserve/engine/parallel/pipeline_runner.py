@@ -33,12 +33,12 @@ import torch
 from pagedserve.engine.messages import BatchPlan, SampledToken, StepResult
 from pagedserve.engine.model_runner import PlanMismatchError
 from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup
-from pagedserve.engine.parallel.launch import launch_ranks, stop_helpers
 from pagedserve.engine.parallel.pipeline import StageRunner
 from pagedserve.engine.parallel.rank import RankConfig, build_stage_runners
 from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement
+from pagedserve.engine.parallel.spawn import STOP, launch_ranks, stop_helpers
 
-_STOP, _STATS = "stop", "stats"
+_STATS = "stats"
 _RESULT, _BUSY = "result", "busy"
 
 
@@ -79,7 +79,7 @@ def pipeline_helper_main(config: RankConfig, spec: GroupSpec, rank: int, conn: C
                 message = conn.recv()
             except (EOFError, OSError):  # rank 0 is gone
                 return
-            if message == _STOP:
+            if message == STOP:
                 return
             if message == _STATS:
                 conn.send((_BUSY, clock.busy_s))

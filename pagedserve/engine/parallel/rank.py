@@ -19,7 +19,7 @@ from torch import nn
 from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
 from pagedserve.engine.model_runner import ModelRunner
-from pagedserve.engine.models import load_model_config, model_class_for
+from pagedserve.engine.models.registry import load_model_config, model_class_for
 from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
 from pagedserve.engine.parallel.pipeline import RankPosition, StageForward, StageRunner, pipeline_stage
 from pagedserve.engine.parallel.sharding import ShardingError, shard_layout

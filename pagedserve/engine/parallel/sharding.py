@@ -38,6 +38,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedserve.engine.weight_loader import safetensors_files
+
 
 class ShardingError(ValueError):
     """The model cannot be split over this many ranks (heads or widths do not divide)."""
@@ -250,8 +252,6 @@ def iter_checkpoint_parts(folder: str | Path, slice_of: SliceOf | None = None,
     stored dtype): with ``rename`` (a pipeline stage's: ``None`` for a tensor the stage does not
     hold, which is not read), only the tensors it keeps, under its names; with ``slice_of``, only
     this rank's part of each."""
-    from pagedserve.engine.weight_loader import safetensors_files
-
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             for name in handle.keys():

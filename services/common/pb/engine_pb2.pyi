@@ -20,6 +20,11 @@ class ErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_KIND_INVALID_ARGUMENT: _ClassVar[ErrorKind]
     ERROR_KIND_RESOURCE_EXHAUSTED: _ClassVar[ErrorKind]
     ERROR_KIND_UNAVAILABLE: _ClassVar[ErrorKind]
+
+class TokenEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOKEN_EVENT_KIND_TOKENS: _ClassVar[TokenEventKind]
+    TOKEN_EVENT_KIND_TAKEN: _ClassVar[TokenEventKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -28,6 +33,8 @@ ERROR_KIND_UNSPECIFIED: ErrorKind
 ERROR_KIND_INVALID_ARGUMENT: ErrorKind
 ERROR_KIND_RESOURCE_EXHAUSTED: ErrorKind
 ERROR_KIND_UNAVAILABLE: ErrorKind
+TOKEN_EVENT_KIND_TOKENS: TokenEventKind
+TOKEN_EVENT_KIND_TAKEN: TokenEventKind
 
 class EngineSamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "stop_token_ids", "ignore_eos", "eos_token_ids", "n", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words_token_ids")
@@ -293,8 +300,9 @@ class RequestError(_message.Message):
     def __init__(self, message: _Optional[str] = ..., kind: _Optional[_Union[ErrorKind, str]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "first_output_index", "token_ids", "finish_reason", "error", "sample_index", "logprobs", "prompt_logprobs", "stop_token_id")
+    __slots__ = ("request_id", "kind", "first_output_index", "token_ids", "finish_reason", "error", "sample_index", "logprobs", "prompt_logprobs", "stop_token_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     FIRST_OUTPUT_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +312,7 @@ class TokenEvent(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
+    kind: TokenEventKind
     first_output_index: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
@@ -312,7 +321,7 @@ class TokenEvent(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prompt_logprobs: PromptLogprobs
     stop_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., first_output_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., kind: _Optional[_Union[TokenEventKind, str]] = ..., first_output_index: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
 class TokenEventBatch(_message.Message):
     __slots__ = ("events", "resume_queries")

@@ -1,0 +1,83 @@
+"""What the engine hands its front ends: per request and step, one ``RequestOutput`` per sample.
+
+Built by keyword or through the named constructors (:meth:`RequestOutput.taken`,
+:meth:`RequestOutput.aborted`); ``services/common/convert.py`` maps them to ``TokenEvent``
+messages between the scheduler and the gateway.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pagedserve.engine.messages import BatchPlan, FinishReason, RequestError, TokenLogprobs
+
+
+class OutputKind(enum.Enum):
+    """What an output reports."""
+
+    TOKENS = "tokens"  # new tokens and/or the finish (or failure) of one sample
+    TAKEN = "taken"  # a scheduler took the request from its queue (no tokens yet): the gateway stops watching it
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """What one iteration produced for one request, for the front end.
+
+    Attributes:
+        request_id: the request.
+        kind: what the output reports; a ``TAKEN`` output has no tokens and no finish.
+        first_output_index: position in the output of ``new_token_ids[0]`` (0 for the first token).
+        new_token_ids: tokens generated in this iteration (zero or one today).
+        finish_reason: set once per sample, on its last output.
+        error: set when the request was aborted because it cannot be served.
+        sample_index: which of the request's ``n`` samples the tokens belong to.
+        logprobs: when the request asks for ``logprobs``: one entry per ``new_token_ids`` entry; else empty.
+        prompt_logprobs: when the request asks for ``prompt_logprobs``: on sample 0's first output
+            only, one entry per prompt position 1..P-1 (position 0 has none); else ``None``.
+        stop_token_id: the id from ``stop_token_ids`` that finished the sample (vLLM's
+            ``stop_reason`` for a stop token); ``None`` otherwise (EOS, length, abort).
+    """
+
+    request_id: str
+    kind: OutputKind = OutputKind.TOKENS
+    first_output_index: int = 0
+    new_token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    error: RequestError | None = None
+    sample_index: int = 0
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    stop_token_id: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @classmethod
+    def taken(cls, request_id: str) -> RequestOutput:
+        """A scheduler took ``request_id`` from its queue (the gateway stops checking its queue entry)."""
+        return cls(request_id=request_id, kind=OutputKind.TAKEN)
+
+    @classmethod
+    def aborted(cls, request_id: str, error: RequestError | None = None, *, sample_index: int = 0,
+                first_output_index: int = 0) -> RequestOutput:
+        """The last output of a sample stopped before its end: reason ``abort``, with ``error``
+        when it cannot be served (``None``: its client or the server aborted it)."""
+        return cls(request_id=request_id, first_output_index=first_output_index, finish_reason=FinishReason.ABORT,
+                   error=error, sample_index=sample_index)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one ``schedule`` call produced.
+
+    Attributes:
+        plans: one plan per worker that has something to do, keyed by worker id.
+        outputs: outputs made while scheduling (requests refused as too large for any worker,
+            sequences that filled a whole worker and end with ``length``).
+    """
+
+    plans: Mapping[str, BatchPlan]
+    outputs: tuple[RequestOutput, ...] = ()
