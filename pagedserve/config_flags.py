@@ -16,7 +16,6 @@ import functools
 import os
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
 from pagedserve.options import Option, group_of, option_of

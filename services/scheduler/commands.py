@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pagedserve.engine.engine import SentPlan
+from pagedserve.engine.messages import SequenceId
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.cluster import ClaimedEntries, ClusterView
 from services.scheduler.queue_consumer import QueueEntry
@@ -18,10 +19,17 @@ class NewEntries:
 
 @dataclass(frozen=True)
 class Abort:
-    """Abort a request, or only one of its samples when ``sample_index`` is set."""
+    """Abort a request (all its samples); ``done`` gets whether this scheduler held it."""
 
     request_id: str
-    sample_index: int | None
+    done: Future
+
+
+@dataclass(frozen=True)
+class AbortSample:
+    """Abort one sample of a request (the others go on); ``done`` gets whether it was in flight."""
+
+    seq_id: SequenceId
     done: Future
 
 
@@ -56,4 +64,4 @@ class Resume:
     done: Future
 
 
-Command = NewEntries | ClaimedEntries | Abort | GatewayGone | GatewayBack | StepDone | ClusterView | Resume
+Command = NewEntries | ClaimedEntries | Abort | AbortSample | GatewayGone | GatewayBack | StepDone | ClusterView | Resume

@@ -26,15 +26,20 @@ from dataclasses import dataclass, replace
 
 from opentelemetry import trace
 
-from pagedserve.engine.messages import EngineRequest, RequestOutput
+from pagedserve.engine.messages import EngineRequest
+from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common import telemetry
 from services.common.convert import output_to_pb
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.gateway_streams import GatewayStreams
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.migration import RESUME_TIMEOUT_S, resume_query
+from services.scheduler.migration import resume_query
 from services.scheduler.queue_consumer import QueueEntry
+
+RESUME_TIMEOUT_S = 30.0
+"""How long a taken-over request waits for its gateway's answer before it is dropped, seconds
+(the query is sent again each time the gateway's stream reconnects)."""
 
 ABORTED_UNREAD_KEEP_S = 60.0
 """How long the id of a request aborted before its entry was read is kept beyond the gateways'
@@ -49,16 +54,24 @@ class Phase(enum.Enum):
 
 
 @dataclass
-class _Row:
+class Row:
     """One request. ``entry`` and ``request`` are set in every phase but ``ABORTED_UNREAD``;
-    ``span`` only while ``RUNNING``."""
+    ``span`` only while ``RUNNING``.
+
+    Attributes:
+        since: when it entered its phase, monotonic seconds.
+    """
 
     phase: Phase
-    gateway_id: str
-    since: float  # when it entered the phase, monotonic seconds
+    since: float
     entry: QueueEntry | None = None
     request: EngineRequest | None = None
     span: trace.Span | None = None
+
+    @property
+    def gateway_id(self) -> str | None:
+        """The gateway that queued it (None: no entry held)."""
+        return None if self.entry is None else self.entry.request.gateway_id
 
 
 class RequestTable:
@@ -81,13 +94,12 @@ class RequestTable:
         self._metrics = metrics
         self._tracer = tracer
         self._clock = clock
-        self._rows: dict[str, _Row] = {}
+        self._rows: dict[str, Row] = {}
 
     # ---- questions -----------------------------------------------------------------------
-    def phase(self, request_id: str) -> Phase | None:
-        """The request's phase; ``None`` when this scheduler does not hold it."""
-        row = self._rows.get(request_id)
-        return None if row is None else row.phase
+    def row(self, request_id: str) -> Row | None:
+        """The request's row; ``None`` when this scheduler does not hold it."""
+        return self._rows.get(request_id)
 
     def entry_id(self, request_id: str) -> bytes | None:
         """The stream entry this scheduler holds for the request (None: it holds none)."""
@@ -106,16 +118,15 @@ class RequestTable:
     # ---- phases --------------------------------------------------------------------------
     def park(self, entry: QueueEntry, request: EngineRequest) -> None:
         """Holds a request whose gateway does not listen."""
-        self._rows[request.request_id] = _Row(Phase.PARKED, entry.request.gateway_id, self._clock(), entry, request)
+        self._rows[request.request_id] = Row(Phase.PARKED, self._clock(), entry, request)
 
     def await_resume(self, entry: QueueEntry, request: EngineRequest) -> None:
         """Holds a taken-over request until its gateway answers the resume query (the caller sends it)."""
-        self._rows[request.request_id] = _Row(Phase.AWAITING_RESUME, entry.request.gateway_id, self._clock(), entry,
-                                              request)
+        self._rows[request.request_id] = Row(Phase.AWAITING_RESUME, self._clock(), entry, request)
 
-    def abort_unread(self, request_id: str, gateway_id: str) -> None:
+    def abort_unread(self, request_id: str) -> None:
         """Remembers that the client of a request not read yet gave up."""
-        self._rows[request_id] = _Row(Phase.ABORTED_UNREAD, gateway_id, self._clock())
+        self._rows[request_id] = Row(Phase.ABORTED_UNREAD, self._clock())
 
     def run(self, request_id: str) -> EngineRequest:
         """Moves a parked or resumed request to ``RUNNING`` and opens its span; returns the request
@@ -141,11 +152,14 @@ class RequestTable:
         self.park(entry, request)
         return self.run(request.request_id)
 
-    def remove(self, request_id: str) -> _Row | None:
-        """Forgets a request that is not running (its caller acknowledges or hands off its entry)."""
-        row = self._rows.get(request_id)
-        if row is None or row.phase is Phase.RUNNING:
-            return None
+    def remove(self, request_id: str) -> Row:
+        """Forgets a request that is not running (its caller acknowledges or hands off its entry).
+
+        Raises:
+            KeyError: the table does not hold it, or it runs (it leaves through the engine).
+        """
+        if self._rows[request_id].phase is Phase.RUNNING:
+            raise KeyError(request_id)
         return self._rows.pop(request_id)
 
     # ---- outputs -------------------------------------------------------------------------

@@ -8,10 +8,11 @@ from concurrent.futures import Future
 
 import grpc
 
+from pagedserve.engine.messages import SequenceId
 from services.common.convert import stats_to_pb
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from services.scheduler.commands import Abort, GatewayBack, GatewayGone, Resume
+from services.scheduler.commands import Abort, AbortSample, GatewayBack, GatewayGone, Resume
 from services.scheduler.loop import SchedulerLoop
 
 
@@ -44,8 +45,10 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
     def Abort(self, request: pb.AbortRequest, context: grpc.ServicerContext) -> pb.AbortResponse:
         """Aborts a request (or one sample) in the loop and waits until it is done."""
         done: Future = Future()
-        sample_index = request.sample_index if request.HasField("sample_index") else None
-        self._loop.submit(Abort(request.request_id, sample_index, done))
+        if request.HasField("sample_index"):
+            self._loop.submit(AbortSample(SequenceId(request.request_id, request.sample_index), done))
+        else:
+            self._loop.submit(Abort(request.request_id, done))
         try:
             return pb.AbortResponse(found=done.result(timeout=self._abort_timeout_s))
         except TimeoutError:

@@ -14,7 +14,7 @@ from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from services.common.convert import request_to_pb
 from services.common.pb import engine_pb2 as pb
-from services.scheduler import migration
+from services.scheduler import request_table
 from services.scheduler.commands import GatewayBack, GatewayGone, NewEntries
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.loop import SchedulerLoop
@@ -81,7 +81,7 @@ def test_a_request_dropped_for_an_unanswered_resume_query_ends_at_its_gateway(mo
     request's generator reaches the query, i.e. when the client reads (a client that stops reading
     for RESUME_TIMEOUT_S), or its one Resume call failed while the stream stayed up (the query is
     sent again only when the stream reconnects)."""
-    monkeypatch.setattr(migration, "RESUME_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(request_table, "RESUME_TIMEOUT_S", 0.3)
     with Loop() as sched:
         _, events = sched.connect("gw")
         sched.loop.submit(NewEntries((entry("r", "gw", Delivery.REDELIVERED),)))
@@ -123,7 +123,8 @@ def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_l
 
     from services.scheduler import loop as loop_module
     from services.scheduler.cluster import ClaimedEntries, ClusterView
-    from services.scheduler.commands import Abort, Resume
+    from pagedserve.engine.messages import SequenceId
+    from services.scheduler.commands import AbortSample, Resume
 
     monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
     with Loop() as sched:
@@ -132,7 +133,7 @@ def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_l
         sched.loop.submit(NewEntries((taken_over,)))
         assert [q.request_id for q in next_batch(events, 5).resume_queries] == ["r"]
         aborted: Future = Future()
-        sched.loop.submit(Abort("r", 1, aborted))  # a stop string matched on sample 1 (nothing runs yet)
+        sched.loop.submit(AbortSample(SequenceId("r", 1), aborted))  # a stop string matched on sample 1 (nothing runs yet)
         assert aborted.result(5) is False
         resumed: Future = Future()
         samples = [pb.ResumedSample(sample_index=0, token_ids=[5]), pb.ResumedSample(sample_index=1, token_ids=[6],
