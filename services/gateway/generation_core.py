@@ -213,7 +213,7 @@ class GenerationCore:
                 delta = self._process(state, output)
                 request_metrics.delta(output.sample_index, delta, state.num_prompt_tokens)
                 if delta.stop_string_matched:
-                    self._in_background(self._router.abort(key, output.sample_index))
+                    self._in_background(self._router.abort_sample(key, output.sample_index))
                 if delta.text or delta.token_ids or delta.finish_reason:
                     usage = Usage(state.num_prompt_tokens, state.num_output_tokens) if state.finished else None
                     yield SampleDelta(output.sample_index, delta, usage)

@@ -106,10 +106,10 @@ class OutputRouter:
             if isinstance(item, ResumeQuery):
                 waiting.add(item.scheduler_id)
         for scheduler_id in waiting:
-            self._in_background(self._abort_on(self._link(scheduler_id), key))
+            self._in_background(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
         if abort and request.owner not in waiting:
             self._remember_aborted(request.owner, key)
-            self._in_background(self._abort_owned(request.owner, key, None))
+            self._in_background(self._abort_owned(request.owner, pb.AbortRequest(request_id=key)))
 
     @property
     def num_in_flight(self) -> int:
@@ -124,11 +124,12 @@ class OutputRouter:
             return self.discovery.none_connected_for_s()
         return self.discovery.down_for_s(request.owner)
 
-    async def abort(self, key: str, sample_index: int | None = None) -> None:
-        """Asks the request's owner (every live scheduler while it has none) to stop the request
-        (or one sample) and free its blocks; errors are logged."""
+    async def abort_sample(self, key: str, sample_index: int) -> None:
+        """Asks the request's owner (every live scheduler while it has none) to stop one sample of
+        the request and free its blocks (the other samples go on); errors are logged."""
         request = self._requests.get(key)
-        await self._abort_owned(request.owner if request is not None else None, key, sample_index)
+        await self._abort_owned(request.owner if request is not None else None,
+                                pb.AbortRequest(request_id=key, sample_index=sample_index))
 
     def resume(self, key: str, query: ResumeQuery, received: Sequence[ReceivedSample]) -> None:
         """Answers ``query`` in the background: ``Resume`` with the samples the client ``received``
@@ -136,7 +137,7 @@ class OutputRouter:
         request waiting (the scheduler asks again when this gateway's stream is back)."""
         request = self._requests.get(key)
         if request is None:  # unregistered meanwhile: nobody waits for it
-            self._in_background(self._abort_on(self._link(query.scheduler_id), key))
+            self._in_background(self._abort_on(self._link(query.scheduler_id), pb.AbortRequest(request_id=key)))
             return
         message = pb.ResumeRequest(request_id=key, gateway_id=self._gateway_id,
                                    num_migrations=request.num_migrations + 1)
@@ -152,7 +153,7 @@ class OutputRouter:
             request = self._requests.get(key)
             if request is None:
                 log.info("scheduler %s took over %s, which no call here waits for: aborting it", scheduler_id, key)
-                self._in_background(self._abort_on(self._link(scheduler_id), key))
+                self._in_background(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
                 continue
             if query.taken_at_us < request.taken_at_us:  # sent before another scheduler took the request over
                 log.info("ignoring scheduler %s's stale resume query for %s", scheduler_id, key)
@@ -174,7 +175,7 @@ class OutputRouter:
             why = "no call waits for its tokens" if request is None else f"scheduler {request.owner} owns it"
             log.info("aborting %s on scheduler %s: %s", key, scheduler_id, why)
             self._remember_aborted(scheduler_id, key)
-            self._in_background(self._abort_on(self._link(scheduler_id), key))
+            self._in_background(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
 
     def _link(self, scheduler_id: str | None) -> SchedulerLink | None:
         return None if scheduler_id is None else self.discovery.links.get(scheduler_id)
@@ -185,19 +186,18 @@ class OutputRouter:
             if len(self._aborted) > MAX_ABORTS_REMEMBERED:
                 self._aborted.popitem(last=False)
 
-    async def _abort_owned(self, owner: str | None, key: str, sample_index: int | None) -> None:
-        """Aborts on ``owner`` when it has a link, else on every live scheduler."""
+    async def _abort_owned(self, owner: str | None, message: pb.AbortRequest) -> None:
+        """Sends ``message`` (a whole request, or one sample when ``sample_index`` is set) to
+        ``owner`` when it has a link, else to every live scheduler."""
         link = self._link(owner)
         targets = [link] if link is not None else list(self.discovery.links.values())
-        await asyncio.gather(*(self._abort_on(t, key, sample_index) for t in targets))
+        await asyncio.gather(*(self._abort_on(t, message) for t in targets))
 
     @staticmethod
-    async def _abort_on(link: SchedulerLink | None, key: str, sample_index: int | None = None) -> None:
+    async def _abort_on(link: SchedulerLink | None, message: pb.AbortRequest) -> None:
         if link is None:
             return
-        message = pb.AbortRequest(request_id=key)
-        if sample_index is not None:
-            message.sample_index = sample_index
+        key = message.request_id
         try:
             await link.stub.Abort(message, timeout=CALL_TIMEOUT_S)
         except grpc.RpcError as exc:
