@@ -1,7 +1,7 @@
-"""Regression tests of issue #9's service-layer defects, through real processes, Redis and gRPC.
-
-Each test names the defect it reproduces; each failed on the code before its fix.
-"""
+"""How a request lives through the services (real processes, Redis and gRPC): every sample ends,
+ids never cross, aborts and cancellations end streams, orphans never run, a long prefill stalls no
+other worker. Each test reproduces a defect found on the way (issue #9, #13, #20) and failed on the
+code before its fix."""
 
 from __future__ import annotations
 
