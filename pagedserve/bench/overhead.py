@@ -161,7 +161,7 @@ def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Name
                     model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
                     redis_url=f"redis://127.0.0.1:{ports[2]}/0", runner=runner,
                     policy=SchedulerConfig(max_plans_in_flight=n), threads_per_worker=_threads(args),
-                    data_dir=Path(data_dir) / str(n), http_port=ports[3],
+                    data_dir=Path(data_dir) / str(n), http_port=ports[3], metrics_port=0,
                 ))
                 stacks.append(stack)
                 stack.start()
