@@ -1,7 +1,7 @@
 """Frozen dataclass <-> protobuf message, field by field by name: the one generic mapper.
 
 A dataclass and the message it travels as have the same field names (``same_fields`` says which
-differ; ``to_pb`` and ``from_pb`` refuse such a pair, and tests/test_pb_fields.py checks every pair
+differ; ``to_pb`` and ``from_pb`` refuse such a pair, and tests/common/test_pb_fields.py checks every pair
 the services map). Per field:
 
 * ``None`` <-> an unset ``optional`` field (or an empty ``repeated`` one): reading an unset field
