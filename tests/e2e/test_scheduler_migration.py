@@ -32,7 +32,7 @@ from pagedserve.launcher import free_port
 from pagedserve.text.tokenizer import PromptTokenizer
 from services.common import redis_keys
 from services.common.signed_records import BlockDigestKey
-from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, pagedserve, scheduler_stats, start_redis, stop_all,
+from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, num_workers_known, pagedserve, scheduler_stats, start_redis, stop_all,
                                  wait_until)
 from services.common.pb import generate_pb2 as gen
 from tests.e2e.test_chaos import Call, finish_streams, kill, redis_clean, start_redis_on
@@ -98,7 +98,7 @@ def two_schedulers(tmp_path, model):
                                           tmp_path, env)
         procs = list(processes.values())
         for address in schedulers.values():
-            wait_until(lambda a=address: healthy(a) and len(scheduler_stats(a).workers) == 1,
+            wait_until(lambda a=address: healthy(a) and num_workers_known(a) == 1,
                        "each scheduler owning one worker", 300, procs)
         wait_until(lambda: healthy(gateway), "gateway", 120, procs)
         stack = Stack(redis_url, gateway, schedulers["s0"], processes, env, metrics=metrics)
