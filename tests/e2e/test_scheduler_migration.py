@@ -32,8 +32,8 @@ from pagedserve.launcher import free_port
 from pagedserve.text.tokenizer import PromptTokenizer
 from services.common import redis_keys
 from services.common.signed_records import BlockDigestKey
-from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, num_workers_known, pagedserve, scheduler_stats, start_redis, stop_all,
-                                 wait_until)
+from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, num_workers_known, pagedserve, scheduler_stats,
+                                 start_redis, stop_all, wait_until)
 from services.common.pb import generate_pb2 as gen
 from tests.e2e.test_chaos import Call, finish_streams, kill, redis_clean, start_redis_on
 from tests.e2e.test_stack import QUESTIONS, chat_request
