@@ -99,6 +99,7 @@ class SchedulerLoop:
         try:
             while not stop.is_set():
                 self.requests.drop_for_gone_gateways()
+                self._note_workers()
                 self._hand_off_without_workers()
                 self._fail_without_workers()
                 self.requests.drop_unanswered_resumes()
@@ -165,6 +166,19 @@ class SchedulerLoop:
         else:
             self.requests.gateway_back(command.gateway_id)
 
+    def _note_workers(self) -> None:
+        """Notes whether a worker is admitted (readiness, claims) and since when none is, at every
+        turn: a worker dropped for a failed step leaves none without a ClusterView (and a scheduler
+        waiting for its lease publishes none)."""
+        has_workers = bool(self.scheduler.worker_ids)
+        if has_workers != self.has_workers.is_set():
+            self.has_workers.set() if has_workers else self.has_workers.clear()
+            self._set_ready(has_workers)
+        if has_workers:
+            self._no_workers_since = None
+        elif self._no_workers_since is None:
+            self._no_workers_since = time.monotonic()
+
     def _fail_without_workers(self) -> None:
         """Fails every waiting request with UNAVAILABLE once no worker has been up for the timeout."""
         since = self._no_workers_since
@@ -190,18 +204,11 @@ class SchedulerLoop:
 
     # ---- workers -------------------------------------------------------------------------
     def _update_workers(self, view: ClusterView) -> None:
-        now = time.monotonic()
         self.model_name = next((r.model for r in view.workers.values()), self.model_name)
         self._peers_have_workers = view.peers_have_workers
         self._deliver(self.membership.sync(view.workers, view.epochs))
-        has_workers = bool(self.scheduler.worker_ids)
-        self.has_workers.set() if has_workers else self.has_workers.clear()
-        if has_workers:
-            self._no_workers_since = None
-        elif self._no_workers_since is None:
-            self._no_workers_since = now
-        if has_workers or not view.peers_have_workers:
+        self._note_workers()
+        if self.scheduler.worker_ids or not view.peers_have_workers:
             self.accepting.set()
         else:
             self.accepting.clear()  # peers with workers read the new requests
-        self._set_ready(has_workers)

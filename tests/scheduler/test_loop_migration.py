@@ -188,3 +188,27 @@ def test_a_second_entry_of_a_request_in_flight_is_acknowledged_and_its_own_is_ke
         while b"r-1" not in sched.acked:
             threading.Event().wait(0.05)
         assert b"r-0" not in sched.acked
+
+
+def test_waiting_requests_fail_when_the_last_worker_fails_and_no_cluster_view_follows():
+    """A scheduler whose lease key was overwritten (anyone who can write to Redis) publishes no
+    ClusterView while it waits for "the other" scheduler's lease to expire, so a worker dropped for
+    a failed step is never admitted again. The loop noticed having no worker only in a ClusterView:
+    the request then waited for a worker for ever, and its client hung to its own deadline (5 of 16
+    in the re-attack of issue #20). Without a worker for ``no_worker_timeout_s``, it must fail with
+    UNAVAILABLE."""
+    from services.scheduler.cluster import ClusterView
+
+    with Loop(no_worker_timeout_s=1.0) as sched:
+        _, events = sched.connect("gw")
+        dead = pb.WorkerRegistration(worker_id="w", address="127.0.0.1:1", num_blocks=64, block_size=16,
+                                     instance_id="i")  # nothing listens there: its first step fails
+        sched.loop.submit(ClusterView({"w": dead}, {"w": 1}, False))
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
+        final = []
+        for batch in iter(lambda: next_batch(events, 15), None):
+            final += [e for e in batch.events if e.request_id == "r" and e.finish_reason]
+            if final:
+                break
+        assert final and final[0].finish_reason == pb.FINISH_REASON_ABORT
+        assert final[0].error.kind == pb.ERROR_KIND_UNAVAILABLE
