@@ -133,6 +133,7 @@ class ClusterWatch:
         self._missing_since: dict[str, float] = {}  # owned workers whose registration is missing -> since when
         self._waiting_logged = False
         self._settled = False
+        self._instances: dict[str, str] = {}  # scheduler id -> instance id of its signed registration
         self._take_after = 0.0  # monotonic time before which no unowned worker is taken (after a lost lease)
 
     def run(self, interval_s: float, stop: threading.Event) -> None:
@@ -190,6 +191,7 @@ class ClusterWatch:
 
     def _live_schedulers(self) -> dict[str, pb.SchedulerRegistration]:
         registrations = self._schedulers.verified(self._client.hgetall(redis_keys.SCHEDULERS_HASH))
+        self._instances = {sid: reg.instance_id for sid, reg in registrations.items()}
         leases = self._client.mget([redis_keys.scheduler_lease_key(s) for s in registrations]) if registrations else []
         return live_only(registrations, leases)
 
@@ -261,8 +263,9 @@ class ClusterWatch:
             if owner == self._leases.scheduler_id or owner in schedulers:
                 continue
             lease_key = redis_keys.scheduler_lease_key(owner)
-            taken_at_us, claimed = (self._leases.claim_pending(name, lease_key, CLAIM_BATCH) if consumer["pending"]
-                                    else (0, []))
+            instance = self._instances.get(owner, "")  # a lease holding another value is forged
+            taken_at_us, claimed = (self._leases.claim_pending(name, lease_key, CLAIM_BATCH, instance)
+                                    if consumer["pending"] else (0, []))
             if claimed:
                 log.warning("took over %d request(s) of %s, which %s", len(claimed), name,
                             "was handed off" if name == redis_keys.HANDOFF_CONSUMER else "is gone")

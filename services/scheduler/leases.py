@@ -86,7 +86,8 @@ return 0
 """
 
 _CLAIM_PENDING = """
-if redis.call('EXISTS', KEYS[2]) == 1 then
+local lease = redis.call('GET', KEYS[2])
+if lease and (ARGV[5] == '' or lease == ARGV[5]) then
   return {}
 end
 local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', tonumber(ARGV[4]), ARGV[2])
@@ -197,13 +198,17 @@ class Leases:
         return [v.decode(errors="replace") if v is not None else None for v in values]
 
     # ---- requests ---------------------------------------------------------------------
-    def claim_pending(self, consumer: str, lease_key: str, count: int) -> tuple[int, list]:
-        """Moves up to ``count`` pending entries of ``consumer`` to this scheduler, unless
-        ``lease_key`` exists (its owner is alive). Returns Redis's clock at the claim
-        (microseconds; 0 when nothing was claimed) and the entries as ``XCLAIM`` does: a list of
-        ``(entry id, fields)``; entries deleted from the stream meanwhile are dropped by Redis."""
+    def claim_pending(self, consumer: str, lease_key: str, count: int, owner_instance: str = "") -> tuple[int, list]:
+        """Moves up to ``count`` pending entries of ``consumer`` to this scheduler, unless its owner
+        is alive: ``lease_key`` exists and, when ``owner_instance`` (the instance id of the owner's
+        signed registration) is given, holds it. A lease key holding anything else was written by
+        someone without the cluster token: its owner cannot hold its lease, and its entries would
+        otherwise wait for ever. Returns Redis's clock at the claim (microseconds; 0 when nothing
+        was claimed) and the entries as ``XCLAIM`` does: a list of ``(entry id, fields)``; entries
+        deleted from the stream meanwhile are dropped by Redis."""
         keys = [redis_keys.REQUEST_STREAM, lease_key]
-        reply = self._claim(keys=keys, args=[redis_keys.SCHEDULER_GROUP, consumer, self.scheduler_id, count])
+        args = [redis_keys.SCHEDULER_GROUP, consumer, self.scheduler_id, count, owner_instance]
+        reply = self._claim(keys=keys, args=args)
         if not reply:
             return 0, []
         seconds, micros, claimed = reply

@@ -282,3 +282,27 @@ def test_a_worker_whose_lease_was_lost_is_dropped_as_such_not_as_missing(client,
     dropped = [r.getMessage() for r in caplog.records if "worker w0 dropped" in r.getMessage()]
     assert len(dropped) == 1 and "lease" in dropped[0] and "missing" not in dropped[0], dropped
     assert members.worker_ids == []
+
+
+def test_requests_of_a_scheduler_whose_lease_key_was_overwritten_are_claimed_by_a_peer(client):
+    """Anyone who can write to Redis can overwrite a scheduler's lease key (no cluster token needed).
+    The scheduler then cannot renew or retake its lease and stops reading; peers saw a lease key
+    and never claimed its pending entries (nor its inbox's), so those requests waited until their
+    clients' deadlines (3 and 7 of 16 streams in the re-attack of issue #20). A lease key that does
+    not hold the instance id of the owner's signed registration must not keep its entries."""
+    s0, s1 = two_schedulers_with_a_worker_each(client)
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)) == 1
+    client.set(redis_keys.scheduler_lease_key("s0"), b"garbage-instance", px=60_000)
+    s1.watch.tick()
+    assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
+    assert pending(client) == {entry_id: b"s1"}
+
+
+def test_a_live_scheduler_keeps_its_pending_entries(client):
+    """The same peer tick leaves alone the entries of a scheduler whose lease holds its instance."""
+    s0, s1 = two_schedulers_with_a_worker_each(client)
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)) == 1
+    s1.watch.tick()
+    assert s1.claimed == [] and pending(client) == {entry_id: b"s0"}
