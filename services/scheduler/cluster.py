@@ -133,7 +133,6 @@ class ClusterWatch:
         self._missing_since: dict[str, float] = {}  # owned workers whose registration is missing -> since when
         self._waiting_logged = False
         self._settled = False
-        self._instances: dict[str, str] = {}  # scheduler id -> instance id of its signed registration
         self._take_after = 0.0  # monotonic time before which no unowned worker is taken (after a lost lease)
 
     def run(self, interval_s: float, stop: threading.Event) -> None:
@@ -154,7 +153,8 @@ class ClusterWatch:
         if not self._hold_own_lease():
             return
         workers = self._registry.live_workers()
-        schedulers = self._live_schedulers()
+        registered = self._schedulers.verified(self._client.hgetall(redis_keys.SCHEDULERS_HASH))
+        schedulers = self._live_only(registered)
         if self._settled:
             self._keep_and_take_workers(workers, schedulers)
         self._settled = True
@@ -170,7 +170,7 @@ class ClusterWatch:
         peers = bool(self.peer_loads)  # a live peer runs a worker
         self._publish(ClusterView(live, dict(self._owned), peers))
         if runs or not peers:  # never take back what was handed off for want of a worker; when none runs, any may
-            self._claim_orphans(schedulers)
+            self._claim_orphans(schedulers, registered)
 
     def _hold_own_lease(self) -> bool:
         if self.lease_held.is_set() and self._leases.renew_own():
@@ -189,9 +189,8 @@ class ClusterWatch:
         self.lease_held.set()
         return True
 
-    def _live_schedulers(self) -> dict[str, pb.SchedulerRegistration]:
-        registrations = self._schedulers.verified(self._client.hgetall(redis_keys.SCHEDULERS_HASH))
-        self._instances = {sid: reg.instance_id for sid, reg in registrations.items()}
+    def _live_only(self, registrations: Mapping[str, pb.SchedulerRegistration]) -> dict[str, pb.SchedulerRegistration]:
+        """The signed registrations whose lease key holds their instance id."""
         leases = self._client.mget([redis_keys.scheduler_lease_key(s) for s in registrations]) if registrations else []
         return live_only(registrations, leases)
 
@@ -250,7 +249,8 @@ class ClusterWatch:
                 mine.append(worker_id)
         return mine
 
-    def _claim_orphans(self, schedulers: Mapping[str, pb.SchedulerRegistration]) -> None:
+    def _claim_orphans(self, schedulers: Mapping[str, pb.SchedulerRegistration],
+                       registered: Mapping[str, pb.SchedulerRegistration]) -> None:
         """Claims the pending entries of consumers without a lease (dead schedulers and their
         inboxes, the hand-off consumer); forgets dead consumers with nothing pending."""
         consumers = self._client.xinfo_consumers(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)
@@ -263,7 +263,8 @@ class ClusterWatch:
             if owner == self._leases.scheduler_id or owner in schedulers:
                 continue
             lease_key = redis_keys.scheduler_lease_key(owner)
-            instance = self._instances.get(owner, "")  # a lease holding another value is forged
+            reg = registered.get(owner)
+            instance = reg.instance_id if reg is not None else ""  # a lease holding another value is forged
             taken_at_us, claimed = (self._leases.claim_pending(name, lease_key, CLAIM_BATCH, instance)
                                     if consumer["pending"] else (0, []))
             if claimed:
