@@ -39,6 +39,8 @@ from services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import Process, Stack, healthy, pagedserve, scheduler_stats, start_stack, wait_until
 from tests.e2e.test_stack import QUESTIONS, chat_request
 
+GATEWAY_ID = re.compile(r"gateway (\S+) listening")
+
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 NUM_STREAMS = 8
@@ -401,7 +403,9 @@ def test_kill_and_restart_the_gateway_with_the_same_id(tmp_path, default_model, 
     orphan: every block is free well before the grace period would have ended."""
     long_streams = [160] * NUM_STREAMS
     with own_stack(tmp_path, default_model, num_workers=1) as stack:
-        gateway_id = re.search(r"gateway (\S+) listening", stack.processes["gateway"].log_text()).group(1)
+        # the gateway serves before its log line reaches the file: wait for the line
+        wait_until(lambda: re.search(GATEWAY_ID, stack.processes["gateway"].log_text()), "the gateway's id in its log", 10)
+        gateway_id = re.search(GATEWAY_ID, stack.processes["gateway"].log_text()).group(1)
         calls = start_streams(stack.gateway, long_streams)
         fault_at = time.monotonic()
         kill(stack, "gateway")
