@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.engine.request_errors import InvalidRequestError  # noqa: F401 (the API's name for it lives here too)
 from pagedserve.engine.sampling_checks import check_sampling_params
+from pagedserve.engine.structured_output import StructuredOutput, check_structured_output
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal one
@@ -90,6 +91,8 @@ class ChoosingParams:
         allowed_token_ids: ``None`` (all) or the only ids that may be chosen (vLLM's).
         bad_words_token_ids: token sequences never to generate: a sequence's last token is masked
             while the output ends with its other tokens (vLLM's ``bad_words``, tokenized).
+        structured_output: ``None`` or the structure the output must match: the worker masks
+            every token its grammar does not allow, before anything else (``grammar_matchers``).
     """
 
     temperature: float = 1.0
@@ -105,6 +108,7 @@ class ChoosingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -165,6 +169,8 @@ class SamplingParams:
             Hugging Face tokenizers use it, fast ones such as the default model's ignore it.
         allowed_token_ids: ``None`` or the only token ids that may be generated (not empty).
         bad_words: words never to generate, each with and without a leading space (vLLM's).
+        structured_output: ``None`` or the structure the output must match (JSON schema, any
+            JSON object, regex, choice, grammar); checked by ``to_engine``.
 
     Raises:
         InvalidRequestError: a value outside its range; the message names the field.
@@ -193,6 +199,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    structured_output: StructuredOutput | None = None
 
     @property
     def num_samples(self) -> int:
@@ -221,7 +228,8 @@ class SamplingParams:
 
         Raises:
             InvalidRequestError: ``max_tokens`` beyond the context, or a token id outside the
-                vocabulary (``stop_token_ids[i]``, ``logit_bias[id]``).
+                vocabulary (``stop_token_ids[i]``, ``logit_bias[id]``), or a ``structured_output``
+                that cannot be served (``check_structured_output``).
         """
         room = max_model_len - num_prompt_tokens
         max_tokens = room if self.max_tokens is None else self.max_tokens
@@ -237,6 +245,8 @@ class SamplingParams:
         _check_token_ids("allowed_token_ids", self.allowed_token_ids or (), vocab_size)
         for word in bad_words_token_ids:
             _check_token_ids("bad_words", word, vocab_size)
+        if self.structured_output is not None:
+            check_structured_output(self.structured_output)
         # best_of > n ranks samples by their cumulative logprob: the engine must compute it
         logprobs = 0 if self.logprobs is None and self.num_samples > self.n else self.logprobs
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineSamplingParams) if hasattr(self, f.name)}
