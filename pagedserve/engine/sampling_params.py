@@ -170,7 +170,7 @@ class SamplingParams:
         allowed_token_ids: ``None`` or the only token ids that may be generated (not empty).
         bad_words: words never to generate, each with and without a leading space (vLLM's).
         structured_output: ``None`` or the structure the output must match (JSON schema, any
-            JSON object, regex, choice, grammar); checked by ``to_engine``.
+            JSON object, regex, choice, grammar); checked on construction (``check_structured_output``).
 
     Raises:
         InvalidRequestError: a value outside its range; the message names the field.
@@ -208,6 +208,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_sampling_params(self)
+        if self.structured_output is not None:
+            check_structured_output(self.structured_output)
 
     def to_engine(
         self,
@@ -228,8 +230,7 @@ class SamplingParams:
 
         Raises:
             InvalidRequestError: ``max_tokens`` beyond the context, or a token id outside the
-                vocabulary (``stop_token_ids[i]``, ``logit_bias[id]``), or a ``structured_output``
-                that cannot be served (``check_structured_output``).
+                vocabulary (``stop_token_ids[i]``, ``logit_bias[id]``).
         """
         room = max_model_len - num_prompt_tokens
         max_tokens = room if self.max_tokens is None else self.max_tokens
@@ -245,8 +246,6 @@ class SamplingParams:
         _check_token_ids("allowed_token_ids", self.allowed_token_ids or (), vocab_size)
         for word in bad_words_token_ids:
             _check_token_ids("bad_words", word, vocab_size)
-        if self.structured_output is not None:
-            check_structured_output(self.structured_output)
         # best_of > n ranks samples by their cumulative logprob: the engine must compute it
         logprobs = 0 if self.logprobs is None and self.num_samples > self.n else self.logprobs
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineSamplingParams) if hasattr(self, f.name)}

@@ -10,6 +10,7 @@ worker's matchers (``grammar_matchers``) run token by token.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -98,8 +99,10 @@ def _field(kind: StructureKind) -> str:
     return f"structured_output.{kind.value}"
 
 
+@functools.lru_cache(maxsize=256)
 def check_structured_output(structure: StructuredOutput) -> None:
-    """Refuses a spec that cannot be served, before it is queued.
+    """Refuses a spec that cannot be served, before it is queued (specs that pass are remembered:
+    the 256 most recent are not checked again).
 
     Checks, in order: the size (``MAX_SPEC_BYTES``), that choices are given and not empty, that a
     JSON schema is a valid schema (``jsonschema``'s meta-schema check), and that llguidance builds

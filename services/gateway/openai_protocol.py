@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from pagedserve.engine.sampling_checks import MAX_LOGIT_BIAS
 from pagedserve.text.request_limits import RequestLimits
+from services.gateway.openai_structured import StructuredFields
 
 _LIMITS = RequestLimits()
 MAX_PROMPTS = 64
@@ -39,8 +40,9 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions).
+class SamplingFields(StructuredFields):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions; the
+    structured-output forms are ``StructuredFields``).
 
     Semantics as vLLM's (``openai_params`` maps them onto ``SamplingParams``). ``logit_bias``
     keys are token ids as decimal strings (OpenAI's JSON form). ``best_of > n`` returns the ``n``

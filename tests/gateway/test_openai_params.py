@@ -6,6 +6,7 @@ import pydantic
 import pytest
 
 from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from pagedserve.text.chat_encoding import ChatPromptMode
 from services.gateway.openai_chat import chat_prompt_mode
 from services.gateway.openai_errors import _param_of
@@ -24,12 +25,13 @@ def test_every_field_is_mapped():
         min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False, user="someone",
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={"7": 2.0, " 9": -1.0},
         best_of=3, spaces_between_special_tokens=False, logprobs=True, top_logprobs=4, allowed_token_ids=[3, 4],
-        bad_words=["no"])
+        bad_words=["no"], guided_regex=r"[0-9]+")
     expected = SamplingParams(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=3, min_tokens=2, stop=("x",),
         stop_token_ids=(5,), ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False, n=2,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={7: 2.0, 9: -1.0},
-        best_of=3, spaces_between_special_tokens=False, logprobs=4, allowed_token_ids=(3, 4), bad_words=("no",))
+        best_of=3, spaces_between_special_tokens=False, logprobs=4, allowed_token_ids=(3, 4), bad_words=("no",),
+        structured_output=StructuredOutput(StructureKind.REGEX, r"[0-9]+"))
     assert sampling_params_from_openai(body) == expected
     assert sampling_params_from_openai(completion(prompt_logprobs=1)).prompt_logprobs == 1  # completions only
     defaults = SamplingParams()
