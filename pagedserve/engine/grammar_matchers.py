@@ -11,6 +11,7 @@ pristine matcher to copy.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,10 +21,12 @@ import torch
 from pagedserve.engine.structured_output import StructuredOutput
 from pagedserve.engine.token_bitmask import allocate_bitmask, apply_bitmask
 
+log = logging.getLogger("pagedserve.worker")
+
 
 class GrammarError(RuntimeError):
-    """A matcher refused a token or failed to build (the request's spec was checked at the gateway,
-    so this is a defect, not bad input)."""
+    """A matcher failed to build (the request's spec was checked at the gateway, so this is a
+    defect, not bad input)."""
 
 
 class GrammarCompiler:
@@ -58,7 +61,8 @@ class GrammarCompiler:
         """A matcher for ``structure`` that has consumed ``output_token_ids`` (a replay).
 
         Raises:
-            GrammarError: the grammar does not build, or the replayed tokens do not match it.
+            GrammarError: the grammar does not build (replayed tokens that do not match leave the
+                matcher in its error state: see :func:`advance`).
         """
         import llguidance
 
@@ -82,13 +86,15 @@ def advance(matcher, token_id: int) -> None:
     """Feeds a sampled token to ``matcher`` (nothing once the grammar has ended: what follows is
     EOS, which the scheduler stops at, or tokens past ``ignore_eos``).
 
-    Raises:
-        GrammarError: the matcher refuses the token.
+    A token the matcher refuses (a replayed output that does not match, or a grammar past
+    llguidance's limits) leaves it in its error state, where it allows only EOS: the sequence
+    ends there, and nothing else in the step fails.
     """
     if matcher.is_stopped():
         return
     if not matcher.consume_token(token_id):
-        raise GrammarError(f"the grammar refused token {token_id}: {matcher.get_error()}")
+        log.warning("a structured output's grammar refused token %d (%s); the sequence ends with EOS",
+                    token_id, matcher.get_error()[:200])
 
 
 def mask_grammar(logits: torch.Tensor, matchers: Sequence[object | None]) -> None:

@@ -18,6 +18,9 @@ from pagedserve.engine.request_errors import InvalidRequestError  # noqa: F401 (
 from pagedserve.engine.sampling_checks import check_sampling_params
 from pagedserve.engine.structured_output import StructuredOutput, check_structured_output
 
+CONFLICTS_WITH_STRUCTURE = ("allowed_token_ids", "bad_words", "min_tokens")
+"""Fields a request with a structured output must leave at their defaults: each masks tokens the
+grammar may need (``min_tokens`` masks EOS where the grammar may allow nothing else)."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal one
 overflows them to inf."""
@@ -210,6 +213,10 @@ class SamplingParams:
         check_sampling_params(self)
         if self.structured_output is not None:
             check_structured_output(self.structured_output)
+            for name in CONFLICTS_WITH_STRUCTURE:
+                if getattr(self, name) != getattr(SamplingParams, name):
+                    raise InvalidRequestError(name, "cannot be combined with a structured output (its mask could "
+                                                    "leave no token the grammar allows)")
 
     def to_engine(
         self,

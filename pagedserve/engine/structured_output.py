@@ -78,11 +78,8 @@ class StructuredOutput:
         import llguidance
 
         if self.kind is StructureKind.JSON:
-            try:
-                schema = json.loads(self.spec)
-            except json.JSONDecodeError as e:
-                raise InvalidRequestError("structured_output.json", f"is not valid JSON: {e}") from None
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(_load_json(self.spec, _field(self.kind)),
+                                                                 defaults=JSON_OPTIONS)
         if self.kind is StructureKind.JSON_OBJECT:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if self.kind is StructureKind.REGEX:
@@ -129,17 +126,31 @@ def check_structured_output(structure: StructuredOutput) -> None:
         raise InvalidRequestError(name, error.splitlines()[0][:500])
 
 
+def _load_json(text: str, name: str) -> object:
+    """``text`` parsed as JSON.
+
+    Raises:
+        InvalidRequestError(name): not JSON, or nested too deeply for the parser (a few hundred
+            levels: Python's recursion limit).
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(name, f"is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError(name, "is nested too deeply") from None
+
+
 def _check_schema(text: str, name: str) -> None:
     """Raises ``InvalidRequestError(name)`` unless ``text`` is a JSON schema (an object or a boolean)."""
     import jsonschema
 
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidRequestError(name, f"is not valid JSON: {e}") from None
+    schema = _load_json(text, name)
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError(name, f"must be a JSON object, got {type(schema).__name__}")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         raise InvalidRequestError(name, f"is not a valid JSON schema: {e.message}") from None
+    except RecursionError:
+        raise InvalidRequestError(name, "is nested too deeply") from None
