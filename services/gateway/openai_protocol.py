@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from pagedserve.engine.sampling_checks import MAX_LOGIT_BIAS
 from pagedserve.text.request_limits import RequestLimits
 from services.gateway.openai_structured import StructuredFields
+from services.gateway.openai_tools import CallId, ToolCallIn, ToolFields
 
 _LIMITS = RequestLimits()
 MAX_PROMPTS = 64
@@ -100,13 +101,16 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; ``content`` is a string or a list of text parts (joined)."""
+    """One chat message; ``content`` is a string or a list of text parts (joined). An assistant
+    message may hold the ``tool_calls`` it made, a ``tool`` message the ``tool_call_id`` it answers."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: Annotated[StrictStr, Field(max_length=_LIMITS.max_role_chars)]
     content: Text | Annotated[list[TextPart], Field(max_length=_LIMITS.max_chat_messages)] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=_LIMITS.max_chat_messages)] | None = None
+    tool_call_id: CallId | None = None
 
     def text(self) -> str:
         """The content as one string ("" for none)."""
@@ -117,8 +121,9 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template."""
+class ChatCompletionRequest(SamplingFields, ToolFields):
+    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template, with
+    ``tools`` offered (``openai_tools``)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=_LIMITS.max_chat_messages)]
     max_completion_tokens: StrictInt | None = Field(None, description="OpenAI's newer name of max_tokens")

@@ -25,17 +25,20 @@ def test_every_field_is_mapped():
         min_tokens=2, include_stop_str_in_output=True, skip_special_tokens=False, user="someone",
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={"7": 2.0, " 9": -1.0},
         best_of=3, spaces_between_special_tokens=False, logprobs=True, top_logprobs=4, allowed_token_ids=[3, 4],
-        bad_words=["no"], guided_regex=r"[0-9]+")
+        bad_words=["no"])
     expected = SamplingParams(
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=4, min_p=0.1, seed=3, min_tokens=2, stop=("x",),
         stop_token_ids=(5,), ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False, n=2,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={7: 2.0, 9: -1.0},
-        best_of=3, spaces_between_special_tokens=False, logprobs=4, allowed_token_ids=(3, 4), bad_words=("no",),
-        structured_output=StructuredOutput(StructureKind.REGEX, r"[0-9]+"))
+        best_of=3, spaces_between_special_tokens=False, logprobs=4, allowed_token_ids=(3, 4), bad_words=("no",))
     assert sampling_params_from_openai(body) == expected
+    # a structured output refuses allowed_token_ids and bad_words beside it, so it is mapped on its own
+    structured = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], guided_regex=r"[0-9]+")
+    regex = StructuredOutput(StructureKind.REGEX, r"[0-9]+")
+    assert sampling_params_from_openai(structured) == SamplingParams(structured_output=regex)
     assert sampling_params_from_openai(completion(prompt_logprobs=1)).prompt_logprobs == 1  # completions only
     defaults = SamplingParams()
-    untested = [f for f in SUPPORTED_FIELDS if getattr(expected, f) == getattr(defaults, f)]
+    untested = [f for f in SUPPORTED_FIELDS if getattr(expected, f) == getattr(defaults, f) and f != "structured_output"]
     assert untested == ["prompt_logprobs"], "a field is not tested"
     with pytest.raises(InvalidRequestError):  # chat returns no prompt logprobs: refused rather than dropped
         sampling_params_from_openai(body.model_copy(update={"prompt_logprobs": 1}))
