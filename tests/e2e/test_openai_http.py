@@ -116,6 +116,8 @@ def test_completion_sse_wire_format(stack, model_name):
     assert sorted(by_index) == [0, 1, 2, 3]
     for choices in by_index.values():
         assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+        # the finish_reason comes alone (as OpenAI sends it), and no chunk before it is empty
+        assert choices[-1]["text"] == "" and all(c["text"] for c in choices[:-1])
 
 
 def test_chat_sse_wire_format(stack, model_name):
