@@ -6,7 +6,7 @@ Every validation error is an ``InvalidRequestError`` whose field name is spelled
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,10 +141,22 @@ class PromptTokenizer:
             InvalidRequestError: field ``prompt``, when the text is empty, larger than
                 ``max_prompt_bytes`` (checked before tokenizing) or encodes to no tokens.
         """
+        return self._checked_prompt_ids(text, lambda: self._tokenizer.encode(text))
+
+    def encode_prompt_without_special_tokens(self, text: str) -> list[int]:
+        """Tokenizes a text prompt adding no special tokens (no BOS: vLLM's ``add_special_tokens: false``).
+
+        Raises:
+            InvalidRequestError: as ``encode_prompt``.
+        """
+        return self._checked_prompt_ids(text, lambda: self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _checked_prompt_ids(self, text: str, encode: Callable[[], Sequence[int]]) -> list[int]:
+        """``encode()``'s ids, after ``text``'s checks (see ``encode_prompt``)."""
         if not text:
             raise InvalidRequestError(PROMPT_FIELD, "must not be empty")
         check_text_bytes(PROMPT_FIELD, text, self.max_prompt_bytes)
-        ids = list(self._tokenizer.encode(text))
+        ids = list(encode())
         if not ids:
             raise InvalidRequestError(PROMPT_FIELD, "encodes to no tokens")
         return ids

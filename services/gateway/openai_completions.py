@@ -33,11 +33,14 @@ from services.gateway.openai_serving import (
 from services.gateway.openai_errors import error_event
 
 
-def _prompt_ids(tokenizer: PromptTokenizer, prompt: str | list[int], field: str) -> list[int]:
-    """Token ids of one prompt (text or ids). Raises InvalidRequestError naming ``field``."""
+def _prompt_ids(tokenizer: PromptTokenizer, prompt: str | list[int], field: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of one prompt (text, with the tokenizer's special tokens such as BOS when
+    ``add_special_tokens``, or ids). Raises InvalidRequestError naming ``field``."""
     try:
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and add_special_tokens:
             return tokenizer.encode_prompt(prompt)
+        if isinstance(prompt, str):
+            return tokenizer.encode_prompt_without_special_tokens(prompt)
         return tokenizer.check_token_ids(prompt)
     except InvalidRequestError as exc:
         raise InvalidRequestError(field + exc.field_name.removeprefix(TOKEN_IDS_FIELD).removeprefix("prompt"),
@@ -57,7 +60,8 @@ def parse_completion(body: CompletionRequest, tokenizer: PromptTokenizer) -> lis
     else:
         prompts, fields = list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
     return [parse_request(tokenizer, ids, field, params)
-            for ids, field in ((_prompt_ids(tokenizer, p, f), f) for p, f in zip(prompts, fields))]
+            for ids, field in ((_prompt_ids(tokenizer, p, f, body.add_special_tokens), f)
+                               for p, f in zip(prompts, fields))]
 
 
 async def create_completion(serving: OpenAIServing, body: CompletionRequest, request: Request) -> Response:

@@ -91,6 +91,7 @@ class CompletionRequest(SamplingFields):
     logprobs: StrictInt | None = Field(None, description="logprobs of each token and this many top alternatives, [0, 20]")
     echo: StrictBool = Field(False, description="the prompt before the completion (with logprobs: its logprobs too)")
     suffix: Text | None = Field(None, description="not supported")
+    add_special_tokens: StrictBool = Field(True, description="text prompts get the tokenizer's special tokens (BOS)")
 
 
 class TextPart(BaseModel):
