@@ -26,7 +26,7 @@ Choices = Annotated[list[Spec], Field(max_length=4096)]
 class JsonSchemaFormat(BaseModel):
     """``response_format.json_schema``: OpenAI's named schema (``strict`` is always honoured)."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: Annotated[StrictStr, Field(max_length=256)]
     description: Spec | None = None
@@ -36,6 +36,8 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None

@@ -167,6 +167,12 @@ def test_chat_sse_wire_format(stack, model_name):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 1000}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True},
      "continue_final_message"),
+    # fields pagedserve does not implement are refused, not dropped (issue #22 item 6)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "functions": [{"name": "f"}]},
+     "functions"),
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "audio": {"id": "a"}}]},
+     "messages[0].audio"),
 ])
 def test_invalid_input_is_a_400_naming_the_parameter(stack, model_name, path, body, param):
     response = httpx.post(stack.http + path, json={"model": model_name, **body}, timeout=60)

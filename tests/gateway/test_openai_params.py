@@ -112,3 +112,17 @@ def test_validation_error_locations_become_param_names():
     assert _param_of(("body", "stop", "list[str]", 3)) == "stop[3]"
     assert _param_of(("body", "prompt", "constrained-str")) == "prompt"
     assert _param_of(("body", "stop", "function-after[x]", "constrained-str")) == "stop"
+
+
+def test_unimplemented_fields_are_refused_and_the_listed_ones_ignored():
+    from services.gateway.openai_protocol import IGNORED_FIELDS
+
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None}]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": history, "user": "u", "store": True,
+                                                 "metadata": {"k": "v"}, "service_tier": "auto"})
+    assert not any(hasattr(body, name) for name in IGNORED_FIELDS)
+    for extra in ({"use_beam_search": True}, {"stream_options": {"continuous_usage_stats": True}},
+                  {"response_format": {"type": "json_object", "unknown": 1}}):
+        with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+            ChatCompletionRequest.model_validate({"model": "m", "messages": history, **extra})
