@@ -20,6 +20,7 @@ from pagedserve.engine.messages import (BatchPlan, CachedRequestData, NewRequest
 from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
 from pagedserve.engine.attention import AttentionBackend, build_attention_metadata, compute_positions
 from pagedserve.engine.attention.step import StepAttention
+from pagedserve.engine.grammar_matchers import GrammarCompiler, advance
 from pagedserve.engine.kv_cache import KVCache
 from pagedserve.engine.logprobs import PromptChunk, prompt_logprobs
 from pagedserve.engine.penalties import TokenHistory
@@ -41,6 +42,9 @@ class RequestState:
         block_ids: the block table, logical -> physical block id.
         num_computed_tokens: tokens whose K/V are in the cache.
         sampling: the request's sampling parameters.
+        matcher: its grammar matcher when it has a structured output (on the rank that samples),
+            advanced with each token sampled; rebuilt by replaying the output tokens whenever the
+            sequence arrives in full (``GrammarCompiler.matcher``).
     """
 
     seq_id: SequenceId
@@ -49,6 +53,7 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: EngineSamplingParams
+    matcher: object | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -126,11 +131,15 @@ class ModelRunner:
         sampler: turns logits into tokens.
         forward: runs the model's forward (default: ``model`` itself, eager); a
             :class:`~pagedserve.engine.models.compiled.CompiledForward` for inductor.
+        grammar: builds the matchers of structured outputs; ``None`` on ranks that do not sample
+            (their sampler receives rank 0's tokens), where structured outputs are ignored.
     """
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, attention_backend: AttentionBackend,
-                 sampler: Sampler, forward: Callable[..., torch.Tensor] | None = None) -> None:
+                 sampler: Sampler, forward: Callable[..., torch.Tensor] | None = None,
+                 grammar: GrammarCompiler | None = None) -> None:
         self.model = model
+        self.grammar = grammar
         self.forward = forward or model
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend
@@ -199,6 +208,10 @@ class ModelRunner:
                                  list(data.block_ids), data.num_computed_tokens, data.sampling)
             _check_schedulable(state, data.num_scheduled_tokens, len(state.block_ids), self.block_size)
             states.append(state)
+        for state in states:  # replays the output it carries (recompute, swap-in, fork, migration)
+            if state.sampling.structured_output is not None and self.grammar is not None:
+                state.matcher = self.grammar.matcher(state.sampling.structured_output,
+                                                     state.token_ids[state.num_prompt_tokens:])
         return states
 
     def _check_deltas(self, deltas: Sequence[CachedRequestData]) -> list[RequestState]:
@@ -241,12 +254,16 @@ class ModelRunner:
             logits = logits[torch.tensor(rows, device=logits.device)]    # (N', vocab): n rows per n-sample prompt
         histories = ([TokenHistory(s.state.token_ids, s.state.num_prompt_tokens) for s, _ in samples]
                      if any(p.needs_history for p in params) else None)
-        out = self.sampler(logits, params, counts, histories)
+        matchers = ([s.state.matcher for s, _ in samples]
+                    if any(s.state.matcher is not None for s, _ in samples) else None)
+        out = self.sampler(logits, params, counts, histories, matchers)
         by_id: dict[SequenceId, list[SampledToken]] = {}
         for (s, index), token_id, logprob, entry in zip(samples, out.token_ids, out.logprobs, out.token_logprobs):
             seq_id = s.state.seq_id
             if index == seq_id.sample_index:  # the sequence's own token (other ones start forked samples)
                 s.state.token_ids.append(token_id)
+                if s.state.matcher is not None:
+                    advance(s.state.matcher, token_id)
             by_id.setdefault(seq_id, []).append(SampledToken(seq_id, token_id, logprob, index, entry))
         return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())], prompt
 

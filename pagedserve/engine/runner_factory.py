@@ -8,6 +8,7 @@ import torch
 
 from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.config import CompileMode, GemmBackend
+from pagedserve.engine.grammar_matchers import grammar_compiler_for
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models.onednn import pack_linear_layers
@@ -65,7 +66,8 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         from pagedserve.engine.models.compiled import CompiledForward
 
         forward = CompiledForward(model)
-    runner = ModelRunner(model, kv_cache, backend, Sampler(seed=sampler_seed, device=device), forward)
+    runner = ModelRunner(model, kv_cache, backend, Sampler(seed=sampler_seed, device=device), forward,
+                         grammar_compiler_for(model_path))
     if forward is not None:
         runner.warm_up()
     return runner

@@ -1,6 +1,6 @@
 """Turns a step's logits into one token per row: greedy, or filtered sampling with per-request seeds.
 
-Per row, in order: min_tokens masking of stop tokens, ``allowed_token_ids`` and bad words, ``logit_bias`` and the repetition,
+Per row, in order: the grammar's mask for rows with a structured output (``grammar_matchers``), min_tokens masking of stop tokens, ``allowed_token_ids`` and bad words, ``logit_bias`` and the repetition,
 frequency and presence penalties (``pagedserve.engine.penalties``; only rows that ask), then
 (sampled rows only) temperature; the logprobs a row asks for are taken here (log-softmax of the
 processed logits, ``pagedserve.engine.logprobs``); then top-k, top-p (nucleus; Holtzman et al., 2020, "The Curious Case of Neural Text Degeneration"),
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.grammar_matchers import mask_grammar
 from pagedserve.engine.logprobs import token_logprobs
 from pagedserve.engine.messages import TokenLogprobs
 from pagedserve.engine.penalties import TokenHistory, apply_penalties
@@ -188,7 +189,8 @@ class Sampler:
             self._generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, params: Sequence[EngineSamplingParams],
-                 num_output_tokens: Sequence[int], histories: Sequence[TokenHistory] | None = None) -> SamplerOutput:
+                 num_output_tokens: Sequence[int], histories: Sequence[TokenHistory] | None = None,
+                 matchers: Sequence[object | None] | None = None) -> SamplerOutput:
         """Samples one token per row.
 
         Args:
@@ -198,6 +200,8 @@ class Sampler:
                 (the index of the token drawn now).
             histories: ``N`` token histories (prompt + output); may be ``None`` when no row
                 ``needs_history`` (the penalties read them).
+            matchers: ``N`` grammar matchers (``None`` for rows without a structured output), or
+                ``None`` when no row has one.
 
         Returns:
             ``N`` token ids and logprobs, in row order.
@@ -208,6 +212,8 @@ class Sampler:
         """
         if not len(params) == len(num_output_tokens) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(num_output_tokens)} counts")
+        if matchers is not None:
+            mask_grammar(logits, matchers)
         mask_stop_tokens(logits, params, num_output_tokens)
         mask_disallowed(logits, params, histories)
         apply_penalties(logits, params, histories)

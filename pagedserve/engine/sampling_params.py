@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 
 from pagedserve.engine.request_errors import InvalidRequestError  # noqa: F401 (the API's name for it lives here too)
 from pagedserve.engine.sampling_checks import check_sampling_params
+from pagedserve.engine.structured_output import StructuredOutput, check_structured_output
 
+CONFLICTS_WITH_STRUCTURE = ("allowed_token_ids", "bad_words", "min_tokens")
+"""Fields a request with a structured output must leave at their defaults: each masks tokens the
+grammar may need (``min_tokens`` masks EOS where the grammar may allow nothing else)."""
 GREEDY_BELOW = 1e-5
 """Temperatures below this sample greedily (as vLLM does): dividing logits by a subnormal one
 overflows them to inf."""
@@ -90,6 +94,8 @@ class ChoosingParams:
         allowed_token_ids: ``None`` (all) or the only ids that may be chosen (vLLM's).
         bad_words_token_ids: token sequences never to generate: a sequence's last token is masked
             while the output ends with its other tokens (vLLM's ``bad_words``, tokenized).
+        structured_output: ``None`` or the structure the output must match: the worker masks
+            every token its grammar does not allow, before anything else (``grammar_matchers``).
     """
 
     temperature: float = 1.0
@@ -105,6 +111,7 @@ class ChoosingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -165,6 +172,8 @@ class SamplingParams:
             Hugging Face tokenizers use it, fast ones such as the default model's ignore it.
         allowed_token_ids: ``None`` or the only token ids that may be generated (not empty).
         bad_words: words never to generate, each with and without a leading space (vLLM's).
+        structured_output: ``None`` or the structure the output must match (JSON schema, any
+            JSON object, regex, choice, grammar); checked on construction (``check_structured_output``).
 
     Raises:
         InvalidRequestError: a value outside its range; the message names the field.
@@ -193,6 +202,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    structured_output: StructuredOutput | None = None
 
     @property
     def num_samples(self) -> int:
@@ -201,6 +211,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         check_sampling_params(self)
+        if self.structured_output is not None:
+            check_structured_output(self.structured_output)
+            for name in CONFLICTS_WITH_STRUCTURE:
+                if getattr(self, name) != getattr(SamplingParams, name):
+                    raise InvalidRequestError(name, "cannot be combined with a structured output (its mask could "
+                                                    "leave no token the grammar allows)")
 
     def to_engine(
         self,

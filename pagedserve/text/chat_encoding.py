@@ -19,7 +19,10 @@ import enum
 import re
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from pagedserve.text.tool_calls import FunctionTool, fallback_conversation
 
 
 class ChatPromptMode(enum.Enum):
@@ -49,28 +52,39 @@ class ChatEncoder:
         self._tokenizer = tokenizer
         self._added = tuple(tokenizer.get_added_vocab())
         self._encode_plain = _plain_text_encoder(tokenizer)
+        self.takes_tools = _template_takes_tools(tokenizer)
 
-    def encode(self, conversation: Sequence[dict[str, str]],
-               mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN) -> list[int]:
-        """Token ids of the conversation (``role``/``content`` dicts), ended as ``mode`` says.
+    def encode(self, conversation: Sequence[dict[str, Any]],
+               mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN,
+               tools: Sequence[FunctionTool] = ()) -> list[int]:
+        """Token ids of the conversation (OpenAI-shaped messages: ``role``, ``content``, and for tool
+        use ``tool_calls`` and ``tool_call_id``), with ``tools`` offered, ended as ``mode`` says.
 
+        A template that takes tools (:attr:`takes_tools`) gets the tools and the messages as they
+        are; otherwise tools and calls are written into the contents (``tool_calls.fallback_conversation``).
         The template writes the special tokens itself, so none are added while tokenizing; special
         tokens spelled inside a content are tokenized as their characters.
         """
+        if not self.takes_tools:
+            conversation, tools = fallback_conversation(conversation, tools), ()
+        rendering = _Rendering(mode, [tool.as_openai() for tool in tools] or None)
         if any(self._holds_added_token(message["content"]) for message in conversation):
-            return self.encode_contents_as_text(conversation, mode)
-        return list(self._tokenizer.encode(self._render(conversation, mode), add_special_tokens=False))
+            return self._encode_contents_as_text(conversation, rendering)
+        return list(self._tokenizer.encode(self._render(conversation, rendering), add_special_tokens=False))
 
-    def encode_contents_as_text(self, conversation: Sequence[dict[str, str]],
+    def encode_contents_as_text(self, conversation: Sequence[dict[str, Any]],
                                 mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN) -> list[int]:
         """Token ids of the conversation, contents split from the template and tokenized as text.
 
         For contents without special-token text the ids are those of ``encode`` (tokenizers that
         merge across the start of a content, such as one beginning with whitespace, may differ).
         """
+        return self._encode_contents_as_text(conversation, _Rendering(mode))
+
+    def _encode_contents_as_text(self, conversation: Sequence[dict[str, Any]], rendering: _Rendering) -> list[int]:
         marks = {f"PAGEDSERVECONTENT{uuid.uuid4().hex}": message["content"] for message in conversation}
         placeholders = [{**message, "content": mark} for mark, message in zip(marks, conversation)]
-        rendered = self._render(placeholders, mode)
+        rendered = self._render(placeholders, rendering)
         ids: list[int] = []
         for piece in re.split("(" + "|".join(marks) + ")", rendered):
             if piece in marks:
@@ -79,14 +93,36 @@ class ChatEncoder:
                 ids += self._tokenizer.encode(piece, add_special_tokens=False)
         return ids
 
-    def _render(self, conversation: Sequence[dict[str, str]], mode: ChatPromptMode) -> str:
+    def _render(self, conversation: Sequence[dict[str, Any]], rendering: _Rendering) -> str:
         return self._tokenizer.apply_chat_template(
-            list(conversation), tokenize=False,
-            add_generation_prompt=mode is ChatPromptMode.OPEN_ASSISTANT_TURN,
-            continue_final_message=mode is ChatPromptMode.CONTINUE_FINAL_MESSAGE)
+            list(conversation), tools=rendering.tools, tokenize=False,
+            add_generation_prompt=rendering.mode is ChatPromptMode.OPEN_ASSISTANT_TURN,
+            continue_final_message=rendering.mode is ChatPromptMode.CONTINUE_FINAL_MESSAGE)
 
     def _holds_added_token(self, content: str) -> bool:
         return any(token in content for token in self._added)
+
+
+@dataclass(frozen=True)
+class _Rendering:
+    """How a conversation is rendered: its ending, and the tools (OpenAI's shape) when the template takes them."""
+
+    mode: ChatPromptMode
+    tools: list[dict[str, Any]] | None = None
+
+
+_PROBE_TOOL = FunctionTool("pagedserve_probe_tool")
+
+
+def _template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the chat template writes the tools it is given (some ignore them without a word):
+    a one-message conversation rendered with a probe tool names the probe."""
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=[_PROBE_TOOL.as_openai()],
+                                                 tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template may fail on tools in any way; it then does not take them
+        return False
+    return _PROBE_TOOL.name in rendered
 
 
 def _plain_text_encoder(tokenizer: Any) -> Callable[[str], list[int]]:

@@ -6,7 +6,7 @@ Every validation error is an ``InvalidRequestError`` whose field name is spelled
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from pagedserve.engine.model_info import ModelInfo, load_model_info
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.chat_encoding import ChatEncoder, ChatPromptMode
 from pagedserve.text.request_limits import RequestLimits, check_count, check_text_bytes
+from pagedserve.text.tool_calls import FunctionTool, ToolCall
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -31,10 +32,23 @@ class ChatTurn:
     Attributes:
         role: one of ``CHAT_ROLES``.
         content: the message text (may be empty).
+        tool_calls: an assistant message's calls of tools (history of tool use).
+        tool_call_id: a ``tool`` message's answer to the call of this id; None for other roles.
     """
 
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+    def as_openai(self) -> dict[str, object]:
+        """The message as chat templates read it (OpenAI's shape; only the keys that are set)."""
+        message: dict[str, object] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_openai() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int, field: str) -> None:
@@ -127,18 +141,32 @@ class PromptTokenizer:
             InvalidRequestError: field ``prompt``, when the text is empty, larger than
                 ``max_prompt_bytes`` (checked before tokenizing) or encodes to no tokens.
         """
+        return self._checked_prompt_ids(text, lambda: self._tokenizer.encode(text))
+
+    def encode_prompt_without_special_tokens(self, text: str) -> list[int]:
+        """Tokenizes a text prompt adding no special tokens (no BOS: vLLM's ``add_special_tokens: false``).
+
+        Raises:
+            InvalidRequestError: as ``encode_prompt``.
+        """
+        return self._checked_prompt_ids(text, lambda: self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _checked_prompt_ids(self, text: str, encode: Callable[[], Sequence[int]]) -> list[int]:
+        """``encode()``'s ids, after ``text``'s checks (see ``encode_prompt``)."""
         if not text:
             raise InvalidRequestError(PROMPT_FIELD, "must not be empty")
         check_text_bytes(PROMPT_FIELD, text, self.max_prompt_bytes)
-        ids = list(self._tokenizer.encode(text))
+        ids = list(encode())
         if not ids:
             raise InvalidRequestError(PROMPT_FIELD, "encodes to no tokens")
         return ids
 
     def encode_chat(self, messages: Sequence[ChatTurn],
-                    mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN) -> list[int]:
+                    mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN,
+                    tools: Sequence[FunctionTool] = ()) -> list[int]:
         """Renders chat messages with the model's chat template, ended as ``mode`` says (by default
-        with an assistant turn opened), and tokenizes.
+        with an assistant turn opened), with ``tools`` offered (through the template when it takes
+        them, else through ``tool_calls.fallback_conversation``), and tokenizes.
 
         The template writes the special tokens itself, so none are added while tokenizing;
         special-token text inside a content is tokenized as plain text (``chat_encoding``), so a
@@ -154,7 +182,7 @@ class PromptTokenizer:
         if self._chat is None:
             raise InvalidRequestError(CHAT_FIELD, f"model {self._info.name} has no chat template; send a prompt")
         self._check_chat(messages)
-        return self._chat.encode([{"role": turn.role, "content": turn.content} for turn in messages], mode)
+        return self._chat.encode([turn.as_openai() for turn in messages], mode, tools)
 
     def _check_chat(self, messages: Sequence[ChatTurn]) -> None:
         """The chat's size and role checks (see ``encode_chat``)."""
@@ -169,6 +197,7 @@ class PromptTokenizer:
             if turn.role not in CHAT_ROLES:
                 raise InvalidRequestError(f"{field}[{i}].role", f"{turn.role!r} is not one of {', '.join(CHAT_ROLES)}")
             total += check_text_bytes(f"{field}[{i}].content", turn.content, budget)
+            total += sum(len(call.arguments.encode()) for call in turn.tool_calls)
             if total > budget:
                 raise InvalidRequestError(field, f"the contents hold more than {budget} UTF-8 bytes together")
 

@@ -10,6 +10,10 @@ the services map). Per field:
   dataclass default is a tuple;
 * a ``repeated`` message of one ``repeated`` field (a wrapper such as ``TokenIds``) <-> a tuple of
   tuples;
+* a message made of one ``oneof`` (a tagged union such as ``StructuredOutput``) <-> a dataclass with
+  an enum field ``kind`` whose member names are the oneof's member names upper-cased, a ``value``
+  property (the set member's value: a scalar, or a tuple for a wrapper message) and a classmethod
+  ``of(kind, value)`` that builds it back; unset <-> ``None``;
 
 and ``enum_to_pb``/``enum_from_pb`` map a Python enum to a protobuf enum whose value names are the
 enum's names behind the enum type's prefix (``FinishReason.STOP`` <-> ``FINISH_REASON_STOP``).
@@ -21,6 +25,8 @@ import dataclasses
 import enum
 import functools
 import re
+import types
+import typing
 from typing import Any, TypeVar
 
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
@@ -86,6 +92,8 @@ def to_pb(obj: Any, message_type: type[Message]) -> Message:
                 items.add(**{inner: item})
         elif _is_repeated(pf):
             getattr(msg, f.name).extend(value)
+        elif pf.message_type is not None:
+            _union_to_pb(value, getattr(msg, f.name))
         else:
             setattr(msg, f.name, value)
     return msg
@@ -97,8 +105,8 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
 
 
-def _read(msg: Message, f: dataclasses.Field, pf: FieldDescriptor) -> Any:
-    """The dataclass value of one message field (``dataclasses.MISSING``: take the default)."""
+def _read(msg: Message, f: dataclasses.Field, pf: FieldDescriptor, owner: type) -> Any:
+    """The dataclass value of one message field of ``owner`` (``dataclasses.MISSING``: take the default)."""
     value, default = getattr(msg, f.name), _default(f)
     if _is_map(pf):
         if not value:
@@ -113,7 +121,40 @@ def _read(msg: Message, f: dataclasses.Field, pf: FieldDescriptor) -> Any:
         return tuple(value)
     if pf.has_presence and not msg.HasField(f.name):
         return dataclasses.MISSING
+    if pf.message_type is not None:
+        return _union_from_pb(value, _field_class(owner, f))
     return value
+
+
+def _union_to_pb(value: Any, msg: Message) -> None:
+    """Sets the member of ``msg``'s one oneof that ``value.kind`` names to ``value.value``."""
+    member = msg.DESCRIPTOR.fields_by_name[value.kind.name.lower()]
+    if member.message_type is not None:  # a wrapper of one repeated field
+        getattr(getattr(msg, member.name), _wrapped(member)).extend(value.value)
+    else:
+        setattr(msg, member.name, value.value)
+
+
+def _union_from_pb(msg: Message, cls: type) -> Any:
+    """The tagged-union dataclass ``cls`` of a message of one oneof (``None`` when no member is set)."""
+    (oneof,) = msg.DESCRIPTOR.oneofs
+    name = msg.WhichOneof(oneof.name)
+    if name is None:
+        return None
+    member = msg.DESCRIPTOR.fields_by_name[name]
+    value = getattr(msg, name)
+    if member.message_type is not None:
+        value = tuple(getattr(value, _wrapped(member)))
+    kind_type = typing.get_type_hints(cls)["kind"]
+    return cls.of(kind_type[name.upper()], value)
+
+
+def _field_class(owner: type, f: dataclasses.Field) -> type:
+    """The dataclass type of the field ``f`` of ``owner`` (``X | None`` -> ``X``)."""
+    hint = typing.get_type_hints(owner)[f.name]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    return hint
 
 
 def from_pb(msg: Message, cls: type[T]) -> T:
@@ -124,7 +165,7 @@ def from_pb(msg: Message, cls: type[T]) -> T:
         Whatever ``cls`` raises for the values (``SamplingParams`` validates them).
     """
     descriptor = msg.DESCRIPTOR
-    values = {f.name: _read(msg, f, descriptor.fields_by_name[f.name]) for f in _checked(cls, descriptor)}
+    values = {f.name: _read(msg, f, descriptor.fields_by_name[f.name], cls) for f in _checked(cls, descriptor)}
     return cls(**{name: value for name, value in values.items() if value is not dataclasses.MISSING})
 
 

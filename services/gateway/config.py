@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.options import option
+from pagedserve.text.tool_parsers import ToolCallParserKind
 from services.common.auth import MISSING_CLUSTER_TOKEN, api_key_option, cluster_token_option
 from services.common.metrics import check_metrics_port, metrics_port_option
 from services.common.service_args import host_option, model_option, port_option, redis_url_option
@@ -61,8 +62,13 @@ class GatewayConfig:
         "/tokenize, /detokenize) on the same --host; 0 picks a free one (logged)", 8000)
     served_model_name: str = option("model name HTTP clients send as `model` and /v1/models lists", "",
                                     default_help="the model folder's name")
+    tool_call_parser: ToolCallParserKind = option(
+        "how chat answers write tool calls, parsed into message.tool_calls (hermes: <tool_call>{\"name\": ..., "
+        "\"arguments\": {...}}</tool_call>, as Hermes and Qwen2.5 models and the fallback tools prompt write them)",
+        ToolCallParserKind.HERMES)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tool_call_parser", ToolCallParserKind(self.tool_call_parser))
         if not 0 <= self.port < 65536:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         check_metrics_port(self.metrics_port)

@@ -69,7 +69,9 @@ class StatusKind(enum.Enum):
 
 STATUS_OF_ERROR = {
     ErrorKind.INVALID_ARGUMENT: StatusKind.INVALID_ARGUMENT,
-    ErrorKind.RESOURCE_EXHAUSTED: StatusKind.RESOURCE_EXHAUSTED,
+    # larger than any worker's KV cache: waiting cannot fix it, so not RESOURCE_EXHAUSTED (HTTP 429, which
+    # clients retry) but FAILED_PRECONDITION (HTTP 400): it fits only once the operator gives workers more KV
+    ErrorKind.RESOURCE_EXHAUSTED: StatusKind.FAILED_PRECONDITION,
     ErrorKind.UNAVAILABLE: StatusKind.UNAVAILABLE,
 }
 """The gateway's status for each kind of engine error (HTTP maps ``StatusKind`` on in ``openai_errors``)."""

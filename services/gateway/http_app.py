@@ -26,7 +26,6 @@ from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRe
 from services.gateway.openai_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse, now_s
 from services.gateway.openai_serving import OpenAIServing, invalid
 from pagedserve.text.tokenizer import PromptTokenizer
-from pagedserve.text.request_limits import check_text_bytes
 
 
 class HealthState:
@@ -127,8 +126,7 @@ def _tokenize(tokenizer: PromptTokenizer, body: TokenizeRequest) -> list[int]:
         return encode_messages(tokenizer, body.messages, mode)
     if body.add_special_tokens:
         return tokenizer.encode_prompt(body.prompt)
-    check_text_bytes("prompt", body.prompt, tokenizer.max_prompt_bytes)
-    return list(tokenizer.hf_tokenizer.encode(body.prompt, add_special_tokens=False))
+    return tokenizer.encode_prompt_without_special_tokens(body.prompt)
 
 
 def _api_routes(serving: OpenAIServing) -> APIRouter:

@@ -3,29 +3,37 @@ objects (or ``chat.completion.chunk`` SSE events) out."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 
 import jinja2
 from opentelemetry import trace
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from pagedserve.engine.messages import TokenLogprobs
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.chat_encoding import ChatPromptMode
 from pagedserve.text.request_samples import ParsedRequest, parse_request
 from pagedserve.text.tokenizer import CHAT_FIELD, ChatTurn, PromptTokenizer
+from pagedserve.text.tool_calls import FunctionTool
+from pagedserve.text.tool_parsers import ToolCallParserKind
 from services.gateway.generation_core import GenerationError, SampleDelta
 from services.gateway.openai_errors import error_event
-from services.gateway.openai_logprobs import TokenNames, chat_logprobs
+from services.gateway.openai_logprobs import ChatLogprobs, TokenNames, chat_logprobs
 from services.gateway.openai_samples import collect_samples
 from services.gateway.openai_params import sampling_params_from_openai
 from services.gateway.openai_protocol import ChatCompletionRequest, ChatMessage
 from services.gateway.openai_responses import (
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatMessageOut, DeltaMessage,
-    UsageInfo, ResponseMeta, finish_reason_name,
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, DeltaMessage, ResponseMeta, UsageInfo,
 )
 from services.gateway.openai_serving import (
-    SSE_DONE, OpenAIServing, open_generation, sse_event, unless_disconnected, with_first,
+    SSE_DONE, OpenAIServing, invalid, open_generation, sse_event, unless_disconnected, with_first,
+)
+from services.gateway.openai_tools import (
+    ToolCallStream, ToolUse, answer_message, finish_reason_of, history_calls, tool_use_of,
 )
 
 
@@ -45,16 +53,18 @@ def chat_prompt_mode(add_generation_prompt: bool, continue_final_message: bool) 
     return ChatPromptMode.NO_GENERATION_PROMPT
 
 
-def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage], mode: ChatPromptMode) -> list[int]:
-    """Token ids of ``messages`` rendered with the chat template.
+def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage], mode: ChatPromptMode,
+                    tools: Sequence[FunctionTool] = ()) -> list[int]:
+    """Token ids of ``messages`` rendered with the chat template, ``tools`` offered.
 
     Raises:
         InvalidRequestError: field ``messages...`` (no template, bad role, sizes, a template error).
     """
     # OpenAI's "developer" role took over "system"'s job; chat templates know only "system"
-    turns = [ChatTurn(role="system" if m.role == "developer" else m.role, content=m.text()) for m in messages]
+    turns = [ChatTurn(role="system" if m.role == "developer" else m.role, content=m.text(),
+                      tool_calls=history_calls(m.tool_calls), tool_call_id=m.tool_call_id) for m in messages]
     try:
-        return tokenizer.encode_chat(turns, mode)
+        return tokenizer.encode_chat(turns, mode, tools)
     except InvalidRequestError as exc:
         name = "messages" + exc.field_name.removeprefix(CHAT_FIELD).removeprefix(".messages")
         raise InvalidRequestError(name, exc.reason) from exc
@@ -62,15 +72,21 @@ def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage],
         raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from exc
 
 
-def parse_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer) -> ParsedRequest:
-    """The parsed request (CPU work: run it off the event loop).
+def parse_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer, tool_use: ToolUse) -> ParsedRequest:
+    """The parsed request (CPU work: run it off the event loop); ``tool_use`` is ``tool_use_of(body)``.
 
     Raises:
         InvalidRequestError: any invalid field, named as the OpenAI API names it.
     """
     params = sampling_params_from_openai(body)
+    if tool_use.structure is not None:
+        if params.structured_output is not None:
+            raise InvalidRequestError("tool_choice", f"{tool_use.mode.value} constrains the answer to tool calls, so "
+                                      "it cannot go with a structured output (response_format, structured_outputs)")
+        params = dataclasses.replace(params, structured_output=tool_use.structure)
     mode = chat_prompt_mode(body.add_generation_prompt, body.continue_final_message)
-    return parse_request(tokenizer, encode_messages(tokenizer, body.messages, mode), "messages", params)
+    ids = encode_messages(tokenizer, body.messages, mode, tool_use.tools)
+    return parse_request(tokenizer, ids, "messages", params)
 
 
 async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionRequest, request: Request) -> Response:
@@ -80,13 +96,19 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
         GenerationError: the request cannot be served (the HTTP layer maps its kind to a status);
             errors after a stream started are sent as an SSE error event instead.
     """
-    (parsed,), span, events = await open_generation(serving, body.model, lambda: [parse_chat(body, serving.tokenizer)],
-                                                    "gateway.http.chat_completions")
+    serving.check_model(body.model)
+    try:
+        tool_use = await asyncio.to_thread(tool_use_of, body)
+    except InvalidRequestError as exc:
+        raise invalid(exc) from exc
+    (parsed,), span, events = await open_generation(
+        serving, body.model, lambda: [parse_chat(body, serving.tokenizer, tool_use)], "gateway.http.chat_completions")
     meta = ResponseMeta.new("chatcmpl", serving.model_name)
     names = TokenNames(serving.tokenizer) if body.logprobs else None
+    answers = _Answers(tool_use, serving.tool_call_parser)
     if not body.stream:
         try:
-            return await unless_disconnected(request, _whole(events, meta, parsed, names))
+            return await unless_disconnected(request, _whole(events, meta, parsed, names, answers))
         finally:
             span.end()
     try:
@@ -95,28 +117,68 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
         span.end()
         raise
     include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return StreamingResponse(_stream(first, events, meta, body.n, names, include_usage, span),
+    return StreamingResponse(_stream(first, events, meta, body.n, names, include_usage, answers, span),
                              media_type="text/event-stream")
 
 
+@dataclass(frozen=True)
+class _Answers:
+    """How a request's answers are read: its tool use and the parser of calls."""
+
+    tool_use: ToolUse
+    parser: ToolCallParserKind
+
+    def stream(self) -> ToolCallStream | None:
+        """A choice's call parser while it streams (None: the request parses no calls)."""
+        return ToolCallStream(self.parser) if self.tool_use.parses_calls else None
+
+
 async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, parsed: ParsedRequest,
-                 names: TokenNames | None) -> Response:
+                 names: TokenNames | None, answers: _Answers) -> Response:
     """The whole response; ``names`` None: no logprobs asked for. With ``best_of > n``, the ``n``
-    samples of highest cumulative logprob, best first."""
+    samples of highest cumulative logprob, best first; calls split out of the text when asked."""
     results, usages = await collect_samples(events, [parsed])
-    choices = [ChatChoice(index=i, message=ChatMessageOut(content=sample.text),
-                          logprobs=None if names is None else chat_logprobs(names, sample.logprobs or ()),
-                          finish_reason=finish_reason_name(sample.finish_reason), stop_reason=sample.stop_reason)
-               for i, sample in enumerate(results[0].best())]
+    choices = []
+    for i, sample in enumerate(results[0].best()):
+        message = answer_message(sample.text, answers.tool_use, answers.parser)
+        choices.append(ChatChoice(index=i, message=message,
+                                  logprobs=None if names is None else chat_logprobs(names, sample.logprobs or ()),
+                                  finish_reason=finish_reason_of(sample.finish_reason, bool(message.tool_calls)),
+                                  stop_reason=sample.stop_reason))
     body = ChatCompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, n: int,
-                  names: TokenNames | None, include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
-    """The SSE body: a ``role`` chunk per choice, one chunk per delta (with its tokens' logprobs
-    when asked), the usage chunk when asked, ``[DONE]``."""
+@dataclass
+class _ChoiceStream:
+    """One choice while it streams: its call parser (None: no calls parsed) and the logprobs of
+    tokens whose text is still held back (they go with the next chunk)."""
+
+    calls: ToolCallStream | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def delta(self, sample: SampleDelta) -> DeltaMessage | None:
+        """The delta of ``sample``'s text (None when it completes no text)."""
+        self.logprobs += sample.delta.logprobs
+        if self.calls is None:
+            return DeltaMessage(content=sample.delta.text) if sample.delta.text else None
+        content, calls = self.calls.pieces(sample.delta.text, sample.delta.finish_reason is not None)
+        return DeltaMessage(content=content or None, tool_calls=calls or None) if content or calls else None
+
+    def take_logprobs(self, names: TokenNames | None) -> ChatLogprobs | None:
+        logprobs, self.logprobs = self.logprobs, []
+        return None if names is None or not logprobs else chat_logprobs(names, logprobs)
+
+
+async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta,
+                  n: int, names: TokenNames | None, include_usage: bool, answers: _Answers,
+                  span: trace.Span) -> AsyncIterator[bytes]:
+    """The SSE body: a ``role`` chunk per choice, a chunk per delta that completes text or calls
+    (with its tokens' logprobs when asked; none while text is held back), a choice's
+    ``finish_reason`` on a chunk of its own with an empty delta (as OpenAI sends it), the usage
+    chunk when asked, ``[DONE]``."""
     usages = []
+    choices = [_ChoiceStream(answers.stream()) for _ in range(n)]
     try:
         for i in range(n):
             role = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""), finish_reason=None)
@@ -124,12 +186,19 @@ async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[in
         async for _, sample in with_first(first, events):
             if sample.usage is not None:
                 usages.append(sample.usage)
-            delta = DeltaMessage(content=sample.delta.text or None)
-            logprobs = None if names is None else chat_logprobs(names, sample.delta.logprobs)
-            choice = ChatChunkChoice(index=sample.sample_index, delta=delta, logprobs=logprobs,
-                                     finish_reason=finish_reason_name(sample.delta.finish_reason),
-                                     stop_reason=sample.delta.stop_reason)
-            yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice]))
+            state = choices[sample.sample_index]
+            delta = state.delta(sample)
+            if delta is not None:
+                choice = ChatChunkChoice(index=sample.sample_index, delta=delta, logprobs=state.take_logprobs(names),
+                                         finish_reason=None)
+                yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice]))
+            if sample.delta.finish_reason is not None:
+                called = state.calls is not None and state.calls.calls > 0
+                choice = ChatChunkChoice(index=sample.sample_index, delta=DeltaMessage(),
+                                         logprobs=state.take_logprobs(names),
+                                         finish_reason=finish_reason_of(sample.delta.finish_reason, called),
+                                         stop_reason=sample.delta.stop_reason)
+                yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice]))
         if include_usage:
             yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[], usage=UsageInfo.of(usages)))
     except GenerationError as exc:

@@ -7,7 +7,7 @@ sample_index`` (prompt-major, as OpenAI and vLLM number them).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from starlette.requests import Request
@@ -33,11 +33,14 @@ from services.gateway.openai_serving import (
 from services.gateway.openai_errors import error_event
 
 
-def _prompt_ids(tokenizer: PromptTokenizer, prompt: str | list[int], field: str) -> list[int]:
-    """Token ids of one prompt (text or ids). Raises InvalidRequestError naming ``field``."""
+def _prompt_ids(tokenizer: PromptTokenizer, prompt: str | list[int], field: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of one prompt (text, with the tokenizer's special tokens such as BOS when
+    ``add_special_tokens``, or ids). Raises InvalidRequestError naming ``field``."""
     try:
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and add_special_tokens:
             return tokenizer.encode_prompt(prompt)
+        if isinstance(prompt, str):
+            return tokenizer.encode_prompt_without_special_tokens(prompt)
         return tokenizer.check_token_ids(prompt)
     except InvalidRequestError as exc:
         raise InvalidRequestError(field + exc.field_name.removeprefix(TOKEN_IDS_FIELD).removeprefix("prompt"),
@@ -57,7 +60,8 @@ def parse_completion(body: CompletionRequest, tokenizer: PromptTokenizer) -> lis
     else:
         prompts, fields = list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
     return [parse_request(tokenizer, ids, field, params)
-            for ids, field in ((_prompt_ids(tokenizer, p, f), f) for p, f in zip(prompts, fields))]
+            for ids, field in ((_prompt_ids(tokenizer, p, f, body.add_special_tokens), f)
+                               for p, f in zip(prompts, fields))]
 
 
 async def create_completion(serving: OpenAIServing, body: CompletionRequest, request: Request) -> Response:
@@ -133,28 +137,53 @@ async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseM
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def _chunk_choice(index: int, sample: SampleDelta, prompt: EchoPrompt | None, offsets: CompletionOffsets | None
-                  ) -> CompletionChoice:
-    """A stream chunk's choice: the delta's text and logprobs (``offsets`` None: none asked),
-    after the echoed prompt on the choice's first chunk."""
-    delta = sample.delta
-    text, ids, entries = delta.text, list(delta.token_ids), list(delta.logprobs)
-    if prompt is not None:
-        text = prompt.text + text
-        ids[:0] = prompt.token_ids
-        entries[:0] = prompt.logprobs or ()
-    logprobs = None if offsets is None else offsets.format(ids, entries)
-    return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason_name(delta.finish_reason),
-                            stop_reason=delta.stop_reason)
+@dataclass
+class _Held:
+    """A streamed choice's tokens whose text is still held back (stop-string look-ahead): their
+    ids and logprobs go with the choice's next chunk."""
+
+    ids: list[int] = field(default_factory=list)
+    entries: list[TokenLogprobs] = field(default_factory=list)
+
+    def chunk_choice(self, index: int, text: str, sample: SampleDelta | None, prompt: EchoPrompt | None,
+                     offsets: CompletionOffsets | None) -> CompletionChoice:
+        """A chunk's choice: ``text`` (after the echoed prompt on the choice's first chunk) with the
+        held tokens' logprobs (``offsets`` None: none asked); ``sample`` set: the choice's finish."""
+        ids, entries = self.ids, self.entries
+        self.ids, self.entries = [], []
+        if prompt is not None:
+            text = prompt.text + text
+            ids[:0] = prompt.token_ids
+            entries[:0] = prompt.logprobs or ()
+        logprobs = None if offsets is None else offsets.format(ids, entries)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                finish_reason=None if sample is None else finish_reason_name(sample.delta.finish_reason),
+                                stop_reason=None if sample is None else sample.delta.stop_reason)
+
+
+def _chunk_choices(index: int, sample: SampleDelta, prompt: EchoPrompt | None, held: _Held,
+                   offsets: CompletionOffsets | None) -> list[CompletionChoice]:
+    """The chunks' choices of one delta: its text (none while all of it is held back, unless the
+    echoed prompt goes first), then on its last delta the ``finish_reason`` alone with no text."""
+    held.ids += sample.delta.token_ids
+    held.entries += sample.delta.logprobs
+    choices = []
+    if sample.delta.text or prompt is not None:
+        choices.append(held.chunk_choice(index, sample.delta.text, None, prompt, offsets))
+    if sample.delta.finish_reason is not None:
+        choices.append(held.chunk_choice(index, "", sample, None, offsets))
+    return choices
 
 
 async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta,
                   shape: ChoiceShape, with_logprobs: bool, include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
-    """The SSE body: one chunk per delta (the prompt first with ``echo``), the usage chunk when
-    asked, ``[DONE]``."""
+    """The SSE body: a chunk per delta that completes text (the prompt first with ``echo``), a
+    choice's ``finish_reason`` on a chunk of its own with empty text (as OpenAI sends it), the
+    usage chunk when asked, ``[DONE]``."""
     usages = []
     echo = None if shape.echo is None else StreamEcho(list(shape.echo), with_logprobs)
     offsets: dict[int, CompletionOffsets] = {}
+    held: dict[int, _Held] = {}
     try:
         async for prompt_index, sample in with_first(first, events):
             if sample.usage is not None:
@@ -163,7 +192,8 @@ async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[in
             for p, s, prompt in ready:
                 index = p * shape.n + s.sample_index
                 choice_offsets = offsets.setdefault(index, CompletionOffsets(shape.names)) if with_logprobs else None
-                yield sse_event(CompletionChunk(**meta.fields(), choices=[_chunk_choice(index, s, prompt, choice_offsets)]))
+                for choice in _chunk_choices(index, s, prompt, held.setdefault(index, _Held()), choice_offsets):
+                    yield sse_event(CompletionChunk(**meta.fields(), choices=[choice]))
         if include_usage:
             yield sse_event(CompletionChunk(**meta.fields(), choices=[], usage=UsageInfo.of(usages)))
     except GenerationError as exc:

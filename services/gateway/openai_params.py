@@ -8,6 +8,7 @@ import dataclasses
 from pagedserve.engine.sampling_checks import MAX_LOGPROBS
 from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from services.gateway.openai_structured import renamed_structure_error, structured_output_of
 
 
 def _not_yet(request: SamplingFields) -> list[tuple[str, object, object]]:
@@ -100,7 +101,7 @@ def sampling_params_from_openai(request: SamplingFields) -> SamplingParams:
     """The validated ``SamplingParams`` of an OpenAI completions or chat request: each field of the
     same name, by name; then the fields OpenAI spells its own way (``max_completion_tokens``, a
     single ``stop`` string, ``logit_bias`` keys as strings, the logprobs forms). Unset fields take
-    ``SamplingParams``' defaults; ``user`` is ignored.
+    ``SamplingParams``' defaults (``openai_protocol.IGNORED_FIELDS`` never get here).
 
     Raises:
         InvalidRequestError: a value out of range or a field not supported, named as the OpenAI
@@ -109,12 +110,17 @@ def sampling_params_from_openai(request: SamplingFields) -> SamplingParams:
     check_supported(request)
     _check_best_of(request)
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    return SamplingParams(**_given(request) | dict(
-        max_tokens=_max_tokens(request),
-        stop=stop,
-        logit_bias=logit_bias_of(request.logit_bias),
-        **_logprobs_fields(request),
-    ))
+    structure, structure_field = structured_output_of(request)
+    try:
+        return SamplingParams(**_given(request) | dict(
+            max_tokens=_max_tokens(request),
+            stop=stop,
+            logit_bias=logit_bias_of(request.logit_bias),
+            structured_output=structure,
+            **_logprobs_fields(request),
+        ))
+    except InvalidRequestError as e:
+        raise renamed_structure_error(e, structure_field) from None
 
 
 SUPPORTED_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))

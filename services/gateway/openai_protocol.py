@@ -2,18 +2,22 @@
 
 Field names, types and defaults follow OpenAI's API and vLLM's extensions. Sizes that depend on
 the model (prompt bytes and tokens against the context) are checked later, by the tokenizer;
-the bounds here stop oversized bodies before any work is spent on them. Unknown fields are
-ignored, as OpenAI-compatible servers do. Responses are in ``openai_responses``.
+the bounds here stop oversized bodies before any work is spent on them. Nothing is silently
+ignored: a field pagedserve does not implement is refused (400 naming it), except the few listed in
+``IGNORED_FIELDS`` and ``IGNORED_MESSAGE_FIELDS``, which change nothing it serves. Responses are in
+``openai_responses``.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
 from pagedserve.engine.sampling_checks import MAX_LOGIT_BIAS
 from pagedserve.text.request_limits import RequestLimits
+from services.gateway.openai_structured import StructuredFields
+from services.gateway.openai_tools import CallId, ToolCallIn, ToolFields
 
 _LIMITS = RequestLimits()
 MAX_PROMPTS = 64
@@ -25,6 +29,13 @@ MAX_TOKEN_IDS = 1 << 20
 MAX_NAME_CHARS = 256
 """Longest model name, user, or message name."""
 
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier")
+"""Request fields accepted and deliberately ignored: an end-user label, OpenAI's stored completions
+and their tags, and OpenAI's processing tier (pagedserve stores nothing and has one tier)."""
+IGNORED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
+"""Message fields accepted when null or empty (the openai client sends them back in an assistant
+message of the history); with a value they are refused."""
+
 Text = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS)]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 TokenIds = Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_IDS)]
@@ -33,21 +44,39 @@ StopStrings = Annotated[list[Annotated[StrictStr, Field(max_length=_LIMITS.max_s
 Stop = Annotated[StrictStr, Field(max_length=_LIMITS.max_stop_string_chars)] | StopStrings
 
 
-class StreamOptions(BaseModel):
+class StrictRequest(BaseModel):
+    """A request body (or part of one) that refuses unknown fields, but drops the names of
+    ``_ignored`` (and of ``_ignored_when_empty`` when null or empty) first."""
+
+    model_config = ConfigDict(extra="forbid")
+    _ignored: ClassVar[tuple[str, ...]] = ()
+    _ignored_when_empty: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if key not in cls._ignored and not (key in cls._ignored_when_empty and not value)}
+
+
+class StreamOptions(StrictRequest):
     """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
 
     include_usage: StrictBool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions).
+class SamplingFields(StrictRequest, StructuredFields):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions; the
+    structured-output forms are ``StructuredFields``).
 
     Semantics as vLLM's (``openai_params`` maps them onto ``SamplingParams``). ``logit_bias``
     keys are token ids as decimal strings (OpenAI's JSON form). ``best_of > n`` returns the ``n``
     samples of highest cumulative logprob and cannot be streamed.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    _ignored = IGNORED_FIELDS
 
     model: Name = Field(description="must be the served model name (GET /v1/models)")
     max_tokens: StrictInt | None = Field(None, description="most tokens to generate per choice")
@@ -64,7 +93,6 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
-    user: Name | None = Field(None, description="ignored")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: StrictFloat = 0.0
@@ -88,23 +116,27 @@ class CompletionRequest(SamplingFields):
     logprobs: StrictInt | None = Field(None, description="logprobs of each token and this many top alternatives, [0, 20]")
     echo: StrictBool = Field(False, description="the prompt before the completion (with logprobs: its logprobs too)")
     suffix: Text | None = Field(None, description="not supported")
+    add_special_tokens: StrictBool = Field(True, description="text prompts get the tokenizer's special tokens (BOS)")
 
 
-class TextPart(BaseModel):
+class TextPart(StrictRequest):
     """A text part of a message's content."""
 
     type: Literal["text"]
     text: Text
 
 
-class ChatMessage(BaseModel):
-    """One chat message; ``content`` is a string or a list of text parts (joined)."""
+class ChatMessage(StrictRequest):
+    """One chat message; ``content`` is a string or a list of text parts (joined). An assistant
+    message may hold the ``tool_calls`` it made, a ``tool`` message the ``tool_call_id`` it answers."""
 
-    model_config = ConfigDict(extra="ignore")
+    _ignored_when_empty = IGNORED_MESSAGE_FIELDS
 
     role: Annotated[StrictStr, Field(max_length=_LIMITS.max_role_chars)]
     content: Text | Annotated[list[TextPart], Field(max_length=_LIMITS.max_chat_messages)] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=_LIMITS.max_chat_messages)] | None = None
+    tool_call_id: CallId | None = None
 
     def text(self) -> str:
         """The content as one string ("" for none)."""
@@ -115,8 +147,9 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template."""
+class ChatCompletionRequest(SamplingFields, ToolFields):
+    """``POST /v1/chat/completions``: ``messages`` rendered with the model's chat template, with
+    ``tools`` offered (``openai_tools``)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=_LIMITS.max_chat_messages)]
     max_completion_tokens: StrictInt | None = Field(None, description="OpenAI's newer name of max_tokens")
@@ -126,10 +159,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: StrictInt | None = Field(None, description="top alternatives per token, [0, 20]; needs logprobs")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(StrictRequest):
     """``POST /tokenize``: either ``prompt`` or ``messages`` (rendered as for chat completions)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Name | None = None
     prompt: Text | None = None
@@ -139,10 +170,8 @@ class TokenizeRequest(BaseModel):
     continue_final_message: StrictBool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(StrictRequest):
     """``POST /detokenize``: token ids to text (special tokens kept)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: Name | None = None
     tokens: TokenIds

@@ -104,9 +104,25 @@ class CompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
+class FunctionCallOut(BaseModel):
+    """A call's function: ``arguments`` is JSON text, as the model wrote it."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
+    """The answer: ``content`` is the text outside the tool calls (null when there is none)."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -128,16 +144,40 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
+def _set_keys(self: BaseModel, handler) -> dict:
+    """Only the keys that are not None (a choice's last delta is ``{}``, as OpenAI sends it)."""
+    return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunction(BaseModel):
+    """A streamed call's function: ``name`` on the call's first chunk, then ``arguments`` in pieces."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    _drop_unset = model_serializer(mode="wrap")(_set_keys)
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of call ``index``: ``id``, ``type`` and ``function.name`` on its first piece only."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+    _drop_unset = model_serializer(mode="wrap")(_set_keys)
+
+
 class DeltaMessage(BaseModel):
-    """A chat chunk's delta: ``role`` on a choice's first chunk only, ``content`` when it has text."""
+    """A chat chunk's delta: ``role`` on a choice's first chunk only, ``content`` when it has text,
+    ``tool_calls`` when it has pieces of calls."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict:
-        """Only the keys that are set (a choice's last delta is ``{}``, as OpenAI sends it)."""
-        return {key: value for key, value in handler(self).items() if value is not None}
+    _drop_unset = model_serializer(mode="wrap")(_set_keys)
 
 
 class ChatChunkChoice(BaseModel):

@@ -16,6 +16,7 @@ from starlette.requests import Request
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.request_samples import ParsedRequest
 from pagedserve.text.tokenizer import PromptTokenizer
+from pagedserve.text.tool_parsers import ToolCallParserKind
 from services.common import telemetry
 from services.gateway.generation_core import STATUS_OF_ERROR, GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
 
@@ -36,11 +37,13 @@ class OpenAIServing:
         core: queues requests and streams their text (shared with the gRPC service).
         model_name: the served model name (``model`` must equal it).
         tracer: makes one server span per HTTP request.
+        tool_call_parser: how chat answers write tool calls (``--tool-call-parser``).
     """
 
     core: GenerationCore
     model_name: str
     tracer: trace.Tracer
+    tool_call_parser: ToolCallParserKind = ToolCallParserKind.HERMES
 
     @property
     def tokenizer(self) -> PromptTokenizer:

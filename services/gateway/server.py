@@ -164,7 +164,8 @@ async def serve_gateway(config: GatewayConfig) -> None:
     http_health = HealthState()
     http_socket = listening_socket(config.host, config.http_port)
     http_port = http_socket.getsockname()[1]
-    http_server = _http_server(config, OpenAIServing(core, config.model_name, tracer), http_health, metrics)
+    serving = OpenAIServing(core, config.model_name, tracer, config.tool_call_parser)
+    http_server = _http_server(config, serving, http_health, metrics)
     await server.start()
     if not await producer.ping():
         log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "

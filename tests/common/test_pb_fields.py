@@ -9,6 +9,7 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from pagedserve.engine.sampling_params import EngineSamplingParams, SamplingParams
+from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from services.common.pb import engine_pb2, generate_pb2
 from services.common.pb_fields import from_pb, same_fields, to_pb
 
@@ -72,8 +73,23 @@ def test_client_sampling_params_survive_the_trip_with_every_field_set():
         max_tokens=9, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125, seed=42, min_tokens=2, stop=("x", "y"),
         stop_token_ids=(5, 6), ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False, n=3,
         logprobs=2, prompt_logprobs=1, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25,
-        logit_bias={3: 2.5}, best_of=4, spaces_between_special_tokens=False, allowed_token_ids=(1, 2), bad_words=("w",))
+        logit_bias={3: 2.5}, best_of=4, spaces_between_special_tokens=False, allowed_token_ids=(1, 2), bad_words=("w",),
+        structured_output=StructuredOutput(StructureKind.REGEX, "[a-z]+"))
     defaults = SamplingParams()
     assert [f.name for f in dataclasses.fields(params) if getattr(params, f.name) == getattr(defaults, f.name)] == []
     assert from_pb(to_pb(params, generate_pb2.SamplingParams), SamplingParams) == params
     assert from_pb(generate_pb2.SamplingParams(), SamplingParams) == defaults
+
+
+@pytest.mark.parametrize("structure", [
+    StructuredOutput(StructureKind.JSON, '{"type": "object"}'), StructuredOutput(StructureKind.JSON_OBJECT),
+    StructuredOutput(StructureKind.REGEX, "[0-9]+"), StructuredOutput(StructureKind.CHOICE, choices=("yes", "no")),
+    StructuredOutput(StructureKind.GRAMMAR, 'root ::= "a" | "b"')], ids=lambda s: s.kind.name)
+def test_each_structured_output_kind_survives_both_messages(structure):
+    client = SamplingParams(structured_output=structure)
+    message = to_pb(client, generate_pb2.SamplingParams)
+    assert message.structured_output.WhichOneof("kind") == structure.kind.name.lower()
+    assert from_pb(message, SamplingParams) == client
+    engine = EngineSamplingParams(max_tokens=4, structured_output=structure)
+    assert from_pb(to_pb(engine, engine_pb2.EngineSamplingParams), EngineSamplingParams) == engine
+    assert from_pb(engine_pb2.EngineSamplingParams(), EngineSamplingParams).structured_output is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import grpc
+import httpx
 import pytest
 
 from services.common.pb import generate_pb2 as gen
@@ -88,12 +89,23 @@ def test_stack_keeps_serving_after_bad_input(stack):
     assert_all_blocks_free(stack)
 
 
-def test_prompt_larger_than_any_worker_is_resource_exhausted(stack):
-    # 64 MiB of KV per worker holds 91 blocks = 1,456 tokens; the context (8,192) allows this prompt.
+TOO_LARGE_FOR_KV = "Tell me a long story. " * 400
+"""A prompt no worker can ever hold: 64 MiB of KV per worker holds 91 blocks = 1,456 tokens; the
+context (8,192) allows it."""
+
+
+def test_prompt_larger_than_any_worker_is_failed_precondition(stack):
     with pytest.raises(grpc.RpcError) as info:
-        stream(stack.gateway, prompt_request("Tell me a long story. " * 400, max_tokens=4))
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stream(stack.gateway, prompt_request(TOO_LARGE_FOR_KV, max_tokens=4))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # not RESOURCE_EXHAUSTED: retrying cannot help
     assert_all_blocks_free(stack)
+
+
+def test_prompt_larger_than_any_worker_is_http_400_without_retry_after(stack, default_model):
+    response = httpx.post(stack.http + "/v1/completions", timeout=60,
+                          json={"model": default_model.name, "prompt": TOO_LARGE_FOR_KV, "max_tokens": 4})
+    assert response.status_code == 400, response.text  # was 429, which the openai client retries 3 times
+    assert "retry-after" not in response.headers and "KV" in response.json()["error"]["message"]
 
 
 def test_cancelled_stream_aborts_the_request_and_frees_its_blocks(stack):

@@ -116,11 +116,14 @@ def test_completion_sse_wire_format(stack, model_name):
     assert sorted(by_index) == [0, 1, 2, 3]
     for choices in by_index.values():
         assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+        # the finish_reason comes alone (as OpenAI sends it), and no chunk before it is empty
+        assert choices[-1]["text"] == "" and all(c["text"] for c in choices[:-1])
 
 
 def test_chat_sse_wire_format(stack, model_name):
-    body = {"model": model_name, "messages": [{"role": "user", "content": QUESTIONS[3]}], "max_tokens": 24,
-            "temperature": 0, "stream": True}
+    # a stop string whose beginning keeps coming holds text back (the look-ahead); max_tokens ends it mid-text
+    body = {"model": model_name, "messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 12,
+            "temperature": 0, "stream": True, "stop": [" the zzz", " a zzz", ". zzz", ", zzz"]}
     with httpx.Client(base_url=stack.http, timeout=120) as http, http.stream("POST", "/v1/chat/completions", json=body) as r:
         events = sse_events(r)
     assert events[-1] == b"[DONE]"
@@ -129,7 +132,10 @@ def test_chat_sse_wire_format(stack, model_name):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
-    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # the finish_reason comes alone with an empty delta (as OpenAI sends it); no empty chunk before it
+    assert chunks[-1]["choices"][0]["delta"] == {}
+    assert all(c["choices"][0]["delta"].get("content") for c in chunks[1:-1])
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -161,6 +167,12 @@ def test_chat_sse_wire_format(stack, model_name):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 1000}, "n"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True},
      "continue_final_message"),
+    # fields pagedserve does not implement are refused, not dropped (issue #22 item 6)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "functions": [{"name": "f"}]},
+     "functions"),
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "audio": {"id": "a"}}]},
+     "messages[0].audio"),
 ])
 def test_invalid_input_is_a_400_naming_the_parameter(stack, model_name, path, body, param):
     response = httpx.post(stack.http + path, json={"model": model_name, **body}, timeout=60)

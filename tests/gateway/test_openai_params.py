@@ -6,6 +6,7 @@ import pydantic
 import pytest
 
 from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
+from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from pagedserve.text.chat_encoding import ChatPromptMode
 from services.gateway.openai_chat import chat_prompt_mode
 from services.gateway.openai_errors import _param_of
@@ -31,9 +32,13 @@ def test_every_field_is_mapped():
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, logit_bias={7: 2.0, 9: -1.0},
         best_of=3, spaces_between_special_tokens=False, logprobs=4, allowed_token_ids=(3, 4), bad_words=("no",))
     assert sampling_params_from_openai(body) == expected
+    # a structured output refuses allowed_token_ids and bad_words beside it, so it is mapped on its own
+    structured = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], guided_regex=r"[0-9]+")
+    regex = StructuredOutput(StructureKind.REGEX, r"[0-9]+")
+    assert sampling_params_from_openai(structured) == SamplingParams(structured_output=regex)
     assert sampling_params_from_openai(completion(prompt_logprobs=1)).prompt_logprobs == 1  # completions only
     defaults = SamplingParams()
-    untested = [f for f in SUPPORTED_FIELDS if getattr(expected, f) == getattr(defaults, f)]
+    untested = [f for f in SUPPORTED_FIELDS if getattr(expected, f) == getattr(defaults, f) and f != "structured_output"]
     assert untested == ["prompt_logprobs"], "a field is not tested"
     with pytest.raises(InvalidRequestError):  # chat returns no prompt logprobs: refused rather than dropped
         sampling_params_from_openai(body.model_copy(update={"prompt_logprobs": 1}))
@@ -107,3 +112,17 @@ def test_validation_error_locations_become_param_names():
     assert _param_of(("body", "stop", "list[str]", 3)) == "stop[3]"
     assert _param_of(("body", "prompt", "constrained-str")) == "prompt"
     assert _param_of(("body", "stop", "function-after[x]", "constrained-str")) == "stop"
+
+
+def test_unimplemented_fields_are_refused_and_the_listed_ones_ignored():
+    from services.gateway.openai_protocol import IGNORED_FIELDS
+
+    history = [{"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None}]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": history, "user": "u", "store": True,
+                                                 "metadata": {"k": "v"}, "service_tier": "auto"})
+    assert not any(hasattr(body, name) for name in IGNORED_FIELDS)
+    for extra in ({"use_beam_search": True}, {"stream_options": {"continuous_usage_stats": True}},
+                  {"response_format": {"type": "json_object", "unknown": 1}}):
+        with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
+            ChatCompletionRequest.model_validate({"model": "m", "messages": history, **extra})

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.attention import make_attention_backend
+from pagedserve.engine.grammar_matchers import grammar_compiler_for
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models.registry import load_model_config, model_class_for
@@ -89,10 +90,11 @@ class LeaderSampler:
         self.sampler = sampler
         self.group = group
 
-    def __call__(self, logits: torch.Tensor, params: Sequence, counts: Sequence[int], histories: Sequence):
+    def __call__(self, logits: torch.Tensor, params: Sequence, counts: Sequence[int], histories: Sequence,
+                 matchers: Sequence | None = None):
         """``logits`` float32 ``[N, vocab]`` -> the wrapped sampler's output, shared with every rank."""
         try:
-            out = self.sampler(logits, params, counts, histories)
+            out = self.sampler(logits, params, counts, histories, matchers)
         except Exception as exc:
             self.group.broadcast_object(exc)
             raise
@@ -106,7 +108,7 @@ class FollowerSampler:
         self.group = group
 
     def __call__(self, logits: torch.Tensor, params: Sequence, counts: Sequence[int],
-                 histories: Sequence) -> SamplerOutput:
+                 histories: Sequence, matchers: Sequence | None = None) -> SamplerOutput:
         out = self.group.broadcast_object(None)
         if isinstance(out, Exception):
             raise CollectiveError(f"rank 0's sampler failed: {out}")
@@ -129,9 +131,10 @@ def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRu
     spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
     kv_cache = KVCache(spec, num_blocks_for_memory(spec, config.kv_cache_memory_bytes), device=config.device,
                        num_cpu_blocks=config.swap_space_bytes // spec.bytes_per_block)
-    sampler = (LeaderSampler(Sampler(seed=config.sampler_seed, device=config.device), group)
-               if group.rank == 0 else FollowerSampler(group))
-    return ModelRunner(model, kv_cache, backend, sampler)
+    if group.rank == 0:  # only the rank that samples holds grammar matchers
+        sampler = LeaderSampler(Sampler(seed=config.sampler_seed, device=config.device), group)
+        return ModelRunner(model, kv_cache, backend, sampler, grammar=grammar_compiler_for(config.model_path))
+    return ModelRunner(model, kv_cache, backend, FollowerSampler(group))
 
 
 def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[StageRunner]:

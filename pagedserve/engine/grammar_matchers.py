@@ -1,0 +1,129 @@
+"""The worker's grammar matchers: one per sequence with a structured output, and the token mask they make.
+
+A matcher (llguidance's ``LLMatcher``) knows which tokens may come next; it advances with each
+token the sequence samples. It is rebuilt, never shipped: a sequence the worker gets in full (new,
+recomputed after preemption, swapped back in, a forked sample, or resumed on another worker or
+scheduler) replays the output tokens the plan carries (:meth:`GrammarCompiler.matcher`).
+llguidance builds lexer and parser states lazily while it computes masks, so no compile stalls
+a step; the grammar text of each spec is cached under the spec's hash (``cache_key``), with a
+pristine matcher to copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from pagedserve.engine.structured_output import StructuredOutput
+from pagedserve.engine.token_bitmask import allocate_bitmask, apply_bitmask
+
+log = logging.getLogger("pagedserve.worker")
+
+
+class GrammarError(RuntimeError):
+    """A matcher failed to build (the request's spec was checked at the gateway, so this is a
+    defect, not bad input)."""
+
+
+class GrammarCompiler:
+    """Builds matchers for one model's vocabulary.
+
+    Args:
+        tokenizer_path: the model's ``tokenizer.json``.
+        vocab_size: width of the model's logits (may exceed the tokenizer's ids).
+        eos_token_ids: the model's EOS ids: allowed where the grammar accepts, and alone once it ended.
+        cache_size: pristine matchers kept, least recently used dropped first.
+    """
+
+    def __init__(self, tokenizer_path: str | Path, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_size: int = 128) -> None:
+        self.tokenizer_path = str(tokenizer_path)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.cache_size = cache_size
+        self._tokenizer = None
+        self._pristine: OrderedDict[str, object] = OrderedDict()
+
+    def _llg_tokenizer(self):
+        """llguidance's view of the vocabulary, made on first use (about half a second)."""
+        if self._tokenizer is None:
+            import llguidance
+
+            self._tokenizer = llguidance.LLTokenizer(self.tokenizer_path, n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_token_ids)
+        return self._tokenizer
+
+    def matcher(self, structure: StructuredOutput, output_token_ids: Sequence[int] = ()):
+        """A matcher for ``structure`` that has consumed ``output_token_ids`` (a replay).
+
+        Raises:
+            GrammarError: the grammar does not build (replayed tokens that do not match leave the
+                matcher in its error state: see :func:`advance`).
+        """
+        import llguidance
+
+        key = structure.cache_key
+        pristine = self._pristine.get(key)
+        if pristine is None:
+            pristine = llguidance.LLMatcher(self._llg_tokenizer(), structure.grammar(), log_level=0)
+            if pristine.is_error():
+                raise GrammarError(f"structured output does not build: {pristine.get_error()}")
+            self._pristine[key] = pristine
+            while len(self._pristine) > self.cache_size:
+                self._pristine.popitem(last=False)
+        self._pristine.move_to_end(key)
+        matcher = pristine.deep_copy()
+        for token_id in output_token_ids:
+            advance(matcher, token_id)
+        return matcher
+
+
+def advance(matcher, token_id: int) -> None:
+    """Feeds a sampled token to ``matcher`` (nothing once the grammar has ended: what follows is
+    EOS, which the scheduler stops at, or tokens past ``ignore_eos``).
+
+    A token the matcher refuses (a replayed output that does not match, or a grammar past
+    llguidance's limits) leaves it in its error state, where it allows only EOS: the sequence
+    ends there, and nothing else in the step fails.
+    """
+    if matcher.is_stopped():
+        return
+    if not matcher.consume_token(token_id):
+        log.warning("a structured output's grammar refused token %d (%s); the sequence ends with EOS",
+                    token_id, matcher.get_error()[:200])
+
+
+def mask_grammar(logits: torch.Tensor, matchers: Sequence[object | None]) -> None:
+    """Sets to ``-inf`` (in place) every token the row's matcher does not allow next; rows without
+    a matcher are untouched and cost nothing (no bitmask when no row has one).
+
+    Args:
+        logits: float32 ``[N, V]``.
+        matchers: per row, its matcher or ``None``.
+    """
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return
+    bitmask = allocate_bitmask(len(rows), logits.shape[1])                # (R, W) int32
+    for k, row in enumerate(rows):
+        view = bitmask[k]
+        matchers[row].unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+    if len(rows) == logits.shape[0]:
+        apply_bitmask(logits, bitmask)
+        return
+    index = torch.tensor(rows, device=logits.device)                      # (R,)
+    sub = logits[index]                                                   # (R, V)
+    apply_bitmask(sub, bitmask)
+    logits[index] = sub
+
+
+def grammar_compiler_for(model_path: str | Path) -> GrammarCompiler:
+    """The compiler of a Hugging Face model folder (its ``tokenizer.json``, vocabulary size and EOS ids)."""
+    from pagedserve.engine.model_info import load_model_info
+
+    info = load_model_info(model_path)
+    return GrammarCompiler(Path(model_path) / "tokenizer.json", info.vocab_size, info.eos_token_ids)

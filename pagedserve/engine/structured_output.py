@@ -1,0 +1,156 @@
+"""Structured outputs: the one spec type a request carries, its validation and its grammar.
+
+A :class:`StructuredOutput` says what the output must match: a JSON schema, any JSON object, a
+regular expression, one of a list of strings, or a context-free grammar (GBNF/EBNF as llama.cpp
+writes it, or Lark). The grammar engine is llguidance (docs/architecture.md, "Structured outputs",
+says why): :meth:`StructuredOutput.grammar` turns a spec into llguidance's grammar text, which the
+worker's matchers (``grammar_matchers``) run token by token.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+
+from pagedserve.engine.request_errors import InvalidRequestError
+
+MAX_SPEC_BYTES = 64 * 1024
+"""Largest spec accepted (UTF-8 bytes of the schema, regex or grammar text, or of the choices together)."""
+JSON_OPTIONS = {"whitespace_flexible": False}
+"""llguidance's JSON compile options: compact JSON (``,`` and ``:``, no free whitespace), so that a
+small model cannot fill its output with newlines between keys."""
+
+
+class StructureKind(enum.Enum):
+    """What a structured output's spec is."""
+
+    JSON = "json"                # a JSON schema (the spec is its JSON text)
+    JSON_OBJECT = "json_object"  # any JSON object (no spec)
+    REGEX = "regex"              # a regular expression (Rust ``regex`` syntax) the whole output matches
+    CHOICE = "choice"            # exactly one of ``choices``
+    GRAMMAR = "grammar"          # a GBNF/EBNF (llama.cpp) or Lark grammar
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The structure a request's output must have.
+
+    Attributes:
+        kind: what ``spec`` or ``choices`` hold.
+        spec: the JSON schema text (``JSON``), the regex (``REGEX``) or the grammar (``GRAMMAR``).
+        choices: the strings the output may be (``CHOICE``).
+    """
+
+    kind: StructureKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    @property
+    def value(self) -> str | bool | tuple[str, ...]:
+        """The kind's one value (the choices, the spec text, or ``True`` for ``JSON_OBJECT``): what a
+        ``oneof`` member carries on the wire (``services/common/pb_fields.py``)."""
+        if self.kind is StructureKind.CHOICE:
+            return self.choices
+        return True if self.kind is StructureKind.JSON_OBJECT else self.spec
+
+    @classmethod
+    def of(cls, kind: StructureKind, value: str | bool | tuple[str, ...]) -> StructuredOutput:
+        """The inverse of :attr:`value`."""
+        if kind is StructureKind.CHOICE:
+            return cls(kind, choices=tuple(value))
+        return cls(kind) if kind is StructureKind.JSON_OBJECT else cls(kind, spec=str(value))
+
+    @property
+    def cache_key(self) -> str:
+        """A hash of the spec (BLAKE2b, hex): compiled grammars are cached under it."""
+        text = json.dumps([self.kind.value, self.spec, list(self.choices)])
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    def grammar(self) -> str:
+        """llguidance's grammar text for this spec (not yet checked: see :func:`check_structured_output`).
+
+        Raises:
+            InvalidRequestError: a JSON schema that is not JSON, or a grammar that does not convert to Lark.
+        """
+        import llguidance
+
+        if self.kind is StructureKind.JSON:
+            return llguidance.LLMatcher.grammar_from_json_schema(_load_json(self.spec, _field(self.kind)),
+                                                                 defaults=JSON_OPTIONS)
+        if self.kind is StructureKind.JSON_OBJECT:
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if self.kind is StructureKind.REGEX:
+            return llguidance.LLMatcher.grammar_from_regex(self.spec)
+        if self.kind is StructureKind.CHOICE:
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choices))
+        try:
+            return llguidance.grammar_from("grammar", self.spec)
+        except ValueError as e:
+            raise InvalidRequestError("structured_output.grammar", str(e)) from None
+
+
+def _field(kind: StructureKind) -> str:
+    return f"structured_output.{kind.value}"
+
+
+@functools.lru_cache(maxsize=256)
+def check_structured_output(structure: StructuredOutput) -> None:
+    """Refuses a spec that cannot be served, before it is queued (specs that pass are remembered:
+    the 256 most recent are not checked again).
+
+    Checks, in order: the size (``MAX_SPEC_BYTES``), that choices are given and not empty, that a
+    JSON schema is a valid schema (``jsonschema``'s meta-schema check), and that llguidance builds
+    the grammar (catches schema keywords it does not implement, bad regexes, grammars that do not
+    parse).
+
+    Raises:
+        InvalidRequestError: naming ``structured_output.<kind>`` and the reason.
+    """
+    name = _field(structure.kind)
+    size = len(structure.spec.encode()) + sum(len(c.encode()) for c in structure.choices)
+    if size > MAX_SPEC_BYTES:
+        raise InvalidRequestError(name, f"is {size} bytes; at most {MAX_SPEC_BYTES} are allowed")
+    if structure.kind is StructureKind.CHOICE and (not structure.choices or not all(structure.choices)):
+        raise InvalidRequestError(name, "must hold at least one choice, none of them empty")
+    if structure.kind in (StructureKind.REGEX, StructureKind.GRAMMAR, StructureKind.JSON) and not structure.spec:
+        raise InvalidRequestError(name, "must not be empty")
+    if structure.kind is StructureKind.JSON:
+        _check_schema(structure.spec, name)
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(structure.grammar())
+    if error:
+        raise InvalidRequestError(name, error.splitlines()[0][:500])
+
+
+def _load_json(text: str, name: str) -> object:
+    """``text`` parsed as JSON.
+
+    Raises:
+        InvalidRequestError(name): not JSON, or nested too deeply for the parser (a few hundred
+            levels: Python's recursion limit).
+    """
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(name, f"is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError(name, "is nested too deeply") from None
+
+
+def _check_schema(text: str, name: str) -> None:
+    """Raises ``InvalidRequestError(name)`` unless ``text`` is a JSON schema (an object or a boolean)."""
+    import jsonschema
+
+    schema = _load_json(text, name)
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequestError(name, f"must be a JSON object, got {type(schema).__name__}")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise InvalidRequestError(name, f"is not a valid JSON schema: {e.message}") from None
+    except RecursionError:
+        raise InvalidRequestError(name, "is nested too deeply") from None

@@ -1,0 +1,213 @@
+"""Tool-call parsers: the calls a model wrote in its text, found as the text streams.
+
+One parser reads text in pieces (:meth:`HermesToolParser.feed`, then :meth:`~HermesToolParser.finish`)
+and says what the pieces are: content outside the calls, a call's start with its function name,
+pieces of a call's arguments. A whole answer is parsed by feeding it in one piece
+(:func:`parse_tool_calls`), so a streamed answer and a whole one give the same calls by
+construction. The idea of holding back a possible partial tag follows vLLM's Hermes parser; the
+code is this project's.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import re
+from dataclasses import dataclass
+
+from pagedserve.text.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+
+class ToolCallParserKind(enum.Enum):
+    """Which form of tool calls the gateway parses (``--tool-call-parser``).
+
+    Members:
+        HERMES: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Hermes 2/3, Qwen2.5,
+            and pagedserve's fallback tools prompt).
+    """
+
+    HERMES = "hermes"
+
+
+@dataclass(frozen=True)
+class ContentPiece:
+    """Text outside any call."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """Call number ``index`` (from 0 in its answer) of function ``name`` begins."""
+
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ArgumentsPiece:
+    """More of call ``index``'s arguments (JSON text; the pieces of one call joined are its arguments)."""
+
+    index: int
+    text: str
+
+
+ToolEvent = ContentPiece | CallStart | ArgumentsPiece
+
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
+"""A call's JSON up to its arguments' value (Hermes writes ``name`` first)."""
+
+
+class _State(enum.Enum):
+    CONTENT = "content"      # outside calls
+    CALL_HEAD = "call_head"  # inside <tool_call>, name not yet read
+    ARGUMENTS = "arguments"  # inside <tool_call>, streaming the arguments
+
+
+def _partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def _arguments_so_far(body: str) -> str:
+    """The part of a call's arguments text that is surely its own: ``body`` (the text after
+    ``"arguments":``) without a possible partial ``</tool_call>``, trailing whitespace, and the last
+    ``}`` with the whitespace before it (which may close the call's object)."""
+    text = body[:len(body) - _partial_tag_length(body, TOOL_CALL_CLOSE)].rstrip()
+    return text[:-1].rstrip() if text.endswith("}") else text
+
+
+class HermesToolParser:
+    """Reads Hermes-form calls from text given in pieces.
+
+    Content just before ``<tool_call>`` and just after ``</tool_call>`` loses its whitespace (the
+    newlines between calls); a ``<tool_call>`` whose JSON does not begin with ``name`` and then
+    ``arguments`` is read whole at its ``</tool_call>``: a JSON object with a string ``name`` is a
+    call (its ``arguments`` re-serialized), anything else is content, tags included. A call cut
+    short (by ``max_tokens``) keeps the arguments it got.
+    """
+
+    def __init__(self) -> None:
+        self._state = _State.CONTENT
+        self._pending = ""
+        self._calls = 0
+        self._sent_arguments = 0
+        self._after_call = False
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        """The events that ``text`` (the answer's next piece) completes; text that may still turn
+        out to be a tag or a call's end is held until the next piece."""
+        self._pending += text
+        events: list[ToolEvent] = []
+        while True:
+            before = (self._state, len(self._pending))
+            events += self._step()
+            if (self._state, len(self._pending)) == before:
+                return events
+
+    def finish(self) -> list[ToolEvent]:
+        """The events of the text still held, at the answer's end."""
+        if self._state is _State.CONTENT:
+            text = self._pending.lstrip() if self._after_call else self._pending
+            events: list[ToolEvent] = [ContentPiece(text)] if text else []
+        elif self._state is _State.CALL_HEAD:
+            events = [ContentPiece(TOOL_CALL_OPEN + self._pending)]
+        else:
+            rest = _arguments_so_far(self._pending)[self._sent_arguments:]
+            events = [ArgumentsPiece(self._calls - 1, rest)] if rest else []
+        self._pending = ""
+        return events
+
+    def _step(self) -> list[ToolEvent]:
+        if self._state is _State.CONTENT:
+            return self._content()
+        if self._state is _State.CALL_HEAD:
+            return self._call_head()
+        return self._arguments()
+
+    def _content(self) -> list[ToolEvent]:
+        if self._after_call:
+            self._pending = self._pending.lstrip()
+            self._after_call = not self._pending
+        start = self._pending.find(TOOL_CALL_OPEN)
+        if start >= 0:
+            text, self._pending = self._pending[:start].rstrip(), self._pending[start + len(TOOL_CALL_OPEN):]
+            self._state = _State.CALL_HEAD
+            return [ContentPiece(text)] if text else []
+        held = _partial_tag_length(self._pending, TOOL_CALL_OPEN)
+        text = self._pending[:len(self._pending) - held]
+        kept = text.rstrip()  # whitespace before a <tool_call> is dropped, so wait to see what follows
+        self._pending = self._pending[len(kept):]
+        return [ContentPiece(kept)] if kept else []
+
+    def _call_head(self) -> list[ToolEvent]:
+        head = _CALL_HEAD.match(self._pending)
+        if head is not None:
+            self._pending = self._pending[head.end():]
+            self._state, self._sent_arguments = _State.ARGUMENTS, 0
+            self._calls += 1
+            return [CallStart(self._calls - 1, json.loads(head.group(1)))]
+        end = self._pending.find(TOOL_CALL_CLOSE)
+        if end < 0:
+            return []
+        body, self._pending = self._pending[:end], self._pending[end + len(TOOL_CALL_CLOSE):]
+        self._state = _State.CONTENT
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            call = None
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return [ContentPiece(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)]
+        self._calls, self._after_call = self._calls + 1, True
+        return [CallStart(self._calls - 1, call["name"]),
+                ArgumentsPiece(self._calls - 1, json.dumps(call.get("arguments", {}), ensure_ascii=False))]
+
+    def _arguments(self) -> list[ToolEvent]:
+        if not self._sent_arguments:  # the whitespace before the value may come after the head matched
+            self._pending = self._pending.lstrip()
+        end = self._pending.find(TOOL_CALL_CLOSE)
+        body = self._pending if end < 0 else self._pending[:end]
+        sure = _arguments_so_far(body)
+        rest = sure[self._sent_arguments:]
+        self._sent_arguments = len(sure)
+        if end >= 0:
+            self._pending = self._pending[end + len(TOOL_CALL_CLOSE):]
+            self._state, self._after_call = _State.CONTENT, True
+        return [ArgumentsPiece(self._calls - 1, rest)] if rest else []
+
+
+@dataclass(frozen=True)
+class ParsedAnswer:
+    """A whole answer split into its content and calls.
+
+    Attributes:
+        content: the text outside the calls (``None`` when there is none).
+        calls: (function name, arguments JSON text) of each call, in order.
+    """
+
+    content: str | None
+    calls: tuple[tuple[str, str], ...]
+
+
+PARSERS: dict[ToolCallParserKind, type[HermesToolParser]] = {ToolCallParserKind.HERMES: HermesToolParser}
+"""The parser of each kind."""
+
+
+def parse_tool_calls(text: str, kind: ToolCallParserKind) -> ParsedAnswer:
+    """The calls and content of a whole answer (the streaming parser fed ``text`` in one piece)."""
+    parser = PARSERS[kind]()
+    content: list[str] = []
+    names: list[str] = []
+    arguments: list[str] = []
+    for event in parser.feed(text) + parser.finish():
+        if isinstance(event, ContentPiece):
+            content.append(event.text)
+        elif isinstance(event, CallStart):
+            names.append(event.name)
+            arguments.append("")
+        else:
+            arguments[event.index] += event.text
+    return ParsedAnswer("".join(content) or None, tuple(zip(names, arguments)))

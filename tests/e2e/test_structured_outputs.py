@@ -1,0 +1,107 @@
+"""Structured outputs through the services: the real `openai` client's `.parse()` with a pydantic model
+(streamed and not), the same schema over gRPC, and bad specs refused with 400 / INVALID_ARGUMENT
+naming the field, on the session stack's real processes."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import grpc
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.e2e.test_stack import chat_request, stream
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=16)
+    zip_code: int = Field(ge=10000, le=99999)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=16)
+    age: int = Field(ge=0, le=120)
+    color: Literal["red", "green", "blue"]
+    tags: list[str] = Field(max_length=2)
+    address: Address
+
+
+QUESTION = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def strict_schema() -> dict:
+    """Person's schema as `.parse()` sends it (the openai client's strict form)."""
+    from openai.lib._pydantic import to_strict_json_schema
+
+    return to_strict_json_schema(Person)
+
+
+def test_openai_parse_returns_the_pydantic_object(client, default_model):
+    completion = client.chat.completions.parse(model=default_model.name, messages=QUESTION, response_format=Person,
+                                               temperature=0, max_tokens=120)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, Person)
+    jsonschema.validate(json.loads(choice.message.content), strict_schema())
+
+
+def test_streamed_json_schema_output_validates_and_equals_the_unstreamed(client, default_model):
+    response_format = {"type": "json_schema", "json_schema": {"name": "Person", "schema": strict_schema(), "strict": True}}
+    kwargs = dict(model=default_model.name, messages=QUESTION, response_format=response_format, temperature=0,
+                  max_tokens=120)
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    Person.model_validate_json(text)
+    assert text == client.chat.completions.create(**kwargs).choices[0].message.content
+
+
+def test_grpc_json_schema_gives_the_same_output(stack, client, default_model):
+    schema = json.dumps(strict_schema())
+    request = chat_request(QUESTION[0]["content"], max_tokens=120)
+    request.sampling_params.structured_output.json = schema
+    responses = stream(stack.gateway, request)
+    text = "".join(r.text for r in responses)
+    Person.model_validate_json(text)
+    http = client.chat.completions.create(model=default_model.name, messages=QUESTION, temperature=0, max_tokens=120,
+                                          extra_body={"structured_outputs": {"json": json.loads(schema)}})
+    assert http.choices[0].message.content == text
+
+
+@pytest.mark.parametrize("member, value", [
+    ("regex", "a(b"), ("grammar", "root ::= ("), ("json", '{"type": "nonsense"}'), ("json", "x" * (1 << 20))],
+    ids=["bad-regex", "bad-grammar", "invalid-schema", "1MB-schema"])
+def test_grpc_bad_spec_is_invalid_argument_naming_the_field(stack, member, value):
+    request = chat_request("Hi", max_tokens=4)
+    setattr(request.sampling_params.structured_output, member, value)
+    with pytest.raises(grpc.RpcError) as info:
+        stream(stack.gateway, request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith(f"sampling_params.structured_output.{member}:"), info.value.details()
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "big", "schema": {"type": "object", "description": "x" * (1 << 20)}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+], ids=["bad-regex", "invalid-schema", "1MB-schema", "two-forms"])
+def test_http_bad_spec_is_400_naming_the_field(stack, default_model, body, param):
+    with httpx.Client(base_url=stack.http, timeout=60) as http:
+        response = http.post("/v1/chat/completions", json={"model": default_model.name, "messages": QUESTION,
+                                                           "max_tokens": 4, **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text

@@ -1,0 +1,53 @@
+"""Structured-output specs refused before they are queued, and a grammar that refuses a token ending
+only its own sequence (with EOS) instead of failing the step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.engine.grammar_matchers import advance, grammar_compiler_for, mask_grammar
+from pagedserve.engine.request_errors import InvalidRequestError
+from pagedserve.engine.sampling_params import CONFLICTS_WITH_STRUCTURE, SamplingParams
+from pagedserve.engine.structured_output import StructuredOutput, StructureKind
+
+YES_NO = StructuredOutput(StructureKind.CHOICE, choices=("yes", "no"))
+
+
+def nested_schema(depth: int) -> str:
+    return '{"type":"object","required":["a"],"properties":{"a":' * depth + '{"type":"integer"}' + "}}" * depth
+
+
+@pytest.mark.parametrize("depth", [300, 1200])
+def test_a_schema_nested_too_deeply_is_refused_not_crashed(depth):
+    # json.loads and jsonschema recurse: 1,200 levels raised RecursionError (an INTERNAL error) before
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(structured_output=StructuredOutput(StructureKind.JSON, spec=nested_schema(depth)))
+    assert err.value.field_name == "structured_output.json" and "nested too deeply" in err.value.reason
+
+
+@pytest.mark.parametrize(("name", "value"), [("allowed_token_ids", (5, 6)), ("bad_words", ("no",)), ("min_tokens", 2)])
+def test_fields_that_could_mask_every_allowed_token_are_refused(name, value):
+    assert name in CONFLICTS_WITH_STRUCTURE
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(structured_output=YES_NO, **{name: value})
+    assert err.value.field_name == name
+
+
+def test_a_refused_token_leaves_only_eos_allowed(default_model):
+    compiler = grammar_compiler_for(default_model)
+    matcher = compiler.matcher(YES_NO)
+    advance(matcher, 0)  # id 0 is not "yes" or "no": refused, and no exception
+    assert matcher.is_error()
+    logits = torch.zeros(2, compiler.vocab_size)
+    mask_grammar(logits, [None, matcher])
+    assert torch.isfinite(logits[0]).all()
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == sorted(compiler.eos_token_ids)
+
+
+def test_a_replayed_output_that_does_not_match_ends_with_eos(default_model):
+    compiler = grammar_compiler_for(default_model)
+    matcher = compiler.matcher(YES_NO, output_token_ids=[0, 0])  # a resumed output that is not a choice
+    logits = torch.zeros(1, compiler.vocab_size)
+    mask_grammar(logits, [matcher])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(compiler.eos_token_ids)

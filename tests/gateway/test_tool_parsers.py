@@ -1,0 +1,69 @@
+"""The hermes tool-call parser: the same calls and content whether an answer streams token by token
+(replayed through the real tokenizer and detokenizer) or comes whole."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.text.detokenizer import IncrementalDetokenizer
+from pagedserve.text.tool_parsers import (
+    ArgumentsPiece, CallStart, ContentPiece, HermesToolParser, ParsedAnswer, ToolCallParserKind, parse_tool_calls,
+)
+
+HERMES = ToolCallParserKind.HERMES
+TWO_CALLS = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": {"n": 2}}}\n'
+             '</tool_call>\n<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>\n')
+
+
+def streamed(pieces: list[str]) -> ParsedAnswer:
+    """The answer the parser gives from ``pieces`` fed one by one (the events folded as a client would)."""
+    parser = HermesToolParser()
+    events = [event for piece in pieces for event in parser.feed(piece)] + parser.finish()
+    names = [e.name for e in events if isinstance(e, CallStart)]
+    arguments = ["".join(e.text for e in events if isinstance(e, ArgumentsPiece) and e.index == i)
+                 for i in range(len(names))]
+    content = "".join(e.text for e in events if isinstance(e, ContentPiece)) or None
+    return ParsedAnswer(content, tuple(zip(names, arguments)))
+
+
+def replayed_pieces(prompt_tokenizer, text: str) -> list[str]:
+    """``text`` tokenized, then detokenized one token at a time as the gateway streams it."""
+    ids = prompt_tokenizer.hf_tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(prompt_tokenizer, [], skip_special_tokens=True)
+    return [detok.add([token_id]) for token_id in ids] + [detok.finish()]
+
+
+def test_whole_answer_splits_content_and_calls():
+    answer = parse_tool_calls(TWO_CALLS, HERMES)
+    assert answer.content == "Let me look."
+    assert answer.calls == (("get_weather", '{"city": "Paris", "days": {"n": 2}}'), ("get_time", "{}"))
+
+
+@pytest.mark.parametrize("text", [
+    TWO_CALLS,
+    "No tools needed: 3 < 4 and <b>bold</b>.  ",
+    '<tool_call>\n{"arguments": {"x": [1, 2]}, "name": "reordered"}\n</tool_call>',
+    "<tool_call>not json</tool_call> then text",
+    '<tool_call>\n{"name": "cut_short", "arguments": {"q": "unfinis',
+    'Text with "quotes" } and braces {\n<tool_call>{"name": "f", "arguments": {"s": "a}b </tool"}}</tool_call>',
+], ids=["two-calls", "no-calls", "name-second", "not-json", "cut-short", "braces-in-strings"])
+def test_replayed_token_stream_gives_the_whole_answers_calls(prompt_tokenizer, text):
+    pieces = replayed_pieces(prompt_tokenizer, text)
+    assert len(pieces) > 5
+    assert streamed(pieces) == parse_tool_calls(text, HERMES)
+    assert streamed(list(text)) == parse_tool_calls(text, HERMES)
+
+
+def test_call_pieces_are_never_content():
+    parser = HermesToolParser()
+    events = [event for ch in TWO_CALLS for event in parser.feed(ch)] + parser.finish()
+    content = "".join(e.text for e in events if isinstance(e, ContentPiece))
+    assert "<" not in content and "{" not in content
+    starts = [e for e in events if isinstance(e, CallStart)]
+    assert starts == [CallStart(0, "get_weather"), CallStart(1, "get_time")]
+
+
+def test_text_that_is_not_a_call_stays_content():
+    assert parse_tool_calls("<tool_call>not json</tool_call> then", HERMES) == \
+        ParsedAnswer("<tool_call>not json</tool_call> then", ())
+    assert parse_tool_calls('<tool_call>\n{"name": "cut", "arguments": {"q": 1', HERMES).calls == (("cut", '{"q": 1'),)
