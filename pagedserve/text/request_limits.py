@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedserve.engine.request_errors import InvalidRequestError
-from pagedserve.engine.sampling_checks import MAX_N, check_count  # noqa: F401 (re-exported for the text checks)
+from pagedserve.engine.sampling_checks import check_count  # noqa: F401 (re-exported for the text checks)
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,13 @@ class RequestLimits:
             before the tokenizer spends time on it.
         max_chat_messages: most messages in ``chat.messages``.
         max_role_chars: longest ``chat.messages[i].role`` in characters (roles are short words).
-        max_stop_strings: most entries in ``sampling_params.stop``.
-        max_stop_string_chars: longest stop string, in characters.
+        max_stop_strings: most entries in ``sampling_params.stop`` (and in ``bad_words``).
+        max_stop_string_chars: longest stop string (and bad word), in characters.
         max_stop_token_ids: most entries in ``sampling_params.stop_token_ids``.
         max_request_id_chars: longest ``request_id``, in characters.
         max_cache_salt_chars: longest ``cache_salt``, in characters.
-        max_n: most samples per request (``sampling_params.n``; ``SamplingParams`` enforces it).
+        max_token_ids: longest list of token ids other than the prompt and ``stop_token_ids``
+            (``allowed_token_ids``; the model's context bounds a prompt more tightly).
 
     Prompt token ids are bounded by the context itself: fewer than ``max_model_len`` of them,
     counted before any id is looked at.
@@ -47,7 +48,7 @@ class RequestLimits:
     max_stop_token_ids: int = 1024
     max_request_id_chars: int = 256
     max_cache_salt_chars: int = 256
-    max_n: int = MAX_N
+    max_token_ids: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -222,8 +222,10 @@ class GenerationCore:
         finally:
             # Not finished: the client went away or the call failed, nothing may run for it, and a
             # scheduler restarted later must not run it for nobody (its stream entry goes).
-            self._router.unregister(key, abort=not state.finished)
-            if not state.finished:
+            if state.finished:
+                self._router.unregister(key)
+            else:
+                self._router.abandon(key)
                 if entry is not None:
                     self._in_background(self._producer.forget(entry.entry_id))
                 request_metrics.aborted(parsed.params.num_samples)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
 
-from pagedserve.engine.sampling_checks import MAX_LOGIT_BIAS
+from pagedserve.engine.sampling_checks import BOUNDS, MAX_LOGIT_BIAS
 from pagedserve.text.request_limits import RequestLimits
 from services.gateway.openai_structured import StructuredFields
 from services.gateway.openai_tools import CallId, ToolCallIn, ToolFields
@@ -24,8 +24,6 @@ MAX_PROMPTS = 64
 """Most prompts in one completions request (each is its own engine request)."""
 MAX_TEXT_CHARS = 16 << 20
 """Longest string anywhere in a body, in characters (the tokenizer's byte bound is tighter)."""
-MAX_TOKEN_IDS = 1 << 20
-"""Longest token-id list (the model's context bounds a prompt more tightly)."""
 MAX_NAME_CHARS = 256
 """Longest model name, user, or message name."""
 
@@ -38,7 +36,7 @@ message of the history); with a value they are refused."""
 
 Text = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS)]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
-TokenIds = Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_IDS)]
+TokenIds = Annotated[list[StrictInt], Field(max_length=_LIMITS.max_token_ids)]
 StopStrings = Annotated[list[Annotated[StrictStr, Field(max_length=_LIMITS.max_stop_string_chars)]],
                         Field(max_length=_LIMITS.max_stop_strings)]
 Stop = Annotated[StrictStr, Field(max_length=_LIMITS.max_stop_string_chars)] | StopStrings
@@ -85,7 +83,7 @@ class SamplingFields(StrictRequest, StructuredFields):
     top_k: StrictInt | None = Field(None, description="keep the k most likely tokens; -1 or 0 is off")
     min_p: StrictFloat | None = Field(None, description="drop tokens below min_p * p_max (default 0)")
     seed: StrictInt | None = Field(None, description="per-request seed (reproducible sampling)")
-    n: StrictInt = Field(1, description=f"choices per prompt, in [1, {_LIMITS.max_n}]")
+    n: StrictInt = Field(1, description=f"choices per prompt, in {BOUNDS['n'].describe()}")
     stop: Stop | None = Field(None, description="stop string(s); not included in the output")
     stop_token_ids: Annotated[list[StrictInt], Field(max_length=_LIMITS.max_stop_token_ids)] | None = None
     ignore_eos: StrictBool = False

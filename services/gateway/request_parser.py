@@ -23,16 +23,20 @@ def check_request_sizes(request: gen.GenerateRequest, limits: RequestLimits) -> 
     """Checks the sizes of the request's lists and strings other than the prompt (cheap, done first).
 
     Raises:
-        InvalidRequestError: ``request_id``, ``cache_salt``, ``stop``, ``stop[i]`` or
-            ``stop_token_ids`` beyond its bound in ``limits`` (bare names).
+        InvalidRequestError: ``request_id``, ``cache_salt``, ``stop``, ``stop[i]``, ``bad_words``,
+            ``bad_words[i]``, ``stop_token_ids`` or ``allowed_token_ids`` beyond its bound in
+            ``limits`` (bare names).
     """
     check_count("request_id", len(request.request_id), limits.max_request_id_chars, "characters")
     check_count("cache_salt", len(request.cache_salt), limits.max_cache_salt_chars, "characters")
     msg = request.sampling_params
-    check_count("stop", len(msg.stop), limits.max_stop_strings, "stop strings")
-    for i, stop in enumerate(msg.stop):
-        check_count(f"stop[{i}]", len(stop), limits.max_stop_string_chars, "characters")
+    for name in ("stop", "bad_words"):
+        strings = getattr(msg, name)
+        check_count(name, len(strings), limits.max_stop_strings, "strings")
+        for i, text in enumerate(strings):
+            check_count(f"{name}[{i}]", len(text), limits.max_stop_string_chars, "characters")
     check_count("stop_token_ids", len(msg.stop_token_ids), limits.max_stop_token_ids, "token ids")
+    check_count("allowed_token_ids", len(msg.allowed_token_ids), limits.max_token_ids, "token ids")
 
 
 def sampling_params_from_pb(msg: gen.SamplingParams) -> SamplingParams:

@@ -93,23 +93,36 @@ class OutputRouter:
         self._requests[key] = request
         return request.queue
 
-    def unregister(self, key: str, abort: bool = False) -> None:
-        """Forgets the request; resume queries still queued for it are answered with Abort. With
-        ``abort`` (it did not finish), its owner (every live scheduler while it has none) is told
-        to stop it, in the background."""
+    def unregister(self, key: str) -> None:
+        """Forgets a finished request; resume queries still queued for it are answered with Abort."""
+        self._forget(key)
+
+    def abandon(self, key: str) -> None:
+        """Forgets a request that did not finish (its client went away, or it failed) and tells its
+        owner (every live scheduler while it has none) to stop it, in the background; resume
+        queries still queued for it are answered with Abort."""
+        forgotten = self._forget(key)
+        if forgotten is None:
+            return
+        request, asked = forgotten
+        if request.owner not in asked:
+            self._remember_aborted(request.owner, key)
+            self._in_background(self._abort_owned(request.owner, pb.AbortRequest(request_id=key)))
+
+    def _forget(self, key: str) -> tuple[_Request, set[str]] | None:
+        """Drops the request and aborts it on each scheduler whose resume query it leaves unanswered
+        (each waits for an answer). Returns the request and those schedulers' ids (``None``: unknown key)."""
         request = self._requests.pop(key, None)
         if request is None:
-            return
-        waiting = set()  # schedulers whose resume query was not answered: each waits for an answer
+            return None
+        asked = set()
         while not request.queue.empty():
             item = request.queue.get_nowait()
             if isinstance(item, ResumeQuery):
-                waiting.add(item.scheduler_id)
-        for scheduler_id in waiting:
+                asked.add(item.scheduler_id)
+        for scheduler_id in asked:
             self._in_background(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
-        if abort and request.owner not in waiting:
-            self._remember_aborted(request.owner, key)
-            self._in_background(self._abort_owned(request.owner, pb.AbortRequest(request_id=key)))
+        return request, asked
 
     @property
     def num_in_flight(self) -> int:

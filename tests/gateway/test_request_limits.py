@@ -37,7 +37,7 @@ def refusal(request: gen.GenerateRequest, tokenizer: PromptTokenizer) -> Invalid
 
 def test_default_limits() -> None:
     assert (LIMITS.max_stop_strings, LIMITS.max_stop_string_chars, LIMITS.max_stop_token_ids) == (64, 1024, 1024)
-    assert (LIMITS.max_request_id_chars, LIMITS.max_cache_salt_chars, LIMITS.max_n) == (256, 256, 64)
+    assert (LIMITS.max_request_id_chars, LIMITS.max_cache_salt_chars, LIMITS.max_token_ids) == (256, 256, 1 << 20)
     assert LIMITS.max_prompt_bytes(8192) == 262144
     with pytest.raises(ValueError):
         RequestLimits(max_stop_strings=0)
@@ -59,6 +59,9 @@ TOO_BIG = [
     ("sampling_params.stop[1]", {"sampling": {"stop": ["a", "b" * 1025]}}, "1025"),
     ("sampling_params.stop_token_ids", {"sampling": {"stop_token_ids": [5] * 1025}}, "1025"),
     ("sampling_params.n", {"sampling": {"n": 65}}, "65"),
+    ("sampling_params.bad_words", {"sampling": {"bad_words": ["a"] * 65}}, "65"),
+    ("sampling_params.bad_words[0]", {"sampling": {"bad_words": ["b" * 1025]}}, "1025"),
+    ("sampling_params.allowed_token_ids", {"sampling": {"allowed_token_ids": [5] * ((1 << 20) + 1)}}, str((1 << 20) + 1)),
 ]
 
 
