@@ -232,6 +232,8 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
         wait_until(lambda: healthy(scheduler), "scheduler", 120, procs)
         wait_until(lambda: num_workers_known(scheduler) == num_workers * workers_per_process, "workers", 300, procs)
         wait_until(lambda: healthy(f"127.0.0.1:{gw_port}"), "gateway", 120, procs)
+        # the HTTP health flag follows the gRPC one within a second (its watcher polls)
+        wait_until(lambda: http_health(f"http://127.0.0.1:{http_port}") == 200, "gateway HTTP health", 30, procs)
     except BaseException:  # a KeyboardInterrupt too: no process left behind
         stop_all(processes)
         raise
