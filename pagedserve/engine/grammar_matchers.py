@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,17 +46,21 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
-        self._tokenizer = None
         self._pristine: OrderedDict[str, object] = OrderedDict()
+        # llguidance's view of the vocabulary takes about half a second: built in the background from
+        # the start, so that the first structured request does not stall a step for it
+        builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-vocabulary")
+        self._tokenizer = builder.submit(self._build_tokenizer)
+        builder.shutdown(wait=False)  # its thread ends with the build
+
+    def _build_tokenizer(self):
+        import llguidance
+
+        return llguidance.LLTokenizer(self.tokenizer_path, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
 
     def _llg_tokenizer(self):
-        """llguidance's view of the vocabulary, made on first use (about half a second)."""
-        if self._tokenizer is None:
-            import llguidance
-
-            self._tokenizer = llguidance.LLTokenizer(self.tokenizer_path, n_vocab=self.vocab_size,
-                                                     eos_token=self.eos_token_ids)
-        return self._tokenizer
+        """llguidance's view of the vocabulary (waits for its build, started with the compiler)."""
+        return self._tokenizer.result()
 
     def matcher(self, structure: StructuredOutput, output_token_ids: Sequence[int] = ()):
         """A matcher for ``structure`` that has consumed ``output_token_ids`` (a replay).
