@@ -41,7 +41,7 @@ class SchedulingPolicy(enum.Enum):
 
 
 class Placement(enum.Enum):
-    """Which worker a waiting sequence is admitted on (``worker_state.pick_worker``)."""
+    """Which worker a waiting sequence is admitted on (``worker_pool.pick_worker``)."""
 
     PREFIX = "prefix"  # the most cached prompt prefix, balanced against KV usage and running sequences
     LEAST_LOADED = "least-loaded"  # the most free KV blocks

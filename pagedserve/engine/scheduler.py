@@ -4,9 +4,10 @@ Each iteration, per worker: running sequences that decode get their token first,
 sequences in the middle of a chunked prefill get the next chunk; when blocks run out, the last
 running sequence in the policy's order is preempted (by recompute, or by swapping its blocks to
 CPU memory). Prefill chunks beside decodes are sized so that the step stays within
-``max_decode_slowdown`` times the decodes' own time (``step_cost``, ``PlanDraft.chunk_tokens``). Then swapped-out sequences come back, and waiting sequences are admitted in the
-policy's order onto the worker that holds most of their prompt's prefix, balanced against its
-load (or the one with the most free blocks: ``SchedulerConfig.placement``), taking cached prefix
+``max_decode_slowdown`` times the decodes' own time (``step_cost``, ``PlanDraft.chunk_tokens``).
+Then swapped-out sequences come back, and waiting sequences are admitted in the policy's order
+onto the worker that holds most of their prompt's prefix, balanced against its load (or the one
+with the most free blocks: ``SchedulerConfig.placement``, ``worker_pool``), taking cached prefix
 blocks first, under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 """
 
@@ -20,16 +21,17 @@ from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerS
 from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, ResumedSample,
                                         SampledToken, SequenceId, StepResult)
 from pagedserve.engine.outputs import RequestOutput, SchedulerOutput
-from pagedserve.engine.limits import num_new_tokens, rejection_error, worker_loss_error
-from pagedserve.engine.parallel_sampling import Forks
+from pagedserve.engine.limits import num_new_tokens, worker_loss_error
 from pagedserve.engine.policy import POLICIES
-from pagedserve.engine.request_resume import check_resumed, resumed_sequences, starts_fresh
+from pagedserve.engine.requests_in_flight import RequestsInFlight
 from pagedserve.engine.sequence import Sequence, SequenceStatus
-from pagedserve.engine.worker_state import PlanDraft, WorkerState, pick_worker, scheduler_stats
+from pagedserve.engine.worker_pool import WorkerPool
+from pagedserve.engine.worker_state import PlanDraft, WorkerState
 
 
 class Scheduler:
-    """Owns the sequences, the waiting queue and one block manager per worker.
+    """Decides each iteration's plans over the requests in flight (``requests_in_flight``) and the
+    workers (``worker_pool``), and applies the workers' results to them.
 
     Each worker runs its own step pipeline: ``schedule`` drafts plans for the workers it is given
     (those not busy with a step), and ``update_from_output`` applies one worker's result whenever
@@ -41,10 +43,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._policy = POLICIES[config.policy]
-        self._workers: dict[str, WorkerState] = {}
-        self._sequences: dict[SequenceId, Sequence] = {}
-        self._waiting = self._policy.make_queue()
-        self._forks = Forks()
+        self._workers = WorkerPool(config)
+        self._requests = RequestsInFlight(self._policy)
         self._outputs: list[RequestOutput] = []  # made while scheduling, returned by schedule()
         self._step_id = 0
         self._num_preemptions = 0
@@ -52,14 +52,8 @@ class Scheduler:
 
     # ---- workers -------------------------------------------------------------------------
     def add_worker(self, worker_id: str, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        """Registers a worker with ``num_blocks`` KV blocks (and CPU blocks for swapping).
-
-        Raises:
-            ValueError: the id is already registered.
-        """
-        if worker_id in self._workers:
-            raise ValueError(f"worker {worker_id!r} is already registered")
-        self._workers[worker_id] = WorkerState(worker_id, num_blocks, num_cpu_blocks, self.config)
+        """Registers a worker; as :meth:`WorkerPool.add` (ValueError if the id is registered)."""
+        self._workers.add(worker_id, num_blocks, num_cpu_blocks)
 
     def remove_worker(self, worker_id: str) -> list[RequestOutput]:
         """Forgets a worker (gone or failed); its sequences go back to the front of the queue and
@@ -68,12 +62,10 @@ class Scheduler:
         Returns:
             Final outputs of the sequences that end instead (``limits.worker_loss_error``).
         """
-        worker = self._workers.pop(worker_id, None)
-        for seq in self._sequences.values():
-            if seq.in_flight_worker_id == worker_id:
-                seq.tokens_lost()
+        lost = self._workers.remove(worker_id)
+        self._requests.tokens_lost_on(worker_id)
         outputs: list[RequestOutput] = []
-        for seq in reversed([*worker.running.values(), *worker.swapped.values()] if worker else []):
+        for seq in lost:
             seq.num_worker_losses += 1
             self._requeue(seq)
             if (error := worker_loss_error(seq)) is not None:
@@ -82,51 +74,28 @@ class Scheduler:
 
     @property
     def worker_ids(self) -> list[str]:
-        return list(self._workers)
+        return self._workers.ids
 
     def block_manager(self, worker_id: str):
         return self._workers[worker_id].blocks
 
     def session_id(self, worker_id: str) -> str | None:
         """The session the worker's plans carry now (new at every ``add_worker``); None if unknown."""
-        worker = self._workers.get(worker_id)
-        return worker.session_id if worker else None
+        return self._workers.session_id(worker_id)
 
     def requests_on(self, worker_id: str) -> list[SequenceId]:
         """The sequences running on a worker."""
-        return list(self._workers[worker_id].running)
+        return self._workers.requests_on(worker_id)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
-        """Queues a request.
-
-        Raises:
-            ValueError: a request with this id is already in flight.
-        """
-        if self.has_request(request.request_id):
-            raise ValueError(f"request {request.request_id!r} is already in flight")
-        seq = Sequence(request)
-        self._sequences[seq.seq_id] = seq
-        self._waiting.push(seq)
+        """Queues a request; as :meth:`RequestsInFlight.add` (ValueError if it is in flight)."""
+        self._requests.add(request)
 
     def resume_request(self, request: EngineRequest, resumed: Seq[ResumedSample]) -> None:
-        """Takes over a request another scheduler ran, continuing from the tokens already delivered
-        (request migration, as NVIDIA Dynamo's): ``resumed`` lists them per sample; finished samples
-        do not run again, the others wait like recompute-preempted ones (see ``request_resume``).
-
-        Raises:
-            ValueError: the request is in flight, or ``resumed`` does not fit it; nothing changes then.
-        """
-        if self.has_request(request.request_id):
-            raise ValueError(f"request_id: request {request.request_id!r} is already in flight")
-        check_resumed(request, resumed)
-        if starts_fresh(resumed):
-            return self.add_request(request)
-        sequences = resumed_sequences(request, resumed)
-        for seq in reversed(sequences):  # each goes to the front: sample 0 ends up first
-            self._sequences[seq.seq_id] = seq
-            self._waiting.push_preempted(seq)
-        self._forks.adopt(request, sequences)
+        """Takes over a request another scheduler ran, from the tokens already delivered; as
+        :meth:`RequestsInFlight.resume` (ValueError if it is in flight or ``resumed`` does not fit)."""
+        self._requests.resume(request, resumed)
 
     def abort_request(self, request_id: str, error: RequestError | None = None) -> list[RequestOutput]:
         """Finishes every sample of a request now and frees their blocks.
@@ -135,8 +104,8 @@ class Scheduler:
             The final output (reason ``abort``, with ``error`` if given) of every sample that was
             in flight; empty if none was.
         """
-        outputs = self._abort(self._forks.sequence_ids(request_id) or [SequenceId(request_id, 0)], error)
-        self._forks.forget(request_id)
+        outputs = self._abort(self._requests.sample_ids(request_id), error)
+        self._requests.forget(request_id)
         return outputs
 
     def abort_sample(self, seq_id: SequenceId, error: RequestError | None = None) -> list[RequestOutput]:
@@ -144,7 +113,7 @@ class Scheduler:
         return self._abort([seq_id], error)
 
     def _abort(self, ids: list[SequenceId], error: RequestError | None) -> list[RequestOutput]:
-        found = [self._sequences[i] for i in ids if i in self._sequences]
+        found = [self._requests.sequences[i] for i in ids if i in self._requests.sequences]
         for seq in found:
             self._finish(seq, FinishReason.ABORT)
         return [RequestOutput.aborted(seq.request_id, error, sample_index=seq.sample_index,
@@ -152,36 +121,36 @@ class Scheduler:
 
     def has_request(self, request_id: str) -> bool:
         """Whether any sample of request ``request_id`` is still in flight."""
-        return SequenceId(request_id, 0) in self._sequences or self._forks.knows(request_id)
+        return self._requests.has_request(request_id)
 
     def waiting_requests(self) -> list[str]:
         """Ids of the requests with a sample waiting to be admitted, in queue order."""
-        return list(dict.fromkeys(seq.request_id for seq in self._waiting))
+        return self._requests.waiting_requests()
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight."""
-        return bool(self._sequences)
+        return bool(self._requests.sequences)
 
     def has_work(self) -> bool:
         """Unfinished requests, or workers still to be told to drop finished requests' state."""
-        return self.has_unfinished_requests() or any(w.dropped_ids for w in self._workers.values())
+        return self.has_unfinished_requests() or self._workers.has_drops()
 
     def sequence(self, seq_id: SequenceId) -> Sequence:
         """The in-flight sequence with this id. Raises KeyError if none."""
-        return self._sequences[seq_id]
+        return self._requests.sequences[seq_id]
 
     # ---- one iteration -------------------------------------------------------------------
     def schedule(self, worker_ids: Collection[str]) -> SchedulerOutput:
         """Decides what runs next on each of ``worker_ids`` (unknown ids are ignored), with which
         blocks; waiting requests are admitted onto these workers only."""
         self._step_id += 1
-        workers = [self._workers[w] for w in worker_ids if w in self._workers]
-        drafts = {w.worker_id: w.new_draft() for w in workers}
-        for worker in workers:
-            self._schedule_running(worker, drafts[worker.worker_id])
-            worker.swap_in(drafts[worker.worker_id], self.config.max_num_seqs)
+        drafts = self._workers.new_drafts(worker_ids)
+        for worker_id, draft in drafts.items():
+            worker = self._workers[worker_id]
+            self._schedule_running(worker, draft)
+            worker.swap_in(draft, self.config.max_num_seqs)
         self._schedule_waiting(drafts)
-        plans = {w.worker_id: w.take_plan(drafts[w.worker_id]) for w in workers if w.has_plan(drafts[w.worker_id])}
+        plans = self._workers.take_plans(drafts)
         outputs, self._outputs = tuple(self._outputs), []
         return SchedulerOutput(plans, outputs)
 
@@ -193,18 +162,17 @@ class Scheduler:
         """
         outputs = []
         for worker_id, result in results.items():
-            if (worker := self._workers.get(worker_id)) is not None:
-                worker.step_answered(result.step_id)
+            self._workers.step_answered(worker_id, result.step_id)
             for chunk in result.prompt_logprobs:
-                if (seq := self._sequences.get(chunk.seq_id)) is not None:
+                if (seq := self._requests.sequences.get(chunk.seq_id)) is not None:
                     seq.add_prompt_logprobs(chunk)
             # forked samples first: they fork from sample 0, which may finish on its own token
             for sampled in sorted(result.sampled, key=lambda s: s.sample_index == s.seq_id.sample_index):
-                seq = self._sequences.get(sampled.seq_id)
+                seq = self._requests.sequences.get(sampled.seq_id)
                 if seq is None or not seq.expects(worker_id, result.step_id):
                     continue  # aborted while the step ran (and maybe taken again since), or its worker dropped
                 if sampled.sample_index != seq.sample_index:
-                    seq = self._forks.add_child(seq, sampled.sample_index, self._sequences, self._waiting)
+                    seq = self._requests.add_child(seq, sampled.sample_index)
                 else:
                     seq.token_arrived()  # even if preempted meanwhile: the token was computed right
                 outputs.append(self._append(seq, sampled))
@@ -212,11 +180,11 @@ class Scheduler:
 
     def cached_block_digests(self) -> frozenset[bytes]:
         """Content hashes of the prompt blocks cached on any worker (what peers route by)."""
-        return frozenset(d for worker in self._workers.values() for d in worker.blocks.cached_digests())
+        return self._workers.cached_digests()
 
     def stats(self) -> SchedulerStats:
-        return scheduler_stats(self._workers.values(), len(self._waiting), self._step_id, self._num_preemptions,
-                               self._num_swap_preemptions)
+        return self._workers.stats(len(self._requests.waiting), self._step_id, self._num_preemptions,
+                                   self._num_swap_preemptions)
 
     # ---- policy pieces -------------------------------------------------------------------
     def _schedule_running(self, worker: WorkerState, draft: PlanDraft) -> None:
@@ -250,18 +218,19 @@ class Scheduler:
 
     def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
         """Admits waiting sequences in the policy's order until one does not fit."""
-        while len(self._waiting):
-            seq = self._waiting.peek()
+        waiting = self._requests.waiting
+        while len(waiting):
+            seq = waiting.peek()
             if seq.num_tokens_in_flight:
                 return  # preempted while a step of it ran: it is sent in full once all its tokens are known
             if not self._fits_any_worker(seq):
                 continue  # rejected and removed from the queue
-            worker = self._place(seq, drafts)
+            worker = self._workers.place(seq, drafts)
             if worker is None:
                 return
             draft = drafts[worker.worker_id]
-            if self._forks.try_fork(seq, worker, draft, self._sequences):
-                self._waiting.remove(seq.seq_id)
+            if self._requests.try_fork(seq, worker, draft):
+                waiting.remove(seq.seq_id)
                 worker.start(seq, draft, num_new=1)
                 continue
             # prompt logprobs need every prompt position computed: no cached prefix (as vLLM)
@@ -271,25 +240,13 @@ class Scheduler:
             if num_new == 0 or not worker.blocks.can_allocate(seq.seq_id, total, prefix):
                 return
             worker.blocks.allocate_slots(seq.seq_id, total, prefix)
-            self._waiting.remove(seq.seq_id)
+            waiting.remove(seq.seq_id)
             seq.num_computed_tokens = prefix.num_tokens
             worker.start(seq, draft, num_new)
 
-    def _place(self, seq: Sequence, drafts: dict[str, PlanDraft]) -> WorkerState | None:
-        """Where to admit ``seq`` now, among the workers being scheduled (``drafts``): a forked
-        sample on its parent's worker, anything else where ``pick_worker`` places it; None (it
-        waits) when that worker is busy with a step or none can take it."""
-        parent = seq.fork_parent
-        if parent is not None and parent.status is SequenceStatus.RUNNING:
-            workers = [self._workers[parent.worker_id]]
-        else:
-            workers = list(self._workers.values())
-        worker = pick_worker(workers, drafts, self.config, seq)
-        return worker if worker is not None and worker.worker_id in drafts else None
-
     def _fits_any_worker(self, seq: Sequence) -> bool:
         """Ends (with RESOURCE_EXHAUSTED) a sequence no worker could ever run; True if it fits."""
-        error = rejection_error(seq, [w.blocks.num_blocks for w in self._workers.values()], self.config)
+        error = self._workers.rejection_error(seq)
         if error is not None:
             self._outputs += self.abort_sample(seq.seq_id, error)
         return error is None
@@ -330,18 +287,10 @@ class Scheduler:
 
     def _requeue(self, seq: Sequence) -> None:
         """Recompute preemption: frees the blocks; the sequence waits ahead of later arrivals."""
-        worker = self._workers.get(seq.worker_id) if seq.worker_id else None
-        if worker is not None:
-            worker.release(seq.seq_id)
-        seq.status, seq.worker_id, seq.num_computed_tokens = SequenceStatus.WAITING, None, 0
-        self._waiting.push_preempted(seq)
+        self._workers.release(seq)
+        self._requests.requeue(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Marks a sequence finished and frees its blocks in this iteration."""
-        worker = self._workers.get(seq.worker_id) if seq.worker_id else None
-        if worker is not None:
-            worker.release(seq.seq_id)
-        self._waiting.remove(seq.seq_id)
-        seq.status, seq.finish_reason, seq.worker_id = SequenceStatus.FINISHED, reason, None
-        del self._sequences[seq.seq_id]
-        self._forks.finished(seq)
+        self._workers.release(seq)
+        self._requests.finish(seq, reason)

@@ -6,13 +6,13 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId
 from pagedserve.engine.block_manager import NO_PREFIX, BlockManager, CachedPrefix, blocks_for_tokens
 from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
-from pagedserve.engine.config import Placement, SchedulerConfig, SchedulerStats, WorkerStats
+from pagedserve.engine.config import SchedulerConfig, WorkerStats
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.step_cost import StepCost, StepCostModel, StepShape, attention_pairs, prefill_chunk_tokens
 
@@ -225,58 +225,3 @@ class WorkerState:
             num_cached_blocks=self.blocks.num_cached_blocks,
         )
 
-
-def scheduler_stats(workers: Iterable[WorkerState], num_waiting: int, num_steps: int, num_preemptions: int,
-                    num_swap_preemptions: int) -> SchedulerStats:
-    """A snapshot of the queues and of every worker's KV occupancy and prefix-cache counters."""
-    states = list(workers)
-    per_worker = tuple(w.stats() for w in states)
-    return SchedulerStats(
-        num_waiting=num_waiting,
-        num_running=sum(w.num_running for w in per_worker),
-        num_preemptions=num_preemptions,
-        num_steps=num_steps,
-        workers=per_worker,
-        num_swapped=sum(w.num_swapped for w in per_worker),
-        num_swap_preemptions=num_swap_preemptions,
-        prefix_cache_queries=sum(w.blocks.num_queried_tokens for w in states),
-        prefix_cache_hits=sum(w.blocks.num_hit_tokens for w in states),
-    )
-
-
-def placement_score(worker: WorkerState, seq: Sequence, max_num_seqs: int) -> float:
-    """How well ``seq`` fits on ``worker``: ``2 * overlap - kv_usage - load``, each in [0, 1].
-
-    ``overlap`` is the fraction of its tokens whose blocks are cached there (computed once, not
-    again), ``kv_usage`` the fraction of blocks held by sequences, ``load`` the running sequences
-    over ``max_num_seqs``. The weights are those of NVIDIA Dynamo's KV-aware router (a cached
-    prefix counts twice the load it adds to); higher is better.
-    """
-    blocks = worker.blocks
-    cached = blocks.cached_prefix_length(seq.all_token_ids(), seq.request.cache_salt.encode())
-    overlap = cached / max(1, seq.num_tokens)
-    kv_usage = 1 - blocks.num_free_blocks / max(1, blocks.num_blocks)
-    return 2 * overlap - kv_usage - len(worker.running) / max_num_seqs
-
-
-def pick_worker(workers: Iterable[WorkerState], drafts: dict[str, PlanDraft], config: SchedulerConfig,
-                seq: Sequence) -> WorkerState | None:
-    """Where to admit ``seq``: ``LEAST_LOADED``, the worker with the most free blocks among those
-    being scheduled now (in ``drafts``) that can take another sequence (none that preempted in
-    this iteration, has no budget left, runs ``max_num_seqs``, or is too small ever to hold ``seq``); ``PREFIX``, the best
-    :func:`placement_score` among all ``workers`` that are eligible or busy with a step (not in
-    ``drafts``): a busy one is returned too, and the caller waits for it. Ties go to the most free
-    blocks."""
-    def eligible(w: WorkerState) -> bool:  # (a worker too small for it could win on prefix and never take it)
-        draft = drafts.get(w.worker_id)
-        fits = seq.num_tokens <= w.blocks.num_blocks * config.block_size
-        return fits and len(w.running) < config.max_num_seqs and (
-            draft is None or (not draft.preempted and draft.token_budget > 0))
-
-    if config.placement is Placement.LEAST_LOADED:
-        now = [w for w in workers if w.worker_id in drafts and eligible(w)]
-        return max(now, key=lambda w: w.blocks.num_free_blocks, default=None)
-    candidates = [w for w in workers if eligible(w)]
-    if len(candidates) < 2:
-        return next((w for w in candidates if w.worker_id in drafts), None)
-    return max(candidates, key=lambda w: (placement_score(w, seq, config.max_num_seqs), w.blocks.num_free_blocks))

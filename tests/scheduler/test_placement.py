@@ -8,7 +8,7 @@ import pytest
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sequence import Sequence
-from pagedserve.engine.worker_state import placement_score
+from pagedserve.engine.worker_pool import placement_score
 from tests.scheduler.test_scheduler_features import make, prompt, req
 
 SYSTEM = prompt(16, 60)  # four full blocks of 4

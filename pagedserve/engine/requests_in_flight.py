@@ -1,0 +1,102 @@
+"""The requests one scheduler holds: a sequence per sample, the queue of those waiting to be
+admitted, and the samples of parallel sampling (``parallel_sampling.Forks``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from pagedserve.engine.messages import EngineRequest, FinishReason, ResumedSample, SequenceId
+from pagedserve.engine.parallel_sampling import Forks
+from pagedserve.engine.policy import Policy
+from pagedserve.engine.request_resume import check_resumed, resumed_sequences, starts_fresh
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.worker_state import PlanDraft, WorkerState
+
+
+class RequestsInFlight:
+    """Every unfinished sequence by id, and the waiting ones in ``policy``'s order.
+
+    Knows nothing of blocks: whoever requeues or finishes a sequence here frees its blocks first.
+
+    Attributes:
+        sequences: the unfinished sequences (read only: change them through the methods).
+        waiting: the sequences waiting to be admitted, in the policy's order.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self.sequences: dict[SequenceId, Sequence] = {}
+        self.waiting = policy.make_queue()
+        self._forks = Forks()
+
+    def add(self, request: EngineRequest) -> None:
+        """Queues a request.
+
+        Raises:
+            ValueError: a request with this id is already in flight.
+        """
+        if self.has_request(request.request_id):
+            raise ValueError(f"request {request.request_id!r} is already in flight")
+        seq = Sequence(request)
+        self.sequences[seq.seq_id] = seq
+        self.waiting.push(seq)
+
+    def resume(self, request: EngineRequest, resumed: Seq[ResumedSample]) -> None:
+        """Takes over a request another scheduler ran, continuing from the tokens already delivered
+        (request migration, as NVIDIA Dynamo's): ``resumed`` lists them per sample; finished samples
+        do not run again, the others wait like recompute-preempted ones (see ``request_resume``).
+
+        Raises:
+            ValueError: the request is in flight, or ``resumed`` does not fit it; nothing changes then.
+        """
+        if self.has_request(request.request_id):
+            raise ValueError(f"request_id: request {request.request_id!r} is already in flight")
+        check_resumed(request, resumed)
+        if starts_fresh(resumed):
+            return self.add(request)
+        sequences = resumed_sequences(request, resumed)
+        for seq in reversed(sequences):  # each goes to the front: sample 0 ends up first
+            self.sequences[seq.seq_id] = seq
+            self.waiting.push_preempted(seq)
+        self._forks.adopt(request, sequences)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether any sample of request ``request_id`` is still in flight."""
+        return SequenceId(request_id, 0) in self.sequences or self._forks.knows(request_id)
+
+    def sample_ids(self, request_id: str) -> list[SequenceId]:
+        """The ids of the request's live samples (sample 0's alone for ``n = 1``, in flight or not)."""
+        return self._forks.sequence_ids(request_id) or [SequenceId(request_id, 0)]
+
+    def forget(self, request_id: str) -> None:
+        """Drops the request's group of samples (once all of them are finished)."""
+        self._forks.forget(request_id)
+
+    def waiting_requests(self) -> list[str]:
+        """Ids of the requests with a sample waiting to be admitted, in queue order."""
+        return list(dict.fromkeys(seq.request_id for seq in self.waiting))
+
+    def add_child(self, parent: Sequence, sample_index: int) -> Sequence:
+        """Sample ``sample_index`` of ``parent``'s request, queued ahead of later arrivals."""
+        return self._forks.add_child(parent, sample_index, self.sequences, self.waiting)
+
+    def try_fork(self, seq: Sequence, worker: WorkerState, draft: PlanDraft) -> bool:
+        """``Forks.try_fork``: ``seq`` shares its parent's prompt blocks on ``worker`` if it can."""
+        return self._forks.try_fork(seq, worker, draft, self.sequences)
+
+    def tokens_lost_on(self, worker_id: str) -> None:
+        """The tokens in flight on a worker that is gone will not come (``Sequence.tokens_lost``)."""
+        for seq in self.sequences.values():
+            if seq.in_flight_worker_id == worker_id:
+                seq.tokens_lost()
+
+    def requeue(self, seq: Sequence) -> None:
+        """Recompute preemption (its blocks already freed): ``seq`` waits ahead of later arrivals."""
+        seq.status, seq.worker_id, seq.num_computed_tokens = SequenceStatus.WAITING, None, 0
+        self.waiting.push_preempted(seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Marks ``seq`` finished (its blocks already freed) and forgets it."""
+        self.waiting.remove(seq.seq_id)
+        seq.status, seq.finish_reason, seq.worker_id = SequenceStatus.FINISHED, reason, None
+        del self.sequences[seq.seq_id]
+        self._forks.finished(seq)
