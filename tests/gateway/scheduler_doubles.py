@@ -18,6 +18,8 @@ from services.common.pb import engine_pb2_grpc
 from services.common.signed_records import sign_record
 
 TOKEN = "test-cluster-token"
+STOP_WAIT_S = 2.0
+"""Longest wait for a stopped server's handlers to end, seconds (see ``FakeScheduler.stop``)."""
 
 
 class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
@@ -35,6 +37,8 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
         self.stream_gateways: list[str] = []  # gateway id of every StreamOutputs call
         self.open_streams = 0
         self.server: grpc.aio.Server | None = None
+        self.stopped = False
+        self.refusing = False
         self.address = ""
 
     async def start(self) -> FakeScheduler:
@@ -45,7 +49,21 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
         return self
 
     async def stop(self) -> None:
-        await self.server.stop(grace=None)
+        """Stops the server (a no-op the second time). grpc.aio's ``stop`` waits for the handlers to
+        end, which a stream handler racing a gateway's reconnect now and then never does (1 run in
+        17 hung there, and the half-stopped server, finalized later by the garbage collector, joined
+        grpc's poller thread for ever): the wait is bounded by ``STOP_WAIT_S`` without cancelling it
+        (``asyncio.wait_for`` would wait for the cancellation). ``refuse_streams`` first avoids the race."""
+        if self.stopped:
+            return
+        self.stopped = True
+        await asyncio.wait({asyncio.ensure_future(self.server.stop(grace=None))}, timeout=STOP_WAIT_S)
+
+    def refuse_streams(self) -> None:
+        """Ends the open StreamOutputs calls and refuses new ones with UNAVAILABLE: to its gateways,
+        this scheduler is gone, while its server stays up (see ``stop``)."""
+        self.refusing = True
+        self.outbox.put_nowait(pb.TokenEventBatch())  # wakes the open streams, which then end
 
     def send(self, *events: pb.TokenEvent, resume_queries: tuple[str | tuple[str, int], ...] = ()) -> None:
         """Streams one batch to the gateway (when its stream is open)."""
@@ -57,12 +75,17 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
         return [a for a in self.aborts if a.request_id == request_id]
 
     async def StreamOutputs(self, request, context):
+        if self.refusing:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler is gone")
         self.stream_gateways.append(request.gateway_id)
         await context.send_initial_metadata(())  # as the real scheduler: the stream is up before any event
         self.open_streams += 1
         try:
             while True:
-                yield await self.outbox.get()
+                batch = await self.outbox.get()
+                if self.refusing:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler is gone")
+                yield batch
         finally:
             self.open_streams -= 1
 

@@ -160,7 +160,7 @@ def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_schedu
             key = await gw.submit(SamplingParams(max_tokens=4))
             gw.s1.send(event(key, 0, [0]))
             await until(lambda: gw.token_ids() == [0], "the first token")
-            await gw.s1.server.stop(grace=None)  # s1 died and no scheduler took the request over
+            gw.s1.refuse_streams()  # s1 died and no scheduler took the request over
             await until(lambda: getattr(gw, "done", False), "the request to fail", timeout_s=15)
             assert gw.error.kind == StatusKind.UNAVAILABLE
             gw.core.check_scheduler()  # s2 is up: new requests are accepted
