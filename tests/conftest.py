@@ -8,6 +8,16 @@ from pagedserve.model_files import prepare_default_model
 from tests.e2e.processes import start_stack
 
 
+def pytest_configure(config):
+    """Holds one reference to grpc.aio for the whole session. grpc.aio joins its poller thread when
+    its last object is finalized, and a half-stopped server finalized by a garbage collection in any
+    thread (a model thread mid-forward, a hypothesis draw) waited on that join for ever: py-spy showed
+    gc_collect -> cygrpc -> Thread.join of `_poll_wrapper` in the stalls of 600 s in full runs."""
+    import grpc.aio
+
+    grpc.aio.init_grpc_aio()
+
+
 @pytest.fixture(scope="session")
 def default_model():
     return prepare_default_model()
