@@ -63,7 +63,7 @@ class StructuredOutput:
             return cls(kind, choices=tuple(value))
         return cls(kind) if kind is StructureKind.JSON_OBJECT else cls(kind, spec=str(value))
 
-    @property
+    @functools.cached_property
     def cache_key(self) -> str:
         """A hash of the spec (BLAKE2b, hex): compiled grammars are cached under it."""
         text = json.dumps([self.kind.value, self.spec, list(self.choices)])

@@ -30,6 +30,8 @@ class RequestLimits:
         max_stop_token_ids: most entries in ``sampling_params.stop_token_ids``.
         max_request_id_chars: longest ``request_id``, in characters.
         max_cache_salt_chars: longest ``cache_salt``, in characters.
+        max_text_chars: longest string anywhere in an HTTP body, in characters (the prompt's byte
+            bound is tighter; this one stops absurd bodies before any other check).
         max_token_ids: longest list of token ids other than the prompt and ``stop_token_ids``
             (``allowed_token_ids``; the model's context bounds a prompt more tightly).
 
@@ -48,6 +50,7 @@ class RequestLimits:
     max_stop_token_ids: int = 1024
     max_request_id_chars: int = 256
     max_cache_salt_chars: int = 256
+    max_text_chars: int = 16 << 20
     max_token_ids: int = 1 << 20
 
     def __post_init__(self) -> None:

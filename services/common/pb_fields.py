@@ -126,6 +126,12 @@ def _read(msg: Message, f: dataclasses.Field, pf: FieldDescriptor, owner: type) 
     return value
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, evaluated once per class (it parses the annotations)."""
+    return typing.get_type_hints(cls)
+
+
 def _union_to_pb(value: Any, msg: Message) -> None:
     """Sets the member of ``msg``'s one oneof that ``value.kind`` names to ``value.value``."""
     member = msg.DESCRIPTOR.fields_by_name[value.kind.name.lower()]
@@ -145,13 +151,13 @@ def _union_from_pb(msg: Message, cls: type) -> Any:
     value = getattr(msg, name)
     if member.message_type is not None:
         value = tuple(getattr(value, _wrapped(member)))
-    kind_type = typing.get_type_hints(cls)["kind"]
+    kind_type = _type_hints(cls)["kind"]
     return cls.of(kind_type[name.upper()], value)
 
 
 def _field_class(owner: type, f: dataclasses.Field) -> type:
     """The dataclass type of the field ``f`` of ``owner`` (``X | None`` -> ``X``)."""
-    hint = typing.get_type_hints(owner)[f.name]
+    hint = _type_hints(owner)[f.name]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
     return hint

@@ -22,8 +22,6 @@ from services.gateway.openai_tools import CallId, ToolCallIn, ToolFields
 _LIMITS = RequestLimits()
 MAX_PROMPTS = 64
 """Most prompts in one completions request (each is its own engine request)."""
-MAX_TEXT_CHARS = 16 << 20
-"""Longest string anywhere in a body, in characters (the tokenizer's byte bound is tighter)."""
 MAX_NAME_CHARS = 256
 """Longest model name, user, or message name."""
 
@@ -34,7 +32,7 @@ IGNORED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
 """Message fields accepted when null or empty (the openai client sends them back in an assistant
 message of the history); with a value they are refused."""
 
-Text = Annotated[StrictStr, Field(max_length=MAX_TEXT_CHARS)]
+Text = Annotated[StrictStr, Field(max_length=_LIMITS.max_text_chars)]
 Name = Annotated[StrictStr, Field(max_length=MAX_NAME_CHARS)]
 TokenIds = Annotated[list[StrictInt], Field(max_length=_LIMITS.max_token_ids)]
 StopStrings = Annotated[list[Annotated[StrictStr, Field(max_length=_LIMITS.max_stop_string_chars)]],
