@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Sets up everything (scripts/setup.sh) and runs the whole test suite. Extra arguments go to pytest.
+# Sets up everything (scripts/setup.sh) and runs the whole test suite in two pytest-xdist workers
+# (a module's tests stay on one worker, so module-scoped stacks start once). Extra arguments go to
+# pytest: `./scripts/test.sh -n 0 tests/e2e/test_chaos.py` runs one file in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-exec python -m pytest -q "$@"
+exec python -m pytest -q -n 2 --dist loadfile --durations=25 "$@"

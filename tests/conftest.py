@@ -23,6 +23,28 @@ def default_model():
     return prepare_default_model()
 
 
+SMALL_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=True,
+                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
+"""A 2-layer llama as wide as a toy: forward steps and loads ~20x cheaper than the default model's."""
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory, default_model):
+    """A random-weight 2-layer llama (``SMALL_MODEL``) with the default model's tokenizer, chat
+    template and 49,152-id vocabulary, for tests of plumbing whose numbers do not matter (benchmark
+    reports): anything that runs the default model runs it, only faster."""
+    import shutil
+
+    from tests.worker.tiny_models import save_tiny_model
+
+    folder = tmp_path_factory.mktemp("small-model")
+    save_tiny_model(folder, "llama", seed=11, vocab_size=49152, **SMALL_MODEL)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        shutil.copy(default_model / name, folder / name)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def default_llm(default_model):
     """One in-process engine on the default model (64 MiB of KV cache), loaded once for the tests

@@ -23,9 +23,9 @@ def bench(*args: str) -> None:
     return result.stdout
 
 
-def test_throughput_report(tmp_path, default_model):
+def test_throughput_report(tmp_path, small_model):
     out = tmp_path / "t.json"
-    stdout = bench("throughput", "--model", str(default_model), *TINY, "--hf-batch-sizes", "2,3",
+    stdout = bench("throughput", "--model", str(small_model), *TINY, "--hf-batch-sizes", "2,3",
                    "--result-json", str(out))
     report = json.loads(out.read_text())
     assert {"engine_output_tokens_per_s", "hf_output_tokens_per_s", "ratio"} <= report.keys()
@@ -38,9 +38,9 @@ def test_throughput_report(tmp_path, default_model):
 
 
 @pytest.mark.e2e
-def test_overhead_report(tmp_path, default_model):
+def test_overhead_report(tmp_path, small_model):
     out = tmp_path / "o.json"
-    bench("overhead", "--model", str(default_model), *TINY, "--ttft-repeats", "2", "--iterations", "10",
+    bench("overhead", "--model", str(small_model), *TINY, "--ttft-repeats", "2", "--iterations", "10",
           "--running", "4,8", "--max-plans-in-flight", "1,2", "--result-json", str(out))
     report = json.loads(out.read_text())
     assert set(report["by_max_plans_in_flight"]) == {"1", "2"}
@@ -54,7 +54,7 @@ def test_overhead_report(tmp_path, default_model):
     assert all(c["median_ms"] <= c["p99_ms"] for c in report["scheduler_cost"])
 
 
-def test_feature_benchmark_reports(tmp_path, default_model):
+def test_feature_benchmark_reports(tmp_path, small_model):
     cases = {
         "prefix-cache": (["--prefix-len", "40", "--suffix-len", "4", "--requests", "2"], {"ttft_ratio"}),
         "parallel-sampling": (["--prompt-len", "40", "--output-len", "4"], {"kv_ratio"}),
@@ -63,7 +63,7 @@ def test_feature_benchmark_reports(tmp_path, default_model):
     }
     for name, (flags, keys) in cases.items():
         out = tmp_path / f"{name}.json"
-        bench(name, "--model", str(default_model), "--kv-cache-memory", "64MiB", *flags, "--result-json", str(out))
+        bench(name, "--model", str(small_model), "--kv-cache-memory", "64MiB", *flags, "--result-json", str(out))
         report = json.loads(out.read_text())
         assert keys <= report.keys(), name
         assert all(report[k] > 0 for k in keys), name
@@ -72,9 +72,9 @@ def test_feature_benchmark_reports(tmp_path, default_model):
     assert sampling["parallel_peak_blocks"] < sampling["independent_peak_blocks"]
 
 
-def test_profile_report_accounts_for_the_step(tmp_path, default_model):
+def test_profile_report_accounts_for_the_step(tmp_path, small_model):
     out = tmp_path / "p.json"
-    stdout = bench("profile", "--model", str(default_model), "--batches", "1,4", "--prefill-len", "32",
+    stdout = bench("profile", "--model", str(small_model), "--batches", "1,4", "--prefill-len", "32",
                    "--context-len", "16", "--steps", "2", "--kv-cache-memory", "64MiB", "--result-json", str(out))
     cases = json.loads(out.read_text())["cases"]
     assert list(cases) == ["decode x1", "decode x4", "prefill 32"]
@@ -85,9 +85,9 @@ def test_profile_report_accounts_for_the_step(tmp_path, default_model):
     assert "| step / torch.mm floor |" in stdout and "| step / onednn floor |" in stdout
 
 
-def test_profile_workload_accounts_for_a_dataset_run(tmp_path, default_model):
+def test_profile_workload_accounts_for_a_dataset_run(tmp_path, small_model):
     out = tmp_path / "w.json"
-    stdout = bench("profile-workload", "--model", str(default_model), "--dataset-name", "random", "--num-prompts", "3",
+    stdout = bench("profile-workload", "--model", str(small_model), "--dataset-name", "random", "--num-prompts", "3",
                    "--input-len", "20", "--output-len", "6", "--kv-cache-memory", "64MiB", "--result-json", str(out))
     report = json.loads(out.read_text())
     seconds = report["seconds"]
@@ -96,9 +96,9 @@ def test_profile_workload_accounts_for_a_dataset_run(tmp_path, default_model):
     assert "share of steps" in stdout and "gate_up_proj" in stdout
 
 
-def test_token_budget_sweep_reports_each_budget(tmp_path, default_model):
+def test_token_budget_sweep_reports_each_budget(tmp_path, small_model):
     out = tmp_path / "b.json"
-    stdout = bench("token-budget", "--model", str(default_model), "--dataset-name", "random", "--num-prompts", "4",
+    stdout = bench("token-budget", "--model", str(small_model), "--dataset-name", "random", "--num-prompts", "4",
                    "--input-len", "40", "--output-len", "5", "--kv-cache-memory", "64MiB", "--budgets", "16,64",
                    "--request-rate", "inf", "--result-json", str(out))
     report = json.loads(out.read_text())
@@ -109,9 +109,9 @@ def test_token_budget_sweep_reports_each_budget(tmp_path, default_model):
     assert "vs largest" in stdout
 
 
-def test_long_prompt_itl_reports_each_configuration(tmp_path, default_model):
+def test_long_prompt_itl_reports_each_configuration(tmp_path, small_model):
     out = tmp_path / "l.json"
-    stdout = bench("long-prompt-itl", "--model", str(default_model), "--configs", "64:inf,64:2", "--streams", "2",
+    stdout = bench("long-prompt-itl", "--model", str(small_model), "--configs", "64:inf,64:2", "--streams", "2",
                    "--long-prompt", "200", "--alone-tokens", "6", "--kv-cache-memory", "64MiB", "--result-json", str(out))
     report = json.loads(out.read_text())
     assert [(r["budget"], r["max_decode_slowdown"]) for r in report["runs"]] == [(64, float("inf")), (64, 2.0)]
@@ -131,9 +131,9 @@ def test_arrival_offsets_are_seeded_poisson_or_all_at_once():
     assert offsets == sorted(offsets) and 450 < offsets[-1] < 550  # mean gap 1/4 s
 
 
-def test_placement_report(tmp_path, default_model):
+def test_placement_report(tmp_path, small_model):
     out = tmp_path / "p.json"
-    bench("placement", "--model", str(default_model), "--workers", "2", "--systems", "2", "--users", "4",
+    bench("placement", "--model", str(small_model), "--workers", "2", "--systems", "2", "--users", "4",
           "--system-len", "64", "--user-len", "4", "--output-len", "2", "--request-rate", "20",
           "--kv-cache-memory", "32MiB", "--result-json", str(out))
     report = json.loads(out.read_text())

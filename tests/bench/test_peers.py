@@ -108,9 +108,9 @@ def test_engine_variants_parse_and_name_their_rows():
 
 
 @pytest.mark.model
-def test_peers_with_pagedserve_only(tmp_path, default_model):
+def test_peers_with_pagedserve_only(tmp_path, small_model):
     out = tmp_path / "peers.json"
-    stdout = bench("peers", "--model", str(default_model), *TINY, "--result-json", str(out))
+    stdout = bench("peers", "--model", str(small_model), *TINY, "--result-json", str(out))
     assert "same greedy ids" in stdout and "reference" in stdout
     report = json.loads(out.read_text())
     [engine] = report["systems"]
