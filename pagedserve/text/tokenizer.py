@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from pagedserve.engine.model_info import ModelInfo, load_model_info
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.chat_encoding import ChatEncoder, ChatPromptMode
 from pagedserve.text.request_limits import RequestLimits, check_count, check_text_bytes
+from pagedserve.text.token_text import TokenBytes, text_offsets
 from pagedserve.text.tool_calls import FunctionTool, ToolCall
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -133,6 +135,24 @@ class PromptTokenizer:
         (``spaces_between_special_tokens`` matters to slow tokenizers only; fast ones ignore it)."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                                       spaces_between_special_tokens=spaces_between_special_tokens)
+
+    def token_bytes(self, token_id: int, decoded: str) -> bytes:
+        """The UTF-8 bytes ``token_id`` adds to a text (``decoded``: its string alone), its own
+        also when it is only part of a character (``token_text.TokenBytes``)."""
+        return self._token_bytes(token_id, decoded)
+
+    @cached_property
+    def _token_bytes(self) -> TokenBytes:
+        return TokenBytes(self._tokenizer)
+
+    def text_offsets(self, text: str, token_ids: Sequence[int]) -> list[int]:
+        """The character offset in ``text`` of each of ``token_ids`` (``text`` as ``encode_prompt``
+        or ``encode_prompt_without_special_tokens`` encoded it; an added BOS stands at 0).
+
+        Raises:
+            token_text.MisalignedText: ``token_ids`` is not such an encoding of ``text``.
+        """
+        return text_offsets(self._tokenizer, text, token_ids)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenizes a text prompt, adding special tokens (e.g. BOS) as the tokenizer does by default.

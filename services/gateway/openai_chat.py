@@ -25,12 +25,12 @@ from services.gateway.openai_errors import error_event
 from services.gateway.openai_logprobs import ChatLogprobs, TokenNames, chat_logprobs
 from services.gateway.openai_samples import collect_samples
 from services.gateway.openai_params import sampling_params_from_openai
-from services.gateway.openai_protocol import ChatCompletionRequest, ChatMessage
+from services.gateway.openai_protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 from services.gateway.openai_responses import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, DeltaMessage, ResponseMeta, UsageInfo,
 )
 from services.gateway.openai_serving import (
-    SSE_DONE, OpenAIServing, invalid, open_generation, sse_event, unless_disconnected, with_first,
+    SSE_DONE, OpenAIServing, StreamUsage, invalid, open_generation, sse_event, unless_disconnected, with_first,
 )
 from services.gateway.openai_tools import (
     ToolCallStream, ToolUse, answer_message, finish_reason_of, history_calls, tool_use_of,
@@ -116,8 +116,8 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
     except BaseException:
         span.end()
         raise
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    return StreamingResponse(_stream(first, events, meta, body.n, names, include_usage, answers, span),
+    usage = StreamUsage(body.stream_options or StreamOptions(), (len(parsed.prompt_token_ids),))
+    return StreamingResponse(_stream(first, events, meta, body.n, names, usage, answers, span),
                              media_type="text/event-stream")
 
 
@@ -171,35 +171,36 @@ class _ChoiceStream:
 
 
 async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta,
-                  n: int, names: TokenNames | None, include_usage: bool, answers: _Answers,
+                  n: int, names: TokenNames | None, usage: StreamUsage, answers: _Answers,
                   span: trace.Span) -> AsyncIterator[bytes]:
     """The SSE body: a ``role`` chunk per choice, a chunk per delta that completes text or calls
     (with its tokens' logprobs when asked; none while text is held back), a choice's
-    ``finish_reason`` on a chunk of its own with an empty delta (as OpenAI sends it), the usage
-    chunk when asked, ``[DONE]``."""
+    ``finish_reason`` on a chunk of its own with an empty delta (as OpenAI sends it), each with its
+    choice's usage so far when asked, the usage chunk when asked, ``[DONE]``."""
     usages = []
     choices = [_ChoiceStream(answers.stream()) for _ in range(n)]
     try:
         for i in range(n):
             role = ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""), finish_reason=None)
-            yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[role]))
+            yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[role], usage=usage.so_far(0, 0)))
         async for _, sample in with_first(first, events):
             if sample.usage is not None:
                 usages.append(sample.usage)
             state = choices[sample.sample_index]
             delta = state.delta(sample)
+            so_far = usage.so_far(0, sample.delta.num_output_tokens)
             if delta is not None:
                 choice = ChatChunkChoice(index=sample.sample_index, delta=delta, logprobs=state.take_logprobs(names),
                                          finish_reason=None)
-                yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice]))
+                yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice], usage=so_far))
             if sample.delta.finish_reason is not None:
                 called = state.calls is not None and state.calls.calls > 0
                 choice = ChatChunkChoice(index=sample.sample_index, delta=DeltaMessage(),
                                          logprobs=state.take_logprobs(names),
                                          finish_reason=finish_reason_of(sample.delta.finish_reason, called),
                                          stop_reason=sample.delta.stop_reason)
-                yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice]))
-        if include_usage:
+                yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice], usage=so_far))
+        if usage.options.include_usage:
             yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[], usage=UsageInfo.of(usages)))
     except GenerationError as exc:
         yield error_event(exc)

@@ -6,6 +6,9 @@ sample_index`` (prompt-major, as OpenAI and vLLM number them).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -17,18 +20,19 @@ from pagedserve.engine.messages import TokenLogprobs
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.llm_outputs import SampleOutput
 from pagedserve.text.request_samples import ParsedRequest, parse_request
+from pagedserve.text.token_text import MisalignedText
 from pagedserve.text.tokenizer import TOKEN_IDS_FIELD, PromptTokenizer
 from services.gateway.generation_core import GenerationError, SampleDelta
 from services.gateway.openai_params import sampling_params_from_openai
-from services.gateway.openai_protocol import CompletionRequest
+from services.gateway.openai_protocol import CompletionRequest, StreamOptions
 from services.gateway.openai_responses import (
     CompletionChoice, CompletionChunk, CompletionResponse, CompletionWholeChoice, ResponseMeta, UsageInfo,
     finish_reason_name,
 )
 from services.gateway.openai_logprobs import CompletionOffsets, TokenNames, prompt_logprobs_out
-from services.gateway.openai_samples import EchoPrompt, StreamEcho, collect_samples
+from services.gateway.openai_samples import EchoPrompt, StreamEcho, collect_samples, prompt_only
 from services.gateway.openai_serving import (
-    SSE_DONE, OpenAIServing, open_generation, sse_event, unless_disconnected, with_first,
+    SSE_DONE, OpenAIServing, StreamUsage, open_generation, sse_event, unless_disconnected, with_first,
 )
 from services.gateway.openai_errors import error_event
 
@@ -74,7 +78,15 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
     parsed, span, events = await open_generation(serving, body.model, lambda: parse_completion(body, serving.tokenizer),
                                                  "gateway.http.completions")
     meta = ResponseMeta.new("cmpl", serving.model_name)
-    shape = ChoiceShape(body.n, echo_prompts(body, parsed, serving.tokenizer), TokenNames(serving.tokenizer))
+    names = TokenNames(serving.tokenizer)
+    try:
+        echo = await asyncio.to_thread(echo_prompts, body, parsed, serving.tokenizer, names) if body.echo else None
+    except BaseException:
+        span.end()
+        raise
+    shape = ChoiceShape(body.n, echo, names)
+    if body.scores_prompt:
+        events = prompt_only(events)
     if not body.stream:
         try:
             return await unless_disconnected(request, _whole(events, meta, shape, parsed))
@@ -85,19 +97,34 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
     except BaseException:
         span.end()
         raise
-    include_usage = body.stream_options is not None and body.stream_options.include_usage
-    stream = _stream(first, events, meta, shape, body.logprobs is not None, include_usage, span)
+    usage = StreamUsage(body.stream_options or StreamOptions(), tuple(len(p.prompt_token_ids) for p in parsed))
+    stream = _stream(first, events, meta, shape, body.logprobs is not None, usage, span)
     return StreamingResponse(stream, media_type="text/event-stream")
 
 
-def echo_prompts(body: CompletionRequest, parsed: list[ParsedRequest], tokenizer: PromptTokenizer) -> list[EchoPrompt] | None:
-    """With ``echo``: each prompt's text (as sent; token-id prompts decoded, special tokens kept)
-    and ids; else None."""
-    if not body.echo:
-        return None
+def echo_prompts(body: CompletionRequest, parsed: list[ParsedRequest], tokenizer: PromptTokenizer,
+                 names: TokenNames) -> list[EchoPrompt]:
+    """Each prompt as ``echo`` puts it before its choices (CPU work: run it off the event loop): a
+    text prompt as sent, its tokens at their offsets in it; token ids decoded with special tokens
+    kept, their offsets as the token strings add up (vLLM's)."""
     texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt if isinstance(body.prompt[0], str) else None
-    return [EchoPrompt(texts[i] if texts is not None else tokenizer.decode(p.prompt_token_ids, skip_special_tokens=False),
-                       p.prompt_token_ids) for i, p in enumerate(parsed)]
+    prompts = []
+    for i, p in enumerate(parsed):
+        ids = p.prompt_token_ids
+        if texts is None:
+            prompts.append(EchoPrompt(tokenizer.decode(ids, skip_special_tokens=False), ids, _joined_offsets(names, ids)))
+            continue
+        try:
+            offsets = tuple(tokenizer.text_offsets(texts[i], ids))
+        except MisalignedText:  # not seen with fast tokenizers (offsets come from the text's encoding)
+            offsets = _joined_offsets(names, ids)
+        prompts.append(EchoPrompt(texts[i], ids, offsets))
+    return prompts
+
+
+def _joined_offsets(names: TokenNames, token_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Each token's offset in the token strings joined."""
+    return tuple(itertools.accumulate((len(names(t)) for t in token_ids[:-1]), initial=0))
 
 
 @dataclass(frozen=True)
@@ -113,12 +140,11 @@ class ChoiceShape:
 def _whole_choice(index: int, sample: SampleOutput, prompt: EchoPrompt | None, names: TokenNames,
                   prompt_logprobs: tuple[TokenLogprobs | None, ...] | None) -> CompletionWholeChoice:
     """A non-streamed choice: the echoed prompt (text and logprobs) then the sample's."""
-    text, ids, entries = sample.text, list(sample.token_ids), list(sample.logprobs or ())
+    text = sample.text if prompt is None else prompt.text + sample.text
     if prompt is not None:
-        text = prompt.text + text
-        ids[:0] = prompt.token_ids
-        entries[:0] = prompt_logprobs or ()
-    logprobs = None if sample.logprobs is None else CompletionOffsets(names).format(ids, entries)
+        prompt = dataclasses.replace(prompt, logprobs=prompt_logprobs)
+    logprobs = None if sample.logprobs is None else CompletionOffsets(names).format(sample.token_ids, sample.logprobs,
+                                                                                     prompt)
     return CompletionWholeChoice(
         index=index, text=text, logprobs=logprobs, finish_reason=finish_reason_name(sample.finish_reason),
         stop_reason=sample.stop_reason,
@@ -153,9 +179,7 @@ class _Held:
         self.ids, self.entries = [], []
         if prompt is not None:
             text = prompt.text + text
-            ids[:0] = prompt.token_ids
-            entries[:0] = prompt.logprobs or ()
-        logprobs = None if offsets is None else offsets.format(ids, entries)
+        logprobs = None if offsets is None else offsets.format(ids, entries, prompt)
         return CompletionChoice(index=index, text=text, logprobs=logprobs,
                                 finish_reason=None if sample is None else finish_reason_name(sample.delta.finish_reason),
                                 stop_reason=None if sample is None else sample.delta.stop_reason)
@@ -176,10 +200,10 @@ def _chunk_choices(index: int, sample: SampleDelta, prompt: EchoPrompt | None, h
 
 
 async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta,
-                  shape: ChoiceShape, with_logprobs: bool, include_usage: bool, span: trace.Span) -> AsyncIterator[bytes]:
+                  shape: ChoiceShape, with_logprobs: bool, usage: StreamUsage, span: trace.Span) -> AsyncIterator[bytes]:
     """The SSE body: a chunk per delta that completes text (the prompt first with ``echo``), a
-    choice's ``finish_reason`` on a chunk of its own with empty text (as OpenAI sends it), the
-    usage chunk when asked, ``[DONE]``."""
+    choice's ``finish_reason`` on a chunk of its own with empty text (as OpenAI sends it), each
+    with its choice's usage so far when asked, the usage chunk when asked, ``[DONE]``."""
     usages = []
     echo = None if shape.echo is None else StreamEcho(list(shape.echo), with_logprobs)
     offsets: dict[int, CompletionOffsets] = {}
@@ -192,9 +216,10 @@ async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[in
             for p, s, prompt in ready:
                 index = p * shape.n + s.sample_index
                 choice_offsets = offsets.setdefault(index, CompletionOffsets(shape.names)) if with_logprobs else None
+                so_far = usage.so_far(p, s.delta.num_output_tokens)
                 for choice in _chunk_choices(index, s, prompt, held.setdefault(index, _Held()), choice_offsets):
-                    yield sse_event(CompletionChunk(**meta.fields(), choices=[choice]))
-        if include_usage:
+                    yield sse_event(CompletionChunk(**meta.fields(), choices=[choice], usage=so_far))
+        if usage.options.include_usage:
             yield sse_event(CompletionChunk(**meta.fields(), choices=[], usage=UsageInfo.of(usages)))
     except GenerationError as exc:
         yield error_event(exc)

@@ -9,11 +9,14 @@ of a UTF-8 character decodes to U+FFFD.
   [{token: logprob} | null], "text_offset": [int]}``. ``top_logprobs[i]`` holds the ``k`` most
   likely tokens, most likely first, then the chosen token when it is not among them (vLLM's
   layout: ``k + 1`` entries at most, fewer when two tokens decode to the same string).
-  ``text_offset[i]`` is the character offset of ``tokens[i]`` in the choice's text as the token
-  strings add up (from 0, the prompt's first token with ``echo``). The first prompt position of
-  an ``echo`` has ``null`` logprob and top logprobs.
+  ``text_offset[i]`` is the character offset of ``tokens[i]`` in the choice's text: with ``echo``,
+  a prompt token's offset in the prompt as sent (a BOS the tokenizer added is not in that text: it
+  stands at 0 and takes no room; vLLM counts its string's length, which shifts every later offset),
+  then the completion's tokens from the end of the prompt on, as their strings add up (as vLLM
+  does). The first prompt position of an ``echo`` has ``null`` logprob and top logprobs.
 - chat: ``{"content": [{"token", "logprob", "bytes": [UTF-8 ints], "top_logprobs": [{"token",
-  "logprob", "bytes"}]}]}``, ``top_logprobs`` the ``k`` most likely, most likely first.
+  "logprob", "bytes"}]}]}``, ``top_logprobs`` the ``k`` most likely, most likely first; ``bytes``
+  are the token's own, also for a piece of a character whose ``token`` is U+FFFD.
 - ``prompt_logprobs`` (vLLM, non-streamed completions): one entry per prompt token, ``null``
   first, then ``{str(token_id): {"logprob", "rank", "decoded_token"}}`` for the prompt token and
   its ``k`` most likely alternatives (rank 1-based).
@@ -27,6 +30,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel
 
 from pagedserve.engine.messages import TokenLogprobs
+from services.gateway.openai_samples import EchoPrompt
 
 MIN_LOGPROB = -9999.0
 """What a logprob of ``-inf`` (a token the processing ruled out) is sent as."""
@@ -38,10 +42,11 @@ def clamp(logprob: float) -> float:
 
 
 class TokenNames:
-    """Token id -> its string (the single id decoded, special tokens kept), cached.
+    """Token id -> its string (the single id decoded, special tokens kept), cached; and its bytes.
 
     Args:
-        tokenizer: anything with ``decode(ids, skip_special_tokens)`` (a ``PromptTokenizer``).
+        tokenizer: anything with ``decode(ids, skip_special_tokens)`` and ``token_bytes(id, decoded)``
+            (a ``PromptTokenizer``).
     """
 
     def __init__(self, tokenizer) -> None:
@@ -55,6 +60,10 @@ class TokenNames:
             if len(self._names) < 1 << 16:
                 self._names[token_id] = name
         return name
+
+    def bytes_of(self, token_id: int) -> list[int]:
+        """The UTF-8 bytes the token adds to a text (its own for a piece of a character)."""
+        return list(self._tokenizer.token_bytes(token_id, self(token_id)))
 
 
 class CompletionLogprobs(BaseModel):
@@ -77,23 +86,33 @@ class CompletionOffsets:
         self._names = names
         self.offset = 0
 
-    def format(self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None]) -> CompletionLogprobs:
-        """The logprobs of ``token_ids`` (``entries`` parallel; ``None`` for the prompt's first token)."""
+    def format(self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs],
+               prompt: EchoPrompt | None = None) -> CompletionLogprobs:
+        """The logprobs of ``token_ids`` (``entries`` parallel), after those of ``prompt`` (``echo``:
+        its tokens at their offsets in its text, its ``logprobs`` the entries, the first ``None``);
+        the offsets of ``token_ids`` go on from the end of the prompt's text."""
         out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        if prompt is not None:
+            for token_id, entry, offset in zip(prompt.token_ids, prompt.logprobs, prompt.text_offsets, strict=True):
+                self._add(out, token_id, entry, offset)
+            self.offset = len(prompt.text)
         for token_id, entry in zip(token_ids, entries, strict=True):
-            token = self._names(token_id)
-            out.tokens.append(token)
-            out.text_offset.append(self.offset)
-            self.offset += len(token)
-            if entry is None:
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-                continue
-            out.token_logprobs.append(clamp(entry.logprob))
-            top = {self._names(t): clamp(lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
-            top.setdefault(token, clamp(entry.logprob))
-            out.top_logprobs.append(top)
+            self._add(out, token_id, entry, self.offset)
+            self.offset += len(out.tokens[-1])
         return out
+
+    def _add(self, out: CompletionLogprobs, token_id: int, entry: TokenLogprobs | None, offset: int) -> None:
+        token = self._names(token_id)
+        out.tokens.append(token)
+        out.text_offset.append(offset)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            return
+        out.token_logprobs.append(clamp(entry.logprob))
+        top = {self._names(t): clamp(lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)}
+        top.setdefault(token, clamp(entry.logprob))
+        out.top_logprobs.append(top)
 
 
 class ChatTopLogprob(BaseModel):
@@ -114,7 +133,7 @@ class ChatLogprobs(BaseModel):
 
 def _chat_top(names: TokenNames, token_id: int, logprob: float) -> ChatTopLogprob:
     token = names(token_id)
-    return ChatTopLogprob(token=token, logprob=clamp(logprob), bytes=list(token.encode("utf-8", errors="replace")))
+    return ChatTopLogprob(token=token, logprob=clamp(logprob), bytes=names.bytes_of(token_id))
 
 
 def chat_logprobs(names: TokenNames, entries: Sequence[TokenLogprobs]) -> ChatLogprobs:

@@ -33,6 +33,8 @@ def check_supported(request: SamplingFields) -> None:
 def _max_tokens(request: SamplingFields) -> int | None:
     if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
         return request.max_completion_tokens
+    if isinstance(request, CompletionRequest) and request.scores_prompt:
+        return 1  # the engine generates at least one token; the response leaves it out (openai_samples.prompt_only)
     return request.max_tokens
 
 
@@ -83,12 +85,15 @@ def _logprobs_fields(request: SamplingFields) -> dict[str, int | None]:
     return {"logprobs": (top or 0) if request.logprobs else None, "prompt_logprobs": None}
 
 
-def _check_best_of(request: SamplingFields) -> None:
+def _check_stream_fields(request: SamplingFields) -> None:
     """Raises InvalidRequestError(``best_of``) for ``best_of > n`` with ``stream``: choices are
-    picked once every sample has finished, so they cannot be streamed (as vLLM refused it)."""
+    picked once every sample has finished, so they cannot be streamed (as vLLM refused it); and
+    (``stream_options``) for stream options without ``stream``."""
     if request.stream and request.best_of is not None and request.best_of > request.n:
         raise InvalidRequestError("best_of", f"{request.best_of} > n={request.n} cannot be streamed; "
                                   "set stream to false or best_of to n")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequestError("stream_options", "is only for streams (stream: true), as in vLLM; leave it out")
 
 
 def _given(request: SamplingFields) -> dict[str, object]:
@@ -108,7 +113,7 @@ def sampling_params_from_openai(request: SamplingFields) -> SamplingParams:
             API names it (the engine's names are bare, as here).
     """
     check_supported(request)
-    _check_best_of(request)
+    _check_stream_fields(request)
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     structure, structure_field = structured_output_of(request)
     try:

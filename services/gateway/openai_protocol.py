@@ -58,9 +58,13 @@ class StrictRequest(BaseModel):
 
 
 class StreamOptions(StrictRequest):
-    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices."""
+    """``stream_options`` (only with ``stream: true``): ``include_usage`` adds a last chunk with the
+    usage and no choices; vLLM's ``continuous_usage_stats`` puts on every chunk the usage so far of
+    its choice (its prompt's tokens, the tokens the choice has generated; vLLM sends it only beside
+    ``include_usage``, here it also works alone)."""
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class SamplingFields(StrictRequest, StructuredFields):
@@ -113,6 +117,12 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = Field(False, description="the prompt before the completion (with logprobs: its logprobs too)")
     suffix: Text | None = Field(None, description="not supported")
     add_special_tokens: StrictBool = Field(True, description="text prompts get the tokenizer's special tokens (BOS)")
+
+    @property
+    def scores_prompt(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: the prompt (with its logprobs when asked) and no completion,
+        as lm-evaluation-harness scores prompts."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(StrictRequest):

@@ -1,7 +1,9 @@
 """Response bodies of the OpenAI-compatible HTTP API (pydantic), shaped as OpenAI sends them.
 
 ``finish_reason`` is always present (``null`` until a choice's last chunk); ``usage`` is
-``null`` in stream chunks except the ``include_usage`` chunk, whose ``choices`` is empty.
+``null`` in stream chunks except the ``include_usage`` chunk, whose ``choices`` is empty, and
+every chunk with ``continuous_usage_stats`` (its choice's usage so far). A chat message has no
+``tool_calls`` key unless it made calls (as OpenAI sends it).
 """
 
 from __future__ import annotations
@@ -59,9 +61,12 @@ class UsageInfo(BaseModel):
     @classmethod
     def of(cls, usages: list[Usage]) -> UsageInfo:
         """The usage of several engine requests (one per prompt) together."""
-        prompt = sum(u.prompt_tokens for u in usages)
-        completion = sum(u.completion_tokens for u in usages)
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return cls.counts(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages))
+
+    @classmethod
+    def counts(cls, prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
 
 
 class CompletionChoice(BaseModel):
@@ -118,11 +123,19 @@ class ToolCallOut(BaseModel):
 
 
 class ChatMessageOut(BaseModel):
-    """The answer: ``content`` is the text outside the tool calls (null when there is none)."""
+    """The answer: ``content`` is the text outside the tool calls (null when there is none);
+    ``tool_calls`` only when it made calls (the key is left out otherwise, as OpenAI does)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+    tool_calls: list[ToolCallOut] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_no_calls(self, handler) -> dict:
+        out = handler(self)
+        if out["tool_calls"] is None:
+            del out["tool_calls"]
+        return out
 
 
 class ChatChoice(BaseModel):

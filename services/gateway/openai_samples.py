@@ -3,10 +3,11 @@ selection, as the offline ``LLM`` does) and ``echo`` of the prompt in streams.""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from pagedserve.engine.messages import TokenLogprobs
+from pagedserve.engine.messages import FinishReason, TokenLogprobs
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm_outputs import SampleCollector, SampleOutput, best_samples
 from pagedserve.text.request_samples import ParsedRequest
@@ -60,10 +61,12 @@ async def collect_samples(events: AsyncIterator[tuple[int, SampleDelta]], parsed
 @dataclass(frozen=True)
 class EchoPrompt:
     """What ``echo`` puts before a choice: the prompt's text (as sent, or its ids decoded with
-    special tokens) and token ids, and the prompt logprobs (with ``logprobs``; first ``None``)."""
+    special tokens), token ids and each token's character offset in that text, and the prompt
+    logprobs (with ``logprobs``; first ``None``)."""
 
     text: str
     token_ids: tuple[int, ...]
+    text_offsets: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
@@ -89,7 +92,7 @@ class StreamEcho:
         chunk) or ``None``."""
         prompt = self.prompts[prompt_index]
         if sample.delta.prompt_logprobs is not None:
-            prompt = self.prompts[prompt_index] = EchoPrompt(prompt.text, prompt.token_ids, sample.delta.prompt_logprobs)
+            prompt = self.prompts[prompt_index] = dataclasses.replace(prompt, logprobs=sample.delta.prompt_logprobs)
         if self.with_logprobs and prompt.logprobs is None:
             self._waiting.setdefault(prompt_index, []).append(sample)
             return []
@@ -99,3 +102,20 @@ class StreamEcho:
             out.append((prompt_index, held, None if key in self._started else prompt))
             self._started.add(key)
         return out
+
+
+async def prompt_only(events: AsyncIterator[tuple[int, SampleDelta]]) -> AsyncIterator[tuple[int, SampleDelta]]:
+    """The deltas of a prompt-scoring request (``echo`` with ``max_tokens`` 0, which the engine
+    serves by generating one token, as vLLM does) without that token: no text, ids or logprobs, no
+    completion tokens, and a choice that ended by itself ends by ``length`` (0 tokens asked, 0 given).
+    Closing it closes ``events``."""
+    try:
+        async for prompt_index, sample in events:
+            reason = sample.delta.finish_reason
+            delta = dataclasses.replace(sample.delta, text="", token_ids=(), logprobs=(), num_output_tokens=0,
+                                        finish_reason=FinishReason.LENGTH if reason is FinishReason.STOP else reason,
+                                        stop_reason=None)
+            usage = None if sample.usage is None else dataclasses.replace(sample.usage, completion_tokens=0)
+            yield prompt_index, SampleDelta(sample.sample_index, delta, usage)
+    finally:
+        await events.aclose()

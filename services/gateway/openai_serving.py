@@ -19,6 +19,8 @@ from pagedserve.text.tokenizer import PromptTokenizer
 from pagedserve.text.tool_parsers import ToolCallParserKind
 from services.common import telemetry
 from services.gateway.generation_core import STATUS_OF_ERROR, GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
+from services.gateway.openai_protocol import StreamOptions
+from services.gateway.openai_responses import UsageInfo
 
 T = TypeVar("T")
 SSE_DONE = b"data: [DONE]\n\n"
@@ -119,6 +121,21 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
         task.cancel()
         watch.cancel()
         await asyncio.gather(task, watch, return_exceptions=True)
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """The usage a stream sends, as its ``options`` ask, of prompts of ``prompt_tokens`` tokens each."""
+
+    options: StreamOptions
+    prompt_tokens: tuple[int, ...]
+
+    def so_far(self, prompt_index: int, completion_tokens: int) -> UsageInfo | None:
+        """A chunk's usage: its choice's so far with ``continuous_usage_stats`` (the tokens of its
+        prompt, the ``completion_tokens`` the choice has generated, as vLLM counts them), else None."""
+        if not self.options.continuous_usage_stats:
+            return None
+        return UsageInfo.counts(self.prompt_tokens[prompt_index], completion_tokens)
 
 
 def sse_event(body: BaseModel) -> bytes:

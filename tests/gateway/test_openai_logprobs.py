@@ -23,6 +23,9 @@ class FakeTokenizer:
         assert not skip_special_tokens
         return "".join(self.VOCAB[i] for i in ids)
 
+    def token_bytes(self, token_id, decoded):
+        return decoded.encode()
+
 
 NAMES = TokenNames(FakeTokenizer())
 CHOSEN_SECOND = TokenLogprobs(token_id=2, logprob=-1.5, rank=2, top_token_ids=(1,), top_logprobs=(-0.5,))
@@ -37,6 +40,16 @@ def test_completion_logprobs_layout_and_offsets_carry_over_chunks():
     assert first.text_offset == [0, 3]
     second = offsets.format([3], [CHOSEN_FIRST])
     assert second.text_offset == [5] and second.top_logprobs == [{"é": -0.1, "a": MIN_LOGPROB}]
+
+
+def test_echoed_prompt_tokens_stand_at_their_offsets_in_the_prompt_as_sent():
+    # "<s>" (a BOS the tokenizer added) is not in the text "abc": it stands at 0 and takes no room
+    prompt = EchoPrompt("abc", (4, 1, 2), (0, 0, 1), (None, CHOSEN_FIRST, CHOSEN_SECOND))
+    offsets = CompletionOffsets(NAMES)
+    first = offsets.format([3], [CHOSEN_FIRST], prompt)
+    assert first.tokens == ["<s>", "a", "bc", "é"] and first.text_offset == [0, 0, 1, 3]
+    assert first.token_logprobs == [None, -0.1, -1.5, -0.1]
+    assert offsets.format([1], [CHOSEN_FIRST]).text_offset == [4]
 
 
 def test_chat_logprobs_have_bytes_and_top_alternatives():
@@ -77,7 +90,7 @@ def test_best_of_keeps_the_samples_of_highest_cumulative_logprob():
 
 
 def test_stream_echo_holds_samples_until_the_prompt_logprobs_arrive():
-    echo = StreamEcho([EchoPrompt("a", (1,))], with_logprobs=True)
+    echo = StreamEcho([EchoPrompt("a", (1,), (0,))], with_logprobs=True)
     late = SampleDelta(1, delta([2], [CHOSEN_SECOND]))
     assert echo.ready(0, late) == []
     first = SampleDelta(0, delta([2], [CHOSEN_SECOND], prompt=(None,)))

@@ -122,7 +122,7 @@ def test_unimplemented_fields_are_refused_and_the_listed_ones_ignored():
     body = ChatCompletionRequest.model_validate({"model": "m", "messages": history, "user": "u", "store": True,
                                                  "metadata": {"k": "v"}, "service_tier": "auto"})
     assert not any(hasattr(body, name) for name in IGNORED_FIELDS)
-    for extra in ({"use_beam_search": True}, {"stream_options": {"continuous_usage_stats": True}},
+    for extra in ({"use_beam_search": True}, {"stream_options": {"include_obfuscation": True}},
                   {"response_format": {"type": "json_object", "unknown": 1}}):
         with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
             ChatCompletionRequest.model_validate({"model": "m", "messages": history, **extra})
