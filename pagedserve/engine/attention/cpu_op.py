@@ -71,7 +71,8 @@ def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = N
 
     Returns:
         ``torch.ops.pagedserve_cpu.paged_attention``, or ``None`` after logging a warning that says
-        what failed and that the torch backend is used instead.
+        what failed and that the torch backend is used instead (also when the build folder cannot be
+        created, e.g. on a read-only volume: nothing is raised).
     """
     source = source or SOURCE
     if source in _loaded:
@@ -79,19 +80,27 @@ def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = N
     digest = _source_digest(source)
     name = f"pagedserve_cpu_attention_{digest}_{_cpu_fingerprint()}"
     folder = (build_dir or default_build_dir()) / name
-    folder.mkdir(parents=True, exist_ok=True)
+    op: PagedAttentionOp | None = None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only or foreign cache folder must not stop a worker
+        log.warning("the C++ paged-attention op for CPU has no build in %s and that folder cannot be created "
+                    "(%s); using the torch attention backend instead. Build the op ahead where the folder is "
+                    "writable (scripts/setup.sh; the Dockerfile builds it into the image) or point "
+                    "PAGEDSERVE_CACHE_DIR at a writable folder.", folder, exc)
+        _loaded[source] = op
+        return op
     try:
         built = folder / f"{name}.so"
         if built.exists():  # built before: load it without taking the build lock
             torch.ops.load_library(str(built))
         else:
             _build(name, source, folder)
-        op: PagedAttentionOp | None = torch.ops.pagedserve_cpu.paged_attention
+        op = torch.ops.pagedserve_cpu.paged_attention
     except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the torch path
         log.warning("the C++ paged-attention op for CPU could not be built (%s: %s); using the torch "
                     "attention backend instead. Install a C++ compiler (g++) and ninja to get it.",
                     type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        op = None
     _loaded[source] = op
     return op
 
