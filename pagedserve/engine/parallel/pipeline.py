@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.grammar_matchers import GrammarCompiler
 from pagedserve.engine.messages import PromptLogprobs, SampledToken
 from pagedserve.engine.model_runner import ModelRunner, ScheduledRequest, batch_order
 from pagedserve.engine.parallel.group import TensorParallelGroup
@@ -177,10 +178,13 @@ class StageRunner(ModelRunner):
         model, kv_cache, attention_backend, sampler: as :class:`ModelRunner` (``sampler`` is used
             on the last stage only).
         forward: the rank's :class:`StageForward` (shared by its virtual engines).
+        grammar: the matchers' compiler on the rank that samples (the last stage's tensor-parallel
+            rank 0; shared by its virtual engines), else ``None``.
     """
 
-    def __init__(self, model, kv_cache, attention_backend, sampler, forward: StageForward) -> None:
-        super().__init__(model, kv_cache, attention_backend, sampler, forward=forward)
+    def __init__(self, model, kv_cache, attention_backend, sampler, forward: StageForward,
+                 grammar: GrammarCompiler | None = None) -> None:
+        super().__init__(model, kv_cache, attention_backend, sampler, forward=forward, grammar=grammar)
         self.is_last = model.stage.is_last
 
     def append_sampled(self, sampled: Sequence[SampledToken]) -> None:

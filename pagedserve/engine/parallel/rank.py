@@ -166,7 +166,9 @@ def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[
         sampler = LeaderSampler(sampler, tp) if tp.rank == 0 else FollowerSampler(tp)
     backend = make_attention_backend(config.attention_backend, config.device)
     forward = StageForward(model, position, world)
+    samples = stage.is_last and (tp is None or tp.rank == 0)  # only the rank that samples holds matchers
+    grammar = grammar_compiler_for(config.model_path) if samples else None
     return [StageRunner(model, KVCache(spec, num_blocks_for_memory(sized, config.kv_cache_memory_bytes // engines),
                                        device=config.device,
                                        num_cpu_blocks=config.swap_space_bytes // engines // sized.bytes_per_block),
-                        backend, sampler, forward) for _ in range(engines)]
+                        backend, sampler, forward, grammar) for _ in range(engines)]
