@@ -123,6 +123,19 @@ def _log_started(config: GatewayConfig, port: int, http_port: int, tls: bool) ->
                     "(set --api-key-file or PAGEDSERVE_API_KEY)", config.host)
 
 
+async def _http_started(http_server: EmbeddedUvicorn, http_task: asyncio.Task) -> None:
+    """Returns once uvicorn serves the HTTP API.
+
+    Raises:
+        Exception: whatever made uvicorn stop before it started.
+    """
+    while not http_server.started:
+        if http_task.done():
+            http_task.result()
+            raise OSError("the HTTP API stopped before it started (see the log above)")
+        await asyncio.sleep(0.01)
+
+
 async def _until_signalled() -> None:
     """Returns on the first SIGINT or SIGTERM."""
     stop = asyncio.Event()
@@ -154,7 +167,9 @@ async def serve_gateway(config: GatewayConfig) -> None:
     core = DrainingCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)
     servicer = GenerationServicer(core, tracer)
     add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer()  # grpc's starts SERVING: not ready until the watch says so
+    for name in ("", GENERATION_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -170,10 +185,12 @@ async def serve_gateway(config: GatewayConfig) -> None:
     if not await producer.ping():
         log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "
                     "NOT_SERVING meanwhile)", redact_url(config.redis_url))
-    watch = asyncio.create_task(_watch_health(health_servicer, router, producer, http_health))
-    tasks = [asyncio.create_task(router.run()), watch]
+    tasks = [asyncio.create_task(router.run())]
     http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]))
+    await _http_started(http_server, http_task)
     _log_started(config, port, http_port, tls=credentials is not None)
+    watch = asyncio.create_task(_watch_health(health_servicer, router, producer, http_health))  # ready from here
+    tasks.append(watch)
     await _until_signalled()
     watch.cancel()  # from now on NOT_SERVING
     await health_servicer.enter_graceful_shutdown()
