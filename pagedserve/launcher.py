@@ -26,7 +26,10 @@ from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfi
 from pagedserve.model_files import default_cache_dir
 from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
 from pagedserve.options import nested, option
-from services.common.service_args import model_option, redact_url, redis_url_option
+from pagedserve.stack_ports import Port
+from services.common.service_args import (
+    DEFAULT_HTTP_PORT, DEFAULT_PORT, model_option, redact_url, redis_url_option,
+)
 
 
 STOP_TIMEOUT_S = 15.0
@@ -63,8 +66,8 @@ class StackConfig:
     schedulers: int = option("number of scheduler processes: each owns some workers, and the others take over "
                              "the requests and workers of one that dies", 1)
     host: str = option("gateway listen address; 0.0.0.0 serves other machines too", "127.0.0.1")
-    port: int = option("gateway gRPC port", 50051)
-    http_port: int = option("gateway OpenAI-compatible HTTP API port", 8000)
+    port: int = option("gateway gRPC port", DEFAULT_PORT)
+    http_port: int = option("gateway OpenAI-compatible HTTP API port", DEFAULT_HTTP_PORT)
     scheduler_port: int = option("port of the first scheduler; scheduler i listens on PORT+i", 50052)
     metrics_port: int = option("Prometheus /metrics of the gateway at PORT (on --host), scheduler i at PORT+1+i and "
                                "worker i after them, on 127.0.0.1 (with one scheduler: PORT+2+i); 0: none", 9450,
@@ -103,6 +106,14 @@ class StackConfig:
     def redis_password_file(self) -> Path:
         """Where a Redis started by us with ``redis_password`` has it written (readable by this user only)."""
         return self.data_dir / "redis-password"
+
+    def listen_ports(self) -> list[Port]:
+        """Every port the stack's services listen on (Redis aside)."""
+        ports = [Port("gateway gRPC", self.host, self.port), Port("gateway HTTP", self.host, self.http_port)]
+        ports += [Port(name, *address.rsplit(":", 1)) for name, address in self.scheduler_addresses().items()]
+        ports += [Port(f"{name} metrics", self.host if name == "gateway" else "127.0.0.1", port)
+                  for name, port in self.metrics_ports().items()]
+        return [Port(p.what, p.host, int(p.port)) for p in ports]
 
     def metrics_ports(self) -> dict[str, int]:
         """Service name -> its ``/metrics`` port (empty when metrics are off)."""

@@ -8,13 +8,18 @@ import threading
 from urllib.parse import urlparse
 
 from pagedserve.launcher import LaunchError, Stack, StackConfig
+from pagedserve.stack_ports import check_ports
 
 
 def run_stack(config: StackConfig) -> int:
     """Starts the stack, prints where it listens, and runs until SIGINT/SIGTERM or a child exits.
 
     Returns the process exit status: 0 after a requested stop, 1 when something failed.
+
+    Raises:
+        PortsInUseError: a port of the stack is in use (before anything is started).
     """
+    check_ports(config.listen_ports(), config.redis_url)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
