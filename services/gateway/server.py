@@ -19,6 +19,7 @@ from services.common.open_files import raise_open_files_limit
 from services.common.redis_pool import async_redis_client
 from services.common.pb import engine_pb2, generate_pb2
 from services.common.service_args import redact_url
+from services.gateway.cluster_metrics import render_cluster_view
 from services.gateway.config import SHUTDOWN_CLOSE_S, GatewayConfig
 from services.gateway.drain import DrainingCore
 from services.gateway.generation_handler import add_generation_service
@@ -92,9 +93,15 @@ def _new_server(config: GatewayConfig) -> grpc.aio.Server:
 
 
 def _http_server(config: GatewayConfig, serving: OpenAIServing, http_health: HealthState,
-                 metrics: GatewayMetrics) -> EmbeddedUvicorn:
+                 metrics: GatewayMetrics, router: OutputRouter) -> EmbeddedUvicorn:
     app = build_http_app(serving, http_health, HttpSettings(api_key=config.api_key))
-    add_metrics_route(app, metrics.render)
+
+    async def render() -> tuple[bytes, str]:
+        """The gateway's series and the cluster's view (``cluster_metrics``)."""
+        body, content_type = metrics.render()
+        return body + await render_cluster_view(router.discovery.connected_links(), config.model_name), content_type
+
+    add_metrics_route(app, render)
     # TLS: the same certificate as the gRPC port.
     tls = dict(ssl_certfile=str(config.tls_cert_file), ssl_keyfile=str(config.tls_key_file)) if config.tls_cert_file else {}
     return new_http_server(app, config.http_header_timeout_s, SHUTDOWN_CLOSE_S / 2, tls)
@@ -180,7 +187,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     http_socket = listening_socket(config.host, config.http_port)
     http_port = http_socket.getsockname()[1]
     serving = OpenAIServing(core, config.model_name, tracer, config.tool_call_parser)
-    http_server = _http_server(config, serving, http_health, metrics)
+    http_server = _http_server(config, serving, http_health, metrics, router)
     await server.start()
     if not await producer.ping():
         log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "
