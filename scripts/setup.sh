@@ -65,7 +65,7 @@ if stamp_matches "$assets_stamp" "$assets_key"; then
   say "C++ attention op and default model: built (delete $assets_stamp to check again)"
 else
   rm -f "$assets_stamp"
-  say "building the C++ paged-attention op (about 25 s once) and the default model folder (about a minute once)"
+  say "building the C++ paged-attention op and the default model folder (about 40 s, once)"
   python - <<'PY'
 from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
 from pagedserve.model_files import prepare_default_model
