@@ -14,13 +14,26 @@ import threading
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, config_from_args
-from services.common.service_args import env_default
+from services.common.service_args import DEFAULT_TARGET, env_default
 
 
 def _resolve_model(model: str) -> Path:
     from pagedserve.model_files import resolve_model
 
     return resolve_model(model or None)
+
+
+def _checked_model(model: str) -> Path:
+    """The ``--model`` folder, resolved and read (before anything is started).
+
+    Raises:
+        ValueError: the folder holds no model pagedserve can run (``ModelConfigError`` says why).
+    """
+    from pagedserve.engine.model_info import load_model_info
+
+    folder = _resolve_model(model)
+    load_model_info(folder)
+    return folder
 
 
 def _stop_on_signals() -> threading.Event:
@@ -33,9 +46,11 @@ def _stop_on_signals() -> threading.Event:
 def cmd_up(args: argparse.Namespace) -> int:
     """`pagedserve up`: the whole stack as child processes."""
     from pagedserve.launcher import StackConfig
+    from pagedserve.stack_ports import apply_port_offset
     from pagedserve.up import run_stack
 
-    return run_stack(config_from_args(StackConfig, args, model=_resolve_model(args.model)))
+    args = apply_port_offset(args)
+    return run_stack(config_from_args(StackConfig, args, model=_checked_model(args.model)))
 
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
@@ -66,9 +81,18 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def cmd_complete(args: argparse.Namespace) -> int:
-    """`pagedserve complete`: one streamed request."""
+    """`pagedserve complete`: one streamed request.
+
+    Raises:
+        ValueError: a flag of the in-process engine (``--model``, ...) without ``--offline``.
+    """
     from pagedserve.client import run_complete
 
+    given = [flag for dest, flag, default in args.offline_flags if getattr(args, dest) != default]
+    if given and not args.offline:
+        raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only with --offline: the gateway at {args.target} serves the "
+                         "model its stack was started with (`pagedserve up --model ...`); add --offline to run "
+                         "this one in-process, or leave them out")
     return run_complete(args)
 
 
@@ -93,6 +117,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 def _add_services(sub) -> None:
     """``up`` and the three services, their flags made from their configs."""
     from pagedserve.launcher import StackConfig
+    from pagedserve.stack_ports import PORT_OFFSET_HELP
     from services.gateway.config import GatewayConfig
     from services.scheduler.config import SchedulerServiceConfig
     from services.worker.config import WorkerConfig
@@ -100,6 +125,7 @@ def _add_services(sub) -> None:
     up = sub.add_parser("up", help="start Redis (if needed), the scheduler, workers and the gateway",
                         description="Start the whole stack locally and keep it running until Ctrl-C.")
     add_config_arguments(up, StackConfig)
+    up.add_argument("--port-offset", type=int, default=0, metavar="N", help=f"{PORT_OFFSET_HELP} (default 0)")
     up.set_defaults(func=cmd_up)
     for name, config, func, text in (
         ("gateway", GatewayConfig, cmd_gateway, "serve the client APIs (gRPC Generate and the OpenAI-compatible HTTP API)"),
@@ -121,7 +147,7 @@ def _add_complete(sub) -> None:
 
     complete = sub.add_parser("complete", help="stream a completion from a gateway (or in-process with --offline)",
                               description="Send one request and print the text as it arrives.")
-    complete.add_argument("--target", default="127.0.0.1:50051", help="gateway HOST:PORT (default %(default)s)")
+    complete.add_argument("--target", default=DEFAULT_TARGET, help="gateway HOST:PORT (default %(default)s)")
     complete.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
     complete.add_argument("--chat", action="store_true", help="send the prompt as a chat message (chat template)")
     complete.add_argument("--system", help="with --chat: a system message before the user's")
@@ -134,9 +160,11 @@ def _add_complete(sub) -> None:
     add_client_tls_arguments(complete)
     offline = complete.add_argument_group("with --offline")
     add_config_arguments(offline, ModelChoice)
-    add_config_arguments(offline, RunnerConfig, exclude=fields_except(RunnerConfig, RANK_GRID))
+    # the rank grid and the KV cache of the in-process engine (the rank grid's help speaks of --kv-cache-memory)
+    add_config_arguments(offline, RunnerConfig, exclude=fields_except(RunnerConfig, RANK_GRID | {"kv_cache_memory"}))
     add_sampling_arguments(complete)
-    complete.set_defaults(func=cmd_complete)
+    offline_flags = tuple((a.dest, a.option_strings[0], a.default) for a in offline._group_actions)
+    complete.set_defaults(func=cmd_complete, offline_flags=offline_flags)
 
 
 def _add_tools(sub) -> None:
@@ -152,7 +180,8 @@ def _add_tools(sub) -> None:
     prepare.set_defaults(func=cmd_prepare_model)
     health = sub.add_parser("health", help="exit 0 when a service answers SERVING (grpc.health.v1)",
                             description="Check a pagedserve service's gRPC health (for container health checks).")
-    health.add_argument("--target", required=True, help="service HOST:PORT")
+    health.add_argument("--target", default=DEFAULT_TARGET,
+                        help="service HOST:PORT (default %(default)s, the gateway of `pagedserve up`)")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds (default %(default)s)")
     add_client_tls_arguments(health)
     health.set_defaults(func=cmd_health)

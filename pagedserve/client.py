@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -92,9 +93,28 @@ def gateway_channel(target: str, credentials: grpc.ChannelCredentials | None = N
     return grpc.insecure_channel(target, options=CLIENT_API_CHANNEL_OPTIONS)
 
 
-def stream_completion(target: str, request: gen.GenerateRequest, timeout_s: float, echo: bool, api_key: str = "",
+class Echo:
+    """Prints sample 0's text as it arrives, and ends its line before anything else is printed."""
+
+    def __init__(self) -> None:
+        self._line_open = False
+
+    def write(self, text: str) -> None:
+        print(text, end="", flush=True)
+        self._line_open = not text.endswith("\n")
+
+    def end_line(self) -> None:
+        """Ends the text's line if it is not ended (an error then starts a line of its own)."""
+        if self._line_open:
+            print(flush=True)
+            self._line_open = False
+
+
+def stream_completion(target: str, request: gen.GenerateRequest, timeout_s: float,
+                      on_text: Callable[[str], None] = lambda text: None, api_key: str = "",
                       credentials: grpc.ChannelCredentials | None = None) -> Completion:
-    """Calls Generate and accumulates the stream; prints text deltas as they come when ``echo``.
+    """Calls Generate and accumulates the stream; hands each non-empty text delta of sample 0 to
+    ``on_text`` as it comes.
 
     ``api_key`` is sent as ``authorization: Bearer`` when not empty; ``credentials`` make it TLS.
 
@@ -108,8 +128,8 @@ def stream_completion(target: str, request: gen.GenerateRequest, timeout_s: floa
             sample = completion.sample(response.index)
             sample.text += response.text
             sample.token_ids.extend(response.token_ids)
-            if echo and response.text and response.index == 0:
-                print(response.text, end="", flush=True)
+            if response.text and response.index == 0:
+                on_text(response.text)
             if response.finish_reason:
                 sample.finish_reason = enum_from_pb(response.finish_reason, gen.FinishReason.DESCRIPTOR, FinishReason).value
             if response.HasField("usage"):
@@ -153,6 +173,7 @@ def run_complete(args: argparse.Namespace) -> int:
     """Runs `pagedserve complete`; returns the exit status (1 on a server error)."""
     from pagedserve.engine.sampling_params import InvalidRequestError
 
+    echo = Echo()
     try:
         request = build_request(args)
         if args.offline:
@@ -160,12 +181,14 @@ def run_complete(args: argparse.Namespace) -> int:
             if not args.json:
                 print(completion.text, end="")
         else:
-            completion = stream_completion(args.target, request, args.timeout, echo=not args.json,
-                                           api_key=args.api_key, credentials=tls_credentials(args))
+            on_text = (lambda text: None) if args.json else echo.write
+            completion = stream_completion(args.target, request, args.timeout, on_text, api_key=args.api_key,
+                                           credentials=tls_credentials(args))
     except EngineRefusal as exc:
         print(f"error: RESOURCE_EXHAUSTED: {exc}", file=sys.stderr)
         return 1
     except grpc.RpcError as exc:
+        echo.end_line()
         hint = HINTS.get(exc.code(), "")
         print(f"error: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,10 @@ from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfi
 from pagedserve.model_files import default_cache_dir
 from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
 from pagedserve.options import nested, option
-from services.common.service_args import model_option, redact_url, redis_url_option
+from pagedserve.stack_ports import Port
+from services.common.service_args import (
+    DEFAULT_HTTP_PORT, DEFAULT_PORT, model_option, redact_url, redis_url_option,
+)
 
 
 STOP_TIMEOUT_S = 15.0
@@ -39,6 +43,10 @@ GATEWAY_SHUTDOWN_GRACE_S = 10.0
 
 class LaunchError(RuntimeError):
     """The stack did not come up (a child exited, or it was not healthy in time)."""
+
+
+class StartStopped(LaunchError):
+    """A stop was requested (Ctrl-C) before the stack was up."""
 
 
 @dataclass(frozen=True)
@@ -63,8 +71,8 @@ class StackConfig:
     schedulers: int = option("number of scheduler processes: each owns some workers, and the others take over "
                              "the requests and workers of one that dies", 1)
     host: str = option("gateway listen address; 0.0.0.0 serves other machines too", "127.0.0.1")
-    port: int = option("gateway gRPC port", 50051)
-    http_port: int = option("gateway OpenAI-compatible HTTP API port", 8000)
+    port: int = option("gateway gRPC port", DEFAULT_PORT)
+    http_port: int = option("gateway OpenAI-compatible HTTP API port", DEFAULT_HTTP_PORT)
     scheduler_port: int = option("port of the first scheduler; scheduler i listens on PORT+i", 50052)
     metrics_port: int = option("Prometheus /metrics of the gateway at PORT (on --host), scheduler i at PORT+1+i and "
                                "worker i after them, on 127.0.0.1 (with one scheduler: PORT+2+i); 0: none", 9450,
@@ -104,6 +112,13 @@ class StackConfig:
         """Where a Redis started by us with ``redis_password`` has it written (readable by this user only)."""
         return self.data_dir / "redis-password"
 
+    def listen_ports(self) -> list[Port]:
+        """Every port the stack's services listen on (Redis aside)."""
+        ports = [Port("gateway gRPC", self.host, self.port), Port("gateway HTTP", self.host, self.http_port)]
+        ports += [Port(f"scheduler-{i}", "127.0.0.1", self.scheduler_port + i) for i in range(self.schedulers)]
+        return ports + [Port(f"{name} metrics", self.host if name == "gateway" else "127.0.0.1", port)
+                        for name, port in self.metrics_ports().items()]
+
     def metrics_ports(self) -> dict[str, int]:
         """Service name -> its ``/metrics`` port (empty when metrics are off)."""
         if not self.metrics_port:
@@ -125,6 +140,7 @@ class Stack:
         self.children: list[tuple[str, subprocess.Popen]] = []
         self._specs: dict[str, tuple[list[str], dict[str, str] | None, str]] = {}
         self._restarts: dict[str, list[float]] = {}
+        self._stop = threading.Event()
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, stdin_text: str = "") -> None:
         process = subprocess.Popen(argv, start_new_session=True, env=env,
@@ -144,12 +160,14 @@ class Stack:
             env["PAGEDSERVE_API_KEY"] = self.config.api_key
         self._spawn(name, [sys.executable, "-m", "pagedserve", *args], env)
 
-    def start(self) -> None:
-        """Starts every process and waits until the stack serves.
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Starts every process and waits until the stack serves, or until ``stop`` is set.
 
         Raises:
+            StartStopped: ``stop`` was set before the stack was up.
             LaunchError: a process exited, or the stack was not ready within the timeout.
         """
+        self._stop = stop or self._stop
         cfg = self.config
         self._start_redis()
         policy = config_to_argv(cfg.policy)
@@ -216,6 +234,8 @@ class Stack:
     def _wait(self, ready, what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
+            if self._stop.is_set():
+                raise StartStopped(f"stopped while waiting for {what}")
             self.check_children()
             if time.monotonic() > deadline:
                 raise LaunchError(f"{what} not ready after {timeout_s:.0f} s")

@@ -7,24 +7,31 @@ import sys
 import threading
 from urllib.parse import urlparse
 
-from pagedserve.launcher import LaunchError, Stack, StackConfig
+from pagedserve.launcher import LaunchError, Stack, StackConfig, StartStopped
+from pagedserve.stack_ports import check_ports
 
 
 def run_stack(config: StackConfig) -> int:
     """Starts the stack, prints where it listens, and runs until SIGINT/SIGTERM or a child exits.
 
-    Returns the process exit status: 0 after a requested stop, 1 when something failed.
+    Returns the process exit status: 0 after a requested stop (during the start too), 1 when something failed.
+
+    Raises:
+        PortsInUseError: a port of the stack is in use (before anything is started).
     """
+    check_ports(config.listen_ports(), config.redis_url)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     stack = Stack(config)
     status = 0
     try:
-        stack.start()
+        stack.start(stop)
         print(ready_message(config, _redis_note(stack)), flush=True)
         while not stop.wait(0.5):
             stack.restart_exited()
+    except StartStopped:
+        print("pagedserve up: stopped before the stack was up", file=sys.stderr, flush=True)
     except LaunchError as exc:
         print(f"pagedserve up: {exc}", file=sys.stderr, flush=True)
         status = 1

@@ -27,6 +27,7 @@ from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments
 from pagedserve.bench.load_senders import Backend, SendSettings, sender
 from pagedserve.bench.metrics import RequestRecord, ServeMetrics, compute_metrics, error_counts
 from pagedserve.bench.serve_compare import format_backend_comparison, parse_backends
+from services.common.service_args import DEFAULT_HTTP_PORT, DEFAULT_TARGET
 
 
 @dataclass(frozen=True)
@@ -263,8 +264,8 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
                    help="the API to drive: grpc (pagedserve's Generation.Generate) or openai (POST /v1/completions "
                    "with stream: true, as vLLM's serving benchmark: any OpenAI-compatible server); a list such as "
                    "grpc,openai runs each in turn on the same requests and compares them (default: grpc)")
-    p.add_argument("--target", default="127.0.0.1:50051", help="gRPC gateway HOST:PORT (default %(default)s)")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+    p.add_argument("--target", default=DEFAULT_TARGET, help="gRPC gateway HOST:PORT (default %(default)s)")
+    p.add_argument("--base-url", default=f"http://127.0.0.1:{DEFAULT_HTTP_PORT}",
                    help="base URL of the OpenAI-compatible server (default %(default)s)")
     p.add_argument("--rounds", type=_positive(int), default=1,
                    help="with several backends: how many times they take turns (default %(default)s)")

@@ -19,11 +19,17 @@ counted twice across processes):
   each counts the records from Redis it refused itself (``services/common/signed_records.py``).
 
 Every series has the ``model_name`` label, as vLLM's do.
+
+The gateway's HTTP ``GET /metrics`` (the one URL vLLM has) adds the cluster's view to its own
+series: ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``
+over its schedulers (``services/gateway/cluster_metrics.py``); its ``--metrics-port`` does not, so
+scraping every service's metrics port counts each series once.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from threading import Thread
 from typing import Any
@@ -51,6 +57,22 @@ REQUEST_LATENCY_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
                   10.0, 30.0)
 PLAN_BYTES_BUCKETS = tuple(float(256 * 4 ** i) for i in range(9))  # 256 B .. 16 MiB
+
+
+QUEUE_GAUGES = (("vllm:num_requests_running", "Number of requests in model execution batches."),
+                ("vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."))
+"""(name, help) of the gauges of running requests, waiting requests and KV-cache usage: the
+schedulers' own, and the sums the gateway's HTTP ``/metrics`` offers (``gateway/cluster_metrics.py``)."""
+
+
+def kv_cache_usage(workers: Iterable[Any]) -> float:
+    """Share of the KV blocks of ``workers`` (each with ``num_blocks`` and ``num_free_blocks``: the
+    engine's or protobuf ``WorkerStats``) in use, 0..1 (cached blocks no request holds count as free,
+    as in vLLM); 0 without workers."""
+    workers = list(workers)
+    total = sum(w.num_blocks for w in workers)
+    return 0.0 if total == 0 else sum(w.num_blocks - w.num_free_blocks for w in workers) / total
 
 
 def new_registry() -> CollectorRegistry:

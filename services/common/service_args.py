@@ -38,6 +38,15 @@ def redact_url(url: str) -> str:
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
+DEFAULT_PORT = 50051
+"""The gateway's gRPC port unless told otherwise (`gateway`, `up`, and the clients' ``--target``)."""
+
+DEFAULT_HTTP_PORT = 8000
+"""The gateway's OpenAI-compatible HTTP API port unless told otherwise (`gateway`, `up`)."""
+
+DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORT}"
+"""Where the clients (`complete`, `health`, `bench serve`) look for a gateway unless given ``--target``."""
+
 
 def read_redis_url(value: str, path: str) -> str:
     """The Redis URL in the file ``path`` when given, else ``value``.

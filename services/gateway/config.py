@@ -10,7 +10,9 @@ from pagedserve.options import option
 from pagedserve.text.tool_parsers import ToolCallParserKind
 from services.common.auth import MISSING_CLUSTER_TOKEN, api_key_option, cluster_token_option
 from services.common.metrics import check_metrics_port, metrics_port_option
-from services.common.service_args import host_option, model_option, port_option, redis_url_option
+from services.common.service_args import (
+    DEFAULT_HTTP_PORT, DEFAULT_PORT, host_option, model_option, port_option, redis_url_option,
+)
 
 
 MAX_SERVED_MODEL_NAME_CHARS = 256
@@ -38,7 +40,7 @@ class GatewayConfig:
     redis_url: str = redis_url_option()
     cluster_token: str = cluster_token_option()
     host: str = host_option()
-    port: int = port_option(50051)
+    port: int = port_option(DEFAULT_PORT)
     metrics_port: int | None = metrics_port_option()
     api_key: str = api_key_option()
     tls_cert_file: Path | None = option("PEM certificate (chain) to serve TLS with; the gateway then serves TLS only",
@@ -59,7 +61,7 @@ class GatewayConfig:
         "http_server.KEEP_ALIVE_S", 10.0)
     http_port: int = option(
         "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
-        "/tokenize, /detokenize) on the same --host; 0 picks a free one (logged)", 8000)
+        "/tokenize, /detokenize) on the same --host; 0 picks a free one (logged)", DEFAULT_HTTP_PORT)
     served_model_name: str = option("model name HTTP clients send as `model` and /v1/models lists", "",
                                     default_help="the model folder's name")
     tool_call_parser: ToolCallParserKind = option(

@@ -192,10 +192,10 @@ def build_http_app(serving: OpenAIServing, health: HealthState, settings: HttpSe
 
 
 def add_metrics_route(app: FastAPI, render) -> None:
-    """``GET /metrics`` (open): ``render()`` returns ``(body bytes, content type)`` of the
-    Prometheus exposition (the metrics work wires this)."""
+    """``GET /metrics`` (open): ``await render()`` returns ``(body bytes, content type)`` of the
+    Prometheus exposition."""
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body, content_type = render()
+        body, content_type = await render()
         return Response(body, media_type=content_type)

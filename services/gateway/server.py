@@ -19,6 +19,7 @@ from services.common.open_files import raise_open_files_limit
 from services.common.redis_pool import async_redis_client
 from services.common.pb import engine_pb2, generate_pb2
 from services.common.service_args import redact_url
+from services.gateway.cluster_metrics import render_cluster_view
 from services.gateway.config import SHUTDOWN_CLOSE_S, GatewayConfig
 from services.gateway.drain import DrainingCore
 from services.gateway.generation_handler import add_generation_service
@@ -92,9 +93,15 @@ def _new_server(config: GatewayConfig) -> grpc.aio.Server:
 
 
 def _http_server(config: GatewayConfig, serving: OpenAIServing, http_health: HealthState,
-                 metrics: GatewayMetrics) -> EmbeddedUvicorn:
+                 metrics: GatewayMetrics, router: OutputRouter) -> EmbeddedUvicorn:
     app = build_http_app(serving, http_health, HttpSettings(api_key=config.api_key))
-    add_metrics_route(app, metrics.render)
+
+    async def render() -> tuple[bytes, str]:
+        """The gateway's series and the cluster's view (``cluster_metrics``)."""
+        body, content_type = metrics.render()
+        return body + await render_cluster_view(router.discovery.connected_links(), config.model_name), content_type
+
+    add_metrics_route(app, render)
     # TLS: the same certificate as the gRPC port.
     tls = dict(ssl_certfile=str(config.tls_cert_file), ssl_keyfile=str(config.tls_key_file)) if config.tls_cert_file else {}
     return new_http_server(app, config.http_header_timeout_s, SHUTDOWN_CLOSE_S / 2, tls)
@@ -121,6 +128,19 @@ def _log_started(config: GatewayConfig, port: int, http_port: int, tls: bool) ->
     if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who reaches this port can generate "
                     "(set --api-key-file or PAGEDSERVE_API_KEY)", config.host)
+
+
+async def _http_started(http_server: EmbeddedUvicorn, http_task: asyncio.Task) -> None:
+    """Returns once uvicorn serves the HTTP API.
+
+    Raises:
+        Exception: whatever made uvicorn stop before it started.
+    """
+    while not http_server.started:
+        if http_task.done():
+            http_task.result()
+            raise OSError("the HTTP API stopped before it started (see the log above)")
+        await asyncio.sleep(0.01)
 
 
 async def _until_signalled() -> None:
@@ -154,7 +174,9 @@ async def serve_gateway(config: GatewayConfig) -> None:
     core = DrainingCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)
     servicer = GenerationServicer(core, tracer)
     add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer()  # grpc's starts SERVING: not ready until the watch says so
+    for name in ("", GENERATION_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -165,15 +187,17 @@ async def serve_gateway(config: GatewayConfig) -> None:
     http_socket = listening_socket(config.host, config.http_port)
     http_port = http_socket.getsockname()[1]
     serving = OpenAIServing(core, config.model_name, tracer, config.tool_call_parser)
-    http_server = _http_server(config, serving, http_health, metrics)
+    http_server = _http_server(config, serving, http_health, metrics, router)
     await server.start()
     if not await producer.ping():
         log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "
                     "NOT_SERVING meanwhile)", redact_url(config.redis_url))
-    watch = asyncio.create_task(_watch_health(health_servicer, router, producer, http_health))
-    tasks = [asyncio.create_task(router.run()), watch]
+    tasks = [asyncio.create_task(router.run())]
     http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]))
+    await _http_started(http_server, http_task)
     _log_started(config, port, http_port, tls=credentials is not None)
+    watch = asyncio.create_task(_watch_health(health_servicer, router, producer, http_health))  # ready from here
+    tasks.append(watch)
     await _until_signalled()
     watch.cancel()  # from now on NOT_SERVING
     await health_servicer.enter_graceful_shutdown()

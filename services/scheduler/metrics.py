@@ -27,16 +27,10 @@ from pagedserve.engine.config import SchedulerStats
 from pagedserve.engine.messages import BatchPlan
 from pagedserve.engine.outputs import RequestOutput
 from services.common.metrics import (
-    MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, new_registry, refused_records_counter,
+    MODEL_NAME, PLAN_BYTES_BUCKETS, QUEUE_GAUGES, REQUEST_LATENCY_BUCKETS_S, kv_cache_usage, new_registry,
+    refused_records_counter,
 )
 from services.common.signed_records import RecordKind
-
-
-def kv_cache_usage(stats: SchedulerStats) -> float:
-    """Share of all workers' KV blocks in use, 0..1 (cached blocks no request holds count as free,
-    as in vLLM); 0 without workers."""
-    total = sum(w.num_blocks for w in stats.workers)
-    return 0.0 if total == 0 else sum(w.num_blocks - w.num_free_blocks for w in stats.workers) / total
 
 
 class StatsCollector(Collector):
@@ -63,10 +57,8 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         stats, model = self._snapshot()
-        gauges = (("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
-                  ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
-                  ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage(stats)))
-        for name, doc, value in gauges:
+        values = (stats.num_running, stats.num_waiting, kv_cache_usage(stats.workers))
+        for (name, doc), value in zip(QUEUE_GAUGES, values):
             family = GaugeMetricFamily(name, doc, labels=[MODEL_NAME])
             family.add_metric([model], value)
             yield family

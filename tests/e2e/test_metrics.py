@@ -108,3 +108,29 @@ def test_the_gateway_http_port_serves_its_metrics_and_counts_http_requests(stack
     assert moved("vllm:generation_tokens_total") == 4
     assert moved("vllm:time_to_first_token_seconds_count") == 1
     assert total(by_port, "vllm:generation_tokens_total") == total(after, "vllm:generation_tokens_total")
+
+
+def test_the_gateway_http_port_offers_the_cluster_s_queue_and_kv_series(stack, default_model):
+    """vLLM's running/waiting/KV series on the one URL vLLM has (issue #24), read from the schedulers;
+    the gateway's own metrics port leaves them to the schedulers, so scraping every port counts them once."""
+    import grpc
+
+    from services.common.pb import generate_pb2_grpc
+
+    model = default_model.name
+    http_address = stack.http.removeprefix("http://")
+    assert_all_blocks_free(stack)
+    request = chat_request(QUESTIONS[0], max_tokens=400, ignore_eos=True)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        responses = generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=300)
+        next(r for r in responses if r.token_ids)  # running now, its blocks held
+        gateway, scheduler = scrape(http_address), scrape(stack.metrics["scheduler"])
+        responses.cancel()
+    own = scrape(stack.metrics["gateway"])
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert total(gateway, name, model_name=model) == pytest.approx(total(scheduler, name, model_name=model),
+                                                                        abs=0.02), name
+        assert not any(n == name for n, _ in own), name
+    assert total(gateway, "vllm:num_requests_running", model_name=model) == 1
+    assert total(gateway, "vllm:kv_cache_usage_perc", model_name=model) > 0
+    wait_until(lambda: total(scrape(http_address), "vllm:kv_cache_usage_perc") == 0, "the cluster's KV usage back to 0", 30)

@@ -111,3 +111,18 @@ def test_a_call_that_ends_early_counts_its_unfinished_samples_as_aborted():
     assert value(parsed, "vllm:request_success_total", finished_reason="abort") == 2
     assert value(parsed, "vllm:request_success_total", finished_reason="length") == 1
     assert value(parsed, "vllm:e2e_request_latency_seconds_count") == 1
+
+
+def test_the_cluster_view_sums_schedulers_and_counts_a_worker_listed_twice_once():
+    """During a takeover two schedulers may list the same worker: its blocks count once."""
+    from services.common.pb import engine_pb2 as pb
+    from services.gateway.cluster_metrics import cluster_gauges
+
+    shared = pb.WorkerStats(worker_id="w-0", num_blocks=100, num_free_blocks=40)
+    stats = [pb.SchedulerStats(num_running=3, num_waiting=1, workers=[shared]),
+             pb.SchedulerStats(num_running=2, num_waiting=0, workers=[shared, pb.WorkerStats(
+                 worker_id="w-1", num_blocks=100, num_free_blocks=100)])]
+    values = {f.name: f.samples[0].value for f in cluster_gauges(stats, "m")}
+    assert values == {"vllm:num_requests_running": 5, "vllm:num_requests_waiting": 1,
+                      "vllm:kv_cache_usage_perc": 0.3}
+    assert {f.samples[0].labels["model_name"] for f in cluster_gauges([], "m")} == {"m"}

@@ -1,0 +1,26 @@
+"""The README's flag tables are the parsers' (issue #24: the README gave `up` a token budget of 2048
+where `up --help` said 256, and `complete --help` spoke of a --kv-cache-memory it did not have)."""
+
+from __future__ import annotations
+
+from pagedserve.config_flags import config_from_args
+from pagedserve.engine.runner_config import EngineConfig
+from pagedserve.readme_flags import README, clean_parser, flag_tables, rewrite
+
+
+def test_regenerating_the_readme_flag_tables_changes_nothing():
+    text = README.read_text()
+    assert rewrite(text, flag_tables(clean_parser())) == text, "run: python -m pagedserve.readme_flags"
+
+
+def test_the_tables_give_each_command_its_own_defaults():
+    tables = flag_tables(clean_parser())
+    up, scheduler = tables.split("<code>pagedserve up</code>")[1], tables.split("<code>pagedserve scheduler</code>")[1]
+    assert "| `--max-num-batched-tokens` |" in up and "(default 256) |" in up.split("--max-num-batched-tokens")[1].split("\n")[0]
+    assert "(default 2048) |" in scheduler.split("--max-num-batched-tokens")[1].split("\n")[0]
+
+
+def test_complete_offline_takes_the_kv_cache_memory_its_help_speaks_of():
+    parser = clean_parser()
+    args = parser.parse_args(["complete", "--offline", "--prompt", "x", "--kv-cache-memory", "64MiB"])
+    assert config_from_args(EngineConfig, args, EngineConfig.of()).runner.kv_cache_memory == 64 << 20
