@@ -152,6 +152,17 @@ async def _until_signalled() -> None:
     await stop.wait()
 
 
+async def _add_health_and_reflection(server: grpc.aio.Server) -> health.aio.HealthServicer:
+    """Adds grpc's health service, NOT_SERVING until ``_watch_health`` says ready (grpc's starts
+    SERVING), and server reflection; returns the health servicer."""
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", GENERATION_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return health_servicer
+
+
 async def serve_gateway(config: GatewayConfig) -> None:
     """Serves until SIGINT or SIGTERM, then drains (``drain.DrainingCore``): within
     ``config.shutdown_grace_s`` plus ``SHUTDOWN_CLOSE_S`` seconds it returns.
@@ -174,13 +185,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     core = DrainingCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)
     servicer = GenerationServicer(core, tracer)
     add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
-    health_servicer = health.aio.HealthServicer()  # grpc's starts SERVING: not ready until the watch says so
-    for name in ("", GENERATION_SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    health_servicer = await _add_health_and_reflection(server)
     port = bind(server, config.host, config.port, credentials)
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, "gateway")
     http_health = HealthState()

@@ -10,6 +10,10 @@
   other forwards them: the shared index of cached blocks), one after another; a burst of them at
   once is spread over both schedulers by load.
 
+Every fourth stream is constrained by a JSON schema (an array of integers, cut by max_tokens): its
+grammar matcher is rebuilt on the new worker or scheduler by replaying the tokens delivered, so its
+tokens stay identical too.
+
 The figures (time to resume, requests moved, tokens computed again) are printed with ``-s`` and
 quoted in docs/benchmarks.md.
 """
@@ -17,6 +21,7 @@ quoted in docs/benchmarks.md.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import threading
@@ -42,6 +47,9 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 NUM_STREAMS = 32
 MAX_TOKENS = [24 + (i % 8) * 2 for i in range(NUM_STREAMS)]  # 24..38, exact lengths (ignore_eos)
+NUMBERS = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "maxItems": 200})
+STRUCTURED = frozenset(range(3, NUM_STREAMS, 4))
+"""The streams whose output is constrained by ``NUMBERS``."""
 LEASE_TTL_S = 2.0
 ADOPTION_BOUND_S = LEASE_TTL_S + 3.0
 """A dead scheduler's worker is owned by the survivor within this long (TTL + two ticks + slack)."""
@@ -65,10 +73,17 @@ def reference(default_llm):
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.text.tokenizer import ChatTurn
 
+    from pagedserve.engine.structured_output import StructuredOutput, StructureKind
+
     longest = max(MAX_TOKENS)
-    outputs = default_llm.chat([[ChatTurn("user", q)] for q in QUESTIONS],
-                               SamplingParams(max_tokens=longest, temperature=0.0, ignore_eos=True))
-    return [list(outputs[i % len(QUESTIONS)].token_ids[:m]) for i, m in enumerate(MAX_TOKENS)]
+    conversations = [[ChatTurn("user", q)] for q in QUESTIONS]
+    free = default_llm.chat(conversations, SamplingParams(max_tokens=longest, temperature=0.0, ignore_eos=True))
+    numbers = default_llm.chat(conversations, SamplingParams(
+        max_tokens=longest, temperature=0.0, ignore_eos=True,
+        structured_output=StructuredOutput(StructureKind.JSON, NUMBERS)))
+    assert all(re.fullmatch(r"\[[0-9,]*", out.text) for out in numbers), [out.text for out in numbers]
+    return [list((numbers if i in STRUCTURED else free)[i % len(QUESTIONS)].token_ids[:m])
+            for i, m in enumerate(MAX_TOKENS)]
 
 
 @contextlib.contextmanager
@@ -119,6 +134,8 @@ def metric(address: str, name: str) -> float:
 def start_calls(target: str) -> list[Call]:
     calls = [Call(i, chat_request(QUESTIONS[i % len(QUESTIONS)], max_tokens=m, ignore_eos=True))
              for i, m in enumerate(MAX_TOKENS)]
+    for i in STRUCTURED:
+        calls[i].request.sampling_params.structured_output.json = NUMBERS
     for call in calls:
         call.thread = threading.Thread(target=call.run, args=(target,), daemon=True)
         call.thread.start()
