@@ -12,11 +12,10 @@ import time
 
 import pytest
 
-from pagedserve.engine.parallel.group import free_loopback_port
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
 from tests.e2e.processes import CLUSTER_TOKEN, start_stack, wait_until
-from tests.worker.test_remote_ranks import start_rank
+from tests.worker.test_remote_ranks import rank_address, start_rank
 from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 pytestmark = [pytest.mark.e2e]
@@ -36,7 +35,7 @@ def test_tp2_worker_with_a_remote_rank_in_the_stack(tmp_path):
     tiny = save_tiny_tokenizer(save_tiny_model(tmp_path / "tiny", "llama", seed=7))
     reference = LLM(tiny, kv_cache_memory="4MiB").generate(
         PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    address = f"127.0.0.1:{free_loopback_port()}"
+    address = rank_address()
     remote = start_rank(1, address, CLUSTER_TOKEN)
     stack = None
     try:

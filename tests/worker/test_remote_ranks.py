@@ -4,6 +4,8 @@ separate ``pagedserve worker-rank`` process dialing rank 0 over 127.0.0.1 (``par
 from __future__ import annotations
 
 import os
+import random
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.engine.parallel.group import CollectiveError, free_loopback_port
+from pagedserve.engine.parallel.group import CollectiveError
 from pagedserve.engine.parallel.rank_link import RankPlacement
 from pagedserve.llm import LLM
 from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK, NUM_BLOCKS, assert_a_dead_or_stuck_rank_fails_the_step,
@@ -19,6 +21,23 @@ from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK, NUM_BLOCKS, as
 
 TOKEN = "remote-rank-test-secret-0123456789"
 REPO = Path(__file__).resolve().parents[2]
+
+
+def rank_address() -> str:
+    """``127.0.0.1:P`` with P and P + 1 free (``--rank-address`` P; its gloo rendezvous is on P + 1),
+    below the ephemeral range (32768+) where other tests' outgoing connections could take P + 1
+    between this check and its bind."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return f"127.0.0.1:{port}"
+    raise RuntimeError("no two consecutive free ports in 20000-32000")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +55,7 @@ def reference(tiny):
 @pytest.fixture
 def remote():
     """``(address, process)``: rank 1 as a ``pagedserve worker-rank`` process dialing a free loopback port."""
-    address = f"127.0.0.1:{free_loopback_port()}"
+    address = rank_address()
     process = start_rank(1, address, TOKEN)
     yield address, process
     process.kill()
@@ -71,7 +90,7 @@ def test_tp2_with_a_remote_rank_equals_one_rank_and_a_killed_rank_fails_the_step
 
 def test_a_rank_with_a_wrong_secret_is_refused_and_missing_ranks_are_named(tiny):
     folder, _ = tiny
-    address = f"127.0.0.1:{free_loopback_port()}"
+    address = rank_address()
     intruder = start_rank(1, address, "not-the-cluster-token-at-all")
     started = time.monotonic()
     try:
