@@ -136,3 +136,21 @@ def test_model_registry_and_model_info_import_without_torch():
     """The gateway reads model folders through the registry; it must not pay for torch."""
     out = subprocess.run([sys.executable, "-c", TORCH_FREE], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+GATEWAY_TORCH_FREE = """
+import sys
+import services.gateway.server
+from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer
+tokenizer = PromptTokenizer.from_folder(sys.argv[1])
+assert tokenizer.encode_chat([ChatTurn("user", "hi")])
+print("torch" in sys.modules)
+"""
+
+
+def test_the_gateway_and_the_default_models_tokenizer_load_without_torch(default_model):
+    """transformers' AutoTokenizer imports the model configuration code and torch (about 3 s of CPU
+    in every gateway start); a folder whose tokenizer is a plain tokenizer.json is loaded without."""
+    out = subprocess.run([sys.executable, "-c", GATEWAY_TORCH_FREE, str(default_model)], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "False"
