@@ -5,12 +5,18 @@
 applies each answer when it comes. It drives any :class:`Executor`: ``LocalExecutor`` runs model
 runners in this process (``pagedserve.llm.LLM``, the tests, the benchmarks), and the scheduler
 service's ``GrpcExecutor`` sends plans to worker services. The offline path calls :meth:`Engine.step`,
-which waits for the oldest answer; the service calls :meth:`Engine.send_plans` and
-:meth:`Engine.apply` as answers arrive (``services/scheduler/loop.py``).
+which waits for the oldest answer; the service calls :meth:`Engine.send_plans`, and as each answer
+arrives :meth:`Engine.arrived` then :meth:`Engine.apply` (``services/scheduler/loop.py``).
+
+Answers of one worker session are applied in the order their plans were sent: a plan's tokens in
+flight resolve oldest first, and the next plan continues from the tokens the one before sampled.
+Two answers can reach the service in the other order (the worker's gRPC handler threads race to
+send them), so :meth:`Engine.arrived` holds an answer until those before it are applied.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -95,6 +101,7 @@ class Engine:
         self.scheduler = scheduler
         self.executor = executor
         self._in_flight: deque[SentPlan] = deque()  # plans sent and not yet applied, oldest first
+        self._arrived: set[SentPlan] = set()  # answered, waiting for an older plan of their session
 
     def add_request(self, request: EngineRequest) -> None:
         """Queues a request (see ``Scheduler.add_request``)."""
@@ -141,16 +148,37 @@ class Engine:
         the worker failed or restarted: such an answer is dropped)."""
         return sent.plan.session_id == self.scheduler.session_id(sent.worker_id)
 
+    def arrived(self, sent: SentPlan) -> list[SentPlan]:
+        """Notes that ``sent``'s answer came; returns the plans to :meth:`apply` now, in order:
+        ``sent`` and the answers held after it, or none while a plan sent before it to the same
+        worker session is unanswered (``sent`` is held until that one arrives). The answers of a
+        session reset since are returned at once, in any order (:meth:`apply` drops them)."""
+        self._arrived.add(sent)
+        session = [s for s in self._in_flight if s.plan.session_id == sent.plan.session_id]
+        if self.is_current(sent):
+            due = list(itertools.takewhile(lambda s: s in self._arrived, session))
+        else:
+            due = [s for s in session if s in self._arrived]
+        self._arrived.difference_update(due)
+        return due
+
     def apply(self, sent: SentPlan) -> list[RequestOutput]:
         """Applies a sent plan's answer (waiting for it if it has not come); an answer from a
         worker session that was reset since (the worker failed or restarted) is dropped.
 
         Raises:
+            ValueError: a plan sent before ``sent`` to the same (current) worker session is not
+                applied yet (see :meth:`arrived`); nothing changes then.
             Whatever the answer holds instead of a result: ``StepFailed``, or a local runner's
             exception (e.g. ``PlanMismatchError``). The plan counts as answered either way.
         """
+        current = self.is_current(sent)
+        older = next((s for s in self._in_flight if s.plan.session_id == sent.plan.session_id), sent)
+        if current and older is not sent:
+            raise ValueError(f"step {sent.plan.step_id} of worker {sent.worker_id} applied before step "
+                             f"{older.plan.step_id}: apply a session's answers in the order of its plans")
         self._in_flight.remove(sent)
-        if not self.is_current(sent):
+        if not current:
             return []
         return self.scheduler.update_from_output({sent.worker_id: sent.answer.result()})
 

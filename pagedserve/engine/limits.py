@@ -13,6 +13,11 @@ from pagedserve.engine.worker_state import PlanDraft
 MAX_WORKER_LOSSES = 3
 """A sequence whose worker failed or went away this often ends instead of being recomputed again."""
 
+LOST_TOKEN_ERROR = RequestError(ErrorKind.UNAVAILABLE, "the worker's answer to a step lacked this request's next "
+                                "token (a scheduler error, in its log); retry the request")
+"""What a sequence ends with when the answer of the step that was to sample its next token lacks it
+(a bug: it would wait for that token for ever otherwise)."""
+
 
 def num_new_tokens(seq: Sequence, draft: PlanDraft, config: SchedulerConfig, num_computed: int | None = None) -> int:
     """Tokens to compute now: with chunked prefill, ``PlanDraft.chunk_tokens`` (a decode, or a

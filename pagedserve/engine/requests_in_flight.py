@@ -89,6 +89,11 @@ class RequestsInFlight:
             if seq.in_flight_worker_id == worker_id:
                 seq.tokens_lost()
 
+    def still_waiting(self, worker_id: str, step_id: int, sampling: Seq[Sequence]) -> list[Sequence]:
+        """The sequences of ``sampling`` (a step's, ``PlanDraft.sampling``) still in flight and
+        waiting for a token of that step, whose answer is applied."""
+        return [seq for seq in sampling if seq.expects(worker_id, step_id) and self.sequences.get(seq.seq_id) is seq]
+
     def requeue(self, seq: Sequence) -> None:
         """Recompute preemption (its blocks already freed): ``seq`` waits ahead of later arrivals."""
         seq.status, seq.worker_id, seq.num_computed_tokens = SequenceStatus.WAITING, None, 0

@@ -13,6 +13,7 @@ blocks first, under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence as Seq
 
@@ -21,12 +22,14 @@ from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerS
 from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, ResumedSample,
                                         SampledToken, SequenceId, StepResult)
 from pagedserve.engine.outputs import RequestOutput, SchedulerOutput
-from pagedserve.engine.limits import num_new_tokens, worker_loss_error
+from pagedserve.engine.limits import LOST_TOKEN_ERROR, num_new_tokens, worker_loss_error
 from pagedserve.engine.policy import POLICIES
 from pagedserve.engine.requests_in_flight import RequestsInFlight
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_pool import WorkerPool
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
+
+log = logging.getLogger("pagedserve.scheduler")
 
 
 class Scheduler:
@@ -155,14 +158,15 @@ class Scheduler:
         return SchedulerOutput(plans, outputs)
 
     def update_from_output(self, results: Mapping[str, StepResult]) -> list[RequestOutput]:
-        """Applies sampled tokens; finished sequences free their blocks now.
+        """Applies sampled tokens (each worker's answers in the order of its steps); finished
+        sequences free their blocks now; so do those whose token the answer lacks (``LOST_TOKEN_ERROR``).
 
         Returns:
             One output per sample that got a token or finished.
         """
         outputs = []
         for worker_id, result in results.items():
-            self._workers.step_answered(worker_id, result.step_id)
+            sampling = self._workers.step_answered(worker_id, result.step_id)
             for chunk in result.prompt_logprobs:
                 if (seq := self._requests.sequences.get(chunk.seq_id)) is not None:
                     seq.add_prompt_logprobs(chunk)
@@ -176,6 +180,10 @@ class Scheduler:
                 else:
                     seq.token_arrived()  # even if preempted meanwhile: the token was computed right
                 outputs.append(self._append(seq, sampled))
+            for seq in self._requests.still_waiting(worker_id, result.step_id, sampling):  # none will come
+                log.error("step %d of %s was answered without the token of %s (a scheduler bug): it ends with "
+                          "an error", result.step_id, worker_id, seq.seq_id)
+                outputs += self.abort_sample(seq.seq_id, LOST_TOKEN_ERROR)
         return outputs
 
     def cached_block_digests(self) -> frozenset[bytes]:

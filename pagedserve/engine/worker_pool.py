@@ -75,10 +75,11 @@ class WorkerPool:
         workers = [self._workers[w] for w in drafts]
         return {w.worker_id: w.take_plan(drafts[w.worker_id]) for w in workers if w.has_plan(drafts[w.worker_id])}
 
-    def step_answered(self, worker_id: str, step_id: int) -> None:
-        """Feeds the worker's cost model (``WorkerState.step_answered``); nothing if it is unknown."""
-        if (worker := self._workers.get(worker_id)) is not None:
-            worker.step_answered(step_id)
+    def step_answered(self, worker_id: str, step_id: int) -> tuple[Sequence, ...]:
+        """``WorkerState.step_answered``: the sequences whose token the step sampled (none if the
+        worker is unknown)."""
+        worker = self._workers.get(worker_id)
+        return worker.step_answered(step_id) if worker is not None else ()
 
     def place(self, seq: Sequence, drafts: dict[str, PlanDraft]) -> WorkerState | None:
         """Where to admit ``seq`` now, among the workers being scheduled (``drafts``): a forked

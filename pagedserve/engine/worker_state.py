@@ -33,6 +33,7 @@ class PlanDraft:
         decodes, decode_pairs: the decodes scheduled so far, and the attention pairs they compute.
         pairs: the attention pairs of everything scheduled so far.
         chunks: the prefill chunks scheduled so far, as (context, tokens).
+        sampling: the sequences whose next token the step samples (its answer must carry them).
     """
 
     token_budget: int
@@ -49,6 +50,7 @@ class PlanDraft:
     decode_pairs: int = 0
     pairs: int = 0
     chunks: list[tuple[int, int]] = field(default_factory=list)
+    sampling: list[Sequence] = field(default_factory=list)
 
     def chunk_tokens(self, context: int, remaining: int) -> int:
         """Tokens to compute now for a sequence with ``remaining`` tokens after ``context`` computed
@@ -84,6 +86,21 @@ class PlanDraft:
         return StepShape(sum(self.scheduled.values()), self.pairs, any(n > 1 for n in self.scheduled.values()))
 
 
+@dataclass(frozen=True)
+class SentStep:
+    """A plan sent to a worker and not answered yet.
+
+    Attributes:
+        shape: what it computes (for the cost model).
+        made: when it was made, monotonic seconds.
+        sampling: the sequences whose next token it samples.
+    """
+
+    shape: StepShape
+    made: float
+    sampling: tuple[Sequence, ...]
+
+
 class WorkerState:
     """One worker: its block manager, the sequences running and swapped out on it.
 
@@ -104,22 +121,26 @@ class WorkerState:
         self.dropped_ids: list[SequenceId] = []
         self.num_steps = 0
         self.step_cost = StepCostModel()
-        self._sent: dict[int, tuple[StepShape, float]] = {}  # step id -> what it computes, when it was made
+        self._sent: dict[int, SentStep] = {}  # by step id
         self._last_answer = 0.0  # monotonic seconds of the latest answer
 
     def new_draft(self) -> PlanDraft:
         """An empty plan for this iteration, with the worker's fitted step cost."""
         return PlanDraft(self.config.max_num_batched_tokens, self.step_cost.cost, self.config.max_decode_slowdown)
 
-    def step_answered(self, step_id: int) -> None:
+    def step_answered(self, step_id: int) -> tuple[Sequence, ...]:
         """Feeds the cost model the step's time: from when it was made, or from the previous
-        answer if the worker was still busy with that one (plans queue up on a worker), to now."""
+        answer if the worker was still busy with that one (plans queue up on a worker), to now.
+
+        Returns:
+            The sequences whose token the step sampled (none for a step unknown here).
+        """
         now = time.monotonic()
         sent = self._sent.pop(step_id, None)
         if sent is not None:
-            shape, made = sent
-            self.step_cost.observe(shape, now - max(made, self._last_answer))
+            self.step_cost.observe(sent.shape, now - max(sent.made, self._last_answer))
         self._last_answer = now
+        return sent.sampling if sent is not None else ()
 
     def release(self, seq_id: SequenceId) -> None:
         """Frees a sequence's blocks here (device or swapped) and tells the worker to drop it."""
@@ -152,6 +173,7 @@ class WorkerState:
         draft.scheduled[seq.seq_id] = num_new
         if seq.num_computed_tokens == seq.num_tokens + seq.num_tokens_in_flight:
             seq.sampling_scheduled(self.worker_id, self.num_steps + 1)  # the step ``take_plan`` makes next
+            draft.sampling.append(seq)
         self.cache_full_blocks(seq)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -201,7 +223,7 @@ class WorkerState:
     def take_plan(self, draft: PlanDraft) -> BatchPlan:
         """The iteration's plan for this worker; clears the pending drops and counts the step."""
         self.num_steps += 1
-        self._sent[self.num_steps] = (draft.shape(), time.monotonic())
+        self._sent[self.num_steps] = SentStep(draft.shape(), time.monotonic(), tuple(draft.sampling))
         plan = BatchPlan(
             session_id=self.session_id,
             step_id=self.num_steps,

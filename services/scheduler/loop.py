@@ -123,6 +123,11 @@ class SchedulerLoop:
             sent.answer.add_done_callback(lambda _answer, sent=sent: self.submit(StepDone(sent)))
 
     def _step_done(self, sent: SentPlan) -> None:
+        """Applies a worker's answer once the answers before it are (``Engine.arrived``)."""
+        for due in self.engine.arrived(sent):
+            self._apply(due)
+
+    def _apply(self, sent: SentPlan) -> None:
         """Applies a worker's answer; a failed step resets the worker (``WorkerMembership.step_failed``)."""
         current = self.engine.is_current(sent)
         try:
