@@ -47,7 +47,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 NUM_STREAMS = 32
 MAX_TOKENS = [24 + (i % 8) * 2 for i in range(NUM_STREAMS)]  # 24..38, exact lengths (ignore_eos)
-NUMBERS = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "maxItems": 200})
+NUMBERS = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                      "minItems": 40, "maxItems": 200})  # 40+ numbers: longer than any stream, never closed
 STRUCTURED = frozenset(range(3, NUM_STREAMS, 4))
 """The streams whose output is constrained by ``NUMBERS``."""
 LEASE_TTL_S = 2.0
