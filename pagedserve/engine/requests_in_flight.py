@@ -3,6 +3,8 @@ admitted, and the samples of parallel sampling (``parallel_sampling.Forks``)."""
 
 from __future__ import annotations
 
+import logging
+
 from collections.abc import Sequence as Seq
 
 from pagedserve.engine.messages import EngineRequest, FinishReason, ResumedSample, SequenceId
@@ -11,6 +13,8 @@ from pagedserve.engine.policy import Policy
 from pagedserve.engine.request_resume import check_resumed, resumed_sequences, starts_fresh
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
+
+log = logging.getLogger("pagedserve.scheduler")
 
 
 class RequestsInFlight:
@@ -89,10 +93,15 @@ class RequestsInFlight:
             if seq.in_flight_worker_id == worker_id:
                 seq.tokens_lost()
 
-    def still_waiting(self, worker_id: str, step_id: int, sampling: Seq[Sequence]) -> list[Sequence]:
+    def lost_tokens(self, worker_id: str, step_id: int, sampling: Seq[Sequence]) -> list[Sequence]:
         """The sequences of ``sampling`` (a step's, ``PlanDraft.sampling``) still in flight and
-        waiting for a token of that step, whose answer is applied."""
-        return [seq for seq in sampling if seq.expects(worker_id, step_id) and self.sequences.get(seq.seq_id) is seq]
+        waiting for a token of that step, whose answer is applied: none will come (a scheduler bug,
+        logged as an error)."""
+        lost = [seq for seq in sampling if seq.expects(worker_id, step_id) and self.sequences.get(seq.seq_id) is seq]
+        for seq in lost:
+            log.error("step %d of %s was answered without the token of %s (a scheduler bug): it ends with an error",
+                      step_id, worker_id, seq.seq_id)
+        return lost
 
     def requeue(self, seq: Sequence) -> None:
         """Recompute preemption (its blocks already freed): ``seq`` waits ahead of later arrivals."""

@@ -13,7 +13,6 @@ blocks first, under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence as Seq
 
@@ -28,8 +27,6 @@ from pagedserve.engine.requests_in_flight import RequestsInFlight
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_pool import WorkerPool
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
-
-log = logging.getLogger("pagedserve.scheduler")
 
 
 class Scheduler:
@@ -180,9 +177,7 @@ class Scheduler:
                 else:
                     seq.token_arrived()  # even if preempted meanwhile: the token was computed right
                 outputs.append(self._append(seq, sampled))
-            for seq in self._requests.still_waiting(worker_id, result.step_id, sampling):  # none will come
-                log.error("step %d of %s was answered without the token of %s (a scheduler bug): it ends with "
-                          "an error", result.step_id, worker_id, seq.seq_id)
+            for seq in self._requests.lost_tokens(worker_id, result.step_id, sampling):  # none will come
                 outputs += self.abort_sample(seq.seq_id, LOST_TOKEN_ERROR)
         return outputs
 
