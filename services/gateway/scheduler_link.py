@@ -89,8 +89,12 @@ class SchedulerLink:
             request = pb.StreamOutputsRequest(gateway_id=self._gateway_id, scheduler_id=self.scheduler_id)
             call = self.stub.StreamOutputs(request)
             try:
-                await call.wait_for_connection()
-                self._set_connected(True)
+                # up only once the scheduler's headers came (it sends them when it has subscribed this
+                # gateway): wait_for_connection only means the request was sent, and a scheduler that
+                # refuses every stream would count as reachable at each retry, its requests never failing
+                await call.initial_metadata()
+                if not call.done():  # else a refusal (a trailers-only answer), which the loop below raises
+                    self._set_connected(True)
                 backoff = FIRST_BACKOFF_S
                 async for batch in call:
                     self._on_batch(self.scheduler_id, batch)

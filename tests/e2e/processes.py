@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.launcher import free_port
+from pagedserve.model_files import default_cache_dir
 from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
@@ -239,3 +240,11 @@ def start_stack(tmp_path, model, num_workers: int = 2, kv_cache_memory: str = "6
         raise
     return Stack(redis_url, f"127.0.0.1:{gw_port}", scheduler, processes, env, metrics=metrics,
                  http=f"http://127.0.0.1:{http_port}")
+
+
+def cache_dir(folder: Path) -> Path:
+    """``folder`` as a PAGEDSERVE_CACHE_DIR (up keeps its Redis there) sharing the C++ op already built."""
+    ops = default_cache_dir() / "ops"
+    ops.mkdir(parents=True, exist_ok=True)
+    (folder / "ops").symlink_to(ops, target_is_directory=True)
+    return folder

@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.cli import build_parser
 from pagedserve.launcher import StackConfig, free_port
-from pagedserve.model_files import default_cache_dir
+from tests.e2e.processes import cache_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -46,14 +46,6 @@ def stop(process: subprocess.Popen) -> int:
     except subprocess.TimeoutExpired:
         process.kill()
         return process.wait()
-
-
-def cache_dir(folder: Path) -> Path:
-    """``folder`` as a PAGEDSERVE_CACHE_DIR (up keeps its Redis there) sharing the C++ op already built."""
-    ops = default_cache_dir() / "ops"
-    ops.mkdir(parents=True, exist_ok=True)
-    (folder / "ops").symlink_to(ops, target_is_directory=True)
-    return folder
 
 
 @pytest.fixture(scope="module")
