@@ -30,7 +30,7 @@ def test_a_request_sharing_a_running_prefix_lands_on_its_worker(stack):
     assert_all_blocks_free(stack)
     for system in SYSTEMS:
         before = scheduler_stats(stack.scheduler).prefix_cache_hits
-        first = threading.Thread(target=stream, args=(stack.gateway, _system_request(system, "Say one word.", 96)))
+        first = threading.Thread(target=stream, args=(stack.gateway, _system_request(system, "Say one word.", 40)))
         first.start()
         wait_until(lambda: scheduler_stats(stack.scheduler).num_running == 1, "the first request running", 60)
         second = stream(stack.gateway, _system_request(system, "Say two words.", 2))
