@@ -44,6 +44,7 @@ class StallRun:
 
     Attributes:
         arrivals: ``Arrivals`` value.
+        repeat: which repeat of the comparison (0 first).
         before_p50_ms, before_p99_ms: the streams' ITL before the arrival.
         during_p50_ms, during_p99_ms: after it, until every arrival has its tokens.
         longest_gap_ms: the longest gap of any stream after the arrival.
@@ -54,6 +55,7 @@ class StallRun:
     """
 
     arrivals: str
+    repeat: int
     before_p50_ms: float
     before_p99_ms: float
     during_p50_ms: float
@@ -85,7 +87,7 @@ def arrival_params(structures: list, arrival_tokens: int) -> tuple[list, list[fl
     return params, check_ms
 
 
-def run_arrivals(llm, kind: Arrivals, params: list, streams: int, before_tokens: int, arrival_tokens: int,
+def run_arrivals(llm, kind: Arrivals, repeat: int, params: list, streams: int, before_tokens: int, arrival_tokens: int,
                  rng: random.Random) -> StallRun:
     """One arrival of ``params`` (one request each) beside ``streams`` free streams on ``llm``."""
     from pagedserve.engine.grammar_matchers import GrammarCompiler
@@ -113,6 +115,6 @@ def run_arrivals(llm, kind: Arrivals, params: list, streams: int, before_tokens:
     during = [b - max(a, arrived_at) for t in times.values() for a, b in zip(t, t[1:]) if b > arrived_at]
     builds = [seconds for _, seconds in compiles.calls[n_before:]]
     b, d = latency_stats(before), latency_stats(during)
-    return StallRun(kind.value, b.median_ms, b.p99_ms, d.median_ms, d.p99_ms, 1000 * max(during),
+    return StallRun(kind.value, repeat, b.median_ms, b.p99_ms, d.median_ms, d.p99_ms, 1000 * max(during),
                     1000 * (max(t[0] for t in arrived.values()) - arrived_at), 1000 * sum(builds),
                     1000 * max(builds, default=0.0))
