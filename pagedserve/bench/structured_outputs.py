@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
 def print_report(report: dict, args: argparse.Namespace) -> None:
     """The three tables of ``report`` (the dict written with --result-json)."""
-    print(f"\nStructured outputs, {report['free']['output_tokens']} output tokens over {args.num_prompts} requests, "
+    print(f"\nStructured outputs, {report['passes'][0]['output_tokens']} output tokens over {args.num_prompts} requests a pass, "
           f"schema {report['schema']} ({machine_line(report['machine'])})")
     print(format_table(["pass", "elapsed s", "output tok/s"],
                        [[p["system"], p["elapsed_s"], p["output_tokens_per_s"]] for p in report["passes"]]))
