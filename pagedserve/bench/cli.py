@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.bench import (grammar_engines, kv, kv_features, long_prompt_itl, overhead, peers, pipeline_parallel, placement,
-                              profile, profile_workload, serve, tensor_parallel, throughput, token_budget)
+                              profile, profile_workload, serve, structured_outputs, tensor_parallel, throughput,
+                              token_budget)
 
 
 def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
@@ -20,6 +21,7 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
                            "utilization. Each prints a table and writes every figure with --result-json.")
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for module in (serve, throughput, peers, overhead, kv, profile, profile_workload, token_budget,
-                   long_prompt_itl, tensor_parallel, placement, pipeline_parallel, grammar_engines):
+                   long_prompt_itl, tensor_parallel, placement, pipeline_parallel, grammar_engines,
+                   structured_outputs):
         module.add_parser(commands)
     kv_features.add_parsers(commands)

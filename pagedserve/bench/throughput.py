@@ -79,21 +79,23 @@ def add_plans_in_flight_argument(p: argparse.ArgumentParser) -> None:
                    help="engine: 2 overlaps scheduling with the model's step, 1 does not (default %(default)s)")
 
 
-def build_engine(model: Path, args: argparse.Namespace):
-    """The in-process engine (``pagedserve.llm.LLM``) with the limits, dtype and device in ``args``."""
+def build_engine(model: Path, args: argparse.Namespace, **options):
+    """The in-process engine (``pagedserve.llm.LLM``) with the limits, dtype and device in ``args``,
+    and any other ``LLM`` options (``enable_prefix_caching=False``)."""
     from pagedserve.llm import LLM
 
     return LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device,
                gemm_backend=args.gemm_backend, compile_mode=args.compile_mode,
-               max_plans_in_flight=args.max_plans_in_flight)
+               max_plans_in_flight=args.max_plans_in_flight, **options)
 
 
 def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],
-                outputs: list[list[int]] | None = None) -> ThroughputRun:
+                outputs: list[list[int]] | None = None, structured_output=None) -> ThroughputRun:
     """All requests submitted at once to ``llm`` (greedy, EOS ignored, each its own output length);
     wall time until the last one finishes, seconds. ``outputs``, when given, receives each request's
-    generated token ids, in request order."""
+    generated token ids, in request order; ``structured_output`` (a ``StructuredOutput``), when
+    given, constrains every request."""
     from tqdm import tqdm
 
     from pagedserve.engine.sampling_params import SamplingParams
@@ -103,7 +105,7 @@ def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],
     with tqdm(total=total, desc="pagedserve", unit="tok") as bar:
         start = time.perf_counter()
         order = [llm.add_request(ids, SamplingParams(max_tokens=r.expected_output_len, temperature=0.0,
-                                                     ignore_eos=True)) for ids, r in zip(prompts, requests)]
+                                                     ignore_eos=True, structured_output=structured_output)) for ids, r in zip(prompts, requests)]
         produced = 0
         while llm.has_unfinished_requests():
             for item in llm.step():

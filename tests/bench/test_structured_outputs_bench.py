@@ -1,0 +1,49 @@
+"""Smoke run of `bench structured-outputs` on a tiny workload: the report's fields are present and
+consistent. (Benchmarks themselves do not run in CI.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.model]
+
+
+def test_structured_outputs_report(tmp_path, small_model):
+    out = tmp_path / "so.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedserve", "bench", "structured-outputs", "--model", str(small_model),
+         "--dataset-name", "random", "--num-prompts", "3", "--input-len", "8", "--output-len", "5",
+         "--kv-cache-memory", "64MiB", "--streams", "2", "--arrivals", "2", "--before-tokens", "2",
+         "--arrival-tokens", "2", "--repeats", "2", "--result-json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    passes = report["passes"]
+    assert [p["system"] for p in passes] == ["free", "json schema", "json schema", "free"]  # ABBA, --repeats 2
+    assert all(p["output_tokens"] == 15 for p in passes)  # 3 requests x 5 tokens, EOS ignored
+    for side, system in (("free", "free"), ("constrained", "json schema")):
+        assert report[side]["output_tokens"] == 30
+        assert report[side]["elapsed_s"] == pytest.approx(sum(p["elapsed_s"] for p in passes if p["system"] == system))
+    assert report["ratio"] == pytest.approx(report["constrained"]["output_tokens_per_s"]
+                                            / report["free"]["output_tokens_per_s"])
+    assert set(report["grammar_share_of_constrained_passes"]) == {"mask", "advance", "build"}
+    assert 0 < sum(report["grammar_share_of_constrained_passes"].values()) < 1
+    assert [m["batch"] for m in report["mask"]] == [1, 3]
+    for m in report["mask"]:
+        assert m["steps"] >= 1
+        assert m["us_per_row"] == pytest.approx(1000 * m["ms_per_step_mean"] / m["batch"])
+    assert len(report["gateway_check_ms"]) == 4  # 2 fresh schemas per repeat
+    stalls = report["compile_stall"]
+    assert [(s["arrivals"], s["repeat"]) for s in stalls] == [(k, r) for r in (0, 1) for k in ("free", "cold", "warm")]
+    for free, cold, warm in (stalls[:3], stalls[3:]):
+        assert free["worker_compile_ms"] == 0  # no structure, no matcher
+        assert cold["longest_compile_ms"] > warm["longest_compile_ms"]  # the worker's cache serves the second
+    for s in stalls:
+        assert s["during_p50_ms"] <= s["during_p99_ms"] <= s["longest_gap_ms"]
+        assert s["before_p50_ms"] <= s["before_p99_ms"]
+        assert s["longest_compile_ms"] <= s["worker_compile_ms"]
+    assert "ratio json schema / free" in result.stdout
