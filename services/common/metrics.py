@@ -36,6 +36,7 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 
 from pagedserve.options import option
 
@@ -64,6 +65,17 @@ QUEUE_GAUGES = (("vllm:num_requests_running", "Number of requests in model execu
                 ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."))
 """(name, help) of the gauges of running requests, waiting requests and KV-cache usage: the
 schedulers' own, and the sums the gateway's HTTP ``/metrics`` offers (``gateway/cluster_metrics.py``)."""
+
+
+def queue_gauges(running: float, waiting: float, kv_usage: float, model_name: str) -> list[GaugeMetricFamily]:
+    """The ``QUEUE_GAUGES`` families with these values (requests running and waiting, KV-cache usage
+    0..1), labelled with ``model_name``."""
+    families = []
+    for (name, doc), value in zip(QUEUE_GAUGES, (running, waiting, kv_usage)):
+        family = GaugeMetricFamily(name, doc, labels=[MODEL_NAME])
+        family.add_metric([model_name], value)
+        families.append(family)
+    return families
 
 
 def kv_cache_usage(workers: Iterable[Any]) -> float:

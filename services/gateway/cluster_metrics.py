@@ -19,7 +19,7 @@ import grpc
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from services.common.metrics import MODEL_NAME, QUEUE_GAUGES, kv_cache_usage
+from services.common.metrics import kv_cache_usage, queue_gauges
 from services.common.pb import engine_pb2 as pb
 from services.gateway.scheduler_link import SchedulerLink
 
@@ -48,13 +48,8 @@ def cluster_gauges(stats: list[pb.SchedulerStats], model_name: str) -> list[Gaug
     """``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (sums over ``stats``) and
     ``vllm:kv_cache_usage_perc`` (0..1, over the distinct workers of ``stats``)."""
     workers = {w.worker_id: w for s in stats for w in s.workers}
-    values = (sum(s.num_running for s in stats), sum(s.num_waiting for s in stats), kv_cache_usage(workers.values()))
-    families = []
-    for (name, doc), value in zip(QUEUE_GAUGES, values):
-        family = GaugeMetricFamily(name, doc, labels=[MODEL_NAME])
-        family.add_metric([model_name], value)
-        families.append(family)
-    return families
+    return queue_gauges(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
+                        kv_cache_usage(workers.values()), model_name)
 
 
 class _Families:

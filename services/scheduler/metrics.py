@@ -27,7 +27,7 @@ from pagedserve.engine.config import SchedulerStats
 from pagedserve.engine.messages import BatchPlan
 from pagedserve.engine.outputs import RequestOutput
 from services.common.metrics import (
-    MODEL_NAME, PLAN_BYTES_BUCKETS, QUEUE_GAUGES, REQUEST_LATENCY_BUCKETS_S, kv_cache_usage, new_registry,
+    MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, kv_cache_usage, new_registry, queue_gauges,
     refused_records_counter,
 )
 from services.common.signed_records import RecordKind
@@ -57,11 +57,7 @@ class StatsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         stats, model = self._snapshot()
-        values = (stats.num_running, stats.num_waiting, kv_cache_usage(stats.workers))
-        for (name, doc), value in zip(QUEUE_GAUGES, values):
-            family = GaugeMetricFamily(name, doc, labels=[MODEL_NAME])
-            family.add_metric([model], value)
-            yield family
+        yield from queue_gauges(stats.num_running, stats.num_waiting, kv_cache_usage(stats.workers), model)
         counters = (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                      stats.prefix_cache_queries),
                     ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
