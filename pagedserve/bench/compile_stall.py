@@ -49,7 +49,7 @@ class StallRun:
         during_p50_ms, during_p99_ms: after it, until every arrival has its tokens.
         longest_gap_ms: the longest gap of any stream after the arrival.
         arrival_ttft_max_ms: from the arrival to the last arrival's first token.
-        worker_compile_ms: time the worker spent building matchers (``GrammarCompiler.matcher``)
+        worker_compile_ms: time the worker spent building grammars (``GrammarCompiler._new_pristine``)
             after the arrival, all arrivals together.
         longest_compile_ms: the slowest of those builds.
     """
@@ -100,7 +100,7 @@ def run_arrivals(llm, kind: Arrivals, repeat: int, params: list, streams: int, b
     times: dict[str, list[float]] = {llm.add_request(prompt(), free): [] for _ in range(streams)}
     arrived: dict[str, list[float]] = {}
     arrived_at = 0.0
-    with CallTimer(GrammarCompiler, "matcher") as compiles:
+    with CallTimer(GrammarCompiler, "_new_pristine" if hasattr(GrammarCompiler, "_new_pristine") else "matcher") as compiles:  # on the compile thread, or the model thread
         while not arrived or any(len(t) < arrival_tokens for t in arrived.values()):
             outputs = llm.step()
             now = time.perf_counter()

@@ -17,15 +17,25 @@ send them), so :meth:`Engine.arrived` holds an answer until those before it are 
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 from collections import Counter, deque
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Collection, Mapping, Sequence as Seq
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedserve.engine.messages import BatchPlan, EngineRequest, SequenceId, StepResult
+from pagedserve.engine.grammar_matchers import GrammarError
+from pagedserve.engine.messages import BatchPlan, EngineRequest, RequestError, ResumedSample, SequenceId, StepResult
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.structured_output import StructuredOutput
+
+log = logging.getLogger("pagedserve.scheduler")
+
+GRAMMAR_WAIT_S = 0.1
+"""Longest :meth:`Engine.step` waits for a grammar when only held requests are left (seconds)."""
 
 
 class StepFailed(Exception):
@@ -42,11 +52,44 @@ class Executor(Protocol):
 
     def submit(self, worker_id: str, plan: BatchPlan) -> Future[StepResult]: ...
 
+    def prepare(self, structure: StructuredOutput) -> Future[None]:
+        """Has every worker build ``structure``'s grammar; the future is done when all have (it
+        raises ``GrammarError`` if the grammar does not build)."""
+        ...
+
 
 class PlanRunner(Protocol):
     """A worker's model runner as seen by the engine (``pagedserve.engine.model_runner.ModelRunner``)."""
 
     def execute(self, plan: BatchPlan) -> StepResult: ...
+
+    def prepare(self, structure: StructuredOutput) -> Future[None]:
+        """Builds ``structure``'s grammar off the model thread (``GrammarCompiler.prepare``)."""
+        ...
+
+
+def gather(futures: Collection[Future[None]]) -> Future[None]:
+    """A future done when all of ``futures`` are; it raises the first of their exceptions, if any."""
+    combined: Future[None] = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_future: Future[None]) -> None:
+        with lock:
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            combined.set_exception(errors[0])
+        else:
+            combined.set_result(None)
+
+    if not futures:
+        combined.set_result(None)
+    for future in futures:
+        future.add_done_callback(one_done)
+    return combined
 
 
 class LocalExecutor:
@@ -61,6 +104,10 @@ class LocalExecutor:
     def submit(self, worker_id: str, plan: BatchPlan) -> Future[StepResult]:
         """Queues ``plan`` on its worker's thread. Raises KeyError for an unknown worker."""
         return self._threads[worker_id].submit(self.runners[worker_id].execute, plan)
+
+    def prepare(self, structure: StructuredOutput) -> Future[None]:
+        """See :meth:`Executor.prepare`."""
+        return gather([runner.prepare(structure) for runner in self.runners.values()])
 
     def shutdown(self) -> None:
         """Stops the threads once the plans queued have run."""
@@ -102,10 +149,40 @@ class Engine:
         self.executor = executor
         self._in_flight: deque[SentPlan] = deque()  # plans sent and not yet applied, oldest first
         self._arrived: set[SentPlan] = set()  # answered, waiting for an older plan of their session
+        self._grammars: dict[str, Future[None]] = {}  # request id -> its grammar's build on the workers
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queues a request (see ``Scheduler.add_request``)."""
+        """Queues a request (see ``Scheduler.add_request``). One with a structured output is held
+        until every worker has built its grammar (``Executor.prepare``), so that no step's model
+        thread stops to compile it; one whose grammar does not build ends with INVALID_ARGUMENT."""
         self.scheduler.add_request(request)
+        self._prepare(request)
+
+    def resume_request(self, request: EngineRequest, resumed: Seq[ResumedSample]) -> None:
+        """Takes over a request another scheduler ran (see ``Scheduler.resume_request``); held
+        for its grammar as in :meth:`add_request`."""
+        self.scheduler.resume_request(request, resumed)
+        self._prepare(request)
+
+    def _prepare(self, request: EngineRequest) -> None:
+        structure = request.sampling.structured_output
+        if structure is not None:
+            self.scheduler.hold_request(request.request_id)
+            self._grammars[request.request_id] = self.executor.prepare(structure)
+
+    def _release_built(self) -> list[RequestOutput]:
+        """Queues the held requests whose grammar is built; ends those whose grammar failed."""
+        outputs: list[RequestOutput] = []
+        for request_id in [r for r, f in self._grammars.items() if f.done()]:
+            error = self._grammars.pop(request_id).exception()
+            if isinstance(error, GrammarError):
+                outputs += self.scheduler.abort_request(request_id, RequestError(
+                    ErrorKind.INVALID_ARGUMENT, f"structured_output: {error}"))
+                continue
+            if error is not None:  # a worker that did not answer builds it when the request arrives
+                log.warning("request %s: a worker did not build its grammar in advance (%s)", request_id, error)
+            self.scheduler.release_request(request_id)
+        return outputs
 
     def abort_request(self, request_id: str) -> list[RequestOutput]:
         """Stops every sample of a request and frees its blocks; returns the final outputs of the
@@ -126,7 +203,7 @@ class Engine:
     def send_plans(self) -> Dispatch:
         """Sends each worker plans until its session has ``max_plans_in_flight`` unanswered."""
         most = self.scheduler.config.max_plans_in_flight
-        outputs: list[RequestOutput] = []
+        outputs = self._release_built()
         sent: list[SentPlan] = []
         for _ in range(most):
             unanswered = Counter(s.plan.session_id for s in self._in_flight)
@@ -194,6 +271,8 @@ class Engine:
         outputs = self.send_plans().outputs
         if self._in_flight:
             outputs += self.apply(self._in_flight[0])
+        elif self._grammars:  # only held requests: wait a little for a grammar instead of spinning
+            wait(list(self._grammars.values()), timeout=GRAMMAR_WAIT_S, return_when=FIRST_COMPLETED)
         while self._in_flight and not self.scheduler.has_unfinished_requests():
             outputs += self.apply(self._in_flight[0])  # steps run ahead for sequences that have finished since
         return outputs

@@ -4,21 +4,26 @@ A matcher (llguidance's ``LLMatcher``) knows which tokens may come next; it adva
 token the sequence samples. It is rebuilt, never shipped: a sequence the worker gets in full (new,
 recomputed after preemption, swapped back in, a forked sample, or resumed on another worker or
 scheduler) replays the output tokens the plan carries (:meth:`GrammarCompiler.matcher`).
-llguidance builds lexer and parser states lazily while it computes masks, so no compile stalls
-a step; the grammar text of each spec is cached under the spec's hash (``cache_key``), with a
-pristine matcher to copy.
+
+Building a matcher compiles the grammar (25-45 ms for a large JSON schema on 2 CPU cores, holding
+the GIL); a pristine matcher per spec is cached under the spec's hash (``cache_key``) to copy. The
+engine asks for the build before it admits a request (:meth:`GrammarCompiler.prepare`, a thread of
+its own; vLLM's requests likewise wait for their grammar in the queue), so a step's model thread
+finds it built; llguidance builds lexer and parser states lazily while it computes masks.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from pagedserve.engine.request_errors import InvalidRequestError
 from pagedserve.engine.structured_output import StructuredOutput
 from pagedserve.engine.token_bitmask import allocate_bitmask, apply_bitmask
 
@@ -26,8 +31,15 @@ log = logging.getLogger("pagedserve.worker")
 
 
 class GrammarError(RuntimeError):
-    """A matcher failed to build (the request's spec was checked at the gateway, so this is a
-    defect, not bad input)."""
+    """A matcher failed to build: a spec that passed the gateway's check but not llguidance's
+    compiler (the request ends with INVALID_ARGUMENT), or did not build in time."""
+
+
+def built() -> Future[None]:
+    """A future that is already done: nothing to build."""
+    done: Future[None] = Future()
+    done.set_result(None)
+    return done
 
 
 class GrammarCompiler:
@@ -47,11 +59,14 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
         self._pristine: OrderedDict[str, object] = OrderedDict()
+        self._building: dict[str, Future[None]] = {}  # cache key -> its build on the compile thread
+        self._lock = threading.Lock()  # guards both: the model thread reads, the compile thread writes
         # llguidance's view of the vocabulary takes about half a second: built in the background from
         # the start, so that the first structured request does not stall a step for it
         builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-vocabulary")
         self._tokenizer = builder.submit(self._build_tokenizer)
         builder.shutdown(wait=False)  # its thread ends with the build
+        self._compile_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     def _build_tokenizer(self):
         import llguidance
@@ -62,29 +77,73 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary (waits for its build, started with the compiler)."""
         return self._tokenizer.result()
 
+    def prepare(self, structure: StructuredOutput) -> Future[None]:
+        """Builds ``structure``'s pristine matcher on the compile thread, unless it is cached or
+        being built; returns the build's future (done at once for a cached spec).
+
+        The future raises :class:`GrammarError` if the grammar does not build.
+        """
+        key = structure.cache_key
+        with self._lock:
+            if key in self._pristine:
+                return built()
+            if key not in self._building:
+                self._building[key] = self._compile_thread.submit(self._build, structure)
+            return self._building[key]
+
     def matcher(self, structure: StructuredOutput, output_token_ids: Sequence[int] = ()):
-        """A matcher for ``structure`` that has consumed ``output_token_ids`` (a replay).
+        """A matcher for ``structure`` that has consumed ``output_token_ids`` (a replay). Copies the
+        cached pristine matcher; waits for its build if one is under way, builds it here if not
+        (a spec nobody prepared: a resumed request, a worker that joined after its admission).
 
         Raises:
             GrammarError: the grammar does not build (replayed tokens that do not match leave the
                 matcher in its error state: see :func:`advance`).
         """
-        import llguidance
-
         key = structure.cache_key
-        pristine = self._pristine.get(key)
+        with self._lock:
+            pristine = self._pristine.get(key)
+            building = self._building.get(key)
+            if pristine is not None:
+                self._pristine.move_to_end(key)
         if pristine is None:
-            pristine = llguidance.LLMatcher(self._llg_tokenizer(), structure.grammar(), log_level=0)
-            if pristine.is_error():
-                raise GrammarError(f"structured output does not build: {pristine.get_error()}")
-            self._pristine[key] = pristine
-            while len(self._pristine) > self.cache_size:
-                self._pristine.popitem(last=False)
-        self._pristine.move_to_end(key)
+            if building is not None:
+                building.result()
+            else:
+                self._build(structure)
+            with self._lock:
+                pristine = self._pristine.get(key)
+        if pristine is None:  # evicted by 128 other specs meanwhile
+            pristine = self._new_pristine(structure)
         matcher = pristine.deep_copy()
         for token_id in output_token_ids:
             advance(matcher, token_id)
         return matcher
+
+    def _build(self, structure: StructuredOutput) -> None:
+        """Builds and caches ``structure``'s pristine matcher (on any thread; GrammarError if it fails)."""
+        key = structure.cache_key
+        try:
+            pristine = self._new_pristine(structure)
+            with self._lock:
+                self._pristine[key] = pristine
+                while len(self._pristine) > self.cache_size:
+                    self._pristine.popitem(last=False)
+        finally:
+            with self._lock:
+                self._building.pop(key, None)
+
+    def _new_pristine(self, structure: StructuredOutput):
+        import llguidance
+
+        try:
+            grammar = structure.grammar()
+        except InvalidRequestError as exc:
+            raise GrammarError(f"structured output does not build: {exc}") from None
+        pristine = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if pristine.is_error():
+            raise GrammarError(f"structured output does not build: {pristine.get_error()}")
+        return pristine
 
 
 def advance(matcher, token_id: int) -> None:
@@ -92,14 +151,22 @@ def advance(matcher, token_id: int) -> None:
     EOS, which the scheduler stops at, or tokens past ``ignore_eos``).
 
     A token the matcher refuses (a replayed output that does not match, or a grammar past
-    llguidance's limits) leaves it in its error state, where it allows only EOS: the sequence
-    ends there, and nothing else in the step fails.
+    llguidance's limits) leaves it in its error state, where it allows only EOS: the token drawn
+    next carries the error (:func:`failure`), which ends the sequence; nothing else in the step fails.
     """
     if matcher.is_stopped():
         return
     if not matcher.consume_token(token_id):
-        log.warning("a structured output's grammar refused token %d (%s); the sequence ends with EOS",
+        log.warning("a structured output's grammar refused token %d (%s); the sequence ends with an error",
                     token_id, matcher.get_error()[:200])
+
+
+def failure(matcher) -> str | None:
+    """Why ``matcher`` (or ``None``) is in its error state, where it allows only EOS; ``None`` if
+    it is not: the first line of llguidance's message, which names the limit or the refused token."""
+    if matcher is None or not matcher.is_error():
+        return None
+    return "the structured output's grammar failed: " + matcher.get_error().splitlines()[0][:300]
 
 
 def mask_grammar(logits: torch.Tensor, matchers: Sequence[object | None]) -> None:

@@ -228,6 +228,9 @@ class SampledToken:
             tokens of a prompt with ``n > 1``, which start samples 0..n-1 (``n`` tokens from the
             prompt's logits, one per sample).
         logprobs: when the request asks for ``logprobs``: the token's logprob, rank and top alternatives.
+        grammar_error: set when the sequence's grammar matcher had failed before this token was
+            drawn (a parser limit, or a replayed output it refused): the token is not the
+            structure's, and the sequence ends with this message (INVALID_ARGUMENT).
     """
 
     seq_id: SequenceId
@@ -235,6 +238,7 @@ class SampledToken:
     logprob: float
     sample_index: int = 0
     logprobs: TokenLogprobs | None = None
+    grammar_error: str | None = None
 
     @property
     def request_id(self) -> str:

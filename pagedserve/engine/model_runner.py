@@ -10,6 +10,7 @@ flat batch, longest context first, so attention can batch them; results return i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -20,10 +21,11 @@ from pagedserve.engine.messages import (BatchPlan, CachedRequestData, NewRequest
 from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
 from pagedserve.engine.attention import AttentionBackend, build_attention_metadata, compute_positions
 from pagedserve.engine.attention.step import StepAttention
-from pagedserve.engine.grammar_matchers import GrammarCompiler, advance
+from pagedserve.engine.grammar_matchers import GrammarCompiler, advance, built, failure
 from pagedserve.engine.kv_cache import KVCache
 from pagedserve.engine.logprobs import PromptChunk, prompt_logprobs
 from pagedserve.engine.penalties import TokenHistory
+from pagedserve.engine.structured_output import StructuredOutput
 from pagedserve.engine.sampler import Sampler
 
 
@@ -160,6 +162,11 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
+    def prepare(self, structure: StructuredOutput) -> Future[None]:
+        """Builds ``structure``'s grammar on the compile thread (``GrammarCompiler.prepare``); done at
+        once on a rank that does not sample."""
+        return self.grammar.prepare(structure) if self.grammar is not None else built()
+
     def execute(self, plan: BatchPlan) -> StepResult:
         """Runs one iteration: drop finished requests, apply the plan, forward, sample.
 
@@ -259,12 +266,12 @@ class ModelRunner:
         out = self.sampler(logits, params, counts, histories, matchers)
         by_id: dict[SequenceId, list[SampledToken]] = {}
         for (s, index), token_id, logprob, entry in zip(samples, out.token_ids, out.logprobs, out.token_logprobs):
-            seq_id = s.state.seq_id
+            seq_id, error = s.state.seq_id, failure(s.state.matcher)
             if index == seq_id.sample_index:  # the sequence's own token (other ones start forked samples)
                 s.state.token_ids.append(token_id)
                 if s.state.matcher is not None:
                     advance(s.state.matcher, token_id)
-            by_id.setdefault(seq_id, []).append(SampledToken(seq_id, token_id, logprob, index, entry))
+            by_id.setdefault(seq_id, []).append(SampledToken(seq_id, token_id, logprob, index, entry, error))
         return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())], prompt
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:

@@ -30,6 +30,7 @@ class RequestsInFlight:
     def __init__(self, policy: Policy) -> None:
         self.sequences: dict[SequenceId, Sequence] = {}
         self.waiting = policy.make_queue()
+        self.held: dict[str, None] = {}  # ids of the requests held for their grammar, oldest first
         self._forks = Forks()
 
     def add(self, request: EngineRequest) -> None:
@@ -62,6 +63,29 @@ class RequestsInFlight:
             self.sequences[seq.seq_id] = seq
             self.waiting.push_preempted(seq)
         self._forks.adopt(request, sequences)
+
+    def hold(self, request_id: str) -> None:
+        """Takes the request's waiting samples out of the queue until :meth:`release` (their
+        grammar is being built); their status says so."""
+        for seq_id in self.sample_ids(request_id):
+            seq = self.sequences.get(seq_id)
+            if seq is not None and seq.status is SequenceStatus.WAITING:
+                self.waiting.remove(seq_id)
+                seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+                self.held[request_id] = None
+
+    def release(self, request_id: str) -> None:
+        """Queues the samples :meth:`hold` took out (behind later arrivals when they have no
+        output yet; ahead of them, like preempted ones, when they do: a resumed request)."""
+        self.held.pop(request_id, None)
+        held = [self.sequences[i] for i in self.sample_ids(request_id)
+                if i in self.sequences and self.sequences[i].status is SequenceStatus.WAITING_FOR_GRAMMAR]
+        for seq in held:
+            seq.status = SequenceStatus.WAITING
+        for seq in reversed([s for s in held if s.num_output_tokens]):  # sample 0 ends up first
+            self.waiting.push_preempted(seq)
+        for seq in [s for s in held if not s.num_output_tokens]:
+            self.waiting.push(seq)
 
     def has_request(self, request_id: str) -> bool:
         """Whether any sample of request ``request_id`` is still in flight."""
@@ -114,3 +138,7 @@ class RequestsInFlight:
         seq.status, seq.finish_reason, seq.worker_id = SequenceStatus.FINISHED, reason, None
         del self.sequences[seq.seq_id]
         self._forks.finished(seq)
+        if seq.request_id in self.held and not any(
+                self.sequences[i].status is SequenceStatus.WAITING_FOR_GRAMMAR
+                for i in self.sample_ids(seq.request_id) if i in self.sequences):
+            del self.held[seq.request_id]

@@ -1,14 +1,11 @@
 """Iteration-level scheduling (Orca, Yu et al., OSDI 2022, §3) over paged KV blocks (vLLM).
 
-Each iteration, per worker: running sequences that decode get their token first, then running
-sequences in the middle of a chunked prefill get the next chunk; when blocks run out, the last
-running sequence in the policy's order is preempted (by recompute, or by swapping its blocks to
-CPU memory). Prefill chunks beside decodes are sized so that the step stays within
-``max_decode_slowdown`` times the decodes' own time (``step_cost``, ``PlanDraft.chunk_tokens``).
-Then swapped-out sequences come back, and waiting sequences are admitted in the policy's order
-onto the worker that holds most of their prompt's prefix, balanced against its load (or the one
-with the most free blocks: ``SchedulerConfig.placement``, ``worker_pool``), taking cached prefix
-blocks first, under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
+Each iteration, per worker: decodes first, then the next chunks of chunked prefills (sized so the
+step stays within ``max_decode_slowdown`` times the decodes' own time: ``step_cost``); when blocks
+run out, the last running sequence in the policy's order is preempted (recompute, or swap to CPU).
+Then swapped-out sequences come back, and waiting ones are admitted in the policy's order onto the
+worker that holds most of their prompt's prefix, balanced against its load (``worker_pool``),
+under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ from pagedserve.engine.messages import (CachedRequestData, EngineRequest, Finish
 from pagedserve.engine.outputs import RequestOutput, SchedulerOutput
 from pagedserve.engine.limits import LOST_TOKEN_ERROR, num_new_tokens, worker_loss_error
 from pagedserve.engine.policy import POLICIES
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.requests_in_flight import RequestsInFlight
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_pool import WorkerPool
@@ -97,6 +95,15 @@ class Scheduler:
         :meth:`RequestsInFlight.resume` (ValueError if it is in flight or ``resumed`` does not fit)."""
         self._requests.resume(request, resumed)
 
+    def hold_request(self, request_id: str) -> None:
+        """Keeps a queued (or resumed) request from admission until :meth:`release_request` (its
+        grammar is being built: ``Engine.add_request``); it counts as waiting, and aborts as such."""
+        self._requests.hold(request_id)
+
+    def release_request(self, request_id: str) -> None:
+        """Queues a held request for admission (nothing if it is not held: aborted meanwhile)."""
+        self._requests.release(request_id)
+
     def abort_request(self, request_id: str, error: RequestError | None = None) -> list[RequestOutput]:
         """Finishes every sample of a request now and frees their blocks.
 
@@ -124,8 +131,9 @@ class Scheduler:
         return self._requests.has_request(request_id)
 
     def waiting_requests(self) -> list[str]:
-        """Ids of the requests with a sample waiting to be admitted, in queue order."""
-        return self._requests.waiting_requests()
+        """Ids of the requests with a sample waiting to be admitted, in queue order, then those
+        held for their grammar."""
+        return list(dict.fromkeys(self._requests.waiting_requests() + list(self._requests.held)))
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight."""
@@ -176,6 +184,10 @@ class Scheduler:
                     seq = self._requests.add_child(seq, sampled.sample_index)
                 else:
                     seq.token_arrived()  # even if preempted meanwhile: the token was computed right
+                if sampled.grammar_error is not None:  # the token is not the structure's: the sample ends
+                    outputs += self.abort_sample(seq.seq_id, RequestError(ErrorKind.INVALID_ARGUMENT,
+                                                                          sampled.grammar_error))
+                    continue
                 outputs.append(self._append(seq, sampled))
             for seq in self._requests.lost_tokens(worker_id, result.step_id, sampling):  # none will come
                 outputs += self.abort_sample(seq.seq_id, LOST_TOKEN_ERROR)
@@ -186,7 +198,8 @@ class Scheduler:
         return self._workers.cached_digests()
 
     def stats(self) -> SchedulerStats:
-        return self._workers.stats(len(self._requests.waiting), self._step_id, self._num_preemptions,
+        num_waiting = len(self._requests.waiting) + len(self._requests.held)
+        return self._workers.stats(num_waiting, self._step_id, self._num_preemptions,
                                    self._num_swap_preemptions)
 
     # ---- policy pieces -------------------------------------------------------------------

@@ -10,6 +10,8 @@ from pagedserve.engine.sampling_params import EngineSamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and queued again; holds no blocks
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its structured output's grammar is being built: not
+                                                 # queued yet, holds no blocks (``Scheduler.hold_request``)
     RUNNING = "running"  # placed on a worker, holds blocks there
     SWAPPED = "swapped"  # preempted by swapping: its blocks wait in its worker's CPU memory
     FINISHED = "finished"

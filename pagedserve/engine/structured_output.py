@@ -19,6 +19,8 @@ from pagedserve.engine.request_errors import InvalidRequestError
 
 MAX_SPEC_BYTES = 64 * 1024
 """Largest spec accepted (UTF-8 bytes of the schema, regex or grammar text, or of the choices together)."""
+GRAMMAR_BUILD_TIMEOUT_S = 30.0
+"""Longest a worker may take to build a request's grammar before the request fails (seconds)."""
 JSON_OPTIONS = {"whitespace_flexible": False}
 """llguidance's JSON compile options: compact JSON (``,`` and ``:``, no free whitespace), so that a
 small model cannot fill its output with newlines between keys."""

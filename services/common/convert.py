@@ -151,6 +151,8 @@ def step_result_to_pb(result: StepResult) -> pb.StepResult:
                               sample_index=s.sample_index)
         if s.logprobs is not None:
             msg.logprobs.CopyFrom(token_logprobs_to_pb(s.logprobs))
+        if s.grammar_error is not None:
+            msg.grammar_error = s.grammar_error
         sampled.append(msg)
     return pb.StepResult(step_id=result.step_id, sampled=sampled,
                          prompt_logprobs=[prompt_logprobs_to_pb(c) for c in result.prompt_logprobs])
@@ -161,7 +163,8 @@ def step_result_from_pb(msg: pb.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id,
         sampled=tuple(SampledToken(_seq_from_pb(s.seq_id), s.token_id, s.logprob, s.sample_index,
-                                   token_logprobs_from_pb(s.logprobs) if s.HasField("logprobs") else None)
+                                   token_logprobs_from_pb(s.logprobs) if s.HasField("logprobs") else None,
+                                   s.grammar_error if s.HasField("grammar_error") else None)
                       for s in msg.sampled),
         prompt_logprobs=tuple(prompt_logprobs_from_pb(c) for c in msg.prompt_logprobs),
     )

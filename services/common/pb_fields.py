@@ -122,7 +122,7 @@ def _read(msg: Message, f: dataclasses.Field, pf: FieldDescriptor, owner: type) 
     if pf.has_presence and not msg.HasField(f.name):
         return dataclasses.MISSING
     if pf.message_type is not None:
-        return _union_from_pb(value, _field_class(owner, f))
+        return union_from_pb(value, _field_class(owner, f))
     return value
 
 
@@ -130,6 +130,13 @@ def _read(msg: Message, f: dataclasses.Field, pf: FieldDescriptor, owner: type) 
 def _type_hints(cls: type) -> dict[str, Any]:
     """``typing.get_type_hints(cls)``, evaluated once per class (it parses the annotations)."""
     return typing.get_type_hints(cls)
+
+
+def union_to_pb(value: Any, message_type: type[Message]) -> Message:
+    """A tagged-union dataclass (e.g. ``StructuredOutput``) as a message of one ``oneof``."""
+    msg = message_type()
+    _union_to_pb(value, msg)
+    return msg
 
 
 def _union_to_pb(value: Any, msg: Message) -> None:
@@ -141,7 +148,7 @@ def _union_to_pb(value: Any, msg: Message) -> None:
         setattr(msg, member.name, value.value)
 
 
-def _union_from_pb(msg: Message, cls: type) -> Any:
+def union_from_pb(msg: Message, cls: type) -> Any:
     """The tagged-union dataclass ``cls`` of a message of one oneof (``None`` when no member is set)."""
     (oneof,) = msg.DESCRIPTOR.oneofs
     name = msg.WhichOneof(oneof.name)

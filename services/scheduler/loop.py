@@ -69,7 +69,7 @@ class SchedulerLoop:
         self._peers_have_workers = False
         self._no_workers_since: float | None = time.monotonic()
         table = RequestTable(scheduler, self.streams, redis_writes.put, self.metrics, tracer)
-        self.requests = RequestIntake(config, scheduler, table, self.streams, redis_writes, self.metrics)
+        self.requests = RequestIntake(config, self.engine, table, self.streams, redis_writes, self.metrics)
         self._deliver = table.deliver
         self.error: Exception | None = None
         self._cache_snapshot = LoadSnapshot()

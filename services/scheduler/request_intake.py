@@ -8,7 +8,7 @@ import logging
 from pagedserve.engine.messages import EngineRequest, RequestError, SequenceId
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.request_errors import ErrorKind
-from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.engine import Engine
 from services.common.convert import output_to_pb, request_from_pb
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.commands import Resume
@@ -29,17 +29,19 @@ class RequestIntake:
 
     Args:
         config: the scheduler service's config (gateway grace, migration limit).
-        scheduler: the engine scheduler the running requests are in.
+        engine: the step driver (requests go in through it: one with a structured output waits
+            for its grammar) and its scheduler, which the running requests are in.
         table: the requests held.
         streams: the gateways' output queues.
         acks: acknowledges and hands off stream entries (never blocks).
         metrics: the scheduler's series.
     """
 
-    def __init__(self, config: SchedulerServiceConfig, scheduler: Scheduler, table: RequestTable,
+    def __init__(self, config: SchedulerServiceConfig, engine: Engine, table: RequestTable,
                  streams: GatewayStreams, acks: RedisWrites, metrics: SchedulerMetrics) -> None:
         self.config = config
-        self.scheduler = scheduler
+        self.engine = engine
+        self.scheduler = engine.scheduler
         self.table = table
         self.streams = streams
         self.acks = acks
@@ -104,7 +106,7 @@ class RequestIntake:
             self.table.await_resume(entry, request)
             self.streams.publish(entry.request.gateway_id, pb.TokenEventBatch(resume_queries=[resume_query(entry)]))
             return
-        self.scheduler.add_request(self.table.hold(entry, request))
+        self.engine.add_request(self.table.hold(entry, request))
         self._deliver([RequestOutput.taken(request.request_id)])
 
     def resume(self, command: Resume) -> None:
@@ -123,7 +125,7 @@ class RequestIntake:
                 f"--migration-limit {self.config.migration_limit}; retry")))
             return
         try:
-            self.scheduler.resume_request(request, resumed_samples_from_pb(message))
+            self.engine.resume_request(request, resumed_samples_from_pb(message))
         except ValueError as exc:  # the gateway's account does not fit the request: it cannot go on exactly
             command.done.set_exception(exc)
             self._fail(request.request_id, RequestError(ErrorKind.INVALID_ARGUMENT, f"cannot resume the request: {exc}"))

@@ -14,6 +14,10 @@ from services.common import telemetry
 from services.common.convert import plan_from_pb, step_result_to_pb
 from pagedserve.engine.messages import BatchPlan, SequenceId, StepResult
 from services.common.pb import engine_pb2 as pb
+from services.common.pb import generate_pb2 as gen_pb
+from services.common.pb_fields import union_from_pb
+from pagedserve.engine.grammar_matchers import GrammarError
+from pagedserve.engine.structured_output import StructuredOutput
 from services.common.pb import engine_pb2_grpc
 from pagedserve.engine.engine import PlanRunner
 from services.worker.metrics import WorkerMetrics
@@ -150,6 +154,20 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         except (ValueError, KeyError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"plan {plan.step_id} does not apply: {exc}")
         return step_result_to_pb(result)
+
+    def PrepareGrammar(self, request: gen_pb.StructuredOutput, context: grpc.ServicerContext) -> pb.GrammarBuilt:
+        """Builds a structured output's grammar on the runner's compile thread, answering once it
+        is built; INVALID_ARGUMENT if it does not build, DEADLINE_EXCEEDED past the caller's deadline."""
+        structure = union_from_pb(request, StructuredOutput)
+        if structure is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PrepareGrammar needs one structured output kind set")
+        try:
+            self._runner.prepare(structure).result(timeout=context.time_remaining())
+        except GrammarError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the grammar is still building")
+        return pb.GrammarBuilt()
 
     def _execute(self, plan: BatchPlan) -> StepResult:
         """Runs on the model thread, one plan at a time."""

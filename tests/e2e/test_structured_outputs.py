@@ -4,6 +4,7 @@ naming the field, on the session stack's real processes."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from typing import Literal
 
@@ -105,3 +106,37 @@ def test_http_bad_spec_is_400_naming_the_field(stack, default_model, body, param
                                                            "max_tokens": 4, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+WIDE_SCHEMA = {"type": "object", "properties": {f"key_{i}": {"type": "integer"} for i in range(600)},
+               "additionalProperties": False}
+
+
+@pytest.mark.parametrize("structured, reason", [
+    ({"grammar": "start: <|no_such_token|>"}, "unknown special token"),
+    ({"json": WIDE_SCHEMA}, "max is 2000"),
+], ids=["fails-to-build", "past-parser-limit"])
+def test_a_grammar_the_worker_cannot_run_is_400_and_spares_the_other_requests(stack, default_model, structured,
+                                                                               reason):
+    """Specs that pass the gateway's check (it has no vocabulary, and does not decode) but fail on
+    the worker: the request ends with 400 saying why, not with free text or a silent stop, and a
+    stream beside it is unchanged."""
+    body = {"model": default_model.name, "messages": QUESTION, "max_tokens": 40, "temperature": 0}
+    with httpx.Client(base_url=stack.http, timeout=120) as http:
+        alone = http.post("/v1/chat/completions", json={**body, "max_tokens": 16}).json()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            beside = pool.submit(http.post, "/v1/chat/completions", json={**body, "max_tokens": 16})
+            refused = http.post("/v1/chat/completions", json={**body, "structured_outputs": structured})
+            beside = beside.result().json()
+    assert refused.status_code == 400, refused.text
+    assert reason in refused.json()["error"]["message"], refused.text
+    assert beside["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
+
+
+def test_grpc_a_grammar_that_fails_to_build_is_invalid_argument(stack):
+    request = chat_request("Hi", max_tokens=4)
+    request.sampling_params.structured_output.grammar = "start: <|no_such_token|>"
+    with pytest.raises(grpc.RpcError) as info:
+        stream(stack.gateway, request)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown special token" in info.value.details(), info.value.details()

@@ -9,7 +9,9 @@ use the real model instead.
 """
 
 import math
+from concurrent.futures import Future
 
+from pagedserve.engine.grammar_matchers import built
 from pagedserve.engine.messages import BatchPlan, SampledToken, StepResult
 
 TOKEN_COUNTS_ONLY = {"max_decode_slowdown": math.inf}
@@ -37,6 +39,10 @@ class ScriptedRunner:
         self.plans: list[BatchPlan] = []
         self.device = {b: [None] * block_size for b in range(num_blocks)}
         self.cpu = {b: [None] * block_size for b in range(num_cpu_blocks)}
+
+    def prepare(self, structure) -> Future[None]:
+        """Builds no grammar: the scripted tokens ignore structures."""
+        return built()
 
     def execute(self, plan: BatchPlan) -> StepResult:
         self.plans.append(plan)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 
 import torch
@@ -25,6 +26,7 @@ from pagedserve.engine.parallel.pipeline_runner import start_pipeline_parallel_r
 from pagedserve.engine.parallel.rank import RankConfig, build_rank_runner
 from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement
 from pagedserve.engine.parallel.spawn import STOP, launch_ranks, stop_helpers
+from pagedserve.engine.structured_output import StructuredOutput
 
 _STEP = "step"
 
@@ -87,6 +89,10 @@ class TensorParallelRunner:
     @property
     def block_size(self) -> int:
         return self.runner.block_size
+
+    def prepare(self, structure: StructuredOutput) -> Future[None]:
+        """Rank 0 builds the grammar (the rank that samples: ``ModelRunner.prepare``)."""
+        return self.runner.prepare(structure)
 
     def execute(self, plan: BatchPlan) -> StepResult:
         """Hands ``plan`` to every rank and runs it; the StepResult is rank 0's.

@@ -37,6 +37,7 @@ from pagedserve.engine.parallel.pipeline import StageRunner
 from pagedserve.engine.parallel.rank import RankConfig, build_stage_runners
 from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement
 from pagedserve.engine.parallel.spawn import STOP, launch_ranks, stop_helpers
+from pagedserve.engine.structured_output import StructuredOutput
 
 _STATS = "stats"
 _RESULT, _BUSY = "result", "busy"
@@ -265,6 +266,11 @@ class VirtualEngine:
     @on_failure.setter
     def on_failure(self, callback: Callable[[], None] | None) -> None:
         self.pipeline.on_failure = callback  # e.g. a worker service stopping itself
+
+    def prepare(self, structure: StructuredOutput) -> Future[None]:
+        """The last stage's sampling rank builds the grammar, when it is in this process; a rank
+        elsewhere builds it when the request's first plan reaches it."""
+        return self.pipeline.runners[self.index].prepare(structure)
 
     def execute(self, plan: BatchPlan) -> StepResult:
         """See :meth:`PipelineParallelRunner.execute_on`."""

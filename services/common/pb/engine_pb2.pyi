@@ -185,6 +185,10 @@ class WorkerRegistration(_message.Message):
     signature: bytes
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
+class GrammarBuilt(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class SequenceId(_message.Message):
     __slots__ = ("request_id", "sample_index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -263,18 +267,20 @@ class BatchPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[_Union[SequenceId, _Mapping]]] = ..., blocks_to_swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., blocks_to_copy: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., session_id: _Optional[str] = ..., lease_epoch: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprob", "sample_index", "logprobs")
+    __slots__ = ("seq_id", "token_id", "logprob", "sample_index", "logprobs", "grammar_error")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_ERROR_FIELD_NUMBER: _ClassVar[int]
     seq_id: SequenceId
     token_id: int
     logprob: float
     sample_index: int
     logprobs: TokenLogprobs
-    def __init__(self, seq_id: _Optional[_Union[SequenceId, _Mapping]] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
+    grammar_error: str
+    def __init__(self, seq_id: _Optional[_Union[SequenceId, _Mapping]] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., sample_index: _Optional[int] = ..., logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., grammar_error: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled", "prompt_logprobs")

@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from services.common.pb import engine_pb2 as services_dot_common_dot_pb_dot_engine__pb2
+from services.common.pb import generate_pb2 as services_dot_common_dot_pb_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -39,6 +40,11 @@ class WorkerStub:
                 request_serializer=services_dot_common_dot_pb_dot_engine__pb2.BatchPlan.SerializeToString,
                 response_deserializer=services_dot_common_dot_pb_dot_engine__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.PrepareGrammar = channel.unary_unary(
+                '/pagedserve.engine.v1.Worker/PrepareGrammar',
+                request_serializer=services_dot_common_dot_pb_dot_generate__pb2.StructuredOutput.SerializeToString,
+                response_deserializer=services_dot_common_dot_pb_dot_engine__pb2.GrammarBuilt.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -51,6 +57,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrepareGrammar(self, request, context):
+        """Builds a structured output's grammar off the model thread, answering once it is built (the
+        scheduler holds the request until then); INVALID_ARGUMENT if it does not build.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +72,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=services_dot_common_dot_pb_dot_engine__pb2.BatchPlan.FromString,
                     response_serializer=services_dot_common_dot_pb_dot_engine__pb2.StepResult.SerializeToString,
+            ),
+            'PrepareGrammar': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrepareGrammar,
+                    request_deserializer=services_dot_common_dot_pb_dot_generate__pb2.StructuredOutput.FromString,
+                    response_serializer=services_dot_common_dot_pb_dot_engine__pb2.GrammarBuilt.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +106,33 @@ class Worker:
             '/pagedserve.engine.v1.Worker/Execute',
             services_dot_common_dot_pb_dot_engine__pb2.BatchPlan.SerializeToString,
             services_dot_common_dot_pb_dot_engine__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrepareGrammar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.engine.v1.Worker/PrepareGrammar',
+            services_dot_common_dot_pb_dot_generate__pb2.StructuredOutput.SerializeToString,
+            services_dot_common_dot_pb_dot_engine__pb2.GrammarBuilt.FromString,
             options,
             channel_credentials,
             insecure,
