@@ -1,0 +1,61 @@
+"""Drafting tokens by looking them up in the sequence itself: the n-gram (prompt lookup) proposer.
+
+Saxena, "Prompt Lookup Decoding" (2023), as vLLM's ``ngram`` speculative method: when the last
+``n`` tokens of a sequence (its prompt and output so far) occurred earlier in it, the tokens that
+followed that earlier occurrence are proposed as the next ones. Workloads that copy from their
+input (summarising, editing, answering from a document, code changes) repeat long runs, and each
+accepted draft is a token decoded without a step of its own. The longest ``n`` in
+``[min_n, max_n]`` that matches wins; among its matches, the latest one (the nearest context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    """Proposes up to ``num_speculative_tokens`` drafts per sequence.
+
+    Attributes:
+        num_speculative_tokens: most drafts per step (``k``), >= 1.
+        min_n: shortest suffix that may match, >= 1.
+        max_n: longest suffix tried first, >= ``min_n``.
+
+    Raises:
+        ValueError: bounds outside those.
+    """
+
+    num_speculative_tokens: int
+    min_n: int = 1
+    max_n: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1 or not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"n-gram proposer needs num_speculative_tokens >= 1 and 1 <= min_n <= max_n, got "
+                             f"{self.num_speculative_tokens}, {self.min_n}, {self.max_n}")
+
+    def propose(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
+        """The drafts for a sequence whose tokens so far are ``token_ids`` (none when no suffix of
+        length ``min_n``.. ``max_n`` occurred before).
+
+        Args:
+            token_ids: prompt then output ids, oldest first.
+            limit: at most this many drafts (e.g. what is left of ``max_tokens``); default ``k``.
+
+        Cost: ``O(len(token_ids) * max_n)`` comparisons at most per call.
+        """
+        wanted = self.num_speculative_tokens if limit is None else min(limit, self.num_speculative_tokens)
+        length = len(token_ids)
+        if wanted <= 0:
+            return []
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = list(token_ids[length - n:])
+            # latest earlier start of the suffix, not the suffix itself (start <= length - n - 1)
+            for start in range(length - n - 1, -1, -1):
+                if token_ids[start] == suffix[0] and list(token_ids[start:start + n]) == suffix:
+                    follow = list(token_ids[start + n:start + n + wanted])
+                    if follow:
+                        return follow
+        return []

@@ -1,0 +1,68 @@
+"""The rejection sampler keeps the target's distribution (a chi-square test on a tiny vocabulary,
+with a draft model's distributions and with one-hot n-gram drafts), is the argmax for greedy rows,
+and handles ragged draft counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.engine.spec_decode.rejection_sampler import rejection_sample
+
+VOCAB, K, TRIALS = 6, 3, 200_000
+CHI2_DF5_P0001 = 20.52  # chi-square critical value, 5 degrees of freedom, p = 0.001
+
+
+def chi_square(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    expected = expected_probs * observed.sum()
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def random_probs(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.softmax(2 * torch.randn(*shape, VOCAB, generator=generator), dim=-1)
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram"])
+def test_emitted_tokens_have_the_targets_distribution(draft):
+    g = torch.Generator().manual_seed(23)
+    p = random_probs(g, K + 1)                                           # one target distribution per position
+    q = random_probs(g, K)
+    target = p.expand(TRIALS, K + 1, VOCAB)
+    if draft == "model":
+        drafts = torch.stack([torch.multinomial(q[i], TRIALS, replacement=True, generator=g) for i in range(K)], 1)
+        draft_probs = q.expand(TRIALS, K, VOCAB)
+    else:  # a lookup proposes fixed tokens: the same ones every trial
+        drafts, draft_probs = torch.tensor([[1, 4, 2]]).expand(TRIALS, K), None
+    out = rejection_sample(target, drafts, torch.full((TRIALS,), K), torch.rand(TRIALS, K, generator=g),
+                           torch.rand(TRIALS, generator=g), draft_probs)
+    first = torch.tensor([t[0] for t in out.token_ids])
+    assert chi_square(torch.bincount(first, minlength=VOCAB).float(), p[0]) < CHI2_DF5_P0001
+    # given the first draft was accepted (only then is p[1] the right conditional), the second token ~ p[1]
+    second = torch.tensor([t[1] for t in out.token_ids if len(t) > 1])
+    assert len(second) > TRIALS // 10
+    assert chi_square(torch.bincount(second, minlength=VOCAB).float(), p[1]) < CHI2_DF5_P0001
+    accepted = torch.tensor(out.num_accepted)
+    assert accepted.min() >= 0 and accepted.max() == K and all(len(t) == a + 1 for t, a in zip(out.token_ids, out.num_accepted))
+
+
+def test_greedy_rows_emit_the_targets_argmax_tokens():
+    argmax = torch.tensor([[3, 1, 4, 0], [3, 1, 4, 5]])                  # two rows, target's argmax per position
+    target = torch.nn.functional.one_hot(argmax, VOCAB).float()
+    drafts = torch.tensor([[3, 1, 5], [3, 1, 4]])                          # row 0 wrong at its 3rd draft
+    out = rejection_sample(target, drafts, torch.tensor([3, 3]), torch.rand(2, K), torch.rand(2))
+    assert out.token_ids == [[3, 1, 4], [3, 1, 4, 5]] and out.num_accepted == [2, 3]
+
+
+def test_ragged_drafts_and_rows_without_drafts():
+    argmax = torch.tensor([[2, 2, 2, 2], [5, 0, 1, 1], [4, 3, 3, 3]])
+    target = torch.nn.functional.one_hot(argmax, VOCAB).float()
+    drafts = torch.tensor([[2, 2, 2], [5, 0, 0], [4, 3, 3]])
+    out = rejection_sample(target, drafts, torch.tensor([1, 2, 0]), torch.rand(3, K), torch.rand(3))
+    # row 0: its one draft accepted, then the token at position 1; row 1: both, then position 2; row 2: none
+    assert out.token_ids == [[2, 2], [5, 0, 1], [4]] and out.num_accepted == [1, 2, 0]
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="accept_uniforms"):
+        rejection_sample(torch.rand(2, K + 1, VOCAB), torch.zeros(2, K + 1, dtype=torch.long), torch.tensor([1, 1]),
+                         torch.rand(2, K), torch.rand(2))
