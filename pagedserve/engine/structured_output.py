@@ -124,6 +124,8 @@ def check_structured_output(structure: StructuredOutput) -> None:
     import llguidance
 
     error = llguidance.LLMatcher.validate_grammar(structure.grammar())
+    if error and "recursion limit exceeded" in error:  # llguidance's JSON parser stops at 128 levels
+        raise InvalidRequestError(name, f"is nested too deeply ({error.splitlines()[0][:200]})")
     if error:
         raise InvalidRequestError(name, error.splitlines()[0][:500])
 
@@ -143,16 +145,34 @@ def _load_json(text: str, name: str) -> object:
         raise InvalidRequestError(name, "is nested too deeply") from None
 
 
+KNOWN_METASCHEMAS = frozenset(f"json-schema.org/{draft}/schema" for draft in (
+    "draft-04", "draft-06", "draft-07", "draft/2019-09", "draft/2020-12"))
+"""The ``$schema`` drafts a schema may name (scheme and a trailing ``#`` aside); one naming another is
+refused (``jsonschema_rs`` would try to download it, llguidance refuses it)."""
+
+
 def _check_schema(text: str, name: str) -> None:
-    """Raises ``InvalidRequestError(name)`` unless ``text`` is a JSON schema (an object or a boolean)."""
-    import jsonschema
+    """Raises ``InvalidRequestError(name)`` unless ``text`` is a JSON schema (an object or a boolean)
+    that validates against its draft's meta-schema (``jsonschema_rs``: 0.3-0.6 ms for a 500-property
+    schema where the ``jsonschema`` package takes 100-300 ms of the gateway's CPU)."""
+    import jsonschema_rs
 
     schema = _load_json(text, name)
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError(name, f"must be a JSON object, got {type(schema).__name__}")
+    if isinstance(schema, dict) and not _known_metaschema(schema.get("$schema")):
+        raise InvalidRequestError(name, f"names $schema {str(schema['$schema'])[:100]!r}, which is not supported: "
+                                  "omit it, or name draft-04, -06, -07, 2019-09 or 2020-12")
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        raise InvalidRequestError(name, f"is not a valid JSON schema: {e.message}") from None
-    except RecursionError:
-        raise InvalidRequestError(name, "is nested too deeply") from None
+        jsonschema_rs.meta.validate(schema)
+    except jsonschema_rs.ValidationError as e:
+        where = "/".join(str(p) for p in e.instance_path)
+        raise InvalidRequestError(name, f"is not a valid JSON schema: {e.message}" + (f" (at {where})" if where else "")
+                                  ) from None
+
+
+def _known_metaschema(uri: object) -> bool:
+    """Whether ``uri`` names one of ``KNOWN_METASCHEMAS`` (``None``: no ``$schema``, the default draft)."""
+    if uri is None:
+        return True
+    return isinstance(uri, str) and uri.split("://", 1)[-1].rstrip("#") in KNOWN_METASCHEMAS

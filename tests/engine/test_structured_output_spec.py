@@ -3,6 +3,8 @@ only its own sequence (with EOS) instead of failing the step."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -51,3 +53,21 @@ def test_a_replayed_output_that_does_not_match_ends_with_eos(default_model):
     logits = torch.zeros(1, compiler.vocab_size)
     mask_grammar(logits, [matcher])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(compiler.eos_token_ids)
+
+
+@pytest.mark.parametrize("meta", ["http://json-schema.org/draft-07/schema#", None])
+def test_a_schema_is_checked_against_its_draft(meta):
+    head = {} if meta is None else {"$schema": meta}
+    SamplingParams(structured_output=StructuredOutput(StructureKind.JSON, json.dumps({**head, "type": "object"})))
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(structured_output=StructuredOutput(StructureKind.JSON, json.dumps(
+            {**head, "properties": {"a": {"minimum": "x"}}})))
+    assert err.value.field_name == "structured_output.json"
+    assert "not a valid JSON schema" in err.value.reason and "properties/a/minimum" in err.value.reason
+
+
+def test_a_schema_naming_an_unknown_draft_is_refused_not_fetched():
+    spec = json.dumps({"$schema": "http://10.255.255.1/meta", "type": "object"})
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(structured_output=StructuredOutput(StructureKind.JSON, spec))
+    assert "$schema 'http://10.255.255.1/meta'" in err.value.reason and "not supported" in err.value.reason
