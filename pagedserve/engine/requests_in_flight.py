@@ -100,8 +100,14 @@ class RequestsInFlight:
         self._forks.forget(request_id)
 
     def waiting_requests(self) -> list[str]:
-        """Ids of the requests with a sample waiting to be admitted, in queue order."""
-        return list(dict.fromkeys(seq.request_id for seq in self.waiting))
+        """Ids of the requests with a sample waiting to be admitted, in queue order, then those held
+        for their grammar."""
+        return list(dict.fromkeys([*(seq.request_id for seq in self.waiting), *self.held]))
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences in the queue, and requests held for their grammar."""
+        return len(self.waiting) + len(self.held)
 
     def add_child(self, parent: Sequence, sample_index: int) -> Sequence:
         """Sample ``sample_index`` of ``parent``'s request, queued ahead of later arrivals."""

@@ -96,8 +96,7 @@ class Scheduler:
         self._requests.resume(request, resumed)
 
     def hold_request(self, request_id: str) -> None:
-        """Keeps a queued (or resumed) request from admission until :meth:`release_request` (its
-        grammar is being built: ``Engine.add_request``); it counts as waiting, and aborts as such."""
+        """Keeps a queued request from admission until :meth:`release_request` (``RequestsInFlight.hold``)."""
         self._requests.hold(request_id)
 
     def release_request(self, request_id: str) -> None:
@@ -105,12 +104,8 @@ class Scheduler:
         self._requests.release(request_id)
 
     def abort_request(self, request_id: str, error: RequestError | None = None) -> list[RequestOutput]:
-        """Finishes every sample of a request now and frees their blocks.
-
-        Returns:
-            The final output (reason ``abort``, with ``error`` if given) of every sample that was
-            in flight; empty if none was.
-        """
+        """Finishes every sample of a request now and frees their blocks; returns the final output
+        (reason ``abort``, with ``error`` if given) of each sample that was in flight."""
         outputs = self._abort(self._requests.sample_ids(request_id), error)
         self._requests.forget(request_id)
         return outputs
@@ -131,9 +126,8 @@ class Scheduler:
         return self._requests.has_request(request_id)
 
     def waiting_requests(self) -> list[str]:
-        """Ids of the requests with a sample waiting to be admitted, in queue order, then those
-        held for their grammar."""
-        return list(dict.fromkeys(self._requests.waiting_requests() + list(self._requests.held)))
+        """As :meth:`RequestsInFlight.waiting_requests`."""
+        return self._requests.waiting_requests()
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight."""
@@ -198,8 +192,7 @@ class Scheduler:
         return self._workers.cached_digests()
 
     def stats(self) -> SchedulerStats:
-        num_waiting = len(self._requests.waiting) + len(self._requests.held)
-        return self._workers.stats(num_waiting, self._step_id, self._num_preemptions,
+        return self._workers.stats(self._requests.num_waiting, self._step_id, self._num_preemptions,
                                    self._num_swap_preemptions)
 
     # ---- policy pieces -------------------------------------------------------------------
