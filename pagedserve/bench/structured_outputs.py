@@ -41,7 +41,7 @@ from pagedserve.bench.peer_systems import (VLLM_PYTHON_HELP, SystemRun, check_vl
                                            run_vllm)
 from pagedserve.bench.peers import match_summary, vllm_spec
 from pagedserve.bench.report import format_table, to_jsonable, write_json
-from pagedserve.bench.structured_vllm import schema_validity, validity_cell, vllm_structure
+from pagedserve.bench.structured_vllm import VLLM_BACKENDS, schema_validity, validity_cell, vllm_structured_config
 from pagedserve.bench.throughput import ThroughputRun, add_engine_arguments, build_engine, time_engine
 from pagedserve.config_flags import add_config_arguments, fields_except
 from pagedserve.engine.runner_config import KERNELS, RunnerConfig
@@ -70,9 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="times each comparison runs: throughput passes in ABBA order, each side's tokens over "
                    "its summed time; the compile phase with fresh schemas each time (default %(default)s)")
     p.add_argument("--vllm-python", metavar="PYTHON", help=VLLM_PYTHON_HELP + " (vLLM is skipped without it)")
-    p.add_argument("--vllm-structured-backend", choices=("auto", "xgrammar", "guidance", "outlines"), default="auto",
+    p.add_argument("--vllm-structured-backend", choices=VLLM_BACKENDS, default=VLLM_BACKENDS[0],
                    help="vLLM's structured-output backend (guidance is llguidance, as pagedserve's; "
-                   "default %(default)s: vLLM picks, xgrammar first)")
+                   "default %(default)s, the one vLLM's auto picks)")
     add_engine_arguments(p)
     add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
     p.add_argument("--result-json", type=Path, help="write every figure here")
@@ -186,7 +186,8 @@ def _run(args: argparse.Namespace) -> int:
         time_engine(llm, prompts[:1], requests[:1], structured_output=structure)
     stalls, check_ms = _compile_stalls(llm, args)
     eos = list(llm.tokenizer.info.eos_token_ids)
-    del llm  # its memory is freed before vLLM starts
+    llm.close()
+    del llm  # its memory is freed before the replays and vLLM run
     gc.collect()
     figures = _run_figures(passes)
     constrained = _side(passes, CONSTRAINED)
@@ -200,8 +201,9 @@ def _run(args: argparse.Namespace) -> int:
         "gateway_check_ms": check_ms, "compile_stall": stalls, "machine": machine_info(),
         "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     if args.vllm_python:
-        spec = vllm_spec(model, prompts, requests, args) | {"structured_outputs_backend": args.vllm_structured_backend}
-        order = [(p.run.system, vllm_structure(schema) if p.run.system == CONSTRAINED else None) for p in passes]
+        spec = vllm_spec(model, prompts, requests, args) | {
+            "structured_outputs_config": vllm_structured_config(args.vllm_structured_backend)}
+        order = [(p.run.system, {"json": schema} if p.run.system == CONSTRAINED else None) for p in passes]
         vllm = run_vllm(args.vllm_python, spec, prompts, [r.expected_output_len for r in requests], order)
         report["vllm"] = _run_figures(vllm) | {
             "info": vllm[0].info,
@@ -224,8 +226,8 @@ def print_report(report: dict, args: argparse.Namespace) -> None:
     shares = ", ".join(f"{name} {100 * share:.1f}%"
                        for name, share in report["grammar_share_of_constrained_passes"].items())
     print(f"ratio json schema / free (all passes of each side): {report['ratio']:.3f}x (target >= 0.9); "
-          f"grammar work in the constrained passes: {shares}; outputs of the json schema passes that validate: "
-          f"{validity_cell(report['validity'])} (valid/ended/requests)\n")
+          f"grammar work in the constrained passes: {shares}; outputs of the json schema passes: "
+          f"{validity_cell(report['validity'])} (valid/ended on-schema/requests)\n")
     if "vllm" in report:
         print_vllm(report)
     mask = [["engine pass", *m.values()] for m in report["mask"]] + [["replay", *m.values()] for m in report["mask_replay"]]
@@ -255,4 +257,4 @@ def print_vllm(report: dict) -> None:
     print(f"vLLM {vllm['info']['vllm_version']} (structured-output backend {vllm['info']['structured_outputs_backend']}), "
           f"passes in the same order: " + ", ".join(f"{p['system']} {p['elapsed_s']:.2f} s" for p in vllm["passes"]))
     print(format_table(["system", "free tok/s", "json tok/s", "json / free", "pagedserve / it free",
-                        "pagedserve / it json", "valid/ended/requests", "same ids free", "same ids json"], rows) + "\n")
+                        "pagedserve / it json", "valid/ended on-schema/requests", "same ids free", "same ids json"], rows) + "\n")

@@ -9,9 +9,11 @@ REQUESTS.json: ``{"model": folder, "dtype": "float32", "max_num_seqs": int,
 "warmup_token_ids": [int], "warmup_tokens": int,
 "requests": [{"prompt_token_ids": [int], "max_tokens": int}],
 "passes": [null or {StructuredOutputsParams fields, e.g. "json": schema}],
-"structured_outputs_backend": "auto"}``; ``passes`` (default ``[null]``, one free pass): each pass
-runs every request, free (``null``) or all constrained by that structure, and is timed on its own;
-``structured_outputs_backend`` (default ``"auto"``): vLLM's ``StructuredOutputsConfig.backend``.
+"structured_outputs_config": {StructuredOutputsConfig fields}}``; ``passes`` (default ``[null]``,
+one free pass): each pass runs every request, free (``null``) or all constrained by that structure,
+and is timed on its own; ``structured_outputs_config`` (default ``{}``): the engine's settings for
+structured outputs, e.g. ``{"backend": "xgrammar", "disable_any_whitespace": true}`` (vLLM 0.32
+reads ``disable_any_whitespace`` there, not from a request's ``StructuredOutputsParams``).
 
 RESULT.json: ``{"vllm_version": str, "structured_outputs_backend": the backend that served the
 constrained passes (``null`` when none ran), "passes": [{"elapsed_s": seconds of its ``generate``
@@ -68,7 +70,7 @@ def generate(spec: dict) -> dict:
     passes = spec.get("passes", [None])
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], max_model_len=spec["max_model_len"],
-              structured_outputs_config={"backend": spec.get("structured_outputs_backend", "auto")}, seed=0)
+              structured_outputs_config=spec.get("structured_outputs_config", {}), seed=0)
     warmup = [TokensPrompt(prompt_token_ids=spec["warmup_token_ids"])]
     backend = None
     for structure in distinct([None, *passes]):

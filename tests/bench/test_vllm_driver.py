@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from pagedserve.bench.peer_systems import PeerError, run_vllm
-from pagedserve.bench.structured_vllm import schema_validity, validity_cell, vllm_structure
+from pagedserve.bench.structured_vllm import schema_validity, validity_cell, vllm_structured_config
 
 STAND_IN = '''
 import json, os
@@ -37,7 +37,7 @@ class _Output:
 
 class LLM:
     def __init__(self, **kwargs):
-        self.backend = kwargs["structured_outputs_config"]["backend"]
+        self.backend = kwargs["structured_outputs_config"].get("backend", "auto")
         _log({"llm": kwargs})
 
     def generate(self, prompts, params, use_tqdm):
@@ -88,8 +88,10 @@ PROMPTS = [[10, 11, 12, 13], [20, 21, 22]]
 
 def test_free_and_constrained_passes_in_order(stand_in_python):
     python, log = stand_in_python
-    structure = vllm_structure({"type": "object"})
-    runs = run_vllm(python, SPEC | {"structured_outputs_backend": "guidance"}, PROMPTS, [3, 2],
+    structure = {"json": {"type": "object"}}
+    config = vllm_structured_config("guidance")
+    assert config == {"backend": "guidance", "disable_any_whitespace": True}  # compact JSON, as pagedserve's
+    runs = run_vllm(python, SPEC | {"structured_outputs_config": config}, PROMPTS, [3, 2],
                     [("free", None), ("json", structure), ("json", structure), ("free", None)])
     assert [r.run.system for r in runs] == ["free", "json", "json", "free"]
     assert all(r.outputs == [[10, 11, 12], [20, 21]] for r in runs)
@@ -97,12 +99,11 @@ def test_free_and_constrained_passes_in_order(stand_in_python):
     assert runs[0].info == {"vllm_version": "0.0-stand-in", "kv_cache_gib": 1,
                             "structured_outputs_backend": "stand-in-guidance"}
     entries = [json.loads(line) for line in log.read_text().splitlines()]
-    assert entries[0]["llm"]["structured_outputs_config"] == {"backend": "guidance"}
+    assert entries[0]["llm"]["structured_outputs_config"] == config
     calls = [e["generate"] for e in entries[1:]]
     # one warm-up per distinct structure (free first), then the four timed passes
     assert [[c["prompt"] for c in call] for call in calls[:2]] == [[[7, 8, 9]], [[7, 8, 9]]]
     assert [call[0]["structured"] for call in calls] == [None, structure, None, structure, structure, None]
-    assert structure == {"json": {"type": "object"}, "disable_any_whitespace": True}  # compact, as pagedserve's
     for call in calls[2:]:
         assert [c["max_tokens"] for c in call] == [3, 2]
         assert all(c["temperature"] == 0 and c["ignore_eos"] for c in call)
@@ -113,7 +114,7 @@ def test_one_free_pass_by_default(stand_in_python):
     [run] = run_vllm(python, SPEC, PROMPTS, [1, 1])
     assert run.run.system == "vllm" and run.outputs == [[10], [20]]
     assert run.info["structured_outputs_backend"] is None
-    assert json.loads(log.read_text().splitlines()[0])["llm"]["structured_outputs_config"] == {"backend": "auto"}
+    assert json.loads(log.read_text().splitlines()[0])["llm"]["structured_outputs_config"] == {}
 
 
 def test_a_failing_driver_is_a_peer_error(stand_in_python, monkeypatch):
@@ -130,10 +131,11 @@ def test_schema_validity_counts_documents_before_eos(default_model):
     tokenizer = AutoTokenizer.from_pretrained(default_model)
     eos = tokenizer.eos_token_id
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    outputs = [tokenizer.encode('{"a":1}') + [eos, 5, 6],    # valid, then tokens past the ignored EOS
+    outputs = [tokenizer.encode('{"a": 1}') + [eos, 5, 6],   # valid, then tokens past the ignored EOS
                tokenizer.encode('{"a":"x"}') + [eos],        # JSON, but not of the schema
-               tokenizer.encode('{"a":') + [eos],            # not JSON
-               tokenizer.encode('{"a":12')]                  # cut off: no EOS
+               tokenizer.encode('{"a":') + [eos],            # not JSON, but the start of a document
+               tokenizer.encode('{"a":12')]                  # cut off (no EOS), the start of a document
     validity = schema_validity(tokenizer, outputs, schema, [eos])
-    assert validity == {"requests": 4, "ended": 3, "valid": 1, "invalid": ['{"a":"x"}', '{"a":']}
-    assert validity_cell(validity) == "1/3/4"
+    assert validity == {"requests": 4, "on_schema": 3, "ended": 3, "valid": 1,
+                        "examples": ['{"a": 1}', '{"a":"x"}'], "invalid": ['{"a":"x"}', '{"a":']}
+    assert validity_cell(validity) == "1/3 3/4"
