@@ -158,6 +158,22 @@ def _compile_stalls(llm, args: argparse.Namespace) -> tuple[list, list[float]]:
     return stalls, check_ms
 
 
+def _vllm_report(args: argparse.Namespace, model, prompts: list[list[int]], requests: list,
+                 passes: list[SystemRun], tokenizer, eos: list[int]) -> dict:
+    """vLLM's passes over the requests, in the order of pagedserve's ``passes``, with the same
+    schema (``--schema``) on the constrained ones; its figures, validity and greedy agreement."""
+    schema = SCHEMAS[args.schema][0]
+    spec = vllm_spec(model, prompts, requests, args) | {
+        "structured_outputs_config": vllm_structured_config(args.vllm_structured_backend)}
+    order = [(p.run.system, {"json": schema} if p.run.system == CONSTRAINED else None) for p in passes]
+    vllm = run_vllm(args.vllm_python, spec, prompts, [r.expected_output_len for r in requests], order)
+    return _run_figures(vllm) | {
+        "info": vllm[0].info,
+        "validity": schema_validity(tokenizer, _side(vllm, CONSTRAINED).outputs, schema, eos),
+        "same_greedy_ids": {side: match_summary(_side(passes, side).outputs, _side(vllm, side).outputs, eos)
+                            for side in (FREE, CONSTRAINED)}}
+
+
 def run(args: argparse.Namespace) -> int:
     return exit_on_peer_error("structured-outputs", _run, args)
 
@@ -201,15 +217,7 @@ def _run(args: argparse.Namespace) -> int:
         "gateway_check_ms": check_ms, "compile_stall": stalls, "machine": machine_info(),
         "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     if args.vllm_python:
-        spec = vllm_spec(model, prompts, requests, args) | {
-            "structured_outputs_config": vllm_structured_config(args.vllm_structured_backend)}
-        order = [(p.run.system, {"json": schema} if p.run.system == CONSTRAINED else None) for p in passes]
-        vllm = run_vllm(args.vllm_python, spec, prompts, [r.expected_output_len for r in requests], order)
-        report["vllm"] = _run_figures(vllm) | {
-            "info": vllm[0].info,
-            "validity": schema_validity(tokenizer, _side(vllm, CONSTRAINED).outputs, schema, eos),
-            "same_greedy_ids": {side: match_summary(_side(passes, side).outputs, _side(vllm, side).outputs, eos)
-                                for side in (FREE, CONSTRAINED)}}
+        report["vllm"] = _vllm_report(args, model, prompts, requests, passes, tokenizer, eos)
     report = to_jsonable(report)
     print_report(report, args)
     if args.result_json:
