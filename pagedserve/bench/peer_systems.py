@@ -4,6 +4,7 @@ request's generated token ids; only the standard library is used here."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import subprocess
@@ -12,6 +13,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +29,21 @@ LLAMA_START = ("start llama-server first, as " + DOCS + " shows: `llama-server -
                "-c 131072 --no-cache-prompt --port 8091 -t 2`")
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 HTTP_TIMEOUT_S = 3600.0
+VLLM_PYTHON_HELP = "the python of a vLLM CPU install, e.g. /work/peers/vllm-venv/bin/python"
 
 
 class PeerError(Exception):
     """A peer engine cannot be used; the message says what to do."""
+
+
+def exit_on_peer_error(command: str, body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """``body(args)``; a :class:`PeerError` is printed as ``pagedserve bench COMMAND: message``
+    (no traceback) and gives exit status 1."""
+    try:
+        return body(args)
+    except PeerError as exc:
+        print(f"pagedserve bench {command}: {exc}", file=sys.stderr)
+        return 1
 
 
 @dataclass
@@ -71,12 +84,20 @@ def check_vllm_python(python: str) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def run_vllm(python: str, spec: dict, prompts: list[list[int]], max_tokens: list[int]) -> SystemRun:
-    """Runs ``vllm_driver.py`` under ``python`` on the requests; its logs go to stderr.
+def run_vllm(python: str, spec: dict, prompts: list[list[int]], max_tokens: list[int],
+             passes: Sequence[tuple[str, dict | None]] = (("vllm", None),)) -> list[SystemRun]:
+    """Runs ``vllm_driver.py`` under ``python`` on the requests, one timed pass per entry of
+    ``passes``; its logs go to stderr.
 
     Args:
         spec: the driver's settings (model, dtype, limits, kv_cache_gib, warm-up), see vllm_driver.
         prompts: prompt token ids per request; max_tokens: each request's output length, tokens.
+        passes: ``(system name of the pass, structure)``: None runs the requests free, a dict of
+            vLLM ``StructuredOutputsParams`` fields constrains every request.
+
+    Returns:
+        One run per pass, in order; each ``info`` holds the vLLM version, ``kv_cache_gib`` and the
+        structured-output backend vLLM chose (None when no pass was constrained).
 
     Raises:
         PeerError: the driver failed (its own output, above, says why).
@@ -84,15 +105,17 @@ def run_vllm(python: str, spec: dict, prompts: list[list[int]], max_tokens: list
     with tempfile.TemporaryDirectory(prefix="pagedserve-peers-") as tmp:
         requests_file, result_file = Path(tmp) / "requests.json", Path(tmp) / "result.json"
         requests = [{"prompt_token_ids": p, "max_tokens": n} for p, n in zip(prompts, max_tokens)]
-        requests_file.write_text(json.dumps({**spec, "requests": requests}))
+        requests_file.write_text(json.dumps({**spec, "requests": requests, "passes": [s for _, s in passes]}))
         # -I: isolated, so the driver's folder (whose profile.py shadows the stdlib's) is not on sys.path
         proc = subprocess.run([python, "-I", str(DRIVER), str(requests_file), str(result_file)],
                               stdout=sys.stderr, stderr=sys.stderr)
         if proc.returncode != 0 or not result_file.is_file():
             raise PeerError(f"the vLLM driver ({DRIVER}) exited with status {proc.returncode}; its output is above")
         result = json.loads(result_file.read_text())
-    return _system_run("vllm", result["elapsed_s"], prompts, result["outputs"],
-                       {"vllm_version": result["vllm_version"], "kv_cache_gib": spec["kv_cache_gib"]})
+    info = {"vllm_version": result["vllm_version"], "kv_cache_gib": spec["kv_cache_gib"],
+            "structured_outputs_backend": result["structured_outputs_backend"]}
+    return [_system_run(system, p["elapsed_s"], prompts, p["outputs"], info)
+            for (system, _), p in zip(passes, result["passes"], strict=True)]
 
 
 def kv_cache_gib(kv_cache_bytes: int) -> int:

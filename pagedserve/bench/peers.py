@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.machine import machine_info, machine_line
-from pagedserve.bench.peer_systems import (PeerError, SystemRun, check_vllm_python, kv_cache_gib,
-                                           llama_server_props, run_llama_server, run_vllm)
+from pagedserve.bench.peer_systems import (VLLM_PYTHON_HELP, SystemRun, check_vllm_python, exit_on_peer_error,
+                                           kv_cache_gib, llama_server_props, run_llama_server, run_vllm)
 from pagedserve.bench.report import format_table, write_json
 from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
 from pagedserve.engine.config import CompileMode, GemmBackend
@@ -53,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_dataset_arguments(p)
     g = p.add_argument_group("peers (each one is skipped when its option is not given)")
     g.add_argument("--vllm-python", metavar="PYTHON",
-                   help="the python of a vLLM CPU install, e.g. /work/peers/vllm-venv/bin/python")
+                   help=VLLM_PYTHON_HELP)
     g.add_argument("--llama-server-url", metavar="URL", help="a running llama-server, e.g. http://127.0.0.1:8091")
     g = p.add_argument_group("pagedserve engine (vLLM gets the same sequence and batch limits, and the KV-cache "
                              "memory rounded up to whole GiB)")
@@ -187,11 +186,7 @@ def _fastest_pagedserve(runs: list[SystemRun]):
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except PeerError as exc:
-        print(f"pagedserve bench peers: {exc}", file=sys.stderr)
-        return 1
+    return exit_on_peer_error("peers", _run, args)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -211,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{len(requests)} requests: {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens")
     runs = [run_pagedserve(model, prompts, requests, args, backend) for backend in args.engines]
     if args.vllm_python:
-        runs.append(run_vllm(args.vllm_python, vllm_spec(model, prompts, requests, args), prompts, max_tokens))
+        runs += run_vllm(args.vllm_python, vllm_spec(model, prompts, requests, args), prompts, max_tokens)
     if args.llama_server_url:
         runs.append(run_llama_server(args.llama_server_url, prompts, max_tokens, WARMUP_TOKEN_IDS, WARMUP_TOKENS))
     eos = runs[0].info["eos_token_ids"]

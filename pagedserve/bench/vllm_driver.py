@@ -1,19 +1,27 @@
-"""Runs `bench peers`' requests through vLLM's offline ``LLM.generate``; started by `bench peers`
-with the Python interpreter of a vLLM install (``--vllm-python``), so it imports only vLLM and the
-standard library, never pagedserve.
+"""Runs the benchmarks' requests through vLLM's offline ``LLM.generate``; started by `bench peers`
+and `bench structured-outputs` with the Python interpreter of a vLLM install (``--vllm-python``),
+so it imports only vLLM and the standard library, never pagedserve.
 
 Usage: ``python vllm_driver.py REQUESTS.json RESULT.json``
 
 REQUESTS.json: ``{"model": folder, "dtype": "float32", "max_num_seqs": int,
 "max_num_batched_tokens": int, "max_model_len": int, "kv_cache_gib": int,
 "warmup_token_ids": [int], "warmup_tokens": int,
-"requests": [{"prompt_token_ids": [int], "max_tokens": int}]}``
+"requests": [{"prompt_token_ids": [int], "max_tokens": int}],
+"passes": [null or {StructuredOutputsParams fields, e.g. "json": schema}],
+"structured_outputs_config": {StructuredOutputsConfig fields}}``; ``passes`` (default ``[null]``,
+one free pass): each pass runs every request, free (``null``) or all constrained by that structure,
+and is timed on its own; ``structured_outputs_config`` (default ``{}``): the engine's settings for
+structured outputs, e.g. ``{"backend": "xgrammar", "disable_any_whitespace": true}`` (vLLM 0.32
+reads ``disable_any_whitespace`` there, not from a request's ``StructuredOutputsParams``).
 
-RESULT.json: ``{"elapsed_s": seconds of the timed ``generate`` call, "vllm_version": str,
-"outputs": [[generated token ids] per request, in request order]}``
+RESULT.json: ``{"vllm_version": str, "structured_outputs_backend": the backend that served the
+constrained passes (``null`` when none ran), "passes": [{"elapsed_s": seconds of its ``generate``
+call, "outputs": [[generated token ids] per request, in request order]}, in pass order]}``
 
 Every request is greedy (temperature 0) with EOS ignored, so it generates exactly ``max_tokens``.
-One warm-up request runs first, untimed.
+One warm-up request per distinct structure (and one free) runs first, untimed, so that no grammar
+compiles in a timed pass.
 """
 
 import json
@@ -31,24 +39,54 @@ def set_cpu_environment(kv_cache_gib: int) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def distinct(structures: list) -> list:
+    """``structures`` (JSON values) without repeats, first occurrence first."""
+    seen, out = set(), []
+    for s in structures:
+        key = json.dumps(s, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            out.append(s)
+    return out
+
+
+def sampling_params(max_tokens: int, structure: dict | None):
+    """Greedy, EOS ignored, ``max_tokens`` tokens, constrained by ``structure`` (the fields of
+    ``StructuredOutputsParams``) unless it is None."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    constraint = None if structure is None else StructuredOutputsParams(**structure)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=constraint)
+
+
 def generate(spec: dict) -> dict:
-    """Warms vLLM up with one request, then times one ``generate`` call over all requests."""
+    """Warms vLLM up (one request per distinct structure), then times one ``generate`` call over
+    all requests per pass."""
     import vllm
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.inputs import TokensPrompt
 
+    passes = spec.get("passes", [None])
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], max_model_len=spec["max_model_len"],
-              seed=0)
-    llm.generate([TokensPrompt(prompt_token_ids=spec["warmup_token_ids"])],
-                 SamplingParams(temperature=0.0, max_tokens=spec["warmup_tokens"], ignore_eos=True), use_tqdm=False)
+              structured_outputs_config=spec.get("structured_outputs_config", {}), seed=0)
+    warmup = [TokensPrompt(prompt_token_ids=spec["warmup_token_ids"])]
+    backend = None
+    for structure in distinct([None, *passes]):
+        params = sampling_params(spec["warmup_tokens"], structure)
+        llm.generate(warmup, params, use_tqdm=False)
+        if structure is not None:
+            backend = params.structured_outputs._backend  # set by vLLM's request validation
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_token_ids"]) for r in spec["requests"]]
-    params = [SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in spec["requests"]]
-    start = time.perf_counter()
-    results = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
-    return {"elapsed_s": elapsed, "vllm_version": vllm.__version__,
-            "outputs": [list(r.outputs[0].token_ids) for r in results]}
+    results = []
+    for structure in passes:
+        params = [sampling_params(r["max_tokens"], structure) for r in spec["requests"]]
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+        results.append({"elapsed_s": elapsed, "outputs": [list(o.outputs[0].token_ids) for o in outputs]})
+    return {"vllm_version": vllm.__version__, "structured_outputs_backend": backend, "passes": results}
 
 
 def main(argv: list) -> int:

