@@ -148,7 +148,7 @@ def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -
     from services.gateway.request_parser import parse_generate_request
 
     try:
-        parsed = parse_generate_request(request, llm.tokenizer)  # validated exactly as the gateway does
+        parsed = parse_generate_request(request, llm.tokenizer).parsed  # validated exactly as the gateway does
         result = llm.run_to_completion([llm.add_parsed(parsed, request.request_id or None)])[0]
     finally:
         llm.close()  # stops the helper ranks of --tensor-parallel-size / --pipeline-parallel-size
