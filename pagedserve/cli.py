@@ -151,8 +151,14 @@ def _add_complete(sub) -> None:
     complete.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
     complete.add_argument("--chat", action="store_true", help="send the prompt as a chat message (chat template)")
     complete.add_argument("--system", help="with --chat: a system message before the user's")
+    complete.add_argument("--tools", default="",
+                          help="with --chat: the tools the model may call, as OpenAI's JSON list "
+                               "([{\"type\": \"function\", \"function\": {\"name\": ..., \"parameters\": {...}}}]); "
+                               "calls are printed after the text")
+    complete.add_argument("--tool-choice", default="",
+                          help="with --tools: none, auto, required, or the name of the function to call (default: auto)")
     complete.add_argument("--json", action="store_true",
-                          help="print one JSON object at the end: text, token_ids, finish_reason, usage")
+                          help="print one JSON object at the end: text, token_ids, finish_reason, usage (and tool_calls)")
     complete.add_argument("--offline", action="store_true", help="run in-process on the engine, no services")
     complete.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up (default %(default)s)")
     complete.add_argument("--api-key", default=env_default("PAGEDSERVE_API_KEY", ""),

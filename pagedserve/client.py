@@ -15,14 +15,20 @@ from services.common.auth import bearer_metadata
 from services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
-from services.common.pb_fields import enum_from_pb
-from pagedserve.engine.messages import FinishReason
 
 @dataclass
 class Sample:
+    """One sample's text, tokens, finish reason (OpenAI's name: ``stop``, ``length``, ``abort``,
+    ``tool_calls``) and tool calls (``{"id", "name", "arguments"}`` each)."""
+
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[dict[str, str]] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        body = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason}
+        return body | ({"tool_calls": self.tool_calls} if self.tool_calls else {})
 
 
 @dataclass
@@ -43,26 +49,68 @@ class Completion:
     def text(self) -> str:
         return self.samples[0].text
 
+    def add(self, response: gen.GenerateResponse) -> None:
+        """Adds one response of the stream to its sample."""
+        sample = self.sample(response.index)
+        sample.text += response.text
+        sample.token_ids.extend(response.token_ids)
+        sample.tool_calls += [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in response.tool_calls]
+        if response.finish_reason:
+            sample.finish_reason = gen.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_").lower()
+        if response.HasField("usage"):
+            self.prompt_tokens = response.usage.prompt_tokens
+            self.completion_tokens = response.usage.completion_tokens
+
     def to_json(self) -> str:
-        first = self.samples[0]
-        body = {
-            "text": first.text,
-            "token_ids": first.token_ids,
-            "finish_reason": first.finish_reason,
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
-        }
+        body = self.samples[0].as_json()
+        body["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
         if len(self.samples) > 1:
-            body["choices"] = [{"index": i, "text": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason}
-                               for i, s in enumerate(self.samples)]
+            body["choices"] = [{"index": i} | s.as_json() for i, s in enumerate(self.samples)]
         return json.dumps(body)
 
 
+def tools_pb(text: str) -> list[gen.Tool]:
+    """``--tools`` (OpenAI's JSON list of tools) as the API's tools.
+
+    Raises:
+        InvalidRequestError: ``--tools`` that is not such a list.
+    """
+    from pagedserve.engine.sampling_params import InvalidRequestError
+
+    try:
+        return [gen.Tool(name=t["function"]["name"], description=t["function"].get("description", ""),
+                         parameters=json.dumps(t["function"].get("parameters", {})))
+                for t in json.loads(text)]
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise InvalidRequestError("--tools", f"is not a JSON list of {{\"type\": \"function\", \"function\": "
+                                  f"{{\"name\": ...}}}} tools ({exc!r})") from None
+
+
+def set_tools(chat: gen.ChatMessages, args: argparse.Namespace) -> None:
+    """``--tools`` and ``--tool-choice`` on the chat."""
+    chat.tools.extend(tools_pb(args.tools) if args.tools else ())
+    if args.tool_choice in ("none", "auto", "required"):
+        chat.tool_choice.mode = gen.ToolChoice.Mode.Value(f"MODE_{args.tool_choice.upper()}")
+    elif args.tool_choice:
+        chat.tool_choice.function = args.tool_choice
+
+
 def build_request(args: argparse.Namespace) -> gen.GenerateRequest:
+    """The request the flags describe.
+
+    Raises:
+        InvalidRequestError: ``--tools`` or ``--tool-choice`` without ``--chat``, or bad ``--tools``.
+    """
+    from pagedserve.engine.sampling_params import InvalidRequestError
+
     request = gen.GenerateRequest(sampling_params=sampling_pb_from_args(args))
     if args.chat:
         messages = [gen.ChatMessage(role="system", content=args.system)] if args.system else []
         messages.append(gen.ChatMessage(role="user", content=args.prompt))
         request.chat.messages.extend(messages)
+        set_tools(request.chat, args)
+    elif args.tools or args.tool_choice:
+        raise InvalidRequestError("--tools", "needs --chat (tools are offered to a chat)")
     else:
         request.prompt = args.prompt
     return request
@@ -125,37 +173,40 @@ def stream_completion(target: str, request: gen.GenerateRequest, timeout_s: floa
     with gateway_channel(target, credentials) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         for response in stub.Generate(request, timeout=timeout_s, metadata=bearer_metadata(api_key)):
-            sample = completion.sample(response.index)
-            sample.text += response.text
-            sample.token_ids.extend(response.token_ids)
+            completion.add(response)
             if response.text and response.index == 0:
                 on_text(response.text)
-            if response.finish_reason:
-                sample.finish_reason = enum_from_pb(response.finish_reason, gen.FinishReason.DESCRIPTOR, FinishReason).value
-            if response.HasField("usage"):
-                completion.prompt_tokens = response.usage.prompt_tokens
-                completion.completion_tokens = response.usage.completion_tokens
     return completion
 
 
 def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -> Completion:
-    """The same request on the in-process engine (no services)."""
+    """The same request on the in-process engine (no services); tool calls are parsed as the
+    gateway parses them (with the hermes parser)."""
     from pagedserve.config_flags import config_from_args
     from pagedserve.engine.runner_config import EngineConfig
     from pagedserve.llm import LLM
+    from pagedserve.text.tool_parsers import ToolCallParserKind
+    from services.gateway.grpc_tools import SampleCalls
 
     llm = LLM(args.model or None, config_from_args(EngineConfig, args, EngineConfig.of()))
     from services.gateway.request_parser import parse_generate_request
 
     try:
-        parsed = parse_generate_request(request, llm.tokenizer)  # validated exactly as the gateway does
-        result = llm.run_to_completion([llm.add_parsed(parsed, request.request_id or None)])[0]
+        given = parse_generate_request(request, llm.tokenizer)  # validated exactly as the gateway does
+        result = llm.run_to_completion([llm.add_parsed(given.parsed, request.request_id or None)])[0]
     finally:
         llm.close()  # stops the helper ranks of --tensor-parallel-size / --pipeline-parallel-size
     if result.error:
         raise EngineRefusal(result.error)
-    samples = [Sample(s.text, list(s.token_ids), s.finish_reason.value) for s in result.samples]
-    return Completion(samples, len(result.prompt_token_ids), sum(len(s.token_ids) for s in samples))
+    completion = Completion()
+    calls = SampleCalls(given.tool_use, ToolCallParserKind.HERMES)
+    for i, sample in enumerate(result.samples):
+        response = gen.GenerateResponse(text=sample.text, token_ids=sample.token_ids, index=i)
+        calls.fill(response, sample.finish_reason)
+        completion.add(response)
+    completion.prompt_tokens = len(result.prompt_token_ids)
+    completion.completion_tokens = sum(len(s.token_ids) for s in completion.samples)
+    return completion
 
 
 HINTS = {
@@ -201,7 +252,10 @@ def run_complete(args: argparse.Namespace) -> int:
     if args.json:
         print(completion.to_json())
         return 0
-    for i, sample in enumerate(completion.samples[1:], start=1):
-        print(f"\n--- sample {i} ---\n{sample.text}", end="")
+    for i, sample in enumerate(completion.samples):
+        if i:
+            print(f"\n--- sample {i} ---\n{sample.text}", end="")
+        for call in sample.tool_calls:
+            print(f"\ntool call {call['id']}: {call['name']}({call['arguments']})", end="")
     print()
     return 0

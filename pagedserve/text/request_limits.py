@@ -34,6 +34,11 @@ class RequestLimits:
             bound is tighter; this one stops absurd bodies before any other check).
         max_token_ids: longest list of token ids other than the prompt and ``stop_token_ids``
             (``allowed_token_ids``; the model's context bounds a prompt more tightly).
+        max_tools: most tools offered in one chat request.
+        max_function_name_chars: longest function name, of a tool or a call (OpenAI's bound).
+        max_tool_description_chars: longest tool description, in characters.
+        max_tool_arguments_chars: longest arguments text of a call in the history, in characters.
+        max_tool_call_id_chars: longest call id (of a call in the history, or a tool message's).
 
     Prompt token ids are bounded by the context itself: fewer than ``max_model_len`` of them,
     counted before any id is looked at.
@@ -52,6 +57,11 @@ class RequestLimits:
     max_cache_salt_chars: int = 256
     max_text_chars: int = 16 << 20
     max_token_ids: int = 1 << 20
+    max_tools: int = 128
+    max_function_name_chars: int = 64
+    max_tool_description_chars: int = 16 << 10
+    max_tool_arguments_chars: int = 1 << 20
+    max_tool_call_id_chars: int = 256
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

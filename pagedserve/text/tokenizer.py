@@ -14,6 +14,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from pagedserve.engine.model_info import ModelInfo, load_model_info
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.chat_encoding import ChatEncoder, ChatPromptMode
@@ -220,12 +222,16 @@ class PromptTokenizer:
                 ``chat.messages`` when there are no messages or more than the limit, or when the
                 contents together exceed ``max_prompt_bytes``; ``chat.messages[i].role`` for a role
                 outside ``CHAT_ROLES``; ``chat.messages[i].content`` for a content over
-                ``max_prompt_bytes``. All checked before rendering.
+                ``max_prompt_bytes``. All checked before rendering. ``chat.messages`` also when the
+                template refuses the conversation (it raises, e.g. for roles out of its order).
         """
         if self._chat is None:
             raise InvalidRequestError(CHAT_FIELD, f"model {self._info.name} has no chat template; send a prompt")
         self._check_chat(messages)
-        return self._chat.encode([turn.as_openai() for turn in messages], mode, tools)
+        try:
+            return self._chat.encode([turn.as_openai() for turn in messages], mode, tools)
+        except (ValueError, jinja2.TemplateError) as exc:
+            raise InvalidRequestError(CHAT_FIELD + ".messages", f"the chat template refused them: {exc}") from exc
 
     def _check_chat(self, messages: Sequence[ChatTurn]) -> None:
         """The chat's size and role checks (see ``encode_chat``)."""

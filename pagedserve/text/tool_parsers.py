@@ -2,7 +2,7 @@
 
 One parser reads text in pieces (:meth:`HermesToolParser.feed`, then :meth:`~HermesToolParser.finish`)
 and says what the pieces are: content outside the calls, a call's start with its function name,
-pieces of a call's arguments. A whole answer is parsed by feeding it in one piece
+pieces of a call's arguments, a call's end. A whole answer is parsed by feeding it in one piece
 (:func:`parse_tool_calls`), so a streamed answer and a whole one give the same calls by
 construction. The idea of holding back a possible partial tag follows vLLM's Hermes parser; the
 code is this project's.
@@ -52,7 +52,15 @@ class ArgumentsPiece:
     text: str
 
 
-ToolEvent = ContentPiece | CallStart | ArgumentsPiece
+@dataclass(frozen=True)
+class CallEnd:
+    """Call ``index`` is complete: its arguments pieces are all given (at its ``</tool_call>``, or
+    at the answer's end for a call cut short)."""
+
+    index: int
+
+
+ToolEvent = ContentPiece | CallStart | ArgumentsPiece | CallEnd
 
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 """A call's JSON up to its arguments' value (Hermes writes ``name`` first)."""
@@ -117,7 +125,7 @@ class HermesToolParser:
             events = [ContentPiece(TOOL_CALL_OPEN + self._pending)]
         else:
             rest = _arguments_so_far(self._pending)[self._sent_arguments:]
-            events = [ArgumentsPiece(self._calls - 1, rest)] if rest else []
+            events = ([ArgumentsPiece(self._calls - 1, rest)] if rest else []) + [CallEnd(self._calls - 1)]
         self._pending = ""
         return events
 
@@ -163,7 +171,8 @@ class HermesToolParser:
             return [ContentPiece(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)]
         self._calls, self._after_call = self._calls + 1, True
         return [CallStart(self._calls - 1, call["name"]),
-                ArgumentsPiece(self._calls - 1, json.dumps(call.get("arguments", {}), ensure_ascii=False))]
+                ArgumentsPiece(self._calls - 1, json.dumps(call.get("arguments", {}), ensure_ascii=False)),
+                CallEnd(self._calls - 1)]
 
     def _arguments(self) -> list[ToolEvent]:
         if not self._sent_arguments:  # the whitespace before the value may come after the head matched
@@ -173,10 +182,12 @@ class HermesToolParser:
         sure = _arguments_so_far(body)
         rest = sure[self._sent_arguments:]
         self._sent_arguments = len(sure)
+        events: list[ToolEvent] = [ArgumentsPiece(self._calls - 1, rest)] if rest else []
         if end >= 0:
             self._pending = self._pending[end + len(TOOL_CALL_CLOSE):]
             self._state, self._after_call = _State.CONTENT, True
-        return [ArgumentsPiece(self._calls - 1, rest)] if rest else []
+            events.append(CallEnd(self._calls - 1))
+        return events
 
 
 @dataclass(frozen=True)
@@ -208,6 +219,6 @@ def parse_tool_calls(text: str, kind: ToolCallParserKind) -> ParsedAnswer:
         elif isinstance(event, CallStart):
             names.append(event.name)
             arguments.append("")
-        else:
+        elif isinstance(event, ArgumentsPiece):
             arguments[event.index] += event.text
     return ParsedAnswer("".join(content) or None, tuple(zip(names, arguments)))

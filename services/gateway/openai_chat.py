@@ -4,11 +4,9 @@ objects (or ``chat.completion.chunk`` SSE events) out."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-import jinja2
 from opentelemetry import trace
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -58,7 +56,7 @@ def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage],
     """Token ids of ``messages`` rendered with the chat template, ``tools`` offered.
 
     Raises:
-        InvalidRequestError: field ``messages...`` (no template, bad role, sizes, a template error).
+        InvalidRequestError: field ``messages...`` (no template, bad role, sizes, the template refused them).
     """
     # OpenAI's "developer" role took over "system"'s job; chat templates know only "system"
     turns = [ChatTurn(role="system" if m.role == "developer" else m.role, content=m.text(),
@@ -68,8 +66,6 @@ def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage],
     except InvalidRequestError as exc:
         name = "messages" + exc.field_name.removeprefix(CHAT_FIELD).removeprefix(".messages")
         raise InvalidRequestError(name, exc.reason) from exc
-    except (ValueError, jinja2.TemplateError) as exc:  # the template refused the conversation
-        raise InvalidRequestError("messages", f"the chat template refused them: {exc}") from exc
 
 
 def parse_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer, tool_use: ToolUse) -> ParsedRequest:
@@ -78,12 +74,7 @@ def parse_chat(body: ChatCompletionRequest, tokenizer: PromptTokenizer, tool_use
     Raises:
         InvalidRequestError: any invalid field, named as the OpenAI API names it.
     """
-    params = sampling_params_from_openai(body)
-    if tool_use.structure is not None:
-        if params.structured_output is not None:
-            raise InvalidRequestError("tool_choice", f"{tool_use.mode.value} constrains the answer to tool calls, so "
-                                      "it cannot go with a structured output (response_format, structured_outputs)")
-        params = dataclasses.replace(params, structured_output=tool_use.structure)
+    params = tool_use.constrain(sampling_params_from_openai(body))
     mode = chat_prompt_mode(body.add_generation_prompt, body.continue_final_message)
     ids = encode_messages(tokenizer, body.messages, mode, tool_use.tools)
     return parse_request(tokenizer, ids, "messages", params)

@@ -1,29 +1,23 @@
 """Tool calls on the HTTP chat API: the request fields (``tools``, ``tool_choice``,
-``parallel_tool_calls``, and tool use in the history), what they ask of the engine, and the calls
-found in an answer.
-
-``tool_choice``: ``none`` offers the tools but parses no call; ``auto`` (the default with tools)
-generates freely and parses the calls afterwards; ``required`` and a named function constrain
-decoding to calls (``tool_calls.calls_grammar``: every call parses and its arguments validate
-against the function's schema). Calls are read by the parser ``--tool-call-parser`` names
-(``tool_parsers``).
+``parallel_tool_calls``, and tool use in the history) and the calls found in an answer, in OpenAI's
+shapes. What the fields ask of the engine is ``pagedserve.text.tool_use``'s, shared with gRPC.
 """
 
 from __future__ import annotations
 
-import enum
-import json
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from pagedserve.engine.messages import FinishReason
-from pagedserve.engine.request_errors import InvalidRequestError
-from pagedserve.engine.structured_output import StructuredOutput, StructureKind, check_structured_output
-from pagedserve.text.tool_calls import MAX_TOOLS, FunctionTool, ToolCall, calls_grammar
+from pagedserve.text import tool_use
+from pagedserve.text.request_limits import RequestLimits
+from pagedserve.text.tool_calls import FunctionTool, ToolCall
+from pagedserve.text.tool_use import (
+    FUNCTION_NAME_PATTERN, PARALLEL_TOOL_CALLS_DEFAULT, ToolChoiceMode, ToolFieldNames, ToolUse, ended_by_calls,
+    new_call_id,
+)
 from pagedserve.text.tool_parsers import (
     PARSERS, ArgumentsPiece, CallStart, ContentPiece, ToolCallParserKind, parse_tool_calls,
 )
@@ -31,13 +25,12 @@ from services.gateway.openai_responses import (
     ChatMessageOut, DeltaFunction, DeltaToolCall, FunctionCallOut, ToolCallOut, finish_reason_name,
 )
 
-MAX_FUNCTION_NAME_CHARS = 64
-"""Longest function name (OpenAI's bound)."""
-FunctionName = Annotated[StrictStr, Field(min_length=1, max_length=MAX_FUNCTION_NAME_CHARS,
-                                          pattern=r"^[A-Za-z0-9_.-]+$")]
-Description = Annotated[StrictStr, Field(max_length=16 << 10)]
-Arguments = Annotated[StrictStr, Field(max_length=1 << 20)]
-CallId = Annotated[StrictStr, Field(max_length=256)]
+_LIMITS = RequestLimits()
+FunctionName = Annotated[StrictStr, Field(min_length=1, max_length=_LIMITS.max_function_name_chars,
+                                          pattern=FUNCTION_NAME_PATTERN)]
+Description = Annotated[StrictStr, Field(max_length=_LIMITS.max_tool_description_chars)]
+Arguments = Annotated[StrictStr, Field(max_length=_LIMITS.max_tool_arguments_chars)]
+CallId = Annotated[StrictStr, Field(max_length=_LIMITS.max_tool_call_id_chars)]
 
 
 class FunctionDefinition(BaseModel):
@@ -92,100 +85,29 @@ class ToolCallIn(BaseModel):
 class ToolFields(BaseModel):
     """The chat request's tool fields (mixed into ``ChatCompletionRequest``)."""
 
-    tools: Annotated[list[ToolDefinition], Field(max_length=MAX_TOOLS)] | None = None
+    tools: Annotated[list[ToolDefinition], Field(max_length=_LIMITS.max_tools)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool = True
+    parallel_tool_calls: StrictBool = PARALLEL_TOOL_CALLS_DEFAULT
 
 
-class ToolChoiceMode(enum.Enum):
-    """What ``tool_choice`` asks (see the module's docstring)."""
-
-    NONE = "none"
-    AUTO = "auto"
-    REQUIRED = "required"
-    NAMED = "named"
-
-
-@dataclass(frozen=True)
-class ToolUse:
-    """A chat request's tools and what it asks of them.
-
-    Attributes:
-        tools: the tools offered (rendered into the prompt).
-        mode: ``tool_choice``; ``NONE`` also for a request without tools.
-        structure: for ``REQUIRED`` and ``NAMED``, the grammar that constrains the answer to calls.
-    """
-
-    tools: tuple[FunctionTool, ...] = ()
-    mode: ToolChoiceMode = ToolChoiceMode.NONE
-    structure: StructuredOutput | None = None
-
-    @property
-    def parses_calls(self) -> bool:
-        """Whether answers are parsed for calls."""
-        return self.mode is not ToolChoiceMode.NONE
-
-
-def _tool_of(i: int, definition: ToolDefinition) -> FunctionTool:
-    """The tool, its parameters schema checked as a structured output's would be.
-
-    Raises:
-        InvalidRequestError: ``tools[i].function.parameters`` naming the reason.
-    """
-    function = definition.function
-    parameters = function.parameters or {}
-    if parameters:
-        try:
-            check_structured_output(StructuredOutput(StructureKind.JSON, json.dumps(parameters)))
-        except InvalidRequestError as e:
-            raise e.renamed(f"tools[{i}].function.parameters") from None
-    return FunctionTool(function.name, function.description or "", parameters)
-
-
-def _mode_of(choice: Literal["none", "auto", "required"] | NamedToolChoice | None, has_tools: bool) -> ToolChoiceMode:
-    if choice is None:
-        return ToolChoiceMode.AUTO if has_tools else ToolChoiceMode.NONE
-    return ToolChoiceMode.NAMED if isinstance(choice, NamedToolChoice) else ToolChoiceMode(choice)
+HTTP_FIELDS = ToolFieldNames(tools="tools", parameters="tools[{i}].function.parameters", choice="tool_choice",
+                             named="tool_choice.function.name")
+"""How this API names the tool fields."""
 
 
 def tool_use_of(request: ToolFields) -> ToolUse:
-    """The request's tool use, checked.
+    """The request's tool use, checked (``tool_use.tool_use_of``).
 
     Raises:
-        InvalidRequestError: ``tool_choice`` other than ``none`` without tools, or naming a function
-            that is not among them; ``tools`` with two functions of one name, or whose calls'
-            grammar is too large; ``tools[i].function.parameters`` that is not a usable JSON schema.
+        InvalidRequestError: a bad tool or ``tool_choice``, named as this API names it.
     """
-    tools = tuple(_tool_of(i, definition) for i, definition in enumerate(request.tools or ()))
-    mode = _mode_of(request.tool_choice, bool(tools))
-    if not tools:
-        if mode is not ToolChoiceMode.NONE:
-            raise InvalidRequestError("tool_choice", "needs tools")
-        return ToolUse()
-    names = [tool.name for tool in tools]
-    if len(set(names)) != len(names):
-        raise InvalidRequestError("tools", "two functions have the same name")
-    if mode is ToolChoiceMode.NAMED:
-        assert isinstance(request.tool_choice, NamedToolChoice)
-        name = request.tool_choice.function.name
-        if name not in names:
-            raise InvalidRequestError("tool_choice.function.name", f"{name!r} is not one of the tools")
-        called = tuple(tool for tool in tools if tool.name == name)
-        structure = StructuredOutput(StructureKind.GRAMMAR, calls_grammar(called, parallel=False))
-    elif mode is ToolChoiceMode.REQUIRED:
-        structure = StructuredOutput(StructureKind.GRAMMAR, calls_grammar(tools, request.parallel_tool_calls))
-    else:
-        return ToolUse(tools, mode)
-    try:
-        check_structured_output(structure)
-    except InvalidRequestError as e:
-        raise e.renamed("tools") from None
-    return ToolUse(tools, mode, structure)
-
-
-def new_call_id() -> str:
-    """A tool call's id: ``call_`` and 32 random hex digits."""
-    return f"call_{uuid.uuid4().hex}"
+    tools = [FunctionTool(d.function.name, d.function.description or "", d.function.parameters or {})
+             for d in request.tools or ()]
+    choice = request.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return tool_use.tool_use_of(tools, ToolChoiceMode.NAMED, choice.function.name, False, HTTP_FIELDS)
+    mode = None if choice is None else ToolChoiceMode(choice)
+    return tool_use.tool_use_of(tools, mode, "", request.parallel_tool_calls, HTTP_FIELDS)
 
 
 def history_calls(calls: Sequence[ToolCallIn] | None) -> tuple[ToolCall, ...]:
@@ -235,4 +157,4 @@ def answer_message(text: str, tool_use: ToolUse, kind: ToolCallParserKind) -> Ch
 
 def finish_reason_of(reason: FinishReason | None, called: bool) -> str | None:
     """OpenAI's ``finish_reason``: ``tool_calls`` for an answer that made calls and ended by itself."""
-    return "tool_calls" if called and reason is FinishReason.STOP else finish_reason_name(reason)
+    return "tool_calls" if ended_by_calls(reason, called) else finish_reason_name(reason)

@@ -1,13 +1,18 @@
-"""Turns a client's GenerateRequest into validated parts: prompt token ids and sampling parameters."""
+"""Turns a client's GenerateRequest into validated parts: prompt token ids, sampling parameters and
+tool use."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from services.common.pb import generate_pb2 as gen
 from services.common.pb_fields import from_pb
 from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pagedserve.text.request_limits import RequestLimits, check_count
 from pagedserve.text.request_samples import ParsedRequest, parse_request
-from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer
+from pagedserve.text.tokenizer import PromptTokenizer
+from pagedserve.text.tool_use import ToolUse
+from services.gateway.grpc_tools import chat_tool_use, chat_turns
 
 _SAMPLING_FIELDS = frozenset(gen.SamplingParams.DESCRIPTOR.fields_by_name)
 
@@ -53,24 +58,42 @@ def sampling_params_from_pb(msg: gen.SamplingParams) -> SamplingParams:
     return params
 
 
-def prompt_token_ids_from_pb(request: gen.GenerateRequest, tokenizer: PromptTokenizer) -> tuple[list[int], str]:
-    """Tokenizes whichever prompt input the request holds; returns the ids and the field's name.
+def prompt_token_ids_from_pb(request: gen.GenerateRequest, tokenizer: PromptTokenizer,
+                             tool_use: ToolUse) -> tuple[list[int], str]:
+    """Tokenizes whichever prompt input the request holds (a chat with ``tool_use``'s tools offered);
+    returns the ids and the field's name.
 
     Raises:
-        InvalidRequestError: no prompt input, an empty one, an unknown chat role, invalid token ids.
+        InvalidRequestError: no prompt input, an empty one, an unknown chat role, bad tool use in
+            the history, invalid token ids.
     """
     kind = request.WhichOneof("prompt_input")
     if kind == "prompt":
         return tokenizer.encode_prompt(request.prompt), "prompt"
     if kind == "chat":
-        turns = [ChatTurn(role=m.role, content=m.content) for m in request.chat.messages]
-        return tokenizer.encode_chat(turns), "chat"
+        turns = chat_turns(request.chat, tokenizer.limits)
+        return tokenizer.encode_chat(turns, tools=tool_use.tools), "chat"
     if kind == "prompt_token_ids":
         return tokenizer.check_token_ids(list(request.prompt_token_ids.ids)), "prompt_token_ids"
     raise InvalidRequestError("prompt", "one of prompt, chat or prompt_token_ids must be set")
 
 
-def parse_generate_request(request: gen.GenerateRequest, tokenizer: PromptTokenizer) -> ParsedRequest:
+@dataclass(frozen=True)
+class GenerateInput:
+    """A validated GenerateRequest.
+
+    Attributes:
+        parsed: the tokenized request, its sampling parameters constrained to calls when
+            ``tool_use`` asks it.
+        tool_use: the chat's tools and what it asks of them (``NONE`` without tools, and for a
+            prompt or token ids).
+    """
+
+    parsed: ParsedRequest
+    tool_use: ToolUse
+
+
+def parse_generate_request(request: gen.GenerateRequest, tokenizer: PromptTokenizer) -> GenerateInput:
     """Validates and tokenizes a GenerateRequest (the gateway and `pagedserve complete --offline`).
 
     Sizes are checked before anything is tokenized (``tokenizer.limits``).
@@ -80,8 +103,11 @@ def parse_generate_request(request: gen.GenerateRequest, tokenizer: PromptTokeni
     """
     try:
         check_request_sizes(request, tokenizer.limits)
-        params = sampling_params_from_pb(request.sampling_params)
-        ids, field_name = prompt_token_ids_from_pb(request, tokenizer)
-        return parse_request(tokenizer, ids, field_name, params, request.priority, request.cache_salt)
+        is_chat = request.WhichOneof("prompt_input") == "chat"
+        tool_use = chat_tool_use(request.chat, tokenizer.limits) if is_chat else ToolUse()
+        params = tool_use.constrain(sampling_params_from_pb(request.sampling_params))
+        ids, field_name = prompt_token_ids_from_pb(request, tokenizer, tool_use)
+        parsed = parse_request(tokenizer, ids, field_name, params, request.priority, request.cache_salt)
+        return GenerateInput(parsed, tool_use)
     except InvalidRequestError as exc:
         raise exc.renamed(grpc_field_name(exc.field_name)) from exc

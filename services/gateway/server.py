@@ -183,7 +183,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
 
     server = _new_server(config)
     core = DrainingCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)
-    servicer = GenerationServicer(core, tracer)
+    servicer = GenerationServicer(core, tracer, config.tool_call_parser)
     add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
     health_servicer = await _add_health_and_reflection(server)
     port = bind(server, config.host, config.port, credentials)

@@ -14,9 +14,10 @@ from services.common import telemetry
 from pagedserve.engine.messages import TokenLogprobs
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
-from services.common.pb_fields import enum_to_pb
 from pagedserve.engine.sampling_params import InvalidRequestError
+from pagedserve.text.tool_parsers import ToolCallParserKind
 from services.gateway.generation_core import STATUS_OF_ERROR, GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
+from services.gateway.grpc_tools import SampleCalls
 from services.gateway.request_parser import parse_generate_request
 
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
@@ -40,11 +41,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     Args:
         core: the transport-neutral generation core (shared with the HTTP API).
         tracer: makes the call's server span.
+        tool_call_parser: how chat answers write tool calls (``--tool-call-parser``).
     """
 
-    def __init__(self, core: GenerationCore, tracer: trace.Tracer) -> None:
+    def __init__(self, core: GenerationCore, tracer: trace.Tracer, tool_call_parser: ToolCallParserKind) -> None:
         self._core = core
         self._tracer = tracer
+        self._tool_call_parser = tool_call_parser
 
     async def Generate(self, request: gen.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
         """Validates, queues and streams one request (see proto/generate.proto for the statuses)."""
@@ -52,30 +55,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             self._core.check_capacity()
             try:
-                parsed = await asyncio.to_thread(parse_generate_request, request, self._core.tokenizer)  # off the loop
+                given = await asyncio.to_thread(parse_generate_request, request, self._core.tokenizer)  # off the loop
             except InvalidRequestError as exc:
                 raise GenerationError(STATUS_OF_ERROR[exc.kind], str(exc), exc.field_name) from exc
             self._core.check_scheduler()
         except GenerationError as exc:
             await context.abort(grpc_status(exc.kind), exc.message)
         parent = telemetry.extract(telemetry.metadata_to_carrier(context.invocation_metadata()))
-        submission = Submission(parsed, arrived_s=arrived_s)
+        submission = Submission(given.parsed, arrived_s=arrived_s)
         label = request.request_id or submission.key
         # Not made the current span: an async generator that yields must not attach contexts.
         span = self._tracer.start_span("gateway.Generate", context=parent, kind=trace.SpanKind.SERVER,
                                        attributes={"request_id": submission.key, "client_request_id": label,
-                                                   "prompt_tokens": len(parsed.prompt_token_ids)})
+                                                   "prompt_tokens": len(submission.parsed.prompt_token_ids)})
         submission = dataclasses.replace(submission, trace_context=telemetry.inject(trace.set_span_in_context(span)))
+        calls = SampleCalls(given.tool_use, self._tool_call_parser)
         try:
             async for sample in self._core.generate(submission):
-                yield self._response(label, sample)
+                yield self._response(label, sample, calls)
         except GenerationError as exc:
             await context.abort(grpc_status(exc.kind), exc.message)
         finally:
             span.end()
 
     @staticmethod
-    def _response(request_id: str, sample: SampleDelta) -> gen.GenerateResponse:
+    def _response(request_id: str, sample: SampleDelta, calls: SampleCalls) -> gen.GenerateResponse:
         delta = sample.delta
         response = gen.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
                                         index=sample.sample_index, logprobs=[_logprobs_pb(e) for e in delta.logprobs])
@@ -85,8 +89,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             response.stop_string = delta.stop_reason
         elif delta.stop_reason is not None:
             response.stop_token_id = delta.stop_reason
-        if delta.finish_reason is not None:
-            response.finish_reason = enum_to_pb(delta.finish_reason, gen.FinishReason.DESCRIPTOR)
+        calls.fill(response, delta.finish_reason)
         if sample.usage is not None:
             response.usage.prompt_tokens = sample.usage.prompt_tokens
             response.usage.completion_tokens = sample.usage.completion_tokens

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 import redis
 
@@ -78,6 +79,23 @@ def test_complete_json_matches_offline(up, default_model):
     assert online == offline
     assert online["usage"]["completion_tokens"] == len(online["token_ids"]) > 0
     assert online["finish_reason"] in ("stop", "length")
+
+
+def test_complete_tool_calls_match_offline(up, default_model):
+    """`--tools` with a named `--tool-choice`: the call comes out (`--json`'s tool_calls, the text
+    empty), validates, and the in-process engine parses the same call."""
+    from tests.e2e.test_tool_calls import TIME, TOOLS
+
+    args = ["complete", "--chat", "--prompt", "What time is it in Paris?", "--temperature", "0", "--max-tokens", "40",
+            "--json", "--tools", json.dumps(TOOLS), "--tool-choice", "get_time"]
+    online = json.loads(pagedserve(*args, "--target", up["target"], env=up["env"]).stdout)
+    offline = json.loads(pagedserve(*args, "--offline", "--model", str(default_model), env=up["env"]).stdout)
+    assert online["finish_reason"] == "tool_calls" and online["text"] == "", online
+    (call,) = online["tool_calls"]
+    assert call["name"] == "get_time" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["arguments"]), TIME)
+    assert [{**c, "id": ""} for c in offline.pop("tool_calls")] == [{**call, "id": ""}]
+    assert offline == {key: value for key, value in online.items() if key != "tool_calls"}
 
 
 def test_up_prints_and_serves_the_openai_api(up, default_model):

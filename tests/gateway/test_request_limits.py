@@ -48,7 +48,7 @@ def test_values_at_the_limits_are_accepted(prompt_tokenizer: PromptTokenizer) ->
         prompt(request_id="r" * 256, cache_salt="s" * 256,
                sampling={"stop": ["x" * 1024] * 63 + ["y"], "stop_token_ids": [5] * 1024, "n": 64}),
         prompt_tokenizer,
-    )
+    ).parsed
     assert parsed.params.n == 64 and len(parsed.params.stop) == 64 and parsed.cache_salt == "s" * 256
 
 

@@ -129,3 +129,15 @@ def test_prompt_length_check(prompt_tokenizer: PromptTokenizer) -> None:
         check_prompt_length(9000, 8192, TOKEN_IDS_FIELD)
     assert err.value.field_name == "prompt_token_ids.ids"
     assert "9000" in err.value.reason and "8192" in err.value.reason
+
+
+def test_a_template_that_refuses_the_chat_names_chat_messages(model_path) -> None:
+    """A template's own error (``raise_exception``, as Llama's and Mistral's templates raise on roles
+    out of order) is the client's bad input on every API, not a server failure."""
+    refusing = PromptTokenizer.from_folder(model_path)
+    refusing.hf_tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    refusing = PromptTokenizer(refusing.hf_tokenizer, refusing.info)
+    with pytest.raises(InvalidRequestError) as err:
+        refusing.encode_chat([ChatTurn("user", "Hi"), ChatTurn("user", "again")])
+    assert err.value.field_name == CHAT_FIELD + ".messages"
+    assert "roles must alternate" in str(err.value)

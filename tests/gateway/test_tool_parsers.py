@@ -1,5 +1,6 @@
 """The hermes tool-call parser: the same calls and content whether an answer streams token by token
-(replayed through the real tokenizer and detokenizer) or comes whole."""
+(replayed through the real tokenizer and detokenizer) or comes whole, and whole calls (as gRPC sends
+them) given where their text ends."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pagedserve.text.detokenizer import IncrementalDetokenizer
 from pagedserve.text.tool_parsers import (
     ArgumentsPiece, CallStart, ContentPiece, HermesToolParser, ParsedAnswer, ToolCallParserKind, parse_tool_calls,
 )
+from pagedserve.text.tool_use import WholeCallStream
 
 HERMES = ToolCallParserKind.HERMES
 TWO_CALLS = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": {"n": 2}}}\n'
@@ -67,3 +69,32 @@ def test_text_that_is_not_a_call_stays_content():
     assert parse_tool_calls("<tool_call>not json</tool_call> then", HERMES) == \
         ParsedAnswer("<tool_call>not json</tool_call> then", ())
     assert parse_tool_calls('<tool_call>\n{"name": "cut", "arguments": {"q": 1', HERMES).calls == (("cut", '{"q": 1'),)
+
+
+def whole_calls(pieces: list[str]) -> tuple[ParsedAnswer, list[int]]:
+    """The answer ``WholeCallStream`` gives from ``pieces`` (the gRPC API's form), and the index of
+    the piece each call came with."""
+    stream = WholeCallStream(HERMES)
+    content, calls, at = "", [], []
+    for i, piece in enumerate(pieces):
+        text, done = stream.pieces(piece, i == len(pieces) - 1)
+        content += text
+        calls += done
+        at += [i] * len(done)
+    assert all(call.id.startswith("call_") for call in calls) and len({call.id for call in calls}) == len(calls)
+    return ParsedAnswer(content or None, tuple((call.name, call.arguments) for call in calls)), at
+
+
+@pytest.mark.parametrize("text", [
+    TWO_CALLS, "No tools needed.", '<tool_call>\n{"arguments": {}, "name": "second"}\n</tool_call>',
+    '<tool_call>\n{"name": "cut_short", "arguments": {"q": "unfinis',
+], ids=["two-calls", "no-calls", "name-second", "cut-short"])
+def test_whole_calls_equal_the_whole_answers(prompt_tokenizer, text):
+    assert whole_calls(replayed_pieces(prompt_tokenizer, text))[0] == parse_tool_calls(text, HERMES)
+
+
+def test_each_whole_call_comes_where_its_text_ends():
+    pieces = list(TWO_CALLS) + [""]
+    _, at = whole_calls(pieces)
+    first_end = TWO_CALLS.index("</tool_call>") + len("</tool_call>") - 1
+    assert at == [first_end, len(TWO_CALLS) - 2]  # the last piece is the newline after the second call
