@@ -44,7 +44,7 @@ def up(tmp_path_factory, default_model):
          "--http-port", str(http_port),
          "--scheduler-port", str(scheduler_port), "--model", str(default_model), "--kv-cache-memory", "64MiB",
          "--metrics-port", "0"],  # no fixed metrics ports: tests run side by side
-        stdout=log, stderr=subprocess.STDOUT, env=env,
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
     deadline = time.monotonic() + 300
     while "pagedserve is up" not in (tmp / "up.log").read_text():
@@ -54,7 +54,11 @@ def up(tmp_path_factory, default_model):
     yield {"process": process, "target": f"127.0.0.1:{port}", "env": env, "log": tmp / "up.log", "cache_dir": tmp,
            "ports": (port, scheduler_port, redis_port), "http": f"http://127.0.0.1:{http_port}"}
     if process.poll() is None:
-        process.kill()
+        process.terminate()  # up stops its services; SIGKILL would leave them running as orphans
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def test_complete_streams_text_from_the_stack(up):
