@@ -3,8 +3,8 @@ in a batch: every op of a step computes a row the same whatever the other rows (
 two rows up, single rows padded: ``models/onednn.MIN_ROWS``; norms and attention per row or per
 sequence). Prefix caching is off and prompts are prefilled whole: a prompt prefilled over a cached
 prefix or in chunks goes through the attention op's other path and may differ in the last bits.
-(With ``--gemm-backend torch`` no request was identical on this machine: MKL's rows change with the
-batch's row count, scripts/gemm_batch_invariance.py.)"""
+(With ``--gemm-backend torch`` none of the first 12 prompts was identical on this machine: MKL's
+rows change with the batch's row count, scripts/gemm_batch_invariance.py.)"""
 
 from __future__ import annotations
 
