@@ -74,3 +74,17 @@ def test_auto_is_onednn_on_the_cpu_and_torch_elsewhere(caplog):
     assert "torch GEMMs (F.linear) on cuda:1" in caplog.text
     assert resolve_gemm_backend("torch", "cpu") is GemmBackend.TORCH
     assert resolve_gemm_backend("onednn", "cpu") is GemmBackend.ONEDNN
+
+
+def test_parallel_ranks_take_auto_as_torch_and_refuse_onednn(caplog):
+    from pagedserve.engine.config import CompileMode
+    from pagedserve.engine.parallel.launch import check_rank_kernels
+
+    with caplog.at_level(logging.INFO, logger="pagedserve.worker"):
+        check_rank_kernels(GemmBackend.AUTO, CompileMode.EAGER)
+        check_rank_kernels(GemmBackend.TORCH, CompileMode.EAGER)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--gemm-backend auto: torch GEMMs (F.linear) on tensor- and pipeline-parallel ranks"]
+    for gemm, mode in ((GemmBackend.ONEDNN, CompileMode.EAGER), (GemmBackend.AUTO, CompileMode.INDUCTOR)):
+        with pytest.raises(ValueError, match="use gemm_backend 'auto' or 'torch' and compile_mode 'eager'"):
+            check_rank_kernels(gemm, mode)
