@@ -3,12 +3,13 @@
 oneDNN reorders each weight matrix once into its blocked layout for the CPU's vector units (the
 ``torch.ops.mkldnn`` ops inductor uses for frozen CPU models). On the 2-core AMD EPYC of
 docs/benchmarks.md this runs the model's matmuls 2-3x faster than ``F.linear`` (MKL), float32 or
-bfloat16 weights alike. The float32 results are as exact as MKL's (relative error against float64
-8.8e-7 vs 3.7e-7) but summed in another order, so they differ from Hugging Face ``transformers`` in
-the last bits; neither path is bit-identical to HF's, whose batches have other row counts (MKL's rows
-change with the row count of the batch: scripts/gemm_batch_invariance.py). oneDNN's do not, from two
-rows up; a single row is run as two (:data:`MIN_ROWS`), so a token's logits do not depend on what
-else is in the step. ``--gemm-backend torch`` keeps ``F.linear`` as the reference path.
+bfloat16 weights alike. The float32 results are about as exact as MKL's (relative error against
+float64 0.8-1.0e-6 vs 0.3-0.5e-6 on the default model's shapes) but summed in another order, so they
+differ from Hugging Face ``transformers`` in the last bits; neither path is bit-identical to HF's,
+whose batches have other row counts (MKL's rows change with the row count of the batch:
+scripts/gemm_batch_invariance.py). oneDNN's do not, from two rows up; a single row is run as two
+(:data:`MIN_ROWS`), so a token's logits do not depend on what else is in the step. ``--gemm-backend
+torch`` keeps ``F.linear`` as the reference path.
 """
 
 from __future__ import annotations
