@@ -4,8 +4,8 @@ The same sampled requests (the prompts' token ids, each request's own output len
 greedy, float32) run through:
 
   pagedserve  the in-process engine, all requests submitted at once (as `bench throughput` runs it),
-              once per --engines entry (pagedserve-onednn: oneDNN linear layers; -inductor: compiled
-              dense part; both opt-in);
+              once per --engines entry (pagedserve: the defaults; pagedserve-torch: F.linear, the
+              reference GEMMs; -onednn: oneDNN named explicitly; -inductor: compiled dense part, opt-in);
   vllm        vLLM's offline LLM.generate, in a subprocess of the Python given by --vllm-python
               (a separate vLLM CPU install; the driver is pagedserve/bench/vllm_driver.py);
   llama.cpp   a running llama-server given by --llama-server-url, all requests sent at once.
@@ -57,11 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("pagedserve engine (vLLM gets the same sequence and batch limits, and the KV-cache "
                              "memory rounded up to whole GiB)")
     add_engine_arguments(g)
-    g.add_argument("--engines", default="torch", type=_engine_variants,
+    g.add_argument("--engines", default="auto", type=_engine_variants,
                    help="comma-separated: one pagedserve row per engine variant GEMM[+COMPILE], the first is "
-                        "the reference for greedy agreement; GEMM torch (token-identical to transformers) or "
-                        "onednn, COMPILE eager (when omitted) or inductor (both faster and opt-in; see "
-                        "pagedserve worker --help), e.g. torch,onednn,onednn+inductor (default %(default)s)")
+                        "the reference for greedy agreement; GEMM auto (the default: onednn on CPU), torch "
+                        "(F.linear, the reference kernels) or onednn, COMPILE eager (when omitted) or inductor "
+                        "(opt-in; see pagedserve worker --help), e.g. auto,torch,auto+inductor (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write settings, machine, every figure and per-request matches")
     p.set_defaults(func=run, dtype="float32", device="cpu")
 
@@ -109,9 +109,9 @@ class EngineVariant:
 
     @property
     def system(self) -> str:
-        """``pagedserve``, then ``-onednn`` / ``-inductor`` for what differs from the defaults."""
+        """``pagedserve``, then ``-torch`` / ``-onednn`` / ``-inductor`` for what differs from the defaults."""
         parts = ["pagedserve"]
-        parts += [self.gemm_backend.value] if self.gemm_backend is not GemmBackend.TORCH else []
+        parts += [self.gemm_backend.value] if self.gemm_backend is not GemmBackend.AUTO else []
         parts += [self.compile_mode.value] if self.compile_mode is not CompileMode.EAGER else []
         return "-".join(parts)
 

@@ -15,14 +15,15 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 class GemmBackend(enum.Enum):
     """Which kernels run the model's linear layers on CPU (``pagedserve/engine/models/onednn.py``)."""
 
-    TORCH = "torch"  # F.linear (MKL): the same kernels as transformers, greedy output token-identical to HF
-    ONEDNN = "onednn"  # oneDNN, weights prepacked: 2-3x faster on CPU; float32 sums in another order (opt-in)
+    AUTO = "auto"  # ONEDNN on a CPU whose torch has oneDNN, else TORCH (models/onednn.resolve_gemm_backend)
+    TORCH = "torch"  # F.linear (MKL on CPU): the same kernels as transformers, the reference path
+    ONEDNN = "onednn"  # oneDNN, weights prepacked: 2-3x faster on CPU, rows independent of the batch
 
 
 class CompileMode(enum.Enum):
     """How the worker runs the model's dense part (``pagedserve/engine/models/compiled.py``)."""
 
-    EAGER = "eager"  # op by op in torch eager: greedy output token-identical to HF with --gemm-backend torch
+    EAGER = "eager"  # op by op in torch eager
     INDUCTOR = "inductor"  # torch.compile (inductor) fuses norms, rotary, SiLU-mul, residual adds (opt-in)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagedserve.engine.config import CompileMode, GemmBackend
 from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 
 
@@ -17,8 +16,8 @@ def build_local_runners(path: Path, config: EngineConfig, rank_placement=None) -
             whose remote ranks (``pagedserve worker-rank``) rank 0 waits for; None: all spawned here.
 
     Raises:
-        ValueError: T*P > 1 with several workers or with other kernels than eager torch GEMMs (and
-            the runners' own errors).
+        ValueError: T*P > 1 with several workers or with other kernels than eager torch GEMMs
+            (``check_rank_kernels``), and the runners' own errors.
     """
     import torch
 
@@ -42,15 +41,13 @@ def build_local_runners(path: Path, config: EngineConfig, rank_placement=None) -
 def _parallel_runners(path: Path, config: EngineConfig, rank_placement=None) -> dict:
     """One worker of T*P ranks, rank 0 here plus T*P-1 helper processes (or remote ranks); with
     P > 1, its virtual engines (worker ids ``worker-0/ve<v>`` when there are several)."""
-    from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
+    from pagedserve.engine.parallel.launch import check_rank_kernels, start_tensor_parallel_runner
     from pagedserve.engine.parallel.rank import RankConfig
     from pagedserve.engine.parallel.rank_link import LOCAL
     from pagedserve.engine.runner_factory import resolve_dtype
 
     runner = config.runner
-    if runner.gemm_backend is not GemmBackend.TORCH or runner.compile_mode is not CompileMode.EAGER:
-        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 runs eager torch GEMMs only "
-                         "(gemm_backend='torch', compile_mode='eager')")
+    check_rank_kernels(runner.gemm_backend, runner.compile_mode)
     if config.num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
         raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "
                          "(num_workers=1)")

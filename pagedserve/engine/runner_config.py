@@ -9,6 +9,7 @@ from typing import Any
 
 from pagedserve.engine.config import (ATTENTION_BACKENDS, CompileMode, GemmBackend, SchedulerConfig,
                                       default_token_budget)
+from pagedserve.engine.cpu_features import BF16_CPU_FLAGS
 from pagedserve.options import nested, option
 from pagedserve.units import format_bytes, parse_bytes, parse_bytes_or_zero
 
@@ -31,20 +32,22 @@ class RunnerConfig:
         default_help="1GiB on CPU, on CUDA what --gpu-memory-utilization leaves after the weights")
     swap_space: int = option("bytes of CPU memory for swapped-out KV blocks (scheduler --preemption-mode swap), "
                              "e.g. 4GiB; 0: none", 0, parse=parse_bytes_or_zero, show=format_bytes)
-    dtype: str = option("weights and KV dtype; auto: bfloat16 on CUDA, float32 on CPU", "auto", choices=DTYPES)
+    dtype: str = option(
+        "weights, activations and KV dtype; auto: bfloat16 on CUDA, float32 on CPU; bfloat16 on a CPU needs "
+        f"native bfloat16 ({' or '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo; refused without)", "auto", choices=DTYPES)
     device: str = option("torch device: cpu or cuda", "cpu")
     attention_backend: str = option(
         "paged attention: auto (Triton on CUDA; on CPU the compiled C++ op for decodes, or plain torch if it "
         "cannot be built), cpu, torch or triton", "auto", choices=ATTENTION_BACKENDS)
     gemm_backend: GemmBackend = option(
-        "linear layers on CPU: torch (F.linear; greedy output token-identical to transformers) or onednn "
-        "(weights prepacked for oneDNN: 2-3x faster matmuls, float32 sums in another order, so greedy output "
-        "can differ from transformers where two logits nearly tie)", GemmBackend.TORCH)
+        "linear layers: auto (onednn on a CPU whose torch has oneDNN, else torch; logged), torch (F.linear, "
+        "transformers' kernels: the reference path) or onednn (weights prepacked for oneDNN: 2-3x faster "
+        "matmuls on CPU, float32 sums in another order, a row's result independent of the batch's size)",
+        GemmBackend.AUTO)
     compile_mode: CompileMode = option(
-        "eager: run the model op by op (greedy output token-identical to transformers with --gemm-backend "
-        "torch); inductor: torch.compile the layers' dense part (fused RMSNorm, rotary, SiLU*mul, residual "
-        "adds; busy decode steps 4-15% shorter on CPU, single-sequence steps slightly longer; reductions in "
-        "another order; about 40 s of compiling at start)", CompileMode.EAGER)
+        "eager: run the model op by op; inductor: torch.compile the layers' dense part (fused RMSNorm, rotary, "
+        "SiLU*mul, residual adds; busy decode steps 4-15% shorter on CPU, single-sequence steps slightly longer; "
+        "reductions in another order; about 40 s of compiling at start)", CompileMode.EAGER)
     gpu_memory_utilization: float = option("CUDA: share of the GPU's memory the worker may use in all, (0, 1]", 0.9)
     tensor_parallel_size: int = option(
         "ranks that split each layer of the model (Megatron-LM; every architecture, CPU): rank 0 talks to the "

@@ -122,14 +122,13 @@ def _build_engines(config: WorkerConfig) -> dict:
     """Rank 0 of a tensor- and/or pipeline-parallel worker (``pagedserve.engine.parallel.launch``;
     helpers spawned here, or dialing ``--rank-address``), by worker id: the worker itself, or its
     virtual engines ``<id>/ve<i>``."""
-    from pagedserve.engine.config import CompileMode, GemmBackend
-    from pagedserve.engine.parallel.launch import start_tensor_parallel_runner
+    from pagedserve.engine.parallel.launch import check_rank_kernels, start_tensor_parallel_runner
     from pagedserve.engine.parallel.rank import RankConfig
     from pagedserve.engine.parallel.rank_link import RankPlacement
 
-    if config.runner.device != "cpu" or config.runner.gemm_backend is not GemmBackend.TORCH or config.runner.compile_mode is not CompileMode.EAGER:
-        raise ValueError("--tensor-parallel-size or --pipeline-parallel-size > 1 runs on the CPU with eager torch "
-                         "GEMMs only (gloo; NCCL later)")
+    if config.runner.device != "cpu":
+        raise ValueError("--tensor-parallel-size or --pipeline-parallel-size > 1 runs on the CPU only (gloo; NCCL later)")
+    check_rank_kernels(config.runner.gemm_backend, config.runner.compile_mode)
     import torch
 
     ranks = config.runner.tensor_parallel_size * config.runner.pipeline_parallel_size

@@ -95,12 +95,12 @@ def test_a_python_without_vllm_is_a_clear_error(python, reason):
 
 
 def test_engine_variants_parse_and_name_their_rows():
-    variants = _engine_variants("torch, onednn,onednn+inductor,torch+eager")
+    variants = _engine_variants("torch, onednn,auto+inductor,auto+eager")
     assert variants == [EngineVariant(GemmBackend.TORCH, CompileMode.EAGER),
                         EngineVariant(GemmBackend.ONEDNN, CompileMode.EAGER),
-                        EngineVariant(GemmBackend.ONEDNN, CompileMode.INDUCTOR),
-                        EngineVariant(GemmBackend.TORCH, CompileMode.EAGER)]
-    assert [v.system for v in variants] == ["pagedserve", "pagedserve-onednn", "pagedserve-onednn-inductor",
+                        EngineVariant(GemmBackend.AUTO, CompileMode.INDUCTOR),
+                        EngineVariant(GemmBackend.AUTO, CompileMode.EAGER)]
+    assert [v.system for v in variants] == ["pagedserve-torch", "pagedserve-onednn", "pagedserve-inductor",
                                             "pagedserve"]
     for bad in ("mkl", "onednn+jit", "torch,"):
         with pytest.raises(Exception, match="GEMM\\[\\+COMPILE\\]"):

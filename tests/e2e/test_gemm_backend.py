@@ -1,6 +1,8 @@
-"""The opt-in fast paths through the real services: a worker started with --gemm-backend onednn, or
-with --compile-mode inductor, gives exactly the greedy output of the in-process engine with its
-default kernels (``offline_outputs``, shared with test_stack) on these questions."""
+"""The kernels and precisions a worker can be started with, through the real services: a worker with
+--gemm-backend torch (the reference F.linear GEMMs) gives the in-process engine's default output
+(oneDNN GEMMs; ``offline_outputs``, shared with test_stack) on these questions; a worker with
+--dtype bfloat16 gives exactly the in-process bfloat16 engine's (the same kernels, and a row's result
+does not depend on its batch: tests/engine/test_batch_invariance.py)."""
 
 from __future__ import annotations
 
@@ -8,26 +10,46 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from pagedserve.engine.cpu_features import BF16_CPU_FLAGS, cpu_flags
 from tests.e2e.processes import start_stack
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
-# (inductor through the stack took 40 s of compiling in CI; compiled outputs are checked in-process in
-# tests/worker/test_compiled_forward.py, and up's commands carry --compile-mode: tests/test_launcher_commands.py)
-@pytest.mark.parametrize("gemm_backend, compile_mode", [("onednn", "eager")])
-def test_worker_fast_path_matches_in_process(tmp_path, default_model, offline_outputs, gemm_backend, compile_mode):
-    questions = QUESTIONS[:8]
-    stack = start_stack(tmp_path, default_model, num_workers=1, worker_threads=2,
-                        worker_args=("--gemm-backend", gemm_backend, "--compile-mode", compile_mode))
+def assert_stack_gives(tmp_path, default_model, worker_args: tuple[str, ...], want: dict) -> None:
+    """Starts a one-worker stack with ``worker_args`` and checks each of ``want``'s questions, asked
+    concurrently, streams exactly its ids and text."""
+    questions = list(want)
+    stack = start_stack(tmp_path, default_model, num_workers=1, worker_threads=2, worker_args=worker_args)
     try:
         with ThreadPoolExecutor(len(questions)) as pool:
             results = list(pool.map(lambda q: stream(stack.gateway, chat_request(q)), questions))
         for question, responses in zip(questions, results):
-            want = offline_outputs[question]
-            assert [t for r in responses for t in r.token_ids] == list(want.token_ids), question
-            assert "".join(r.text for r in responses) == want.text, question
+            assert [t for r in responses for t in r.token_ids] == list(want[question].token_ids), question
+            assert "".join(r.text for r in responses) == want[question].text, question
         assert_all_blocks_free(stack)
     finally:
         stack.stop()
+
+
+# (inductor through the stack took 40 s of compiling in CI; compiled outputs are checked in-process in
+# tests/worker/test_compiled_forward.py, and up's commands carry --compile-mode: tests/test_launcher_commands.py)
+def test_reference_gemms_worker_matches_in_process_default(tmp_path, default_model, offline_outputs):
+    want = {q: offline_outputs[q] for q in QUESTIONS[:8]}
+    assert_stack_gives(tmp_path, default_model, ("--gemm-backend", "torch"), want)
+
+
+@pytest.mark.skipif(not cpu_flags() & set(BF16_CPU_FLAGS), reason="CPU without native bfloat16")
+def test_bfloat16_worker_matches_in_process_bfloat16(tmp_path, default_model, offline_outputs):
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.llm import LLM
+    from pagedserve.text.tokenizer import ChatTurn
+
+    questions = QUESTIONS[:8]
+    llm = LLM(default_model, kv_cache_memory="64MiB", dtype="bfloat16")
+    results = llm.chat([[ChatTurn("user", q)] for q in questions], SamplingParams(max_tokens=24, temperature=0.0))
+    del llm
+    assert any(r.token_ids != offline_outputs[q].token_ids for q, r in zip(questions, results)), \
+        "bfloat16 gave float32's output on every question: the check below would not see a worker in float32"
+    assert_stack_gives(tmp_path, default_model, ("--dtype", "bfloat16"), dict(zip(questions, results)))

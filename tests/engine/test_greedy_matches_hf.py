@@ -1,5 +1,8 @@
 """The in-process engine's greedy output equals Hugging Face greedy generate on each prompt alone:
-submitted together, arriving staggered, and under a KV cache so small that preemption happens."""
+submitted together, arriving staggered, and under a KV cache so small that preemption happens, with
+the default GEMMs (oneDNN on CPU); and with the reference GEMMs (``--gemm-backend torch``,
+transformers' own F.linear). Neither is bit-identical to HF's logits (MKL's rows change with the
+batch's row count too: scripts/gemm_batch_invariance.py), so equality is on these prompts."""
 
 from __future__ import annotations
 
@@ -73,12 +76,8 @@ def test_preemption_under_a_small_kv_cache_keeps_outputs_exact(default_model, pr
     assert all(w.num_free_blocks == w.num_blocks for w in llm.stats().workers)
 
 
-def test_onednn_gemms_keep_greedy_output_on_these_prompts(default_model, prompt_ids, reference):
-    """The opt-in oneDNN GEMMs sum in another order than transformers' F.linear: not guaranteed to
-    match HF token for token (oneDNN picks other kernels on other CPUs), but on these prompts all
-    did on the AVX-512 machine of docs/benchmarks.md; more than one flip would mean more than
-    rounding."""
-    llm = LLM(default_model, kv_cache_memory="64MiB", gemm_backend="onednn")
+def test_reference_gemms_match_hf(default_model, prompt_ids, reference):
+    llm = LLM(default_model, kv_cache_memory="64MiB", gemm_backend="torch")
     results = llm.generate(prompt_ids, GREEDY)
-    differ = [i for i, (r, ref) in enumerate(zip(results, reference)) if list(r.token_ids) != ref]
-    assert len(differ) <= 1, f"prompts whose greedy output differs from HF: {differ}"
+    for i, result in enumerate(results):
+        assert list(result.token_ids) == reference[i], f"prompt {i}: {BASE_PROMPTS[i][:40]!r}"

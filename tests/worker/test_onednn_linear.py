@@ -1,4 +1,5 @@
-"""The opt-in oneDNN linear layers: same products as F.linear to float32 rounding, on every layer."""
+"""The oneDNN linear layers (the default GEMMs on CPU): same products as F.linear to float32
+rounding, on every layer; each row's result independent of the batch's size; ``auto`` resolved."""
 
 from __future__ import annotations
 
@@ -6,8 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import logging
+
+from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.models.layers import Linear
-from pagedserve.engine.models.onednn import OneDnnLinear, pack_linear_layers
+from pagedserve.engine.models.onednn import MIN_ROWS, OneDnnLinear, pack_linear_layers, resolve_gemm_backend
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -40,3 +44,47 @@ def test_pack_replaces_every_linear_and_adds_a_tied_lm_head(default_model):
     for got, want in zip(after, before):  # float32 rounding of sums over 576..1536 products
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
     assert after[1].dtype == torch.float32 and model.embed_tokens.weight.shape[0] == after[1].shape[1]
+
+
+MODEL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
+"""The default model's GEMMs ``[out, in]``: fused QKV, output projection, gate-up, down, LM head."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features, in_features", MODEL_SHAPES)
+def test_a_rows_result_does_not_depend_on_the_batch_size(out_features, in_features, dtype):
+    """Rows alone, in twos, sevens and 64s are bit-identical to the same rows in a batch of 257 (MKL's
+    F.linear is not: scripts/gemm_batch_invariance.py). Without the padding to MIN_ROWS, single rows
+    of the 1536-wide down projection differ (oneDNN's GEMV sums in another order)."""
+    g = torch.Generator().manual_seed(out_features + in_features)
+    layer = OneDnnLinear((torch.randn(out_features, in_features, generator=g) * in_features ** -0.5).to(dtype), None)
+    x = torch.randn(257, in_features, generator=g).to(dtype)
+    full = layer(x)
+    for size in (1, MIN_ROWS, 7, 64):
+        for row in range(0, 257, 32):
+            start = min(row, 257 - size)
+            assert torch.equal(layer(x[start:start + size])[row - start], full[row]), (size, row)
+
+
+def test_auto_is_onednn_on_the_cpu_and_torch_elsewhere(caplog):
+    with caplog.at_level(logging.INFO, logger="pagedserve.worker"):
+        assert resolve_gemm_backend("auto", "cpu") is GemmBackend.ONEDNN
+        assert not caplog.records
+        assert resolve_gemm_backend(GemmBackend.AUTO, "cuda:1") is GemmBackend.TORCH
+    assert "torch GEMMs (F.linear) on cuda:1" in caplog.text
+    assert resolve_gemm_backend("torch", "cpu") is GemmBackend.TORCH
+    assert resolve_gemm_backend("onednn", "cpu") is GemmBackend.ONEDNN
+
+
+def test_parallel_ranks_take_auto_as_torch_and_refuse_onednn(caplog):
+    from pagedserve.engine.config import CompileMode
+    from pagedserve.engine.parallel.launch import check_rank_kernels
+
+    with caplog.at_level(logging.INFO, logger="pagedserve.worker"):
+        check_rank_kernels(GemmBackend.AUTO, CompileMode.EAGER)
+        check_rank_kernels(GemmBackend.TORCH, CompileMode.EAGER)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--gemm-backend auto: torch GEMMs (F.linear) on tensor- and pipeline-parallel ranks"]
+    for gemm, mode in ((GemmBackend.ONEDNN, CompileMode.EAGER), (GemmBackend.AUTO, CompileMode.INDUCTOR)):
+        with pytest.raises(ValueError, match="use gemm_backend 'auto' or 'torch' and compile_mode 'eager'"):
+            check_rank_kernels(gemm, mode)

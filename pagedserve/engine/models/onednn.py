@@ -1,24 +1,37 @@
-"""Linear layers on oneDNN with prepacked weights: the opt-in fast GEMMs for CPU.
+"""Linear layers on oneDNN with prepacked weights: the default GEMMs on CPU (``--gemm-backend auto``).
 
 oneDNN reorders each weight matrix once into its blocked layout for the CPU's vector units (the
 ``torch.ops.mkldnn`` ops inductor uses for frozen CPU models). On the 2-core AMD EPYC of
-docs/benchmarks.md this runs the model's matmuls 2-3x faster than ``F.linear`` (MKL). The results are
-float32 like ``F.linear``'s but summed in another order, so they differ from Hugging Face
-``transformers`` in the last bits and greedy decoding can pick another token where two logits
-nearly tie: the engine's default stays ``F.linear`` (:attr:`GemmBackend.TORCH`), token-identical to HF.
+docs/benchmarks.md this runs the model's matmuls 2-3x faster than ``F.linear`` (MKL), float32 or
+bfloat16 weights alike. The float32 results are about as exact as MKL's (relative error against
+float64 0.8-1.0e-6 vs 0.3-0.5e-6 on the default model's shapes) but summed in another order, so they
+differ from Hugging Face ``transformers`` in the last bits; neither path is bit-identical to HF's,
+whose batches have other row counts (MKL's rows change with the row count of the batch:
+scripts/gemm_batch_invariance.py). oneDNN's do not, from two rows up; a single row is run as two
+(:data:`MIN_ROWS`), so a token's logits do not depend on what else is in the step. ``--gemm-backend
+torch`` keeps ``F.linear`` as the reference path.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import weakref
 
 import torch
 from torch import nn
 
+from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.models.layers import Linear
 
+log = logging.getLogger("pagedserve.worker")
+
 BATCH_HINT = 64  # the token count oneDNN tunes the packed layout for; any count works
+MIN_ROWS = 2
+"""Rows of the smallest GEMM run: oneDNN takes another kernel (a GEMV, with another summation order
+for inputs wider than about 1024) for one row, so a single row is padded with a zero row. Two rows
+cost the same time as one (the weights dominate: scripts/gemm_batch_invariance.py times both).
+Asserted for the default model's shapes in tests/worker/test_onednn_linear.py."""
 
 _layers: weakref.WeakValueDictionary[int, OneDnnLinear] = weakref.WeakValueDictionary()
 _ids = itertools.count()
@@ -29,7 +42,11 @@ def onednn_linear(x: torch.Tensor, layer_id: int, out_features: int) -> torch.Te
     """``x`` ``[T, in]`` through the packed layer ``layer_id``: ``[T, out_features]``. A custom op so
     that ``torch.compile`` keeps it opaque (inductor cannot take the packed weight as a graph input)."""
     layer = _layers[layer_id]
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, layer.bias, "none", [], "")
+    rows = x.shape[0]
+    if rows < MIN_ROWS:
+        x = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
+    out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, layer.bias, "none", [], "")
+    return out[:rows]
 
 
 @onednn_linear.register_fake
@@ -51,7 +68,8 @@ class OneDnnLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         if not torch.backends.mkldnn.is_available():
-            raise RuntimeError("--gemm-backend onednn needs a torch build with oneDNN (mkldnn); use --gemm-backend torch")
+            raise RuntimeError("--gemm-backend onednn needs a torch build with oneDNN (mkldnn); use --gemm-backend "
+                               "auto or torch")
         self.out_features = weight.shape[0]
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)  # opaque
         self.bias = None if bias is None else bias.detach().clone()
@@ -87,3 +105,20 @@ def pack_linear_layers(model: nn.Module) -> int:
         model.lm_head = OneDnnLinear(model.embed_tokens.weight, None)
         packed += 1
     return packed
+
+
+def resolve_gemm_backend(backend: GemmBackend | str, device: torch.device | str) -> GemmBackend:
+    """``auto`` -> ``onednn`` on the CPU when this torch has oneDNN, else ``torch`` (logged with the
+    reason); ``torch`` and ``onednn`` unchanged (:func:`pack_linear_layers` refuses the latter off the CPU).
+    """
+    backend = GemmBackend(backend)
+    if backend is not GemmBackend.AUTO:
+        return backend
+    if torch.device(device).type != "cpu":
+        log.info("--gemm-backend auto: torch GEMMs (F.linear) on %s; oneDNN prepacking is for CPUs", device)
+        return GemmBackend.TORCH
+    if not torch.backends.mkldnn.is_available():
+        log.warning("--gemm-backend auto: torch GEMMs (F.linear, 2-3x slower on CPU): this torch build has no "
+                    "oneDNN (torch.backends.mkldnn.is_available() is False); install torch's CPU wheel")
+        return GemmBackend.TORCH
+    return GemmBackend.ONEDNN

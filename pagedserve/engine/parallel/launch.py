@@ -12,6 +12,7 @@ the runner is then broken and every later step raises too.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,6 +20,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from pagedserve.engine.config import CompileMode, GemmBackend
 from pagedserve.engine.messages import BatchPlan, StepResult
 from pagedserve.engine.model_runner import ModelRunner, PlanMismatchError
 from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup
@@ -29,6 +31,22 @@ from pagedserve.engine.parallel.spawn import STOP, launch_ranks, stop_helpers
 from pagedserve.engine.structured_output import StructuredOutput
 
 _STEP = "step"
+
+log = logging.getLogger("pagedserve.worker")
+
+
+def check_rank_kernels(gemm_backend: GemmBackend, compile_mode: CompileMode) -> None:
+    """Ranks build their shards with torch's own GEMMs in eager mode (oneDNN packing and inductor are
+    not wired into the sharded layers): ``auto`` runs them, logged; ``onednn`` or ``inductor`` is refused.
+
+    Raises:
+        ValueError: ``gemm_backend`` is ``onednn`` or ``compile_mode`` is ``inductor``.
+    """
+    if gemm_backend is GemmBackend.ONEDNN or compile_mode is not CompileMode.EAGER:
+        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 runs eager torch GEMMs only: "
+                         "use gemm_backend 'auto' or 'torch' and compile_mode 'eager'")
+    if gemm_backend is GemmBackend.AUTO:
+        log.info("--gemm-backend auto: torch GEMMs (F.linear) on tensor- and pipeline-parallel ranks")
 
 
 def helper_main(config: RankConfig, spec: GroupSpec, rank: int, conn: Connection) -> None:

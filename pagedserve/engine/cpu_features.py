@@ -1,0 +1,36 @@
+"""What the CPU can do natively, from its feature flags: whether bfloat16 weights are worth running."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+"""/proc/cpuinfo flags of native bfloat16 dot products: x86 AVX512_BF16 and AMX-BF16, Arm's BF16.
+Without one, oneDNN emulates bfloat16 GEMMs in float32 and they run several times slower."""
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The feature flags of the first CPU in ``cpuinfo`` (x86 ``flags``, Arm ``Features``); empty when
+    the file cannot be read (not Linux)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def check_cpu_dtype(dtype: str, flags: frozenset[str]) -> None:
+    """Refuses ``bfloat16`` on a CPU whose ``flags`` (:func:`cpu_flags`) hold none of ``BF16_CPU_FLAGS``.
+
+    Raises:
+        ValueError: naming the flags looked for and what to do instead.
+    """
+    if dtype == "bfloat16" and not flags & set(BF16_CPU_FLAGS):
+        found = "no /proc/cpuinfo flags could be read" if not flags else "its /proc/cpuinfo flags have none"
+        raise ValueError(f"--dtype bfloat16 needs a CPU with native bfloat16 ({' or '.join(BF16_CPU_FLAGS)}); "
+                         f"{found}, and emulated bfloat16 runs slower than float32: use --dtype float32 "
+                         "(or auto) on this machine")

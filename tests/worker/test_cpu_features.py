@@ -1,0 +1,44 @@
+"""bfloat16 on a CPU only with native bfloat16 dot products: flags read from /proc/cpuinfo's format."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.engine.cpu_features import BF16_CPU_FLAGS, check_cpu_dtype, cpu_flags
+from pagedserve.engine.runner_factory import resolve_dtype
+
+X86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f {extra}\nbugs\t\t: sysret_ss_attrs\n\n" \
+      "processor\t: 1\nflags\t\t: fpu\n"
+ARM = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd sve {extra}\nCPU implementer\t: 0x41\n"
+
+
+@pytest.mark.parametrize("text, extra, native", [(X86, "avx512_bf16", True), (X86, "amx_bf16 amx_tile", True),
+                                                 (X86, "avx512_vnni", False), (ARM, "bf16 i8mm", True),
+                                                 (ARM, "sve2", False)])
+def test_flags_of_the_first_cpu_decide(tmp_path, text, extra, native):
+    (tmp_path / "cpuinfo").write_text(text.format(extra=extra))
+    flags = cpu_flags(tmp_path / "cpuinfo")
+    assert set(extra.split()) <= flags and {"fpu", "fp"} & flags  # the first CPU's line
+    check_cpu_dtype("float32", flags)
+    if native:
+        check_cpu_dtype("bfloat16", flags)
+    else:
+        with pytest.raises(ValueError, match="avx512_bf16 or amx_bf16.*its /proc/cpuinfo flags have none.*--dtype float32"):
+            check_cpu_dtype("bfloat16", flags)
+
+
+def test_unreadable_cpuinfo_refuses_bfloat16_saying_so(tmp_path):
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+    with pytest.raises(ValueError, match="no /proc/cpuinfo flags could be read"):
+        check_cpu_dtype("bfloat16", frozenset())
+
+
+def test_resolve_dtype_checks_this_cpu():
+    native = bool(cpu_flags() & set(BF16_CPU_FLAGS))
+    assert resolve_dtype("auto", "cpu") == "float32" and resolve_dtype("auto", "cuda") == "bfloat16"
+    assert resolve_dtype("bfloat16", "cuda:0") == "bfloat16"  # GPUs are not checked here
+    if native:
+        assert resolve_dtype("bfloat16", "cpu") == "bfloat16"
+    else:
+        with pytest.raises(ValueError, match="--dtype bfloat16 needs a CPU with native bfloat16"):
+            resolve_dtype("bfloat16", "cpu")
