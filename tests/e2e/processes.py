@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedserve.launcher import free_port
 from pagedserve.model_files import default_cache_dir
 from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
@@ -25,6 +26,23 @@ CLUSTER_TOKEN = secrets.token_hex(32)
 
 RECORDS = RecordCheck(CLUSTER_TOKEN)
 """Signs (and checks) records in Redis as the services of the tests' stacks do."""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, below the ephemeral range (32768+): a port the OS picks
+    from that range can be taken, between this check and a service's bind seconds later, by another
+    test's outgoing connection (the suite runs under pytest-xdist), and the service then exits with
+    EADDRINUSE."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def wait_until(ready: Callable[[], bool], what: str, timeout_s: float, processes: list["Process"] = ()) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from pagedserve.cli import build_parser
-from pagedserve.launcher import StackConfig, free_port
-from tests.e2e.processes import cache_dir
+from pagedserve.launcher import StackConfig
+from tests.e2e.processes import free_port, cache_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

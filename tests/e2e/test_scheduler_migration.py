@@ -33,11 +33,10 @@ import redis
 
 from pagedserve.engine.block_hash import hash_full_blocks
 from pagedserve.engine.config import SchedulerConfig
-from pagedserve.launcher import free_port
 from pagedserve.text.tokenizer import PromptTokenizer
 from services.common import redis_keys
 from services.common.signed_records import BlockDigestKey
-from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, num_workers_known, pagedserve, scheduler_stats,
+from tests.e2e.processes import (free_port, CLUSTER_TOKEN, Stack, healthy, num_workers_known, pagedserve, scheduler_stats,
                                  start_redis, stop_all, wait_until)
 from services.common.pb import generate_pb2 as gen
 from tests.e2e.test_chaos import Call, finish_streams, kill, redis_clean, start_redis_on
@@ -46,7 +45,8 @@ from tests.e2e.test_stack import QUESTIONS, chat_request
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 NUM_STREAMS = 32
-MAX_TOKENS = [24 + (i % 8) * 2 for i in range(NUM_STREAMS)]  # 24..38, exact lengths (ignore_eos)
+MAX_TOKENS = [40 + (i % 8) * 2 for i in range(NUM_STREAMS)]  # 40..54, exact lengths (ignore_eos): the first
+# streams must still decode when the last is admitted (32 prompts take 2.4-3.2 s to admit here)
 NUMBERS = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
                       "minItems": 40, "maxItems": 200})  # 40+ numbers: longer than any stream, never closed
 STRUCTURED = frozenset(range(3, NUM_STREAMS, 4))
