@@ -7,7 +7,7 @@ own slow-to-compile JSON schema (500 optional properties, a 300-branch anyOf, 60
 until the workers have built its grammar on their compile thread (``Worker.PrepareGrammar``), so no
 step stops for a build; the bound is twice the free arrivals' longest gap plus 0.3 s. On this
 2-core machine both workers build every grammar beside the decoding streams, so the structured
-arrivals still cost more than free ones (quiet: 767-783 ms against 414-451 ms free); the stall this
+arrivals still cost more than free ones (at load 3.2-3.5: 767-783 ms against 414-451 ms free); the stall this
 guards against is a step that builds them: ``bench structured-outputs`` measures that one alone.
 """
 
