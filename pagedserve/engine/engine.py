@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagedserve.engine.grammar_matchers import GrammarError
-from pagedserve.engine.messages import BatchPlan, EngineRequest, RequestError, ResumedSample, SequenceId, StepResult
+from pagedserve.engine.messages import BatchPlan, EngineRequest, ResumedSample, SequenceId, StepResult
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.limits import grammar_failure
 from pagedserve.engine.structured_output import StructuredOutput
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -71,19 +71,16 @@ class PlanRunner(Protocol):
 def gather(futures: Collection[Future[None]]) -> Future[None]:
     """A future done when all of ``futures`` are; it raises the first of their exceptions, if any."""
     combined: Future[None] = Future()
-    remaining = [len(futures)]
+    pending = set(futures)
     lock = threading.Lock()
 
-    def one_done(_future: Future[None]) -> None:
+    def one_done(future: Future) -> None:
         with lock:
-            remaining[0] -= 1
-            if remaining[0]:
+            pending.discard(future)
+            if pending:
                 return
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            combined.set_exception(errors[0])
-        else:
-            combined.set_result(None)
+        error = next((e for e in (f.exception() for f in futures) if e is not None), None)
+        combined.set_exception(error) if error is not None else combined.set_result(None)
 
     if not futures:
         combined.set_result(None)
@@ -176,8 +173,7 @@ class Engine:
         for request_id in [r for r, f in self._grammars.items() if f.done()]:
             error = self._grammars.pop(request_id).exception()
             if isinstance(error, GrammarError):
-                outputs += self.scheduler.abort_request(request_id, RequestError(
-                    ErrorKind.INVALID_ARGUMENT, f"structured_output: {error}"))
+                outputs += self.scheduler.abort_request(request_id, grammar_failure(f"structured_output: {error}"))
                 continue
             if error is not None:  # a worker that did not answer builds it when the request arrives
                 log.warning("request %s: a worker did not build its grammar in advance (%s)", request_id, error)

@@ -59,7 +59,7 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
         self._pristine: OrderedDict[str, object] = OrderedDict()
-        self._building: dict[str, Future[None]] = {}  # cache key -> its build on the compile thread
+        self._building: dict[str, Future] = {}  # cache key -> its build on the compile thread (-> the pristine)
         self._lock = threading.Lock()  # guards both: the model thread reads, the compile thread writes
         # llguidance's view of the vocabulary takes about half a second: built in the background from
         # the start, so that the first structured request does not stall a step for it
@@ -77,9 +77,10 @@ class GrammarCompiler:
         """llguidance's view of the vocabulary (waits for its build, started with the compiler)."""
         return self._tokenizer.result()
 
-    def prepare(self, structure: StructuredOutput) -> Future[None]:
+    def prepare(self, structure: StructuredOutput) -> Future:
         """Builds ``structure``'s pristine matcher on the compile thread, unless it is cached or
-        being built; returns the build's future (done at once for a cached spec).
+        being built; returns the build's future (done at once for a cached spec; its result is
+        the pristine matcher, which callers outside this class ignore).
 
         The future raises :class:`GrammarError` if the grammar does not build.
         """
@@ -88,8 +89,14 @@ class GrammarCompiler:
             if key in self._pristine:
                 return built()
             if key not in self._building:
-                self._building[key] = self._compile_thread.submit(self._build, structure)
+                build = self._compile_thread.submit(self._build, structure)
+                self._building[key] = build
+                build.add_done_callback(lambda _: self._forget_build(key))
             return self._building[key]
+
+    def _forget_build(self, key: str) -> None:
+        with self._lock:
+            self._building.pop(key, None)
 
     def matcher(self, structure: StructuredOutput, output_token_ids: Sequence[int] = ()):
         """A matcher for ``structure`` that has consumed ``output_token_ids`` (a replay). Copies the
@@ -107,31 +114,21 @@ class GrammarCompiler:
             if pristine is not None:
                 self._pristine.move_to_end(key)
         if pristine is None:
-            if building is not None:
-                building.result()
-            else:
-                self._build(structure)
-            with self._lock:
-                pristine = self._pristine.get(key)
-        if pristine is None:  # evicted by 128 other specs meanwhile
-            pristine = self._new_pristine(structure)
+            pristine = building.result() if building is not None else self._build(structure)
         matcher = pristine.deep_copy()
         for token_id in output_token_ids:
             advance(matcher, token_id)
         return matcher
 
-    def _build(self, structure: StructuredOutput) -> None:
-        """Builds and caches ``structure``'s pristine matcher (on any thread; GrammarError if it fails)."""
-        key = structure.cache_key
-        try:
-            pristine = self._new_pristine(structure)
-            with self._lock:
-                self._pristine[key] = pristine
-                while len(self._pristine) > self.cache_size:
-                    self._pristine.popitem(last=False)
-        finally:
-            with self._lock:
-                self._building.pop(key, None)
+    def _build(self, structure: StructuredOutput):
+        """Builds, caches and returns ``structure``'s pristine matcher (on any thread; GrammarError
+        if it fails)."""
+        pristine = self._new_pristine(structure)
+        with self._lock:
+            self._pristine[structure.cache_key] = pristine
+            while len(self._pristine) > self.cache_size:
+                self._pristine.popitem(last=False)
+        return pristine
 
     def _new_pristine(self, structure: StructuredOutput):
         import llguidance

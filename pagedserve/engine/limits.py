@@ -19,6 +19,12 @@ LOST_TOKEN_ERROR = RequestError(ErrorKind.UNAVAILABLE, "the worker's answer to a
 (a bug: it would wait for that token for ever otherwise)."""
 
 
+def grammar_failure(reason: str) -> RequestError:
+    """How a request whose grammar the worker cannot run ends (it does not build against the
+    vocabulary, or fails at a parser limit while decoding): INVALID_ARGUMENT with ``reason``."""
+    return RequestError(ErrorKind.INVALID_ARGUMENT, reason)
+
+
 def num_new_tokens(seq: Sequence, draft: PlanDraft, config: SchedulerConfig, num_computed: int | None = None) -> int:
     """Tokens to compute now: with chunked prefill, ``PlanDraft.chunk_tokens`` (a decode, or a
     chunk sized by the token budget and the step's time); without, all that remain, or 0 when they

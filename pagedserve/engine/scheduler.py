@@ -18,9 +18,8 @@ from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerS
 from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, ResumedSample,
                                         SampledToken, SequenceId, StepResult)
 from pagedserve.engine.outputs import RequestOutput, SchedulerOutput
-from pagedserve.engine.limits import LOST_TOKEN_ERROR, num_new_tokens, worker_loss_error
+from pagedserve.engine.limits import LOST_TOKEN_ERROR, grammar_failure, num_new_tokens, worker_loss_error
 from pagedserve.engine.policy import POLICIES
-from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.requests_in_flight import RequestsInFlight
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_pool import WorkerPool
@@ -179,8 +178,7 @@ class Scheduler:
                 else:
                     seq.token_arrived()  # even if preempted meanwhile: the token was computed right
                 if sampled.grammar_error is not None:  # the token is not the structure's: the sample ends
-                    outputs += self.abort_sample(seq.seq_id, RequestError(ErrorKind.INVALID_ARGUMENT,
-                                                                          sampled.grammar_error))
+                    outputs += self.abort_sample(seq.seq_id, grammar_failure(sampled.grammar_error))
                     continue
                 outputs.append(self._append(seq, sampled))
             for seq in self._requests.lost_tokens(worker_id, result.step_id, sampling):  # none will come

@@ -99,10 +99,10 @@ class GrpcExecutor:
 
         before = self._grammar_calls.get(worker_id)
         self._grammar_calls[worker_id] = answer
-        if before is None or before.done():
+        if before is None:
             call()
         else:
-            before.add_done_callback(call)
+            before.add_done_callback(call)  # at once if it is done
         return answer
 
 
