@@ -229,11 +229,19 @@ def test_up_starts_a_crashed_worker_again(up):
     children = subprocess.run(["pgrep", "-P", str(up["process"].pid)], capture_output=True, text=True).stdout.split()
     [worker] = [pid for pid in children if b"\0worker\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     os.kill(int(worker), signal.SIGKILL)
+    restarted = "worker-0 exited with status -9; starting it again"
     deadline = time.monotonic() + 30
-    while "worker-0 exited with status -9; starting it again" not in up["log"].read_text():
+    while restarted not in up["log"].read_text():
         assert time.monotonic() < deadline, up["log"].read_text()[-3000:]
         time.sleep(0.5)
     assert up["process"].poll() is None
+    # Asked before the new worker is admitted, the request would wait for it, but only until the
+    # scheduler's no-worker limit (30 s from the kill) ends it with UNAVAILABLE: under CI's load a
+    # worker's start (model, C++ op) has taken longer than that.
+    deadline = time.monotonic() + 120
+    while "admitted with" not in up["log"].read_text().split(restarted, 1)[1]:
+        assert time.monotonic() < deadline and up["process"].poll() is None, up["log"].read_text()[-3000:]
+        time.sleep(0.5)
     result = pagedserve("complete", "--target", up["target"], "--chat", "--prompt", "What is the capital of France?",
                         "--temperature", "0", "--max-tokens", "24", env=up["env"])
     assert result.returncode == 0 and "Paris" in result.stdout, result.stderr

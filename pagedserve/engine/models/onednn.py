@@ -8,8 +8,12 @@ float64 0.8-1.0e-6 vs 0.3-0.5e-6 on the default model's shapes) but summed in an
 differ from Hugging Face ``transformers`` in the last bits; neither path is bit-identical to HF's,
 whose batches have other row counts (MKL's rows change with the row count of the batch:
 scripts/gemm_batch_invariance.py). oneDNN's do not, from two rows up; a single row is run as two
-(:data:`MIN_ROWS`), so a token's logits do not depend on what else is in the step. ``--gemm-backend
-torch`` keeps ``F.linear`` as the reference path.
+(:data:`MIN_ROWS`), so a token's logits do not depend on what else is in the step. That holds for
+float32; on CPUs with AMX, oneDNN takes other bfloat16 kernels from 33 rows up (on a 2-core Xeon,
+rows computed in batches of up to 32 differed in the last bits from the same rows in a batch of 257
+on most of the default model's shapes), so there a bfloat16 token's logits may change with the
+step's size.
+``--gemm-backend torch`` keeps ``F.linear`` as the reference path.
 """
 
 from __future__ import annotations
