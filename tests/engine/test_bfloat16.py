@@ -2,7 +2,9 @@
 
 Greedy output: a bfloat16 model does not keep float32's tokens for long (transformers' own bfloat16
 SmolLM2 parts from its float32 at the second token on 5 of these 18 prompts), so only each prompt's
-first token is asserted equal. Logprobs are compared on the same sequences (each prompt and its
+first token is asserted, and only where float32's top two are further apart than bfloat16 can move
+them (2 * TOL_MAX: on a 2-core Xeon with AMX, prompt 16's first token differed, within that
+margin). Logprobs are compared on the same sequences (each prompt and its
 float32 greedy continuation, as prompt logprobs), where the two do not part.
 
 Tolerance, derived: a bfloat16 rounding has relative error at most u = 2^-9 (8 significant bits).
@@ -63,9 +65,12 @@ def hf_errors(default_model, hf_model, sequences: list[list[int]]) -> torch.Tens
 def test_bfloat16_logprobs_within_tolerance_of_float32(default_model, default_llm, hf_model, tokenizer):
     bf16 = LLM(default_model, kv_cache_memory="64MiB", dtype="bfloat16")
     prompts = [tokenizer.encode_prompt(p) for p in BASE_PROMPTS]
-    float32 = default_llm.generate(prompts, GREEDY)
+    float32 = default_llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, logprobs=2))
     first = [r.token_ids[0] for r in bf16.generate(prompts, GREEDY)]
-    assert first == [r.token_ids[0] for r in float32]
+    margins = [r.samples[0].logprobs[0].top_logprobs[0] - r.samples[0].logprobs[0].top_logprobs[1] for r in float32]
+    parted = [(i, margins[i]) for i, r in enumerate(float32) if first[i] != r.token_ids[0]]
+    assert all(margin < 2 * TOL_MAX for _, margin in parted), parted
+    assert len(parted) <= 2, parted
     sequences = [ids + list(r.token_ids) for ids, r in zip(prompts, float32)]
     ours = logprob_errors(bf16, default_llm, sequences)
     assert len(ours) == sum(len(s) - 1 for s in sequences)
