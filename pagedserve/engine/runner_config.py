@@ -33,7 +33,8 @@ class RunnerConfig:
     swap_space: int = option("bytes of CPU memory for swapped-out KV blocks (scheduler --preemption-mode swap), "
                              "e.g. 4GiB; 0: none", 0, parse=parse_bytes_or_zero, show=format_bytes)
     dtype: str = option(
-        "weights, activations and KV dtype; auto: bfloat16 on CUDA, float32 on CPU; bfloat16 on a CPU needs "
+        "weights and activations dtype, and the KV cache's unless --kv-cache-dtype says otherwise; auto: bfloat16 on "
+        "CUDA, float32 on CPU; bfloat16 on a CPU needs "
         f"native bfloat16 ({' or '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo; refused without)", "auto", choices=DTYPES)
     kv_cache_dtype: KVCacheDtype = option(
         "what the KV cache stores K and V in (vLLM's flag): auto (the --dtype), bfloat16, or fp8_e5m2 "
