@@ -145,3 +145,19 @@ def test_backends_attend_over_the_stored_values(backend, kv_dtype):
     attention = CpuAttentionBackend(OP) if backend == "cpu" else TorchAttentionBackend()
     got = attention.attend(q, k, v, k_cache, v_cache, md, 0.125)
     torch.testing.assert_close(got, _reference(q, k_cache, v_cache, md, 0.125), rtol=1e-5, atol=1e-5)
+
+
+@needs_op
+@pytest.mark.parametrize("kv_dtype,bits", [(torch.float8_e5m2, torch.uint8), (torch.bfloat16, torch.int16)])
+def test_op_widens_every_bit_pattern_exactly(kv_dtype, bits):
+    """One cached token: softmax weight 1, so the output is V as widened, for every value the dtype has
+    (subnormals, infinities and NaNs included), against torch's conversion."""
+    from pagedserve.engine.attention import build_attention_metadata, compute_positions
+
+    n = 1 << (8 * kv_dtype.itemsize)
+    values = torch.arange(n, dtype=torch.int32).to(bits).view(kv_dtype).view(1, 1, 1, n)  # (NB, BS, Hkv, D)
+    md = build_attention_metadata([1], [0], [[0]], compute_positions([1], [0]), 1)
+    q = torch.zeros(1, 1, n)
+    out = torch.full_like(q, float("nan"))
+    OP(out, q, torch.zeros_like(values), values, md.block_tables, md.seq_lens, md.query_start_loc, 1.0)
+    torch.testing.assert_close(out.flatten(), values.flatten().float(), rtol=0, atol=0, equal_nan=True)

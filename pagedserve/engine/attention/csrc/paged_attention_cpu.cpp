@@ -3,17 +3,17 @@
 // PagedAttention (Kwon et al., SOSP 2023, §4) stores each sequence's keys and values in fixed-size
 // blocks; this kernel walks a sequence's block table and never copies its context into a contiguous
 // buffer. Each work item is one sequence's tile of up to kQueryTile new tokens with all its heads
-// (a decode is one token): the item reads each context slot's K/V rows of every KV head once, in
-// the slot's memory order, and each KV head's row serves the G query heads that share it
-// (grouped-query attention). Softmax is the
-// online (streaming) form of FlashAttention (Dao et al., NeurIPS 2022, §3.1, Algorithm 1): a running
-// maximum and sum per row, rescaled block by block, so one pass over the context suffices. All
-// arithmetic is float32 whatever the dtypes: the caches' element type (the query's, bfloat16 or
-// fp8_e5m2, --kv-cache-dtype) is a template parameter of its own, widened to float32 as it is loaded
-// (vec16.h). With ALiBi slopes (Press et al., 2022, §3) each
-// scaled score of head h gets -slope[h] * (query_pos - key_pos), or with alibi_bf16 (transformers'
-// Falcon) scale * bf16(slope[h] * bf16(key_pos)); each is a separate template instantiation (kAlibi), so
-// the default path has no extra work in its score loop.
+// (a decode is one token): the item reads each context slot's K/V rows of every KV head once, in the
+// slot's memory order, and each KV head's row serves the G query heads that share it (grouped-query
+// attention). Softmax is the online (streaming) form of FlashAttention (Dao et al., NeurIPS 2022,
+// §3.1, Algorithm 1): a running maximum and sum per row, rescaled block by block, so one pass over the
+// context suffices. All arithmetic is float32 whatever the dtypes: a cache narrower than float32 (the
+// query's bfloat16 or half, or --kv-cache-dtype's bfloat16 or fp8_e5m2: a template parameter of its
+// own) is widened once per key tile into float32 scratch that every head and token of the item reads
+// (widen_slots, vec16.h). With ALiBi slopes (Press et al., 2022, §3) each scaled score of head h gets
+// -slope[h] * (query_pos - key_pos), or with alibi_bf16 (transformers' Falcon) scale * bf16(slope[h] *
+// bf16(key_pos)); each is a separate template instantiation (kAlibi), so the default path has no
+// extra work in its score loop.
 //
 // Layouts (the conventions of pagedserve/engine/attention/metadata.py):
 //   query, out       [T, H, D]            the step's new tokens, flat over sequences
@@ -60,10 +60,12 @@ struct Geometry {
   float scale;
 };
 
-// One work item's rows: scaled queries, running max and sum, unnormalised outputs.
+// One work item's rows: scaled queries, running max and sum, unnormalised outputs; and the scratch a
+// cache narrower than float32 widens each key tile's K and V into, once for all heads and tokens.
 struct Rows {
   std::vector<vf16> q, acc;  // [rows, D / 16] each
   std::vector<float> max, sum;
+  std::vector<float> wide;   // [2, kKeyTile, Hkv * D]
   void reset(int64_t rows, int64_t chunks) {
     q.assign(rows * chunks, vf16{});
     acc.assign(rows * chunks, vf16{});
@@ -76,9 +78,9 @@ struct Rows {
 // keys[j] / values[j] point at slot j's first KV head; this row reads the head at head_offset.
 // kRelative: key j of the tile is pos0 + j positions from the query (<= 0), its bias slope * that;
 // kFalconBf16: key j is at position pos0 + j, its bias bias_scale * bf16(slope * bf16(position)).
-template <typename kv_t, int kAlibi>
-void update_row(Rows& rows, int64_t row, int64_t n_valid, const kv_t* const* keys,
-                const kv_t* const* values, int64_t head_offset, int64_t chunks, float slope, float pos0,
+template <int kAlibi>
+void update_row(Rows& rows, int64_t row, int64_t n_valid, const float* const* keys,
+                const float* const* values, int64_t head_offset, int64_t chunks, float slope, float pos0,
                 float bias_scale) {
   const vf16* q = rows.q.data() + row * chunks;
   vf16 partial[kKeyTile];
@@ -139,6 +141,9 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
   const int64_t slot_stride = g.num_kv_heads * D;
   const kv_t* keys[kKeyTile];
   const kv_t* values[kKeyTile];
+  const float* wide_keys[kKeyTile];  // keys/values as float32: in place, or widened into rows.wide
+  const float* wide_values[kKeyTile];
+  rows.wide.resize(std::max<size_t>(rows.wide.size(), 2 * kKeyTile * slot_stride));
   for (int64_t p0 = 0; p0 < num_keys; p0 += kKeyTile) {
     const int64_t n_tile = std::min(kKeyTile, num_keys - p0);
     for (int64_t j = 0; j < n_tile; ++j) {  // the tile's slots through the block table
@@ -148,13 +153,15 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
       values[j] = value_cache + slot * slot_stride;
     }
     prefetch_tile(key_cache, value_cache, block_table, g, p0 + kKeyTile, std::min(p0 + 2 * kKeyTile, num_keys));
+    widen_slots(keys, n_tile, slot_stride, rows.wide.data(), wide_keys);
+    widen_slots(values, n_tile, slot_stride, rows.wide.data() + kKeyTile * slot_stride, wide_values);
     for (int64_t t = w.token_begin; t < w.token_end; ++t) {
       const int64_t n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
       if (n_valid <= 0) continue;
       const float pos0 = static_cast<float>(kAlibi == kRelative ? p0 - (context_len + (t - seq_token_begin)) : p0);
       for (int64_t h = 0; h < H; ++h)
-        update_row<kv_t, kAlibi>(rows, (t - w.token_begin) * H + h, n_valid, keys, values, h / g.group * D,
-                                     chunks, kAlibi ? slopes[h] : 0.0f, pos0, g.scale);
+        update_row<kAlibi>(rows, (t - w.token_begin) * H + h, n_valid, wide_keys, wide_values, h / g.group * D,
+                           chunks, kAlibi ? slopes[h] : 0.0f, pos0, g.scale);
     }
   }
   for (int64_t t = w.token_begin; t < w.token_end; ++t) {
@@ -301,12 +308,4 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "Tensor? alibi_slopes=None, bool alibi_bf16=False) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
-  m.impl("paged_attention", [](at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
-                               const at::Tensor& value_cache, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                               const c10::optional<at::Tensor>& alibi_slopes, bool alibi_bf16) {
-    paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    alibi_slopes, alibi_bf16);
-  });
-}
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", TORCH_FN(paged_attention)); }
