@@ -21,8 +21,8 @@ from pathlib import Path
 
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.report import format_table
+from pagedserve.engine.config import KVCacheDtype
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8_e5m2")
 STREAM_BYTES = 512 << 20
 
 
@@ -112,7 +112,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
     stream_ms = _median_ms(lambda i: buffer.sum(), 5, args.rounds)
     stream_gbps = STREAM_BYTES / stream_ms / 1e6
     timings = []
-    for choice in KV_CACHE_DTYPES:
+    for choice in KVCacheDtype:
         dtype = cache_dtype(choice, torch.float32)
         caches = [(to_cache_dtype(torch.randn(shape, generator=g), dtype),
                    to_cache_dtype(torch.randn(shape, generator=g), dtype)) for _ in range(args.layers)]
@@ -123,7 +123,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
 
         ms = _median_ms(call, 4 * args.layers, args.rounds)
         kv_bytes = 2 * int(md.seq_lens.sum()) * args.num_kv_heads * args.head_dim * dtype.itemsize
-        timings.append(OpTiming(choice, str(dtype).removeprefix("torch."), ms, kv_bytes, kv_bytes / ms / 1e6,
+        timings.append(OpTiming(choice.value, str(dtype).removeprefix("torch."), ms, kv_bytes, kv_bytes / ms / 1e6,
                                 kv_bytes / ms / 1e6 / stream_gbps))
     return stream_gbps, timings
 

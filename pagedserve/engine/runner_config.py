@@ -112,6 +112,7 @@ def kernel_options(flags: Any) -> dict[str, Any]:
     options a benchmark passes on to ``LLM`` or ``RunnerConfig``."""
     return {name: getattr(flags, name) for name in KERNELS}
 
+
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 """KV-cache bytes per worker of ``LLM`` and `pagedserve up` unless told (on every device)."""
 
