@@ -15,6 +15,10 @@ import os
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NARROW_CACHE_DTYPES = (torch.bfloat16, torch.float8_e5m2)
+"""Cache dtypes the attention kernels read under a query of another dtype (widened per tile to float32;
+``--kv-cache-dtype``)."""
+KV_DTYPES = FLOAT_DTYPES + (torch.float8_e5m2,)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -83,8 +87,8 @@ def check_kv_cache(k_cache, v_cache) -> tuple[int, int, int, int]:
 
     Returns ``(num_blocks, block_size, num_kv_heads, head_dim)``.
     """
-    check_tensor("k_cache", k_cache, 4, FLOAT_DTYPES)
-    check_tensor("v_cache", v_cache, 4, FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, KV_DTYPES)
+    check_tensor("v_cache", v_cache, 4, KV_DTYPES)
     if v_cache.dtype != k_cache.dtype:
         raise TypeError(f"v_cache dtype {v_cache.dtype} differs from k_cache dtype {k_cache.dtype}")
     check_shape("v_cache", v_cache, tuple(k_cache.shape))
@@ -116,6 +120,13 @@ def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tenso
     """Raise ``TypeError`` unless ``t.dtype == ref.dtype``."""
     if t.dtype != ref.dtype:
         raise TypeError(f"{name} dtype {t.dtype} differs from {ref_name} dtype {ref.dtype}")
+
+
+def check_cache_dtype(k_cache: torch.Tensor, query: torch.Tensor) -> None:
+    """Raise ``TypeError`` unless the cache holds ``query``'s dtype or one of ``NARROW_CACHE_DTYPES``."""
+    if k_cache.dtype != query.dtype and k_cache.dtype not in NARROW_CACHE_DTYPES:
+        raise TypeError(f"k_cache dtype {k_cache.dtype} is neither query's dtype {query.dtype} nor one of "
+                        f"{', '.join(map(str, NARROW_CACHE_DTYPES))}")
 
 
 def check_out(out, like: torch.Tensor):

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels._alibi import round_bf16
 from kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_alibi_slopes, check_heads, check_kv_cache, check_out,
-                             check_same_device, check_same_dtype, check_shape, check_tensor,
+                             check_same_device, check_cache_dtype, check_shape, check_tensor,
                              next_pow2)
 
 LOG2E = 1.4426950408889634
@@ -64,6 +64,8 @@ def _decode_kernel(
     mask_g = offs_g < GROUP                                             # (G,)
     q = tl.load(q_ptr + seq * stride_q_s + head[:, None] * stride_q_h + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)                        # (G, D)
+    if k_cache_ptr.dtype.element_ty != q_ptr.dtype.element_ty:  # a narrower cache: widened per tile, float32
+        q = q.to(tl.float32)
     slope = tl.zeros([BLOCK_G], tl.float32)                             # (G,)
     if ALIBI:
         slope = tl.load(slopes_ptr + head, mask=mask_g, other=0.0)     # (G,)
@@ -80,9 +82,9 @@ def _decode_kernel(
         k_row = block * stride_kc_b + slot_in_block * stride_kc_s + kv_head * stride_kc_h
         v_row = block * stride_vc_b + slot_in_block * stride_vc_s + kv_head * stride_vc_h
         k = tl.load(k_cache_ptr + k_row[None, :] + offs_d[:, None],
-                    mask=mask_n[None, :], other=0.0)                    # (D, N)
+                    mask=mask_n[None, :], other=0.0).to(q.dtype)        # (D, N)
         v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0)                    # (N, D)
+                    mask=mask_n[:, None], other=0.0).to(q.dtype)        # (N, D)
         qk = tl.dot(q, k, input_precision="ieee") * qk_scale            # (G, N)
         if ALIBI_BF16:  # qk_scale * bf16(slope * bf16(key_pos)): scaled, in log2 units
             bias = slope[:, None] * round_bf16(offs_n.to(tl.float32))[None, :]  # (G, N)
@@ -153,7 +155,7 @@ def _validate(query, k_cache, v_cache, block_tables, seq_lens) -> int:
     """Check all inputs; return the GQA group size. Raises ``TypeError``/``ValueError``."""
     _, _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     check_tensor("query", query, 3, FLOAT_DTYPES)
-    check_same_dtype("k_cache", k_cache, "query", query)
+    check_cache_dtype(k_cache, query)
     group = check_heads(query, num_kv_heads, head_dim)
     check_tensor("block_tables", block_tables, 2, INDEX_DTYPES)
     check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
@@ -196,7 +198,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     Args:
         query: ``[num_seqs, num_heads, head_dim]`` float16/bfloat16/float32.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
-            same dtype as ``query``; ``num_heads % num_kv_heads == 0``, head_dim a
+            ``query``'s dtype, or bfloat16 / float8_e5m2 (widened per tile, then all in
+            float32); ``num_heads % num_kv_heads == 0``, head_dim a
             power of two >= 16.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32/int64.
         seq_lens: ``[num_seqs]`` int32/int64, context length including the new
@@ -214,7 +217,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         ``out``: ``[num_seqs, num_heads, head_dim]`` in ``query.dtype``.
 
     Raises:
-        TypeError: wrong dtypes (e.g. cache dtype != query dtype, float indices).
+        TypeError: wrong dtypes (e.g. a cache dtype the kernel does not read, float indices).
         ValueError: inconsistent shapes, head counts, strides or devices.
     """
     group = _validate(query, k_cache, v_cache, block_tables, seq_lens)

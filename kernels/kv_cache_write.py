@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_kv_cache, check_same_device,
+from kernels._checks import (INDEX_DTYPES, KV_DTYPES, check_kv_cache, check_same_device,
                              check_same_dtype, check_shape, check_tensor, next_pow2)
 
 
@@ -53,8 +53,8 @@ def _write_kv_cache_kernel(
 def _validate(key, value, k_cache, v_cache, slot_mapping) -> None:
     """Check shapes, dtypes and devices; raise ``TypeError``/``ValueError`` naming the argument."""
     _, _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_tensor("key", key, 3, FLOAT_DTYPES)
-    check_tensor("value", value, 3, FLOAT_DTYPES)
+    check_tensor("key", key, 3, KV_DTYPES)
+    check_tensor("value", value, 3, KV_DTYPES)
     check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES)
     check_same_dtype("key", key, "k_cache", k_cache)
     check_same_dtype("value", value, "v_cache", v_cache)
@@ -72,7 +72,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor
 
     Args:
         key, value: ``[num_tokens, num_kv_heads, head_dim]``, float16/bfloat16/
-            float32, same dtype as the caches, last dimension contiguous.
+            float32/float8_e5m2, same dtype as the caches (rounded to it by the caller:
+            ``kv_cache.to_cache_dtype``), last dimension contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: ``[num_tokens]`` int64 (or int32),
             ``slot = block_id * block_size + offset_in_block``; a negative slot

@@ -1,5 +1,5 @@
 """`pagedserve up` starts each service with flags its own command accepts, and passes on the
-settings it was given (scheduler policy, the workers' rank grid)."""
+settings it was given (scheduler policy, the workers' rank grid and kernels)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def up_commands(tmp_path, monkeypatch, policy: SchedulerConfig) -> list:
                          redis_url="redis://127.0.0.1:3/0", policy=policy, threads_per_worker=1, data_dir=tmp_path,
                          runner=RunnerConfig(kv_cache_memory="64MiB", tensor_parallel_size=2, pipeline_parallel_size=2,
                                              virtual_engines=1, compile_mode=CompileMode.INDUCTOR,
-                                             gemm_backend=GemmBackend.ONEDNN), schedulers=2)
+                                             gemm_backend=GemmBackend.ONEDNN, kv_cache_dtype="fp8_e5m2"),
+                         schedulers=2)
     stack, commands = Stack(config), []
     monkeypatch.setattr(stack, "_start_redis", lambda: None)  # nothing is started: only the commands are read
     monkeypatch.setattr(stack, "_wait_ready", lambda: None)
@@ -37,7 +38,7 @@ def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monke
     assert (scheduler.max_plans_in_flight, scheduler.placement, scheduler.max_num_batched_tokens) == (1, "least-loaded", 128)
     assert scheduler.max_decode_slowdown == 1.5
     assert (worker.tensor_parallel_size, worker.pipeline_parallel_size, worker.virtual_engines) == (2, 2, 1)
-    assert (worker.compile_mode, worker.gemm_backend) == ("inductor", "onednn")
+    assert (worker.compile_mode, worker.gemm_backend, worker.kv_cache_dtype) == ("inductor", "onednn", "fp8_e5m2")
     assert gateway.shutdown_grace_s + SHUTDOWN_CLOSE_S <= STOP_TIMEOUT_S  # up waits for the gateway's drain
 
 

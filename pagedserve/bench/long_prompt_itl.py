@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, fields_except
-from pagedserve.engine.runner_config import KERNELS, RunnerConfig
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig, kernel_options
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.metrics import latency_stats
 from pagedserve.bench.report import format_table
@@ -123,7 +123,7 @@ def run_config(model: Path, args: argparse.Namespace, budget: int, slowdown: flo
         return [rng.randrange(1000, 20000) for _ in range(n)]
 
     with LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=budget, dtype="float32",
-             gemm_backend=args.gemm_backend, compile_mode=args.compile_mode,
+             **kernel_options(args),
              max_plans_in_flight=args.max_plans_in_flight, max_decode_slowdown=slowdown) as llm:
         alone, _ = _run_streams(llm, [prompt(STREAM_PROMPT_TOKENS) for _ in range(args.streams)], args.alone_tokens, None)
         streams = [prompt(STREAM_PROMPT_TOKENS) for _ in range(args.streams)]

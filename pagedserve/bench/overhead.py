@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, fields_except
-from pagedserve.engine.runner_config import KERNELS, RunnerConfig
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig, kernel_options
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.in_process import ttft_ms
 from pagedserve.bench.machine import machine_info, machine_line
@@ -66,8 +66,8 @@ class _InProcess:
 
         self.cores = range(_threads(args))
         torch.set_num_threads(len(self.cores))
-        self.llm = LLM(model, kv_cache_memory=args.kv_cache_memory, gemm_backend=args.gemm_backend,
-                       compile_mode=args.compile_mode, max_plans_in_flight=plans_in_flight)
+        self.llm = LLM(model, kv_cache_memory=args.kv_cache_memory, **kernel_options(args),
+                       max_plans_in_flight=plans_in_flight)
 
     @contextlib.contextmanager
     def _on_worker_cores(self):
@@ -155,8 +155,7 @@ def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Name
         try:
             for n in plans_in_flight:
                 ports = [free_port() for _ in range(4)]
-                runner = RunnerConfig(kv_cache_memory=args.kv_cache_memory, gemm_backend=args.gemm_backend,
-                                      compile_mode=args.compile_mode)
+                runner = RunnerConfig(kv_cache_memory=args.kv_cache_memory, **kernel_options(args))
                 stack = Stack(StackConfig(
                     model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
                     redis_url=f"redis://127.0.0.1:{ports[2]}/0", runner=runner,

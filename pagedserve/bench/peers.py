@@ -63,7 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(F.linear, the reference kernels) or onednn, COMPILE eager (when omitted) or inductor "
                         "(opt-in; see pagedserve worker --help), e.g. auto,torch,auto+inductor (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write settings, machine, every figure and per-request matches")
-    p.set_defaults(func=run, dtype="float32", device="cpu")
+    p.set_defaults(func=run, dtype="float32", device="cpu", kv_cache_dtype="auto")
 
 
 def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> int | None:

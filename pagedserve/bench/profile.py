@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, fields_except
-from pagedserve.engine.runner_config import KERNELS, RunnerConfig
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig, kernel_options
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.engine.config import ATTENTION_BACKENDS
 
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model or None, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False,
-              gemm_backend=args.gemm_backend, compile_mode=args.compile_mode, attention_backend=args.attention_backend)
+              **kernel_options(args), attention_backend=args.attention_backend)
     runner = llm.engine.executor.runners["worker-0"]
     timers = StepTimers()
     instrument(runner, timers)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, fields_except
-from pagedserve.engine.runner_config import KERNELS, RunnerConfig
+from pagedserve.engine.runner_config import KERNELS, RunnerConfig, kernel_options
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.machine import machine_info, machine_line
 
@@ -86,8 +86,7 @@ def build_engine(model: Path, args: argparse.Namespace, **options):
 
     return LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device,
-               gemm_backend=args.gemm_backend, compile_mode=args.compile_mode,
-               max_plans_in_flight=args.max_plans_in_flight, **options)
+               **kernel_options(args), max_plans_in_flight=args.max_plans_in_flight, **options)
 
 
 def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],

@@ -27,6 +27,15 @@ class CompileMode(enum.Enum):
     INDUCTOR = "inductor"  # torch.compile (inductor) fuses norms, rotary, SiLU-mul, residual adds (opt-in)
 
 
+class KVCacheDtype(enum.Enum):
+    """What the paged KV cache stores K and V in (vLLM's ``--kv-cache-dtype``); attention reads them
+    back as float32 (``pagedserve/engine/kv_cache.py`` maps each to a torch dtype)."""
+
+    AUTO = "auto"  # the model's dtype (--dtype)
+    BFLOAT16 = "bfloat16"  # 8 significand bits: unit roundoff 2^-8
+    FP8_E5M2 = "fp8_e5m2"  # torch.float8_e5m2, unscaled: 3 significand bits, unit roundoff 2^-3, max 57344
+
+
 class PreemptionMode(enum.Enum):
     """How blocks are taken back from a running sequence when they run out (vLLM §4.5)."""
 

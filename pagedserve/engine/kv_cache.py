@@ -5,6 +5,10 @@ Layout (shared with ``kernels/`` and the attention backends), per layer and for 
 ``block_id * block_size + offset_in_block`` (PagedAttention, Kwon et al., SOSP 2023, §4.1-4.2).
 Only the worker touches these tensors; the scheduler's block manager decides which blocks a
 sequence owns.
+
+The cache's element type may be smaller than the model's (``--kv-cache-dtype``, :func:`cache_dtype`):
+K/V are rounded to it when written (:func:`to_cache_dtype`) and widened to the query's dtype or
+float32 when read; copies between blocks move bytes, whatever the type.
 """
 
 from __future__ import annotations
@@ -14,6 +18,62 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from pagedserve.engine.config import KVCacheDtype
+
+CACHE_TORCH_DTYPES = {KVCacheDtype.BFLOAT16: "bfloat16", KVCacheDtype.FP8_E5M2: "float8_e5m2"}
+"""The torch dtype (an attribute name of ``torch``) of each ``--kv-cache-dtype`` but ``auto``."""
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer type of each element width: what cache copies view the tensors as (CPU torch has no
+float8 ``index_copy_``)."""
+
+
+def cache_dtype(choice: KVCacheDtype | str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for ``--kv-cache-dtype`` ``choice``: ``model_dtype`` for ``auto``.
+
+    Raises:
+        ValueError: an unknown choice, or a torch without that dtype (float8_e5m2 came in torch 2.1).
+    """
+    choice = KVCacheDtype(choice)
+    if choice is KVCacheDtype.AUTO:
+        return model_dtype
+    name = CACHE_TORCH_DTYPES[choice]
+    if not isinstance(getattr(torch, name, None), torch.dtype):
+        raise ValueError(f"--kv-cache-dtype {choice.value} needs torch.{name}, which torch {torch.__version__} "
+                         "does not have: upgrade torch, or use --kv-cache-dtype auto")
+    return getattr(torch, name)
+
+
+def to_cache_dtype(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` in the cache's element type ``dtype`` (``rows`` itself when it has it): rounded to
+    nearest, ties to even (torch's conversion); a float8 type saturates at its largest finite value
+    instead of overflowing to inf (as vLLM's fp8 conversions with ``__NV_SATFINITE``)."""
+    if rows.dtype == dtype:
+        return rows
+    if dtype.itemsize == 1:
+        largest = torch.finfo(dtype).max
+        rows = rows.clamp(-largest, largest)
+    return rows.to(dtype)
+
+
+def as_stored(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` as a cache of element type ``dtype`` holds them, back in ``rows.dtype``: what attention
+    over the new tokens reads, so that a token's K/V are the same numbers whether read from the cache
+    or from the step's own tensors."""
+    return rows if rows.dtype == dtype else to_cache_dtype(rows, dtype).to(rows.dtype)
+
+
+def store_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """``cache`` ``[NB, BS, Hkv, D]`` at flat slots ``slots`` int64 ``[T]`` = ``rows`` ``[T, Hkv, D]`` in the
+    cache's element type (:func:`to_cache_dtype`), copied as same-width integers."""
+    flat = _as_bits(cache).view(-1, cache.shape[2], cache.shape[3])        # (NB*BS, Hkv, D)
+    flat.index_copy_(0, slots, _as_bits(to_cache_dtype(rows, cache.dtype)))
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s storage viewed as the integer type of its element width."""
+    return t.view(_BITS[t.element_size()])
 
 
 @dataclass(frozen=True)
@@ -25,7 +85,7 @@ class KVCacheSpec:
         num_kv_heads: key/value heads per layer.
         head_dim: channels per head.
         block_size: token slots per block.
-        dtype: element type of the cache.
+        dtype: element type of the cache (:func:`cache_dtype`).
     """
 
     num_layers: int
@@ -114,11 +174,12 @@ class KVCache:
 
 
 def _copy_pairs(sources: list[torch.Tensor], targets: list[torch.Tensor], pairs: Sequence[tuple[int, int]]) -> None:
-    """``targets[l][dst] = sources[l][src]`` for every layer ``l`` and pair; sources are read first."""
+    """``targets[l][dst] = sources[l][src]`` for every layer ``l`` and pair; sources are read first.
+    Bytes are copied (same-width integer views), so every cache dtype copies exactly."""
     if not pairs:
         return
     src = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
     dst = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
     for source, target in zip(sources, targets):
-        rows = source.index_select(0, src.to(source.device))             # (P, BS, Hkv, D)
-        target.index_copy_(0, dst.to(target.device), rows.to(target.device))
+        rows = _as_bits(source).index_select(0, src.to(source.device))  # (P, BS, Hkv, D)
+        _as_bits(target).index_copy_(0, dst.to(target.device), rows.to(target.device))

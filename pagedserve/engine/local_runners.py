@@ -31,7 +31,7 @@ def build_local_runners(path: Path, config: EngineConfig, rank_placement=None) -
             path, kv_cache_memory_bytes=runner.kv_cache_memory, block_size=config.scheduler.block_size,
             dtype=getattr(torch, resolve_dtype(runner.dtype, runner.device)), device=runner.device,
             attention_backend=runner.attention_backend, gemm_backend=runner.gemm_backend,
-            compile_mode=runner.compile_mode, gpu_memory_utilization=runner.gpu_memory_utilization,
+            compile_mode=runner.compile_mode, kv_cache_dtype=runner.kv_cache_dtype, gpu_memory_utilization=runner.gpu_memory_utilization,
             swap_space_bytes=runner.swap_space,
         )
         for i in range(config.num_workers)
@@ -54,7 +54,7 @@ def _parallel_runners(path: Path, config: EngineConfig, rank_placement=None) -> 
     ranks = RankConfig(str(path), runner.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, config.scheduler.block_size,
                        resolve_dtype(runner.dtype, runner.device), runner.device, runner.attention_backend,
                        runner.swap_space, pipeline_parallel_size=runner.pipeline_parallel_size,
-                       num_virtual_engines=runner.num_virtual_engines)
+                       num_virtual_engines=runner.num_virtual_engines, kv_cache_dtype=runner.kv_cache_dtype)
     leader = start_tensor_parallel_runner(ranks, runner.tensor_parallel_size, placement=rank_placement or LOCAL)
     if runner.pipeline_parallel_size == 1:
         return {"worker-0": leader}

@@ -7,8 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from pagedserve.engine.config import (ATTENTION_BACKENDS, CompileMode, GemmBackend, SchedulerConfig,
-                                      default_token_budget)
+from pagedserve.engine.config import (ATTENTION_BACKENDS, CompileMode, GemmBackend, KVCacheDtype,
+                                      SchedulerConfig, default_token_budget)
 from pagedserve.engine.cpu_features import BF16_CPU_FLAGS
 from pagedserve.options import nested, option
 from pagedserve.units import format_bytes, parse_bytes, parse_bytes_or_zero
@@ -33,8 +33,14 @@ class RunnerConfig:
     swap_space: int = option("bytes of CPU memory for swapped-out KV blocks (scheduler --preemption-mode swap), "
                              "e.g. 4GiB; 0: none", 0, parse=parse_bytes_or_zero, show=format_bytes)
     dtype: str = option(
-        "weights, activations and KV dtype; auto: bfloat16 on CUDA, float32 on CPU; bfloat16 on a CPU needs "
+        "weights and activations dtype, and the KV cache's unless --kv-cache-dtype says otherwise; auto: bfloat16 on "
+        "CUDA, float32 on CPU; bfloat16 on a CPU needs "
         f"native bfloat16 ({' or '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo; refused without)", "auto", choices=DTYPES)
+    kv_cache_dtype: KVCacheDtype = option(
+        "what the KV cache stores K and V in (vLLM's flag): auto (the --dtype), bfloat16, or fp8_e5m2 "
+        "(torch.float8_e5m2 unscaled: rounded to nearest even, saturating at +-57344); fewer bytes per token, so "
+        "more blocks in --kv-cache-memory (fp8_e5m2: 4x float32's); attention reads them back in float32",
+        KVCacheDtype.AUTO)
     device: str = option("torch device: cpu or cuda", "cpu")
     attention_backend: str = option(
         "paged attention: auto (Triton on CUDA; on CPU the compiled C++ op for decodes, or plain torch if it "
@@ -65,6 +71,7 @@ class RunnerConfig:
                 object.__setattr__(self, name, parse(getattr(self, name)))
         object.__setattr__(self, "gemm_backend", GemmBackend(self.gemm_backend))
         object.__setattr__(self, "compile_mode", CompileMode(self.compile_mode))
+        object.__setattr__(self, "kv_cache_dtype", KVCacheDtype(self.kv_cache_dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -96,8 +103,15 @@ class RunnerConfig:
 RANK_GRID = frozenset({"tensor_parallel_size", "pipeline_parallel_size", "virtual_engines"})
 """The fields of RunnerConfig that shape a worker's ranks."""
 
-KERNELS = frozenset({"gemm_backend", "compile_mode"})
-"""The fields of RunnerConfig that pick the model's kernels."""
+KERNELS = frozenset({"gemm_backend", "compile_mode", "kv_cache_dtype"})
+"""The fields of RunnerConfig that pick the model's kernels (and what the KV cache stores)."""
+
+
+def kernel_options(flags: Any) -> dict[str, Any]:
+    """The :data:`KERNELS` fields of parsed flags (an ``argparse.Namespace`` with them), by name: the
+    options a benchmark passes on to ``LLM`` or ``RunnerConfig``."""
+    return {name: getattr(flags, name) for name in KERNELS}
+
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 """KV-cache bytes per worker of ``LLM`` and `pagedserve up` unless told (on every device)."""

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 
 from pagedserve.engine.attention import make_attention_backend
-from pagedserve.engine.config import CompileMode, GemmBackend
+from pagedserve.engine.config import CompileMode, GemmBackend, KVCacheDtype
 from pagedserve.engine.cpu_features import check_cpu_dtype, cpu_flags
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
-from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_blocks_for_memory
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models.onednn import pack_linear_layers, resolve_gemm_backend
 from pagedserve.engine.sampler import Sampler
@@ -33,7 +33,7 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                        attention_backend: str = "auto", gemm_backend: GemmBackend | str = GemmBackend.AUTO,
                        compile_mode: CompileMode | str = CompileMode.EAGER,
-                       gpu_memory_utilization: float = 0.9,
+                       kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO, gpu_memory_utilization: float = 0.9,
                        swap_space_bytes: int = 0, sampler_seed: int | None = None) -> ModelRunner:
     """Loads the model of a Hugging Face folder and sizes a KV cache.
 
@@ -42,7 +42,7 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         kv_cache_memory_bytes: bytes for K and V of all layers together. ``None``: on CUDA, what
             ``gpu_memory_utilization`` leaves after the weights; elsewhere 1 GiB.
         block_size: token slots per block.
-        dtype: weights, activations and cache dtype.
+        dtype: weights and activations dtype.
         device: where everything lives.
         attention_backend: ``auto`` (Triton on CUDA, the C++ op elsewhere), ``cpu``, ``torch`` or ``triton``.
         gemm_backend: ``auto`` (``onednn`` on a CPU whose torch has oneDNN, else ``torch``), ``torch``
@@ -50,20 +50,23 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
             GEMMs on CPU, 2-3x faster, float32 sums in another order).
         compile_mode: ``eager``, or ``inductor`` (the dense part compiled with ``torch.compile``;
             compiles during this call, tens of seconds; opt-in, see ``models/compiled.py``).
+        kv_cache_dtype: what the cache stores: ``auto`` (``dtype``), ``bfloat16`` or ``fp8_e5m2``
+            (``kv_cache.cache_dtype``); blocks are counted from its element size.
         gpu_memory_utilization: fraction of the GPU's memory this worker may use in all.
         swap_space_bytes: CPU memory for swapped-out blocks (swap preemption); 0: none.
         sampler_seed: seed of the generator for requests without their own seed.
 
     Raises:
-        ValueError: the budget holds no block, an unknown backend, or oneDNN GEMMs off the CPU
-            (and the loader's errors).
+        ValueError: the budget holds no block, an unknown backend or cache dtype, a cache dtype this
+            torch lacks, or oneDNN GEMMs off the CPU (and the loader's errors).
     """
+    kv_dtype = cache_dtype(kv_cache_dtype, dtype)  # before loading: a refusal costs nothing
     backend = make_attention_backend(attention_backend, device)
     model = load_model(model_path, dtype=dtype, device=device)
     if resolve_gemm_backend(gemm_backend, device) is GemmBackend.ONEDNN:
         pack_linear_layers(model)
     config = model.config
-    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+    spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, kv_dtype)
     if kv_cache_memory_bytes is None:
         kv_cache_memory_bytes = _default_kv_memory(torch.device(device), gpu_memory_utilization)
     kv_cache = KVCache(spec, num_blocks_for_memory(spec, kv_cache_memory_bytes), device=device,

@@ -65,6 +65,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         attention_backend=config.runner.attention_backend,
         gemm_backend=config.runner.gemm_backend,
         compile_mode=config.runner.compile_mode,
+        kv_cache_dtype=config.runner.kv_cache_dtype,
         gpu_memory_utilization=config.runner.gpu_memory_utilization,
         swap_space_bytes=config.runner.swap_space,
     )}
@@ -138,7 +139,8 @@ def _build_engines(config: WorkerConfig) -> dict:
     rank = RankConfig(str(config.model), config.runner.kv_cache_memory or (1 << 30), config.block_size,
                       resolve_dtype(config.runner.dtype, config.runner.device), config.runner.device, config.runner.attention_backend,
                       config.runner.swap_space, num_threads=threads, pipeline_parallel_size=config.runner.pipeline_parallel_size,
-                      num_virtual_engines=config.runner.virtual_engines or config.runner.pipeline_parallel_size)
+                      num_virtual_engines=config.runner.virtual_engines or config.runner.pipeline_parallel_size,
+                      kv_cache_dtype=config.runner.kv_cache_dtype)
     placement = RankPlacement(config.rank_address, config.local_ranks, config.cluster_token.encode(),
                               config.rank_join_timeout_s)
     runner = start_tensor_parallel_runner(rank, config.runner.tensor_parallel_size, placement=placement)

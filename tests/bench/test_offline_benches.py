@@ -141,3 +141,31 @@ def test_placement_report(tmp_path, small_model):
     assert set(runs) == {"least-loaded", "prefix"} and all(r["requests"] == 8 for r in runs.values())
     assert runs["prefix"]["hit_rate"] >= runs["least-loaded"]["hit_rate"]
     assert report["ttft_mean_ratio"] == pytest.approx(runs["prefix"]["ttft_mean_ms"] / runs["least-loaded"]["ttft_mean_ms"])
+
+
+def test_throughput_takes_the_kv_cache_dtype(tmp_path, small_model):
+    out = tmp_path / "t.json"
+    bench("throughput", "--model", str(small_model), *TINY, "--skip-hf", "--kv-cache-dtype", "fp8_e5m2",
+          "--result-json", str(out))
+    report = json.loads(out.read_text())
+    assert report["settings"]["kv_cache_dtype"] == "fp8_e5m2" and report["runs"][0]["output_tokens"] == 12
+
+
+def test_attention_op_report(tmp_path):
+    """Each KV dtype's GB/s is its bytes over its time, its share of the streaming read in the same run."""
+    from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
+
+    if load_cpu_attention_op() is None:
+        pytest.skip("the C++ op could not be built here")
+    out = tmp_path / "a.json"
+    stdout = bench("attention-op", "--num-seqs", "4", "--context-len", "40", "--layers", "2", "--rounds", "2",
+                   "--result-json", str(out))
+    report = json.loads(out.read_text())
+    assert [(o["kv_cache_dtype"], o["cache_dtype"]) for o in report["ops"]] == [
+        ("auto", "float32"), ("bfloat16", "bfloat16"), ("fp8_e5m2", "float8_e5m2")]
+    float32_bytes = report["ops"][0]["kv_bytes"]
+    assert [o["kv_bytes"] for o in report["ops"]] == [float32_bytes, float32_bytes // 2, float32_bytes // 4]
+    for o in report["ops"]:
+        assert o["gbps"] == pytest.approx(o["kv_bytes"] / o["ms"] / 1e6)
+        assert o["stream_share"] == pytest.approx(o["gbps"] / report["stream_gbps"])
+    assert "streaming read" in stdout and "% of stream" in stdout

@@ -3,7 +3,8 @@
 (oneDNN GEMMs; ``offline_outputs``, shared with test_stack) on these questions; a worker with
 --dtype bfloat16 gives exactly the in-process bfloat16 engine's, one question at a time (the same
 kernels on the same row counts: bfloat16 rows are not batch-invariant on CPUs with AMX, whose
-kernels oneDNN takes for larger batches: models/onednn.py)."""
+kernels oneDNN takes for larger batches: models/onednn.py); so does a worker with --kv-cache-dtype
+fp8_e5m2 the in-process engine with fp8_e5m2 KV."""
 
 from __future__ import annotations
 
@@ -41,16 +42,29 @@ def test_reference_gemms_worker_matches_in_process_default(tmp_path, default_mod
     assert_stack_gives(tmp_path, default_model, ("--gemm-backend", "torch"), want, concurrency=len(want))
 
 
-@pytest.mark.skipif(not cpu_flags() & set(BF16_CPU_FLAGS), reason="CPU without native bfloat16")
-def test_bfloat16_worker_matches_in_process_bfloat16(tmp_path, default_model, offline_outputs):
+def in_process_answers(default_model, questions: list[str], offline_outputs, **options) -> dict:
+    """The in-process engine's greedy answers (24 tokens) with ``options``, one question at a time;
+    checked to differ from the float32 default's on some question (else a worker that ignored the
+    options would pass)."""
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.llm import LLM
     from pagedserve.text.tokenizer import ChatTurn
 
-    questions = QUESTIONS[:8]
-    llm = LLM(default_model, kv_cache_memory="64MiB", dtype="bfloat16")
+    llm = LLM(default_model, kv_cache_memory="64MiB", **options)
     results = [llm.chat([[ChatTurn("user", q)]], SamplingParams(max_tokens=24, temperature=0.0))[0] for q in questions]
     del llm
     assert any(r.token_ids != offline_outputs[q].token_ids for q, r in zip(questions, results)), \
-        "bfloat16 gave float32's output on every question: the check below would not see a worker in float32"
-    assert_stack_gives(tmp_path, default_model, ("--dtype", "bfloat16"), dict(zip(questions, results)), concurrency=1)
+        f"{options} gave float32's output on every question: the stack check would not see them ignored"
+    return dict(zip(questions, results))
+
+
+@pytest.mark.skipif(not cpu_flags() & set(BF16_CPU_FLAGS), reason="CPU without native bfloat16")
+def test_bfloat16_worker_matches_in_process_bfloat16(tmp_path, default_model, offline_outputs):
+    want = in_process_answers(default_model, QUESTIONS[:8], offline_outputs, dtype="bfloat16")
+    assert_stack_gives(tmp_path, default_model, ("--dtype", "bfloat16"), want, concurrency=1)
+
+
+def test_fp8_kv_cache_worker_matches_in_process_fp8_kv_cache(tmp_path, default_model, offline_outputs):
+    """K/V stored as fp8_e5m2 in the worker round as in the in-process engine: the same answers."""
+    want = in_process_answers(default_model, QUESTIONS[:4], offline_outputs, kv_cache_dtype="fp8_e5m2")
+    assert_stack_gives(tmp_path, default_model, ("--kv-cache-dtype", "fp8_e5m2"), want, concurrency=1)

@@ -87,7 +87,7 @@ def _inputs(q_dtype=torch.float32, cache_dtype=torch.float32, num_heads=4,
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(cache_dtype=torch.bfloat16), TypeError, "k_cache dtype"),
+    (dict(cache_dtype=torch.float16), TypeError, "k_cache dtype"),  # bfloat16 is read (widened)
     (dict(qsl_dtype=torch.float32), TypeError, "query_start_loc"),
     (dict(num_heads=3), ValueError, "not a multiple of k_cache num_kv_heads"),
     (dict(num_seqs_qsl=1), ValueError, "query_start_loc has shape"),

@@ -17,6 +17,10 @@ slopes (``None``, every rotary model) the paths are exactly the ones above.
 
 Prefills broadcast K/V over the query heads of a group with a stride-0 ``expand``, which keeps
 torch on its fused CPU attention kernel (``enable_gqa`` falls back to the unfused math path there).
+
+A cache in a smaller dtype than the query's (``--kv-cache-dtype``) is widened per gathered chunk or
+context, never as a whole; a fresh prefill attends over its new K/V rounded as the cache stores them
+(``kv_cache.as_stored``), so a token's keys are the same numbers in every step that reads them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.nn.functional as F
 
 from pagedserve.engine.attention import alibi
 from pagedserve.engine.attention.metadata import AttentionMetadata, ContextPrefill, DecodeChunk
+from pagedserve.engine.kv_cache import as_stored, store_rows
 
 
 class TorchAttentionBackend:
@@ -42,11 +47,11 @@ class TorchAttentionBackend:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
-        """Stores ``key``/``value`` ``[T, Hkv, D]`` at ``metadata.slot_mapping`` (``index_copy_`` into
-        the flat ``[num_blocks * block_size, Hkv, D]`` view of each cache)."""
-        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        """Stores ``key``/``value`` ``[T, Hkv, D]`` at ``metadata.slot_mapping``, rounded to the cache's
+        dtype (``kv_cache.store_rows``: ``index_copy_`` into the flat ``[num_blocks * block_size, Hkv, D]``
+        view of each cache)."""
+        store_rows(key_cache, metadata.slot_mapping, key)
+        store_rows(value_cache, metadata.slot_mapping, value)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
@@ -87,8 +92,8 @@ class TorchAttentionBackend:
         self._key_buffer, k = self._gather(key_cache, chunk.block_indices, self._key_buffer)
         self._value_buffer, v = self._gather(value_cache, chunk.block_indices, self._value_buffer)
         shape = (num_seqs, chunk.padded_len, num_kv_heads, head_dim)
-        k = k.view(shape).transpose(1, 2)                                 # (Nd, Hkv, L, D)
-        v = v.view(shape).transpose(1, 2)                                 # (Nd, Hkv, L, D)
+        k = k.view(shape).transpose(1, 2).to(query.dtype)                 # (Nd, Hkv, L, D)
+        v = v.view(shape).transpose(1, 2).to(query.dtype)                 # (Nd, Hkv, L, D)
         q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (Nd, Hkv, G, D)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (Nd, Hkv, G, D)
         return o.reshape(num_seqs, num_heads, head_dim)                   # (Nd, H, D)
@@ -126,7 +131,8 @@ def attend_prefills(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, v
     bf16_scale = scale if alibi_bf16 else None
     for seq in metadata.fresh_prefills:
         s, e = seq.query_start, seq.query_end
-        out[s:e] = _causal(query[s:e], key[s:e], value[s:e], scale, alibi_slopes, bf16_scale)
+        out[s:e] = _causal(query[s:e], as_stored(key[s:e], key_cache.dtype), as_stored(value[s:e], value_cache.dtype),
+                           scale, alibi_slopes, bf16_scale)
     for seq in metadata.context_prefills:
         out[seq.query_start:seq.query_end] = _with_context(query, key_cache, value_cache, seq, scale, alibi_slopes,
                                                            bf16_scale)
@@ -156,8 +162,8 @@ def _with_context(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         mask = alibi.prefill_mask(alibi_slopes, q_pos, mask.shape[1], key_cache.shape[2], mask,
                                   query.dtype, bf16_scale)                # (Hkv, G, q, Lp)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    k = key_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim)    # (Lp, Hkv, D)
-    v = value_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim)  # (Lp, Hkv, D)
+    k = key_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim).to(query.dtype)    # (Lp, Hkv, D)
+    v = value_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim).to(query.dtype)  # (Lp, Hkv, D)
     q, k, v = _grouped(query[seq.query_start:seq.query_end], k, v, num_kv_heads)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (Hkv, G, q, D)
     return _heads_last(o)                                                 # (q, H, D)

@@ -3,7 +3,8 @@
 The kernels read K/V straight from the blocks through the block table (no gathered copies):
 a decode-only batch uses the paged decode kernel (flash-decoding split for few, long sequences);
 any batch with a prefill or chunk uses the prefill/extend kernel, which also handles the batch's
-one-token sequences. On a CPU they run only under ``TRITON_INTERPRET=1`` (tests). ALiBi slopes
+one-token sequences. On a CPU they run only under ``TRITON_INTERPRET=1`` (tests). A cache in a
+narrower dtype than the query's (``--kv-cache-dtype``) is widened per tile inside the kernels. ALiBi slopes
 (Press et al., 2022, §3) go to both kernels, which add the bias in their score loops.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.kv_cache import to_cache_dtype
 
 
 class TritonAttentionBackend:
@@ -23,10 +25,12 @@ class TritonAttentionBackend:
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                  value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
-        """Scatters ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``metadata.slot_mapping``."""
+        """Scatters ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``metadata.slot_mapping``, rounded to
+        the caches' dtype first (``kv_cache.to_cache_dtype``: torch's rounding, the other backends' too)."""
         from kernels import write_kv_cache
 
-        write_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        write_kv_cache(to_cache_dtype(key, key_cache.dtype), to_cache_dtype(value, value_cache.dtype), key_cache,
+                       value_cache, metadata.slot_mapping)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,

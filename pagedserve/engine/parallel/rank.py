@@ -18,7 +18,8 @@ from torch import nn
 
 from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
-from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
+from pagedserve.engine.config import KVCacheDtype
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_blocks_for_memory
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models.registry import load_model_config, model_class_for
 from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
@@ -34,7 +35,8 @@ class RankConfig:
     Attributes:
         model_path: Hugging Face folder (``config.json``, ``*.safetensors``).
         kv_cache_memory_bytes: KV-cache bytes of each rank (so the worker's capacity grows with T).
-        block_size, dtype (a torch dtype name), device, attention_backend: as ``build_model_runner``.
+        block_size, dtype (a torch dtype name), device, attention_backend, kv_cache_dtype: as
+            ``build_model_runner``.
         swap_space_bytes: CPU swap bytes per rank.
         sampler_seed: seed of rank 0's sampler.
         num_threads: torch intra-op threads of a helper rank (0: leave torch's default).
@@ -55,6 +57,7 @@ class RankConfig:
     num_threads: int = 0
     pipeline_parallel_size: int = 1
     num_virtual_engines: int = 1
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
 
 
 def check_shardable(model_path: str | Path, world_size: int, pipeline_parallel_size: int = 1) -> None:
@@ -125,10 +128,11 @@ def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRu
         ValueError: the budget holds no block.
     """
     dtype = getattr(torch, config.dtype)
+    kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
     backend = make_attention_backend(config.attention_backend, config.device)
     model = load_model_shard(config.model_path, group, dtype, config.device)
     c = model.config  # this rank's heads
-    spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
+    spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, kv_dtype)
     kv_cache = KVCache(spec, num_blocks_for_memory(spec, config.kv_cache_memory_bytes), device=config.device,
                        num_cpu_blocks=config.swap_space_bytes // spec.bytes_per_block)
     if group.rank == 0:  # only the rank that samples holds grammar matchers
@@ -154,12 +158,13 @@ def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[
     check_shardable(config.model_path, position.tensor_parallel_size, position.pipeline_parallel_size)
     stage = pipeline_stage(full.num_layers, position.stage, position.pipeline_parallel_size)
     dtype = getattr(torch, config.dtype)
+    kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
     model = model_class_for(full.architecture)(full, dtype=dtype, device=config.device, parallel=tp, stage=stage)
     model.load_checkpoint(model.rank_checkpoint(config.model_path))
     model.eval()
     c = model.config
-    sized = KVCacheSpec(stage.max_stage_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
-    spec = KVCacheSpec(stage.num_layers, c.num_kv_heads, c.head_dim, config.block_size, dtype)
+    sized = KVCacheSpec(stage.max_stage_layers, c.num_kv_heads, c.head_dim, config.block_size, kv_dtype)
+    spec = KVCacheSpec(stage.num_layers, c.num_kv_heads, c.head_dim, config.block_size, kv_dtype)
     engines = config.num_virtual_engines
     sampler = Sampler(seed=config.sampler_seed, device=config.device)
     if tp is not None:

@@ -3,19 +3,21 @@
 // PagedAttention (Kwon et al., SOSP 2023, §4) stores each sequence's keys and values in fixed-size
 // blocks; this kernel walks a sequence's block table and never copies its context into a contiguous
 // buffer. Each work item is one sequence's tile of up to kQueryTile new tokens with all its heads
-// (a decode is one token): the item reads each context slot's K/V rows of every KV head once, in
-// the slot's memory order, and each KV head's row serves the G query heads that share it
-// (grouped-query attention). Softmax is the
-// online (streaming) form of FlashAttention (Dao et al., NeurIPS 2022, §3.1, Algorithm 1): a running
-// maximum and sum per row, rescaled block by block, so one pass over the context suffices. All
-// arithmetic is float32 whatever the cache dtype. With ALiBi slopes (Press et al., 2022, §3) each
-// scaled score of head h gets -slope[h] * (query_pos - key_pos), or with alibi_bf16 (transformers'
-// Falcon) scale * bf16(slope[h] * bf16(key_pos)); each is a separate template instantiation (kAlibi), so
-// the default path has no extra work in its score loop.
+// (a decode is one token): the item reads each context slot's K/V rows of every KV head once, in the
+// slot's memory order, and each KV head's row serves the G query heads that share it (grouped-query
+// attention). Softmax is the online (streaming) form of FlashAttention (Dao et al., NeurIPS 2022,
+// §3.1, Algorithm 1): a running maximum and sum per row, rescaled block by block, so one pass over the
+// context suffices. All arithmetic is float32 whatever the dtypes: a cache narrower than float32 (the
+// query's bfloat16 or half, or --kv-cache-dtype's bfloat16 or fp8_e5m2: a template parameter of its
+// own) is widened once per key tile into float32 scratch that every head and token of the item reads
+// (widen_slots, vec16.h). With ALiBi slopes (Press et al., 2022, §3) each scaled score of head h gets
+// -slope[h] * (query_pos - key_pos), or with alibi_bf16 (transformers' Falcon) scale * bf16(slope[h] *
+// bf16(key_pos)); each is a separate template instantiation (kAlibi), so the default path has no
+// extra work in its score loop.
 //
 // Layouts (the conventions of pagedserve/engine/attention/metadata.py):
 //   query, out       [T, H, D]            the step's new tokens, flat over sequences
-//   key/value_cache  [NB, BS, Hkv, D]     one layer's cache
+//   key/value_cache  [NB, BS, Hkv, D]     one layer's cache: query's dtype, bfloat16 or float8_e5m2
 //   block_tables     int32 [S, MB]        logical -> physical block of each sequence
 //   seq_lens         int32 [S]            context length including the new tokens
 //   query_start_loc  int32 [S + 1]        sequence i owns tokens query_start_loc[i]..[i+1]-1, which
@@ -26,6 +28,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // vec16.h's F16C / AVX-512 half->float loads
+#endif
 #include <algorithm>
 #include <omp.h>
 #include <cmath>
@@ -55,10 +60,12 @@ struct Geometry {
   float scale;
 };
 
-// One work item's rows: scaled queries, running max and sum, unnormalised outputs.
+// One work item's rows: scaled queries, running max and sum, unnormalised outputs; and the scratch a
+// cache narrower than float32 widens each key tile's K and V into, once for all heads and tokens.
 struct Rows {
   std::vector<vf16> q, acc;  // [rows, D / 16] each
   std::vector<float> max, sum;
+  std::vector<float> wide;   // [2, kKeyTile, Hkv * D]
   void reset(int64_t rows, int64_t chunks) {
     q.assign(rows * chunks, vf16{});
     acc.assign(rows * chunks, vf16{});
@@ -71,9 +78,9 @@ struct Rows {
 // keys[j] / values[j] point at slot j's first KV head; this row reads the head at head_offset.
 // kRelative: key j of the tile is pos0 + j positions from the query (<= 0), its bias slope * that;
 // kFalconBf16: key j is at position pos0 + j, its bias bias_scale * bf16(slope * bf16(position)).
-template <typename scalar_t, int kAlibi>
-void update_row(Rows& rows, int64_t row, int64_t n_valid, const scalar_t* const* keys,
-                const scalar_t* const* values, int64_t head_offset, int64_t chunks, float slope, float pos0,
+template <int kAlibi>
+void update_row(Rows& rows, int64_t row, int64_t n_valid, const float* const* keys,
+                const float* const* values, int64_t head_offset, int64_t chunks, float slope, float pos0,
                 float bias_scale) {
   const vf16* q = rows.q.data() + row * chunks;
   vf16 partial[kKeyTile];
@@ -104,10 +111,10 @@ void update_row(Rows& rows, int64_t row, int64_t n_valid, const scalar_t* const*
 }
 
 // Asks the CPU to start loading the K/V slots of positions begin..end-1 (all heads).
-template <typename scalar_t>
-void prefetch_tile(const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* block_table,
+template <typename kv_t>
+void prefetch_tile(const kv_t* key_cache, const kv_t* value_cache, const int32_t* block_table,
                    const Geometry& g, int64_t begin, int64_t end) {
-  const int64_t slot_bytes = g.num_kv_heads * g.head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t slot_bytes = g.num_kv_heads * g.head_dim * static_cast<int64_t>(sizeof(kv_t));
   for (int64_t pos = begin; pos < end; ++pos) {
     const int64_t slot = block_table[pos / g.block_size] * g.block_size + pos % g.block_size;
     const char* k = reinterpret_cast<const char*>(key_cache) + slot * slot_bytes;
@@ -119,10 +126,10 @@ void prefetch_tile(const scalar_t* key_cache, const scalar_t* value_cache, const
   }
 }
 
-template <typename scalar_t, int kAlibi>
-void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const scalar_t* query,
-              const scalar_t* key_cache, const scalar_t* value_cache, const int32_t* block_table,
-              int64_t context_len, int64_t seq_token_begin, const float* slopes, scalar_t* out) {
+template <typename q_t, typename kv_t, int kAlibi>
+void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query,
+              const kv_t* key_cache, const kv_t* value_cache, const int32_t* block_table,
+              int64_t context_len, int64_t seq_token_begin, const float* slopes, q_t* out) {
   const int64_t D = g.head_dim, H = g.num_heads, chunks = D / kLanes;
   rows.reset((w.token_end - w.token_begin) * H, chunks);
   for (int64_t t = w.token_begin; t < w.token_end; ++t)  // rows: token-major, then query head
@@ -132,8 +139,11 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const scalar_t* 
   // The token at flat index t reads positions 0..context_len + (t - seq_token_begin).
   const int64_t num_keys = context_len + (w.token_end - seq_token_begin);
   const int64_t slot_stride = g.num_kv_heads * D;
-  const scalar_t* keys[kKeyTile];
-  const scalar_t* values[kKeyTile];
+  const kv_t* keys[kKeyTile];
+  const kv_t* values[kKeyTile];
+  const float* wide_keys[kKeyTile];  // keys/values as float32: in place, or widened into rows.wide
+  const float* wide_values[kKeyTile];
+  rows.wide.resize(std::max<size_t>(rows.wide.size(), 2 * kKeyTile * slot_stride));
   for (int64_t p0 = 0; p0 < num_keys; p0 += kKeyTile) {
     const int64_t n_tile = std::min(kKeyTile, num_keys - p0);
     for (int64_t j = 0; j < n_tile; ++j) {  // the tile's slots through the block table
@@ -143,23 +153,25 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const scalar_t* 
       values[j] = value_cache + slot * slot_stride;
     }
     prefetch_tile(key_cache, value_cache, block_table, g, p0 + kKeyTile, std::min(p0 + 2 * kKeyTile, num_keys));
+    widen_slots(keys, n_tile, slot_stride, rows.wide.data(), wide_keys);
+    widen_slots(values, n_tile, slot_stride, rows.wide.data() + kKeyTile * slot_stride, wide_values);
     for (int64_t t = w.token_begin; t < w.token_end; ++t) {
       const int64_t n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
       if (n_valid <= 0) continue;
       const float pos0 = static_cast<float>(kAlibi == kRelative ? p0 - (context_len + (t - seq_token_begin)) : p0);
       for (int64_t h = 0; h < H; ++h)
-        update_row<scalar_t, kAlibi>(rows, (t - w.token_begin) * H + h, n_valid, keys, values, h / g.group * D,
-                                     chunks, kAlibi ? slopes[h] : 0.0f, pos0, g.scale);
+        update_row<kAlibi>(rows, (t - w.token_begin) * H + h, n_valid, wide_keys, wide_values, h / g.group * D,
+                           chunks, kAlibi ? slopes[h] : 0.0f, pos0, g.scale);
     }
   }
   for (int64_t t = w.token_begin; t < w.token_end; ++t) {
     for (int64_t h = 0; h < H; ++h) {
       const int64_t row = (t - w.token_begin) * H + h;
       const float inv = 1.0f / rows.sum[row];
-      scalar_t* dst = out + (t * H + h) * D;
+      q_t* dst = out + (t * H + h) * D;
       for (int64_t c = 0; c < chunks; ++c) {
         const vf16 o = rows.acc[row * chunks + c] * inv;
-        for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = static_cast<scalar_t>(o[i]);
+        for (int64_t i = 0; i < kLanes; ++i) dst[c * kLanes + i] = static_cast<q_t>(o[i]);
       }
     }
   }
@@ -202,18 +214,23 @@ std::vector<WorkItem> make_work(const at::Tensor& seq_lens, const at::Tensor& qu
   return work;
 }
 
+// The op's tensors, checked (paged_attention), and the ALiBi slopes (nullptr: none).
+struct Args {
+  const at::Tensor &query, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc;
+  at::Tensor& out;
+  const float* slopes;
+};
+
 // Runs the work items on torch's OpenMP threads (pragmas cannot sit inside the dispatch macro).
-template <typename scalar_t, int kAlibi>
-void run_all(const std::vector<WorkItem>& work, const Geometry& g, const at::Tensor& query,
-             const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& block_tables,
-             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, const float* slopes, at::Tensor& out) {
-  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const scalar_t* q = query.data_ptr<scalar_t>();
-  const scalar_t* k = key_cache.data_ptr<scalar_t>();
-  const scalar_t* v = value_cache.data_ptr<scalar_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();
+template <typename q_t, typename kv_t, int kAlibi>
+void run_all(const std::vector<WorkItem>& work, const Geometry& g, const Args& a) {
+  const int32_t* qsl = a.query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = a.seq_lens.data_ptr<int32_t>();
+  const int32_t* tables = a.block_tables.data_ptr<int32_t>();
+  const q_t* q = static_cast<const q_t*>(a.query.data_ptr());
+  const kv_t* k = static_cast<const kv_t*>(a.key_cache.data_ptr());
+  const kv_t* v = static_cast<const kv_t*>(a.value_cache.data_ptr());
+  q_t* o = static_cast<q_t*>(a.out.data_ptr());
   const int64_t n = static_cast<int64_t>(work.size());
 #pragma omp parallel num_threads(at::get_num_threads())
   {
@@ -222,10 +239,26 @@ void run_all(const std::vector<WorkItem>& work, const Geometry& g, const at::Ten
     for (int64_t i = 0; i < n; ++i) {
       const WorkItem& w = work[i];
       const int64_t query_len = qsl[w.seq + 1] - qsl[w.seq];
-      run_item<scalar_t, kAlibi>(w, rows, g, q, k, v, tables + w.seq * g.max_blocks, lens[w.seq] - query_len,
-                                 qsl[w.seq], slopes, o);
+      run_item<q_t, kv_t, kAlibi>(w, rows, g, q, k, v, tables + w.seq * g.max_blocks, lens[w.seq] - query_len,
+                                  qsl[w.seq], a.slopes, o);
     }
   }
+}
+
+// The instantiation for the query type q_t, the caches' element type and the ALiBi form (each branch
+// taken once per call, outside every loop; paged_attention has checked the cache dtype).
+template <typename q_t>
+void dispatch_cache(const std::vector<WorkItem>& work, const Geometry& g, const Args& a, bool alibi_bf16) {
+  const at::ScalarType kv = a.key_cache.scalar_type();
+  auto with_alibi = [&](auto kv_zero) {
+    using kv_t = decltype(kv_zero);
+    if (a.slopes == nullptr) run_all<q_t, kv_t, kNoAlibi>(work, g, a);
+    else if (alibi_bf16) run_all<q_t, kv_t, kFalconBf16>(work, g, a);
+    else run_all<q_t, kv_t, kRelative>(work, g, a);
+  };
+  if (kv == a.query.scalar_type()) with_alibi(q_t{});
+  else if (kv == at::kBFloat16) with_alibi(c10::BFloat16{});
+  else with_alibi(c10::Float8_e5m2{});
 }
 
 // out[T, H, D] = causal paged attention of query[T, H, D] over each sequence's cached context.
@@ -237,8 +270,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
               "query must be [T, H, D] and the caches [NB, BS, Hkv, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               "out must match query");
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
-              "query and caches must share a dtype");
+  const at::ScalarType kv = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == kv && (kv == query.scalar_type() || kv == at::kBFloat16 ||
+                                                   kv == at::kFloat8_e5m2),
+              "the caches must share one dtype: the query's, bfloat16 or float8_e5m2; got ", kv, " and ",
+              value_cache.scalar_type(), " with a ", query.scalar_type(), " query");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens, &query_start_loc})
     TORCH_CHECK(t->is_contiguous() && t->device().is_cpu(), "every tensor must be contiguous on the CPU");
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc})
@@ -258,16 +294,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     slopes = a.data_ptr<float>();
   }
   const std::vector<WorkItem> work = make_work(seq_lens, query_start_loc);
+  const Args args{query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, slopes};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
-    if (slopes == nullptr)  // the branch is taken once per call, outside every loop
-      run_all<scalar_t, kNoAlibi>(work, g, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-                                  nullptr, out);
-    else if (alibi_bf16)
-      run_all<scalar_t, kFalconBf16>(work, g, query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, slopes, out);
-    else
-      run_all<scalar_t, kRelative>(work, g, query, key_cache, value_cache, block_tables, seq_lens,
-                                   query_start_loc, slopes, out);
+    dispatch_cache<scalar_t>(work, g, args, alibi_bf16);
   });
 }
 
@@ -279,12 +308,4 @@ TORCH_LIBRARY(pagedserve_cpu, m) {
         "Tensor? alibi_slopes=None, bool alibi_bf16=False) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
-  m.impl("paged_attention", [](at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
-                               const at::Tensor& value_cache, const at::Tensor& block_tables,
-                               const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                               const c10::optional<at::Tensor>& alibi_slopes, bool alibi_bf16) {
-    paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
-                    alibi_slopes, alibi_bf16);
-  });
-}
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_attention", TORCH_FN(paged_attention)); }

@@ -1,5 +1,6 @@
 // 16-float vector helpers of the CPU paged-attention op (paged_attention_cpu.cpp includes this
-// inside its anonymous namespace, after kLanes and kKeyTile): loads, exp, folds, bf16 rounding.
+// inside its anonymous namespace, after kLanes and kKeyTile, and <immintrin.h> on x86 before it):
+// loads that widen to float32, exp, folds, bf16 rounding.
 // Part of the op's build: cpu_op.py hashes every header in this folder with the source.
 #pragma once
 
@@ -21,6 +22,62 @@ inline vf16 load16<float>(const float* p) {
   vf16 v;
   __builtin_memcpy(&v, p, sizeof v);
   return v;
+}
+
+// bfloat16 -> float32: a bfloat16 is the high 16 bits of the float (zero-extend, shift; exact).
+template <>
+inline vf16 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+  vu16x16 halves;
+  __builtin_memcpy(&halves, p, sizeof halves);
+  const vi16 bits = __builtin_convertvector(halves, vi16) << 16;
+  vf16 v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// fp8_e5m2 -> float32: an e5m2 byte is the high byte of an IEEE half (same exponent bias, 2 of its 10
+// significand bits), so the bytes interleaved with zero low bytes are halves, widened exactly by the
+// F16C / AVX-512F half->float conversion (subnormals, inf and NaN included); elsewhere c10's scalar one.
+template <>
+inline vf16 load16<c10::Float8_e5m2>(const c10::Float8_e5m2* p) {
+  vf16 v;
+#if defined(__F16C__)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i lo = _mm_unpacklo_epi8(_mm_setzero_si128(), bytes);  // halves of bytes 0..7
+  const __m128i hi = _mm_unpackhi_epi8(_mm_setzero_si128(), bytes);  // halves of bytes 8..15
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtph_ps(_mm256_set_m128i(hi, lo));
+  __builtin_memcpy(&v, &f, sizeof v);
+#else
+  const __m256 f[2] = {_mm256_cvtph_ps(lo), _mm256_cvtph_ps(hi)};
+  __builtin_memcpy(&v, f, sizeof v);
+#endif
+#else
+  float tmp[kLanes];
+  for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
+  __builtin_memcpy(&v, tmp, sizeof v);
+#endif
+  return v;
+}
+
+// Points wide[j] at slot j's `floats` values as float32 (j < n): a float32 slot in place, any other
+// type widened into scratch + j * floats (`floats` a multiple of kLanes).
+template <typename kv_t>
+inline void widen_slots(const kv_t* const* slots, int64_t n, int64_t floats, float* scratch, const float** wide) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* dst = scratch + j * floats;
+    for (int64_t c = 0; c < floats; c += kLanes) {
+      const vf16 v = load16(slots[j] + c);
+      __builtin_memcpy(dst + c, &v, sizeof v);
+    }
+    wide[j] = dst;
+  }
+}
+
+template <>
+inline void widen_slots<float>(const float* const* slots, int64_t n, int64_t, float*, const float** wide) {
+  for (int64_t j = 0; j < n; ++j) wide[j] = slots[j];
 }
 
 inline vf16 splat(float x) { return vf16{} + x; }

@@ -1,0 +1,149 @@
+"""`pagedserve bench attention-op`: the CPU decode attention op's memory bandwidth per KV-cache dtype.
+
+Decode attention reads every cached K and V element once per step, so it is bound by memory: its
+figure of merit is GB/s = bytes of K/V read / time. Each KV dtype (--kv-cache-dtype: the float32
+model's own, bfloat16, fp8_e5m2) runs the compiled op (``attention/csrc``) on the same decode batch
+(a ShareGPT-like shape by default: 64 sequences of ~500 context tokens, the default model's 9 query
+and 3 KV heads of 64, shuffled block tables), over ``--layers`` caches in turn so that the K/V come
+from DRAM as in the model, not from the last-level cache. Beside them, in the same run and rounds, a
+streaming read: ``torch.sum`` over a 512 MiB float32 buffer. Medians of ``--rounds`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from pagedserve.bench.machine import machine_info, machine_line
+from pagedserve.bench.report import format_table
+from pagedserve.engine.config import KVCacheDtype
+
+STREAM_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    """One KV dtype's decode attention over one layer's cache.
+
+    Attributes:
+        kv_cache_dtype: the flag's value; ``cache_dtype`` the torch dtype it stored.
+        ms: median time of one call (one layer of the batch), milliseconds.
+        kv_bytes: K and V bytes one call reads.
+        gbps: ``kv_bytes / ms``, 10^9 bytes per second.
+        stream_share: ``gbps`` over the streaming read's GB/s.
+    """
+
+    kv_cache_dtype: str
+    cache_dtype: str
+    ms: float
+    kv_bytes: int
+    gbps: float
+    stream_share: float
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("attention-op", help="the CPU decode attention op's GB/s per KV-cache dtype vs a streaming read",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-seqs", type=int, default=64, help="decoding sequences (default %(default)s)")
+    p.add_argument("--context-len", type=int, default=500,
+                   help="mean context tokens, each sequence's drawn uniformly within +-25%% (default %(default)s)")
+    p.add_argument("--num-heads", type=int, default=9, help="query heads (default %(default)s)")
+    p.add_argument("--num-kv-heads", type=int, default=3, help="KV heads (default %(default)s)")
+    p.add_argument("--head-dim", type=int, default=64, help="channels per head (default %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--layers", type=int, default=8, help="caches called in turn, one per layer (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds, each over every layer (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, tables and values (default %(default)s)")
+    p.add_argument("--result-json", type=Path, help="write every figure here")
+    p.set_defaults(func=run)
+
+
+def _decode_batch(args: argparse.Namespace):
+    """Metadata of ``num_seqs`` decodes with ragged contexts in shuffled blocks, and the block count."""
+    from pagedserve.engine.attention import build_attention_metadata, compute_positions
+
+    rng = random.Random(args.seed)
+    contexts = [rng.randint(args.context_len * 3 // 4, args.context_len * 5 // 4) for _ in range(args.num_seqs)]
+    blocks = [-(-(c + 1) // args.block_size) for c in contexts]
+    free = list(range(sum(blocks)))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks]
+    ones = [1] * args.num_seqs
+    return build_attention_metadata(ones, contexts, tables, compute_positions(ones, contexts), args.block_size), \
+        sum(blocks)
+
+
+def _median_ms(call, repeats: int, rounds: int) -> float:
+    """Median over ``rounds`` of the mean time of ``repeats`` calls, milliseconds (one warm-up round)."""
+    times = []
+    for _ in range(rounds + 1):
+        start = time.perf_counter()
+        for i in range(repeats):
+            call(i)
+        times.append((time.perf_counter() - start) / repeats * 1e3)
+    return statistics.median(times[1:])
+
+
+def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
+    """The streaming read's GB/s and each KV dtype's :class:`OpTiming`, measured in turns.
+
+    Raises:
+        RuntimeError: the C++ op cannot be built here.
+    """
+    import torch
+
+    from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
+    from pagedserve.engine.kv_cache import cache_dtype, to_cache_dtype
+
+    op = load_cpu_attention_op()
+    if op is None:
+        raise RuntimeError("the C++ attention op could not be built here (see the warning above)")
+    md, num_blocks = _decode_batch(args)
+    g = torch.Generator().manual_seed(args.seed)
+    query = torch.randn(args.num_seqs, args.num_heads, args.head_dim, generator=g)  # (S, H, D)
+    out = torch.empty_like(query)
+    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
+    buffer = torch.ones(STREAM_BYTES // 4)
+    stream_ms = _median_ms(lambda i: buffer.sum(), 5, args.rounds)
+    stream_gbps = STREAM_BYTES / stream_ms / 1e6
+    timings = []
+    for choice in KVCacheDtype:
+        dtype = cache_dtype(choice, torch.float32)
+        caches = [(to_cache_dtype(torch.randn(shape, generator=g), dtype),
+                   to_cache_dtype(torch.randn(shape, generator=g), dtype)) for _ in range(args.layers)]
+
+        def call(i: int) -> None:
+            k, v = caches[i % args.layers]
+            op(out, query, k, v, md.block_tables, md.seq_lens, md.query_start_loc, args.head_dim ** -0.5)
+
+        ms = _median_ms(call, 4 * args.layers, args.rounds)
+        kv_bytes = 2 * int(md.seq_lens.sum()) * args.num_kv_heads * args.head_dim * dtype.itemsize
+        timings.append(OpTiming(choice.value, str(dtype).removeprefix("torch."), ms, kv_bytes, kv_bytes / ms / 1e6,
+                                kv_bytes / ms / 1e6 / stream_gbps))
+    return stream_gbps, timings
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    stream_gbps, timings = measure(args)
+    title = (f"decode attention op, {args.num_seqs} seqs x ~{args.context_len} tokens, H{args.num_heads}/"
+             f"{args.num_kv_heads} D{args.head_dim} bs{args.block_size}, {torch.get_num_threads()} threads")
+    rows = [(t.kv_cache_dtype, t.cache_dtype, t.ms, t.kv_bytes / 1e6, t.gbps, 100 * t.stream_share,
+             timings[0].ms / t.ms) for t in timings]
+    rows.append(("streaming read", "float32 sum", STREAM_BYTES / stream_gbps / 1e6, STREAM_BYTES / 1e6, stream_gbps,
+                 100.0, None))
+    print(format_table(("--kv-cache-dtype", "stored as", "ms/layer", "MB read", "GB/s", "% of stream",
+                        "x auto's speed"), rows, title))
+    info = machine_info()
+    print(machine_line(info))
+    if args.result_json:
+        args.result_json.write_text(json.dumps({"stream_gbps": stream_gbps, "ops": [asdict(t) for t in timings],
+                                                "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
+                                                "threads": torch.get_num_threads(), "machine": info}, indent=2) + "\n")
+    return 0
