@@ -27,6 +27,9 @@ from pagedserve.engine.logprobs import PromptChunk, prompt_logprobs
 from pagedserve.engine.penalties import TokenHistory
 from pagedserve.engine.structured_output import StructuredOutput
 from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.spec_decode.lookahead import kept_blocks
+from pagedserve.engine.spec_decode.ngram_proposer import NgramProposer
+from pagedserve.engine.spec_decode.verifier import Drafted, verify
 
 
 class PlanMismatchError(ValueError):
@@ -64,10 +67,18 @@ class RequestState:
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """A request and how many of its tokens this step computes."""
+    """A request, how many of its tokens this step computes, the KV slots reserved past them for
+    drafts, and the drafts it verifies (speculative decoding: each one more query row)."""
 
     state: RequestState
     num_scheduled_tokens: int
+    num_lookahead_tokens: int = 0
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Rows this step computes for the request: its scheduled tokens and its drafts."""
+        return self.num_scheduled_tokens + len(self.draft_token_ids)
 
     @property
     def reaches_end(self) -> bool:
@@ -75,10 +86,12 @@ class ScheduledRequest:
         return self.state.num_computed_tokens + self.num_scheduled_tokens == len(self.state.token_ids)
 
 
-def _check_schedulable(state: RequestState, num_scheduled: int, num_blocks: int, block_size: int) -> None:
-    """Raises :class:`PlanMismatchError` if the known tokens or ``num_blocks`` cannot cover the scheduled work."""
-    end = state.num_computed_tokens + num_scheduled
-    if num_scheduled < 0 or end > len(state.token_ids):
+def _check_schedulable(state: RequestState, num_scheduled: int, num_blocks: int, block_size: int,
+                       num_lookahead: int = 0) -> None:
+    """Raises :class:`PlanMismatchError` if the known tokens or ``num_blocks`` cannot cover the
+    scheduled work (and its lookahead slots)."""
+    end = state.num_computed_tokens + num_scheduled + num_lookahead
+    if num_scheduled < 0 or num_lookahead < 0 or end - num_lookahead > len(state.token_ids):
         raise PlanMismatchError(
             f"sequence {state.seq_id}: {state.num_computed_tokens} computed + {num_scheduled} scheduled "
             f"tokens exceeds the {len(state.token_ids)} tokens the worker knows")
@@ -90,7 +103,7 @@ def _check_schedulable(state: RequestState, num_scheduled: int, num_blocks: int,
 def batch_order(s: ScheduledRequest) -> tuple[bool, int]:
     """The order a step runs its sequences in (also a pipeline stage's): decodes first, longest context
     first (so decode chunks pad little); prefills keep plan order."""
-    is_decode = s.num_scheduled_tokens == 1
+    is_decode = s.num_query_tokens == 1
     return (not is_decode, -s.state.num_computed_tokens if is_decode else 0)
 
 
@@ -131,6 +144,8 @@ class ModelRunner:
         kv_cache: the paged cache the plans' block ids index.
         attention_backend: paged attention implementation.
         sampler: turns logits into tokens.
+        proposer: drafts tokens for the sequences a plan reserves lookahead slots for
+            (speculative decoding); ``None``: the worker does not speculate (such a plan is refused).
         forward: runs the model's forward (default: ``model`` itself, eager); a
             :class:`~pagedserve.engine.models.compiled.CompiledForward` for inductor.
         grammar: builds the matchers of structured outputs; ``None`` on ranks that do not sample
@@ -139,8 +154,9 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, attention_backend: AttentionBackend,
                  sampler: Sampler, forward: Callable[..., torch.Tensor] | None = None,
-                 grammar: GrammarCompiler | None = None) -> None:
+                 grammar: GrammarCompiler | None = None, proposer: NgramProposer | None = None) -> None:
         self.model = model
+        self.proposer = proposer
         self.grammar = grammar
         self.forward = forward or model
         self.kv_cache = kv_cache
@@ -193,16 +209,27 @@ class ModelRunner:
         scheduled = [ScheduledRequest(st, r.num_scheduled_tokens) for st, r in zip(new_states, plan.new_requests)]
         for state, delta in zip(held, plan.cached_requests):
             state.block_ids.extend(delta.new_block_ids)
-            scheduled.append(ScheduledRequest(state, delta.num_scheduled_tokens))
+            scheduled.append(self._with_drafts(ScheduledRequest(state, delta.num_scheduled_tokens,
+                                                                delta.num_lookahead_tokens)))
         self.requests.update((st.seq_id, st) for st in new_states)
         scheduled = [s for s in scheduled if s.num_scheduled_tokens > 0]
         if not scheduled:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
             sampled, prompt = self._run(scheduled)
+        accepted = {t.seq_id: len(t.accepted) for t in sampled}
         for s in scheduled:
-            s.state.num_computed_tokens += s.num_scheduled_tokens
+            s.state.num_computed_tokens += s.num_scheduled_tokens + accepted.get(s.state.seq_id, 0)
+            if s.num_lookahead_tokens:  # the slots past the accepted drafts go back (as the scheduler's)
+                del s.state.block_ids[kept_blocks(s.state.num_computed_tokens, self.block_size):]
         return StepResult(step_id=plan.step_id, sampled=tuple(sampled), prompt_logprobs=tuple(prompt))
+
+    def _with_drafts(self, s: ScheduledRequest) -> ScheduledRequest:
+        """``s`` with the proposer's drafts (at most its lookahead) when its step reaches its end."""
+        if not s.num_lookahead_tokens or not s.reaches_end:
+            return s
+        drafts = tuple(self.proposer.propose(s.state.token_ids, limit=s.num_lookahead_tokens))
+        return ScheduledRequest(s.state, s.num_scheduled_tokens, s.num_lookahead_tokens, drafts)
 
     def _check_new(self, requests: Sequence[NewRequestData]) -> list[RequestState]:
         """States for the plan's new requests (not yet registered), validated."""
@@ -233,7 +260,10 @@ class ModelRunner:
                     f"sequence {data.seq_id}: the plan says {data.num_computed_tokens} tokens are computed, "
                     f"the worker has {state.num_computed_tokens}")
             num_blocks = len(state.block_ids) + len(data.new_block_ids)
-            _check_schedulable(state, data.num_scheduled_tokens, num_blocks, self.block_size)
+            _check_schedulable(state, data.num_scheduled_tokens, num_blocks, self.block_size, data.num_lookahead_tokens)
+            if data.num_lookahead_tokens and self.proposer is None:
+                raise PlanMismatchError(f"sequence {data.seq_id}: lookahead slots for drafts, but the worker "
+                                        "runs without speculative decoding")
             states.append(state)
         return states
 
@@ -242,17 +272,34 @@ class ModelRunner:
         order, and the prompt logprobs of the chunks computed for sequences that ask for them."""
         batch = sorted(scheduled, key=batch_order)
         hidden = self._forward(batch)                                     # (T, hidden)
-        ends, rows, chunks, total = [], [], [], 0
+        plain, plain_rows, drafted, drafted_rows, chunks, total = [], [], [], [], [], 0
         for s in batch:
             if (chunk := _prompt_chunk(s, total)) is not None:
                 chunks.append(chunk)
-            total += s.num_scheduled_tokens
-            if s.reaches_end:
-                ends.append(s)
-                rows.append(total - 1)  # the sequence's last new token predicts the next one
+            total += s.num_query_tokens
+            if s.reaches_end and s.draft_token_ids:  # the last known token's row and each draft's
+                drafted.append(Drafted(s.state.seq_id, list(s.state.token_ids), s.state.num_prompt_tokens,
+                                       s.state.sampling, s.draft_token_ids))
+                drafted_rows += range(total - s.num_query_tokens + s.num_scheduled_tokens - 1, total)
+            elif s.reaches_end:
+                plain.append(s)
+                plain_rows.append(total - 1)  # the sequence's last new token predicts the next one
         prompt = prompt_logprobs(hidden, self.model.compute_logits, chunks) if chunks else []
-        if not ends:
-            return [], prompt
+        by_id: dict[SequenceId, list[SampledToken]] = {}
+        if drafted:
+            logits = self.model.compute_logits(hidden[torch.tensor(drafted_rows, device=self.device)])  # (R, vocab)
+            for token in verify(self.sampler, logits, drafted):
+                by_id[token.seq_id] = [token]
+                self.requests[token.seq_id].token_ids += [*(t.token_id for t in token.accepted), token.token_id]
+        if plain:
+            self._sample(hidden, plain, plain_rows, by_id)
+        return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())], prompt
+
+    def _sample(self, hidden: torch.Tensor, ends: list[ScheduledRequest], rows: list[int],
+                by_id: dict[SequenceId, list[SampledToken]]) -> None:
+        """Samples one token per sequence of ``ends`` (``n`` for a prompt with ``n > 1`` samples)
+        from the hidden rows ``rows`` of ``hidden`` ``[T, hidden]``; appends each sequence's own
+        token to its state and its sampled tokens to ``by_id``."""
         if len(rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, device=self.device)]      # (N, hidden)
         logits = self.model.compute_logits(hidden)                        # (N, vocab) float32
@@ -264,7 +311,6 @@ class ModelRunner:
         matchers = ([s.state.matcher for s, _ in samples]
                     if any(s.state.matcher is not None for s, _ in samples) else None)
         out = self.sampler(logits, params, counts, histories, matchers)
-        by_id: dict[SequenceId, list[SampledToken]] = {}
         for (s, index), token_id, logprob, entry in zip(samples, out.token_ids, out.logprobs, out.token_logprobs):
             seq_id, error = s.state.seq_id, failure(s.state.matcher)
             if index == seq_id.sample_index:  # the sequence's own token (other ones start forked samples)
@@ -272,7 +318,6 @@ class ModelRunner:
                 if s.state.matcher is not None:
                     advance(s.state.matcher, token_id)
             by_id.setdefault(seq_id, []).append(SampledToken(seq_id, token_id, logprob, index, entry, error))
-        return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())], prompt
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Builds the flat token batch and its metadata (index tensors made once, from lists) and runs
@@ -280,8 +325,8 @@ class ModelRunner:
         token_ids: list[int] = []
         for s in batch:
             start = s.state.num_computed_tokens
-            token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens]
-        return self._forward_tokens(token_ids, [s.num_scheduled_tokens for s in batch],
+            token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens] + list(s.draft_token_ids)
+        return self._forward_tokens(token_ids, [s.num_query_tokens for s in batch],
                                     [s.state.num_computed_tokens for s in batch], [s.state.block_ids for s in batch])
 
     def _forward_tokens(self, token_ids: list[int], query_lens: list[int], context_lens: list[int],
