@@ -281,12 +281,12 @@ class Scheduler:
             emitted.append(token)
             if (reason := seq.append_token(token.token_id)) is not None:
                 break
-        if reason is not None:
-            self._finish(seq, reason)
-        elif seq.status is SequenceStatus.RUNNING:
+        if seq.status is SequenceStatus.RUNNING:
             if seq.num_lookahead_slots:
                 settle_drafts(seq, len(sampled.accepted), self._workers[seq.worker_id].blocks)
             self._workers[seq.worker_id].cache_full_blocks(seq)  # a block may have waited for these tokens
+        if reason is not None:
+            self._finish(seq, reason)
         last = emitted[-1].token_id
         stop_token_id = seq.sampling.stop_token_id(last) if reason is FinishReason.STOP else None
         logprobs = tuple(t.logprobs for t in emitted if t.logprobs is not None)
