@@ -10,7 +10,6 @@ under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence as Seq
 
@@ -197,9 +196,8 @@ class Scheduler:
         return self._workers.cached_digests()
 
     def stats(self) -> SchedulerStats:
-        return dataclasses.replace(self._workers.stats(self._requests.num_waiting, self._step_id,
-                                                       self._num_preemptions, self._num_swap_preemptions),
-                                   spec_decode=self.spec_decode)
+        return self._workers.stats(self._requests.num_waiting, self._step_id, self._num_preemptions,
+                                   self._num_swap_preemptions, self.spec_decode)
 
     # ---- policy pieces -------------------------------------------------------------------
     def _schedule_running(self, worker: WorkerState, draft: PlanDraft) -> None:
@@ -276,24 +274,17 @@ class Scheduler:
         sequence; the output carries the logprobs asked for, the prompt's with sample 0's first
         token, and the stop token id when one from ``stop_token_ids`` ended it."""
         index, prompt_logprobs = seq.num_output_tokens, seq.take_prompt_logprobs()
-        emitted, reason = [], None
-        for token in (*sampled.accepted, sampled):
-            emitted.append(token)
-            if (reason := seq.append_token(token.token_id)) is not None:
-                break
+        tokens = (*sampled.accepted, sampled)
+        count, reason = seq.append_tokens([t.token_id for t in tokens])
         if seq.status is SequenceStatus.RUNNING:
             if seq.num_lookahead_slots:
                 settle_drafts(seq, len(sampled.accepted), self._workers[seq.worker_id].blocks)
             self._workers[seq.worker_id].cache_full_blocks(seq)  # a block may have waited for these tokens
         if reason is not None:
             self._finish(seq, reason)
-        last = emitted[-1].token_id
-        stop_token_id = seq.sampling.stop_token_id(last) if reason is FinishReason.STOP else None
-        logprobs = tuple(t.logprobs for t in emitted if t.logprobs is not None)
-        return RequestOutput(request_id=seq.request_id, first_output_index=index,
-                             new_token_ids=tuple(t.token_id for t in emitted), finish_reason=reason,
-                             sample_index=seq.sample_index, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                             stop_token_id=stop_token_id)
+        stop_token_id = seq.sampling.stop_token_id(tokens[count - 1].token_id) if reason is FinishReason.STOP else None
+        return RequestOutput.emitted(seq.request_id, seq.sample_index, index, tokens[:count], reason, stop_token_id,
+                                     prompt_logprobs)
 
     def _out_of_memory(self, seq: Sequence) -> None:
         """Finishes a sequence that fills its worker's whole cache, with reason ``length``."""

@@ -165,6 +165,14 @@ class Sequence:
         taken, self.prompt_logprobs = tuple(self.prompt_logprobs), []
         return taken
 
+    def append_tokens(self, token_ids: list[int]) -> tuple[int, FinishReason | None]:
+        """Appends ``token_ids`` in order until one finishes the sequence; returns how many were
+        appended, and why the sequence is now finished, if it is."""
+        for count, token_id in enumerate(token_ids, start=1):
+            if (reason := self.append_token(token_id)) is not None:
+                return count, reason
+        return len(token_ids), None
+
     def append_token(self, token_id: int) -> FinishReason | None:
         """Adds a sampled token; returns why the sequence is now finished, if it is."""
         self.output_token_ids.append(token_id)
