@@ -69,7 +69,7 @@ class LLM:
         self.tokenizer = PromptTokenizer.from_folder(path)
         runners = build_local_runners(path, self.config, rank_placement)
         self._runners = runners
-        scheduler = Scheduler(self.config.scheduler)
+        scheduler = Scheduler(self.config.scheduler, self.config.speculative_config)
         for worker_id, runner in runners.items():
             scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks)
         self.engine = Engine(scheduler, LocalExecutor(runners))  # a thread per worker id: virtual engines overlap

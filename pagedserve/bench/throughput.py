@@ -15,7 +15,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedserve.config_flags import add_config_arguments, fields_except
+from pagedserve.config_flags import add_config_arguments, config_from_args, fields_except
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.runner_config import KERNELS, RunnerConfig, kernel_options
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.machine import machine_info, machine_line
@@ -60,6 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="dtype for both systems; auto: bfloat16 on CUDA, float32 on CPU (default %(default)s)")
     add_engine_arguments(p)
     add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
+    add_config_arguments(p.add_argument_group("speculative decoding"), SpeculativeConfig)
     p.add_argument("--result-json", type=Path, help="write every figure here")
     p.set_defaults(func=run)
 
@@ -119,8 +121,15 @@ def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],
 
 
 def run_engine(model: Path, requests: list[SampleRequest], args: argparse.Namespace, tokenizer) -> ThroughputRun:
-    """All requests submitted at once to the in-process engine; time until the last one finishes."""
-    return time_engine(build_engine(model, args), [tokenizer.encode(r.prompt) for r in requests], requests)
+    """All requests submitted at once to the in-process engine; time until the last one finishes
+    (with speculative decoding: its mean accepted length printed)."""
+    llm = build_engine(model, args, speculative_config=config_from_args(SpeculativeConfig, args))
+    run = time_engine(llm, [tokenizer.encode(r.prompt) for r in requests], requests)
+    counters = llm.stats().spec_decode
+    if counters.num_drafts:
+        print(f"speculative decoding: {counters.num_draft_tokens} drafts, {counters.num_accepted_tokens} accepted "
+              f"{counters.num_accepted_tokens_per_pos} by position, mean accepted length {counters.mean_accepted_length:.2f}")
+    return run
 
 
 def run_hf(model_dir: Path, requests: list[SampleRequest], batch_size: int, tokenizer,

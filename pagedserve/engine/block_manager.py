@@ -136,6 +136,17 @@ class BlockManager:
         self._tables.setdefault(request_id, []).extend(new_blocks)
         return tuple(block.block_id for block in new_blocks)
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Frees the blocks of the request's table past those holding its first ``num_tokens`` slots,
+        tail first (the slots speculative decoding reserved for drafts it rejected). Never cached:
+        only computed slots with known tokens are (``cache_full_blocks``)."""
+        table = self._tables.get(request_id, [])
+        keep = blocks_for_tokens(num_tokens, self.block_size)
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self._pool.release(tail[::-1])
+
     def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
                           extra: bytes = b"") -> None:
         """Makes the request's full blocks among its first ``num_tokens`` slots findable (no-op here)."""

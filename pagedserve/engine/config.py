@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from pagedserve.options import option
 
 
@@ -156,3 +157,4 @@ class SchedulerStats:
     num_swap_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of which found cached
+    spec_decode: SpecDecodeCounters = SpecDecodeCounters()  # drafts verified and accepted

@@ -31,8 +31,9 @@ def build_local_runners(path: Path, config: EngineConfig, rank_placement=None) -
             path, kv_cache_memory_bytes=runner.kv_cache_memory, block_size=config.scheduler.block_size,
             dtype=getattr(torch, resolve_dtype(runner.dtype, runner.device)), device=runner.device,
             attention_backend=runner.attention_backend, gemm_backend=runner.gemm_backend,
-            compile_mode=runner.compile_mode, kv_cache_dtype=runner.kv_cache_dtype, gpu_memory_utilization=runner.gpu_memory_utilization,
-            swap_space_bytes=runner.swap_space,
+            compile_mode=runner.compile_mode, kv_cache_dtype=runner.kv_cache_dtype,
+            gpu_memory_utilization=runner.gpu_memory_utilization, swap_space_bytes=runner.swap_space,
+            speculative=config.speculative_config,
         )
         for i in range(config.num_workers)
     }
@@ -47,6 +48,9 @@ def _parallel_runners(path: Path, config: EngineConfig, rank_placement=None) -> 
     from pagedserve.engine.runner_factory import resolve_dtype
 
     runner = config.runner
+    if config.speculative_config.num_lookahead_tokens:
+        raise ValueError("speculative decoding runs on one-rank workers only (tensor_parallel_size and "
+                         "pipeline_parallel_size 1)")
     check_rank_kernels(runner.gemm_backend, runner.compile_mode)
     if config.num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
         raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "

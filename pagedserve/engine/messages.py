@@ -124,12 +124,15 @@ class CachedRequestData:
         new_block_ids: physical blocks appended to its block table.
         num_computed_tokens: tokens computed before this iteration, as the scheduler counts them.
         num_scheduled_tokens: tokens to compute in this iteration.
+        num_lookahead_tokens: KV slots reserved past the scheduled tokens (speculative decoding):
+            the most draft tokens the worker may propose and verify in this step (0: none).
     """
 
     seq_id: SequenceId
     new_block_ids: tuple[int, ...]
     num_computed_tokens: int
     num_scheduled_tokens: int
+    num_lookahead_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -217,6 +220,21 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True)
+class AcceptedDraft:
+    """A draft token a speculative step verified and kept (``spec_decode``).
+
+    Attributes:
+        token_id: the token.
+        logprob: as :attr:`SampledToken.logprob`, under the target's distribution at its position.
+        logprobs: when the request asks for ``logprobs``: as plain decoding would report them.
+    """
+
+    token_id: int
+    logprob: float
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True)
 class SampledToken:
     """A token sampled for a sequence whose scheduled tokens reached the end of its known tokens.
 
@@ -231,6 +249,9 @@ class SampledToken:
         grammar_error: set when the sequence's grammar matcher had failed before this token was
             drawn (a parser limit, or a replayed output it refused): the token is not the
             structure's, and the sequence ends with this message (INVALID_ARGUMENT).
+        accepted: in a speculative step, the draft tokens accepted, in order: they come before
+            ``token_id`` (then the correction or bonus token) in the output.
+        num_draft_tokens: drafts the step verified for the sequence (``len(accepted)`` or more).
     """
 
     seq_id: SequenceId
@@ -239,6 +260,8 @@ class SampledToken:
     sample_index: int = 0
     logprobs: TokenLogprobs | None = None
     grammar_error: str | None = None
+    accepted: tuple[AcceptedDraft, ...] = ()
+    num_draft_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -248,8 +271,8 @@ class SampledToken:
 
 @dataclass(frozen=True)
 class StepResult:
-    """A worker's answer to a BatchPlan: one sampled token per request that completed its prompt,
-    and the prompt logprobs of the prompt chunks computed for requests that ask for them."""
+    """A worker's answer to a BatchPlan: one sampled token (with the drafts accepted before it) per
+    request that completed its prompt, and the prompt logprobs of the prompt chunks computed for requests that ask for them."""
 
     step_id: int
     sampled: tuple[SampledToken, ...] = ()

@@ -5,121 +5,33 @@ Per request the worker keeps the tokens it knows (prompt + sampled), its block t
 tokens have K/V in the cache. A plan carries new requests in full and running ones as deltas
 (new block ids, tokens to compute now). Sequences with one new token (decodes) go first in the
 flat batch, longest context first, so attention can batch them; results return in plan order.
+A sequence given lookahead slots runs its last token and the proposer's drafts as several query
+rows, which ``spec_decode.verifier`` turns into its accepted drafts and one more token.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from pagedserve.engine.messages import (BatchPlan, CachedRequestData, NewRequestData, PromptLogprobs, SampledToken,
                                         SequenceId, StepResult)
-from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
 from pagedserve.engine.attention import AttentionBackend, build_attention_metadata, compute_positions
 from pagedserve.engine.attention.step import StepAttention
 from pagedserve.engine.grammar_matchers import GrammarCompiler, advance, built, failure
 from pagedserve.engine.kv_cache import KVCache
-from pagedserve.engine.logprobs import PromptChunk, prompt_logprobs
+from pagedserve.engine.logprobs import prompt_logprobs
 from pagedserve.engine.penalties import TokenHistory
 from pagedserve.engine.structured_output import StructuredOutput
 from pagedserve.engine.sampler import Sampler
-
-
-class PlanMismatchError(ValueError):
-    """A BatchPlan contradicts the worker's state (unknown request, token counts that disagree, too few blocks)."""
-
-
-@dataclass
-class RequestState:
-    """What the worker holds for one sequence between steps (mutable; owned by the ModelRunner).
-
-    Attributes:
-        seq_id: the sequence (a sample of a request).
-        token_ids: prompt followed by every token sampled so far.
-        num_prompt_tokens: length of the prompt.
-        block_ids: the block table, logical -> physical block id.
-        num_computed_tokens: tokens whose K/V are in the cache.
-        sampling: the request's sampling parameters.
-        matcher: its grammar matcher when it has a structured output (on the rank that samples),
-            advanced with each token sampled; rebuilt by replaying the output tokens whenever the
-            sequence arrives in full (``GrammarCompiler.matcher``).
-    """
-
-    seq_id: SequenceId
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling: EngineSamplingParams
-    matcher: object | None = None
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-
-@dataclass(frozen=True)
-class ScheduledRequest:
-    """A request and how many of its tokens this step computes."""
-
-    state: RequestState
-    num_scheduled_tokens: int
-
-    @property
-    def reaches_end(self) -> bool:
-        """Whether this step computes the last known token, so a new token is sampled."""
-        return self.state.num_computed_tokens + self.num_scheduled_tokens == len(self.state.token_ids)
-
-
-def _check_schedulable(state: RequestState, num_scheduled: int, num_blocks: int, block_size: int) -> None:
-    """Raises :class:`PlanMismatchError` if the known tokens or ``num_blocks`` cannot cover the scheduled work."""
-    end = state.num_computed_tokens + num_scheduled
-    if num_scheduled < 0 or end > len(state.token_ids):
-        raise PlanMismatchError(
-            f"sequence {state.seq_id}: {state.num_computed_tokens} computed + {num_scheduled} scheduled "
-            f"tokens exceeds the {len(state.token_ids)} tokens the worker knows")
-    if num_blocks * block_size < end:
-        raise PlanMismatchError(
-            f"sequence {state.seq_id}: {num_blocks} blocks of {block_size} cannot hold {end} tokens")
-
-
-def batch_order(s: ScheduledRequest) -> tuple[bool, int]:
-    """The order a step runs its sequences in (also a pipeline stage's): decodes first, longest context
-    first (so decode chunks pad little); prefills keep plan order."""
-    is_decode = s.num_scheduled_tokens == 1
-    return (not is_decode, -s.state.num_computed_tokens if is_decode else 0)
-
-
-def _prompt_chunk(s: ScheduledRequest, first_row: int) -> PromptChunk | None:
-    """The prompt positions this step computes for a sequence that asks for ``prompt_logprobs``
-    and has no output yet (after a recompute, its prompt logprobs were reported already)."""
-    state = s.state
-    k = state.sampling.prompt_logprobs
-    if k is None or state.num_output_tokens > 0:
-        return None
-    start = state.num_computed_tokens
-    end = min(start + s.num_scheduled_tokens, state.num_prompt_tokens - 1)
-    return PromptChunk(state.seq_id, state.token_ids, first_row, start, end, k) if end > start else None
-
-
-def _expand_samples(ends: Sequence[ScheduledRequest]) -> tuple[list[int], list[EngineSamplingParams], list[int],
-                                                                 list[tuple[ScheduledRequest, int]]]:
-    """Logits rows to sample from: one per sequence, or ``n`` for a prompt with ``n > 1`` samples
-    (sample ``i`` with its own derived seed, see ``child_sampling``); each with the sample index
-    its token belongs to."""
-    rows, params, counts, samples = [], [], [], []
-    for row, s in enumerate(ends):
-        first_of_many = s.state.num_output_tokens == 0 and s.state.sampling.n > 1
-        for index in range(s.state.sampling.n if first_of_many else 1):
-            rows.append(row)
-            params.append(child_sampling(s.state.sampling, index) if first_of_many else s.state.sampling)
-            counts.append(s.state.num_output_tokens)
-            samples.append((s, index if first_of_many else s.state.seq_id.sample_index))
-    return rows, params, counts, samples
+from pagedserve.engine.worker_requests import (PlanMismatchError, RequestState, ScheduledRequest, batch_order,
+                                               check_schedulable, expand_samples, prompt_chunk)
+from pagedserve.engine.spec_decode.lookahead import kept_blocks
+from pagedserve.engine.spec_decode.ngram_proposer import NgramProposer
+from pagedserve.engine.spec_decode.verifier import Drafted, verify
 
 
 class ModelRunner:
@@ -131,6 +43,8 @@ class ModelRunner:
         kv_cache: the paged cache the plans' block ids index.
         attention_backend: paged attention implementation.
         sampler: turns logits into tokens.
+        proposer: drafts tokens for the sequences a plan reserves lookahead slots for
+            (speculative decoding); ``None``: the worker does not speculate (such a plan is refused).
         forward: runs the model's forward (default: ``model`` itself, eager); a
             :class:`~pagedserve.engine.models.compiled.CompiledForward` for inductor.
         grammar: builds the matchers of structured outputs; ``None`` on ranks that do not sample
@@ -139,8 +53,9 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, attention_backend: AttentionBackend,
                  sampler: Sampler, forward: Callable[..., torch.Tensor] | None = None,
-                 grammar: GrammarCompiler | None = None) -> None:
+                 grammar: GrammarCompiler | None = None, proposer: NgramProposer | None = None) -> None:
         self.model = model
+        self.proposer = proposer
         self.grammar = grammar
         self.forward = forward or model
         self.kv_cache = kv_cache
@@ -193,16 +108,27 @@ class ModelRunner:
         scheduled = [ScheduledRequest(st, r.num_scheduled_tokens) for st, r in zip(new_states, plan.new_requests)]
         for state, delta in zip(held, plan.cached_requests):
             state.block_ids.extend(delta.new_block_ids)
-            scheduled.append(ScheduledRequest(state, delta.num_scheduled_tokens))
+            scheduled.append(self._with_drafts(ScheduledRequest(state, delta.num_scheduled_tokens,
+                                                                delta.num_lookahead_tokens)))
         self.requests.update((st.seq_id, st) for st in new_states)
         scheduled = [s for s in scheduled if s.num_scheduled_tokens > 0]
         if not scheduled:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
             sampled, prompt = self._run(scheduled)
+        accepted = {t.seq_id: len(t.accepted) for t in sampled}
         for s in scheduled:
-            s.state.num_computed_tokens += s.num_scheduled_tokens
+            s.state.num_computed_tokens += s.num_scheduled_tokens + accepted.get(s.state.seq_id, 0)
+            if s.num_lookahead_tokens:  # the slots past the accepted drafts go back (as the scheduler's)
+                del s.state.block_ids[kept_blocks(s.state.num_computed_tokens, self.block_size):]
         return StepResult(step_id=plan.step_id, sampled=tuple(sampled), prompt_logprobs=tuple(prompt))
+
+    def _with_drafts(self, s: ScheduledRequest) -> ScheduledRequest:
+        """``s`` with the proposer's drafts (at most its lookahead) when its step reaches its end."""
+        if not s.num_lookahead_tokens or not s.reaches_end:
+            return s
+        drafts = tuple(self.proposer.propose(s.state.token_ids, limit=s.num_lookahead_tokens))
+        return ScheduledRequest(s.state, s.num_scheduled_tokens, s.num_lookahead_tokens, drafts)
 
     def _check_new(self, requests: Sequence[NewRequestData]) -> list[RequestState]:
         """States for the plan's new requests (not yet registered), validated."""
@@ -213,7 +139,7 @@ class ModelRunner:
             seen.add(data.seq_id)
             state = RequestState(data.seq_id, list(data.token_ids), data.num_prompt_tokens,
                                  list(data.block_ids), data.num_computed_tokens, data.sampling)
-            _check_schedulable(state, data.num_scheduled_tokens, len(state.block_ids), self.block_size)
+            check_schedulable(state, data.num_scheduled_tokens, len(state.block_ids), self.block_size)
             states.append(state)
         for state in states:  # replays the output it carries (recompute, swap-in, fork, migration)
             if state.sampling.structured_output is not None and self.grammar is not None:
@@ -233,7 +159,10 @@ class ModelRunner:
                     f"sequence {data.seq_id}: the plan says {data.num_computed_tokens} tokens are computed, "
                     f"the worker has {state.num_computed_tokens}")
             num_blocks = len(state.block_ids) + len(data.new_block_ids)
-            _check_schedulable(state, data.num_scheduled_tokens, num_blocks, self.block_size)
+            check_schedulable(state, data.num_scheduled_tokens, num_blocks, self.block_size, data.num_lookahead_tokens)
+            if data.num_lookahead_tokens and self.proposer is None:
+                raise PlanMismatchError(f"sequence {data.seq_id}: lookahead slots for drafts, but the worker "
+                                        "runs without speculative decoding")
             states.append(state)
         return states
 
@@ -242,21 +171,38 @@ class ModelRunner:
         order, and the prompt logprobs of the chunks computed for sequences that ask for them."""
         batch = sorted(scheduled, key=batch_order)
         hidden = self._forward(batch)                                     # (T, hidden)
-        ends, rows, chunks, total = [], [], [], 0
+        plain, plain_rows, drafted, drafted_rows, chunks, total = [], [], [], [], [], 0
         for s in batch:
-            if (chunk := _prompt_chunk(s, total)) is not None:
+            if (chunk := prompt_chunk(s, total)) is not None:
                 chunks.append(chunk)
-            total += s.num_scheduled_tokens
-            if s.reaches_end:
-                ends.append(s)
-                rows.append(total - 1)  # the sequence's last new token predicts the next one
+            total += s.num_query_tokens
+            if s.reaches_end and s.draft_token_ids:  # the last known token's row and each draft's
+                drafted.append(Drafted(s.state.seq_id, list(s.state.token_ids), s.state.num_prompt_tokens,
+                                       s.state.sampling, s.draft_token_ids))
+                drafted_rows += range(total - s.num_query_tokens + s.num_scheduled_tokens - 1, total)
+            elif s.reaches_end:
+                plain.append(s)
+                plain_rows.append(total - 1)  # the sequence's last new token predicts the next one
         prompt = prompt_logprobs(hidden, self.model.compute_logits, chunks) if chunks else []
-        if not ends:
-            return [], prompt
+        by_id: dict[SequenceId, list[SampledToken]] = {}
+        if drafted:
+            logits = self.model.compute_logits(hidden[torch.tensor(drafted_rows, device=self.device)])  # (R, vocab)
+            for token in verify(self.sampler, logits, drafted):
+                by_id[token.seq_id] = [token]
+                self.requests[token.seq_id].token_ids += [*(t.token_id for t in token.accepted), token.token_id]
+        if plain:
+            self._sample(hidden, plain, plain_rows, by_id)
+        return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())], prompt
+
+    def _sample(self, hidden: torch.Tensor, ends: list[ScheduledRequest], rows: list[int],
+                by_id: dict[SequenceId, list[SampledToken]]) -> None:
+        """Samples one token per sequence of ``ends`` (``n`` for a prompt with ``n > 1`` samples)
+        from the hidden rows ``rows`` of ``hidden`` ``[T, hidden]``; appends each sequence's own
+        token to its state and its sampled tokens to ``by_id``."""
         if len(rows) < hidden.shape[0]:
             hidden = hidden[torch.tensor(rows, device=self.device)]      # (N, hidden)
         logits = self.model.compute_logits(hidden)                        # (N, vocab) float32
-        rows, params, counts, samples = _expand_samples(ends)
+        rows, params, counts, samples = expand_samples(ends)
         if len(rows) > len(ends):
             logits = logits[torch.tensor(rows, device=logits.device)]    # (N', vocab): n rows per n-sample prompt
         histories = ([TokenHistory(s.state.token_ids, s.state.num_prompt_tokens) for s, _ in samples]
@@ -264,7 +210,6 @@ class ModelRunner:
         matchers = ([s.state.matcher for s, _ in samples]
                     if any(s.state.matcher is not None for s, _ in samples) else None)
         out = self.sampler(logits, params, counts, histories, matchers)
-        by_id: dict[SequenceId, list[SampledToken]] = {}
         for (s, index), token_id, logprob, entry in zip(samples, out.token_ids, out.logprobs, out.token_logprobs):
             seq_id, error = s.state.seq_id, failure(s.state.matcher)
             if index == seq_id.sample_index:  # the sequence's own token (other ones start forked samples)
@@ -272,7 +217,6 @@ class ModelRunner:
                 if s.state.matcher is not None:
                     advance(s.state.matcher, token_id)
             by_id.setdefault(seq_id, []).append(SampledToken(seq_id, token_id, logprob, index, entry, error))
-        return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())], prompt
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Builds the flat token batch and its metadata (index tensors made once, from lists) and runs
@@ -280,8 +224,8 @@ class ModelRunner:
         token_ids: list[int] = []
         for s in batch:
             start = s.state.num_computed_tokens
-            token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens]
-        return self._forward_tokens(token_ids, [s.num_scheduled_tokens for s in batch],
+            token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens] + list(s.draft_token_ids)
+        return self._forward_tokens(token_ids, [s.num_query_tokens for s in batch],
                                     [s.state.num_computed_tokens for s in batch], [s.state.block_ids for s in batch])
 
     def _forward_tokens(self, token_ids: list[int], query_lens: list[int], context_lens: list[int],

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pagedserve.engine.messages import BatchPlan, FinishReason, RequestError, TokenLogprobs
+from pagedserve.engine.messages import AcceptedDraft, BatchPlan, FinishReason, RequestError, SampledToken, TokenLogprobs
 
 
 class OutputKind(enum.Enum):
@@ -29,7 +29,7 @@ class RequestOutput:
         request_id: the request.
         kind: what the output reports; a ``TAKEN`` output has no tokens and no finish.
         first_output_index: position in the output of ``new_token_ids[0]`` (0 for the first token).
-        new_token_ids: tokens generated in this iteration (zero or one today).
+        new_token_ids: tokens generated in this iteration (several when drafts were accepted).
         finish_reason: set once per sample, on its last output.
         error: set when the request was aborted because it cannot be served.
         sample_index: which of the request's ``n`` samples the tokens belong to.
@@ -59,6 +59,17 @@ class RequestOutput:
     def taken(cls, request_id: str) -> RequestOutput:
         """A scheduler took ``request_id`` from its queue (the gateway stops checking its queue entry)."""
         return cls(request_id=request_id, kind=OutputKind.TAKEN)
+
+    @classmethod
+    def emitted(cls, request_id: str, sample_index: int, first_output_index: int,
+                tokens: tuple[AcceptedDraft | SampledToken, ...], finish_reason: FinishReason | None,
+                stop_token_id: int | None, prompt_logprobs: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
+        """The output of tokens a step emitted for a sample (accepted drafts, then the sampled token),
+        with the logprobs entries they carry."""
+        return cls(request_id=request_id, first_output_index=first_output_index,
+                   new_token_ids=tuple(t.token_id for t in tokens), finish_reason=finish_reason,
+                   sample_index=sample_index, logprobs=tuple(t.logprobs for t in tokens if t.logprobs is not None),
+                   prompt_logprobs=prompt_logprobs, stop_token_id=stop_token_id)
 
     @classmethod
     def aborted(cls, request_id: str, error: RequestError | None = None, *, sample_index: int = 0,

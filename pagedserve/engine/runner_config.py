@@ -10,6 +10,7 @@ from typing import Any
 from pagedserve.engine.config import (ATTENTION_BACKENDS, CompileMode, GemmBackend, KVCacheDtype,
                                       SchedulerConfig, default_token_budget)
 from pagedserve.engine.cpu_features import BF16_CPU_FLAGS
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.options import nested, option
 from pagedserve.units import format_bytes, parse_bytes, parse_bytes_or_zero
 
@@ -120,13 +121,17 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30
 @dataclass(frozen=True)
 class EngineConfig:
     """The in-process engine (``pagedserve.llm.LLM``): scheduler limits, the runners of each worker,
-    and how many workers (each with its own weights and KV cache)."""
+    speculative decoding (a :class:`SpeculativeConfig` or a dict of its fields, as vLLM's
+    ``speculative_config``), and how many workers (each with its own weights and KV cache)."""
 
     scheduler: SchedulerConfig = nested("scheduler limits", SchedulerConfig())
     runner: RunnerConfig = nested("model runners", RunnerConfig(kv_cache_memory=DEFAULT_KV_CACHE_MEMORY))
+    speculative_config: SpeculativeConfig = nested("speculative decoding", SpeculativeConfig())
     num_workers: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config", SpeculativeConfig(**self.speculative_config))
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {self.num_workers}")
 

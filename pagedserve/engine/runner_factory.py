@@ -14,6 +14,7 @@ from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_bl
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models.onednn import pack_linear_layers, resolve_gemm_backend
 from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.weight_loader import load_model
 
 
@@ -34,7 +35,8 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
                        attention_backend: str = "auto", gemm_backend: GemmBackend | str = GemmBackend.AUTO,
                        compile_mode: CompileMode | str = CompileMode.EAGER,
                        kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO, gpu_memory_utilization: float = 0.9,
-                       swap_space_bytes: int = 0, sampler_seed: int | None = None) -> ModelRunner:
+                       swap_space_bytes: int = 0, sampler_seed: int | None = None,
+                       speculative: SpeculativeConfig = SpeculativeConfig()) -> ModelRunner:
     """Loads the model of a Hugging Face folder and sizes a KV cache.
 
     Args:
@@ -55,6 +57,7 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         gpu_memory_utilization: fraction of the GPU's memory this worker may use in all.
         swap_space_bytes: CPU memory for swapped-out blocks (swap preemption); 0: none.
         sampler_seed: seed of the generator for requests without their own seed.
+        speculative: speculative decoding (the worker's proposer).
 
     Raises:
         ValueError: the budget holds no block, an unknown backend or cache dtype, a cache dtype this
@@ -77,7 +80,7 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
 
         forward = CompiledForward(model)
     runner = ModelRunner(model, kv_cache, backend, Sampler(seed=sampler_seed, device=device), forward,
-                         grammar_compiler_for(model_path))
+                         grammar_compiler_for(model_path), speculative.proposer())
     if forward is not None:
         runner.warm_up()
     return runner

@@ -149,6 +149,33 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, float("-inf"))          # (R, V)
 
 
+def process_logits(logits: torch.Tensor, params: Sequence[EngineSamplingParams], num_output_tokens: Sequence[int],
+                   histories: Sequence[TokenHistory] | None, matchers: Sequence[object | None] | None) -> None:
+    """The per-request processing before the choice, in place and in this order: the grammar's
+    mask, min_tokens masking of stop ids, allowed ids and bad words, logit bias and penalties
+    (arguments as :meth:`Sampler.__call__`'s)."""
+    if matchers is not None:
+        mask_grammar(logits, matchers)
+    mask_stop_tokens(logits, params, num_output_tokens)
+    mask_disallowed(logits, params, histories)
+    apply_penalties(logits, params, histories)
+
+
+def sampling_probs(logits: torch.Tensor, params: Sequence[EngineSamplingParams]) -> torch.Tensor:
+    """The distribution sampled rows draw from: processed float32 ``[R, V]`` logits divided by each
+    row's temperature, filtered by top-k, top-p and min-p, softmaxed; float32 ``[R, V]``."""
+    device, vocab = logits.device, logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)  # (R,)
+    logits = logits / temperature[:, None]                                # (R, V)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        logits = apply_top_k_top_p(logits, top_k, top_p)                  # (R, V)
+    if any(p.min_p > 0.0 for p in params):
+        apply_min_p(logits, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
+    return logits.softmax(dim=-1)                                         # (R, V)
+
+
 def requested_logprobs(logits: torch.Tensor, params: Sequence[EngineSamplingParams],
                        token_ids: torch.Tensor) -> list[TokenLogprobs | None]:
     """Logprobs entries of the chosen tokens for the rows whose ``logprobs`` is set, ``None`` for others.
@@ -212,11 +239,7 @@ class Sampler:
         """
         if not len(params) == len(num_output_tokens) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(num_output_tokens)} counts")
-        if matchers is not None:
-            mask_grammar(logits, matchers)
-        mask_stop_tokens(logits, params, num_output_tokens)
-        mask_disallowed(logits, params, histories)
-        apply_penalties(logits, params, histories)
+        process_logits(logits, params, num_output_tokens, histories, matchers)
         token_ids = logits.argmax(dim=-1)                                 # (N,) greedy for every row
         logprobs = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -230,28 +253,21 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[EngineSamplingParams],
                 counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Filtered sampling of ``[R, V]`` rows -> token ids int64 ``[R]`` and logprobs float32 ``[R]``."""
-        device, vocab = logits.device, logits.shape[1]
-        temperature = torch.tensor([p.temperature for p in params], device=device)  # (R,)
-        logits = logits / temperature[:, None]                            # (R, V)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-            logits = apply_top_k_top_p(logits, top_k, top_p)              # (R, V)
-        if any(p.min_p > 0.0 for p in params):
-            apply_min_p(logits, torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device))
-        probs = logits.softmax(dim=-1)                                    # (R, V)
+        vocab = logits.shape[1]
+        probs = sampling_probs(logits, params)                            # (R, V)
         cdf = probs.to(torch.float64).cumsum_(dim=-1)                     # (R, V)
-        target = self._uniforms(params, counts).to(torch.float64) * cdf[:, -1]  # (R,) in [0, total)
+        target = self.uniforms(params, counts)[:, 0].to(torch.float64) * cdf[:, -1]  # (R,) in [0, total)
         token_ids = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=vocab - 1)  # (R,)
         logprobs = probs.gather(1, token_ids[:, None])[:, 0].log()        # (R,)
         return token_ids, logprobs
 
-    def _uniforms(self, params: list[EngineSamplingParams], counts: list[int]) -> torch.Tensor:
-        """One ``U[0, 1)`` draw per row, float32 ``[R]``: from a generator seeded by ``(seed, output
-        index)`` for seeded rows, from the sampler's own generator otherwise."""
-        draws = torch.rand(len(params), generator=self._generator, device=self.device)  # (R,)
+    def uniforms(self, params: Sequence[EngineSamplingParams], counts: Sequence[int], num_draws: int = 1) -> torch.Tensor:
+        """``num_draws`` ``U[0, 1)`` draws per row, float32 ``[R, num_draws]``: from a generator
+        seeded by ``(seed, output index)`` for seeded rows (the token's draw first, then the
+        acceptance draw of a speculative step), from the sampler's own generator otherwise."""
+        draws = torch.rand(len(params), num_draws, generator=self._generator, device=self.device)  # (R, D)
         for i, (p, count) in enumerate(zip(params, counts)):
             if p.seed is not None:
                 generator = torch.Generator(device=self.device).manual_seed(derive_seed(p.seed, count))
-                draws[i] = torch.rand(1, generator=generator, device=self.device)[0]
+                draws[i] = torch.rand(num_draws, generator=generator, device=self.device)
         return draws

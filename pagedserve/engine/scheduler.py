@@ -22,6 +22,9 @@ from pagedserve.engine.limits import LOST_TOKEN_ERROR, grammar_failure, num_new_
 from pagedserve.engine.policy import POLICIES
 from pagedserve.engine.requests_in_flight import RequestsInFlight
 from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
+from pagedserve.engine.spec_decode.lookahead import lookahead_slots, settle_drafts, waits_for_answer
 from pagedserve.engine.worker_pool import WorkerPool
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
 
@@ -37,8 +40,10 @@ class Scheduler:
     Not thread-safe: one thread calls it (the engine loop).
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig = SpeculativeConfig()) -> None:
         self.config = config
+        self.speculative = speculative
+        self.spec_decode = SpecDecodeCounters()  # drafts verified and accepted so far
         self._policy = POLICIES[config.policy]
         self._workers = WorkerPool(config)
         self._requests = RequestsInFlight(self._policy)
@@ -165,6 +170,7 @@ class Scheduler:
         outputs = []
         for worker_id, result in results.items():
             sampling = self._workers.step_answered(worker_id, result.step_id)
+            self.spec_decode += SpecDecodeCounters.of(result.sampled)
             for chunk in result.prompt_logprobs:
                 if (seq := self._requests.sequences.get(chunk.seq_id)) is not None:
                     seq.add_prompt_logprobs(chunk)
@@ -191,13 +197,16 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return self._workers.stats(self._requests.num_waiting, self._step_id, self._num_preemptions,
-                                   self._num_swap_preemptions)
+                                   self._num_swap_preemptions, self.spec_decode)
 
     # ---- policy pieces -------------------------------------------------------------------
     def _schedule_running(self, worker: WorkerState, draft: PlanDraft) -> None:
         """Decodes first, then prefill chunks, each in the policy's order; preempts from the back.
-        A sequence whose tokens in flight must be known first (``Sequence.can_run_ahead``) waits."""
-        ordered = [s for s in self._policy.running_order(worker.running) if s.can_run_ahead()]
+        A sequence whose tokens in flight must be known first (``Sequence.can_run_ahead``, or to
+        speculate: ``lookahead.waits_for_answer``) waits."""
+        k = self.speculative.num_lookahead_tokens
+        ordered = [s for s in self._policy.running_order(worker.running)
+                   if s.can_run_ahead() and not waits_for_answer(s, k)]
         queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] +
                       [s for s in ordered if s.num_uncomputed_tokens > 1])
         while queue and draft.token_budget > 0:
@@ -205,7 +214,8 @@ class Scheduler:
             num_new = num_new_tokens(seq, draft, self.config)
             if num_new == 0:
                 continue
-            total = seq.num_computed_tokens + num_new
+            lookahead = lookahead_slots(seq, num_new, k, worker.blocks, draft.token_budget)
+            total = seq.num_computed_tokens + num_new + lookahead
             needed = worker.blocks.num_new_blocks(seq.seq_id, total)
             while needed > worker.blocks.num_free_blocks:
                 if not queue and len(worker.running) == 1:
@@ -220,8 +230,8 @@ class Scheduler:
                 continue
             new_block_ids = worker.blocks.allocate_blocks(seq.seq_id, needed) if needed else ()
             draft.cached_requests.append(
-                CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new))
-            worker.advance(seq, num_new, draft)
+                CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new, lookahead))
+            worker.advance(seq, num_new, draft, lookahead)
 
     def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
         """Admits waiting sequences in the policy's order until one does not fit."""
@@ -260,20 +270,21 @@ class Scheduler:
 
     # ---- state changes -------------------------------------------------------------------
     def _append(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:
-        """Appends a sampled token; its output carries the logprobs asked for, the prompt's with
-        sample 0's first token, and the stop token id when one from ``stop_token_ids`` ended it."""
-        index, token_id = seq.num_output_tokens, sampled.token_id
-        prompt_logprobs = seq.take_prompt_logprobs()
-        reason = seq.append_token(token_id)
+        """Appends the accepted drafts then the sampled token, one by one until one ends the
+        sequence; the output carries the logprobs asked for, the prompt's with sample 0's first
+        token, and the stop token id when one from ``stop_token_ids`` ended it."""
+        index, prompt_logprobs = seq.num_output_tokens, seq.take_prompt_logprobs()
+        tokens = (*sampled.accepted, sampled)
+        count, reason = seq.append_tokens([t.token_id for t in tokens])
+        if seq.status is SequenceStatus.RUNNING:
+            if seq.num_lookahead_slots:
+                settle_drafts(seq, len(sampled.accepted), self._workers[seq.worker_id].blocks)
+            self._workers[seq.worker_id].cache_full_blocks(seq)  # a block may have waited for these tokens
         if reason is not None:
             self._finish(seq, reason)
-        elif seq.status is SequenceStatus.RUNNING:
-            self._workers[seq.worker_id].cache_full_blocks(seq)  # a block may have waited for this token
-        stop_token_id = seq.sampling.stop_token_id(token_id) if reason is FinishReason.STOP else None
-        logprobs = (sampled.logprobs,) if sampled.logprobs is not None else ()
-        return RequestOutput(request_id=seq.request_id, first_output_index=index, new_token_ids=(token_id,),
-                             finish_reason=reason, sample_index=seq.sample_index, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs, stop_token_id=stop_token_id)
+        stop_token_id = seq.sampling.stop_token_id(tokens[count - 1].token_id) if reason is FinishReason.STOP else None
+        return RequestOutput.emitted(seq.request_id, seq.sample_index, index, tokens[:count], reason, stop_token_id,
+                                     prompt_logprobs)
 
     def _out_of_memory(self, seq: Sequence) -> None:
         """Finishes a sequence that fills its worker's whole cache, with reason ``length``."""

@@ -38,6 +38,8 @@ class Sequence:
         in_flight_steps: the step ids (on that worker) whose answers carry them, oldest first: an
             answer to an older step belongs to another incarnation of the same sequence id (the
             request was aborted and taken again meanwhile, as migration back and forth does).
+        num_lookahead_slots: KV slots the step that samples its last token in flight reserved for
+            draft tokens (speculative decoding, ``spec_decode/lookahead.py``); 0 when none.
         worker_id: the worker holding its blocks while running or swapped; ``None`` otherwise.
         num_preemptions: how often its blocks were taken back.
         num_worker_losses: how often the worker running it failed or went away.
@@ -57,6 +59,7 @@ class Sequence:
         "num_tokens_in_flight",
         "in_flight_worker_id",
         "in_flight_steps",
+        "num_lookahead_slots",
         "worker_id",
         "finish_reason",
         "num_preemptions",
@@ -77,6 +80,7 @@ class Sequence:
         self.num_tokens_in_flight = 0
         self.in_flight_worker_id: str | None = None
         self.in_flight_steps: list[int] = []
+        self.num_lookahead_slots = 0
         self.worker_id: str | None = None
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
@@ -160,6 +164,14 @@ class Sequence:
             return None
         taken, self.prompt_logprobs = tuple(self.prompt_logprobs), []
         return taken
+
+    def append_tokens(self, token_ids: list[int]) -> tuple[int, FinishReason | None]:
+        """Appends ``token_ids`` in order until one finishes the sequence; returns how many were
+        appended, and why the sequence is now finished, if it is."""
+        for count, token_id in enumerate(token_ids, start=1):
+            if (reason := self.append_token(token_id)) is not None:
+                return count, reason
+        return len(token_ids), None
 
     def append_token(self, token_id: int) -> FinishReason | None:
         """Adds a sampled token; returns why the sequence is now finished, if it is."""

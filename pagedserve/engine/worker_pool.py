@@ -8,6 +8,7 @@ from collections.abc import Collection, Iterable
 from pagedserve.engine.config import Placement, SchedulerConfig, SchedulerStats
 from pagedserve.engine.limits import rejection_error
 from pagedserve.engine.messages import BatchPlan, RequestError, SequenceId
+from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
 
@@ -102,10 +103,10 @@ class WorkerPool:
         """Content hashes of the prompt blocks cached on any worker (what peers route by)."""
         return frozenset(d for worker in self._workers.values() for d in worker.blocks.cached_digests())
 
-    def stats(self, num_waiting: int, num_steps: int, num_preemptions: int,
-              num_swap_preemptions: int) -> SchedulerStats:
-        """A snapshot of the queues (counted by the caller) and of every worker's KV occupancy and
-        prefix-cache counters."""
+    def stats(self, num_waiting: int, num_steps: int, num_preemptions: int, num_swap_preemptions: int,
+              spec_decode: SpecDecodeCounters) -> SchedulerStats:
+        """A snapshot of the queues and speculative-decoding counts (counted by the caller) and of
+        every worker's KV occupancy and prefix-cache counters."""
         states = list(self._workers.values())
         per_worker = tuple(w.stats() for w in states)
         return SchedulerStats(
@@ -118,6 +119,7 @@ class WorkerPool:
             num_swap_preemptions=num_swap_preemptions,
             prefix_cache_queries=sum(w.blocks.num_queried_tokens for w in states),
             prefix_cache_hits=sum(w.blocks.num_hit_tokens for w in states),
+            spec_decode=spec_decode,
         )
 
 

@@ -165,14 +165,17 @@ class WorkerState:
         ))
         self.advance(seq, num_new, draft)
 
-    def advance(self, seq: Sequence, num_new: int, draft: PlanDraft) -> None:
+    def advance(self, seq: Sequence, num_new: int, draft: PlanDraft, num_lookahead: int = 0) -> None:
         """Counts ``num_new`` tokens of ``seq`` as computed in this step (one more token is in
-        flight when they reach its end); caches blocks that filled up."""
+        flight when they reach its end), and ``num_lookahead`` slots reserved for its drafts
+        against the token budget; caches blocks that filled up."""
         draft.add(seq.num_computed_tokens, num_new)
+        draft.token_budget -= num_lookahead
         seq.num_computed_tokens += num_new
         draft.scheduled[seq.seq_id] = num_new
         if seq.num_computed_tokens == seq.num_tokens + seq.num_tokens_in_flight:
             seq.sampling_scheduled(self.worker_id, self.num_steps + 1)  # the step ``take_plan`` makes next
+            seq.num_lookahead_slots = num_lookahead
             draft.sampling.append(seq)
         self.cache_full_blocks(seq)
 

@@ -106,7 +106,9 @@ class RequestTextState:
         When ``output`` finishes the request, all held-back text is flushed into the returned delta.
         When a stop string matches, the delta's text ends there (or after it, when it is included),
         its ``finish_reason`` is ``STOP``, and every later output is ignored: it yields an empty
-        delta with no ``finish_reason`` (check ``finished`` before sending).
+        delta with no ``finish_reason`` (check ``finished`` before sending). An output with several
+        tokens (speculative decoding) is read token by token, as if each had come alone: the
+        delta's ids end with the token that completed the stop string.
 
         Raises:
             ValueError: ``output.first_output_index`` is past the tokens received so far (a gap).
@@ -117,16 +119,19 @@ class RequestTextState:
         already = self._num_already_received(output)
         new_ids, logprobs = tuple(output.new_token_ids[already:]), tuple(output.logprobs[already:])
         prompt = None if output.prompt_logprobs is None else (None, *output.prompt_logprobs)
-        self._output_token_ids.extend(new_ids)
-        text = self._detokenizer.add(new_ids)
-        if output.finished:
-            text += self._detokenizer.finish()
-        check = self._stops.feed(text) if self.num_output_tokens >= self._min_tokens else StopCheck(text)
-        if check.stopped:
-            self._finish_reason = FinishReason.STOP
-            return TextDelta(check.text, new_ids, FinishReason.STOP, not output.finished, self.num_output_tokens,
-                             logprobs, prompt, check.stop)
-        text = check.text
+        text = ""
+        for i in range(max(len(new_ids), 1)):
+            last = i >= len(new_ids) - 1
+            self._output_token_ids.extend(new_ids[i:i + 1])
+            piece = self._detokenizer.add(new_ids[i:i + 1])
+            if last and output.finished:
+                piece += self._detokenizer.finish()
+            check = self._stops.feed(piece) if self.num_output_tokens >= self._min_tokens else StopCheck(piece)
+            text += check.text
+            if check.stopped:
+                self._finish_reason = FinishReason.STOP
+                return TextDelta(text, new_ids[:i + 1], FinishReason.STOP, not output.finished, self.num_output_tokens,
+                                 logprobs[:i + 1], prompt, check.stop)
         if output.finished:
             text += self._stops.flush()
             self._finish_reason = output.finish_reason

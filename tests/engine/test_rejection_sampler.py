@@ -34,7 +34,7 @@ def test_emitted_tokens_have_the_targets_distribution(draft):
     else:  # a lookup proposes fixed tokens: the same ones every trial
         drafts, draft_probs = torch.tensor([[1, 4, 2]]).expand(TRIALS, K), None
     out = rejection_sample(target, drafts, torch.full((TRIALS,), K), torch.rand(TRIALS, K, generator=g),
-                           torch.rand(TRIALS, generator=g), draft_probs)
+                           torch.rand(TRIALS, K + 1, generator=g), draft_probs)
     first = torch.tensor([t[0] for t in out.token_ids])
     assert chi_square(torch.bincount(first, minlength=VOCAB).float(), p[0]) < CHI2_DF5_P0001
     # given the first draft was accepted (only then is p[1] the right conditional), the second token ~ p[1]
@@ -49,7 +49,7 @@ def test_greedy_rows_emit_the_targets_argmax_tokens():
     argmax = torch.tensor([[3, 1, 4, 0], [3, 1, 4, 5]])                  # two rows, target's argmax per position
     target = torch.nn.functional.one_hot(argmax, VOCAB).float()
     drafts = torch.tensor([[3, 1, 5], [3, 1, 4]])                          # row 0 wrong at its 3rd draft
-    out = rejection_sample(target, drafts, torch.tensor([3, 3]), torch.rand(2, K), torch.rand(2))
+    out = rejection_sample(target, drafts, torch.tensor([3, 3]), torch.rand(2, K), torch.rand(2, K + 1))
     assert out.token_ids == [[3, 1, 4], [3, 1, 4, 5]] and out.num_accepted == [2, 3]
 
 
@@ -57,7 +57,7 @@ def test_ragged_drafts_and_rows_without_drafts():
     argmax = torch.tensor([[2, 2, 2, 2], [5, 0, 1, 1], [4, 3, 3, 3]])
     target = torch.nn.functional.one_hot(argmax, VOCAB).float()
     drafts = torch.tensor([[2, 2, 2], [5, 0, 0], [4, 3, 3]])
-    out = rejection_sample(target, drafts, torch.tensor([1, 2, 0]), torch.rand(3, K), torch.rand(3))
+    out = rejection_sample(target, drafts, torch.tensor([1, 2, 0]), torch.rand(3, K), torch.rand(3, K + 1))
     # row 0: its one draft accepted, then the token at position 1; row 1: both, then position 2; row 2: none
     assert out.token_ids == [[2, 2], [5, 0, 1], [4]] and out.num_accepted == [1, 2, 0]
 
@@ -65,4 +65,4 @@ def test_ragged_drafts_and_rows_without_drafts():
 def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="accept_uniforms"):
         rejection_sample(torch.rand(2, K + 1, VOCAB), torch.zeros(2, K + 1, dtype=torch.long), torch.tensor([1, 1]),
-                         torch.rand(2, K), torch.rand(2))
+                         torch.rand(2, K), torch.rand(2, K + 1))

@@ -16,7 +16,7 @@ one-hot at ``x_i``, so a draft is accepted with probability ``p_i(x_i)`` and the
 without ``x_i``.
 
 Random numbers come in as arguments (one acceptance uniform per drafted position, one draw uniform
-per position): the caller derives them per request and output index, as the sampler does, so a
+per position, of which the one after the accepted drafts is used): the caller derives them per request and output index, as the sampler does, so a
 seeded request's tokens do not depend on its batch.
 """
 
@@ -52,8 +52,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
         num_drafts: int64 ``[B]``, drafts per row, in ``[0, k]`` (a row with none draws one token
             from ``target_probs[:, 0]``, as plain decoding does).
         accept_uniforms: float32 ``[B, k]`` in ``[0, 1)``.
-        draw_uniforms: float32 ``[B]`` in ``[0, 1)``: the draw of the one token after the accepted
-            prefix (inverse-transform sampling over the vocabulary in id order).
+        draw_uniforms: float32 ``[B, k + 1]`` in ``[0, 1)``: ``[b, i]`` draws the token after ``i``
+            accepted drafts (inverse-transform sampling over the vocabulary in id order).
         draft_probs: float32 ``[B, k, V]``, the proposer's distributions, or ``None`` for a
             proposer without one (one-hot drafts).
 
@@ -65,9 +65,10 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     """
     batch, positions, vocab = target_probs.shape
     k = positions - 1
-    if draft_token_ids.shape != (batch, k) or accept_uniforms.shape != (batch, k) or draw_uniforms.shape != (batch,):
+    if (draft_token_ids.shape != (batch, k) or accept_uniforms.shape != (batch, k)
+            or draw_uniforms.shape != (batch, k + 1)):
         raise ValueError(f"target_probs {tuple(target_probs.shape)} needs drafts and accept_uniforms of shape "
-                         f"({batch}, {k}) and draw_uniforms ({batch},)")
+                         f"({batch}, {k}) and draw_uniforms ({batch}, {k + 1})")
     if draft_probs is not None and draft_probs.shape != (batch, k, vocab):
         raise ValueError(f"draft_probs must be ({batch}, {k}, {vocab}), got {tuple(draft_probs.shape)}")
     rows = torch.arange(batch, device=target_probs.device)
@@ -90,7 +91,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, 
     mass = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(residual.dtype).tiny), p_next)
     cumulative = residual.cumsum(dim=-1)                                             # (B, V)
-    drawn = torch.searchsorted(cumulative, (draw_uniforms * cumulative[:, -1]).unsqueeze(-1), right=True)
+    draw = draw_uniforms[rows, num_accepted]                                         # (B,)
+    drawn = torch.searchsorted(cumulative, (draw * cumulative[:, -1]).unsqueeze(-1), right=True)
     drawn = drawn.squeeze(-1).clamp(max=vocab - 1)                                   # (B,)
     counts, drafted, draws = num_accepted.tolist(), draft_token_ids.tolist(), drawn.tolist()
     return Verified([drafted[b][:counts[b]] + [draws[b]] for b in range(batch)], counts)

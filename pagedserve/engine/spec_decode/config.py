@@ -1,0 +1,56 @@
+"""The one speculative-decoding config (vLLM's ``speculative_config``): which proposer, how many drafts."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pagedserve.engine.spec_decode.ngram_proposer import NgramProposer
+from pagedserve.options import option
+
+
+class SpeculativeMethod(enum.Enum):
+    """How draft tokens are proposed (vLLM's ``method``)."""
+
+    NONE = "none"  # plain decoding: one token per sequence per step
+    NGRAM = "ngram"  # prompt lookup over the sequence's own tokens (``ngram_proposer``), on the worker
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding of the engine (fields documented by their ``help``; vLLM's names).
+
+    ``LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})`` or the flags
+    ``--speculative-method ngram --num-speculative-tokens 4``.
+
+    Raises:
+        ValueError: an unknown method, ``num_speculative_tokens`` < 1, or not
+            ``1 <= prompt_lookup_min <= prompt_lookup_max``.
+    """
+
+    method: SpeculativeMethod = option(
+        "speculative decoding: none, or ngram (the worker drafts the tokens that followed the latest earlier "
+        "occurrence of the sequence's last n tokens; one target step verifies them; greedy outputs are the same "
+        "as without, sampled ones keep their distribution)", SpeculativeMethod.NONE, flag="speculative-method")
+    num_speculative_tokens: int = option("most draft tokens verified per sequence and step (k)", 4)
+    prompt_lookup_min: int = option("ngram: shortest suffix of the sequence that may match earlier", 1)
+    prompt_lookup_max: int = option("ngram: longest suffix of the sequence tried first", 4)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "method", SpeculativeMethod(self.method))
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative decoding needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    def proposer(self) -> NgramProposer | None:
+        """The worker's proposer for this config; ``None`` when it does not speculate."""
+        if self.method is SpeculativeMethod.NONE:
+            return None
+        return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots the scheduler reserves past a decode's token for its drafts (0: no speculation)."""
+        return 0 if self.method is SpeculativeMethod.NONE else self.num_speculative_tokens

@@ -1,0 +1,132 @@
+"""The worker's side of speculative decoding: verifying a sequence's drafts in the target step.
+
+A speculating sequence runs its last token and its ``d`` drafts as ``d + 1`` query rows; their
+logits are the target's distributions at each drafted position and one past the last. Each row
+is processed as plain decoding would process it at that output index (``process_logits`` with
+the history that ends with the drafts before it: penalties, bad words, ``min_tokens``, bias).
+Greedy rows accept drafts while each equals the argmax and then emit the argmax after them, so
+their tokens are plain decoding's; sampled rows go through the rejection sampler (Leviathan et
+al. 2023 / Chen et al. 2023, ``rejection_sampler``) over the distributions plain sampling draws
+from (``sampling_probs``), with uniforms derived per output index like the sampler's
+(``Sampler.uniforms``): a seeded sequence's tokens are the same in every run and every batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.engine.messages import AcceptedDraft, SampledToken, SequenceId
+from pagedserve.engine.penalties import TokenHistory
+from pagedserve.engine.sampler import Sampler, process_logits, requested_logprobs, sampling_probs
+from pagedserve.engine.sampling_params import EngineSamplingParams
+from pagedserve.engine.spec_decode.rejection_sampler import rejection_sample
+
+
+@dataclass(frozen=True)
+class Drafted:
+    """A sequence whose step verifies drafts.
+
+    Attributes:
+        seq_id: the sequence.
+        token_ids: its known tokens (prompt and output) before the drafts.
+        num_prompt_tokens: how many of them are the prompt.
+        sampling: its parameters (no structured output: ``lookahead.speculates``).
+        draft_token_ids: the drafts, >= 1.
+    """
+
+    seq_id: SequenceId
+    token_ids: Sequence[int]
+    num_prompt_tokens: int
+    sampling: EngineSamplingParams
+    draft_token_ids: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.draft_token_ids) + 1
+
+
+def verify(sampler: Sampler, logits: torch.Tensor, drafted: Sequence[Drafted]) -> list[SampledToken]:
+    """The tokens each drafted sequence emits: its accepted drafts, then one token from the target.
+
+    Args:
+        sampler: the worker's sampler (its generator draws the uniforms of unseeded rows).
+        logits: float32 ``[R, V]``, ``R = sum(d.num_rows)``: per sequence in order, the logits of
+            its last known token's row and of each draft's row; processed in place.
+        drafted: the sequences.
+
+    Returns:
+        One :class:`SampledToken` per sequence, in order, with ``accepted`` and ``num_draft_tokens`` set.
+    """
+    params = [d.sampling for d in drafted for _ in range(d.num_rows)]
+    counts = [len(d.token_ids) - d.num_prompt_tokens + j for d in drafted for j in range(d.num_rows)]
+    histories = ([TokenHistory([*d.token_ids, *d.draft_token_ids[:j]], d.num_prompt_tokens)
+                  for d in drafted for j in range(d.num_rows)] if any(p.needs_history for p in params) else None)
+    process_logits(logits, params, counts, histories, None)
+    starts = [sum(d.num_rows for d in drafted[:i]) for i in range(len(drafted))]
+    emitted = _greedy(logits, drafted, starts)
+    sampled = [i for i, d in enumerate(drafted) if not d.sampling.is_greedy]
+    probs: dict[int, torch.Tensor] = {}  # row -> the distribution a sampled row draws from, (V,)
+    if sampled:
+        rows = torch.tensor([starts[i] + j for i in sampled for j in range(drafted[i].num_rows)], device=logits.device)
+        row_params = [params[r] for r in rows.tolist()]
+        row_probs = sampling_probs(logits[rows], row_params)              # (R', V)
+        probs = dict(zip(rows.tolist(), row_probs))
+        uniforms = sampler.uniforms(row_params, [counts[r] for r in rows.tolist()], num_draws=2)  # (R', 2)
+        chosen = _rejection_sample(row_probs, uniforms, [drafted[i] for i in sampled])
+        for i, tokens in zip(sampled, chosen):
+            emitted[i] = tokens
+    return _answers(logits, drafted, starts, emitted, probs, params)
+
+
+def _greedy(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int]) -> list[list[int]]:
+    """Per sequence: drafts while each equals its row's argmax, then the argmax after them."""
+    argmax = logits.argmax(dim=-1).tolist()                               # (R,)
+    out = []
+    for d, start in zip(drafted, starts):
+        accepted = 0
+        while accepted < len(d.draft_token_ids) and d.draft_token_ids[accepted] == argmax[start + accepted]:
+            accepted += 1
+        out.append([*d.draft_token_ids[:accepted], argmax[start + accepted]])
+    return out
+
+
+def _rejection_sample(probs: torch.Tensor, uniforms: torch.Tensor, drafted: Sequence[Drafted]) -> list[list[int]]:
+    """Rejection sampling of sampled sequences' rows (``probs`` float32 ``[R', V]``, ``uniforms``
+    ``[R', 2]``: each row's draw then acceptance uniform), padded to the longest draft list."""
+    k = max(len(d.draft_token_ids) for d in drafted)
+    batch, vocab, device = len(drafted), probs.shape[1], probs.device
+    uniforms = uniforms.to(device)
+    target = torch.zeros(batch, k + 1, vocab, dtype=probs.dtype, device=device)  # (B, k+1, V)
+    draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=device)   # (B, k)
+    accept = torch.zeros(batch, k, device=device)                         # (B, k)
+    draw = torch.zeros(batch, k + 1, device=device)                       # (B, k+1)
+    row = 0
+    for b, d in enumerate(drafted):
+        n = d.num_rows
+        target[b, :n] = probs[row:row + n]
+        draft_ids[b, :n - 1] = torch.tensor(d.draft_token_ids, device=device)
+        accept[b, :n - 1] = uniforms[row:row + n - 1, 1]
+        draw[b, :n] = uniforms[row:row + n, 0]
+        row += n
+    num_drafts = torch.tensor([len(d.draft_token_ids) for d in drafted], device=device)
+    return rejection_sample(target, draft_ids, num_drafts, accept, draw).token_ids
+
+
+def _answers(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int], emitted: list[list[int]],
+             probs: dict[int, torch.Tensor], params: list[EngineSamplingParams]) -> list[SampledToken]:
+    """The sampled tokens with their logprobs: as plain decoding reports them at each emitted row."""
+    rows = [starts[i] + j for i, tokens in enumerate(emitted) for j in range(len(tokens))]
+    ids = [t for tokens in emitted for t in tokens]
+    entries = requested_logprobs(logits[torch.tensor(rows, device=logits.device)], [params[r] for r in rows],
+                                 torch.tensor(ids, device=logits.device))
+    out, at = [], 0
+    for d, tokens in zip(drafted, emitted):
+        lps = [float(probs[r][t].log()) if r in probs else 0.0 for r, t in zip(rows[at:at + len(tokens)], tokens)]
+        drafts = tuple(AcceptedDraft(t, lp, e) for t, lp, e in zip(tokens[:-1], lps, entries[at:]))
+        out.append(SampledToken(d.seq_id, tokens[-1], lps[-1], d.seq_id.sample_index, entries[at + len(tokens) - 1],
+                                accepted=drafts, num_draft_tokens=len(d.draft_token_ids)))
+        at += len(tokens)
+    return out
