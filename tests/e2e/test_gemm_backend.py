@@ -60,7 +60,7 @@ def in_process_answers(default_model, questions: list[str], offline_outputs, **o
 
 @pytest.mark.skipif(not cpu_flags() & set(BF16_CPU_FLAGS), reason="CPU without native bfloat16")
 def test_bfloat16_worker_matches_in_process_bfloat16(tmp_path, default_model, offline_outputs):
-    want = in_process_answers(default_model, QUESTIONS[:8], offline_outputs, dtype="bfloat16")
+    want = in_process_answers(default_model, QUESTIONS[:4], offline_outputs, dtype="bfloat16")
     assert_stack_gives(tmp_path, default_model, ("--dtype", "bfloat16"), want, concurrency=1)
 
 
