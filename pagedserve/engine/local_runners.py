@@ -19,22 +19,13 @@ def build_local_runners(path: Path, config: EngineConfig, rank_placement=None) -
         ValueError: T*P > 1 with several workers or with other kernels than eager torch GEMMs
             (``check_rank_kernels``), and the runners' own errors.
     """
-    import torch
-
-    from pagedserve.engine.runner_factory import build_model_runner, resolve_dtype
+    from pagedserve.engine.runner_factory import build_configured_runner
 
     runner = config.runner
     if runner.ranks > 1:
         return _parallel_runners(path, config, rank_placement)
     return {
-        f"worker-{i}": build_model_runner(
-            path, kv_cache_memory_bytes=runner.kv_cache_memory, block_size=config.scheduler.block_size,
-            dtype=getattr(torch, resolve_dtype(runner.dtype, runner.device)), device=runner.device,
-            attention_backend=runner.attention_backend, gemm_backend=runner.gemm_backend,
-            compile_mode=runner.compile_mode, kv_cache_dtype=runner.kv_cache_dtype,
-            gpu_memory_utilization=runner.gpu_memory_utilization, swap_space_bytes=runner.swap_space,
-            speculative=config.speculative_config,
-        )
+        f"worker-{i}": build_configured_runner(path, runner, config.scheduler.block_size, config.speculative_config)
         for i in range(config.num_workers)
     }
 

@@ -14,6 +14,7 @@ from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_bl
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models.onednn import pack_linear_layers, resolve_gemm_backend
 from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.runner_config import RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.weight_loader import load_model
 
@@ -84,6 +85,20 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
     if forward is not None:
         runner.warm_up()
     return runner
+
+
+def build_configured_runner(model_path: str | Path, runner: RunnerConfig, block_size: int,
+                            speculative: SpeculativeConfig = SpeculativeConfig()) -> ModelRunner:
+    """:func:`build_model_runner` with every setting of a one-rank worker's ``runner`` config: the one
+    place that maps RunnerConfig's fields onto the runner (the offline engine's workers and the
+    worker service both build theirs here). Raises what :func:`build_model_runner` raises."""
+    return build_model_runner(
+        model_path, kv_cache_memory_bytes=runner.kv_cache_memory, block_size=block_size,
+        dtype=getattr(torch, resolve_dtype(runner.dtype, runner.device)), device=runner.device,
+        attention_backend=runner.attention_backend, gemm_backend=runner.gemm_backend,
+        compile_mode=runner.compile_mode, kv_cache_dtype=runner.kv_cache_dtype,
+        gpu_memory_utilization=runner.gpu_memory_utilization, swap_space_bytes=runner.swap_space,
+        speculative=speculative)
 
 
 def _default_kv_memory(device: torch.device, gpu_memory_utilization: float) -> int:

@@ -50,25 +50,14 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         bind_to_cores(config.cpu_affinity)
     import torch
 
-    from pagedserve.engine.runner_factory import build_model_runner
+    from pagedserve.engine.runner_factory import build_configured_runner
 
     tracer = telemetry.setup_tracing("pagedserve-worker")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     ranks = config.runner.tensor_parallel_size * config.runner.pipeline_parallel_size
-    engines = _build_engines(config) if ranks > 1 else {config.worker_id: build_model_runner(
-        config.model,
-        kv_cache_memory_bytes=config.runner.kv_cache_memory,
-        block_size=config.block_size,
-        dtype=getattr(torch, resolve_dtype(config.runner.dtype, config.runner.device)),
-        device=config.runner.device,
-        attention_backend=config.runner.attention_backend,
-        gemm_backend=config.runner.gemm_backend,
-        compile_mode=config.runner.compile_mode,
-        kv_cache_dtype=config.runner.kv_cache_dtype,
-        gpu_memory_utilization=config.runner.gpu_memory_utilization,
-        swap_space_bytes=config.runner.swap_space,
-    )}
+    engines = _build_engines(config) if ranks > 1 else {config.worker_id: build_configured_runner(
+        config.model, config.runner, config.block_size)}
     runner = next(iter(engines.values()))
     if hasattr(runner, "on_failure"):  # a tensor/pipeline-parallel worker whose rank died cannot recover: stop
         runner.on_failure = stop.set
