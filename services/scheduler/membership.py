@@ -6,8 +6,11 @@ process). Every change of membership is logged.
 - A registered worker is admitted: a connection, and a fresh block manager in the scheduler.
 - A worker whose step failed (gRPC error, ``--step-timeout``, a plan it refused) is reset: its
   sequences go back to the queue to be recomputed, and it is admitted again after a back-off
-  (1 s, doubling up to 30 s while it keeps failing) if it is still registered. Its new session id
-  makes it drop everything it held.
+  (1 s, doubling up to 30 s while it keeps failing) once its registration shows a newer heartbeat
+  than the last one seen before the failure: a worker that hangs (stopped, swapping) is not sent
+  plans that can only time out again, each costing its requests one of their ``MAX_WORKER_LOSSES``.
+  Its new session id makes it drop everything it held. (A hung worker's last beat is seen before
+  its step times out as long as ``--step-timeout`` exceeds the heartbeat and poll intervals.)
 - A worker that registers with another instance id (it restarted), or that this scheduler owns
   under a new lease epoch (it was another scheduler's meanwhile), is reset at once.
 - A worker whose registration is missing longer than ``gone_after_s`` is dropped; a shorter gap
@@ -39,13 +42,16 @@ class _Member:
     instance_id: str
     address: str
     lease_epoch: int
+    heartbeat: int  # the newest beat seen in its registration
     missing_since: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Backoff:
     until: float
     delay_s: float
+    instance_id: str
+    heartbeat: int  # the newest beat seen before the failure: admitted again only after a newer one
 
 
 class WorkerMembership:
@@ -97,7 +103,7 @@ class WorkerMembership:
             elif epochs[worker_id] != member.lease_epoch:
                 outputs += self._drop(worker_id, f"its lease changed hands (epoch {epochs[worker_id]})")
             else:
-                member.missing_since = None
+                member.missing_since, member.heartbeat = None, reg.heartbeat
         for worker_id, reg in live.items():
             if worker_id not in self._members and self._may_admit(worker_id, reg, now):
                 self._admit(reg, epochs[worker_id])
@@ -109,8 +115,10 @@ class WorkerMembership:
         if worker_id not in self._members:
             return []
         delay = min(self._backoff[worker_id].delay_s * 2, MAX_BACKOFF_S) if worker_id in self._backoff else FIRST_BACKOFF_S
-        self._backoff[worker_id] = _Backoff(self._clock() + delay, delay)
-        return self._drop(worker_id, f"a step failed ({error}); admitting it again in {delay:g} s if it is registered")
+        member = self._members[worker_id]
+        self._backoff[worker_id] = _Backoff(self._clock() + delay, delay, member.instance_id, member.heartbeat)
+        return self._drop(worker_id, f"a step failed ({error}); admitting it again in {delay:g} s if it is registered "
+                                     "and beats again")
 
     def step_succeeded(self, worker_id: str) -> None:
         """A worker that answers again starts over with the shortest back-off."""
@@ -118,7 +126,8 @@ class WorkerMembership:
 
     def _may_admit(self, worker_id: str, reg: pb.WorkerRegistration, now: float) -> bool:
         backoff = self._backoff.get(worker_id)
-        if backoff is not None and now < backoff.until:
+        if backoff is not None and (now < backoff.until or (reg.instance_id == backoff.instance_id
+                                                            and reg.heartbeat <= backoff.heartbeat)):
             return False
         block_size = self._scheduler.config.block_size
         if reg.block_size != block_size:
@@ -132,7 +141,7 @@ class WorkerMembership:
     def _admit(self, reg: pb.WorkerRegistration, lease_epoch: int) -> None:
         self._executor.add_worker(reg.worker_id, reg.address, lease_epoch)
         self._scheduler.add_worker(reg.worker_id, reg.num_blocks, reg.num_cpu_blocks)
-        self._members[reg.worker_id] = _Member(reg.instance_id, reg.address, lease_epoch)
+        self._members[reg.worker_id] = _Member(reg.instance_id, reg.address, lease_epoch, reg.heartbeat)
         log.info("worker %s (instance %s, lease epoch %d) at %s admitted with %d blocks (%d CPU blocks); %d worker(s) "
                  "now", reg.worker_id, reg.instance_id, lease_epoch, reg.address, reg.num_blocks, reg.num_cpu_blocks,
                  len(self._members))

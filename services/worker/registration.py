@@ -8,18 +8,23 @@ import redis
 
 from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
+from services.common.signed_records import sign_record
 
 
 class WorkerRegistrar:
     """Publishes a ``WorkerRegistration`` and refreshes its heartbeat key until stopped.
 
     The heartbeat key expires after three missed intervals, so the scheduler notices a worker
-    that died without unregistering.
+    that died without unregistering. Each beat rewrites the registration with its ``heartbeat``
+    count one higher (signed again under ``cluster_token``): the scheduler's proof that a worker
+    whose step failed runs again (``services.scheduler.membership``).
     """
 
-    def __init__(self, client: redis.Redis, registration: pb.WorkerRegistration, interval_s: float) -> None:
+    def __init__(self, client: redis.Redis, registration: pb.WorkerRegistration, interval_s: float,
+                 cluster_token: str) -> None:
         self._client = client
         self._registration = registration
+        self._cluster_token = cluster_token
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="worker-heartbeat", daemon=True)
@@ -42,6 +47,8 @@ class WorkerRegistrar:
 
     def _beat(self) -> None:
         worker_id = self._registration.worker_id
+        self._registration.heartbeat += 1
+        sign_record(self._registration, self._cluster_token)
         pipe = self._client.pipeline()
         pipe.hset(redis_keys.WORKERS_HASH, worker_id, self._registration.SerializeToString())
         pipe.set(redis_keys.worker_heartbeat_key(worker_id), b"1", px=int(self._interval_s * 3000))

@@ -17,7 +17,6 @@ from services.common.metrics import serve_metrics
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.redis_wait import connect_redis
-from services.common.signed_records import sign_record
 from pagedserve.engine.runner_factory import resolve_dtype
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
@@ -99,8 +98,7 @@ def _serve_engine(config: WorkerConfig, worker_id: str, runner, index: int, trac
         num_cpu_blocks=runner.num_cpu_blocks,
         instance_id=uuid.uuid4().hex,
     )
-    sign_record(registration, config.cluster_token)
-    registrar = WorkerRegistrar(redis_client, registration, config.heartbeat_interval_s)
+    registrar = WorkerRegistrar(redis_client, registration, config.heartbeat_interval_s, config.cluster_token)
     registrar.start()
     set_serving(health, True)
     log.info("worker %s serving %s at %s with %d KV blocks", worker_id, config.model.name,

@@ -55,6 +55,12 @@ class PlanOutOfOrder(ValueError):
     """A plan that must not run: its session is over or failed, or the plan before it never came."""
 
 
+class PlanAbandoned(Exception):
+    """A plan whose caller stopped waiting (its deadline passed, or it cancelled) before the plan
+    started: the scheduler has counted the step failed and resets this worker, so running it would
+    only delay the plans of the new session (a worker resumed after a stall finds a queue of them)."""
+
+
 class PlanOrder:
     """Starts a session's plans in step order (1, 2, 3, ...), however their calls arrive.
 
@@ -149,10 +155,13 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
         remaining = context.time_remaining()
         wait_s = ORDER_WAIT_S if remaining is None else min(remaining, ORDER_WAIT_S)
         try:
-            result = self._order.start_in_turn(plan, wait_s, lambda: self._model_thread.submit(self._execute, plan),
-                                               lambda: self._fence.admit(request.lease_epoch)).result()
+            result = self._order.start_in_turn(
+                plan, wait_s, lambda: self._model_thread.submit(self._execute, plan, context.is_active),
+                lambda: self._fence.admit(request.lease_epoch)).result()
         except (ValueError, KeyError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"plan {plan.step_id} does not apply: {exc}")
+        except PlanAbandoned as exc:
+            context.abort(grpc.StatusCode.CANCELLED, str(exc))
         return step_result_to_pb(result)
 
     def PrepareGrammar(self, request: gen_pb.StructuredOutput, context: grpc.ServicerContext) -> pb.GrammarBuilt:
@@ -169,9 +178,14 @@ class WorkerServicer(engine_pb2_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the grammar is still building")
         return pb.GrammarBuilt()
 
-    def _execute(self, plan: BatchPlan) -> StepResult:
-        """Runs on the model thread, one plan at a time."""
+    def _execute(self, plan: BatchPlan, caller_waits: Callable[[], bool]) -> StepResult:
+        """Runs on the model thread, one plan at a time; a plan whose caller stopped waiting is
+        skipped (:class:`PlanAbandoned`) and fails its session."""
         self._order.check(plan)
+        if not caller_waits():
+            self._order.failed(plan)
+            raise PlanAbandoned(f"plan {plan.step_id} of session {plan.session_id[:8]}: the scheduler stopped "
+                                "waiting for it")
         self._spans.update(plan)
         start = time.perf_counter()
         try:

@@ -48,9 +48,10 @@ class Clock:
         return self.now
 
 
-def reg(worker_id: str, instance: str = "i1", blocks: int = 8, block_size: int = 16) -> pb.WorkerRegistration:
+def reg(worker_id: str, instance: str = "i1", blocks: int = 8, block_size: int = 16,
+        heartbeat: int = 1) -> pb.WorkerRegistration:
     return pb.WorkerRegistration(worker_id=worker_id, address=f"{worker_id}:1", num_blocks=blocks,
-                                 block_size=block_size, instance_id=instance)
+                                 block_size=block_size, instance_id=instance, heartbeat=heartbeat)
 
 
 def make():
@@ -66,10 +67,10 @@ def test_a_failed_step_resets_the_worker_and_readmits_it_after_a_backoff():
     members.step_failed("w", "DEADLINE_EXCEEDED")
     assert scheduler.worker_ids == [] and connections.open == {}
     assert scheduler.waiting_requests() == ["r"]  # requeued, to be recomputed
-    members.sync({"w": reg("w")}, EPOCH_1)
+    members.sync({"w": reg("w", heartbeat=2)}, EPOCH_1)
     assert scheduler.worker_ids == []  # still backing off
     clock.now += 1.01
-    members.sync({"w": reg("w")}, EPOCH_1)
+    members.sync({"w": reg("w", heartbeat=2)}, EPOCH_1)
     assert scheduler.worker_ids == ["w"]
     again = scheduler.schedule(["w"]).plans["w"]
     assert again.session_id != plan.session_id  # the worker drops what it held
@@ -78,22 +79,45 @@ def test_a_failed_step_resets_the_worker_and_readmits_it_after_a_backoff():
 
 def test_backoff_doubles_while_a_worker_keeps_failing_and_resets_after_success():
     scheduler, _, clock, members = make()
-    delays = []
+    delays, beats = [], iter(range(1, 1000))
     for _ in range(3):
-        members.sync({"w": reg("w")}, EPOCH_1)
+        members.sync({"w": reg("w", heartbeat=next(beats))}, EPOCH_1)
         start = clock.now
         members.step_failed("w", "UNAVAILABLE")
         while not scheduler.worker_ids:
             clock.now += 0.25
-            members.sync({"w": reg("w")}, EPOCH_1)
+            members.sync({"w": reg("w", heartbeat=next(beats))}, EPOCH_1)
         delays.append(clock.now - start)
     assert delays == [1.0, 2.0, 4.0]
     members.step_succeeded("w")
     start = clock.now
     members.step_failed("w", "UNAVAILABLE")
     clock.now += 1.0
-    members.sync({"w": reg("w")}, EPOCH_1)
+    members.sync({"w": reg("w", heartbeat=next(beats))}, EPOCH_1)
     assert scheduler.worker_ids == ["w"] and clock.now - start == 1.0
+
+
+def test_a_worker_whose_heartbeat_stopped_is_not_admitted_again_until_it_beats():
+    """A hung worker (SIGSTOP, swapping) keeps its registration until the heartbeat key expires;
+    sending it plans would only time out again, costing its requests their worker losses."""
+    scheduler, connections, clock, members = make()
+    members.sync({"w": reg("w", heartbeat=7)}, EPOCH_1)
+    members.step_failed("w", "DEADLINE_EXCEEDED")
+    for _ in range(4):
+        clock.now += 10.0  # long past the back-off
+        members.sync({"w": reg("w", heartbeat=7)}, EPOCH_1)
+        assert scheduler.worker_ids == [] and connections.open == {}
+    members.sync({"w": reg("w", heartbeat=8)}, EPOCH_1)
+    assert scheduler.worker_ids == ["w"]
+
+
+def test_a_restarted_worker_is_admitted_after_a_failure_without_waiting_for_a_higher_beat():
+    scheduler, _, clock, members = make()
+    members.sync({"w": reg("w", heartbeat=40)}, EPOCH_1)
+    members.step_failed("w", "UNAVAILABLE")  # it crashed; its new instance counts beats from 1
+    clock.now += 1.0
+    members.sync({"w": reg("w", "i2", heartbeat=1)}, EPOCH_1)
+    assert scheduler.worker_ids == ["w"]
 
 
 def test_a_restarted_worker_is_reset_by_its_new_instance_id():
@@ -134,8 +158,8 @@ def test_a_request_that_loses_three_workers_ends_with_unavailable():
     scheduler, _, clock, members = make()
     scheduler.add_request(EngineRequest("poison", (1, 2, 3), EngineSamplingParams(max_tokens=4), 0.0))
     outputs = []
-    for _ in range(3):
-        members.sync({"w": reg("w")}, EPOCH_1)
+    for beat in range(3):
+        members.sync({"w": reg("w", heartbeat=beat + 1)}, EPOCH_1)
         assert scheduler.schedule(["w"]).plans["w"].new_requests[0].request_id == "poison"
         outputs = members.step_failed("w", "UNAVAILABLE")
         clock.now += 60

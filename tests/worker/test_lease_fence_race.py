@@ -25,6 +25,9 @@ class Context:
     def time_remaining(self):
         return 5.0
 
+    def is_active(self):
+        return True
+
     def abort(self, code, details):
         raise Aborted(code, details)
 

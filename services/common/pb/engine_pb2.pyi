@@ -166,7 +166,7 @@ class SchedulerRegistration(_message.Message):
     def __init__(self, scheduler_id: _Optional[str] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., signature: _Optional[bytes] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "address", "num_blocks", "block_size", "model", "num_cpu_blocks", "instance_id", "signature")
+    __slots__ = ("worker_id", "address", "num_blocks", "block_size", "model", "num_cpu_blocks", "instance_id", "signature", "heartbeat")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class WorkerRegistration(_message.Message):
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     num_blocks: int
@@ -183,7 +184,8 @@ class WorkerRegistration(_message.Message):
     num_cpu_blocks: int
     instance_id: str
     signature: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    heartbeat: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., heartbeat: _Optional[int] = ...) -> None: ...
 
 class GrammarBuilt(_message.Message):
     __slots__ = ()
