@@ -24,6 +24,7 @@ from services.common.pb import engine_pb2_grpc
 from pagedserve.config_flags import config_to_argv
 from pagedserve.engine.config import CPU_TOKEN_BUDGET, SchedulerConfig
 from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.model_files import default_cache_dir
 from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
 from pagedserve.options import nested, option
@@ -83,6 +84,8 @@ class StackConfig:
                                      SchedulerConfig(max_num_batched_tokens=CPU_TOKEN_BUDGET))  # CPU workers
     runner: RunnerConfig = nested("the workers' model runners", RunnerConfig(kv_cache_memory=DEFAULT_KV_CACHE_MEMORY),
                                   exclude=("dtype", "device", "attention_backend", "gpu_memory_utilization"))
+    speculative_config: SpeculativeConfig = nested("speculative decoding (passed to the schedulers and the workers)",
+                                                   SpeculativeConfig())
     data_dir: Path | None = None
     startup_timeout_s: float = 600.0
     redis_password: str = field(default_factory=lambda: secrets.token_hex(24), repr=False)
@@ -90,6 +93,7 @@ class StackConfig:
     def __post_init__(self) -> None:
         if self.workers < 1 or self.schedulers < 1:
             raise ValueError(f"--workers and --schedulers must be at least 1, got {self.workers}, {self.schedulers}")
+        self.speculative_config.check_ranks(self.runner.ranks)
         if not self.cluster_token:
             object.__setattr__(self, "cluster_token", secrets.token_hex(32))
         if self.data_dir is None:
@@ -170,15 +174,15 @@ class Stack:
         self._stop = stop or self._stop
         cfg = self.config
         self._start_redis()
-        policy = config_to_argv(cfg.policy)
+        policy, speculative = config_to_argv(cfg.policy), config_to_argv(cfg.speculative_config)
         for name, address in cfg.scheduler_addresses().items():
             self._service(name, "scheduler", "--host", "127.0.0.1", "--port", address.rsplit(":", 1)[1],
-                          "--consumer-name", name, *policy, *self._metrics_flag(name))
+                          "--consumer-name", name, *policy, *speculative, *self._metrics_flag(name))
         for i in range(cfg.workers):
             self._service(
                 f"worker-{i}", "worker", "--model", str(cfg.model), "--host", "127.0.0.1", "--port", "0",
                 "--block-size", str(cfg.policy.block_size), "--num-threads", str(cfg.threads_per_worker),
-                *config_to_argv(cfg.runner), *self._cores_of(i), *self._metrics_flag(f"worker-{i}"),
+                *config_to_argv(cfg.runner), *speculative, *self._cores_of(i), *self._metrics_flag(f"worker-{i}"),
             )
         self._service(
             "gateway", "gateway", "--model", str(cfg.model), "--host", cfg.host, "--port", str(cfg.port),

@@ -12,6 +12,7 @@ from pagedserve.cli import build_parser
 from pagedserve.config_flags import config_from_args, config_to_argv
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.runner_config import EngineConfig, RunnerConfig
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from services.gateway.config import GatewayConfig
 from services.scheduler.config import SchedulerServiceConfig
 from services.worker.config import WorkerConfig
@@ -26,6 +27,11 @@ TOKEN = "a-long-enough-cluster-token"
     ("worker", WorkerConfig(model=Path("/m"), cluster_token=TOKEN, worker_id="w-1", cpu_affinity=(0, 1, 3),
                             runner=RunnerConfig(kv_cache_memory="512MiB", swap_space="3MiB", gemm_backend="onednn",
                                                 pipeline_parallel_size=2, virtual_engines=2))),
+    ("worker", WorkerConfig(model=Path("/m"), cluster_token=TOKEN, cpu_affinity=(0,),
+                            speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2,
+                                                                 prompt_lookup_min=2, prompt_lookup_max=3))),
+    ("scheduler", SchedulerServiceConfig(cluster_token=TOKEN, speculative_config=SpeculativeConfig(
+        method="ngram", num_speculative_tokens=2))),
     ("gateway", GatewayConfig(model=Path("/m"), cluster_token=TOKEN, gateway_id="g-1", tls_cert_file=Path("c"),
                               tls_key_file=Path("k"), metrics_port=0, shutdown_grace_s=2.5)),
 ])
@@ -46,3 +52,9 @@ def test_llm_options_are_the_engine_config_s_fields():
     assert EngineConfig.of(device="cuda").scheduler.max_num_batched_tokens == 2048
     with pytest.raises(TypeError, match="num_virtual_engines"):
         EngineConfig.of(num_virtual_engines=2)
+
+
+def test_a_worker_of_several_ranks_refuses_speculative_decoding():
+    with pytest.raises(ValueError, match="one-rank workers only"):
+        WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(tensor_parallel_size=2),
+                     speculative_config=SpeculativeConfig(method="ngram"))

@@ -7,18 +7,21 @@ from pagedserve.cli import build_parser
 from pagedserve.config_flags import config_from_args
 from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
 from pagedserve.engine.runner_config import EngineConfig, RunnerConfig
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.launcher import STOP_TIMEOUT_S, Stack, StackConfig
 from services.gateway.config import SHUTDOWN_CLOSE_S
 
 
-def up_commands(tmp_path, monkeypatch, policy: SchedulerConfig) -> list:
+RANK_GRID = RunnerConfig(kv_cache_memory="64MiB", tensor_parallel_size=2, pipeline_parallel_size=2, virtual_engines=1,
+                         compile_mode=CompileMode.INDUCTOR, gemm_backend=GemmBackend.ONEDNN, kv_cache_dtype="fp8_e5m2")
+
+
+def up_commands(tmp_path, monkeypatch, policy: SchedulerConfig, runner: RunnerConfig = RANK_GRID,
+                speculative: SpeculativeConfig = SpeculativeConfig()) -> list:
     """The parsed command lines `up` starts its services with (two schedulers, two workers)."""
     config = StackConfig(model=tmp_path, workers=2, host="127.0.0.1", port=1, scheduler_port=2,
                          redis_url="redis://127.0.0.1:3/0", policy=policy, threads_per_worker=1, data_dir=tmp_path,
-                         runner=RunnerConfig(kv_cache_memory="64MiB", tensor_parallel_size=2, pipeline_parallel_size=2,
-                                             virtual_engines=1, compile_mode=CompileMode.INDUCTOR,
-                                             gemm_backend=GemmBackend.ONEDNN, kv_cache_dtype="fp8_e5m2"),
-                         schedulers=2)
+                         runner=runner, schedulers=2, speculative_config=speculative)
     stack, commands = Stack(config), []
     monkeypatch.setattr(stack, "_start_redis", lambda: None)  # nothing is started: only the commands are read
     monkeypatch.setattr(stack, "_wait_ready", lambda: None)
@@ -56,3 +59,12 @@ def test_prefill_chunk_sizing_defaults_agree_in_the_offline_engine_the_scheduler
     up_policy = policy_from_args(build_parser().parse_args(["up"]))
     assert up_policy.max_decode_slowdown == default
     assert [p.max_decode_slowdown for p in up_commands(tmp_path, monkeypatch, up_policy)[:2]] == [default, default]
+
+
+def test_up_gives_the_schedulers_and_the_workers_the_same_speculative_config(tmp_path, monkeypatch):
+    """The schedulers reserve the slots the workers draft into: one config, passed to both."""
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=5)
+    parsed = up_commands(tmp_path, monkeypatch, SchedulerConfig(), RunnerConfig(), speculative)
+    services = [p for p in parsed if p.command in ("scheduler", "worker")]
+    assert len(services) == 4
+    assert all(config_from_args(SpeculativeConfig, p) == speculative for p in services)

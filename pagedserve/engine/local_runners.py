@@ -39,9 +39,7 @@ def _parallel_runners(path: Path, config: EngineConfig, rank_placement=None) -> 
     from pagedserve.engine.runner_factory import resolve_dtype
 
     runner = config.runner
-    if config.speculative_config.num_lookahead_tokens:
-        raise ValueError("speculative decoding runs on one-rank workers only (tensor_parallel_size and "
-                         "pipeline_parallel_size 1)")
+    config.speculative_config.check_ranks(runner.ranks)
     check_rank_kernels(runner.gemm_backend, runner.compile_mode)
     if config.num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
         raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "

@@ -18,7 +18,7 @@ from pagedserve.engine.messages import (
 )
 from pagedserve.engine.outputs import OutputKind, RequestOutput
 from services.common.convert_logprobs import (entries_from_pb, prompt_logprobs_from_pb, prompt_logprobs_to_pb,
-                                              token_logprobs_from_pb, token_logprobs_to_pb)
+                                              token_logprobs_to_pb)
 from services.common.pb import engine_pb2 as pb
 from services.common.pb_fields import enum_from_pb, enum_to_pb, from_pb, to_pb
 from pagedserve.engine.request_errors import ErrorKind
@@ -81,7 +81,7 @@ def _copies_from_pb(copies) -> tuple[tuple[int, int], ...]:
 
 
 def plan_to_pb(plan: BatchPlan) -> pb.BatchPlan:
-    """BatchPlan -> pb.BatchPlan (scheduler to worker)."""
+    """BatchPlan -> pb.BatchPlan (scheduler to worker); cached requests by field name (``pb_fields``)."""
     return pb.BatchPlan(
         step_id=plan.step_id,
         new_requests=[
@@ -97,15 +97,7 @@ def plan_to_pb(plan: BatchPlan) -> pb.BatchPlan:
             )
             for r in plan.new_requests
         ],
-        cached_requests=[
-            pb.CachedRequest(
-                seq_id=_seq_to_pb(r.seq_id),
-                new_block_ids=r.new_block_ids,
-                num_computed_tokens=r.num_computed_tokens,
-                num_scheduled_tokens=r.num_scheduled_tokens,
-            )
-            for r in plan.cached_requests
-        ],
+        cached_requests=[to_pb(r, pb.CachedRequest) for r in plan.cached_requests],
         finished_seq_ids=[_seq_to_pb(s) for s in plan.finished_seq_ids],
         blocks_to_swap_out=_copies_to_pb(plan.blocks_to_swap_out),
         blocks_to_swap_in=_copies_to_pb(plan.blocks_to_swap_in),
@@ -131,10 +123,7 @@ def plan_from_pb(msg: pb.BatchPlan) -> BatchPlan:
             )
             for r in msg.new_requests
         ),
-        cached_requests=tuple(
-            CachedRequestData(_seq_from_pb(r.seq_id), tuple(r.new_block_ids), r.num_computed_tokens, r.num_scheduled_tokens)
-            for r in msg.cached_requests
-        ),
+        cached_requests=tuple(from_pb(r, CachedRequestData) for r in msg.cached_requests),
         finished_seq_ids=tuple(_seq_from_pb(s) for s in msg.finished_seq_ids),
         blocks_to_swap_out=_copies_from_pb(msg.blocks_to_swap_out),
         blocks_to_swap_in=_copies_from_pb(msg.blocks_to_swap_in),
@@ -144,17 +133,8 @@ def plan_from_pb(msg: pb.BatchPlan) -> BatchPlan:
 
 
 def step_result_to_pb(result: StepResult) -> pb.StepResult:
-    """StepResult -> pb.StepResult (worker to scheduler)."""
-    sampled = []
-    for s in result.sampled:
-        msg = pb.SampledToken(seq_id=_seq_to_pb(s.seq_id), token_id=s.token_id, logprob=s.logprob,
-                              sample_index=s.sample_index)
-        if s.logprobs is not None:
-            msg.logprobs.CopyFrom(token_logprobs_to_pb(s.logprobs))
-        if s.grammar_error is not None:
-            msg.grammar_error = s.grammar_error
-        sampled.append(msg)
-    return pb.StepResult(step_id=result.step_id, sampled=sampled,
+    """StepResult -> pb.StepResult (worker to scheduler); sampled tokens by field name (``pb_fields``)."""
+    return pb.StepResult(step_id=result.step_id, sampled=[to_pb(s, pb.SampledToken) for s in result.sampled],
                          prompt_logprobs=[prompt_logprobs_to_pb(c) for c in result.prompt_logprobs])
 
 
@@ -162,10 +142,7 @@ def step_result_from_pb(msg: pb.StepResult) -> StepResult:
     """pb.StepResult -> StepResult (in the scheduler)."""
     return StepResult(
         step_id=msg.step_id,
-        sampled=tuple(SampledToken(_seq_from_pb(s.seq_id), s.token_id, s.logprob, s.sample_index,
-                                   token_logprobs_from_pb(s.logprobs) if s.HasField("logprobs") else None,
-                                   s.grammar_error if s.HasField("grammar_error") else None)
-                      for s in msg.sampled),
+        sampled=tuple(from_pb(s, SampledToken) for s in msg.sampled),
         prompt_logprobs=tuple(prompt_logprobs_from_pb(c) for c in msg.prompt_logprobs),
     )
 

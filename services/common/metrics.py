@@ -12,8 +12,10 @@ counted twice across processes):
 - scheduler (``services/scheduler/metrics.py``): queues and KV blocks: ``vllm:num_requests_running``,
   ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total``,
   ``vllm:prefix_cache_hits_total``, ``vllm:num_preemptions_total``, ``vllm:request_queue_time_seconds``,
-  ``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``, and
-  ``pagedserve_plan_bytes``, ``pagedserve_redis_stream_length``, ``pagedserve_worker_kv_cache_usage_perc``.
+  ``vllm:request_prefill_time_seconds``, ``vllm:request_decode_time_seconds``, with speculative decoding
+  ``vllm:spec_decode_num_drafts_total``, ``..._num_draft_tokens_total``, ``..._num_accepted_tokens_total``,
+  ``..._num_accepted_tokens_per_pos_total{position}``, and ``pagedserve_plan_bytes``,
+  ``pagedserve_redis_stream_length``, ``pagedserve_worker_kv_cache_usage_perc``.
 - worker (``services/worker/metrics.py``): ``pagedserve_worker_step_seconds{worker}``.
 - gateway and scheduler: ``pagedserve_redis_records_refused_total{kind}`` (``refused_records_counter``):
   each counts the records from Redis it refused itself (``services/common/signed_records.py``).

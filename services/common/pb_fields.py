@@ -14,9 +14,15 @@ the services map). Per field:
   an enum field ``kind`` whose member names are the oneof's member names upper-cased, a ``value``
   property (the set member's value: a scalar, or a tuple for a wrapper message) and a classmethod
   ``of(kind, value)`` that builds it back; unset <-> ``None``;
+* any other message <-> a dataclass with the same field names, mapped by these same rules
+  (``SequenceId``, ``TokenLogprobs``); unset <-> ``None`` or the field's default; a ``repeated`` one
+  whose dataclass items are dataclasses <-> a tuple of them (``SampledToken.accepted``);
 
 and ``enum_to_pb``/``enum_from_pb`` map a Python enum to a protobuf enum whose value names are the
 enum's names behind the enum type's prefix (``FinishReason.STOP`` <-> ``FINISH_REASON_STOP``).
+
+How each field of a (dataclass, message) pair travels is worked out once per pair (``_fields``):
+plans and step results go through here on every step.
 """
 
 from __future__ import annotations
@@ -27,8 +33,11 @@ import functools
 import re
 import types
 import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from google.protobuf import descriptor_pb2, message_factory
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor
 from google.protobuf.message import Message
 
@@ -43,9 +52,30 @@ def same_fields(cls: type, descriptor: Descriptor) -> tuple[set[str], set[str]]:
     return ours - theirs, theirs - ours
 
 
+@dataclass(frozen=True)
+class _Field:
+    """How one field of a (dataclass, message) pair travels, worked out once per pair.
+
+    Attributes:
+        name: the field's name on both sides.
+        has_presence: the message knows whether it is set (``optional`` scalars, messages): unset
+            reads as the dataclass default.
+        write: dataclass value -> what the message's constructor takes; ``None``: the value itself.
+        read: message value -> dataclass value; ``None``: the value itself (a scalar).
+        empty_is_default: an empty ``repeated`` or ``map`` field reads as the dataclass default
+            (the dataclass field has one: ``None`` or an empty tuple).
+    """
+
+    name: str
+    has_presence: bool
+    write: Callable[[Any], Any] | None
+    read: Callable[[Any], Any] | None
+    empty_is_default: bool = False
+
+
 @functools.cache
-def _checked(cls: type, descriptor: Descriptor) -> tuple[dataclasses.Field, ...]:
-    """``cls``'s fields, once it is known that the message has exactly the same names.
+def _fields(cls: type, descriptor: Descriptor) -> tuple[_Field, ...]:
+    """How each field of ``cls`` travels as a field of ``descriptor``.
 
     Raises:
         TypeError: a field exists on one side only.
@@ -54,21 +84,43 @@ def _checked(cls: type, descriptor: Descriptor) -> tuple[dataclasses.Field, ...]
     if only_ours or only_theirs:
         raise TypeError(f"{cls.__name__} and {descriptor.full_name} differ: only in the dataclass "
                         f"{sorted(only_ours)}, only in the message {sorted(only_theirs)}")
-    return dataclasses.fields(cls)
+    hints = _type_hints(cls)
+    return tuple(_field(f, descriptor.fields_by_name[f.name], hints[f.name]) for f in dataclasses.fields(cls))
 
 
-def _is_map(pf: FieldDescriptor) -> bool:
-    return pf.message_type is not None and pf.message_type.GetOptions().map_entry
+def _field(f: dataclasses.Field, pf: FieldDescriptor, hint: Any) -> _Field:
+    """The mapping of dataclass field ``f`` (annotated ``hint``) onto message field ``pf`` (the rules
+    of the module docstring)."""
+    message = pf.message_type
+    has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+    if message is not None and message.GetOptions().map_entry:
+        pairs = isinstance(_default(f), tuple)
+        return _Field(f.name, False, dict, (lambda v: tuple(sorted(v.items()))) if pairs else dict, has_default)
+    if message is None:
+        return _Field(f.name, pf.has_presence, None, tuple if pf.is_repeated else None, pf.is_repeated and has_default)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    (item, *_) = typing.get_args(hint) or (None,)
+    if pf.is_repeated and not dataclasses.is_dataclass(item):  # a wrapper: tuples of its one field
+        (inner,) = message.fields
+        return _Field(f.name, False, lambda v: [{inner.name: i} for i in v],
+                      lambda v: tuple(tuple(getattr(i, inner.name)) for i in v), has_default)
+    message_type = message_factory.GetMessageClass(message)
+    if pf.is_repeated:
+        return _Field(f.name, False, lambda v: [to_pb(i, message_type) for i in v],
+                      lambda v: tuple(from_pb(i, item) for i in v), has_default)
+    if _is_union(message):
+        return _Field(f.name, True, lambda v: union_to_pb(v, message_type), lambda v: union_from_pb(v, hint))
+    return _Field(f.name, True, lambda v: to_pb(v, message_type), lambda v: from_pb(v, hint))
 
 
-def _is_repeated(pf: FieldDescriptor) -> bool:
-    return pf.is_repeated
-
-
-def _wrapped(pf: FieldDescriptor) -> str:
-    """The one field of a wrapper message (``TokenIds.ids``)."""
-    (inner,) = pf.message_type.fields
-    return inner.name
+def _is_union(descriptor: Descriptor) -> bool:
+    """Whether the message is one ``oneof`` (a tagged union): every field in the same real oneof
+    (not the hidden oneof of a proto3 ``optional`` field)."""
+    proto = descriptor_pb2.DescriptorProto()
+    descriptor.CopyToProto(proto)
+    real = [f.oneof_index if f.HasField("oneof_index") and not f.proto3_optional else None for f in proto.field]
+    return len(set(real)) == 1 and real[0] is not None
 
 
 def to_pb(obj: Any, message_type: type[Message]) -> Message:
@@ -78,52 +130,38 @@ def to_pb(obj: Any, message_type: type[Message]) -> Message:
         TypeError: the two have different field names.
         ValueError: a value outside the field's protobuf type (int32, uint64...).
     """
-    descriptor = message_type.DESCRIPTOR
-    msg = message_type()
-    for f in _checked(type(obj), descriptor):
-        value, pf = getattr(obj, f.name), descriptor.fields_by_name[f.name]
-        if value is None:
+    values = {}
+    for f in _fields(type(obj), message_type.DESCRIPTOR):
+        value = getattr(obj, f.name)
+        if value is not None:
+            values[f.name] = value if f.write is None else f.write(value)
+    return message_type(**values)
+
+
+def from_pb(msg: Message, cls: type[T]) -> T:
+    """The message ``msg`` as an instance of the dataclass ``cls`` (unset fields: its defaults).
+
+    Raises:
+        TypeError: the two have different field names.
+        Whatever ``cls`` raises for the values (``SamplingParams`` validates them).
+    """
+    values = {}
+    for f in _fields(cls, msg.DESCRIPTOR):
+        if f.has_presence and not msg.HasField(f.name):
             continue
-        if _is_map(pf):
-            getattr(msg, f.name).update(dict(value))
-        elif _is_repeated(pf) and pf.message_type is not None:
-            inner, items = _wrapped(pf), getattr(msg, f.name)
-            for item in value:
-                items.add(**{inner: item})
-        elif _is_repeated(pf):
-            getattr(msg, f.name).extend(value)
-        elif pf.message_type is not None:
-            _union_to_pb(value, getattr(msg, f.name))
-        else:
-            setattr(msg, f.name, value)
-    return msg
+        value = getattr(msg, f.name)
+        if f.read is not None:
+            if f.empty_is_default and not value:
+                continue
+            value = f.read(value)
+        values[f.name] = value
+    return cls(**values)
 
 
 def _default(f: dataclasses.Field) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-
-
-def _read(msg: Message, f: dataclasses.Field, pf: FieldDescriptor, owner: type) -> Any:
-    """The dataclass value of one message field of ``owner`` (``dataclasses.MISSING``: take the default)."""
-    value, default = getattr(msg, f.name), _default(f)
-    if _is_map(pf):
-        if not value:
-            return dataclasses.MISSING
-        return tuple(sorted(value.items())) if isinstance(default, tuple) else dict(value)
-    if _is_repeated(pf):
-        if not value:
-            return dataclasses.MISSING
-        if pf.message_type is not None:
-            inner = _wrapped(pf)
-            return tuple(tuple(getattr(item, inner)) for item in value)
-        return tuple(value)
-    if pf.has_presence and not msg.HasField(f.name):
-        return dataclasses.MISSING
-    if pf.message_type is not None:
-        return union_from_pb(value, _field_class(owner, f))
-    return value
 
 
 @functools.cache
@@ -148,6 +186,12 @@ def _union_to_pb(value: Any, msg: Message) -> None:
         setattr(msg, member.name, value.value)
 
 
+def _wrapped(pf: FieldDescriptor) -> str:
+    """The one field of a wrapper message (``TokenIds.ids``)."""
+    (inner,) = pf.message_type.fields
+    return inner.name
+
+
 def union_from_pb(msg: Message, cls: type) -> Any:
     """The tagged-union dataclass ``cls`` of a message of one oneof (``None`` when no member is set)."""
     (oneof,) = msg.DESCRIPTOR.oneofs
@@ -160,26 +204,6 @@ def union_from_pb(msg: Message, cls: type) -> Any:
         value = tuple(getattr(value, _wrapped(member)))
     kind_type = _type_hints(cls)["kind"]
     return cls.of(kind_type[name.upper()], value)
-
-
-def _field_class(owner: type, f: dataclasses.Field) -> type:
-    """The dataclass type of the field ``f`` of ``owner`` (``X | None`` -> ``X``)."""
-    hint = _type_hints(owner)[f.name]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-    return hint
-
-
-def from_pb(msg: Message, cls: type[T]) -> T:
-    """The message ``msg`` as an instance of the dataclass ``cls`` (unset fields: its defaults).
-
-    Raises:
-        TypeError: the two have different field names.
-        Whatever ``cls`` raises for the values (``SamplingParams`` validates them).
-    """
-    descriptor = msg.DESCRIPTOR
-    values = {f.name: _read(msg, f, descriptor.fields_by_name[f.name], cls) for f in _checked(cls, descriptor)}
-    return cls(**{name: value for name, value in values.items() if value is not dataclasses.MISSING})
 
 
 def _enum_prefix(pb_enum: EnumDescriptor) -> str:

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 
 from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.options import nested, option
 from services.common.auth import MISSING_CLUSTER_TOKEN, cluster_token_option
 from services.common.metrics import check_metrics_port, metrics_port_option
@@ -34,6 +35,10 @@ class SchedulerServiceConfig:
     port: int = port_option(50052)
     metrics_port: int | None = metrics_port_option()
     policy: SchedulerConfig = nested("scheduling (per worker and iteration)", SchedulerConfig())
+    speculative_config: SpeculativeConfig = nested(
+        "speculative decoding (the scheduler reserves KV slots for k drafts per decode; its workers must be "
+        "started with the same method and k, or are not admitted; the prompt-lookup bounds are the workers')",
+        SpeculativeConfig())
     consumer_name: str = option(
         "this scheduler's id and its name in the Redis consumer group: unique per scheduler, kept across restarts "
         "so that its unfinished requests are resumed by it (a peer resumes them once its lease expired)",

@@ -129,14 +129,33 @@ class WorkerMembership:
         if backoff is not None and (now < backoff.until or (reg.instance_id == backoff.instance_id
                                                             and reg.heartbeat <= backoff.heartbeat)):
             return False
-        block_size = self._scheduler.config.block_size
-        if reg.block_size != block_size:
+        mismatch = self._mismatch(reg)
+        if mismatch is not None:
             if self._refused.get(worker_id) != reg.instance_id:
                 self._refused[worker_id] = reg.instance_id
-                log.error("worker %s uses block size %d, the scheduler %d: not admitted; restart it with "
-                          "--block-size %d", worker_id, reg.block_size, block_size, block_size)
+                log.error("worker %s %s: not admitted", worker_id, mismatch)
             return False
         return True
+
+    def _mismatch(self, reg: pb.WorkerRegistration) -> str | None:
+        """How the worker's settings contradict the scheduler's (``None``: they agree).
+
+        Speculative decoding: the scheduler reserves ``k`` KV slots per decode for drafts and the
+        worker drafts at most its own ``k``; both must speculate alike (``num_speculative_tokens``,
+        0 when off). A worker reading ``k`` from the plan alone could not tell a plan's smaller
+        lookahead (``max_tokens`` near, a full token budget) from a scheduler started with another
+        ``k``, and a worker without speculation would fail every plan that reserves slots.
+        """
+        block_size = self._scheduler.config.block_size
+        if reg.block_size != block_size:
+            return (f"uses block size {reg.block_size}, the scheduler {block_size}; restart it with "
+                    f"--block-size {block_size}")
+        k = self._scheduler.speculative.num_lookahead_tokens
+        if reg.num_speculative_tokens != k:
+            return (f"verifies {reg.num_speculative_tokens} draft tokens per step, the scheduler reserves slots for "
+                    f"{k} (0: no speculative decoding); start both with the same --speculative-method and "
+                    "--num-speculative-tokens")
+        return None
 
     def _admit(self, reg: pb.WorkerRegistration, lease_epoch: int) -> None:
         self._executor.add_worker(reg.worker_id, reg.address, lease_epoch)

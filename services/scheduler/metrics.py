@@ -1,11 +1,11 @@
 """The scheduler's Prometheus series: its queues, KV blocks and per-request phase times.
 
 Ownership (see ``services/common/metrics.py``): the scheduler owns what only it knows: running and
-waiting requests, KV-cache usage, prefix-cache queries and hits, preemptions (a snapshot of
-``SchedulerStats``, read on scrape), and each sample's queue, prefill and decode times (it sees a
-request arrive, be scheduled, and get its first and last token), plus the plan sizes it sends and
-the Redis request stream's length. Token counts, TTFT, ITL, e2e latency and finish reasons are the
-gateway's: nothing here counts them.
+waiting requests, KV-cache usage, prefix-cache queries and hits, preemptions, speculative
+decoding's drafts and accepted tokens (a snapshot of ``SchedulerStats``, read on scrape), and each
+sample's queue, prefill and decode times (it sees a request arrive, be scheduled, and get its
+first and last token), plus the plan sizes it sends and the Redis request stream's length. Token
+counts, TTFT, ITL, e2e latency and finish reasons are the gateway's: nothing here counts them.
 
 Threads: the engine is touched only by the loop thread. Gauges and cumulative counters come from
 the latest ``SchedulerStats`` snapshot the loop publishes (an immutable object), read by a custom
@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 from pagedserve.engine.config import SchedulerStats
 from pagedserve.engine.messages import BatchPlan
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from services.common.metrics import (
     MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, kv_cache_usage, new_registry, queue_gauges,
     refused_records_counter,
@@ -41,10 +42,13 @@ class StatsCollector(Collector):
 
     Args:
         snapshot: the latest (stats, model name) the loop published (thread-safe to call).
+        num_speculative_tokens: the scheduler's ``k`` (speculative decoding); 0: off, and no
+            ``vllm:spec_decode_*`` series (as vLLM, which makes them only with a speculative config).
     """
 
-    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]]) -> None:
+    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]], num_speculative_tokens: int = 0) -> None:
         self._snapshot = snapshot
+        self._num_speculative_tokens = num_speculative_tokens
         self._lock = threading.Lock()
         self._last: dict[str, int] = {}
         self._totals: dict[str, int] = {}
@@ -72,6 +76,25 @@ class StatsCollector(Collector):
         for w in stats.workers:
             per_worker.add_metric([model, w.worker_id], 0.0 if w.num_blocks == 0 else 1 - w.num_free_blocks / w.num_blocks)
         yield per_worker
+        if self._num_speculative_tokens:
+            yield from self._spec_decode(stats.spec_decode, model)
+
+    def _spec_decode(self, counters: SpecDecodeCounters, model: str) -> Iterable[Metric]:
+        """vLLM's ``vllm:spec_decode_*`` counters (names and help as vLLM's ``SpecDecodingProm``); the
+        per-position one has a sample for each draft position ``0..k-1`` from the start."""
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", counters.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", counters.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", counters.num_accepted_tokens)):
+            family = CounterMetricFamily(name, doc, labels=[MODEL_NAME])
+            family.add_metric([model], value)
+            yield family
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted tokens per draft position.", labels=[MODEL_NAME, "position"])
+        accepted = counters.num_accepted_tokens_per_pos
+        for position in range(max(self._num_speculative_tokens, len(accepted))):
+            per_pos.add_metric([model, str(position)], accepted[position] if position < len(accepted) else 0)
+        yield per_pos
 
 
 @dataclass
@@ -94,13 +117,14 @@ class SchedulerMetrics:
 
     Args:
         snapshot: the latest (stats, model name) the loop published, for the gauges and counters.
+        num_speculative_tokens: the scheduler's ``k`` (speculative decoding; 0: off), see :class:`StatsCollector`.
         clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]],
+    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]], num_speculative_tokens: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.registry: CollectorRegistry = new_registry()
-        self.registry.register(StatsCollector(snapshot))
+        self.registry.register(StatsCollector(snapshot, num_speculative_tokens))
         self._snapshot = snapshot
         self._clock = clock
         self._requests: dict[str, _Times] = {}

@@ -55,7 +55,8 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
     leases = Leases(client, config.consumer_name, uuid.uuid4().hex, config.lease_ttl_s)
     index = PrefixIndex(client, config.consumer_name, config.policy.block_size, config.lease_ttl_s,
                         config.cluster_token)
-    loop = SchedulerLoop(config, Scheduler(config.policy), RedisWrites(consumer.ack, leases.hand_off), tracer,
+    loop = SchedulerLoop(config, Scheduler(config.policy, config.speculative_config),
+                         RedisWrites(consumer.ack, leases.hand_off), tracer,
                          set_ready=lambda ready: set_serving(health, ready, SCHEDULER_SERVICE))
     engine_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop), server)
     port = bind(server, config.host, config.port)

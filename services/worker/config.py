@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.engine.runner_config import RunnerConfig
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.options import nested, option
 from pagedserve.units import parse_cpu_list
 from services.common.auth import MISSING_CLUSTER_TOKEN, cluster_token_option
@@ -23,7 +24,8 @@ class WorkerConfig:
         heartbeat_interval_s: how often the registration is refreshed, seconds.
 
     Raises:
-        ValueError: a value out of range, or no cluster token.
+        ValueError: a value out of range, no cluster token, or speculative decoding on a worker of
+            several ranks.
     """
 
     model: Path = model_option()
@@ -37,6 +39,9 @@ class WorkerConfig:
                             default_help="worker-<random>")
     block_size: int = option("token slots per KV block (the scheduler's --block-size)", 16)
     runner: RunnerConfig = nested("model runners", RunnerConfig())
+    speculative_config: SpeculativeConfig = nested(
+        "speculative decoding (the worker drafts and verifies; its schedulers need the same method and k)",
+        SpeculativeConfig())
     num_threads: int = option("torch CPU threads; 0: torch's default", 0)
     rank_address: str = option(
         "with --local-ranks K < T*P: listen here for ranks K..T*P-1, started on other machines with `pagedserve "
@@ -62,6 +67,7 @@ class WorkerConfig:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         if self.num_threads < 0:
             raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
+        self.speculative_config.check_ranks(self.runner.ranks)
         if self.local_ranks or self.rank_address:
             from pagedserve.engine.parallel.rank_link import RankPlacement
 

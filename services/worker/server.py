@@ -56,7 +56,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
         torch.set_num_threads(config.num_threads)
     ranks = config.runner.tensor_parallel_size * config.runner.pipeline_parallel_size
     engines = _build_engines(config) if ranks > 1 else {config.worker_id: build_configured_runner(
-        config.model, config.runner, config.block_size)}
+        config.model, config.runner, config.block_size, config.speculative_config)}
     runner = next(iter(engines.values()))
     if hasattr(runner, "on_failure"):  # a tensor/pipeline-parallel worker whose rank died cannot recover: stop
         runner.on_failure = stop.set
@@ -97,6 +97,7 @@ def _serve_engine(config: WorkerConfig, worker_id: str, runner, index: int, trac
         model=config.model.name,
         num_cpu_blocks=runner.num_cpu_blocks,
         instance_id=uuid.uuid4().hex,
+        num_speculative_tokens=config.speculative_config.num_lookahead_tokens,
     )
     registrar = WorkerRegistrar(redis_client, registration, config.heartbeat_interval_s, config.cluster_token)
     registrar.start()

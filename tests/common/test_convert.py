@@ -69,3 +69,25 @@ def test_sampling_logprobs_and_stop_reason_round_trip():
     assert output_from_pb(output_to_pb(output)) == output
     bare = RequestOutput(request_id="r", first_output_index=1, new_token_ids=(8,))
     assert output_from_pb(output_to_pb(bare)) == bare
+
+
+def test_speculative_fields_survive_the_plan_and_the_result():
+    """What speculative decoding sends across: the lookahead slots of a cached request, and the
+    accepted drafts (with their logprobs when asked) and the count of verified drafts of a sampled token."""
+    from pagedserve.engine.messages import AcceptedDraft, TokenLogprobs
+
+    plan = BatchPlan(step_id=2, cached_requests=(CachedRequestData(SequenceId("a", 1), (), 40, 1, 4),
+                                                 CachedRequestData(SequenceId("b"), (5,), 16, 1)))
+    message = convert.plan_to_pb(plan)
+    assert [r.num_lookahead_tokens for r in message.cached_requests] == [4, 0]
+    assert convert.plan_from_pb(message) == plan
+    entry = TokenLogprobs(7, -0.5, 1, (7, 4), (-0.5, -1.25))
+    accepted = (AcceptedDraft(7, -0.5, entry), AcceptedDraft(8, -0.75))
+    drafted = SampledToken(SequenceId("a", 1), 9, -0.25, 1, entry, accepted=accepted, num_draft_tokens=3)
+    rejected = SampledToken(SequenceId("b"), 3, 0.0, num_draft_tokens=2)
+    result = StepResult(2, (drafted, rejected))
+    message = convert.step_result_to_pb(result)
+    assert [d.token_id for d in message.sampled[0].accepted] == [7, 8]
+    first, second = message.sampled[0].accepted
+    assert first.HasField("logprobs") and not second.HasField("logprobs")
+    assert convert.step_result_from_pb(message) == result

@@ -8,12 +8,17 @@ import dataclasses
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from pagedserve.engine.messages import (AcceptedDraft, CachedRequestData, SampledToken, SequenceId,
+                                        TokenLogprobs)
 from pagedserve.engine.sampling_params import EngineSamplingParams, SamplingParams
 from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from services.common.pb import engine_pb2, generate_pb2
 from services.common.pb_fields import from_pb, same_fields, to_pb
 
-MAPPED = [(EngineSamplingParams, engine_pb2.EngineSamplingParams), (SamplingParams, generate_pb2.SamplingParams)]
+MAPPED = [(EngineSamplingParams, engine_pb2.EngineSamplingParams), (SamplingParams, generate_pb2.SamplingParams),
+          (CachedRequestData, engine_pb2.CachedRequest), (SampledToken, engine_pb2.SampledToken),
+          (AcceptedDraft, engine_pb2.AcceptedDraft), (SequenceId, engine_pb2.SequenceId),
+          (TokenLogprobs, engine_pb2.TokenLogprobs)]
 """Every dataclass the services send as a message of the same fields."""
 
 
@@ -94,3 +99,16 @@ def test_each_structured_output_kind_survives_both_messages(structure):
     engine = EngineSamplingParams(max_tokens=4, structured_output=structure)
     assert from_pb(to_pb(engine, engine_pb2.EngineSamplingParams), EngineSamplingParams) == engine
     assert from_pb(engine_pb2.EngineSamplingParams(), EngineSamplingParams).structured_output is None
+
+
+def test_nested_messages_survive_set_unset_and_repeated():
+    """A message field (seq_id, always set even when each of its fields is a default), an unset one
+    (logprobs: None), and a repeated message of dataclasses (accepted drafts)."""
+    bare = SampledToken(SequenceId(""), 0, 0.0)
+    message = to_pb(bare, engine_pb2.SampledToken)
+    assert message.HasField("seq_id") and not message.HasField("logprobs") and not message.accepted
+    assert from_pb(message, SampledToken) == bare
+    entry = TokenLogprobs(3, -1.5, 2)
+    drafts = (AcceptedDraft(1, -0.25, entry), AcceptedDraft(2, 0.0))
+    full = SampledToken(SequenceId("r", 2), 4, -0.5, 2, entry, "bad", drafts, 5)
+    assert from_pb(to_pb(full, engine_pb2.SampledToken), SampledToken) == full

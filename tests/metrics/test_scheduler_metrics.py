@@ -118,3 +118,21 @@ def test_a_request_aborted_while_waiting_observes_nothing():
     metrics.outputs(outputs)
     metrics.request_closed("x")
     assert ("vllm:request_queue_time_seconds_count", (("model_name", "m"),)) not in samples(metrics)
+
+
+def test_spec_decode_series_follow_the_counters_only_when_the_scheduler_speculates():
+    from pagedserve.engine.config import SchedulerStats
+    from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
+
+    counters = SpecDecodeCounters(num_drafts=5, num_draft_tokens=17, num_accepted_tokens=9,
+                                  num_accepted_tokens_per_pos=(5, 3, 1))
+    stats = SchedulerStats(0, 0, 0, 0, (), spec_decode=counters)
+    parsed = samples(SchedulerMetrics(lambda: (stats, "m"), num_speculative_tokens=4))
+    assert value(parsed, "vllm:spec_decode_num_drafts_total") == 5
+    assert value(parsed, "vllm:spec_decode_num_draft_tokens_total") == 17
+    assert value(parsed, "vllm:spec_decode_num_accepted_tokens_total") == 9
+    # every draft position 0..k-1 has its sample, the ones no draft reached yet at 0
+    assert [value(parsed, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+            for p in range(4)] == [5, 3, 1, 0]
+    plain = samples(SchedulerMetrics(lambda: (SchedulerStats(0, 0, 0, 0, ()), "m")))
+    assert not [name for name, _ in plain if name.startswith("vllm:spec_decode")]

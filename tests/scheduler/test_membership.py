@@ -7,6 +7,7 @@ from pagedserve.engine.messages import EngineRequest, SequenceId
 from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from services.common.pb import engine_pb2 as pb
 from services.scheduler.membership import WorkerMembership
 
@@ -49,13 +50,14 @@ class Clock:
 
 
 def reg(worker_id: str, instance: str = "i1", blocks: int = 8, block_size: int = 16,
-        heartbeat: int = 1) -> pb.WorkerRegistration:
+        heartbeat: int = 1, num_speculative_tokens: int = 0) -> pb.WorkerRegistration:
     return pb.WorkerRegistration(worker_id=worker_id, address=f"{worker_id}:1", num_blocks=blocks,
-                                 block_size=block_size, instance_id=instance, heartbeat=heartbeat)
+                                 block_size=block_size, instance_id=instance, heartbeat=heartbeat,
+                                 num_speculative_tokens=num_speculative_tokens)
 
 
-def make():
-    scheduler, connections, clock = Scheduler(SchedulerConfig()), Connections(), Clock()
+def make(speculative: SpeculativeConfig = SpeculativeConfig()):
+    scheduler, connections, clock = Scheduler(SchedulerConfig(), speculative), Connections(), Clock()
     return scheduler, connections, clock, WorkerMembership(scheduler, connections, gone_after_s=5.0, clock=clock)
 
 
@@ -151,6 +153,19 @@ def test_a_worker_with_another_block_size_is_not_admitted():
     assert scheduler.worker_ids == [] and connections.open == {}
     members.sync({"w": reg("w", "i2", block_size=16)}, EPOCH_1)  # restarted with the right size
     assert scheduler.worker_ids == ["w"]
+
+
+def test_a_worker_that_speculates_otherwise_than_the_scheduler_is_not_admitted(caplog):
+    """The scheduler reserves slots for k drafts; a worker must draft with the same k (0: neither speculates)."""
+    scheduler, connections, _, members = make(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    members.sync({"w": reg("w"), "v": reg("v", num_speculative_tokens=4)}, EPOCH_1)
+    assert scheduler.worker_ids == [] and connections.open == {}
+    assert "worker w verifies 0 draft tokens per step, the scheduler reserves slots for 3" in caplog.text
+    members.sync({"w": reg("w", "i2", num_speculative_tokens=3)}, EPOCH_1)  # restarted with the scheduler's k
+    assert scheduler.worker_ids == ["w"]
+    _, _, _, plain = make()
+    plain.sync({"u": reg("u", num_speculative_tokens=3)}, EPOCH_1)
+    assert plain.worker_ids == []
 
 
 def test_a_request_that_loses_three_workers_ends_with_unavailable():

@@ -50,6 +50,13 @@ class SpeculativeConfig:
             return None
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
 
+    def check_ranks(self, ranks: int) -> None:
+        """Raises ValueError when speculating on a worker of ``ranks`` > 1 ranks (tensor or pipeline
+        parallel): its helper ranks run plain steps only."""
+        if self.method is not SpeculativeMethod.NONE and ranks > 1:
+            raise ValueError("speculative decoding runs on one-rank workers only (tensor_parallel_size and "
+                             "pipeline_parallel_size 1)")
+
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots the scheduler reserves past a decode's token for its drafts (0: no speculation)."""

@@ -1,0 +1,58 @@
+"""Speculative decoding through the real services: a scheduler and a worker started with the same
+n-gram flags give, greedy with n = 2, exactly the in-process engine's output without speculation, on a
+prompt that copies its input and on a plain one; the scheduler's /metrics counts accepted drafts, and
+every KV block is free afterwards (the slots reserved for rejected drafts included)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pagedserve.engine.sampling_params import SamplingParams
+from services.common.pb import generate_pb2 as gen
+from tests.e2e.processes import start_stack
+from tests.e2e.test_metrics import scrape, total
+from tests.e2e.test_stack import assert_all_blocks_free, stream
+from tests.engine.conftest import BASE_PROMPTS
+from tests.engine.test_speculative_decoding import COPY_PROMPT
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+SPECULATIVE = ("--speculative-method", "ngram", "--num-speculative-tokens", "4", "--prompt-lookup-max", "3")
+"""The same flags for the scheduler (which reserves the slots) and the worker (which drafts into them)."""
+
+MAX_TOKENS = 32
+
+
+def samples_by_index(responses: list[gen.GenerateResponse]) -> list[tuple[int, ...]]:
+    """The token ids of each sample of one streamed request, by sample index."""
+    by_index: dict[int, list[int]] = {}
+    for r in responses:
+        by_index.setdefault(r.index, []).extend(r.token_ids)
+    return [tuple(by_index[i]) for i in sorted(by_index)]
+
+
+def test_speculative_stack_gives_plain_greedy_output_and_counts_accepted_drafts(tmp_path, default_model, default_llm):
+    from pagedserve.text.tokenizer import PromptTokenizer
+
+    tokenizer = PromptTokenizer.from_folder(default_model)
+    prompts = [tokenizer.encode_prompt(p) for p in (COPY_PROMPT, BASE_PROMPTS[2])]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=2)
+    want = [[s.token_ids for s in out.samples] for out in default_llm.generate(prompts, params)]
+    requests = [gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=p), sampling_params=gen.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, n=2)) for p in prompts]
+    stack = start_stack(tmp_path, default_model, num_workers=1, worker_threads=2, scheduler_args=SPECULATIVE,
+                        worker_args=SPECULATIVE)
+    try:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            got = [samples_by_index(r) for r in pool.map(lambda q: stream(stack.gateway, q), requests)]
+        assert got == want
+        metrics = scrape(stack.metrics["scheduler"])
+        assert total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
+        assert total(metrics, "vllm:spec_decode_num_draft_tokens_total") >= total(
+            metrics, "vllm:spec_decode_num_accepted_tokens_total")
+        assert total(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+        assert_all_blocks_free(stack)
+    finally:
+        stack.stop()
