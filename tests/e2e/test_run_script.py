@@ -69,7 +69,8 @@ def ctrl_c(process: subprocess.Popen) -> int:
 
 
 def assert_nothing_left(tmp_path: Path, scheduler_port: int) -> None:
-    assert list((tmp_path / "tmp").iterdir()) == []  # its temporary log is gone
+    # its temporary log is gone (torch's own cache folder, made when a torch custom op first runs, may stay)
+    assert [p for p in (tmp_path / "tmp").iterdir() if not p.name.startswith("torchinductor_")] == []
     assert not check_health(f"127.0.0.1:{scheduler_port}")
     leftovers = subprocess.run(["pgrep", "-f", f"--port {scheduler_port}"], capture_output=True, text=True).stdout
     assert leftovers.strip() == ""
