@@ -16,6 +16,24 @@ def pytest_configure(config):
     import grpc.aio
 
     grpc.aio.init_grpc_aio()
+    _one_thread_per_process_when_workers_fill_the_cores()
+
+
+def _one_thread_per_process_when_workers_fill_the_cores() -> None:
+    """With as many pytest-xdist workers as cores (scripts/test.sh runs 3 on 2), each test process
+    and every service it starts runs torch on one thread: two threads each only fight over the cores
+    (tests/engine/test_penalties_and_stops.py beside two busy processes: 70 s wall and 62 CPU-s with
+    two threads, 57 s and 38 CPU-s with one). Services get it through OMP_NUM_THREADS; a worker
+    started with --num-threads, and the ranks of a parallel engine, still take what they are given."""
+    import os
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < (os.cpu_count() or 1):
+        return
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
