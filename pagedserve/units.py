@@ -28,11 +28,14 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
-    """Parses a CPU list such as ``"0-3,6"`` (the format of ``taskset -c``) into sorted core ids.
+    """Parses a CPU list such as ``"0-3,6"`` (the format of ``taskset -c``) into sorted core ids;
+    ``""`` is no cores (how an empty list is written back to flags).
 
     Raises:
         ValueError: not a list of non-negative integers and ranges.
     """
+    if not text.strip():
+        return ()
     cores: set[int] = set()
     for part in text.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", part)

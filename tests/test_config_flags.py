@@ -27,7 +27,7 @@ TOKEN = "a-long-enough-cluster-token"
     ("worker", WorkerConfig(model=Path("/m"), cluster_token=TOKEN, worker_id="w-1", cpu_affinity=(0, 1, 3),
                             runner=RunnerConfig(kv_cache_memory="512MiB", swap_space="3MiB", gemm_backend="onednn",
                                                 pipeline_parallel_size=2, virtual_engines=2))),
-    ("worker", WorkerConfig(model=Path("/m"), cluster_token=TOKEN, cpu_affinity=(0,),
+    ("worker", WorkerConfig(model=Path("/m"), cluster_token=TOKEN,  # no binding: written as --cpu-affinity ''
                             speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2,
                                                                  prompt_lookup_min=2, prompt_lookup_max=3))),
     ("scheduler", SchedulerServiceConfig(cluster_token=TOKEN, speculative_config=SpeculativeConfig(
