@@ -25,7 +25,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedserve.engine.grammar_matchers import GrammarError
+from pagedserve.engine.structured_output import GrammarError
 from pagedserve.engine.messages import BatchPlan, EngineRequest, ResumedSample, SequenceId, StepResult
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.scheduler import Scheduler

@@ -24,15 +24,10 @@ from pathlib import Path
 import torch
 
 from pagedserve.engine.request_errors import InvalidRequestError
-from pagedserve.engine.structured_output import StructuredOutput
+from pagedserve.engine.structured_output import GrammarError, StructuredOutput
 from pagedserve.engine.token_bitmask import allocate_bitmask, apply_bitmask
 
 log = logging.getLogger("pagedserve.worker")
-
-
-class GrammarError(RuntimeError):
-    """A matcher failed to build: a spec that passed the gateway's check but not llguidance's
-    compiler (the request ends with INVALID_ARGUMENT), or did not build in time."""
 
 
 def built() -> Future[None]:

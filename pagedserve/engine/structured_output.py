@@ -17,6 +17,12 @@ from dataclasses import dataclass
 
 from pagedserve.engine.request_errors import InvalidRequestError
 
+
+class GrammarError(RuntimeError):
+    """A matcher failed to build: a spec that passed the gateway's check but not llguidance's
+    compiler (the request ends with INVALID_ARGUMENT), or did not build in time. (Here, not beside
+    the matchers, so that the scheduler, which only sees the error, does not import torch.)"""
+
 MAX_SPEC_BYTES = 64 * 1024
 """Largest spec accepted (UTF-8 bytes of the schema, regex or grammar text, or of the choices together)."""
 GRAMMAR_BUILD_TIMEOUT_S = 30.0

@@ -10,7 +10,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pagedserve.engine.engine import StepFailed, gather
-from pagedserve.engine.grammar_matchers import GrammarError
+from pagedserve.engine.structured_output import GrammarError
 from pagedserve.engine.messages import BatchPlan, StepResult
 from pagedserve.engine.structured_output import GRAMMAR_BUILD_TIMEOUT_S, StructuredOutput
 from services.common.auth import cluster_channel

@@ -16,7 +16,7 @@ from pagedserve.engine.messages import BatchPlan, SequenceId, StepResult
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import generate_pb2 as gen_pb
 from services.common.pb_fields import union_from_pb
-from pagedserve.engine.grammar_matchers import GrammarError
+from pagedserve.engine.structured_output import GrammarError
 from pagedserve.engine.structured_output import StructuredOutput
 from services.common.pb import engine_pb2_grpc
 from pagedserve.engine.engine import PlanRunner

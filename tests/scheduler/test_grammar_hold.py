@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
-from pagedserve.engine.grammar_matchers import GrammarError
+from pagedserve.engine.structured_output import GrammarError
 from pagedserve.engine.messages import EngineRequest, FinishReason
 from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
