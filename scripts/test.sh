@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-exec python -m pytest -q -n 3 --dist loadfile --durations=25 "$@"
+exec python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder --durations=25 "$@"

@@ -32,8 +32,8 @@ def plain_outputs(default_model, prompts) -> list[tuple[int, ...]]:
 def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, tokenizer):
     system = tokenizer.encode_prompt(" ".join(f"Rule {i}: be brief, exact and kind." for i in range(90)))[:1000]
     assert len(system) == 1000
-    # Six questions (16 before): the uncached reference prefills each 1000+-token prompt whole.
-    questions = [tokenizer.encode_prompt(f" Question {i}: what is {i} plus {i}?") for i in range(6)]
+    # Three questions (16, then 6 before): the uncached reference prefills each 1000+-token prompt whole.
+    questions = [tokenizer.encode_prompt(f" Question {i}: what is {i} plus {i}?") for i in range(3)]
     prompts = [system + q for q in questions]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     cached = LLM(default_model, kv_cache_memory="128MiB")
@@ -41,7 +41,7 @@ def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, toke
     for p in prompts:  # one after another, so each later request finds the system prompt cached
         with_cache.append(cached.generate(p, params)[0].token_ids)
     stats = cached.stats()
-    assert stats.prefix_cache_hits >= 5 * 992  # 62 full blocks of the system prompt, per later request
+    assert stats.prefix_cache_hits >= 2 * 992  # 62 full blocks of the system prompt, per later request
     uncached = LLM(default_model, kv_cache_memory="128MiB", enable_prefix_caching=False)
     assert [r.token_ids for r in uncached.generate(prompts, params)] == with_cache
     assert uncached.stats().prefix_cache_hits == 0

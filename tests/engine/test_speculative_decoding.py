@@ -53,16 +53,17 @@ def spec(default_model) -> LLM:
 
 def test_greedy_alone_is_plain_decoding_and_the_copy_prompt_accepts_drafts(default_model, prompts, plain_outputs):
     llm = LLM(default_model, kv_cache_memory="64MiB", speculative_config=NGRAM)
-    for prompt, expected in zip(prompts, plain_outputs):
-        assert token_ids(llm, prompt) == [expected]
+    for i in range(0, len(prompts) - 1, 2):  # half the plain prompts (batch 1 is slow), short to long
+        assert token_ids(llm, prompts[i]) == [plain_outputs[i]], i
+    before = llm.stats().spec_decode
+    assert token_ids(llm, prompts[-1]) == [plain_outputs[-1]]
     assert_all_free(llm)
-    counters = llm.stats().spec_decode
-    assert counters.num_drafts > 0 and counters.num_accepted_tokens > 0
-    copy = LLM(default_model, kv_cache_memory="64MiB", speculative_config=NGRAM)
-    assert token_ids(copy, prompts[-1]) == [plain_outputs[-1]]
-    counters = copy.stats().spec_decode
-    assert counters.num_accepted_tokens >= 8, counters  # the copy continues the text it was given
-    assert counters.num_accepted_tokens_per_pos[0] >= counters.num_accepted_tokens_per_pos[-1] > 0
+    after = llm.stats().spec_decode
+    assert after.num_drafts > before.num_drafts > 0
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [a - b for a, b in zip(after.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos)]
+    assert accepted >= 8, (before, after)  # the copy continues the text it was given
+    assert per_pos[0] >= per_pos[-1] > 0, per_pos
 
 
 def test_greedy_batched_is_plain_decoding(spec, prompts, plain_outputs):
