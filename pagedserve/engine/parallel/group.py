@@ -34,6 +34,12 @@ def free_loopback_port() -> int:
         return int(sock.getsockname()[1])
 
 
+COLLECTIVE_TIMEOUT_S = 15.0
+"""How long a collective waits for a silent (hung, not dead) rank before raising, seconds: a dead
+rank's closed connection fails it at once. 5 s was exceeded by a live rank of a TP2xPP2 engine on
+a 2-core machine running the test suite (load 7.6), failing the worker."""
+
+
 @dataclass(frozen=True)
 class GroupSpec:
     """Where and how the ranks of one worker meet (picklable: handed to the helper processes).
@@ -47,7 +53,7 @@ class GroupSpec:
 
     init_method: str
     world_size: int
-    timeout_s: float = 10.0
+    timeout_s: float = COLLECTIVE_TIMEOUT_S
     backend: str = "gloo"
 
 

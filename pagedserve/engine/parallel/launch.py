@@ -23,7 +23,7 @@ import torch
 from pagedserve.engine.config import CompileMode, GemmBackend
 from pagedserve.engine.messages import BatchPlan, StepResult
 from pagedserve.engine.model_runner import ModelRunner, PlanMismatchError
-from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup
+from pagedserve.engine.parallel.group import COLLECTIVE_TIMEOUT_S, CollectiveError, GroupSpec, TensorParallelGroup
 from pagedserve.engine.parallel.pipeline_runner import start_pipeline_parallel_runner
 from pagedserve.engine.parallel.rank import RankConfig, build_rank_runner
 from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement
@@ -141,7 +141,7 @@ class TensorParallelRunner:
         self.group.close()
 
 
-def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int, timeout_s: float = 5.0,
+def start_tensor_parallel_runner(config: RankConfig, tensor_parallel_size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S,
                                  placement: RankPlacement = LOCAL):
     """Spawns ranks 1..T*P-1 (P: ``config.pipeline_parallel_size``; with ``placement``, only those
     up to its local ranks: it waits for the others to dial in), joins them as rank 0 and loads every

@@ -32,7 +32,7 @@ import torch
 
 from pagedserve.engine.messages import BatchPlan, SampledToken, StepResult
 from pagedserve.engine.model_runner import PlanMismatchError
-from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup
+from pagedserve.engine.parallel.group import COLLECTIVE_TIMEOUT_S, CollectiveError, GroupSpec, TensorParallelGroup
 from pagedserve.engine.parallel.pipeline import StageRunner
 from pagedserve.engine.parallel.rank import RankConfig, build_stage_runners
 from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement
@@ -280,7 +280,7 @@ class VirtualEngine:
         self.pipeline.close()
 
 
-def start_pipeline_parallel_runner(config: RankConfig, tensor_parallel_size: int, timeout_s: float = 5.0,
+def start_pipeline_parallel_runner(config: RankConfig, tensor_parallel_size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S,
                                    placement: RankPlacement = LOCAL) -> PipelineParallelRunner:
     """Spawns the ``T x P`` grid's helper ranks (or waits for them: ``placement``), joins them as
     rank 0 and loads every stage.
