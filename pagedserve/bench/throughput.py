@@ -126,7 +126,7 @@ def run_engine(model: Path, requests: list[SampleRequest], args: argparse.Namesp
     llm = build_engine(model, args, speculative_config=config_from_args(SpeculativeConfig, args))
     run = time_engine(llm, [tokenizer.encode(r.prompt) for r in requests], requests)
     counters = llm.stats().spec_decode
-    if counters.num_drafts:
+    if counters is not None and counters.num_drafts:
         print(f"speculative decoding: {counters.num_draft_tokens} drafts, {counters.num_accepted_tokens} accepted "
               f"{counters.num_accepted_tokens_per_pos} by position, mean accepted length {counters.mean_accepted_length:.2f}")
     return run

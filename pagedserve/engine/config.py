@@ -157,4 +157,4 @@ class SchedulerStats:
     num_swap_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # of which found cached
-    spec_decode: SpecDecodeCounters = SpecDecodeCounters()  # drafts verified and accepted
+    spec_decode: SpecDecodeCounters | None = None  # drafts verified and accepted; None: no speculation

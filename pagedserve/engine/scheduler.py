@@ -43,7 +43,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig = SpeculativeConfig()) -> None:
         self.config = config
         self.speculative = speculative
-        self.spec_decode = SpecDecodeCounters()  # drafts verified and accepted so far
+        # drafts verified and accepted so far (None: this scheduler does not speculate)
+        k = speculative.num_lookahead_tokens
+        self.spec_decode = SpecDecodeCounters.zero(k) if k else None
         self._policy = POLICIES[config.policy]
         self._workers = WorkerPool(config)
         self._requests = RequestsInFlight(self._policy)
@@ -170,7 +172,8 @@ class Scheduler:
         outputs = []
         for worker_id, result in results.items():
             sampling = self._workers.step_answered(worker_id, result.step_id)
-            self.spec_decode += SpecDecodeCounters.of(result.sampled)
+            if self.spec_decode is not None:
+                self.spec_decode += SpecDecodeCounters.of(result.sampled)
             for chunk in result.prompt_logprobs:
                 if (seq := self._requests.sequences.get(chunk.seq_id)) is not None:
                     seq.add_prompt_logprobs(chunk)

@@ -104,7 +104,7 @@ class WorkerPool:
         return frozenset(d for worker in self._workers.values() for d in worker.blocks.cached_digests())
 
     def stats(self, num_waiting: int, num_steps: int, num_preemptions: int, num_swap_preemptions: int,
-              spec_decode: SpecDecodeCounters) -> SchedulerStats:
+              spec_decode: SpecDecodeCounters | None) -> SchedulerStats:
         """A snapshot of the queues and speculative-decoding counts (counted by the caller) and of
         every worker's KV occupancy and prefix-cache counters."""
         states = list(self._workers.values())

@@ -23,7 +23,7 @@ from services.common.pb import engine_pb2 as pb
 from services.common.pb_fields import enum_from_pb, enum_to_pb, from_pb, to_pb
 from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
-from pagedserve.engine.config import SchedulerStats, WorkerStats
+from pagedserve.engine.config import SchedulerStats
 
 def sampling_to_pb(params: EngineSamplingParams) -> pb.EngineSamplingParams:
     """EngineSamplingParams -> pb.EngineSamplingParams, by field name (``pb_fields``)."""
@@ -194,36 +194,9 @@ def _error_from_pb(msg: pb.RequestError) -> RequestError:
 
 def stats_to_pb(stats: SchedulerStats) -> pb.SchedulerStats:
     """SchedulerStats -> pb.SchedulerStats (GetStats)."""
-    return pb.SchedulerStats(
-        num_waiting=stats.num_waiting,
-        num_running=stats.num_running,
-        num_preemptions=stats.num_preemptions,
-        num_steps=stats.num_steps,
-        workers=[
-            pb.WorkerStats(
-                worker_id=w.worker_id, num_blocks=w.num_blocks, num_free_blocks=w.num_free_blocks,
-                num_running=w.num_running, num_swapped=w.num_swapped, num_cached_blocks=w.num_cached_blocks,
-            )
-            for w in stats.workers
-        ],
-        num_swapped=stats.num_swapped,
-        num_swap_preemptions=stats.num_swap_preemptions,
-        prefix_cache_queries=stats.prefix_cache_queries,
-        prefix_cache_hits=stats.prefix_cache_hits,
-    )
+    return to_pb(stats, pb.SchedulerStats)
 
 
 def stats_from_pb(msg: pb.SchedulerStats) -> SchedulerStats:
-    """pb.SchedulerStats -> SchedulerStats (clients of GetStats)."""
-    return SchedulerStats(
-        num_waiting=msg.num_waiting,
-        num_running=msg.num_running,
-        num_preemptions=msg.num_preemptions,
-        num_steps=msg.num_steps,
-        workers=tuple(WorkerStats(w.worker_id, w.num_blocks, w.num_free_blocks, w.num_running, w.num_swapped,
-                                  w.num_cached_blocks) for w in msg.workers),
-        num_swapped=msg.num_swapped,
-        num_swap_preemptions=msg.num_swap_preemptions,
-        prefix_cache_queries=msg.prefix_cache_queries,
-        prefix_cache_hits=msg.prefix_cache_hits,
-    )
+    """pb.SchedulerStats -> SchedulerStats (clients of GetStats: the gateway's cluster view)."""
+    return from_pb(msg, SchedulerStats)

@@ -23,14 +23,16 @@ counted twice across processes):
 Every series has the ``model_name`` label, as vLLM's do.
 
 The gateway's HTTP ``GET /metrics`` (the one URL vLLM has) adds the cluster's view to its own
-series: ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` and ``vllm:kv_cache_usage_perc``
-over its schedulers (``services/gateway/cluster_metrics.py``); its ``--metrics-port`` does not, so
+series: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` and
+the engine counters (prefix cache, preemptions, ``vllm:spec_decode_*``) over its schedulers' ``GetStats``
+(``services/gateway/cluster_metrics.py``); its ``--metrics-port`` does not, so
 scraping every service's metrics port counts each series once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from threading import Thread
@@ -38,8 +40,9 @@ from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pagedserve.engine.config import SchedulerStats
 from pagedserve.options import option
 
 log = logging.getLogger("pagedserve.metrics")
@@ -77,6 +80,77 @@ def queue_gauges(running: float, waiting: float, kv_usage: float, model_name: st
         family = GaugeMetricFamily(name, doc, labels=[MODEL_NAME])
         family.add_metric([model_name], value)
         families.append(family)
+    return families
+
+
+class MonotonicTotals:
+    """Counter totals that only go up, read from sums that may drop: a scheduler's prefix-cache counts
+    are sums over the workers it has now, the gateway's over the schedulers that answered. Per
+    ``(source, name)`` only increases are added, so a source missing from one reading adds nothing
+    twice when it comes back, and a restarted one (a new source id) adds from zero. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], int] = {}
+        self._totals: dict[str, int] = {}
+
+    def add(self, source: str, name: str, value: int) -> None:
+        """Takes ``source``'s current cumulative ``value`` of counter ``name``."""
+        with self._lock:
+            last = self._last.get((source, name), 0)
+            self._totals[name] = self._totals.get(name, 0) + max(0, value - last)
+            self._last[(source, name)] = value
+
+    def total(self, name: str) -> int:
+        with self._lock:
+            return self._totals.get(name, 0)
+
+
+ENGINE_COUNTERS = (
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     lambda s: s.prefix_cache_queries),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", lambda s: s.prefix_cache_hits),
+    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", lambda s: s.num_preemptions),
+)
+SPEC_DECODE_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", lambda c: c.num_drafts),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", lambda c: c.num_draft_tokens),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", lambda c: c.num_accepted_tokens),
+)
+SPEC_DECODE_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+"""(name, help, value of a SchedulerStats or SpecDecodeCounters) of vLLM's engine counters (names and
+help as vLLM's); the scheduler's ``/metrics`` and the gateway's cluster view both build them with
+:func:`engine_counters`."""
+
+
+def engine_counters(sources: Iterable[tuple[str, SchedulerStats]], totals: MonotonicTotals,
+                    model_name: str) -> list[Metric]:
+    """vLLM's prefix-cache, preemption and (when some source speculates) ``vllm:spec_decode_*``
+    counters over ``sources`` (``(source id, its stats)``), kept monotonic in ``totals``; the
+    per-position one has a sample for every draft position any source counts (``0..k-1`` from the start)."""
+    sources = list(sources)
+    speculating = [(sid, s.spec_decode) for sid, s in sources if s.spec_decode is not None]
+    readings = [(name, doc, [(sid, value(s)) for sid, s in sources]) for name, doc, value in ENGINE_COUNTERS]
+    readings += [(name, doc, [(sid, value(c)) for sid, c in speculating])
+                 for name, doc, value in SPEC_DECODE_COUNTERS if speculating]
+    width = max((len(c.num_accepted_tokens_per_pos) for _, c in speculating), default=0)
+    families: list[Metric] = []
+    for name, doc, values in readings:
+        for source, value in values:
+            totals.add(source, name, value)
+        family = CounterMetricFamily(name, doc, labels=[MODEL_NAME])
+        family.add_metric([model_name], totals.total(name))
+        families.append(family)
+    if speculating:
+        per_pos = CounterMetricFamily(SPEC_DECODE_PER_POS, "Accepted tokens per draft position.",
+                                      labels=[MODEL_NAME, "position"])
+        for position in range(width):
+            name = f"{SPEC_DECODE_PER_POS}/{position}"
+            for source, counters in speculating:
+                accepted = counters.num_accepted_tokens_per_pos
+                totals.add(source, name, accepted[position] if position < len(accepted) else 0)
+            per_pos.add_metric([model_name, str(position)], totals.total(name))
+        families.append(per_pos)
     return families
 
 

@@ -19,7 +19,7 @@ from services.common.open_files import raise_open_files_limit
 from services.common.redis_pool import async_redis_client
 from services.common.pb import engine_pb2, generate_pb2
 from services.common.service_args import redact_url
-from services.gateway.cluster_metrics import render_cluster_view
+from services.gateway.cluster_metrics import ClusterView
 from services.gateway.config import SHUTDOWN_CLOSE_S, GatewayConfig
 from services.gateway.drain import DrainingCore
 from services.gateway.generation_handler import add_generation_service
@@ -95,11 +95,12 @@ def _new_server(config: GatewayConfig) -> grpc.aio.Server:
 def _http_server(config: GatewayConfig, serving: OpenAIServing, http_health: HealthState,
                  metrics: GatewayMetrics, router: OutputRouter) -> EmbeddedUvicorn:
     app = build_http_app(serving, http_health, HttpSettings(api_key=config.api_key))
+    cluster = ClusterView(config.model_name)
 
     async def render() -> tuple[bytes, str]:
         """The gateway's series and the cluster's view (``cluster_metrics``)."""
         body, content_type = metrics.render()
-        return body + await render_cluster_view(router.discovery.connected_links(), config.model_name), content_type
+        return body + await cluster.render(router.discovery.connected_links()), content_type
 
     add_metrics_route(app, render)
     # TLS: the same certificate as the gRPC port.

@@ -56,8 +56,7 @@ class SchedulerLoop:
         self.streams = GatewayStreams()
         self.stats = scheduler.stats()  # the latest snapshot, replaced whole by the loop (others only read it)
         self.model_name = ""  # the workers' model, from their registrations
-        self.metrics = SchedulerMetrics(lambda: (self.stats, self.model_name),
-                                        scheduler.speculative.num_lookahead_tokens)
+        self.metrics = SchedulerMetrics(lambda: (self.stats, self.model_name))
         self.executor = GrpcExecutor(config.step_timeout_s, config.cluster_token, self.metrics.observe_plan_size)
         self.engine = Engine(scheduler, self.executor)
         self.membership = WorkerMembership(scheduler, self.executor, config.worker_gone_after_s)

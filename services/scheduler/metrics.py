@@ -14,22 +14,20 @@ collector on the scrape thread; the histograms are observed by the loop thread i
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedserve.engine.config import SchedulerStats
 from pagedserve.engine.messages import BatchPlan
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from services.common.metrics import (
-    MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, kv_cache_usage, new_registry, queue_gauges,
-    refused_records_counter,
+    MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, MonotonicTotals, engine_counters, kv_cache_usage,
+    new_registry, queue_gauges, refused_records_counter,
 )
 from services.common.signed_records import RecordKind
 
@@ -37,64 +35,28 @@ from services.common.signed_records import RecordKind
 class StatsCollector(Collector):
     """Gauges and counters read from the loop's latest snapshot on every scrape.
 
-    Counters are kept monotonic: the scheduler's prefix-cache totals are sums over the workers it
-    has now, so they drop when a worker goes away; only increases are added.
+    Counters are kept monotonic (``MonotonicTotals``): the scheduler's prefix-cache totals are sums
+    over the workers it has now, so they drop when a worker goes away; only increases are added.
+    ``vllm:spec_decode_*`` series exist only when the scheduler speculates (its stats carry
+    ``spec_decode``), as vLLM makes them only with a speculative config.
 
     Args:
         snapshot: the latest (stats, model name) the loop published (thread-safe to call).
-        num_speculative_tokens: the scheduler's ``k`` (speculative decoding); 0: off, and no
-            ``vllm:spec_decode_*`` series (as vLLM, which makes them only with a speculative config).
     """
 
-    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]], num_speculative_tokens: int = 0) -> None:
+    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]]) -> None:
         self._snapshot = snapshot
-        self._num_speculative_tokens = num_speculative_tokens
-        self._lock = threading.Lock()
-        self._last: dict[str, int] = {}
-        self._totals: dict[str, int] = {}
-
-    def _monotonic(self, name: str, value: int) -> int:
-        with self._lock:
-            self._totals[name] = self._totals.get(name, 0) + max(0, value - self._last.get(name, 0))
-            self._last[name] = value
-            return self._totals[name]
+        self._totals = MonotonicTotals()
 
     def collect(self) -> Iterable[Metric]:
         stats, model = self._snapshot()
         yield from queue_gauges(stats.num_running, stats.num_waiting, kv_cache_usage(stats.workers), model)
-        counters = (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                     stats.prefix_cache_queries),
-                    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                     stats.prefix_cache_hits),
-                    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.num_preemptions))
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=[MODEL_NAME])
-            family.add_metric([model], self._monotonic(name, value))
-            yield family
+        yield from engine_counters([("", stats)], self._totals, model)
         per_worker = GaugeMetricFamily("pagedserve_worker_kv_cache_usage_perc",
                                        "KV-cache usage of one worker, 0..1.", labels=[MODEL_NAME, "worker"])
         for w in stats.workers:
             per_worker.add_metric([model, w.worker_id], 0.0 if w.num_blocks == 0 else 1 - w.num_free_blocks / w.num_blocks)
         yield per_worker
-        if self._num_speculative_tokens:
-            yield from self._spec_decode(stats.spec_decode, model)
-
-    def _spec_decode(self, counters: SpecDecodeCounters, model: str) -> Iterable[Metric]:
-        """vLLM's ``vllm:spec_decode_*`` counters (names and help as vLLM's ``SpecDecodingProm``); the
-        per-position one has a sample for each draft position ``0..k-1`` from the start."""
-        for name, doc, value in (
-                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", counters.num_drafts),
-                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", counters.num_draft_tokens),
-                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", counters.num_accepted_tokens)):
-            family = CounterMetricFamily(name, doc, labels=[MODEL_NAME])
-            family.add_metric([model], value)
-            yield family
-        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                      "Accepted tokens per draft position.", labels=[MODEL_NAME, "position"])
-        accepted = counters.num_accepted_tokens_per_pos
-        for position in range(max(self._num_speculative_tokens, len(accepted))):
-            per_pos.add_metric([model, str(position)], accepted[position] if position < len(accepted) else 0)
-        yield per_pos
 
 
 @dataclass
@@ -117,14 +79,13 @@ class SchedulerMetrics:
 
     Args:
         snapshot: the latest (stats, model name) the loop published, for the gauges and counters.
-        num_speculative_tokens: the scheduler's ``k`` (speculative decoding; 0: off), see :class:`StatsCollector`.
         clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]], num_speculative_tokens: int = 0,
+    def __init__(self, snapshot: Callable[[], tuple[SchedulerStats, str]],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.registry: CollectorRegistry = new_registry()
-        self.registry.register(StatsCollector(snapshot, num_speculative_tokens))
+        self.registry.register(StatsCollector(snapshot))
         self._snapshot = snapshot
         self._clock = clock
         self._requests: dict[str, _Times] = {}

@@ -1,5 +1,7 @@
 """Every field survives the trip dataclass -> protobuf -> dataclass."""
 
+import dataclasses
+
 from services.common import convert
 from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, NewRequestData,
                                         RequestError, SampledToken, SequenceId, StepResult)
@@ -7,6 +9,7 @@ from pagedserve.engine.outputs import OutputKind, RequestOutput
 from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerStats, WorkerStats
+from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 
 SAMPLING = EngineSamplingParams(max_tokens=9, temperature=0.5, top_p=0.75, top_k=7, min_p=0.125, seed=42,
                                 min_tokens=2, stop_token_ids=(5, 6), ignore_eos=True, eos_token_ids=(2,), n=3)
@@ -47,6 +50,9 @@ def test_results_outputs_and_stats_round_trip():
         assert convert.output_from_pb(convert.output_to_pb(RequestOutput(request_id="a", kind=kind))).kind is kind
     stats = SchedulerStats(1, 2, 3, 4, (WorkerStats("w", 10, 5, 2, 1, 3),), 1, 2, 100, 40)
     assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats
+    assert not convert.stats_to_pb(stats).HasField("spec_decode")  # this scheduler does not speculate
+    speculating = dataclasses.replace(stats, spec_decode=SpecDecodeCounters(5, 17, 9, (5, 3, 1, 0)))
+    assert convert.stats_from_pb(convert.stats_to_pb(speculating)) == speculating
 
 
 def test_sampling_logprobs_and_stop_reason_round_trip():

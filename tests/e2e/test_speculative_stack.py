@@ -1,6 +1,7 @@
 """Speculative decoding through the real services: a scheduler and a worker started with the same
 n-gram flags give, greedy with n = 2, exactly the in-process engine's output without speculation, on a
-prompt that copies its input and on a plain one; the scheduler's /metrics counts accepted drafts, and
+prompt that copies its input and on a plain one; the scheduler's /metrics counts accepted drafts (and the
+gateway's HTTP /metrics the same, from GetStats), and
 every KV block is free afterwards (the slots reserved for rejected drafts included)."""
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ def test_speculative_stack_gives_plain_greedy_output_and_counts_accepted_drafts(
         assert total(metrics, "vllm:spec_decode_num_draft_tokens_total") >= total(
             metrics, "vllm:spec_decode_num_accepted_tokens_total")
         assert total(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+        cluster = scrape(stack.http.removeprefix("http://"))  # the gateway's OpenAI port: the same counts
+        for name in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"):
+            assert total(cluster, name) == total(metrics, name) > 0, name
+        assert [total(cluster, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p))
+                for p in range(4)] == [total(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                             position=str(p)) for p in range(4)]
         assert_all_blocks_free(stack)
     finally:
         stack.stop()

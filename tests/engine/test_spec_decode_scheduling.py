@@ -59,7 +59,7 @@ def test_decodes_reserve_lookahead_slots_and_rejected_ones_are_freed():
     outputs = answer(scheduler, decode.step_id, 55, accepted=(52, 53, 54), drafts=4)  # 12 tokens, 11 computed
     assert outputs[0].new_token_ids == (52, 53, 54, 55) and outputs[0].first_output_index == 2
     assert scheduler.sequence(A).num_computed_tokens == 11 and free(scheduler) == BLOCKS - 3
-    assert scheduler.stats().spec_decode == SpecDecodeCounters(2, 8, 3, (1, 1, 1))
+    assert scheduler.stats().spec_decode == SpecDecodeCounters(2, 8, 3, (1, 1, 1, 0))  # k = 4 positions
 
 
 def test_accepted_tokens_stop_at_eos_and_every_block_is_freed():

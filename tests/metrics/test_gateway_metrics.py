@@ -10,7 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedserve.cli import build_parser
 from pagedserve.engine.messages import FinishReason
 from pagedserve.launcher import StackConfig
-from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.config import SchedulerConfig, SchedulerStats, WorkerStats
+from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from pagedserve.engine.runner_config import RunnerConfig
 from pagedserve.text.output_processor import TextDelta
 from services.common.metrics import serve_metrics
@@ -115,14 +116,37 @@ def test_a_call_that_ends_early_counts_its_unfinished_samples_as_aborted():
 
 def test_the_cluster_view_sums_schedulers_and_counts_a_worker_listed_twice_once():
     """During a takeover two schedulers may list the same worker: its blocks count once."""
-    from services.common.pb import engine_pb2 as pb
     from services.gateway.cluster_metrics import cluster_gauges
 
-    shared = pb.WorkerStats(worker_id="w-0", num_blocks=100, num_free_blocks=40)
-    stats = [pb.SchedulerStats(num_running=3, num_waiting=1, workers=[shared]),
-             pb.SchedulerStats(num_running=2, num_waiting=0, workers=[shared, pb.WorkerStats(
-                 worker_id="w-1", num_blocks=100, num_free_blocks=100)])]
+    shared = WorkerStats("w-0", num_blocks=100, num_free_blocks=40, num_running=3)
+    stats = [SchedulerStats(1, 3, 0, 0, (shared,)),
+             SchedulerStats(0, 2, 0, 0, (shared, WorkerStats("w-1", 100, 100, 0)))]
     values = {f.name: f.samples[0].value for f in cluster_gauges(stats, "m")}
     assert values == {"vllm:num_requests_running": 5, "vllm:num_requests_waiting": 1,
                       "vllm:kv_cache_usage_perc": 0.3}
     assert {f.samples[0].labels["model_name"] for f in cluster_gauges([], "m")} == {"m"}
+
+
+def test_the_cluster_counters_sum_schedulers_and_count_one_missing_from_a_scrape_once():
+    """A scheduler that misses a scrape (GetStats timed out) adds only what it counted since when it
+    answers again; a restarted one (a new id) adds from zero; spec-decode series appear once a
+    speculating scheduler answers, with every draft position."""
+    from services.gateway.cluster_metrics import ClusterView
+
+    def stats(hits: int, spec: SpecDecodeCounters | None = None) -> SchedulerStats:
+        return SchedulerStats(0, 0, 0, 0, (), prefix_cache_queries=2 * hits, prefix_cache_hits=hits, spec_decode=spec)
+
+    def counters(sources):
+        return {(s.name, s.labels.get("position")): s.value for f in view.families(sources)
+                if f.type == "counter" for s in f.samples}
+
+    view = ClusterView("m")
+    first = counters([("a", stats(100)), ("b", stats(50))])
+    assert first[("vllm:prefix_cache_hits_total", None)] == 150
+    assert not [name for name, _ in first if name.startswith("vllm:spec_decode")]
+    assert counters([("a", stats(110))])[("vllm:prefix_cache_hits_total", None)] == 160  # b missed it
+    spec = SpecDecodeCounters(5, 17, 9, (5, 3, 1)) + SpecDecodeCounters.zero(4)
+    again = counters([("a", stats(110)), ("b", stats(52)), ("c", stats(7, spec))])  # c: b's successor
+    assert again[("vllm:prefix_cache_hits_total", None)] == 110 + 52 + 7
+    assert again[("vllm:spec_decode_num_accepted_tokens_total", None)] == 9
+    assert [again[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(p))] for p in range(4)] == [5, 3, 1, 0]

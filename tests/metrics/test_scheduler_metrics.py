@@ -125,9 +125,9 @@ def test_spec_decode_series_follow_the_counters_only_when_the_scheduler_speculat
     from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 
     counters = SpecDecodeCounters(num_drafts=5, num_draft_tokens=17, num_accepted_tokens=9,
-                                  num_accepted_tokens_per_pos=(5, 3, 1))
+                                  num_accepted_tokens_per_pos=(5, 3, 1)) + SpecDecodeCounters.zero(4)
     stats = SchedulerStats(0, 0, 0, 0, (), spec_decode=counters)
-    parsed = samples(SchedulerMetrics(lambda: (stats, "m"), num_speculative_tokens=4))
+    parsed = samples(SchedulerMetrics(lambda: (stats, "m")))
     assert value(parsed, "vllm:spec_decode_num_drafts_total") == 5
     assert value(parsed, "vllm:spec_decode_num_draft_tokens_total") == 17
     assert value(parsed, "vllm:spec_decode_num_accepted_tokens_total") == 9

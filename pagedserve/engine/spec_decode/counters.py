@@ -27,6 +27,11 @@ class SpecDecodeCounters:
     num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @classmethod
+    def zero(cls, num_speculative_tokens: int) -> SpecDecodeCounters:
+        """No drafts yet, with a per-position count for each of the ``k`` draft positions."""
+        return cls(num_accepted_tokens_per_pos=(0,) * num_speculative_tokens)
+
+    @classmethod
     def of(cls, sampled: Iterable[SampledToken]) -> SpecDecodeCounters:
         """The counts of one step's sampled tokens."""
         drafted = [s for s in sampled if s.num_draft_tokens]

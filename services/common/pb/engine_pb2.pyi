@@ -431,7 +431,7 @@ class WorkerStats(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "num_preemptions", "num_steps", "workers", "num_swapped", "num_swap_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("num_waiting", "num_running", "num_preemptions", "num_steps", "workers", "num_swapped", "num_swap_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_decode")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
@@ -441,6 +441,7 @@ class SchedulerStats(_message.Message):
     NUM_SWAP_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     num_preemptions: int
@@ -450,4 +451,17 @@ class SchedulerStats(_message.Message):
     num_swap_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    spec_decode: SpecDecodeCounters
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., num_swapped: _Optional[int] = ..., num_swap_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., spec_decode: _Optional[_Union[SpecDecodeCounters, _Mapping]] = ...) -> None: ...
+
+class SpecDecodeCounters(_message.Message):
+    __slots__ = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
