@@ -171,7 +171,7 @@ class Scheduler:
         """
         outputs = []
         for worker_id, result in results.items():
-            sampling = self._workers.step_answered(worker_id, result.step_id)
+            sampling = self._workers.step_answered(worker_id, result)
             if self.spec_decode is not None:
                 self.spec_decode += SpecDecodeCounters.of(result.sampled)
             for chunk in result.prompt_logprobs:

@@ -7,7 +7,7 @@ from collections.abc import Collection, Iterable
 
 from pagedserve.engine.config import Placement, SchedulerConfig, SchedulerStats
 from pagedserve.engine.limits import rejection_error
-from pagedserve.engine.messages import BatchPlan, RequestError, SequenceId
+from pagedserve.engine.messages import BatchPlan, RequestError, SequenceId, StepResult
 from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
@@ -76,11 +76,13 @@ class WorkerPool:
         workers = [self._workers[w] for w in drafts]
         return {w.worker_id: w.take_plan(drafts[w.worker_id]) for w in workers if w.has_plan(drafts[w.worker_id])}
 
-    def step_answered(self, worker_id: str, step_id: int) -> tuple[Sequence, ...]:
+    def step_answered(self, worker_id: str, result: StepResult) -> tuple[Sequence, ...]:
         """``WorkerState.step_answered``: the sequences whose token the step sampled (none if the
         worker is unknown)."""
         worker = self._workers.get(worker_id)
-        return worker.step_answered(step_id) if worker is not None else ()
+        if worker is None:
+            return ()
+        return worker.step_answered(result.step_id, {s.seq_id: s.num_draft_tokens for s in result.sampled})
 
     def place(self, seq: Sequence, drafts: dict[str, PlanDraft]) -> WorkerState | None:
         """Where to admit ``seq`` now, among the workers being scheduled (``drafts``): a forked

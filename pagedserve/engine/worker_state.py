@@ -6,7 +6,7 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId
@@ -30,7 +30,10 @@ class PlanDraft:
         preempted: a sequence was preempted here this iteration (no admissions then).
         swap_out, swap_in, copies: block copies for the worker, in the order it makes them.
         scheduled: tokens scheduled per sequence in this iteration.
-        decodes, decode_pairs: the decodes scheduled so far, and the attention pairs they compute.
+        decode_tokens, decode_pairs: the query rows of the decodes scheduled so far (one each, plus
+            its lookahead slots: a speculative decode verifies its drafts as more rows) and the
+            attention pairs they compute.
+        lookahead: the speculative decodes, as sequence -> (its context, lookahead slots).
         pairs: the attention pairs of everything scheduled so far.
         chunks: the prefill chunks scheduled so far, as (context, tokens).
         sampling: the sequences whose next token the step samples (its answer must carry them).
@@ -46,8 +49,9 @@ class PlanDraft:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    decodes: int = 0
+    decode_tokens: int = 0
     decode_pairs: int = 0
+    lookahead: dict[SequenceId, tuple[int, int]] = field(default_factory=dict)
     pairs: int = 0
     chunks: list[tuple[int, int]] = field(default_factory=list)
     sampling: list[Sequence] = field(default_factory=list)
@@ -59,31 +63,35 @@ class PlanDraft:
         the time the decodes leave (``step_cost``). The step's first chunk gets at least one
         token, so a prompt never starves behind decodes."""
         limit = min(remaining, self.token_budget)
-        if remaining == 1 or limit == 0 or not self.decodes or math.isinf(self.max_decode_slowdown):
+        if remaining == 1 or limit == 0 or not self.decode_tokens or math.isinf(self.max_decode_slowdown):
             return limit
         cost = self.cost()
         if cost is None:
             return limit
-        decodes_s = cost.step_seconds(self.decodes, self.decode_pairs)
+        decodes_s = cost.step_seconds(self.decode_tokens, self.decode_pairs)
         prefill_s = sum(cost.chunk_seconds(c, n) for c, n in self.chunks)
         allowance_s = (self.max_decode_slowdown - 1) * decodes_s - prefill_s
         tokens = prefill_chunk_tokens(cost, allowance_s, context, limit)
         return max(tokens, 1) if prefill_s == 0 else tokens
 
-    def add(self, context: int, num_new: int) -> None:
-        """Counts ``num_new`` tokens after ``context`` computed ones as scheduled in this step."""
-        self.token_budget -= num_new
-        pairs = attention_pairs(context, num_new)
+    def add(self, context: int, num_new: int, num_lookahead: int = 0) -> None:
+        """Counts ``num_new`` tokens after ``context`` computed ones, and ``num_lookahead`` slots for
+        drafts after them (the most query rows their verification adds), as scheduled in this step."""
+        rows = num_new + num_lookahead
+        self.token_budget -= rows
+        pairs = attention_pairs(context, rows)
         self.pairs += pairs
         if num_new == 1:
-            self.decodes += 1
+            self.decode_tokens += rows
             self.decode_pairs += pairs
         else:
             self.chunks.append((context, num_new))
 
     def shape(self) -> StepShape:
-        """What the drafted step computes (for the worker's cost model)."""
-        return StepShape(sum(self.scheduled.values()), self.pairs, any(n > 1 for n in self.scheduled.values()))
+        """What the drafted step computes (for the worker's cost model), every lookahead slot counted
+        as a verified draft (``StepShape.with_drafts`` corrects it from the answer)."""
+        rows = sum(self.scheduled.values()) + sum(slots for _, slots in self.lookahead.values())
+        return StepShape(rows, self.pairs, any(n > 1 for n in self.scheduled.values()))
 
 
 @dataclass(frozen=True)
@@ -91,14 +99,26 @@ class SentStep:
     """A plan sent to a worker and not answered yet.
 
     Attributes:
-        shape: what it computes (for the cost model).
+        shape: what it computes (for the cost model), every lookahead slot counted as a draft.
         made: when it was made, monotonic seconds.
         sampling: the sequences whose next token it samples.
+        lookahead: ``PlanDraft.lookahead``'s speculative decodes, as (sequence, context, slots).
     """
 
     shape: StepShape
     made: float
     sampling: tuple[Sequence, ...]
+    lookahead: tuple[tuple[SequenceId, int, int], ...] = ()
+
+    def computed(self, num_drafts: Mapping[SequenceId, int]) -> StepShape:
+        """What the step computed, given the drafts the worker verified per sequence (its answer's
+        ``SampledToken.num_draft_tokens``): lookahead slots it left empty computed nothing."""
+        tokens, pairs = self.shape.tokens, self.shape.pairs
+        for seq_id, context, slots in self.lookahead:
+            drafts = min(num_drafts.get(seq_id, 0), slots)
+            tokens -= slots - drafts
+            pairs -= attention_pairs(context, 1 + slots) - attention_pairs(context, 1 + drafts)
+        return StepShape(tokens, pairs, self.shape.has_prefill)
 
 
 class WorkerState:
@@ -128,9 +148,10 @@ class WorkerState:
         """An empty plan for this iteration, with the worker's fitted step cost."""
         return PlanDraft(self.config.max_num_batched_tokens, self.step_cost.cost, self.config.max_decode_slowdown)
 
-    def step_answered(self, step_id: int) -> tuple[Sequence, ...]:
+    def step_answered(self, step_id: int, num_drafts: Mapping[SequenceId, int]) -> tuple[Sequence, ...]:
         """Feeds the cost model the step's time: from when it was made, or from the previous
-        answer if the worker was still busy with that one (plans queue up on a worker), to now.
+        answer if the worker was still busy with that one (plans queue up on a worker), to now;
+        and what it computed (``num_drafts``: the drafts the worker verified per sequence).
 
         Returns:
             The sequences whose token the step sampled (none for a step unknown here).
@@ -138,7 +159,7 @@ class WorkerState:
         now = time.monotonic()
         sent = self._sent.pop(step_id, None)
         if sent is not None:
-            self.step_cost.observe(sent.shape, now - max(sent.made, self._last_answer))
+            self.step_cost.observe(sent.computed(num_drafts), now - max(sent.made, self._last_answer))
         self._last_answer = now
         return sent.sampling if sent is not None else ()
 
@@ -169,8 +190,9 @@ class WorkerState:
         """Counts ``num_new`` tokens of ``seq`` as computed in this step (one more token is in
         flight when they reach its end), and ``num_lookahead`` slots reserved for its drafts
         against the token budget; caches blocks that filled up."""
-        draft.add(seq.num_computed_tokens, num_new)
-        draft.token_budget -= num_lookahead
+        draft.add(seq.num_computed_tokens, num_new, num_lookahead)
+        if num_lookahead:
+            draft.lookahead[seq.seq_id] = (seq.num_computed_tokens, num_lookahead)
         seq.num_computed_tokens += num_new
         draft.scheduled[seq.seq_id] = num_new
         if seq.num_computed_tokens == seq.num_tokens + seq.num_tokens_in_flight:
@@ -226,7 +248,8 @@ class WorkerState:
     def take_plan(self, draft: PlanDraft) -> BatchPlan:
         """The iteration's plan for this worker; clears the pending drops and counts the step."""
         self.num_steps += 1
-        self._sent[self.num_steps] = SentStep(draft.shape(), time.monotonic(), tuple(draft.sampling))
+        self._sent[self.num_steps] = SentStep(draft.shape(), time.monotonic(), tuple(draft.sampling),
+                                              tuple((s, c, k) for s, (c, k) in draft.lookahead.items()))
         plan = BatchPlan(
             session_id=self.session_id,
             step_id=self.num_steps,

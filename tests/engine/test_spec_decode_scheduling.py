@@ -108,3 +108,24 @@ def test_bad_speculative_configs_are_refused():
                    {"method": "eagle"}):
         with pytest.raises(ValueError):
             SpeculativeConfig(**{"method": "ngram", **fields})
+
+
+def test_the_step_cost_model_sees_a_speculative_decode_as_the_rows_it_verified(monkeypatch):
+    """A decode with k lookahead slots takes ``1 + k`` rows of the token budget when planned; the cost
+    model is fed the rows the worker verified (``1 + num_draft_tokens``), with their attention pairs."""
+    from pagedserve.engine.step_cost import StepCostModel, StepShape, attention_pairs
+
+    observed: list[StepShape] = []
+    monkeypatch.setattr(StepCostModel, "observe", lambda self, shape, seconds: observed.append(shape))
+    scheduler = make_scheduler()
+    add(scheduler)
+    prefill = scheduler.schedule(["w0"]).plans["w0"]
+    answer(scheduler, prefill.step_id, 50)
+    assert observed == [StepShape(6, attention_pairs(0, 6), True)]
+    decode = scheduler.schedule(["w0"]).plans["w0"]
+    assert decode.cached_requests[0].num_lookahead_tokens == 4
+    answer(scheduler, decode.step_id, 53, accepted=(51,), drafts=2)  # 2 of the 4 slots held drafts
+    assert observed[1] == StepShape(3, attention_pairs(6, 3), False)
+    decode = scheduler.schedule(["w0"]).plans["w0"]
+    answer(scheduler, decode.step_id, 54)  # the worker found nothing to draft: a plain decode's row
+    assert observed[2] == StepShape(1, attention_pairs(8, 1), False)
