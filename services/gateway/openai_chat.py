@@ -56,11 +56,14 @@ def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage],
     """Token ids of ``messages`` rendered with the chat template, ``tools`` offered.
 
     Raises:
-        InvalidRequestError: field ``messages...`` (no template, bad role, sizes, the template refused them).
+        InvalidRequestError: field ``messages...`` (no template, bad role, sizes, tool use out of place
+            (``ChatTurn.check_tool_use``), the template refused them).
     """
     # OpenAI's "developer" role took over "system"'s job; chat templates know only "system"
     turns = [ChatTurn(role="system" if m.role == "developer" else m.role, content=m.text(),
                       tool_calls=history_calls(m.tool_calls), tool_call_id=m.tool_call_id) for m in messages]
+    for i, turn in enumerate(turns):
+        turn.check_tool_use(f"messages[{i}]")
     try:
         return tokenizer.encode_chat(turns, mode, tools)
     except InvalidRequestError as exc:
