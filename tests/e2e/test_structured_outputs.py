@@ -112,24 +112,33 @@ WIDE_SCHEMA = {"type": "object", "properties": {f"key_{i}": {"type": "integer"} 
                "additionalProperties": False}
 
 
-@pytest.mark.parametrize("structured, reason", [
-    ({"grammar": "start: <|no_such_token|>"}, "unknown special token"),
-    ({"json": WIDE_SCHEMA}, "max is 2000"),
-], ids=["fails-to-build", "past-parser-limit"])
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+LOOPING_TOOL = {"type": "function", "function": {"name": "f", "parameters": LOOP}}
+
+
+@pytest.mark.parametrize("structured, reason, param", [
+    ({"structured_outputs": {"grammar": "start: <|no_such_token|>"}}, "unknown special token",
+     "structured_outputs.grammar"),
+    ({"structured_outputs": {"json": WIDE_SCHEMA}}, "max is 2000", "structured_outputs.json"),
+    ({"guided_json": LOOP}, "grammar failed", "guided_json"),
+    ({"tools": [LOOPING_TOOL], "tool_choice": "required"}, "grammar failed", "tools"),
+], ids=["fails-to-build", "past-parser-limit", "ref-loop", "tool-ref-loop"])
 def test_a_grammar_the_worker_cannot_run_is_400_and_spares_the_other_requests(stack, default_model, structured,
-                                                                               reason):
+                                                                               reason, param):
     """Specs that pass the gateway's check (it has no vocabulary, and does not decode) but fail on
-    the worker: the request ends with 400 saying why, not with free text or a silent stop, and a
-    stream beside it is unchanged."""
+    the worker: the request ends with 400 saying why and naming the client's field, not with free
+    text or a silent stop, and a stream beside it is unchanged."""
     body = {"model": default_model.name, "messages": QUESTION, "max_tokens": 40, "temperature": 0}
     with httpx.Client(base_url=stack.http, timeout=120) as http:
         alone = http.post("/v1/chat/completions", json={**body, "max_tokens": 16}).json()
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             beside = pool.submit(http.post, "/v1/chat/completions", json={**body, "max_tokens": 16})
-            refused = http.post("/v1/chat/completions", json={**body, "structured_outputs": structured})
+            refused = http.post("/v1/chat/completions", json={**body, **structured})
             beside = beside.result().json()
     assert refused.status_code == 400, refused.text
     assert reason in refused.json()["error"]["message"], refused.text
+    assert refused.json()["error"]["param"] == param, refused.text
+    assert refused.json()["error"]["message"].startswith(f"{param}: "), refused.text
     assert beside["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
 
 
@@ -139,4 +148,5 @@ def test_grpc_a_grammar_that_fails_to_build_is_invalid_argument(stack):
     with pytest.raises(grpc.RpcError) as info:
         stream(stack.gateway, request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("sampling_params.structured_output.grammar: "), info.value.details()
     assert "unknown special token" in info.value.details(), info.value.details()
