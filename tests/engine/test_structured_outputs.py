@@ -92,3 +92,34 @@ def test_constrained_greedy_is_exact_beside_free_requests_and_under_preemption(d
     preempted = small.generate([constrained, constrained], spec)
     assert small.stats().num_preemptions > 0
     assert [r.token_ids for r in preempted] == [alone.token_ids] * 2
+
+
+def test_constrained_greedy_is_exact_under_swap_preemption(default_model, default_llm, tokenizer):
+    """Swapped out and back in, a sequence's matcher is rebuilt by replaying its tokens (issue #22 item 3)."""
+    constrained = ask(tokenizer, "Describe a person as JSON.")
+    spec = greedy(StructuredOutput(StructureKind.JSON, json.dumps(PERSON)), 48)
+    alone = default_llm.generate(constrained, spec)[0]
+    blocks = -(-(len(constrained) + len(alone.token_ids)) // 16) + 2
+    small = LLM(default_model, kv_cache_memory=blocks * BLOCK_BYTES, swap_space=64 * BLOCK_BYTES,
+                preemption_mode="swap", enable_prefix_caching=False)
+    swapped = small.generate([constrained, constrained, constrained], spec)
+    assert small.stats().num_swap_preemptions > 0
+    assert [r.token_ids for r in swapped] == [alone.token_ids] * 3
+
+
+@pytest.mark.parametrize("n, best_of", [(3, None), (1, 3)], ids=["n=3", "best_of=3"])
+def test_each_seeded_sample_has_its_own_matcher(default_llm, tokenizer, n, best_of):
+    """n > 1 and best_of: every sample validates, the samples differ (each advanced its own matcher),
+    and the seed repeats them."""
+    spec = StructuredOutput(StructureKind.JSON, json.dumps(PERSON))
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=11, n=n, best_of=best_of, structured_output=spec)
+    prompt = ask(tokenizer, "Describe a person as JSON.")
+    result = default_llm.generate(prompt, params)[0]
+    assert len(result.samples) == n
+    for sample in result.samples:
+        assert sample.finish_reason.name == "STOP", sample.text
+        jsonschema.validate(json.loads(sample.text), PERSON)
+    if n > 1:
+        assert len({s.token_ids for s in result.samples}) == n
+    assert [s.token_ids for s in default_llm.generate(prompt, params)[0].samples] == \
+        [s.token_ids for s in result.samples]
