@@ -16,6 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.e2e.test_stack import chat_request, stream
+from tests.engine.test_structured_outputs import PERSON
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -65,6 +66,30 @@ def test_streamed_json_schema_output_validates_and_equals_the_unstreamed(client,
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     Person.model_validate_json(text)
     assert text == client.chat.completions.create(**kwargs).choices[0].message.content
+
+
+def test_n3_with_a_seed_gives_three_valid_samples_again(client, default_model):
+    """Every string bounded (``PERSON``), so that no sample at temperature 1 runs to ``length``."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kwargs = dict(model=default_model.name, messages=QUESTION, response_format=response_format, temperature=1.0,
+                  seed=5, n=3, max_tokens=160)
+    choices = client.chat.completions.create(**kwargs).choices
+    texts = [c.message.content for c in choices]
+    assert [c.finish_reason for c in choices] == ["stop"] * 3, texts
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) == 3
+    assert [c.message.content for c in client.chat.completions.create(**kwargs).choices] == texts
+
+
+def test_json_object_gives_an_object_streamed_and_not(client, default_model):
+    kwargs = dict(model=default_model.name, messages=[{"role": "user", "content": "Give the capital of France as JSON with the key capital."}],
+                  response_format={"type": "json_object"}, temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    assert whole.finish_reason == "stop" and isinstance(json.loads(whole.message.content), dict), whole.message.content
+    assert streamed == whole.message.content
 
 
 def test_grpc_json_schema_gives_the_same_output(stack, client, default_model):
