@@ -82,10 +82,13 @@ def test_constrained_greedy_is_exact_beside_free_requests_and_under_preemption(d
     alone = default_llm.generate(constrained, spec)[0]
     assert alone.finish_reason.name == "STOP"
     free_alone = [r.token_ids for r in default_llm.generate(free_prompts, free)]
-    # the second copy of the constrained prompt also finds it in the prefix cache
-    batch = default_llm.generate([constrained, *free_prompts, constrained], [spec, *[free] * len(free_prompts), spec])
-    assert batch[0].token_ids == batch[-1].token_ids == alone.token_ids
-    assert [r.token_ids for r in batch[1:-1]] == free_alone  # rows without a structure are unchanged
+    # a busy batch of 64: 32 constrained copies (found in the prefix cache) between 32 free rows
+    hits = default_llm.stats().prefix_cache_hits
+    prompts = [p for pair in zip([constrained] * 32, free_prompts * 8) for p in pair]
+    batch = default_llm.generate(prompts, [spec, free] * 32)
+    assert default_llm.stats().prefix_cache_hits > hits
+    assert [r.token_ids for r in batch[0::2]] == [alone.token_ids] * 32
+    assert [r.token_ids for r in batch[1::2]] == free_alone * 8  # rows without a structure are unchanged
     blocks = -(-(len(constrained) + len(alone.token_ids)) // 16) + 2  # room for one sequence and a bit
     small = LLM(default_model, kv_cache_memory=blocks * BLOCK_BYTES, preemption_mode="recompute",
                 enable_prefix_caching=False)
