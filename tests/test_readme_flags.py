@@ -24,3 +24,14 @@ def test_complete_offline_takes_the_kv_cache_memory_its_help_speaks_of():
     parser = clean_parser()
     args = parser.parse_args(["complete", "--offline", "--prompt", "x", "--kv-cache-memory", "64MiB"])
     assert config_from_args(EngineConfig, args, EngineConfig.of()).runner.kv_cache_memory == 64 << 20
+
+
+def test_the_readme_tool_call_examples_bound_their_output():
+    """Issue #22 audit: the README's `tool_choice: required` examples without `max_tokens` ran for
+    minutes (the grammar allows call after call; the default model kept calling up to its context)."""
+    blocks = README.read_text().split("```")[1::2]
+    required = [b for b in blocks if '"tool_choice": "required"' in b or 'tool_choice="required"' in b]
+    assert len(required) >= 2
+    for block in required:
+        assert "max_tokens" in block and ("parallel_tool_calls=False" in block
+                                          or '"parallel_tool_calls": false' in block), block

@@ -56,6 +56,20 @@ class ChatTurn:
             message["tool_call_id"] = self.tool_call_id
         return message
 
+    def check_tool_use(self, field: str) -> None:
+        """Checks the turn's part in tool use (both APIs' rule; ``field`` names the message).
+
+        Raises:
+            InvalidRequestError: ``field.tool_calls`` on a role other than assistant;
+                ``field.tool_call_id`` missing on a tool message or set on another role.
+        """
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidRequestError(f"{field}.tool_calls", f"only an assistant message makes calls, not {self.role!r}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidRequestError(f"{field}.tool_call_id", "a tool message must give the id of the call it answers")
+        if self.tool_call_id and self.role != "tool":
+            raise InvalidRequestError(f"{field}.tool_call_id", f"only a tool message answers a call, not {self.role!r}")
+
 
 PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 """``tokenizer_class`` values of a folder whose tokenizer is its ``tokenizer.json`` as it stands."""

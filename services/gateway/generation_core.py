@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import redis
 
@@ -27,6 +28,8 @@ from pagedserve.text.tokenizer import PromptTokenizer
 from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter, ResumeQuery
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -91,6 +94,26 @@ class GenerationError(Exception):
         self.kind = kind
         self.message = message
         self.param = param
+
+
+async def naming_failures(events: AsyncIterator[_T], field: str) -> AsyncIterator[_T]:
+    """``events``, where a request the engine ended with ``INVALID_ARGUMENT`` naming no field (its
+    structured output's grammar did not build on the workers, or failed at a parser limit while
+    decoding: ``limits.grammar_failure``) is named as ``field``, the client's field that asked for
+    the structure ("": left as it is).
+
+    Raises:
+        GenerationError: those of ``events``; that one with ``param`` ``field``, its message prefixed.
+    """
+    try:
+        async for event in events:
+            yield event
+    except GenerationError as exc:
+        if not field or exc.kind is not StatusKind.INVALID_ARGUMENT or exc.param:
+            raise
+        raise GenerationError(exc.kind, f"{field}: {exc.message}", field) from exc
+    finally:
+        await events.aclose()
 
 
 @dataclass(frozen=True)

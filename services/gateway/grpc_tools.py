@@ -123,15 +123,12 @@ def chat_turns(chat: gen.ChatMessages, limits: RequestLimits) -> list[ChatTurn]:
     turns = []
     for i, message in enumerate(chat.messages):
         field = f"chat.messages[{i}]"
-        if message.tool_calls and message.role != "assistant":
-            raise InvalidRequestError(f"{field}.tool_calls", f"only an assistant message makes calls, not {message.role!r}")
-        if message.role == "tool" and not message.tool_call_id:
-            raise InvalidRequestError(f"{field}.tool_call_id", "a tool message must give the id of the call it answers")
-        if message.tool_call_id and message.role != "tool":
-            raise InvalidRequestError(f"{field}.tool_call_id", f"only a tool message answers a call, not {message.role!r}")
-        calls = tuple(ToolCall(call.id, _check_name(f"{field}.tool_calls[{j}].name", call.name, limits), call.arguments)
-                      for j, call in enumerate(message.tool_calls))
-        turns.append(ChatTurn(message.role, message.content, calls, message.tool_call_id or None))
+        turn = ChatTurn(message.role, message.content, tuple(ToolCall(call.id, call.name, call.arguments)
+                                                             for call in message.tool_calls), message.tool_call_id or None)
+        turn.check_tool_use(field)
+        for j, call in enumerate(message.tool_calls):
+            _check_name(f"{field}.tool_calls[{j}].name", call.name, limits)
+        turns.append(turn)
     return turns
 
 

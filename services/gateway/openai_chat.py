@@ -18,11 +18,12 @@ from pagedserve.text.request_samples import ParsedRequest, parse_request
 from pagedserve.text.tokenizer import CHAT_FIELD, ChatTurn, PromptTokenizer
 from pagedserve.text.tool_calls import FunctionTool
 from pagedserve.text.tool_parsers import ToolCallParserKind
-from services.gateway.generation_core import GenerationError, SampleDelta
+from services.gateway.generation_core import GenerationError, SampleDelta, naming_failures
 from services.gateway.openai_errors import error_event
 from services.gateway.openai_logprobs import ChatLogprobs, TokenNames, chat_logprobs
 from services.gateway.openai_samples import collect_samples
 from services.gateway.openai_params import sampling_params_from_openai
+from services.gateway.openai_structured import structured_output_of
 from services.gateway.openai_protocol import ChatCompletionRequest, ChatMessage, StreamOptions
 from services.gateway.openai_responses import (
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, DeltaMessage, ResponseMeta, UsageInfo,
@@ -56,11 +57,14 @@ def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage],
     """Token ids of ``messages`` rendered with the chat template, ``tools`` offered.
 
     Raises:
-        InvalidRequestError: field ``messages...`` (no template, bad role, sizes, the template refused them).
+        InvalidRequestError: field ``messages...`` (no template, bad role, sizes, tool use out of place
+            (``ChatTurn.check_tool_use``), the template refused them).
     """
     # OpenAI's "developer" role took over "system"'s job; chat templates know only "system"
     turns = [ChatTurn(role="system" if m.role == "developer" else m.role, content=m.text(),
                       tool_calls=history_calls(m.tool_calls), tool_call_id=m.tool_call_id) for m in messages]
+    for i, turn in enumerate(turns):
+        turn.check_tool_use(f"messages[{i}]")
     try:
         return tokenizer.encode_chat(turns, mode, tools)
     except InvalidRequestError as exc:
@@ -94,6 +98,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
         raise invalid(exc) from exc
     (parsed,), span, events = await open_generation(
         serving, body.model, lambda: [parse_chat(body, serving.tokenizer, tool_use)], "gateway.http.chat_completions")
+    events = naming_failures(events, structured_output_of(body)[1] or ("tools" if tool_use.structure else ""))
     meta = ResponseMeta.new("chatcmpl", serving.model_name)
     names = TokenNames(serving.tokenizer) if body.logprobs else None
     answers = _Answers(tool_use, serving.tool_call_parser)

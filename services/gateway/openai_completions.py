@@ -22,7 +22,7 @@ from pagedserve.llm_outputs import SampleOutput
 from pagedserve.text.request_samples import ParsedRequest, parse_request
 from pagedserve.text.token_text import MisalignedText
 from pagedserve.text.tokenizer import TOKEN_IDS_FIELD, PromptTokenizer
-from services.gateway.generation_core import GenerationError, SampleDelta
+from services.gateway.generation_core import GenerationError, SampleDelta, naming_failures
 from services.gateway.openai_params import sampling_params_from_openai
 from services.gateway.openai_protocol import CompletionRequest, StreamOptions
 from services.gateway.openai_responses import (
@@ -35,6 +35,7 @@ from services.gateway.openai_serving import (
     SSE_DONE, OpenAIServing, StreamUsage, open_generation, sse_event, unless_disconnected, with_first,
 )
 from services.gateway.openai_errors import error_event
+from services.gateway.openai_structured import structured_output_of
 
 
 def _prompt_ids(tokenizer: PromptTokenizer, prompt: str | list[int], field: str, add_special_tokens: bool) -> list[int]:
@@ -77,6 +78,7 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
     """
     parsed, span, events = await open_generation(serving, body.model, lambda: parse_completion(body, serving.tokenizer),
                                                  "gateway.http.completions")
+    events = naming_failures(events, structured_output_of(body)[1])
     meta = ResponseMeta.new("cmpl", serving.model_name)
     names = TokenNames(serving.tokenizer)
     try:

@@ -16,7 +16,10 @@ from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.tool_parsers import ToolCallParserKind
-from services.gateway.generation_core import STATUS_OF_ERROR, GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
+from pagedserve.text.tool_use import ToolUse
+from services.gateway.generation_core import (
+    STATUS_OF_ERROR, GenerationCore, GenerationError, SampleDelta, StatusKind, Submission, naming_failures,
+)
 from services.gateway.grpc_tools import SampleCalls
 from services.gateway.request_parser import parse_generate_request
 
@@ -32,6 +35,15 @@ def _logprobs_pb(entry: TokenLogprobs) -> gen.TokenLogprobs:
     """One position's logprobs as the client API's message."""
     return gen.TokenLogprobs(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank,
                              top_token_ids=entry.top_token_ids, top_logprobs=entry.top_logprobs)
+
+
+def _structure_field(request: gen.GenerateRequest, tool_use: ToolUse) -> str:
+    """The request's field that asked for a structured output ("" for none): its member of
+    ``sampling_params.structured_output``, or ``chat.tools`` whose calls a tool choice constrains to."""
+    member = request.sampling_params.structured_output.WhichOneof("kind")
+    if member is not None:
+        return f"sampling_params.structured_output.{member}"
+    return "chat.tools" if tool_use.structure is not None else ""
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -71,7 +83,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         submission = dataclasses.replace(submission, trace_context=telemetry.inject(trace.set_span_in_context(span)))
         calls = SampleCalls(given.tool_use, self._tool_call_parser)
         try:
-            async for sample in self._core.generate(submission):
+            named = naming_failures(self._core.generate(submission), _structure_field(request, given.tool_use))
+            async for sample in named:
                 yield self._response(label, sample, calls)
         except GenerationError as exc:
             await context.abort(grpc_status(exc.kind), exc.message)

@@ -16,6 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.e2e.test_stack import chat_request, stream
+from tests.engine.test_structured_outputs import PERSON
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -67,6 +68,30 @@ def test_streamed_json_schema_output_validates_and_equals_the_unstreamed(client,
     assert text == client.chat.completions.create(**kwargs).choices[0].message.content
 
 
+def test_n3_with_a_seed_gives_three_valid_samples_again(client, default_model):
+    """Every string bounded (``PERSON``), so that no sample at temperature 1 runs to ``length``."""
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kwargs = dict(model=default_model.name, messages=QUESTION, response_format=response_format, temperature=1.0,
+                  seed=5, n=3, max_tokens=160)
+    choices = client.chat.completions.create(**kwargs).choices
+    texts = [c.message.content for c in choices]
+    assert [c.finish_reason for c in choices] == ["stop"] * 3, texts
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    assert len(set(texts)) == 3
+    assert [c.message.content for c in client.chat.completions.create(**kwargs).choices] == texts
+
+
+def test_json_object_gives_an_object_streamed_and_not(client, default_model):
+    kwargs = dict(model=default_model.name, messages=[{"role": "user", "content": "Give the capital of France as JSON with the key capital."}],
+                  response_format={"type": "json_object"}, temperature=0, max_tokens=120)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    assert whole.finish_reason == "stop" and isinstance(json.loads(whole.message.content), dict), whole.message.content
+    assert streamed == whole.message.content
+
+
 def test_grpc_json_schema_gives_the_same_output(stack, client, default_model):
     schema = json.dumps(strict_schema())
     request = chat_request(QUESTION[0]["content"], max_tokens=120)
@@ -112,24 +137,33 @@ WIDE_SCHEMA = {"type": "object", "properties": {f"key_{i}": {"type": "integer"} 
                "additionalProperties": False}
 
 
-@pytest.mark.parametrize("structured, reason", [
-    ({"grammar": "start: <|no_such_token|>"}, "unknown special token"),
-    ({"json": WIDE_SCHEMA}, "max is 2000"),
-], ids=["fails-to-build", "past-parser-limit"])
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+LOOPING_TOOL = {"type": "function", "function": {"name": "f", "parameters": LOOP}}
+
+
+@pytest.mark.parametrize("structured, reason, param", [
+    ({"structured_outputs": {"grammar": "start: <|no_such_token|>"}}, "unknown special token",
+     "structured_outputs.grammar"),
+    ({"structured_outputs": {"json": WIDE_SCHEMA}}, "max is 2000", "structured_outputs.json"),
+    ({"guided_json": LOOP}, "grammar failed", "guided_json"),
+    ({"tools": [LOOPING_TOOL], "tool_choice": "required"}, "grammar failed", "tools"),
+], ids=["fails-to-build", "past-parser-limit", "ref-loop", "tool-ref-loop"])
 def test_a_grammar_the_worker_cannot_run_is_400_and_spares_the_other_requests(stack, default_model, structured,
-                                                                               reason):
+                                                                               reason, param):
     """Specs that pass the gateway's check (it has no vocabulary, and does not decode) but fail on
-    the worker: the request ends with 400 saying why, not with free text or a silent stop, and a
-    stream beside it is unchanged."""
+    the worker: the request ends with 400 saying why and naming the client's field, not with free
+    text or a silent stop, and a stream beside it is unchanged."""
     body = {"model": default_model.name, "messages": QUESTION, "max_tokens": 40, "temperature": 0}
     with httpx.Client(base_url=stack.http, timeout=120) as http:
         alone = http.post("/v1/chat/completions", json={**body, "max_tokens": 16}).json()
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             beside = pool.submit(http.post, "/v1/chat/completions", json={**body, "max_tokens": 16})
-            refused = http.post("/v1/chat/completions", json={**body, "structured_outputs": structured})
+            refused = http.post("/v1/chat/completions", json={**body, **structured})
             beside = beside.result().json()
     assert refused.status_code == 400, refused.text
     assert reason in refused.json()["error"]["message"], refused.text
+    assert refused.json()["error"]["param"] == param, refused.text
+    assert refused.json()["error"]["message"].startswith(f"{param}: "), refused.text
     assert beside["choices"][0]["message"]["content"] == alone["choices"][0]["message"]["content"]
 
 
@@ -139,4 +173,5 @@ def test_grpc_a_grammar_that_fails_to_build_is_invalid_argument(stack):
     with pytest.raises(grpc.RpcError) as info:
         stream(stack.gateway, request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("sampling_params.structured_output.grammar: "), info.value.details()
     assert "unknown special token" in info.value.details(), info.value.details()

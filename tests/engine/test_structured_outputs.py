@@ -82,13 +82,47 @@ def test_constrained_greedy_is_exact_beside_free_requests_and_under_preemption(d
     alone = default_llm.generate(constrained, spec)[0]
     assert alone.finish_reason.name == "STOP"
     free_alone = [r.token_ids for r in default_llm.generate(free_prompts, free)]
-    # the second copy of the constrained prompt also finds it in the prefix cache
-    batch = default_llm.generate([constrained, *free_prompts, constrained], [spec, *[free] * len(free_prompts), spec])
-    assert batch[0].token_ids == batch[-1].token_ids == alone.token_ids
-    assert [r.token_ids for r in batch[1:-1]] == free_alone  # rows without a structure are unchanged
+    # a busy batch of 64: 32 constrained copies (found in the prefix cache) between 32 free rows
+    hits = default_llm.stats().prefix_cache_hits
+    prompts = [p for pair in zip([constrained] * 32, free_prompts * 8) for p in pair]
+    batch = default_llm.generate(prompts, [spec, free] * 32)
+    assert default_llm.stats().prefix_cache_hits > hits
+    assert [r.token_ids for r in batch[0::2]] == [alone.token_ids] * 32
+    assert [r.token_ids for r in batch[1::2]] == free_alone * 8  # rows without a structure are unchanged
     blocks = -(-(len(constrained) + len(alone.token_ids)) // 16) + 2  # room for one sequence and a bit
     small = LLM(default_model, kv_cache_memory=blocks * BLOCK_BYTES, preemption_mode="recompute",
                 enable_prefix_caching=False)
     preempted = small.generate([constrained, constrained], spec)
     assert small.stats().num_preemptions > 0
     assert [r.token_ids for r in preempted] == [alone.token_ids] * 2
+
+
+def test_constrained_greedy_is_exact_under_swap_preemption(default_model, default_llm, tokenizer):
+    """Swapped out and back in, a sequence's matcher is rebuilt by replaying its tokens (issue #22 item 3)."""
+    constrained = ask(tokenizer, "Describe a person as JSON.")
+    spec = greedy(StructuredOutput(StructureKind.JSON, json.dumps(PERSON)), 48)
+    alone = default_llm.generate(constrained, spec)[0]
+    blocks = -(-(len(constrained) + len(alone.token_ids)) // 16) + 2
+    small = LLM(default_model, kv_cache_memory=blocks * BLOCK_BYTES, swap_space=64 * BLOCK_BYTES,
+                preemption_mode="swap", enable_prefix_caching=False)
+    swapped = small.generate([constrained, constrained, constrained], spec)
+    assert small.stats().num_swap_preemptions > 0
+    assert [r.token_ids for r in swapped] == [alone.token_ids] * 3
+
+
+@pytest.mark.parametrize("n, best_of", [(3, None), (1, 3)], ids=["n=3", "best_of=3"])
+def test_each_seeded_sample_has_its_own_matcher(default_llm, tokenizer, n, best_of):
+    """n > 1 and best_of: every sample validates, the samples differ (each advanced its own matcher),
+    and the seed repeats them."""
+    spec = StructuredOutput(StructureKind.JSON, json.dumps(PERSON))
+    params = SamplingParams(max_tokens=80, temperature=1.0, seed=11, n=n, best_of=best_of, structured_output=spec)
+    prompt = ask(tokenizer, "Describe a person as JSON.")
+    result = default_llm.generate(prompt, params)[0]
+    assert len(result.samples) == n
+    for sample in result.samples:
+        assert sample.finish_reason.name == "STOP", sample.text
+        jsonschema.validate(json.loads(sample.text), PERSON)
+    if n > 1:
+        assert len({s.token_ids for s in result.samples}) == n
+    assert [s.token_ids for s in default_llm.generate(prompt, params)[0].samples] == \
+        [s.token_ids for s in result.samples]
