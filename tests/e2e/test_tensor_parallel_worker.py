@@ -1,12 +1,14 @@
 """`pagedserve worker --tensor-parallel-size 3` with the default model (SmolLM2-135M: 9 query heads,
 3 KV heads, so one KV head a rank) in the whole stack: the same greedy tokens as the in-process
-single-rank engine, the KV capacity of one rank's budget over one KV head, and a killed helper
+single-rank engine (free and constrained by a JSON schema and a regex in the same batch), the KV capacity of one rank's budget over one KV head, and a killed helper
 rank makes the scheduler drop the worker and the worker exit non-zero (no hang). One stack
 startup serves all three checks (issue #12)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,13 +17,18 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output import StructuredOutput, StructureKind
+from pagedserve.text.tokenizer import ChatTurn
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import scheduler_stats, start_stack, wait_until
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
+from tests.engine.test_structured_outputs import PERSON, REGEXES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 KV_MIB = 8
+MAX_CONSTRAINED = 96
 
 
 def _helper_pids(worker_pid: int) -> list[int]:
@@ -47,14 +54,32 @@ def test_tp3_capacity_is_one_ranks_budget_over_one_kv_head(tp3_stack):
     assert len(_helper_pids(tp3_stack.processes["worker-0"].popen.pid)) == 2
 
 
-def test_tp3_greedy_equals_single_rank_in_process(tp3_stack, offline_outputs):
-    questions = QUESTIONS[:4]  # at once: one batch over the three ranks
-    with ThreadPoolExecutor(len(questions)) as pool:
-        results = list(pool.map(lambda q: stream(tp3_stack.gateway, chat_request(q)), questions))
+def _constrained(question: str, kind: StructureKind, spec: str) -> tuple[gen.GenerateRequest, SamplingParams]:
+    """A greedy chat request whose output ``spec`` constrains, and the same as in-process parameters."""
+    request = chat_request(question, max_tokens=MAX_CONSTRAINED)
+    setattr(request.sampling_params.structured_output, kind.name.lower(), spec)
+    return request, SamplingParams(max_tokens=MAX_CONSTRAINED, temperature=0.0,
+                                   structured_output=StructuredOutput(kind, spec))
+
+
+def test_tp3_greedy_equals_single_rank_in_process(tp3_stack, offline_outputs, default_llm):
+    """Four free questions, a JSON-schema and a regex one at once: one batch over the three ranks,
+    where rank 0 holds the grammar matchers (issue #22: structured outputs under tensor parallelism)."""
+    questions = QUESTIONS[:4]
+    constrained = [_constrained(QUESTIONS[4], StructureKind.JSON, json.dumps(PERSON)),
+                   _constrained(QUESTIONS[5], StructureKind.REGEX, REGEXES["date"])]
+    requests = [chat_request(q) for q in questions] + [r for r, _ in constrained]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda r: stream(tp3_stack.gateway, r), requests))
     for question, responses in zip(questions, results):
         want = offline_outputs[question]
         assert [t for r in responses for t in r.token_ids] == list(want.token_ids), question
         assert "".join(r.text for r in responses) == want.text
+    wanted = [default_llm.chat([[ChatTurn("user", q)]], params)[0]
+              for q, (_, params) in zip(QUESTIONS[4:6], constrained)]
+    for want, responses in zip(wanted, results[4:]):
+        assert [t for r in responses for t in r.token_ids] == list(want.token_ids)
+    assert json.loads(wanted[0].text) and re.fullmatch(REGEXES["date"], wanted[1].text), [w.text for w in wanted]
     assert_all_blocks_free(tp3_stack)
 
 
