@@ -1,14 +1,17 @@
 """`pagedserve bench peers`: offline throughput and greedy agreement, pagedserve vs vLLM CPU and llama.cpp.
 
 The same sampled requests (the prompts' token ids, each request's own output length, EOS ignored,
-greedy, float32) run through:
+greedy) run through these systems, each with the same --dtype (weights and activations, float32 or
+bfloat16) and --kv-cache-dtype (what the KV cache stores):
 
   pagedserve  the in-process engine, all requests submitted at once (as `bench throughput` runs it),
               once per --engines entry (pagedserve: the defaults; pagedserve-torch: F.linear, the
               reference GEMMs; -onednn: oneDNN named explicitly; -inductor: compiled dense part, opt-in);
   vllm        vLLM's offline LLM.generate, in a subprocess of the Python given by --vllm-python
               (a separate vLLM CPU install; the driver is pagedserve/bench/vllm_driver.py);
-  llama.cpp   a running llama-server given by --llama-server-url, all requests sent at once.
+  llama.cpp   a running llama-server given by --llama-server-url, all requests sent at once; its
+              precision is the GGUF it was started with (F32 or BF16, and -ctk/-ctv for the cache):
+              start it to match (docs/benchmarks.md).
 
 Each system gets one untimed warm-up request first. A peer is skipped when its option is not given.
 The table gives each system's elapsed seconds, output and total (prompt + output) tokens/s, the ratio
@@ -34,7 +37,9 @@ from pagedserve.bench.peer_systems import (VLLM_PYTHON_HELP, SystemRun, check_vl
                                            kv_cache_gib, llama_server_props, run_llama_server, run_vllm)
 from pagedserve.bench.report import format_table, write_json
 from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
-from pagedserve.engine.config import CompileMode, GemmBackend
+from pagedserve.config_flags import add_config_arguments, fields_except
+from pagedserve.engine.config import CompileMode, GemmBackend, KVCacheDtype
+from pagedserve.engine.runner_config import RunnerConfig
 
 WARMUP_TOKEN_IDS = list(range(1000, 1032))
 """The warm-up prompt: 32 token ids no sampled prompt starts with, so no prefix cache is primed."""
@@ -48,7 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="", help="HF model folder (default: the default model); llama-server "
-                   "must serve the same model, converted to GGUF f32")
+                   "must serve the same model, converted to GGUF of the same --dtype (f32 or bf16)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="weights and activations of pagedserve and vLLM (default %(default)s); bfloat16 needs a "
+                        "CPU with native bfloat16 (AVX512_BF16 or AMX)")
     add_dataset_arguments(p)
     g = p.add_argument_group("peers (each one is skipped when its option is not given)")
     g.add_argument("--vllm-python", metavar="PYTHON",
@@ -57,13 +65,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("pagedserve engine (vLLM gets the same sequence and batch limits, and the KV-cache "
                              "memory rounded up to whole GiB)")
     add_engine_arguments(g)
+    add_config_arguments(g, RunnerConfig, exclude=fields_except(RunnerConfig, {"kv_cache_dtype"}))
     g.add_argument("--engines", default="auto", type=_engine_variants,
                    help="comma-separated: one pagedserve row per engine variant GEMM[+COMPILE], the first is "
                         "the reference for greedy agreement; GEMM auto (the default: onednn on CPU), torch "
                         "(F.linear, the reference kernels) or onednn, COMPILE eager (when omitted) or inductor "
                         "(opt-in; see pagedserve worker --help), e.g. auto,torch,auto+inductor (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write settings, machine, every figure and per-request matches")
-    p.set_defaults(func=run, dtype="float32", device="cpu", kv_cache_dtype="auto")
+    p.set_defaults(func=run, device="cpu")
 
 
 def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> int | None:
@@ -149,18 +158,21 @@ def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleR
     eos_token_ids = list(llm.tokenizer.info.eos_token_ids)
     del llm
     gc.collect()
-    info = {"dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
+    info = {"dtype": args.dtype, "kv_cache_dtype": KVCacheDtype(args.kv_cache_dtype).value,
+            "kv_cache_memory": args.kv_cache_memory,
             "eos_token_ids": eos_token_ids, "gemm_backend": variant.gemm_backend.value,
             "compile_mode": variant.compile_mode.value}
     return SystemRun(run, outputs, info)
 
 
 def vllm_spec(model: Path, prompts: list[list[int]], requests: list[SampleRequest], args: argparse.Namespace) -> dict:
-    """The vLLM driver's settings: pagedserve's limits, float32, a context that fits every request."""
+    """The vLLM driver's settings: pagedserve's limits, dtype and KV-cache dtype (vLLM's names are
+    pagedserve's), a context that fits every request."""
     from pagedserve.units import parse_bytes
 
     longest = max(len(p) + r.expected_output_len for p, r in zip(prompts, requests))
-    return {"model": str(model), "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+    return {"model": str(model), "dtype": args.dtype, "kv_cache_dtype": KVCacheDtype(args.kv_cache_dtype).value,
+            "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": max(2048, longest), "kv_cache_gib": kv_cache_gib(parse_bytes(args.kv_cache_memory)),
             "warmup_token_ids": WARMUP_TOKEN_IDS, "warmup_tokens": WARMUP_TOKENS}
@@ -212,7 +224,8 @@ def _run(args: argparse.Namespace) -> int:
     eos = runs[0].info["eos_token_ids"]
     matches = {s.run.system: match_summary(runs[0].outputs, s.outputs, eos) for s in runs[1:]}
     machine = machine_info()
-    print(f"\nOffline throughput and greedy agreement, float32 ({machine_line(machine)})")
+    print(f"\nOffline throughput and greedy agreement, {args.dtype}, KV cache {KVCacheDtype(args.kv_cache_dtype).value} "
+          f"({machine_line(machine)})")
     print(table(runs, matches, len(requests)))
     for s in runs:
         if s.run.output_tokens != sum(max_tokens):

@@ -4,7 +4,7 @@ so it imports only vLLM and the standard library, never pagedserve.
 
 Usage: ``python vllm_driver.py REQUESTS.json RESULT.json``
 
-REQUESTS.json: ``{"model": folder, "dtype": "float32", "max_num_seqs": int,
+REQUESTS.json: ``{"model": folder, "dtype": "float32", "kv_cache_dtype": "auto", "max_num_seqs": int,
 "max_num_batched_tokens": int, "max_model_len": int, "kv_cache_gib": int,
 "warmup_token_ids": [int], "warmup_tokens": int,
 "requests": [{"prompt_token_ids": [int], "max_tokens": int}],
@@ -70,6 +70,7 @@ def generate(spec: dict) -> dict:
     passes = spec.get("passes", [None])
     llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
               max_num_batched_tokens=spec["max_num_batched_tokens"], max_model_len=spec["max_model_len"],
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
               structured_outputs_config=spec.get("structured_outputs_config", {}), seed=0)
     warmup = [TokensPrompt(prompt_token_ids=spec["warmup_token_ids"])]
     backend = None

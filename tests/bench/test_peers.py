@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -120,3 +121,18 @@ def test_peers_with_pagedserve_only(tmp_path, small_model):
     assert engine["output_tokens_per_s"] == pytest.approx(engine["output_tokens"] / engine["elapsed_s"])
     assert report["num_requests"] == 3 and report["settings"]["dtype"] == "float32"
     assert {"cores", "cpu", "torch"} <= report["machine"].keys()
+
+
+def test_dtype_and_kv_cache_dtype_reach_the_engine_row_and_vllm_alike():
+    """`--dtype` and `--kv-cache-dtype` are one setting for every system: pagedserve's engine and the
+    vLLM driver's spec (vLLM's names are pagedserve's)."""
+    from pagedserve.bench.datasets import SampleRequest
+    from pagedserve.bench.peers import vllm_spec
+    from pagedserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "peers", "--dtype", "bfloat16", "--kv-cache-dtype", "fp8_e5m2"])
+    assert args.dtype == "bfloat16"
+    spec = vllm_spec(Path("m"), [[1, 2, 3]], [SampleRequest("p", 3, 4)], args)
+    assert (spec["dtype"], spec["kv_cache_dtype"]) == ("bfloat16", "fp8_e5m2")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "peers", "--dtype", "float16"])
