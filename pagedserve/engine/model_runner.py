@@ -227,13 +227,21 @@ class ModelRunner:
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Builds the flat token batch and its metadata (index tensors made once, from lists) and runs
-        the model: hidden states ``[T, hidden]``, rows in ``batch`` order."""
+        the model: hidden states ``[T, hidden]``, rows in ``batch`` order. A verification's rows (the
+        last token and each draft) attend as one-token sequences over the context before each: the
+        decode path, as plain decoding computes each position (their K/V are all written first)."""
         token_ids: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
         for s in batch:
-            start = s.state.num_computed_tokens
+            start, ids = s.state.num_computed_tokens, s.state.block_ids
             token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens] + list(s.draft_token_ids)
-        return self._forward_tokens(token_ids, [s.num_query_tokens for s in batch],
-                                    [s.state.num_computed_tokens for s in batch], [s.state.block_ids for s in batch])
+            rows = s.num_query_tokens if s.draft_token_ids else 1
+            query_lens += [s.num_query_tokens // rows] * rows
+            context_lens += range(start, start + rows)
+            tables += [ids] * rows
+        return self._forward_tokens(token_ids, query_lens, context_lens, tables)
 
     def _forward_tokens(self, token_ids: list[int], query_lens: list[int], context_lens: list[int],
                         block_tables: list[list[int]]) -> torch.Tensor:
