@@ -237,8 +237,8 @@ class ModelRunner:
         for s in batch:
             start, ids = s.state.num_computed_tokens, s.state.block_ids
             token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens] + list(s.draft_token_ids)
-            rows = s.num_query_tokens if s.draft_token_ids else 1
-            query_lens += [s.num_query_tokens // rows] * rows
+            rows = s.num_query_tokens if s.draft_token_ids else 1  # sequences in the metadata
+            query_lens += [1] * rows if s.draft_token_ids else [s.num_query_tokens]
             context_lens += range(start, start + rows)
             tables += [ids] * rows
         return self._forward_tokens(token_ids, query_lens, context_lens, tables)
