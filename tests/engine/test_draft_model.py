@@ -1,8 +1,9 @@
 """Speculative decoding with a draft model on the real model: greedy outputs are token-identical to plain
 decoding with a random draft (alone and batched) and with the target as its own draft, which then has
-every draft accepted: its K/V follow the target's through batches, recompute and swap preemption, prefix
-hits and forks (n = 2). Seeded samples repeat, logprobs are plain decoding's, every block is free at
-the end; the KV budget holds both caches, and a draft of another vocabulary is refused."""
+every draft accepted: its K/V follow the target's through batches, shorter lookaheads near max_tokens,
+recompute and swap preemption, prefix hits and forks (n = 2). Seeded samples repeat, logprobs are plain
+decoding's, every block is free at the end; the KV budget holds both caches, and a draft of another
+vocabulary is refused."""
 
 from __future__ import annotations
 
@@ -66,6 +67,19 @@ def test_the_target_as_its_own_draft_has_every_draft_accepted(self_draft, prompt
     after = self_draft.stats().spec_decode
     assert_every_draft_accepted(before, after)
     assert after.num_accepted_tokens - before.num_accepted_tokens >= 4 * len(prompts)
+    assert_all_free(self_draft)
+
+
+def test_sequences_near_max_tokens_draft_fewer_tokens_in_the_same_batch(self_draft, default_llm, prompts):
+    # each sequence drafts 4, 4, then max_tokens - 12 tokens (1 + 5 + 5 emitted before): the third
+    # step's draft forwards lose a row after each draft index
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (13, 14, 15, 16)]
+    before = self_draft.stats().spec_decode
+    assert token_ids(self_draft, prompts[:4], params) == token_ids(default_llm, prompts[:4], params)
+    after = self_draft.stats().spec_decode
+    assert_every_draft_accepted(before, after)
+    per_pos = [a - b for a, b in zip(after.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos)]
+    assert per_pos == [12, 11, 10, 9]
     assert_all_free(self_draft)
 
 
