@@ -73,7 +73,9 @@ def test_llm_options_are_the_engine_config_s_fields():
         EngineConfig.of(num_virtual_engines=2)
 
 
-def test_a_worker_of_several_ranks_refuses_speculative_decoding():
+@pytest.mark.parametrize("speculative", [SpeculativeConfig(method="ngram"),
+                                         SpeculativeConfig(method="draft_model", model="/d")])
+def test_a_worker_of_several_ranks_refuses_speculative_decoding(speculative):
     with pytest.raises(ValueError, match="one-rank workers only"):
         WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(tensor_parallel_size=2),
-                     speculative_config=SpeculativeConfig(method="ngram"))
+                     speculative_config=speculative)
