@@ -1,6 +1,9 @@
 """Command-line flags made from config dataclasses, and configs made back from the parsed flags or
 turned back into argv: the one place where a config field meets argparse. A flag's value is kept
-under its field's name in the parsed namespace (``--lease-ttl`` in ``args.lease_ttl_s``).
+under its field's name in the parsed namespace, or under the flag's own name when the field names
+its flag (``--lease-ttl`` in ``args.lease_ttl``): fields of one name in two nested configs (a worker's
+``--model`` and its speculative config's ``model``, ``--speculative-model``) keep their own values,
+and a second flag with the same destination is refused when the parser is built.
 
 Which fields are flags, their names and help: ``pagedserve/options.py``. A flag's type and
 default are its field's (a nested config's default instance gives its fields' defaults); a
@@ -46,6 +49,12 @@ def flag_name(field: dataclasses.Field, opt: Option) -> str:
     return field.name.replace("_", "-")
 
 
+def dest_of(field: dataclasses.Field, opt: Option) -> str:
+    """Where the parsed namespace keeps the flag's value: the flag's own name when the field names its
+    flag (``-`` as ``_``), else the field's name."""
+    return opt.flag.replace("-", "_") if opt.flag else field.name
+
+
 def _shown(value: Any, opt: Option) -> str:
     """``value`` written as on the command line."""
     if opt.show is not None:
@@ -68,7 +77,9 @@ def _help(opt: Option, default: Any, own_default: bool, turns_off: bool = False)
 
 def _add_option(parser: _Parser, cls: type, field: dataclasses.Field, opt: Option, default: Any) -> None:
     """Adds the flag of one field (two for a secret: the value and a file holding it)."""
-    flag, dest = "--" + flag_name(field, opt), field.name
+    flag, dest = "--" + flag_name(field, opt), dest_of(field, opt)
+    if any(action.dest == dest for action in parser._actions):
+        raise ValueError(f"{flag}: its value would share args.{dest} with another flag (name the field's flag)")
     if opt.env and os.environ.get(opt.env):
         default = os.environ[opt.env]
     own_default = default in (None, "") or default == field.default
@@ -141,15 +152,15 @@ def config_from_args(cls: type, args: argparse.Namespace, base: Any = None, **gi
             values[field.name] = config_from_args(_value_type(cls, field.name), args, default)
             continue
         opt = option_of(field)
-        if opt is None or not hasattr(args, field.name):
+        if opt is None or not hasattr(args, dest_of(field, opt)):
             continue
-        value = getattr(args, field.name)
+        value = getattr(args, dest_of(field, opt))
         if value in (None, "") and field.default_factory is not dataclasses.MISSING:
             continue  # not given: the factory makes it
         if opt.parse is not None and isinstance(value, str):
             value = opt.parse(value)
         if opt.secret is not None:
-            value = opt.secret.read(value or "", getattr(args, field.name + "_file") or "")
+            value = opt.secret.read(value or "", getattr(args, dest_of(field, opt) + "_file") or "")
         values[field.name] = value
     return dataclasses.replace(base, **values) if base is not None else cls(**values)
 

@@ -30,6 +30,8 @@ TOKEN = "a-long-enough-cluster-token"
     ("worker", WorkerConfig(model=Path("/m"), cluster_token=TOKEN,  # no binding: written as --cpu-affinity ''
                             speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2,
                                                                  prompt_lookup_min=2, prompt_lookup_max=3))),
+    ("worker", WorkerConfig(model=Path("/m"), cluster_token=TOKEN,  # --model and --speculative-model apart
+                            speculative_config=SpeculativeConfig(method="draft_model", model="/d"))),
     ("scheduler", SchedulerServiceConfig(cluster_token=TOKEN, speculative_config=SpeculativeConfig(
         method="ngram", num_speculative_tokens=2))),
     ("gateway", GatewayConfig(model=Path("/m"), cluster_token=TOKEN, gateway_id="g-1", tls_cert_file=Path("c"),
@@ -44,6 +46,23 @@ def test_a_service_config_comes_back_equal_from_its_flags(monkeypatch, command, 
     assert config_from_args(type(config), args, **given) == config
 
 
+def test_two_flags_that_would_share_a_value_are_refused():
+    import argparse
+    from dataclasses import dataclass
+
+    from pagedserve.config_flags import add_config_arguments
+    from pagedserve.options import option
+
+    @dataclass(frozen=True)
+    class Draft:
+        model: str = option("the draft", "")
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    with pytest.raises(ValueError, match="--model: its value would share args.model"):
+        add_config_arguments(parser, Draft)
+
+
 def test_llm_options_are_the_engine_config_s_fields():
     config = EngineConfig.of(block_size=8, gemm_backend="onednn", kv_cache_memory="4MiB", num_workers=2)
     assert (config.scheduler.block_size, config.runner.gemm_backend.value, config.runner.kv_cache_memory,
@@ -54,7 +73,9 @@ def test_llm_options_are_the_engine_config_s_fields():
         EngineConfig.of(num_virtual_engines=2)
 
 
-def test_a_worker_of_several_ranks_refuses_speculative_decoding():
+@pytest.mark.parametrize("speculative", [SpeculativeConfig(method="ngram"),
+                                         SpeculativeConfig(method="draft_model", model="/d")])
+def test_a_worker_of_several_ranks_refuses_speculative_decoding(speculative):
     with pytest.raises(ValueError, match="one-rank workers only"):
         WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(tensor_parallel_size=2),
-                     speculative_config=SpeculativeConfig(method="ngram"))
+                     speculative_config=speculative)

@@ -101,17 +101,20 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element_size
 
 
-def num_blocks_for_memory(spec: KVCacheSpec, memory_bytes: int) -> int:
-    """How many blocks of ``spec`` fit in ``memory_bytes`` (rounded down).
+def num_blocks_for_memory(spec: KVCacheSpec, memory_bytes: int, *beside: KVCacheSpec) -> int:
+    """How many blocks of ``spec`` fit in ``memory_bytes`` (rounded down), each with a block of every
+    cache ``beside`` it (a draft model's, indexed by the same block ids).
 
     Raises:
         ValueError: not even one block fits.
     """
-    num_blocks = memory_bytes // spec.bytes_per_block
+    block_bytes = spec.bytes_per_block + sum(other.bytes_per_block for other in beside)
+    num_blocks = memory_bytes // block_bytes
     if num_blocks < 1:
+        layers = " + ".join(str(s.num_layers) for s in (spec, *beside))
         raise ValueError(
             f"a KV-cache budget of {memory_bytes} bytes holds no block: one block of {spec.block_size} "
-            f"tokens takes {spec.bytes_per_block} bytes over {spec.num_layers} layers"
+            f"tokens takes {block_bytes} bytes over {layers} layers"
         )
     return num_blocks
 
@@ -148,6 +151,13 @@ class KVCache:
         cpu_shape = (num_cpu_blocks, *shape[1:])
         self.cpu_key_caches = [torch.zeros(cpu_shape, dtype=spec.dtype) for _ in range(spec.num_layers if num_cpu_blocks else 0)]
         self.cpu_value_caches = [torch.zeros(cpu_shape, dtype=spec.dtype) for _ in range(spec.num_layers if num_cpu_blocks else 0)]
+
+    def move_blocks(self, swap_out: Sequence[tuple[int, int]], swap_in: Sequence[tuple[int, int]],
+                    copy: Sequence[tuple[int, int]]) -> None:
+        """A plan's block moves in its order: :meth:`swap_out`, :meth:`swap_in`, then :meth:`copy_blocks`."""
+        self.swap_out(swap_out)
+        self.swap_in(swap_in)
+        self.copy_blocks(copy)
 
     def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copies device blocks to CPU blocks: ``(device block, cpu block)`` pairs, every layer."""

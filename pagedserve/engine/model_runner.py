@@ -19,8 +19,8 @@ from torch import nn
 
 from pagedserve.engine.messages import (BatchPlan, CachedRequestData, NewRequestData, PromptLogprobs, SampledToken,
                                         SequenceId, StepResult)
-from pagedserve.engine.attention import AttentionBackend, build_attention_metadata, compute_positions
-from pagedserve.engine.attention.step import StepAttention
+from pagedserve.engine.attention import AttentionBackend
+from pagedserve.engine.forward_batch import ForwardBatch
 from pagedserve.engine.grammar_matchers import GrammarCompiler, advance, built, failure
 from pagedserve.engine.kv_cache import KVCache
 from pagedserve.engine.logprobs import prompt_logprobs
@@ -30,7 +30,7 @@ from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.worker_requests import (PlanMismatchError, RequestState, ScheduledRequest, batch_order,
                                                check_schedulable, expand_samples, prompt_chunk)
 from pagedserve.engine.spec_decode.lookahead import kept_blocks
-from pagedserve.engine.spec_decode.ngram_proposer import NgramProposer
+from pagedserve.engine.spec_decode.proposer import Proposer
 from pagedserve.engine.spec_decode.verifier import Drafted, verify
 
 
@@ -44,7 +44,8 @@ class ModelRunner:
         attention_backend: paged attention implementation.
         sampler: turns logits into tokens.
         proposer: drafts tokens for the sequences a plan reserves lookahead slots for
-            (speculative decoding); ``None``: the worker does not speculate (such a plan is refused).
+            (speculative decoding), and sees every forward batch and block move (a draft model keeps
+            its K/V in step); ``None``: the worker does not speculate (such a plan is refused).
         forward: runs the model's forward (default: ``model`` itself, eager); a
             :class:`~pagedserve.engine.models.compiled.CompiledForward` for inductor.
         grammar: builds the matchers of structured outputs; ``None`` on ranks that do not sample
@@ -53,7 +54,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, attention_backend: AttentionBackend,
                  sampler: Sampler, forward: Callable[..., torch.Tensor] | None = None,
-                 grammar: GrammarCompiler | None = None, proposer: NgramProposer | None = None) -> None:
+                 grammar: GrammarCompiler | None = None, proposer: Proposer | None = None) -> None:
         self.model = model
         self.proposer = proposer
         self.grammar = grammar
@@ -100,21 +101,21 @@ class ModelRunner:
             self._session_id = plan.session_id
         for seq_id in plan.finished_seq_ids:
             self.requests.pop(seq_id, None)
-        self.kv_cache.swap_out(plan.blocks_to_swap_out)
-        self.kv_cache.swap_in(plan.blocks_to_swap_in)
-        self.kv_cache.copy_blocks(plan.blocks_to_copy)
+        self.kv_cache.move_blocks(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
+        if self.proposer is not None:
+            self.proposer.move_blocks(plan)
         new_states = self._check_new(plan.new_requests)
         held = self._check_deltas(plan.cached_requests)
         scheduled = [ScheduledRequest(st, r.num_scheduled_tokens) for st, r in zip(new_states, plan.new_requests)]
         for state, delta in zip(held, plan.cached_requests):
             state.block_ids.extend(delta.new_block_ids)
-            scheduled.append(self._with_drafts(ScheduledRequest(state, delta.num_scheduled_tokens,
-                                                                delta.num_lookahead_tokens)))
+            scheduled.append(ScheduledRequest(state, delta.num_scheduled_tokens, delta.num_lookahead_tokens))
         self.requests.update((st.seq_id, st) for st in new_states)
         scheduled = [s for s in scheduled if s.num_scheduled_tokens > 0]
         if not scheduled:
             return StepResult(step_id=plan.step_id)
         with torch.inference_mode():
+            scheduled = self._with_drafts(scheduled)
             sampled, prompt = self._run(scheduled)
         accepted = {t.seq_id: len(t.accepted) for t in sampled}
         for s in scheduled:
@@ -123,12 +124,18 @@ class ModelRunner:
                 del s.state.block_ids[kept_blocks(s.state.num_computed_tokens, self.block_size):]
         return StepResult(step_id=plan.step_id, sampled=tuple(sampled), prompt_logprobs=tuple(prompt))
 
-    def _with_drafts(self, s: ScheduledRequest) -> ScheduledRequest:
-        """``s`` with the proposer's drafts (at most its lookahead) when its step reaches its end."""
-        if not s.num_lookahead_tokens or not s.reaches_end:
-            return s
-        drafts = tuple(self.proposer.propose(s.state.token_ids, limit=s.num_lookahead_tokens))
-        return ScheduledRequest(s.state, s.num_scheduled_tokens, s.num_lookahead_tokens, drafts)
+    def _with_drafts(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """``scheduled`` with the proposer's drafts (at most its lookahead) for each request that has
+        lookahead slots and whose step reaches its end; one proposer call for all of them."""
+        drafting = [i for i, s in enumerate(scheduled) if s.num_lookahead_tokens and s.reaches_end]
+        if not drafting:
+            return scheduled
+        drafts = self.proposer.propose([scheduled[i] for i in drafting])
+        with_drafts = list(scheduled)
+        for i, ids in zip(drafting, drafts):
+            s = scheduled[i]
+            with_drafts[i] = ScheduledRequest(s.state, s.num_scheduled_tokens, s.num_lookahead_tokens, ids)
+        return with_drafts
 
     def _check_new(self, requests: Sequence[NewRequestData]) -> list[RequestState]:
         """States for the plan's new requests (not yet registered), validated."""
@@ -220,24 +227,32 @@ class ModelRunner:
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Builds the flat token batch and its metadata (index tensors made once, from lists) and runs
-        the model: hidden states ``[T, hidden]``, rows in ``batch`` order."""
+        the model: hidden states ``[T, hidden]``, rows in ``batch`` order. A verification's rows (the
+        last token and each draft) attend as one-token sequences over the context before each: the
+        decode path, as plain decoding computes each position (their K/V are all written first)."""
         token_ids: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
         for s in batch:
-            start = s.state.num_computed_tokens
+            start, ids = s.state.num_computed_tokens, s.state.block_ids
             token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens] + list(s.draft_token_ids)
-        return self._forward_tokens(token_ids, [s.num_query_tokens for s in batch],
-                                    [s.state.num_computed_tokens for s in batch], [s.state.block_ids for s in batch])
+            rows = s.num_query_tokens if s.draft_token_ids else 1  # sequences in the metadata
+            query_lens += [1] * rows if s.draft_token_ids else [s.num_query_tokens]
+            context_lens += range(start, start + rows)
+            tables += [ids] * rows
+        return self._forward_tokens(token_ids, query_lens, context_lens, tables)
 
     def _forward_tokens(self, token_ids: list[int], query_lens: list[int], context_lens: list[int],
                         block_tables: list[list[int]]) -> torch.Tensor:
         """The model over a flat token batch, each sequence's new tokens after its computed ones:
-        hidden states ``[T, hidden]``."""
-        positions = compute_positions(query_lens, context_lens)           # (T,) int64
-        metadata = build_attention_metadata(query_lens, context_lens, block_tables, positions, self.block_size,
-                                            self.model.dtype, self.device)
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)  # (T,)
-        attention = StepAttention(self.kv_cache, metadata, self.attention_backend)
-        return self.forward(input_ids, positions.to(self.device), attention)  # (T, hidden)
+        hidden states ``[T, hidden]``. The proposer sees the batch after the model ran it."""
+        batch = ForwardBatch.build(token_ids, query_lens, context_lens, block_tables, self.block_size,
+                                   self.model.dtype, self.device)
+        hidden = batch.run(self.forward, self.kv_cache, self.attention_backend)  # (T, hidden)
+        if self.proposer is not None:
+            self.proposer.observe(batch)
+        return hidden
 
     def warm_up(self) -> None:
         """Runs a 2-token and a 1-token forward over block 0 (before any sequence owns a block), so

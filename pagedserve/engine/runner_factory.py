@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from pagedserve.engine.attention import make_attention_backend
+from pagedserve.engine.attention import AttentionBackend, make_attention_backend
 from pagedserve.engine.config import CompileMode, GemmBackend, KVCacheDtype
 from pagedserve.engine.cpu_features import check_cpu_dtype, cpu_flags
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
@@ -15,7 +16,9 @@ from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models.onednn import pack_linear_layers, resolve_gemm_backend
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.runner_config import RunnerConfig
-from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
+from pagedserve.engine.spec_decode.draft_model import DraftModelProposer, draft_cache_spec, load_draft_model
+from pagedserve.engine.spec_decode.proposer import Proposer
 from pagedserve.engine.weight_loader import load_model
 
 
@@ -42,7 +45,8 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
 
     Args:
         model_path: folder with ``config.json`` and ``*.safetensors``.
-        kv_cache_memory_bytes: bytes for K and V of all layers together. ``None``: on CUDA, what
+        kv_cache_memory_bytes: bytes for K and V of all layers together (a draft model's cache
+            included: both have the same number of blocks). ``None``: on CUDA, what
             ``gpu_memory_utilization`` leaves after the weights; elsewhere 1 GiB.
         block_size: token slots per block.
         dtype: weights and activations dtype.
@@ -58,30 +62,33 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         gpu_memory_utilization: fraction of the GPU's memory this worker may use in all.
         swap_space_bytes: CPU memory for swapped-out blocks (swap preemption); 0: none.
         sampler_seed: seed of the generator for requests without their own seed.
-        speculative: speculative decoding (the worker's proposer).
+        speculative: speculative decoding (the worker's proposer; a draft model is loaded here).
 
     Raises:
         ValueError: the budget holds no block, an unknown backend or cache dtype, a cache dtype this
-            torch lacks, or oneDNN GEMMs off the CPU (and the loader's errors).
+            torch lacks, oneDNN GEMMs off the CPU, or a draft model of another vocabulary size (and
+            the loader's errors).
     """
     kv_dtype = cache_dtype(kv_cache_dtype, dtype)  # before loading: a refusal costs nothing
     backend = make_attention_backend(attention_backend, device)
     model = load_model(model_path, dtype=dtype, device=device)
-    if resolve_gemm_backend(gemm_backend, device) is GemmBackend.ONEDNN:
+    gemm = resolve_gemm_backend(gemm_backend, device)
+    if gemm is GemmBackend.ONEDNN:
         pack_linear_layers(model)
+    draft = load_draft_model(speculative.model, model, gemm) if speculative.method is SpeculativeMethod.DRAFT_MODEL \
+        else None
     config = model.config
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, kv_dtype)
     if kv_cache_memory_bytes is None:
         kv_cache_memory_bytes = _default_kv_memory(torch.device(device), gpu_memory_utilization)
-    kv_cache = KVCache(spec, num_blocks_for_memory(spec, kv_cache_memory_bytes), device=device,
-                       num_cpu_blocks=swap_space_bytes // spec.bytes_per_block)
+    kv_cache, proposer = _caches(spec, draft, kv_cache_memory_bytes, swap_space_bytes, device, backend, speculative)
     forward = None
     if CompileMode(compile_mode) is CompileMode.INDUCTOR:
         from pagedserve.engine.models.compiled import CompiledForward
 
         forward = CompiledForward(model)
     runner = ModelRunner(model, kv_cache, backend, Sampler(seed=sampler_seed, device=device), forward,
-                         grammar_compiler_for(model_path), speculative.proposer())
+                         grammar_compiler_for(model_path), proposer)
     if forward is not None:
         runner.warm_up()
     return runner
@@ -99,6 +106,22 @@ def build_configured_runner(model_path: str | Path, runner: RunnerConfig, block_
         compile_mode=runner.compile_mode, kv_cache_dtype=runner.kv_cache_dtype,
         gpu_memory_utilization=runner.gpu_memory_utilization, swap_space_bytes=runner.swap_space,
         speculative=speculative)
+
+
+def _caches(spec: KVCacheSpec, draft: nn.Module | None, memory_bytes: int, swap_space_bytes: int,
+            device: torch.device | str, backend: AttentionBackend,
+            speculative: SpeculativeConfig) -> tuple[KVCache, Proposer | None]:
+    """The target's KV cache of geometry ``spec`` and the worker's proposer. With a ``draft`` model, its
+    cache has the same (device and swap) block counts: as many blocks as fit in ``memory_bytes`` (and
+    ``swap_space_bytes``) with a block of each cache together."""
+    beside = () if draft is None else (draft_cache_spec(draft, spec),)
+    num_blocks = num_blocks_for_memory(spec, memory_bytes, *beside)
+    num_cpu_blocks = swap_space_bytes // sum(s.bytes_per_block for s in (spec, *beside))
+    kv_cache = KVCache(spec, num_blocks, device=device, num_cpu_blocks=num_cpu_blocks)
+    if draft is None:
+        return kv_cache, speculative.ngram_proposer()
+    draft_cache = KVCache(beside[0], num_blocks, device=device, num_cpu_blocks=num_cpu_blocks)
+    return kv_cache, DraftModelProposer(draft, draft_cache, backend, speculative.num_speculative_tokens)
 
 
 def _default_kv_memory(device: torch.device, gpu_memory_utilization: float) -> int:

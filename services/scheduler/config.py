@@ -37,7 +37,8 @@ class SchedulerServiceConfig:
     policy: SchedulerConfig = nested("scheduling (per worker and iteration)", SchedulerConfig())
     speculative_config: SpeculativeConfig = nested(
         "speculative decoding (the scheduler reserves KV slots for k drafts per decode; its workers must be "
-        "started with the same method and k, or are not admitted; the prompt-lookup bounds are the workers')",
+        "started with the same method and k, or are not admitted; the prompt-lookup bounds and the draft model are "
+        "the workers')",
         SpeculativeConfig())
     consumer_name: str = option(
         "this scheduler's id and its name in the Redis consumer group: unique per scheduler, kept across restarts "

@@ -14,6 +14,7 @@ class SpeculativeMethod(enum.Enum):
 
     NONE = "none"  # plain decoding: one token per sequence per step
     NGRAM = "ngram"  # prompt lookup over the sequence's own tokens (``ngram_proposer``), on the worker
+    DRAFT_MODEL = "draft_model"  # a smaller model's greedy tokens (``draft_model``), beside the target on the worker
 
 
 @dataclass(frozen=True)
@@ -21,20 +22,28 @@ class SpeculativeConfig:
     """Speculative decoding of the engine (fields documented by their ``help``; vLLM's names).
 
     ``LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})`` or the flags
-    ``--speculative-method ngram --num-speculative-tokens 4``.
+    ``--speculative-method ngram --num-speculative-tokens 4``;
+    ``{"method": "draft_model", "model": "/path/to/small-model"}`` or ``--speculative-method draft_model
+    --speculative-model /path/to/small-model``.
 
     Raises:
-        ValueError: an unknown method, ``num_speculative_tokens`` < 1, or not
-            ``1 <= prompt_lookup_min <= prompt_lookup_max``.
+        ValueError: an unknown method, ``num_speculative_tokens`` < 1, not
+            ``1 <= prompt_lookup_min <= prompt_lookup_max``, ``draft_model`` without a ``model``, or a
+            ``model`` with another method.
     """
 
     method: SpeculativeMethod = option(
-        "speculative decoding: none, or ngram (the worker drafts the tokens that followed the latest earlier "
-        "occurrence of the sequence's last n tokens; one target step verifies them; greedy outputs are the same "
-        "as without, sampled ones keep their distribution)", SpeculativeMethod.NONE, flag="speculative-method")
+        "speculative decoding: none, ngram (the worker drafts the tokens that followed the latest earlier "
+        "occurrence of the sequence's last n tokens) or draft_model (the worker drafts the greedy tokens of "
+        "--speculative-model); one target step verifies the drafts; greedy outputs are the same as without, "
+        "sampled ones keep their distribution", SpeculativeMethod.NONE, flag="speculative-method")
     num_speculative_tokens: int = option("most draft tokens verified per sequence and step (k)", 4)
     prompt_lookup_min: int = option("ngram: shortest suffix of the sequence that may match earlier", 1)
     prompt_lookup_max: int = option("ngram: longest suffix of the sequence tried first", 4)
+    model: str | None = option(
+        "draft_model: the draft model's Hugging Face folder (on the workers), loaded with the target's dtype, device "
+        "and GEMM backend, with its own KV cache of the target's blocks (--kv-cache-memory holds both); its "
+        "vocabulary must be the target's (same tokenizer)", None, flag="speculative-model", metavar="FOLDER")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", SpeculativeMethod(self.method))
@@ -43,10 +52,14 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative decoding needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if (self.method is SpeculativeMethod.DRAFT_MODEL) != (self.model is not None):
+            raise ValueError(f"speculative method {self.method.value} with model={self.model!r}: the method "
+                             "draft_model needs a model (--speculative-model), and only it takes one")
 
-    def proposer(self) -> NgramProposer | None:
-        """The worker's proposer for this config; ``None`` when it does not speculate."""
-        if self.method is SpeculativeMethod.NONE:
+    def ngram_proposer(self) -> NgramProposer | None:
+        """The worker's n-gram proposer; ``None`` for the other methods (a draft model's proposer needs
+        the target and its cache: ``runner_factory`` builds it)."""
+        if self.method is not SpeculativeMethod.NGRAM:
             return None
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
 

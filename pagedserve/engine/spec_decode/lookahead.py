@@ -1,7 +1,7 @@
 """The scheduler's side of speculative decoding: KV slots reserved for a decode's drafts, and what an
 answer with accepted drafts changes.
 
-The worker proposes (it holds the sequence's tokens, and a draft model would live beside the
+The worker proposes (it holds the sequence's tokens, and the draft model lives beside the
 target); the scheduler only reserves ``k`` lookahead slots past a decode's token
 (``CachedRequestData.num_lookahead_tokens``) and, when the answer comes, counts the accepted drafts
 as computed and frees the slots past them (``BlockManager.truncate``). The worker truncates its

@@ -13,10 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pagedserve.engine.forward_batch import ForwardBatch
+from pagedserve.engine.messages import BatchPlan
+from pagedserve.engine.worker_requests import ScheduledRequest
+
 
 @dataclass(frozen=True)
 class NgramProposer:
-    """Proposes up to ``num_speculative_tokens`` drafts per sequence.
+    """Proposes up to ``num_speculative_tokens`` drafts per sequence (a ``proposer.Proposer``: it
+    keeps no K/V, so it ignores the target's batches and block moves).
 
     Attributes:
         num_speculative_tokens: most drafts per step (``k``), >= 1.
@@ -36,7 +41,17 @@ class NgramProposer:
             raise ValueError(f"n-gram proposer needs num_speculative_tokens >= 1 and 1 <= min_n <= max_n, got "
                              f"{self.num_speculative_tokens}, {self.min_n}, {self.max_n}")
 
-    def propose(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
+    def propose(self, requests: Sequence[ScheduledRequest]) -> list[tuple[int, ...]]:
+        """Per request, :meth:`draft` of its known tokens, at most its lookahead."""
+        return [tuple(self.draft(r.state.token_ids, limit=r.num_lookahead_tokens)) for r in requests]
+
+    def observe(self, batch: ForwardBatch) -> None:
+        """Nothing: drafts come from the tokens alone."""
+
+    def move_blocks(self, plan: BatchPlan) -> None:
+        """Nothing: no cache."""
+
+    def draft(self, token_ids: Sequence[int], limit: int | None = None) -> list[int]:
         """The drafts for a sequence whose tokens so far are ``token_ids`` (none when no suffix of
         length ``min_n``.. ``max_n`` occurred before).
 

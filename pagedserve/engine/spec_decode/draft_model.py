@@ -1,0 +1,120 @@
+"""Drafting tokens with a smaller model beside the target: the draft-model proposer (vLLM's
+``draft_model`` speculative method; Leviathan et al., "Fast Inference from Transformers via
+Speculative Decoding", ICML 2023; Chen et al., "Accelerating Large Language Model Decoding with
+Speculative Sampling", 2023).
+
+The draft model keeps its own paged KV cache with the target's number of blocks and block size,
+indexed by the target's block ids: the scheduler's block tables and slot mappings serve both, and
+no message changes. Its K/V stay in step with the target's:
+
+- every target forward (prefill chunks, decodes, verification rows ``[t, d1..dk]``) also runs
+  through the draft model with the same token ids, positions and block tables (:meth:`observe`),
+  so after each step every computed or verified position has draft K/V at the target's slot, and
+  the slots of rejected drafts are overwritten later exactly as the target's are;
+- to propose for sequences whose last token ``t`` (at position ``p``) is in no cache yet,
+  :meth:`propose` runs ``t`` at ``p`` (draft ``d1`` = its argmax), then ``d1`` at ``p + 1`` (``d2``),
+  ..., one forward of ``B`` rows per draft index, batched over the step's speculating sequences
+  (fewer rows once a sequence's ``limit`` is reached), writing draft K/V at ``p .. p + limit - 1``:
+  inside the decode's slot and the lookahead slots the scheduler reserved.
+
+Drafts are the draft model's argmax tokens, proposed as one-hot distributions ``q`` (as the n-gram
+ones): the rejection sampler is exact for any ``q``, so greedy rows emit the target's argmax and
+sampled rows keep the target's distribution; only the acceptance rate depends on the draft.
+Sampling drafts from ``q`` and passing ``draft_probs`` would accept more sampled drafts (later).
+
+The draft's vocabulary must be the target's (its logits' width; :func:`load_draft_model` checks);
+a draft with another tokenizer of the same size cannot be told apart and would only draft badly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from torch import nn
+
+from pagedserve.engine.attention import AttentionBackend
+from pagedserve.engine.config import GemmBackend
+from pagedserve.engine.forward_batch import ForwardBatch
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
+from pagedserve.engine.messages import BatchPlan
+from pagedserve.engine.models.onednn import pack_linear_layers
+from pagedserve.engine.weight_loader import load_model
+from pagedserve.engine.worker_requests import ScheduledRequest
+
+
+def load_draft_model(path: str | Path, target: nn.Module, gemm_backend: GemmBackend) -> nn.Module:
+    """The draft model of the Hugging Face folder ``path``, with ``target``'s dtype and device and the
+    resolved ``gemm_backend`` (``onednn``: its linear layers prepacked, as the target's).
+
+    Raises:
+        ValueError: its vocabulary size differs from the target's (the loader's errors as well).
+    """
+    device = next(target.parameters()).device
+    draft = load_model(path, dtype=target.dtype, device=device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the draft model {path} has a vocabulary of {draft.config.vocab_size} tokens, the target "
+                         f"{target.config.vocab_size}: speculative decoding needs the target's tokenizer")
+    if gemm_backend is GemmBackend.ONEDNN:
+        pack_linear_layers(draft)
+    return draft
+
+
+def draft_cache_spec(draft: nn.Module, target_spec: KVCacheSpec) -> KVCacheSpec:
+    """The draft's cache geometry: its own layers and heads, the target's block size and cache dtype."""
+    config = draft.config
+    return KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, target_spec.block_size,
+                       target_spec.dtype)
+
+
+class DraftModelProposer:
+    """Proposes up to ``num_speculative_tokens`` greedy drafts per sequence with a draft model (a
+    ``proposer.Proposer``; see the module docstring for how its cache follows the target's).
+
+    Args:
+        model: the draft model (``forward(input_ids, positions, attention)``, ``compute_logits``,
+            ``dtype``), loaded by :func:`load_draft_model`.
+        kv_cache: its cache, with the target's ``num_blocks``, ``num_cpu_blocks`` and block size.
+        attention_backend: the target's paged attention (shared: it holds no per-model state).
+        num_speculative_tokens: most drafts per sequence and step (``k``), >= 1.
+
+    Raises:
+        ValueError: ``num_speculative_tokens`` < 1.
+    """
+
+    def __init__(self, model: nn.Module, kv_cache: KVCache, attention_backend: AttentionBackend,
+                 num_speculative_tokens: int) -> None:
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {num_speculative_tokens}")
+        self.model = model
+        self.kv_cache = kv_cache
+        self.attention_backend = attention_backend
+        self.num_speculative_tokens = num_speculative_tokens
+        self.device = next(model.parameters()).device
+
+    def propose(self, requests: Sequence[ScheduledRequest]) -> list[tuple[int, ...]]:
+        """Per request, ``min(num_lookahead_tokens, k)`` drafts: the draft model's argmax after its
+        known tokens, then after each draft (``max(limits)`` forwards of at most ``len(requests)``
+        rows). Each request schedules its last known token only (``proposer.Proposer``)."""
+        limits = [min(r.num_lookahead_tokens, self.num_speculative_tokens) for r in requests]
+        drafts: list[list[int]] = [[] for _ in requests]
+        for index in range(max(limits, default=0)):
+            rows = [i for i, limit in enumerate(limits) if limit > index]
+            tokens = [drafts[i][-1] if index else requests[i].state.token_ids[-1] for i in rows]
+            # the row's token sits at position len(token_ids) - 1 + index, after that many cached ones
+            contexts = [len(requests[i].state.token_ids) - 1 + index for i in rows]
+            batch = ForwardBatch.build(tokens, [1] * len(rows), contexts, [requests[i].state.block_ids for i in rows],
+                                       self.kv_cache.block_size, self.model.dtype, self.device)
+            hidden = batch.run(self.model, self.kv_cache, self.attention_backend)   # (B, hidden)
+            chosen = self.model.compute_logits(hidden).argmax(dim=-1).tolist()     # (B,) float32 logits -> ids
+            for i, token in zip(rows, chosen):
+                drafts[i].append(token)
+        return [tuple(d) for d in drafts]
+
+    def observe(self, batch: ForwardBatch) -> None:
+        """Runs the target's batch through the draft model: its K/V at the same slots."""
+        batch.run(self.model, self.kv_cache, self.attention_backend)
+
+    def move_blocks(self, plan: BatchPlan) -> None:
+        """The plan's swaps and copies on the draft's cache (the same block ids as the target's)."""
+        self.kv_cache.move_blocks(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)

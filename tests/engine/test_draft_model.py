@@ -1,0 +1,162 @@
+"""Speculative decoding with a draft model on the real model: greedy outputs are token-identical to plain
+decoding with a random draft (alone and batched) and with the target as its own draft, which then has
+every draft accepted: its K/V follow the target's through batches, shorter lookaheads near max_tokens,
+recompute and swap preemption, prefix hits and forks (n = 2). Seeded samples repeat, logprobs are plain
+decoding's, every block is free at the end; the KV budget holds both caches, and a draft of another
+vocabulary is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve.engine.runner_factory import build_model_runner
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
+from pagedserve.llm import LLM
+from tests.engine.conftest import BASE_PROMPTS
+from tests.engine.test_greedy_matches_hf import BLOCK_BYTES
+from tests.engine.test_speculative_decoding import COPY_PROMPT, GREEDY, assert_all_free, token_ids
+
+pytestmark = pytest.mark.model
+
+SMALL_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # one 16-token block of the small model (tests/conftest.py), float32
+
+
+def draft_model(folder) -> dict:
+    return {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 4}
+
+
+def assert_every_draft_accepted(before: SpecDecodeCounters, after: SpecDecodeCounters) -> None:
+    drafted = after.num_draft_tokens - before.num_draft_tokens
+    assert drafted > 0 and after.num_accepted_tokens - before.num_accepted_tokens == drafted, (before, after)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode_prompt(p) for p in BASE_PROMPTS[:6]] + [tokenizer.encode_prompt(COPY_PROMPT)]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(default_llm, prompts) -> list[tuple[int, ...]]:
+    return token_ids(default_llm, prompts)
+
+
+@pytest.fixture(scope="module")
+def random_draft(default_model, small_model) -> LLM:
+    return LLM(default_model, kv_cache_memory="64MiB", speculative_config=draft_model(small_model))
+
+
+@pytest.fixture(scope="module")
+def self_draft(default_model) -> LLM:
+    return LLM(default_model, kv_cache_memory="64MiB", speculative_config=draft_model(default_model))
+
+
+def test_greedy_with_a_random_draft_is_plain_decoding_alone_and_batched(random_draft, prompts, plain_outputs):
+    for i in (0, 3, 6):
+        assert token_ids(random_draft, prompts[i]) == [plain_outputs[i]], i
+    assert token_ids(random_draft, prompts) == plain_outputs
+    assert random_draft.stats().spec_decode.num_draft_tokens > 0
+    assert_all_free(random_draft)
+
+
+def test_the_target_as_its_own_draft_has_every_draft_accepted(self_draft, prompts, plain_outputs):
+    before = self_draft.stats().spec_decode
+    assert token_ids(self_draft, prompts[1]) == [plain_outputs[1]]
+    assert token_ids(self_draft, prompts) == plain_outputs
+    after = self_draft.stats().spec_decode
+    assert_every_draft_accepted(before, after)
+    assert after.num_accepted_tokens - before.num_accepted_tokens >= 4 * len(prompts)
+    assert_all_free(self_draft)
+
+
+def test_sequences_near_max_tokens_draft_fewer_tokens_in_the_same_batch(self_draft, default_llm, prompts):
+    # each sequence drafts 4, 4, then max_tokens - 12 tokens (1 + 5 + 5 emitted before): the third
+    # step's draft forwards lose a row after each draft index
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (13, 14, 15, 16)]
+    before = self_draft.stats().spec_decode
+    assert token_ids(self_draft, prompts[:4], params) == token_ids(default_llm, prompts[:4], params)
+    after = self_draft.stats().spec_decode
+    assert_every_draft_accepted(before, after)
+    per_pos = [a - b for a, b in zip(after.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos)]
+    assert per_pos == [12, 11, 10, 9]
+    assert_all_free(self_draft)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_drafts_follow_the_target_through_preemption(default_model, prompts, plain_outputs, mode):
+    longest = max(len(p) for p in prompts) + GREEDY.max_tokens
+    blocks = -(-longest // 16) + 3
+    llm = LLM(default_model, kv_cache_memory=blocks * 2 * BLOCK_BYTES, swap_space=64 * 2 * BLOCK_BYTES,
+              preemption_mode=mode, speculative_config=draft_model(default_model))
+    assert token_ids(llm, prompts) == plain_outputs
+    stats = llm.stats()
+    assert stats.workers[0].num_blocks == blocks
+    assert stats.num_preemptions > 0 and (stats.num_swap_preemptions > 0) == (mode == "swap")
+    assert_every_draft_accepted(SpecDecodeCounters(), stats.spec_decode)
+    assert_all_free(llm)
+
+
+def test_drafts_follow_the_target_after_a_prefix_hit_and_with_two_samples(self_draft, default_llm, prompts,
+                                                                         plain_outputs):
+    copy, before = prompts[-1], self_draft.stats()
+    assert token_ids(self_draft, copy) == [plain_outputs[-1]]
+    assert token_ids(self_draft, copy) == [plain_outputs[-1]]  # its prompt's full blocks are cached now
+    extended = copy + list(plain_outputs[-1])  # hits blocks its output filled through verification steps
+    assert token_ids(self_draft, extended) == token_ids(default_llm, extended)
+    hits = self_draft.stats().prefix_cache_hits - before.prefix_cache_hits
+    assert hits >= (len(copy) - 1) // 16 * 16 + (len(extended) - 1) // 16 * 16
+    result = self_draft.generate(prompts[2], SamplingParams(max_tokens=16, temperature=0.0, n=2))[0]
+    assert [s.token_ids for s in result.samples] == [plain_outputs[2]] * 2
+    assert_every_draft_accepted(before.spec_decode, self_draft.stats().spec_decode)
+    assert_all_free(self_draft)
+
+
+def test_seeded_samples_repeat_per_seed(random_draft, prompts):
+    def sample(seed: int) -> list[tuple[int, ...]]:
+        return token_ids(random_draft, prompts[-3:], SamplingParams(max_tokens=16, temperature=1.0, seed=seed,
+                                                                    ignore_eos=True))
+
+    first = sample(7)
+    assert sample(7) == first and sample(8) != first
+    assert_all_free(random_draft)
+
+
+def test_logprobs_of_accepted_tokens_are_plain_decodings(self_draft, default_llm, tokenizer):
+    # a prompt no other test sends: neither engine hits cached blocks of it (a chunk over cached context
+    # computes its K/V in another order than a whole prefill, which would move the logprobs by ~1e-5)
+    prompt = tokenizer.encode_prompt("Write the numbers from one to twenty in words, separated by commas:")
+    params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=3)
+    before = self_draft.stats().spec_decode.num_accepted_tokens
+    expected = default_llm.generate(prompt, params)[0].samples[0]
+    got = self_draft.generate(prompt, params)[0].samples[0]
+    assert self_draft.stats().spec_decode.num_accepted_tokens - before >= 8
+    assert got.token_ids == expected.token_ids and len(got.logprobs) == len(expected.logprobs) == 16
+    for a, b in zip(got.logprobs, expected.logprobs):
+        assert (a.token_id, a.rank, a.top_token_ids) == (b.token_id, b.rank, b.top_token_ids)
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-5)
+
+
+def test_the_kv_budget_holds_both_caches_of_the_same_blocks(small_model):
+    runner = build_model_runner(small_model, kv_cache_memory_bytes=100 * SMALL_BLOCK_BYTES + 5,
+                                swap_space_bytes=30 * SMALL_BLOCK_BYTES,
+                                speculative=SpeculativeConfig(**draft_model(small_model)))
+    draft_cache = runner.proposer.kv_cache
+    assert (runner.num_blocks, runner.num_cpu_blocks) == (draft_cache.num_blocks, draft_cache.num_cpu_blocks) == (50, 15)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(small_model, tmp_path):
+    from tests.worker.tiny_models import save_tiny_model
+
+    save_tiny_model(tmp_path, "llama")  # a 96-token vocabulary
+    with pytest.raises(ValueError, match="vocabulary of 96 tokens, the target 49152"):
+        build_model_runner(small_model, kv_cache_memory_bytes=1 << 20,
+                           speculative=SpeculativeConfig(method="draft_model", model=str(tmp_path)))
+
+
+@pytest.mark.parametrize("options", [{"method": "draft_model"}, {"method": "ngram", "model": "/some/draft"},
+                                     {"method": "none", "model": "/some/draft"}])
+def test_draft_model_needs_a_model_and_only_it_takes_one(options):
+    with pytest.raises(ValueError, match="draft_model needs a model"):
+        SpeculativeConfig(**options)
