@@ -54,7 +54,7 @@ def instrument(runner, timers: StepTimers) -> None:
     builder is wrapped for the whole module: for a benchmark process, not a server. With a compiled
     forward the pieces inside the graph (embedding, norms, GEMMs) are not timed one by one: their
     time is the forward's less attention."""
-    from pagedserve.engine import model_runner as mr
+    from pagedserve.engine import forward_batch
 
     model = runner.model
     if runner.forward is model:
@@ -63,7 +63,7 @@ def instrument(runner, timers: StepTimers) -> None:
     backend.write_kv = timers.wrap("write_kv", backend.write_kv)
     backend.attend = timers.wrap("attention", backend.attend)
     model.compute_logits = timers.wrap("lm_head", model.compute_logits)
-    mr.build_attention_metadata = timers.wrap("metadata", mr.build_attention_metadata)
+    forward_batch.build_attention_metadata = timers.wrap("metadata", forward_batch.build_attention_metadata)
     runner._forward = timers.wrap("forward", runner._forward)
     sampler = runner.sampler
     runner.sampler = timers.wrap("sampling", sampler.__call__)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pagedserve.engine.forward_batch import ForwardBatch
-from pagedserve.engine.messages import BatchPlan
-from pagedserve.engine.worker_requests import ScheduledRequest
+if TYPE_CHECKING:  # annotations only: the scheduler reads SpeculativeConfig, which names this class, without torch
+    from pagedserve.engine.forward_batch import ForwardBatch
+    from pagedserve.engine.messages import BatchPlan
+    from pagedserve.engine.worker_requests import ScheduledRequest
 
 
 @dataclass(frozen=True)
