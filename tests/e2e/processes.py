@@ -28,21 +28,42 @@ RECORDS = RecordCheck(CLUSTER_TOKEN)
 """Signs (and checks) records in Redis as the services of the tests' stacks do."""
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, below the ephemeral range (32768+): a port the OS picks
-    from that range can be taken, between this check and a service's bind seconds later, by another
-    test's outgoing connection (the suite runs under pytest-xdist), and the service then exits with
-    EADDRINUSE."""
+PORT_RANGE = range(20000, 32000)
+"""Ports the tests' services bind: below the ephemeral range (32768+), where a port the OS picks can
+be taken, between the check and a service's bind seconds later, by another test's outgoing connection."""
+
+
+def worker_ports() -> range:
+    """This pytest-xdist worker's share of ``PORT_RANGE`` (all of it without xdist): two workers that
+    pick the same free port at once would both bind it, and one service would exit with EADDRINUSE."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    share = len(PORT_RANGE) // count
+    return range(PORT_RANGE.start + index * share, PORT_RANGE.start + (index + 1) * share)
+
+
+def free_port(span: int = 1) -> int:
+    """A TCP port P of this worker's share (``worker_ports``) with P .. P + span - 1 free on
+    127.0.0.1 now.
+
+    Raises:
+        RuntimeError: none found in 200 tries.
+    """
     rng = random.Random()
+    ports = worker_ports()
     for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        port = rng.randrange(ports.start, ports.stop - span)
+        sockets = [socket.socket() for _ in range(span)]
+        try:
+            for offset, s in enumerate(sockets):
+                s.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
         return port
-    raise RuntimeError("no free port in 20000-32000")
+    raise RuntimeError(f"no {span} free port(s) in {ports}")
 
 
 def wait_until(ready: Callable[[], bool], what: str, timeout_s: float, processes: list["Process"] = ()) -> None:

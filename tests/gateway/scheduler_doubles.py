@@ -53,17 +53,24 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
         end, which a stream handler racing a gateway's reconnect now and then never does (1 run in
         17 hung there, and the half-stopped server, finalized later by the garbage collector, joined
         grpc's poller thread for ever): the wait is bounded by ``STOP_WAIT_S`` without cancelling it
-        (``asyncio.wait_for`` would wait for the cancellation). ``refuse_streams`` first avoids the race."""
+        (``asyncio.wait_for`` would wait for the cancellation), and asyncio.run, cancelling that
+        leftover wait at the end, hung the same way (CI, stop 31): so the open streams are ended first
+        (``refuse_streams``), and the server stopped once none is left."""
         if self.stopped:
             return
         self.stopped = True
+        self.refuse_streams()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while self.open_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         await asyncio.wait({asyncio.ensure_future(self.server.stop(grace=None))}, timeout=STOP_WAIT_S)
 
     def refuse_streams(self) -> None:
         """Ends the open StreamOutputs calls and refuses new ones with UNAVAILABLE: to its gateways,
         this scheduler is gone, while its server stays up (see ``stop``)."""
         self.refusing = True
-        self.outbox.put_nowait(pb.TokenEventBatch())  # wakes the open streams, which then end
+        for _ in range(max(1, self.open_streams)):  # wakes each open stream, which then ends
+            self.outbox.put_nowait(pb.TokenEventBatch())
 
     def send(self, *events: pb.TokenEvent, resume_queries: tuple[str | tuple[str, int], ...] = ()) -> None:
         """Streams one batch to the gateway (when its stream is open)."""

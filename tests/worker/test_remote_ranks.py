@@ -4,8 +4,6 @@ separate ``pagedserve worker-rank`` process dialing rank 0 over 127.0.0.1 (``par
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +14,7 @@ import pytest
 from pagedserve.engine.parallel.group import CollectiveError
 from pagedserve.engine.parallel.rank_link import RankPlacement
 from pagedserve.llm import LLM
+from tests.e2e.processes import free_port
 from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK, NUM_BLOCKS, assert_a_dead_or_stuck_rank_fails_the_step,
                                      generated_tokens, tiny_model_and_prompts)
 
@@ -24,20 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def rank_address() -> str:
-    """``127.0.0.1:P`` with P and P + 1 free (``--rank-address`` P; its gloo rendezvous is on P + 1),
-    below the ephemeral range (32768+) where other tests' outgoing connections could take P + 1
-    between this check and its bind."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 32000)
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return f"127.0.0.1:{port}"
-    raise RuntimeError("no two consecutive free ports in 20000-32000")
+    """``127.0.0.1:P`` with P and P + 1 free (``--rank-address`` P; its gloo rendezvous is on P + 1)."""
+    return f"127.0.0.1:{free_port(span=2)}"
 
 
 @pytest.fixture(scope="module")
