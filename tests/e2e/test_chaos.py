@@ -426,17 +426,20 @@ def test_kill_and_restart_the_gateway_with_the_same_id(tmp_path, default_model, 
 
 
 def test_worker_step_times_out_without_dying(tmp_path, default_model, reference):
-    """SIGSTOP the only worker for 6 s with --step-timeout 3, then SIGCONT. Expected: the step
+    """SIGSTOP the only worker for 8 s with --step-timeout 4, then SIGCONT. Expected: the step
     times out, the worker is reset (its heartbeat also lapses, so it registers again after
     SIGCONT) and re-admitted after the back-off; it drops its old state (new session id), the
-    sequences are recomputed: all 8 complete token-identical."""
-    with own_stack(tmp_path, default_model, num_workers=1, scheduler_args=["--step-timeout", "3"]) as stack:
+    sequences are recomputed: all 8 complete token-identical. The recompute runs in 32-token steps:
+    one step prefilling all 8 sequences again took over 4 s on a busy CI machine (three test workers
+    on two cores), timed out three times, and failed the requests."""
+    args = ["--step-timeout", "4", "--max-num-batched-tokens", "32"]
+    with own_stack(tmp_path, default_model, num_workers=1, scheduler_args=args) as stack:
         calls = start_streams(stack.gateway)
         worker = stack.processes["worker-0"]
         fault_at = time.monotonic()
         worker.popen.send_signal(signal.SIGSTOP)
         try:
-            time.sleep(6)
+            time.sleep(8)
         finally:
             worker.popen.send_signal(signal.SIGCONT)
         resumed_at = time.monotonic()
@@ -444,7 +447,7 @@ def test_worker_step_times_out_without_dying(tmp_path, default_model, reference)
         figures = finish_streams(calls, reference, fault_at, allowed=set())
         assert_no_leak(stack, num_workers=1)
         assert "a step failed" in stack.processes["scheduler"].log_text(), "the step did not time out"
-        RESULTS["6 worker SIGSTOP 6 s (step timeout 3 s)"] = {
+        RESULTS["6 worker SIGSTOP 8 s (step timeout 4 s)"] = {
             **figures, "new_request_ok_after_s": recovery,
             "of_which_after_SIGCONT_s": round(recovery - (resumed_at - fault_at), 2), "blocks_leaked": 0}
 
