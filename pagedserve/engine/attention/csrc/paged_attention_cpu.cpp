@@ -60,6 +60,11 @@ struct Geometry {
   float scale;
 };
 
+// The cache slot of context position `pos` of a sequence, through its block table.
+inline int64_t slot_of(const int32_t* block_table, const Geometry& g, int64_t pos) {
+  return block_table[pos / g.block_size] * g.block_size + pos % g.block_size;
+}
+
 // The cache lines of the next key tile's K/V slots, prefetched a share at a time while the current
 // tile's rows are updated: one burst of all of them (384 lines for a float32 tile of 3 KV heads of
 // 64) stalled on the CPU's few fill buffers, and the op read float32 K/V at 47-51% of the streaming
@@ -75,7 +80,7 @@ struct NextTile {
     lines.clear();
     issued = 0;
     for (int64_t pos = begin; pos < end; ++pos) {
-      const int64_t slot = block_table[pos / g.block_size] * g.block_size + pos % g.block_size;
+      const int64_t slot = slot_of(block_table, g, pos);
       const char* k = reinterpret_cast<const char*>(key_cache) + slot * slot_bytes;
       const char* v = reinterpret_cast<const char*>(value_cache) + slot * slot_bytes;
       for (int64_t byte = 0; byte < slot_bytes; byte += 64) {
@@ -164,7 +169,7 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
     const int64_t n_tile = std::min(kKeyTile, num_keys - p0);
     for (int64_t j = 0; j < n_tile; ++j) {  // the tile's slots through the block table
       const int64_t pos = p0 + j;
-      const int64_t slot = block_table[pos / g.block_size] * g.block_size + pos % g.block_size;
+      const int64_t slot = slot_of(block_table, g, pos);
       keys[j] = key_cache + slot * slot_stride;
       values[j] = value_cache + slot * slot_stride;
     }
@@ -174,8 +179,9 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
     const int64_t num_rows = (w.token_end - w.token_begin) * H;
     for (int64_t t = w.token_begin; t < w.token_end; ++t) {
       const int64_t n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
+      if (n_valid <= 0) continue;
       const float pos0 = static_cast<float>(kAlibi == kRelative ? p0 - (context_len + (t - seq_token_begin)) : p0);
-      for (int64_t h = 0; h < H && n_valid > 0; ++h) {
+      for (int64_t h = 0; h < H; ++h) {
         const int64_t row = (t - w.token_begin) * H + h;
         rows.next.issue(row + 1, num_rows);
         update_row<kAlibi>(rows, row, n_valid, wide_keys, wide_values, h / g.group * D, chunks,
