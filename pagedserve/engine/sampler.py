@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.argmax import row_argmax
 from pagedserve.engine.grammar_matchers import mask_grammar
 from pagedserve.engine.logprobs import token_logprobs
 from pagedserve.engine.messages import TokenLogprobs
@@ -240,7 +241,7 @@ class Sampler:
         if not len(params) == len(num_output_tokens) == logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logit rows, {len(params)} params, {len(num_output_tokens)} counts")
         process_logits(logits, params, num_output_tokens, histories, matchers)
-        token_ids = logits.argmax(dim=-1)                                 # (N,) greedy for every row
+        token_ids = row_argmax(logits)                                    # (N,) greedy for every row
         logprobs = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)  # (N,)
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:

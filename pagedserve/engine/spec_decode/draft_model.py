@@ -34,6 +34,7 @@ from pathlib import Path
 from torch import nn
 
 from pagedserve.engine.attention import AttentionBackend
+from pagedserve.engine.argmax import row_argmax
 from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.forward_batch import ForwardBatch
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
@@ -106,7 +107,7 @@ class DraftModelProposer:
             batch = ForwardBatch.build(tokens, [1] * len(rows), contexts, [requests[i].state.block_ids for i in rows],
                                        self.kv_cache.block_size, self.model.dtype, self.device)
             hidden = batch.run(self.model, self.kv_cache, self.attention_backend)   # (B, hidden)
-            chosen = self.model.compute_logits(hidden).argmax(dim=-1).tolist()     # (B,) float32 logits -> ids
+            chosen = row_argmax(self.model.compute_logits(hidden)).tolist()     # (B,) float32 logits -> ids
             for i, token in zip(rows, chosen):
                 drafts[i].append(token)
         return [tuple(d) for d in drafts]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.engine.argmax import row_argmax
 from pagedserve.engine.messages import AcceptedDraft, SampledToken, SequenceId
 from pagedserve.engine.penalties import TokenHistory
 from pagedserve.engine.sampler import Sampler, process_logits, requested_logprobs, sampling_probs
@@ -83,7 +84,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafted: Sequence[Drafted]) -
 
 def _greedy(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int]) -> list[list[int]]:
     """Per sequence: drafts while each equals its row's argmax, then the argmax after them."""
-    argmax = logits.argmax(dim=-1).tolist()                               # (R,)
+    argmax = row_argmax(logits).tolist()                               # (R,)
     out = []
     for d, start in zip(drafted, starts):
         accepted = 0
