@@ -9,7 +9,10 @@ REQUESTS.json: ``{"model": folder, "dtype": "float32", "kv_cache_dtype": "auto",
 "warmup_token_ids": [int], "warmup_tokens": int,
 "requests": [{"prompt_token_ids": [int], "max_tokens": int}],
 "passes": [null or {StructuredOutputsParams fields, e.g. "json": schema}],
-"structured_outputs_config": {StructuredOutputsConfig fields}}``; ``passes`` (default ``[null]``,
+"structured_outputs_config": {StructuredOutputsConfig fields}, "engine_core": "separate_process" or
+"in_process"}``; ``engine_core`` (default ``separate_process``, vLLM's own default): where vLLM's engine
+core runs; ``in_process`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (on 2 cores vLLM ran the 64 ShareGPT
+requests in 119-126 s so, 138-142 s in its default mode: docs/benchmarks.md); ``passes`` (default ``[null]``,
 one free pass): each pass runs every request, free (``null``) or all constrained by that structure,
 and is timed on its own; ``structured_outputs_config`` (default ``{}``): the engine's settings for
 structured outputs, e.g. ``{"backend": "xgrammar", "disable_any_whitespace": true}`` (vLLM 0.32
@@ -30,9 +33,17 @@ import sys
 import time
 
 
-def set_cpu_environment(kv_cache_gib: int) -> None:
+ENGINE_CORES = ("separate_process", "in_process")
+"""Where vLLM's engine core runs: its own process (vLLM's default) or the driver's."""
+
+
+def set_cpu_environment(kv_cache_gib: int, engine_core: str = "separate_process") -> None:
     """vLLM CPU's settings, each only where the caller has not set it: KV-cache space (GiB), OpenMP
-    threads bound to cores 0-1, loopback host address, no hub access."""
+    threads bound to cores 0-1, loopback host address, no hub access; and the engine core's process
+    (one of :data:`ENGINE_CORES`; ValueError otherwise)."""
+    if engine_core not in ENGINE_CORES:
+        raise ValueError(f"engine_core must be one of {ENGINE_CORES}, got {engine_core!r}")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core == "separate_process" else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -96,7 +107,7 @@ def main(argv: list) -> int:
         return 2
     with open(argv[1]) as f:
         spec = json.load(f)
-    set_cpu_environment(spec["kv_cache_gib"])
+    set_cpu_environment(spec["kv_cache_gib"], spec.get("engine_core", "separate_process"))
     result = generate(spec)
     with open(argv[2], "w") as f:
         json.dump(result, f)

@@ -3,6 +3,7 @@ a Python without vLLM, and a tiny pagedserve-only run. (CI has neither vLLM nor 
 
 from __future__ import annotations
 
+import os
 import json
 import subprocess
 import sys
@@ -136,3 +137,30 @@ def test_dtype_and_kv_cache_dtype_reach_the_engine_row_and_vllm_alike():
     assert (spec["dtype"], spec["kv_cache_dtype"]) == ("bfloat16", "fp8_e5m2")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "peers", "--dtype", "float16"])
+
+
+def test_vllm_engine_core_reaches_the_driver_and_its_environment(monkeypatch):
+    """`--vllm-engine-core` travels in the driver's spec (vLLM's default process split unless asked)
+    and becomes VLLM_ENABLE_V1_MULTIPROCESSING there; an unknown value is refused."""
+    from pagedserve.bench.datasets import SampleRequest
+    from pagedserve.bench.peers import vllm_spec
+    from pagedserve.bench.vllm_driver import set_cpu_environment
+    from pagedserve.cli import build_parser
+
+    def spec_for(*flags):
+        args = build_parser().parse_args(["bench", "peers", *flags])
+        return vllm_spec(Path("m"), [[1, 2, 3]], [SampleRequest("p", 3, 4)], args)
+
+    assert spec_for()["engine_core"] == "separate_process"
+    assert spec_for("--vllm-engine-core", "in_process")["engine_core"] == "in_process"
+    with pytest.raises(SystemExit):
+        spec_for("--vllm-engine-core", "threads")
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                "VLLM_HOST_IP", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(key, raising=False)
+    set_cpu_environment(2, "in_process")
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    set_cpu_environment(2, "separate_process")
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    with pytest.raises(ValueError, match="engine_core"):
+        set_cpu_environment(2, "threads")
