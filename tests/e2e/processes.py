@@ -42,9 +42,13 @@ def worker_ports() -> range:
     return range(PORT_RANGE.start + index * share, PORT_RANGE.start + (index + 1) * share)
 
 
+_handed_out: set[int] = set()  # ports free_port gave this process: free until their service binds them
+
+
 def free_port(span: int = 1) -> int:
     """A TCP port P of this worker's share (``worker_ports``) with P .. P + span - 1 free on
-    127.0.0.1 now.
+    127.0.0.1 now and never handed out before by this process (two calls before the services bind
+    could otherwise pick the same port: a gateway once failed with EADDRINUSE at start-up).
 
     Raises:
         RuntimeError: none found in 200 tries.
@@ -53,6 +57,8 @@ def free_port(span: int = 1) -> int:
     ports = worker_ports()
     for _ in range(200):
         port = rng.randrange(ports.start, ports.stop - span)
+        if _handed_out.intersection(range(port, port + span)):
+            continue
         sockets = [socket.socket() for _ in range(span)]
         try:
             for offset, s in enumerate(sockets):
@@ -62,6 +68,7 @@ def free_port(span: int = 1) -> int:
         finally:
             for s in sockets:
                 s.close()
+        _handed_out.update(range(port, port + span))
         return port
     raise RuntimeError(f"no {span} free port(s) in {ports}")
 
