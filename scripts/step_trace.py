@@ -22,9 +22,11 @@ A measurement, not a test: run it on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import time
+from pathlib import Path
 
 BUCKET = 8  # tokens per step are grouped in ranges of this width
 
@@ -72,13 +74,14 @@ def run_pagedserve(spec: dict, dtype: str, max_decode_slowdown: float) -> dict:
     return trace(lambda: sum(len(o.delta.token_ids) for o in llm.step()), llm.has_unfinished_requests)
 
 
-def run_vllm(spec: dict, dtype: str, max_decode_slowdown: float) -> dict:
-    """vLLM's engine, stepped; ``max_decode_slowdown`` must be inf (vLLM has no such limit)."""
-    if max_decode_slowdown != float("inf"):
-        raise SystemExit("--max-decode-slowdown is pagedserve's; vLLM fills each step's token budget")
-    for key, value in (("VLLM_CPU_KVCACHE_SPACE", "2"), ("VLLM_CPU_OMP_THREADS_BIND", "0-1"),
-                       ("VLLM_HOST_IP", "127.0.0.1"), ("HF_HUB_OFFLINE", "1"), ("VLLM_ENABLE_V1_MULTIPROCESSING", "0")):
-        os.environ.setdefault(key, value)
+def run_vllm(spec: dict, dtype: str) -> dict:
+    """vLLM's engine, stepped, with ``vllm_driver.py``'s CPU settings (loaded by path: vLLM's
+    interpreter has no pagedserve) and its engine core in this process."""
+    driver_path = Path(__file__).resolve().parents[1] / "pagedserve" / "bench" / "vllm_driver.py"
+    loader = importlib.util.spec_from_file_location("vllm_driver", driver_path)
+    driver = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(driver)
+    driver.set_cpu_environment(2, "in_process")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -103,16 +106,21 @@ def run_vllm(spec: dict, dtype: str, max_decode_slowdown: float) -> dict:
     return trace(step, engine.has_unfinished_requests)
 
 
+def bucket(tokens: int) -> int:
+    """The upper end of the range of ``tokens`` (steps producing more than 56 share the last one)."""
+    return min(64, (tokens + BUCKET - 1) // BUCKET * BUCKET)
+
+
 def table(paths: list[str]) -> None:
     """Steps grouped by tokens produced: count and ms per step for each trace, side by side."""
     traces = {p: json.load(open(p)) for p in paths}
-    buckets = sorted({min(64, (n + BUCKET - 1) // BUCKET * BUCKET) for t in traces.values() for _, n in t["steps"]})
+    buckets = sorted({bucket(n) for t in traces.values() for _, n in t["steps"]})
     print("| tokens/step | " + " | ".join(f"{os.path.basename(p)} steps | ms/step" for p in paths) + " |")
     print("|---" * (1 + 2 * len(paths)) + "|")
     for b in buckets:
         cells = []
         for t in traces.values():
-            times = [s for s, n in t["steps"] if min(64, (n + BUCKET - 1) // BUCKET * BUCKET) == b]
+            times = [s for s, n in t["steps"] if bucket(n) == b]
             cells += [str(len(times)), f"{1000 * sum(times) / len(times):.1f}" if times else "-"]
         label = f"<= {b}" if b < 64 else "> 56"
         print(f"| {label} | " + " | ".join(cells) + " |")
@@ -123,7 +131,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
     r = sub.add_parser("requests", help="sample the requests (pagedserve's interpreter)")
-    r.add_argument("--dataset-path", required=True, type=__import__("pathlib").Path)
+    r.add_argument("--dataset-path", required=True, type=Path)
     r.add_argument("--num-prompts", type=int, default=64)
     r.add_argument("--out", required=True)
     for mode in ("pagedserve", "vllm"):
@@ -131,9 +139,10 @@ def main() -> None:
         e.add_argument("requests")
         e.add_argument("out")
         e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-        e.add_argument("--max-decode-slowdown", type=float, default=2.0 if mode == "pagedserve" else float("inf"),
-                       help="pagedserve's limit on a step with decodes against the decodes alone (default "
-                            "%(default)s); inf fills each step's token budget with prefill chunks, as vLLM does")
+        if mode == "pagedserve":
+            e.add_argument("--max-decode-slowdown", type=float, default=2.0,
+                           help="pagedserve's limit on a step with decodes against the decodes alone (default "
+                                "%(default)s); inf fills each step's token budget with prefill chunks, as vLLM does")
     t = sub.add_parser("table", help="print the traces side by side")
     t.add_argument("traces", nargs="+")
     args = p.parse_args()
@@ -142,8 +151,9 @@ def main() -> None:
     elif args.mode == "table":
         table(args.traces)
     else:
-        run = run_pagedserve if args.mode == "pagedserve" else run_vllm
-        result = run(json.load(open(args.requests)), args.dtype, args.max_decode_slowdown)
+        spec = json.load(open(args.requests))
+        result = (run_pagedserve(spec, args.dtype, args.max_decode_slowdown) if args.mode == "pagedserve"
+                  else run_vllm(spec, args.dtype))
         json.dump(result, open(args.out, "w"))
         print(f"{args.mode} {args.dtype}: {result['total_s']:.1f} s, {len(result['steps'])} steps -> {args.out}")
 

@@ -36,7 +36,7 @@ from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.peer_systems import (VLLM_PYTHON_HELP, SystemRun, check_vllm_python, exit_on_peer_error,
                                            kv_cache_gib, llama_server_props, run_llama_server, run_vllm)
 from pagedserve.bench.report import format_table, write_json
-from pagedserve.bench.vllm_driver import ENGINE_CORES
+from pagedserve.bench.vllm_driver import DEFAULT_ENGINE_CORE, ENGINE_CORES
 from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
 from pagedserve.config_flags import add_config_arguments, fields_except
 from pagedserve.engine.config import CompileMode, GemmBackend, KVCacheDtype
@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("peers (each one is skipped when its option is not given)")
     g.add_argument("--vllm-python", metavar="PYTHON",
                    help=VLLM_PYTHON_HELP)
-    g.add_argument("--vllm-engine-core", default="separate_process", choices=ENGINE_CORES,
+    g.add_argument("--vllm-engine-core", default=DEFAULT_ENGINE_CORE, choices=ENGINE_CORES,
                    help="where vLLM's engine core runs: its own process (vLLM's default, %(default)s) or the "
                         "driver's (in_process: faster on 2 cores, see docs/benchmarks.md)")
     g.add_argument("--llama-server-url", metavar="URL", help="a running llama-server, e.g. http://127.0.0.1:8091")

@@ -34,16 +34,17 @@ import time
 
 
 ENGINE_CORES = ("separate_process", "in_process")
-"""Where vLLM's engine core runs: its own process (vLLM's default) or the driver's."""
+"""Where vLLM's engine core runs: its own process (vLLM's default, the first) or the driver's."""
+DEFAULT_ENGINE_CORE = ENGINE_CORES[0]
 
 
-def set_cpu_environment(kv_cache_gib: int, engine_core: str = "separate_process") -> None:
+def set_cpu_environment(kv_cache_gib: int, engine_core: str = DEFAULT_ENGINE_CORE) -> None:
     """vLLM CPU's settings, each only where the caller has not set it: KV-cache space (GiB), OpenMP
     threads bound to cores 0-1, loopback host address, no hub access; and the engine core's process
     (one of :data:`ENGINE_CORES`; ValueError otherwise)."""
     if engine_core not in ENGINE_CORES:
         raise ValueError(f"engine_core must be one of {ENGINE_CORES}, got {engine_core!r}")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core == "separate_process" else "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_core == DEFAULT_ENGINE_CORE else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -107,7 +108,7 @@ def main(argv: list) -> int:
         return 2
     with open(argv[1]) as f:
         spec = json.load(f)
-    set_cpu_environment(spec["kv_cache_gib"], spec.get("engine_core", "separate_process"))
+    set_cpu_environment(spec["kv_cache_gib"], spec.get("engine_core", DEFAULT_ENGINE_CORE))
     result = generate(spec)
     with open(argv[2], "w") as f:
         json.dump(result, f)
