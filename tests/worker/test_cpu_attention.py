@@ -43,7 +43,7 @@ def _batch(seed: int, seqs: list[tuple[int, int]], block_size: int, heads: int, 
 
 
 @needs_op
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2), (8, 1)])  # GQA groups 1, 3, 8, 8
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (16, 2), (8, 1), (12, 2)])  # GQA groups 1, 3, 8, 8, 6
 @pytest.mark.parametrize("seqs,block_size", [
     ([(9, 1), (30, 1), (0, 1), (17, 1)], 16),                    # decodes (one a one-token prompt)
     ([(0, 7), (0, 33), (5, 1)], 4),                              # fresh prefills, a decode last

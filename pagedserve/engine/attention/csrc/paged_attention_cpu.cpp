@@ -7,10 +7,11 @@
 // slot's memory order, and each KV head's row serves the G query heads that share it (grouped-query
 // attention). Softmax is the online (streaming) form of FlashAttention (Dao et al., NeurIPS 2022,
 // §3.1, Algorithm 1): a running maximum and sum per row, rescaled block by block, so one pass over the
-// context suffices. All arithmetic is float32 whatever the dtypes: a cache narrower than float32 (the
-// query's bfloat16 or half, or --kv-cache-dtype's bfloat16 or fp8_e5m2: a template parameter of its
-// own) is widened once per key tile into float32 scratch that every head and token of the item reads
-// (widen_slots, vec16.h). With ALiBi slopes (Press et al., 2022, §3) each scaled score of head h gets
+// context suffices. The G query heads of a token that share a KV head are updated together (up to
+// kMaxGroup at a time), so each K and V vector is loaded once for all of them. All arithmetic is
+// float32 whatever the dtypes: a cache narrower than float32 (the query's bfloat16 or half, or
+// --kv-cache-dtype's bfloat16 or fp8_e5m2: a template parameter of its own) is widened in registers as
+// it is loaded (load16, vec16.h). With ALiBi slopes (Press et al., 2022, §3) each scaled score of head h gets
 // -slope[h] * (query_pos - key_pos), or with alibi_bf16 (transformers' Falcon) scale * bf16(slope[h] *
 // bf16(key_pos)); each is a separate template instantiation (kAlibi), so the default path has no
 // extra work in its score loop.
@@ -55,61 +56,12 @@ struct WorkItem {  // all heads of up to kQueryTile new tokens of one sequence
   int64_t cost;         // query rows x keys read, for longest-first scheduling
 };
 
-struct Geometry {
-  int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
-  float scale;
-};
+#include "key_tiles.h"  // Geometry, slot_of, KeyTile, NextTile
 
-// The cache slot of context position `pos` of a sequence, through its block table.
-inline int64_t slot_of(const int32_t* block_table, const Geometry& g, int64_t pos) {
-  return block_table[pos / g.block_size] * g.block_size + pos % g.block_size;
-}
-
-// The cache lines of the next key tile's K/V slots, prefetched a share at a time while the current
-// tile's rows are updated: one burst of all of them (384 lines for a float32 tile of 3 KV heads of
-// 64) stalled on the CPU's few fill buffers, and the op read float32 K/V at 47-51% of the streaming
-// bandwidth instead of 65-76% (Intel Xeon with AMX, 2 threads; docs/benchmarks.md). The tile keeps its
-// slots' addresses and walks their lines with two counters: a list of every line's address, written
-// per tile, cost a tenth of the op's time (float32 1.10-1.12x faster without it, same outputs).
-struct NextTile {
-  const char* key_slots[kKeyTile];
-  const char* value_slots[kKeyTile];
-  int64_t lines_per_slot = 0, total = 0, issued = 0;
-  int64_t slot = 0, line = 0;  // the next line to prefetch: K's, then V's (issued odd)
-
-  template <typename kv_t>
-  void fill(const kv_t* key_cache, const kv_t* value_cache, const int32_t* block_table, const Geometry& g,
-            int64_t begin, int64_t end) {  // positions begin..end-1, all KV heads
-    const int64_t slot_bytes = g.num_kv_heads * g.head_dim * static_cast<int64_t>(sizeof(kv_t));
-    lines_per_slot = (slot_bytes + 63) / 64;
-    total = 2 * std::max<int64_t>(end - begin, 0) * lines_per_slot;
-    issued = slot = line = 0;
-    for (int64_t pos = begin; pos < end; ++pos) {
-      const int64_t offset = slot_of(block_table, g, pos) * slot_bytes;
-      key_slots[pos - begin] = reinterpret_cast<const char*>(key_cache) + offset;
-      value_slots[pos - begin] = reinterpret_cast<const char*>(value_cache) + offset;
-    }
-  }
-
-  // Prefetches up to the share `done / rows` of the lines, slot by slot, each line of K then of V.
-  void issue(int64_t done, int64_t rows) {
-    for (const int64_t until = total * done / rows; issued < until; ++issued) {
-      if (issued & 1) {
-        __builtin_prefetch(value_slots[slot] + line * 64);
-        if (++line == lines_per_slot) line = 0, ++slot;
-      } else {
-        __builtin_prefetch(key_slots[slot] + line * 64);
-      }
-    }
-  }
-};
-
-// One work item's rows: scaled queries, running max and sum, unnormalised outputs; and the scratch a
-// cache narrower than float32 widens each key tile's K and V into, once for all heads and tokens.
+// One work item's rows: scaled queries, running max and sum, unnormalised outputs.
 struct Rows {
   std::vector<vf16> q, acc;  // [rows, D / 16] each
   std::vector<float> max, sum;
-  std::vector<float> wide;   // [2, kKeyTile, Hkv * D]
   NextTile next;             // the next key tile's cache lines, prefetched over this tile's rows
   void reset(int64_t rows, int64_t chunks) {
     q.assign(rows * chunks, vf16{});
@@ -119,23 +71,13 @@ struct Rows {
   }
 };
 
-// Online-softmax update of row `row` with one tile of 16 keys, of which it may read the first n_valid.
-// keys[j] / values[j] point at slot j's first KV head; this row reads the head at head_offset.
+// The online-softmax step of row `row` given its 16 scores (lanes >= n_valid are masked here): updates
+// the row's max and sum and returns the tile's probabilities; `correction` rescales its old outputs.
 // kRelative: key j of the tile is pos0 + j positions from the query (<= 0), its bias slope * that;
 // kFalconBf16: key j is at position pos0 + j, its bias bias_scale * bf16(slope * bf16(position)).
 template <int kAlibi>
-void update_row(Rows& rows, int64_t row, int64_t n_valid, const float* const* keys,
-                const float* const* values, int64_t head_offset, int64_t chunks, float slope, float pos0,
-                float bias_scale) {
-  const vf16* q = rows.q.data() + row * chunks;
-  vf16 partial[kKeyTile];
-  for (int64_t j = 0; j < kKeyTile; ++j) {
-    vf16 p{};
-    if (j < n_valid)
-      for (int64_t c = 0; c < chunks; ++c) p += q[c] * load16(keys[j] + head_offset + c * kLanes);
-    partial[j] = p;
-  }
-  vf16 scores = transpose_sum(partial);  // (16,) q . k_j
+inline vf16 softmax_step(Rows& rows, int64_t row, vf16 scores, int64_t n_valid, float slope, float pos0,
+                         float bias_scale, float& correction) {
   const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   if constexpr (kAlibi == kRelative) scores += slope * (__builtin_convertvector(lane, vf16) + pos0);
   if constexpr (kAlibi == kFalconBf16)
@@ -143,15 +85,63 @@ void update_row(Rows& rows, int64_t row, int64_t n_valid, const float* const* ke
   scores = lane < static_cast<int32_t>(n_valid) ? scores : splat(-std::numeric_limits<float>::infinity());
   const float old_max = rows.max[row];
   const float new_max = std::max(old_max, reduce_max(scores));
-  const float correction = new_max == old_max ? 1.0f : std::exp(old_max - new_max);  // 0 on the first tile
+  correction = new_max == old_max ? 1.0f : std::exp(old_max - new_max);  // 0 on the first tile
   const vf16 probs = exp_nonpositive(scores - new_max);
   rows.sum[row] = rows.sum[row] * correction + reduce_sum(probs);
   rows.max[row] = new_max;
-  vf16* acc = rows.acc.data() + row * chunks;
+  return probs;
+}
+
+// Online-softmax update, with one key tile, of the kG query heads of one token that share a KV head
+// (grouped-query attention): rows row0..row0+kG-1, reading that head's K/V at head_offset of each
+// slot. Each K and V vector is loaded (and widened from the cache's dtype) once for the kG rows,
+// which keeps their scores and outputs in registers. slopes: the kG heads' ALiBi slopes. The next
+// tile's prefetches are issued key by key in the score loop, num_rows x 16 (row, key) steps in all: in
+// bursts of a share per head group, the core stalled on its fill buffers (1.07-1.13x slower).
+template <int kG, int kAlibi, typename kv_t>
+void update_heads(Rows& rows, int64_t row0, const KeyTile<kv_t>& tile, int64_t head_offset, int64_t chunks,
+                  const float* slopes, float bias_scale, int64_t num_rows) {
+  const vf16* q = rows.q.data() + row0 * chunks;
+  vf16 partial[kG][kKeyTile];
+  for (int64_t j = 0; j < kKeyTile; ++j) {
+    vf16 p[kG] = {};
+    rows.next.issue(row0 * kKeyTile + (j + 1) * kG, num_rows * kKeyTile);
+    if (j < tile.n_valid)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const vf16 k = load16(tile.keys[j] + head_offset + c * kLanes);
+        for (int g = 0; g < kG; ++g) p[g] += q[g * chunks + c] * k;
+      }
+    for (int g = 0; g < kG; ++g) partial[g][j] = p[g];
+  }
+  float probs[kG][kKeyTile];  // scalars, so the value loop broadcasts them from memory
+  float correction[kG];
+  for (int g = 0; g < kG; ++g) {
+    const vf16 pg = softmax_step<kAlibi>(rows, row0 + g, transpose_sum(partial[g]), tile.n_valid,
+                                        kAlibi ? slopes[g] : 0.0f, tile.pos0, bias_scale, correction[g]);
+    __builtin_memcpy(probs[g], &pg, sizeof pg);
+  }
+  vf16* acc = rows.acc.data() + row0 * chunks;
   for (int64_t c = 0; c < chunks; ++c) {
-    vf16 a = acc[c] * correction;
-    for (int64_t j = 0; j < n_valid; ++j) a += probs[j] * load16(values[j] + head_offset + c * kLanes);
-    acc[c] = a;
+    vf16 a[kG];
+    for (int g = 0; g < kG; ++g) a[g] = acc[g * chunks + c] * correction[g];
+    for (int64_t j = 0; j < tile.n_valid; ++j) {
+      const vf16 v = load16(tile.values[j] + head_offset + c * kLanes);
+      for (int g = 0; g < kG; ++g) a[g] += probs[g][j] * v;
+    }
+    for (int g = 0; g < kG; ++g) acc[g * chunks + c] = a[g];
+  }
+}
+
+// update_heads for n (1..kMaxGroup) heads: the instantiation with that many rows in registers.
+constexpr int64_t kMaxGroup = 4;  // query heads updated together; a larger group is split
+template <int kAlibi, typename kv_t>
+inline void update_head_group(int64_t n, Rows& rows, int64_t row0, const KeyTile<kv_t>& tile, int64_t head_offset,
+                              int64_t chunks, const float* slopes, float bias_scale, int64_t num_rows) {
+  switch (n) {
+    case 1: update_heads<1, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, bias_scale, num_rows); break;
+    case 2: update_heads<2, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, bias_scale, num_rows); break;
+    case 3: update_heads<3, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, bias_scale, num_rows); break;
+    default: update_heads<4, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, bias_scale, num_rows); break;
   }
 }
 
@@ -168,32 +158,26 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
   // The token at flat index t reads positions 0..context_len + (t - seq_token_begin).
   const int64_t num_keys = context_len + (w.token_end - seq_token_begin);
   const int64_t slot_stride = g.num_kv_heads * D;
-  const kv_t* keys[kKeyTile];
-  const kv_t* values[kKeyTile];
-  const float* wide_keys[kKeyTile];  // keys/values as float32: in place, or widened into rows.wide
-  const float* wide_values[kKeyTile];
-  rows.wide.resize(std::max<size_t>(rows.wide.size(), 2 * kKeyTile * slot_stride));
+  const int64_t num_rows = (w.token_end - w.token_begin) * H;
+  KeyTile<kv_t> tile;
   for (int64_t p0 = 0; p0 < num_keys; p0 += kKeyTile) {
     const int64_t n_tile = std::min(kKeyTile, num_keys - p0);
     for (int64_t j = 0; j < n_tile; ++j) {  // the tile's slots through the block table
-      const int64_t pos = p0 + j;
-      const int64_t slot = slot_of(block_table, g, pos);
-      keys[j] = key_cache + slot * slot_stride;
-      values[j] = value_cache + slot * slot_stride;
+      const int64_t slot = slot_of(block_table, g, p0 + j);
+      tile.keys[j] = key_cache + slot * slot_stride;
+      tile.values[j] = value_cache + slot * slot_stride;
     }
     rows.next.fill(key_cache, value_cache, block_table, g, p0 + kKeyTile, std::min(p0 + 2 * kKeyTile, num_keys));
-    widen_slots(keys, n_tile, slot_stride, rows.wide.data(), wide_keys);
-    widen_slots(values, n_tile, slot_stride, rows.wide.data() + kKeyTile * slot_stride, wide_values);
-    const int64_t num_rows = (w.token_end - w.token_begin) * H;
     for (int64_t t = w.token_begin; t < w.token_end; ++t) {
-      const int64_t n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
-      if (n_valid <= 0) continue;
-      const float pos0 = static_cast<float>(kAlibi == kRelative ? p0 - (context_len + (t - seq_token_begin)) : p0);
-      for (int64_t h = 0; h < H; ++h) {
+      tile.n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
+      if (tile.n_valid <= 0) continue;
+      tile.pos0 = static_cast<float>(kAlibi == kRelative ? p0 - (context_len + (t - seq_token_begin)) : p0);
+      for (int64_t h = 0; h < H;) {  // groups of up to kMaxGroup heads sharing one KV head
+        const int64_t n = std::min(kMaxGroup, g.group - h % g.group);
         const int64_t row = (t - w.token_begin) * H + h;
-        rows.next.issue(row + 1, num_rows);
-        update_row<kAlibi>(rows, row, n_valid, wide_keys, wide_values, h / g.group * D, chunks,
-                           kAlibi ? slopes[h] : 0.0f, pos0, g.scale);
+        update_head_group<kAlibi>(n, rows, row, tile, h / g.group * D, chunks, kAlibi ? slopes + h : nullptr,
+                                  g.scale, num_rows);
+        h += n;
       }
     }
     rows.next.issue(num_rows, num_rows);  // the rest, when the tile's last tokens were past their keys

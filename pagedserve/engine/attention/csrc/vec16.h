@@ -61,25 +61,6 @@ inline vf16 load16<c10::Float8_e5m2>(const c10::Float8_e5m2* p) {
   return v;
 }
 
-// Points wide[j] at slot j's `floats` values as float32 (j < n): a float32 slot in place, any other
-// type widened into scratch + j * floats (`floats` a multiple of kLanes).
-template <typename kv_t>
-inline void widen_slots(const kv_t* const* slots, int64_t n, int64_t floats, float* scratch, const float** wide) {
-  for (int64_t j = 0; j < n; ++j) {
-    float* dst = scratch + j * floats;
-    for (int64_t c = 0; c < floats; c += kLanes) {
-      const vf16 v = load16(slots[j] + c);
-      __builtin_memcpy(dst + c, &v, sizeof v);
-    }
-    wide[j] = dst;
-  }
-}
-
-template <>
-inline void widen_slots<float>(const float* const* slots, int64_t n, int64_t, float*, const float** wide) {
-  for (int64_t j = 0; j < n; ++j) wide[j] = slots[j];
-}
-
 inline vf16 splat(float x) { return vf16{} + x; }
 
 // e^x lane by lane for x <= 0: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), e^r by its
