@@ -58,11 +58,13 @@ COPY proto ./proto
 COPY services ./services
 COPY kernels ./kernels
 COPY pagedserve ./pagedserve
-# the op is built into $PAGEDSERVE_CACHE_DIR/ops, which the run-time stage copies (not a volume)
+# the ops (attention; the few-row bfloat16 GEMM where the CPU has AVX512_BF16) are built into
+# $PAGEDSERVE_CACHE_DIR/ops, which the run-time stage copies (not a volume)
 RUN pip install --no-deps . \
     && mkdir -p "$PAGEDSERVE_CACHE_DIR" \
     && if [ "$PAGEDSERVE_TORCH_VARIANT" = cpu ]; then python -c 'import sys; \
-from pagedserve.engine.attention.cpu_op import load_cpu_attention_op as load; sys.exit(load() is None)'; fi
+from pagedserve.engine.attention.cpu_op import load_cpu_attention_op as load; \
+from pagedserve.engine.models.onednn import few_rows_available; few_rows_available(); sys.exit(load() is None)'; fi
 
 FROM python
 COPY --from=build /opt/venv /opt/venv

@@ -59,7 +59,7 @@ else
 fi
 
 assets_stamp=.venv/.pagedserve-assets
-assets_key="$(cat pagedserve/engine/attention/csrc/* pagedserve/model_files.py | sha256sum | cut -d' ' -f1) \
+assets_key="$(cat pagedserve/engine/attention/csrc/* pagedserve/engine/models/csrc/* pagedserve/model_files.py | sha256sum | cut -d' ' -f1) \
 ${PAGEDSERVE_CACHE_DIR:-$HOME/.cache/pagedserve}"
 if stamp_matches "$assets_stamp" "$assets_key"; then
   say "C++ attention op and default model: built (delete $assets_stamp to check again)"
@@ -68,9 +68,12 @@ else
   say "building the C++ paged-attention op and the default model folder (about 40 s, once)"
   python - <<'PY'
 from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
+from pagedserve.engine.models.onednn import few_rows_available
 from pagedserve.model_files import prepare_default_model
 
 print("   C++ op:", "built" if load_cpu_attention_op() else "NOT built (the torch backend is used): see the warning above",
+      flush=True)
+print("   few-row bfloat16 GEMM:", "built" if few_rows_available() else "not used (no AVX512_BF16, or see the warning above)",
       flush=True)
 print("   default model:", prepare_default_model(), flush=True)
 PY

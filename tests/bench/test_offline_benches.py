@@ -169,3 +169,20 @@ def test_attention_op_report(tmp_path):
         assert o["gbps"] == pytest.approx(o["kv_bytes"] / o["ms"] / 1e6)
         assert o["stream_share"] == pytest.approx(o["gbps"] / report["stream_gbps"])
     assert "streaming read" in stdout and "% of stream" in stdout
+
+
+def test_gemm_rows_report(tmp_path):
+    """Each kernel's GB/s is the weights' bytes over its time, at each row count asked for."""
+    from pagedserve.engine.models.onednn import few_rows_available
+
+    if not few_rows_available():
+        pytest.skip("the few-row bfloat16 kernel needs AVX512_BF16 and a C++ compiler")
+    out = tmp_path / "g.json"
+    stdout = bench("gemm-rows", "--rows", "1,3", "--layers", "1", "--rounds", "2", "--result-json", str(out))
+    report = json.loads(out.read_text())
+    weight_bytes = 2 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536 + 49152 * 576)
+    assert [t["rows"] for t in report["timings"]] == [1, 3]
+    for t in report["timings"]:
+        assert t["onednn_gbps"] == pytest.approx(weight_bytes / t["onednn_ms"] / 1e6)
+        assert t["few_rows_gbps"] == pytest.approx(weight_bytes / t["few_rows_ms"] / 1e6)
+    assert report["stream_gbps"] > 0 and "few-row GB/s" in stdout and "streaming read" in stdout

@@ -1,4 +1,5 @@
-"""Builds and loads the C++ paged-attention op for CPU (``csrc/paged_attention_cpu.cpp``).
+"""Builds and loads the C++ paged-attention op for CPU (``csrc/paged_attention_cpu.cpp``), and
+(:func:`load_cpu_library`) any other C++ op library of pagedserve's (``models/csrc``).
 
 The op is compiled once per machine with ``torch.utils.cpp_extension`` (the system C++ compiler,
 ``-O3 -march=native``) into a cache folder, then loaded into ``torch.ops.pagedserve_cpu``. The first
@@ -26,7 +27,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 LANES = 16  # the op's vector width in floats: head_dim must be a multiple (kLanes in the source)
 
 PagedAttentionOp = Callable[..., None]
-_loaded: dict[Path, PagedAttentionOp | None] = {}
+_loaded: dict[Path, bool] = {}  # source -> whether its library is loaded
 
 
 def default_build_dir() -> Path:
@@ -74,35 +75,50 @@ def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = N
         what failed and that the torch backend is used instead (also when the build folder cannot be
         created, e.g. on a read-only volume: nothing is raised).
     """
-    source = source or SOURCE
+    if load_cpu_library(source or SOURCE, "pagedserve_cpu_attention", "the C++ paged-attention op for CPU",
+                        "the torch attention backend", build_dir):
+        return torch.ops.pagedserve_cpu.paged_attention
+    return None
+
+
+def load_cpu_library(source: Path, prefix: str, what: str, fallback: str, build_dir: Path | None = None) -> bool:
+    """Builds (on first use, once per source version and CPU) and loads the torch op library of ``source``.
+
+    Args:
+        source: the C++ file; every header next to it is part of the build's version.
+        prefix: the build folder's and library's name before the version.
+        what, fallback: the op and what runs instead, for the warning when it cannot be built.
+        build_dir: where builds are cached (default :func:`default_build_dir`).
+
+    Returns:
+        Whether the library is loaded; ``False`` after logging a warning that says what failed and
+        that ``fallback`` is used instead (also when the build folder cannot be created, e.g. on a
+        read-only volume: nothing is raised).
+    """
     if source in _loaded:
         return _loaded[source]
-    digest = _source_digest(source)
-    name = f"pagedserve_cpu_attention_{digest}_{_cpu_fingerprint()}"
+    name = f"{prefix}_{_source_digest(source)}_{_cpu_fingerprint()}"
     folder = (build_dir or default_build_dir()) / name
-    op: PagedAttentionOp | None = None
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a read-only or foreign cache folder must not stop a worker
-        log.warning("the C++ paged-attention op for CPU has no build in %s and that folder cannot be created "
-                    "(%s); using the torch attention backend instead. Build the op ahead where the folder is "
-                    "writable (scripts/setup.sh; the Dockerfile builds it into the image) or point "
-                    "PAGEDSERVE_CACHE_DIR at a writable folder.", folder, exc)
-        _loaded[source] = op
-        return op
+        log.warning("%s has no build in %s and that folder cannot be created (%s); using %s instead. Build the "
+                    "op ahead where the folder is writable (scripts/setup.sh; the Dockerfile builds it into the "
+                    "image) or point PAGEDSERVE_CACHE_DIR at a writable folder.", what, folder, exc, fallback)
+        _loaded[source] = False
+        return False
     try:
         built = folder / f"{name}.so"
         if built.exists():  # built before: load it without taking the build lock
             torch.ops.load_library(str(built))
         else:
             _build(name, source, folder)
-        op = torch.ops.pagedserve_cpu.paged_attention
-    except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the torch path
-        log.warning("the C++ paged-attention op for CPU could not be built (%s: %s); using the torch "
-                    "attention backend instead. Install a C++ compiler (g++) and ninja to get it.",
-                    type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-    _loaded[source] = op
-    return op
+        _loaded[source] = True
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the fallback
+        log.warning("%s could not be built (%s: %s); using %s instead. Install a C++ compiler (g++) and ninja "
+                    "to get it.", what, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", fallback)
+        _loaded[source] = False
+    return _loaded[source]
 
 
 STALE_LOCK_S = 300.0

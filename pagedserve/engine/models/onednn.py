@@ -13,19 +13,28 @@ float32; on CPUs with AMX, oneDNN takes other bfloat16 kernels from 33 rows up (
 rows computed in batches of up to 32 differed in the last bits from the same rows in a batch of 257
 on most of the default model's shapes), so there a bfloat16 token's logits may change with the
 step's size.
+
+bfloat16 layers on a CPU with AVX512_BF16 also keep their weight packed for
+``csrc/few_rows_bf16.cpp``, which runs steps of up to :data:`FEW_ROWS` rows (decodes of a few
+sequences, batch-1 TPOT) at the memory bandwidth, 1.7-1.9x faster than oneDNN there; the cost is a
+second copy of the bfloat16 weights. Its rows do not depend on the row count up to
+:data:`FEW_ROWS`, so one row is not padded; past it oneDNN's kernels take over.
 ``--gemm-backend torch`` keeps ``F.linear`` as the reference path.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from pagedserve.engine.config import GemmBackend
+from pagedserve.engine.cpu_features import cpu_flags
 from pagedserve.engine.models.layers import Linear
 
 log = logging.getLogger("pagedserve.worker")
@@ -37,13 +46,33 @@ for inputs wider than about 1024) for one row, so a single row is padded with a 
 cost the same time as one (the weights dominate: scripts/gemm_batch_invariance.py times both).
 Asserted for the default model's shapes in tests/worker/test_onednn_linear.py."""
 
+FEW_ROWS = 8
+"""Rows up to which a bfloat16 layer runs the few-row kernel (``csrc/few_rows_bf16.cpp``): on the
+2-core Xeon it read the default model's weights at 17-18 GB/s for 1-4 rows and beat oneDNN up to 8
+(docs/benchmarks.md, "Few-row bfloat16 GEMMs"); from 12 rows oneDNN is faster."""
+FEW_ROWS_SOURCE = Path(__file__).parent / "csrc" / "few_rows_bf16.cpp"
+
 _layers: weakref.WeakValueDictionary[int, OneDnnLinear] = weakref.WeakValueDictionary()
 _ids = itertools.count()
 
 
+@functools.cache
+def few_rows_available() -> bool:
+    """Whether this CPU has AVX512_BF16 and the few-row kernel is built (on first use, as the attention op)."""
+    if "avx512_bf16" not in cpu_flags():
+        return False
+    from pagedserve.engine.attention.cpu_op import load_cpu_library
+
+    return load_cpu_library(FEW_ROWS_SOURCE, "pagedserve_few_rows_bf16", "the few-row bfloat16 GEMM for CPU",
+                            "oneDNN for every row count")
+
+
 def packed_linear(x: torch.Tensor, layer: OneDnnLinear) -> torch.Tensor:
-    """``x`` ``[T, in]`` through ``layer``'s packed weight: ``[T, out]`` (a single row run as :data:`MIN_ROWS`)."""
+    """``x`` ``[T, in]`` through ``layer``'s packed weight: ``[T, out]`` (up to :data:`FEW_ROWS` rows of
+    a bfloat16 layer through the few-row kernel; else a single row run as :data:`MIN_ROWS`)."""
     rows = x.shape[0]
+    if layer.pairs is not None and rows <= FEW_ROWS:
+        return torch.ops.pagedserve_gemm.few_rows_linear(x.contiguous(), layer.pairs, layer.float_bias)
     if rows < MIN_ROWS:
         x = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
     out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, layer.bias, "none", [], "")
@@ -82,6 +111,10 @@ class OneDnnLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)  # opaque
         self.bias = None if bias is None else bias.detach().clone()
+        few_rows = (weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0
+                    and few_rows_available())
+        self.pairs = torch.ops.pagedserve_gemm.pack_pairs(weight.detach()) if few_rows else None  # [out/16, in/2, 16, 2]
+        self.float_bias = None if bias is None or not few_rows else bias.detach().float()
         self.layer_id = next(_ids)
         _layers[self.layer_id] = self
 
