@@ -16,7 +16,7 @@ step's size.
 
 bfloat16 layers on a CPU with AVX512_BF16 also keep their weight packed for
 ``csrc/few_rows_bf16.cpp``, which runs steps of up to :data:`FEW_ROWS` rows (decodes of a few
-sequences, batch-1 TPOT) at the memory bandwidth, 1.7-1.9x faster than oneDNN there; the cost is a
+sequences, batch-1 TPOT) near the memory bandwidth, 1.8-2.0x oneDNN's speed at 1-4 rows; the cost is a
 second copy of the bfloat16 weights. Its rows do not depend on the row count up to
 :data:`FEW_ROWS`, so one row is not padded; past it oneDNN's kernels take over.
 ``--gemm-backend torch`` keeps ``F.linear`` as the reference path.
@@ -48,8 +48,9 @@ Asserted for the default model's shapes in tests/worker/test_onednn_linear.py.""
 
 FEW_ROWS = 8
 """Rows up to which a bfloat16 layer runs the few-row kernel (``csrc/few_rows_bf16.cpp``): on the
-2-core Xeon it read the default model's weights at 17-18 GB/s for 1-4 rows and beat oneDNN up to 8
-(docs/benchmarks.md, "Few-row bfloat16 GEMMs"); from 12 rows oneDNN is faster."""
+2-core Xeon it read the default model's weights at 15-17 GB/s for 1-4 rows (oneDNN 8.4-8.5), 1.1x
+oneDNN's speed at 8 rows, 0.8x at 12 (`pagedserve bench gemm-rows`; docs/benchmarks.md, "The
+attention op regrouped, and few-row bfloat16 GEMMs")."""
 FEW_ROWS_SOURCE = Path(__file__).parent / "csrc" / "few_rows_bf16.cpp"
 
 _layers: weakref.WeakValueDictionary[int, OneDnnLinear] = weakref.WeakValueDictionary()

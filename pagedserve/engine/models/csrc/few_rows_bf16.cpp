@@ -1,6 +1,7 @@
 // y = x @ W^T + bias for a few rows of bfloat16 activations: AVX512_BF16 dot products over a weight
-// packed once, at the memory bandwidth where oneDNN's kernels for 1-8 rows read the weights at about
-// half of it (docs/benchmarks.md, "Few-row bfloat16 GEMMs").
+// packed once, near the memory bandwidth where oneDNN's kernels for 1-8 rows read the weights at about
+// half of it (`pagedserve bench gemm-rows`; docs/benchmarks.md, "The attention op regrouped, and
+// few-row bfloat16 GEMMs").
 //
 // vdpbf16ps (Intel SDM, VDPBF16PS) multiplies 16 pairs of bfloat16 and adds each pair's two products
 // to one float32 lane. The packed weight puts in each 64-byte line the pairs (k, k + 1) of 16
