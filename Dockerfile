@@ -56,7 +56,7 @@ RUN python3 -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb")
 COPY README.md ./
 COPY proto ./proto
 COPY services ./services
-COPY kernels ./kernels
+COPY pagedserve_kernels ./pagedserve_kernels
 COPY pagedserve ./pagedserve
 # the ops (attention; the few-row bfloat16 GEMM where the CPU has AVX512_BF16) are built into
 # $PAGEDSERVE_CACHE_DIR/ops, which the run-time stage copies (not a volume)

@@ -1,6 +1,6 @@
 """The paged KV cache: per-layer key and value tensors split into fixed-size blocks.
 
-Layout (shared with ``kernels/`` and the attention backends), per layer and for K and V alike:
+Layout (shared with ``pagedserve_kernels/`` and the attention backends), per layer and for K and V alike:
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. A token's slot is
 ``block_id * block_size + offset_in_block`` (PagedAttention, Kwon et al., SOSP 2023, §4.1-4.2).
 Only the worker touches these tensors; the scheduler's block manager decides which blocks a

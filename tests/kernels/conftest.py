@@ -13,7 +13,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("kernels._alibi", "kernels.kv_cache_write", "kernels.decode_attention",
-                  "kernels.prefill_attention"):
+    for _name in ("pagedserve_kernels._alibi", "pagedserve_kernels.kv_cache_write", "pagedserve_kernels.decode_attention",
+                  "pagedserve_kernels.prefill_attention"):
         if _name in sys.modules:
             importlib.reload(sys.modules[_name])

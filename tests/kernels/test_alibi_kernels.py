@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.decode_attention import paged_decode_attention
-from kernels.prefill_attention import paged_prefill_attention
+from pagedserve_kernels.decode_attention import paged_decode_attention
+from pagedserve_kernels.prefill_attention import paged_prefill_attention
 from pagedserve.engine.attention import TritonAttentionBackend
 from pagedserve.engine.attention.alibi import alibi_slopes
 from tests.worker.test_alibi_attention import dense_reference, make_batch

@@ -1,4 +1,4 @@
-"""CPU-side checks of kernels.bench: its plumbing must work the first time on a GPU."""
+"""CPU-side checks of pagedserve_kernels.bench: its plumbing must work the first time on a GPU."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kernel_test_utils import DEVICE
-from kernels import bench
-from kernels.bench_checks import check_all
+from pagedserve_kernels import bench
+from pagedserve_kernels.bench_checks import check_all
 
 SMALL_CASES = [
     bench.Case("decode", 3, 40, num_kv_heads=2, num_heads=8, head_dim=64),

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kernel_test_utils import DEVICE, assert_close, make_paged_kv, nan_like, randn, requires_cuda
-from kernels.decode_attention import choose_num_splits, paged_decode_attention
-from kernels.reference import paged_decode_attention_ref
+from pagedserve_kernels.decode_attention import choose_num_splits, paged_decode_attention
+from pagedserve_kernels.reference import paged_decode_attention_ref
 
 SEQ_LENS = [1, 17, 50, 130]  # ragged, mostly not multiples of the block size
 NUM_KV_HEADS = 2

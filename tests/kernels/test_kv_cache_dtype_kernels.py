@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from kernel_test_utils import DEVICE, assert_close, make_paged_kv, nan_like, randn
-from kernels.decode_attention import paged_decode_attention
-from kernels.prefill_attention import paged_prefill_attention
-from kernels.reference import paged_attention_ref, paged_decode_attention_ref
+from pagedserve_kernels.decode_attention import paged_decode_attention
+from pagedserve_kernels.prefill_attention import paged_prefill_attention
+from pagedserve_kernels.reference import paged_attention_ref, paged_decode_attention_ref
 from pagedserve.engine.attention import TorchAttentionBackend, TritonAttentionBackend
 from pagedserve.engine.attention.metadata import build_attention_metadata, compute_positions
 from pagedserve.engine.kv_cache import to_cache_dtype

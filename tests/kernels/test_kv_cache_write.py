@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kernel_test_utils import DEVICE, randn
-from kernels.kv_cache_write import write_kv_cache
-from kernels.reference import write_kv_cache_ref
+from pagedserve_kernels.kv_cache_write import write_kv_cache
+from pagedserve_kernels.reference import write_kv_cache_ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]  # pure copy: bf16 is exact on CPU too
 

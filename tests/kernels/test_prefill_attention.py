@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kernel_test_utils import DEVICE, assert_close, make_paged_kv, nan_like, randn, requires_cuda
-from kernels.prefill_attention import paged_prefill_attention
-from kernels.reference import paged_attention_ref
+from pagedserve_kernels.prefill_attention import paged_prefill_attention
+from pagedserve_kernels.reference import paged_attention_ref
 
 # (cached prefix length, new query length) per sequence: a fresh prefill, a
 # decode-like single token, and extends whose lengths are not block multiples.

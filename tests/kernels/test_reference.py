@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from kernels.reference import paged_attention_ref, write_kv_cache_ref
+from pagedserve_kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 
 def test_write_kv_cache_ref_skips_negative_slots():

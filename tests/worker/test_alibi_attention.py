@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kernels.reference import paged_attention_ref
+from pagedserve_kernels.reference import paged_attention_ref
 from pagedserve.engine.attention import (CpuAttentionBackend, TorchAttentionBackend, build_attention_metadata,
                                          compute_positions, cpu_op)
 from pagedserve.engine.attention.alibi import alibi_slopes
@@ -45,7 +45,7 @@ def make_batch(seed: int, seqs: list[tuple[int, int]], block_size: int, heads: i
 
 
 def dense_reference(md, q, k_cache, v_cache, slopes: torch.Tensor, bf16: bool = False) -> torch.Tensor:
-    """Masked softmax with the bias, one sequence at a time (``kernels/reference.py``); ``bf16``:
+    """Masked softmax with the bias, one sequence at a time (``pagedserve_kernels/reference.py``); ``bf16``:
     transformers' Falcon form ``scale * bf16(slope * bf16(key_pos))``."""
     return paged_attention_ref(q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                q.shape[-1] ** -0.5, alibi_slopes=slopes, alibi_bf16=bf16)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.reference import paged_attention_ref
+from pagedserve_kernels.reference import paged_attention_ref
 from pagedserve.engine.attention import TorchAttentionBackend, build_attention_metadata, compute_positions
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
 

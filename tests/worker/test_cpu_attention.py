@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.reference import paged_attention_ref
+from pagedserve_kernels.reference import paged_attention_ref
 from pagedserve.engine.attention import (CpuAttentionBackend, TorchAttentionBackend, build_attention_metadata,
                                          compute_positions, make_attention_backend)
 from pagedserve.engine.attention import cpu_op

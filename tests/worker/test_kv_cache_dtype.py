@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.reference import paged_attention_ref
+from pagedserve_kernels.reference import paged_attention_ref
 from pagedserve.engine.attention import CpuAttentionBackend, TorchAttentionBackend
 from pagedserve.engine.config import KVCacheDtype
 from pagedserve.engine.kv_cache import (KVCache, KVCacheSpec, as_stored, cache_dtype, num_blocks_for_memory,

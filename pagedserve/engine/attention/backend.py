@@ -2,7 +2,7 @@
 
 A backend writes the step's new keys/values into the paged cache, then computes attention of the
 new tokens over their whole context. The torch backend implements it on any device; the CPU backend
-adds a compiled C++ op for decodes; a Triton backend (``kernels/``) takes the same
+adds a compiled C++ op for decodes; a Triton backend (``pagedserve_kernels/``) takes the same
 :class:`AttentionMetadata` and plugs in through this Protocol.
 """
 

@@ -1,6 +1,6 @@
 """Per-step attention metadata: where new K/V go and which cached tokens each sequence reads.
 
-Conventions (shared with the Triton kernels in ``kernels/``; PagedAttention, Kwon et al., SOSP 2023, §4):
+Conventions (shared with the Triton kernels in ``pagedserve_kernels/``; PagedAttention, Kwon et al., SOSP 2023, §4):
 the scheduled tokens of all sequences form one flat batch without padding; sequence ``i`` owns
 tokens ``query_start_loc[i] : query_start_loc[i+1]``, which are the last ``query_len`` positions of
 its ``seq_lens[i]`` context positions; the query at position ``p`` attends to keys at positions ``<= p``.

@@ -1,4 +1,4 @@
-"""Paged attention with the Triton kernels of ``kernels/`` (the GPU backend).
+"""Paged attention with the Triton kernels of ``pagedserve_kernels/`` (the GPU backend).
 
 The kernels read K/V straight from the blocks through the block table (no gathered copies):
 a decode-only batch uses the paged decode kernel (flash-decoding split for few, long sequences);
@@ -17,7 +17,7 @@ from pagedserve.engine.kv_cache import to_cache_dtype
 
 
 class TritonAttentionBackend:
-    """The :class:`~pagedserve.engine.attention.backend.AttentionBackend` built on ``kernels/``.
+    """The :class:`~pagedserve.engine.attention.backend.AttentionBackend` built on ``pagedserve_kernels/``.
 
     Raises (from the kernels, before launch): ``ValueError``/``TypeError`` on shapes, dtypes or
     devices the kernels do not take (e.g. a head_dim that is not a power of two).
@@ -27,7 +27,7 @@ class TritonAttentionBackend:
                  value_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
         """Scatters ``key``/``value`` ``[T, Hkv, D]`` into the caches at ``metadata.slot_mapping``, rounded to
         the caches' dtype first (``kv_cache.to_cache_dtype``: torch's rounding, the other backends' too)."""
-        from kernels import write_kv_cache
+        from pagedserve_kernels import write_kv_cache
 
         write_kv_cache(to_cache_dtype(key, key_cache.dtype), to_cache_dtype(value, value_cache.dtype), key_cache,
                        value_cache, metadata.slot_mapping)
@@ -37,7 +37,7 @@ class TritonAttentionBackend:
                scale: float, alibi_slopes: torch.Tensor | None = None, alibi_bf16: bool = False) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, H, D]`` over the paged context -> ``[T, H, D]``;
         ``alibi_slopes``: float32 ``[H]`` or ``None``; ``alibi_bf16``: Falcon's form (see ``backend.py``)."""
-        from kernels import paged_decode_attention, paged_prefill_attention
+        from pagedserve_kernels import paged_decode_attention, paged_prefill_attention
 
         if metadata.max_query_len == 1:
             return paged_decode_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,

@@ -1,6 +1,6 @@
-"""Correctness checks run by ``kernels.bench`` before timing.
+"""Correctness checks run by ``pagedserve_kernels.bench`` before timing.
 
-Each kernel is compared with :mod:`kernels.reference` (computed in float32 from
+Each kernel is compared with :mod:`pagedserve_kernels.reference` (computed in float32 from
 the same inputs) on ragged batches with shuffled block tables, GQA, context
 lengths that are not block multiples, and an explicit Flash-Decoding split.
 The batched torch baseline used for the speedup column is checked too. The
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import paged_attention_ref, write_kv_cache_ref
+from pagedserve_kernels.reference import paged_attention_ref, write_kv_cache_ref
 
 
 def _paged(seq_lens, block_size, num_kv_heads, head_dim, dtype, device, gen):
@@ -36,8 +36,8 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _attention_case(kind, dtype, device, gen, ctx_q, group, head_dim, block_size, splits=None):
     """Run one decode/prefill/baseline check; return (shape string, relative error)."""
-    from kernels import paged_decode_attention, paged_prefill_attention
-    from kernels.bench_baselines import attention_torch
+    from pagedserve_kernels import paged_decode_attention, paged_prefill_attention
+    from pagedserve_kernels.bench_baselines import attention_torch
 
     seq_lens = [c + q for c, q in ctx_q]
     q_lens = [q for _, q in ctx_q]
@@ -62,7 +62,7 @@ def _attention_case(kind, dtype, device, gen, ctx_q, group, head_dim, block_size
 
 
 def _write_case(dtype, device, gen):
-    from kernels import write_kv_cache
+    from pagedserve_kernels import write_kv_cache
 
     k_cache = torch.randn(10, 16, 4, 128, generator=gen).to(device=device, dtype=dtype)
     v_cache = torch.randn(10, 16, 4, 128, generator=gen).to(device=device, dtype=dtype)

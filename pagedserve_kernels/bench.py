@@ -1,16 +1,16 @@
 """GPU benchmark and correctness check of the paged-KV Triton kernels.
 
 Times the KV-cache write, paged decode and paged prefill kernels on CUDA. First
-checks every kernel against kernels.reference (in the --check-dtypes, default
+checks every kernel against pagedserve_kernels.reference (in the --check-dtypes, default
 float16 and bfloat16) and prints PASS/FAIL; then times each case with
 triton.testing.do_bench (median) and prints milliseconds, achieved GB/s (the
 minimum bytes the operation must move), that bandwidth as a percentage of a
 device-to-device torch copy measured in the same run, TFLOP/s for attention,
 and the speedup over a batched torch baseline (block gather +
-scaled_dot_product_attention, see kernels.bench_baselines) timed in the same
+scaled_dot_product_attention, see pagedserve_kernels.bench_baselines) timed in the same
 run. Exit status: 0 ok, 1 a check or a case failed, 2 no CUDA device.
 
-Usage: ``python -m kernels.bench [--main-only] [--json results.json]``.
+Usage: ``python -m pagedserve_kernels.bench [--main-only] [--json results.json]``.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def _make_inputs(case: Case, dtype: torch.dtype, gen: torch.Generator, dev: str 
 
 def _callables(case: Case, x: dict):
     """Return (triton_fn, torch_fn, bytes_moved, flops) for a case."""
-    from kernels import bench_baselines as base
-    from kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
+    from pagedserve_kernels import bench_baselines as base
+    from pagedserve_kernels import paged_decode_attention, paged_prefill_attention, write_kv_cache
 
     elem = x["k_cache"].element_size()
     q, k_cache, v_cache, table, lens = (x["query"], x["k_cache"], x["v_cache"],
@@ -176,8 +176,8 @@ def copy_bandwidth_gbps(args) -> float:
 
 
 def run_checks(dtypes) -> list[dict]:
-    """Correctness of every kernel against kernels.reference on ragged GPU batches."""
-    from kernels.bench_checks import check_all
+    """Correctness of every kernel against pagedserve_kernels.reference on ragged GPU batches."""
+    from pagedserve_kernels.bench_checks import check_all
     return check_all(dtypes, CHECK_TOL)
 
 
@@ -212,7 +212,7 @@ def print_table(results: list[Result], copy_gbps: float) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m kernels.bench",
+        prog="python -m pagedserve_kernels.bench",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
         epilog="Main case: decode, 64 sequences x 2048 context, bfloat16, 32 query / 8 KV heads, "
                "head_dim 128, block_size 16.",
@@ -236,7 +236,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.bench needs a CUDA GPU, and torch.cuda.is_available() is False "
+        print("pagedserve_kernels.bench needs a CUDA GPU, and torch.cuda.is_available() is False "
               "(CPU-only torch build or no visible device). Nothing was run.", file=sys.stderr)
         return 2
     if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import (INDEX_DTYPES, KV_DTYPES, check_kv_cache, check_same_device,
+from pagedserve_kernels._checks import (INDEX_DTYPES, KV_DTYPES, check_kv_cache, check_same_device,
                              check_same_dtype, check_shape, check_tensor, next_pow2)
 
 

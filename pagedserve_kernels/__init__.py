@@ -1,7 +1,7 @@
 """Triton kernels for the paged KV cache.
 
-Public API (the Triton launchers are imported lazily, so ``import kernels`` and
-``import kernels.reference`` work without triton installed):
+Public API (the Triton launchers are imported lazily, so ``import pagedserve_kernels`` and
+``import pagedserve_kernels.reference`` work without triton installed):
 
     write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
     paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
@@ -16,9 +16,9 @@ imported to run the kernels in the Triton interpreter.
 from importlib import import_module
 
 _LAZY = {
-    "write_kv_cache": "kernels.kv_cache_write",
-    "paged_decode_attention": "kernels.decode_attention",
-    "paged_prefill_attention": "kernels.prefill_attention",
+    "write_kv_cache": "pagedserve_kernels.kv_cache_write",
+    "paged_decode_attention": "pagedserve_kernels.decode_attention",
+    "paged_prefill_attention": "pagedserve_kernels.prefill_attention",
 }
 
 __all__ = sorted(_LAZY)
@@ -27,4 +27,4 @@ __all__ = sorted(_LAZY)
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'kernels' has no attribute {name!r}")
+    raise AttributeError(f"module 'pagedserve_kernels' has no attribute {name!r}")

@@ -1,6 +1,6 @@
-"""Batched torch baselines for ``kernels.bench`` (imports only torch).
+"""Batched torch baselines for ``pagedserve_kernels.bench`` (imports only torch).
 
-Unlike :mod:`kernels.reference`, which loops over sequences in Python (fine for
+Unlike :mod:`pagedserve_kernels.reference`, which loops over sequences in Python (fine for
 tests, dominated by launch overhead on a GPU), these are the fastest
 straightforward torch formulations: one gather of every sequence's blocks into
 a padded contiguous K/V, then one ``scaled_dot_product_attention`` call. They

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._alibi import round_bf16
-from kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_alibi_slopes, check_heads, check_kv_cache, check_out,
+from pagedserve_kernels._alibi import round_bf16
+from pagedserve_kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_alibi_slopes, check_heads, check_kv_cache, check_out,
                              check_same_device, check_cache_dtype, check_shape, check_tensor,
                              next_pow2)
 
