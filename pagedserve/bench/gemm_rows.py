@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedserve.bench.attention_op import STREAM_BYTES
+from pagedserve.bench.attention_op import STREAM_BYTES, _median_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.report import format_table
 
@@ -54,17 +54,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _median_ms(call, rounds: int) -> float:
-    """Median over ``rounds`` of one call's time, milliseconds (one warm-up call)."""
-    call()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
     """The streaming read's GB/s and a :class:`RowsTiming` per row count.
 
@@ -84,7 +73,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
     inputs = {i: torch.randn(max(map(int, args.rows.split(","))) + MIN_ROWS, i, generator=g).bfloat16()
               for i in {s[1] for s in shapes}}
     buffer = torch.ones(STREAM_BYTES // 4)
-    stream_gbps = STREAM_BYTES / _median_ms(buffer.sum, args.rounds) / 1e6
+    stream_gbps = STREAM_BYTES / _median_ms(lambda i: buffer.sum(), 1, args.rounds) / 1e6
 
     def onednn(rows: int) -> None:
         for layer, (_, i) in zip(layers, shapes):
@@ -97,9 +86,12 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
     timings = []
     for rows in map(int, args.rows.split(",")):
         ms = {onednn: [], few_rows: []}
+        onednn(rows), few_rows(rows)  # warm-up
         for r in range(args.rounds):  # alternate, so drift hits both
             for kernel in (onednn, few_rows) if r % 2 == 0 else (few_rows, onednn):
-                ms[kernel].append(_median_ms(lambda: kernel(rows), 1))
+                start = time.perf_counter()
+                kernel(rows)
+                ms[kernel].append((time.perf_counter() - start) * 1e3)
         a, b = statistics.median(ms[onednn]), statistics.median(ms[few_rows])
         timings.append(RowsTiming(rows, a, b, weight_bytes / a / 1e6, weight_bytes / b / 1e6))
     return stream_gbps, timings
