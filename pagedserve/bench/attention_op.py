@@ -78,7 +78,7 @@ def _decode_batch(args: argparse.Namespace):
         sum(blocks)
 
 
-def _median_ms(call, repeats: int, rounds: int) -> float:
+def median_ms(call, repeats: int, rounds: int) -> float:
     """Median over ``rounds`` of the mean time of ``repeats`` calls, milliseconds (one warm-up round)."""
     times = []
     for _ in range(rounds + 1):
@@ -109,7 +109,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
     out = torch.empty_like(query)
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
     buffer = torch.ones(STREAM_BYTES // 4)
-    stream_ms = _median_ms(lambda i: buffer.sum(), 5, args.rounds)
+    stream_ms = median_ms(lambda i: buffer.sum(), 5, args.rounds)
     stream_gbps = STREAM_BYTES / stream_ms / 1e6
     timings = []
     for choice in KVCacheDtype:
@@ -121,7 +121,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
             k, v = caches[i % args.layers]
             op(out, query, k, v, md.block_tables, md.seq_lens, md.query_start_loc, args.head_dim ** -0.5)
 
-        ms = _median_ms(call, 4 * args.layers, args.rounds)
+        ms = median_ms(call, 4 * args.layers, args.rounds)
         kv_bytes = 2 * int(md.seq_lens.sum()) * args.num_kv_heads * args.head_dim * dtype.itemsize
         timings.append(OpTiming(choice.value, str(dtype).removeprefix("torch."), ms, kv_bytes, kv_bytes / ms / 1e6,
                                 kv_bytes / ms / 1e6 / stream_gbps))

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedserve.bench.attention_op import STREAM_BYTES, _median_ms
+from pagedserve.bench.attention_op import STREAM_BYTES, median_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.report import format_table
 
@@ -73,7 +73,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
     inputs = {i: torch.randn(max(map(int, args.rows.split(","))) + MIN_ROWS, i, generator=g).bfloat16()
               for i in {s[1] for s in shapes}}
     buffer = torch.ones(STREAM_BYTES // 4)
-    stream_gbps = STREAM_BYTES / _median_ms(lambda i: buffer.sum(), 1, args.rounds) / 1e6
+    stream_gbps = STREAM_BYTES / median_ms(lambda i: buffer.sum(), 1, args.rounds) / 1e6
 
     def onednn(rows: int) -> None:
         for layer, (_, i) in zip(layers, shapes):
