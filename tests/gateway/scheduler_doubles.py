@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import redis
@@ -20,6 +21,10 @@ from services.common.signed_records import sign_record
 TOKEN = "test-cluster-token"
 STOP_WAIT_S = 2.0
 """Longest wait for a stopped server's handlers to end, seconds (see ``FakeScheduler.stop``)."""
+SCENARIO_TIMEOUT_S = 40.0
+"""Longest a scenario of :func:`run_scenario` may run, seconds (below the tests' 60 s pytest timeout)."""
+CLEANUP_WAIT_S = 5.0
+"""Longest wait for the tasks a scenario left behind to end once cancelled, seconds."""
 
 
 class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
@@ -134,3 +139,41 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def run_scenario(scenario: Callable[[], Awaitable[None]], timeout_s: float = SCENARIO_TIMEOUT_S) -> None:
+    """Runs ``scenario()`` in a new event loop with a bounded run and a bounded clean-up.
+
+    ``asyncio.run`` waits without limit for the tasks left at the end (a grpc.aio server stop
+    among them, see ``FakeScheduler.stop``): a CI run once hung there until pytest's timeout, with
+    only the idle event loop's stack to show. Here the leftovers get ``CLEANUP_WAIT_S`` seconds
+    once cancelled, and a scenario still running after ``timeout_s`` fails with every task's stack.
+
+    Raises:
+        AssertionError: the scenario ran past ``timeout_s`` (the message holds each task's stack).
+    """
+    async def bounded() -> None:
+        task = asyncio.ensure_future(scenario())
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if not done:
+            stacks = "\n".join(_task_stack(t) for t in asyncio.all_tasks() if t is not asyncio.current_task())
+            task.cancel()
+            raise AssertionError(f"the scenario ran past {timeout_s} s; its tasks:\n{stacks}")
+        task.result()
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(bounded())
+    finally:
+        leftovers = asyncio.all_tasks(loop)
+        for task in leftovers:
+            task.cancel()
+        if leftovers:
+            loop.run_until_complete(asyncio.wait(leftovers, timeout=CLEANUP_WAIT_S))
+        loop.run_until_complete(asyncio.wait({loop.create_task(loop.shutdown_asyncgens())}, timeout=CLEANUP_WAIT_S))
+        loop.close()
+
+
+def _task_stack(task: asyncio.Task) -> str:
+    frames = traceback.format_list(traceback.extract_stack(task.get_stack()[-1])) if task.get_stack() else []
+    return f"{task.get_name()} {task.get_coro()!r}:\n{''.join(frames)}"

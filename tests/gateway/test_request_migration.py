@@ -18,7 +18,7 @@ from services.gateway.generation_core import GenerationCore, GenerationError, St
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter
-from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, event, register, until
+from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, event, register, until, run_scenario
 
 pytestmark = pytest.mark.timeout(60)
 LENGTH = pb.FINISH_REASON_LENGTH
@@ -102,7 +102,7 @@ def test_tokens_come_from_the_owner_and_move_with_a_resume_query(client, redis_u
             assert len(gw.s1.aborted(key)) == 1 and gw.s2.aborts == []
             assert gw.metrics.requests_migrated._value.get() == 1
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
 
 def test_resume_carries_each_samples_received_tokens_and_finish(client, redis_url):
@@ -127,7 +127,7 @@ def test_resume_carries_each_samples_received_tokens_and_finish(client, redis_ur
             assert gw.text(0) == "acef" and gw.token_ids(0) == [0, 2, 4, 5]
             assert gw.metrics.requests_migrated._value.get() == 2
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
 
 def test_a_resume_query_or_tokens_for_a_request_nobody_waits_for_get_an_abort(client, redis_url):
@@ -140,7 +140,7 @@ def test_a_resume_query_or_tokens_for_a_request_nobody_waits_for_get_an_abort(cl
             await asyncio.sleep(0.2)
             assert len(gw.s2.aborted("orphan")) == 1 and gw.s1.resumes == gw.s2.resumes == []
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
 
 def test_a_client_that_leaves_before_any_scheduler_answered_aborts_on_every_scheduler(client, redis_url):
@@ -151,7 +151,7 @@ def test_a_client_that_leaves_before_any_scheduler_answered_aborts_on_every_sche
             await until(lambda: gw.s1.aborted(key) and gw.s2.aborted(key), "an abort to each scheduler")
             await until(lambda: client.xlen(redis_keys.REQUEST_STREAM) == 0, "the stream entry deleted")
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
 
 def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_scheduler_is_up(client, redis_url):
@@ -165,7 +165,7 @@ def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_schedu
             assert gw.error.kind == StatusKind.UNAVAILABLE
             gw.core.check_scheduler()  # s2 is up: new requests are accepted
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
 
 def test_new_requests_are_refused_when_no_scheduler_was_reachable_for_the_grace(client, redis_url):
@@ -180,7 +180,7 @@ def test_new_requests_are_refused_when_no_scheduler_was_reachable_for_the_grace(
             core.check_scheduler()
         assert caught.value.kind == StatusKind.UNAVAILABLE
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
 
 def test_a_request_redis_lost_before_any_scheduler_took_it_is_queued_again(client, redis_url):
@@ -199,4 +199,4 @@ def test_a_request_redis_lost_before_any_scheduler_took_it_is_queued_again(clien
             await until(lambda: getattr(gw, "done", False), "the request to finish")
             assert gw.token_ids() == [0, 1] and not hasattr(gw, "error")
 
-    asyncio.run(scenario())
+    run_scenario(scenario)

@@ -8,7 +8,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.gateway.scheduler_discovery import SchedulerDiscovery
-from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, register, until
+from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, register, until, run_scenario
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,7 +42,7 @@ def test_connects_to_every_live_scheduler_and_drops_one_whose_lease_expired_once
             await asyncio.gather(s1.stop(), s2.stop())
         assert s1.open_streams == 0  # cancelling discovery closes its streams
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
 
 def test_registrations_not_signed_with_the_cluster_token_are_ignored(client, redis_url):
@@ -63,7 +63,7 @@ def test_registrations_not_signed_with_the_cluster_token_are_ignored(client, red
             await asyncio.gather(*(s.stop() for s in (good, unsigned, foreign)))
         assert unsigned.stream_gateways == foreign.stream_gateways == []
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
 
 def test_a_registration_whose_lease_holds_another_instance_is_not_live(client, redis_url):
@@ -79,4 +79,4 @@ def test_a_registration_whose_lease_holds_another_instance_is_not_live(client, r
             await discovery.close()
             await s1.stop()
 
-    asyncio.run(scenario())
+    run_scenario(scenario)

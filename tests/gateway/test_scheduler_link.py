@@ -10,7 +10,7 @@ import grpc
 
 from services.common.pb import engine_pb2 as pb
 from services.gateway.scheduler_link import SchedulerLink
-from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, until
+from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, until, run_scenario
 
 
 class SlowlyRefusing(FakeScheduler):
@@ -41,7 +41,7 @@ def test_a_scheduler_refusing_every_stream_never_counts_as_connected():
         await scheduler.stop()
         assert True not in changes and down_for >= 1.4
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
 
 def test_a_stream_answered_with_headers_counts_as_connected_before_any_event():
@@ -56,4 +56,4 @@ def test_a_stream_answered_with_headers_counts_as_connected_before_any_event():
         await scheduler.stop()
         assert changes == [True, False]
 
-    asyncio.run(scenario())
+    run_scenario(scenario)

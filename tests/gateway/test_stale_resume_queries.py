@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.gateway import test_request_migration
-from tests.gateway.scheduler_doubles import FakeScheduler, event, until
+from tests.gateway.scheduler_doubles import FakeScheduler, event, until, run_scenario
 from tests.gateway.test_request_migration import LENGTH, Gateway
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,5 +54,5 @@ def test_a_stale_resume_query_does_not_take_the_request_from_the_scheduler_that_
             await until(lambda: getattr(gw, "done", False), "the request to finish", timeout_s=5)
             assert gw.token_ids() == [0, 1, 2, 3] and not gw.s2.aborted(key) and not gw.s1.resumes
 
-    asyncio.run(scenario())
+    run_scenario(scenario)
 
