@@ -76,8 +76,8 @@ def _instrument_layers(model, timers: StepTimers) -> None:
     model.rotary.forward = timers.wrap("rotary", model.rotary.forward)
     model.norm.forward = timers.wrap("norm", model.norm.forward)
     for layer in model.layers:
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.forward = timers.wrap("norm", norm.forward)
+        layer.input_layernorm.forward = timers.wrap("norm", layer.input_layernorm.forward)
+        layer.post_attention_layernorm.add_then_norm = timers.wrap("norm", layer.post_attention_layernorm.add_then_norm)
         for name, linear in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
                              ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
             linear.forward = timers.wrap(name, linear.forward)

@@ -29,7 +29,8 @@ from pagedserve.engine.models.checkpoint_map import grouped_qkv_order, load_rena
 from pagedserve.engine.models.gpt_config import GPTNeoXConfig
 from pagedserve.engine.models.layers import LayerNorm, Linear
 from pagedserve.engine.models.llama import PagedAttentionFn
-from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from pagedserve.engine.models.fused_ops import apply_rotary
+from pagedserve.engine.models.rope import RotaryEmbedding
 from pagedserve.engine.models.sharded import ShardedCausalLM, reduce_partial
 from pagedserve.engine.parallel.sharding import (ShardLayout, Slice, grouped_qkv_slice, rank_part, row_parallel,
                                                  vocab_rows)

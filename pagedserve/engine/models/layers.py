@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedserve.engine.models.fused_ops import add_rms_norm, rms_norm
+
 
 class Linear(nn.Module):
     """``y = x @ weight.T + bias`` with ``weight`` ``[out, in]``; storage is allocated uninitialised
@@ -56,8 +58,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, hidden]`` -> ``[T, hidden]``, same dtype."""
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        """``[..., hidden]`` -> ``[..., hidden]``, same dtype."""
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_then_norm(self, residual: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """``residual += delta`` (in place), then this norm of it: ``[T, hidden]`` -> ``[T, hidden]``
+        (one pass on CPU)."""
+        return add_rms_norm(residual, delta, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):

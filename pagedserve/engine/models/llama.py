@@ -18,7 +18,8 @@ from torch import nn
 
 from pagedserve.engine.models.llama_config import LlamaConfig
 from pagedserve.engine.models.layers import GatedMLP, Linear, RMSNorm
-from pagedserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from pagedserve.engine.models.fused_ops import apply_rotary
+from pagedserve.engine.models.rope import RotaryEmbedding
 from pagedserve.engine.models.sharded import ShardedCausalLM, reduce_partial
 from pagedserve.engine.parallel.sharding import Slice, llama_checkpoint_slice
 from pagedserve.engine.weight_loader import load_weights
@@ -82,8 +83,8 @@ class LlamaDecoderLayer(nn.Module):
         o_proj and down_proj are row-parallel: their partial sums meet in one all-reduce each
         (Shoeybi et al., 2019, §3)."""
         attn = self.self_attn(self.input_layernorm(x), cos, sin, attention)  # (T, hidden), partial under TP
-        x += reduce_partial(self.parallel, attn)
-        mlp = self.mlp(self.post_attention_layernorm(x))                  # (T, hidden), partial under TP
+        h = self.post_attention_layernorm.add_then_norm(x, reduce_partial(self.parallel, attn))  # x += attn
+        mlp = self.mlp(h)                                                  # (T, hidden), partial under TP
         x += reduce_partial(self.parallel, mlp)
         return x
 

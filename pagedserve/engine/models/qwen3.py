@@ -14,7 +14,7 @@ import torch
 from pagedserve.engine.models.llama_config import LlamaConfig
 from pagedserve.engine.models.layers import RMSNorm
 from pagedserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, PagedAttentionFn
-from pagedserve.engine.models.rope import apply_rotary
+from pagedserve.engine.models.fused_ops import apply_rotary
 
 
 class Qwen3Attention(LlamaAttention):

@@ -112,11 +112,3 @@ class RotaryEmbedding(nn.Module):
         cos = (angles.cos() * self.attention_factor).to(dtype)[:, None, :]  # (T, 1, D/2)
         sin = (angles.sin() * self.attention_factor).to(dtype)[:, None, :]  # (T, 1, D/2)
         return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates each head of ``x`` ``[T, n_heads, D]`` by ``cos``/``sin`` ``[T, 1, D/2]`` (rotate-half
-    pairing); returns a new ``[T, n_heads, D]``."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]                                 # (T, n, D/2) each
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, n, D)
