@@ -13,6 +13,7 @@ from pagedserve.engine.cpu_features import check_cpu_dtype, cpu_flags
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_blocks_for_memory
 from pagedserve.engine.model_runner import ModelRunner
+from pagedserve.engine.openmp_threads import release_openmp_team
 from pagedserve.engine.models.onednn import pack_linear_layers, resolve_gemm_backend
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.runner_config import RunnerConfig
@@ -41,7 +42,8 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
                        kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO, gpu_memory_utilization: float = 0.9,
                        swap_space_bytes: int = 0, sampler_seed: int | None = None,
                        speculative: SpeculativeConfig = SpeculativeConfig()) -> ModelRunner:
-    """Loads the model of a Hugging Face folder and sizes a KV cache.
+    """Loads the model of a Hugging Face folder and sizes a KV cache; the calling thread's OpenMP
+    team is released at the end (``openmp_threads.release_openmp_team``), as the runner runs elsewhere.
 
     Args:
         model_path: folder with ``config.json`` and ``*.safetensors``.
@@ -91,6 +93,7 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
                          grammar_compiler_for(model_path), proposer)
     if forward is not None:
         runner.warm_up()
+    release_openmp_team()  # the runner runs on another thread: one OpenMP team per process (openmp_threads.py)
     return runner
 
 

@@ -16,6 +16,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pagedserve.engine.openmp_threads import release_openmp_team
 from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup, free_loopback_port
 from pagedserve.engine.parallel.rank import RankConfig, check_shardable
 from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement, accept_ranks, send_setup
@@ -56,6 +57,7 @@ def launch_ranks(config: RankConfig, tensor_parallel_size: int, timeout_s: float
         wait_ready(remotes, STARTUP_TIMEOUT_S)
         group = TensorParallelGroup(spec, 0)
         built = build(config, group)
+        release_openmp_team()  # rank 0 runs on its worker's model thread (openmp_threads.py)
         wait_ready(helpers, STARTUP_TIMEOUT_S)
     except BaseException:
         for process, _ in helpers + remotes:

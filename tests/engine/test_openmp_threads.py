@@ -1,0 +1,65 @@
+"""The building thread's OpenMP team is given back (engine/openmp_threads.py): the runtime found in the
+process's maps, the team's threads ended by the release, and build_model_runner releasing its own."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedserve.engine.openmp_threads import loaded_openmp_runtimes, release_openmp_team
+from pagedserve.engine.runner_factory import build_model_runner
+
+pytestmark = pytest.mark.skipif(not loaded_openmp_runtimes(), reason="needs torch with an OpenMP runtime (Linux)")
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.fixture
+def two_threads():
+    """torch on two intra-op threads (the suite may run it on one), restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _parallel_region() -> None:
+    x = torch.randn(512, 512)
+    x @ x  # a GEMM large enough to run on every intra-op thread
+
+
+def test_the_openmp_runtimes_are_read_from_the_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("\n".join([
+        "7f00-7f01 r-xp 00000000 08:01 12 /venv/torch/lib/libgomp.so.1",
+        "7f01-7f02 r--p 00001000 08:01 12 /venv/torch/lib/libgomp.so.1",  # another segment of the same file
+        "7f02-7f03 r-xp 00000000 08:01 13 /usr/lib/libc.so.6",
+        "7f03-7f04 r-xp 00000000 08:01 14 /opt/intel/libiomp5.so",
+        "7f04-7f05 rw-p 00000000 00:00 0 ",
+        "7f05-7f06 r-xp 00000000 00:00 0 [vdso]",
+    ]))
+    assert loaded_openmp_runtimes(maps) == ["/venv/torch/lib/libgomp.so.1", "/opt/intel/libiomp5.so"]
+    assert loaded_openmp_runtimes(tmp_path / "absent") == []
+
+
+def test_releasing_ends_the_teams_threads_and_a_later_region_starts_them_again(two_threads):
+    _parallel_region()
+    with_team = _os_threads()
+    assert release_openmp_team()
+    assert _os_threads() == with_team - 1  # the one helper of a two-thread team
+    _parallel_region()
+    assert _os_threads() == with_team
+
+
+def test_building_a_runner_leaves_the_building_thread_without_a_team(two_threads, small_model: Path):
+    _parallel_region()
+    release_openmp_team()
+    without_team = _os_threads()
+    runner = build_model_runner(small_model, kv_cache_memory_bytes=1 << 22)
+    assert runner.num_blocks > 0
+    assert _os_threads() == without_team
