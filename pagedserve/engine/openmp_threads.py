@@ -11,7 +11,7 @@ threads to wake: about 70 us more a region on the 2-core Xeon VM, for a decode s
 (a 64-row SiLU: 22 us with one team, 92-129 us with two). Giving the builder's team back
 (OpenMP 5.0's ``omp_pause_resource_all``, soft pause: the threads end, a later region starts new ones)
 made the default model's decode steps 1.2x faster at 64 sequences and 1.5x at one (docs/benchmarks.md,
-"One OpenMP team").
+"Fused row-wise ops, and one OpenMP team").
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 // Row-wise ops of a decoder layer fused into one pass each for CPU: RMSNorm, the residual add with
 // the RMSNorm after it, and the rotary embedding. Eager PyTorch runs each as 5-8 kernels (pow, sum,
-// div, add, rsqrt, mul, mul; mul x4, sub, add, cat), each a pass over the activations and a dispatch:
-// about a quarter of a 64-sequence decode step of the default model (scripts/fused_ops_step_ab.py;
-// docs/benchmarks.md, "Fused row-wise ops").
+// div, add, rsqrt, mul, mul; mul x4, sub, add, cat), each a pass over the activations and a dispatch.
+// Decode steps of the default model, fused against eager in one process (scripts/fused_ops_step_ab.py;
+// docs/benchmarks.md, "Fused row-wise ops, and one OpenMP team"): 64 sequences 1.02x float32, 1.08x
+// bfloat16; one sequence 1.06x / 1.12x.
 //
 // Each op rounds where its eager form rounds, so that only the order of the sum of squares differs:
 //   rms_norm:  y = float(x) * rsqrt(mean(float(x)^2) + eps) * float(w), rounded once to x's dtype
@@ -29,7 +30,8 @@ namespace {
 
 constexpr int64_t kLanes = 16;  // partial sums of squares: one AVX-512 vector of float32
 // Elements one thread takes before a second one helps: a pass over 64 K elements takes ~15 us on one
-// core, about what waking the other threads costs, and a step's other thread may be busy elsewhere.
+// core, and a parallel region's start and end cost several us (~100 us while two OpenMP teams shared
+// the 2-core machine: engine/openmp_threads.py).
 constexpr int64_t kGrainElements = 1 << 16;
 
 inline int64_t grain_rows(int64_t row_elements) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, row_elements)); }
