@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -30,10 +31,31 @@ PIECES = ("embed", "norm", "rotary", *GEMMS, "write_kv", "attention", "lm_head")
 
 
 class StepTimers:
-    """Wall-clock milliseconds per piece, accumulated until ``take`` (CPU work is synchronous)."""
+    """Wall-clock milliseconds per piece, accumulated until ``take`` (CPU work is synchronous).
+
+    The engine may send a step's plan before the previous one is answered, so a plan can still run
+    when ``LLM.step`` returns: :meth:`wrap_step` counts the plans running, and :meth:`take` waits for
+    none (each window then holds whole plans, its forward inside its step)."""
 
     def __init__(self) -> None:
         self.ms: dict[str, float] = defaultdict(float)
+        self.running = 0
+        self._idle = threading.Condition()
+
+    def wrap_step(self, fn: Callable) -> Callable:
+        """``wrap("step", fn)`` that also counts the calls running (the runner's ``execute``)."""
+        timed = self.wrap("step", fn)
+
+        def counted(*args, **kwargs):
+            with self._idle:
+                self.running += 1
+            try:
+                return timed(*args, **kwargs)
+            finally:
+                with self._idle:
+                    self.running -= 1
+                    self._idle.notify_all()
+        return counted
 
     def wrap(self, label: str, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
@@ -44,7 +66,10 @@ class StepTimers:
                 self.ms[label] += (time.perf_counter() - start) * 1000
         return timed
 
-    def take(self) -> dict[str, float]:
+    def take(self, timeout_s: float = 60.0) -> dict[str, float]:
+        """The pieces since the last take, once no step runs (up to ``timeout_s`` seconds)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self.running == 0, timeout_s)
         out, self.ms = dict(self.ms), defaultdict(float)
         return out
 
@@ -67,7 +92,7 @@ def instrument(runner, timers: StepTimers) -> None:
     runner._forward = timers.wrap("forward", runner._forward)
     sampler = runner.sampler
     runner.sampler = timers.wrap("sampling", sampler.__call__)
-    runner.execute = timers.wrap("step", runner.execute)
+    runner.execute = timers.wrap_step(runner.execute)
 
 
 def _instrument_layers(model, timers: StepTimers) -> None:
