@@ -26,6 +26,9 @@ BatchHandler = Callable[[str, pb.TokenEventBatch], None]
 """Called with (scheduler id, batch) for every batch a scheduler streams."""
 
 
+CLOSE_WAIT_S = 2.0
+"""Longest wait for a closed link's channel to close, seconds (see ``SchedulerLink.close``)."""
+
 class SchedulerLink:
     """Holds the StreamOutputs call to one scheduler open until closed, reconnecting with backoff.
 
@@ -73,7 +76,9 @@ class SchedulerLink:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         self._set_connected(False)
-        await self.channel.close()
+        # grpc.aio's close waits for the channel's calls to end, which a call racing the close now and
+        # then never does (a CI run hung there): bounded, without cancelling it (as wait_for would).
+        await asyncio.wait({asyncio.ensure_future(self.channel.close())}, timeout=CLOSE_WAIT_S)
 
     def _set_connected(self, connected: bool) -> None:
         if connected == self.connected:
