@@ -4,8 +4,8 @@ elsewhere (GPU tensors, float16, inside a ``torch.compile`` trace, whose inducto
 where the library cannot be built).
 
 The rotary op is bit-identical to the eager form; the norms round where ``F.rms_norm`` rounds and sum
-the squares in another order (results within 2 float32 ulps of it, or 1 bfloat16 ulp;
-tests/worker/test_fused_ops.py). Decode steps of the default model, fused against eager in one process
+the squares in another order (within float32 rounding of float64, and within one bfloat16 ulp of
+``F.rms_norm``: tests/worker/test_fused_ops.py). Decode steps of the default model, fused against eager in one process
 (scripts/fused_ops_step_ab.py; docs/benchmarks.md, "Fused row-wise ops, and one OpenMP team"): 64
 sequences 1.02x float32, 1.08x bfloat16; one sequence 1.06x / 1.12x.
 """
