@@ -58,15 +58,15 @@ COPY proto ./proto
 COPY services ./services
 COPY pagedserve_kernels ./pagedserve_kernels
 COPY pagedserve ./pagedserve
-# the ops (attention, the fused RMSNorm and rotary; the few-row bfloat16 GEMM where the CPU has AVX512_BF16) are built into
-# $PAGEDSERVE_CACHE_DIR/ops, which the run-time stage copies (not a volume)
+# the ops (attention, the fused row-wise ops, the decode-step layer loop; the few-row bfloat16 GEMM where the CPU has
+# AVX512_BF16) are built into $PAGEDSERVE_CACHE_DIR/ops, which the run-time stage copies (not a volume)
 RUN pip install --no-deps . \
     && mkdir -p "$PAGEDSERVE_CACHE_DIR" \
     && if [ "$PAGEDSERVE_TORCH_VARIANT" = cpu ]; then python -c 'import sys; \
 from pagedserve.engine.attention.cpu_op import load_cpu_attention_op as load; \
-from pagedserve.engine.models.fused_ops import fused_ops_available; \
+from pagedserve.engine.models.decode_layers import decode_layers_available; \
 from pagedserve.engine.models.onednn import few_rows_available; few_rows_available(); \
-sys.exit(load() is None or not fused_ops_available())'; fi
+sys.exit(load() is None or not decode_layers_available())'; fi
 
 FROM python
 COPY --from=build /opt/venv /opt/venv

@@ -68,6 +68,7 @@ else
   say "building the C++ paged-attention op and the default model folder (about 40 s, once)"
   python - <<'PY'
 from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
+from pagedserve.engine.models.decode_layers import decode_layers_available
 from pagedserve.engine.models.fused_ops import fused_ops_available
 from pagedserve.engine.models.onednn import few_rows_available
 from pagedserve.model_files import prepare_default_model
@@ -76,7 +77,9 @@ print("   C++ op:", "built" if load_cpu_attention_op() else "NOT built (the torc
       flush=True)
 print("   few-row bfloat16 GEMM:", "built" if few_rows_available() else "not used (no AVX512_BF16, or see the warning above)",
       flush=True)
-print("   fused RMSNorm and rotary:", "built" if fused_ops_available() else "NOT built (eager ops are used): see the warning above",
+print("   fused RMSNorm, rotary, SwiGLU:", "built" if fused_ops_available() else "NOT built (eager ops are used): see the warning above",
+      flush=True)
+print("   C++ decode-step layer loop:", "built" if decode_layers_available() else "NOT built (the Python layers are used)",
       flush=True)
 print("   default model:", prepare_default_model(), flush=True)
 PY

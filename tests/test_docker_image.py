@@ -79,7 +79,7 @@ def test_the_run_time_stage_has_no_compiler_and_the_op_is_built_outside_the_mode
     assert not any("g++" in arg for _, arg in python_stage) and any("g++" in arg for _, arg in build)
     env = " ".join(arg for op, arg in python_stage if op == "ENV")
     assert "PAGEDSERVE_CACHE_DIR=/opt/pagedserve" in env  # copied from the build, not on the models volume
-    assert any("load_cpu_attention_op" in arg and "sys.exit(load() is None or not fused_ops_available())" in arg
+    assert any("load_cpu_attention_op" in arg and "sys.exit(load() is None or not decode_layers_available())" in arg
                for op, arg in build if op == "RUN")
 
 

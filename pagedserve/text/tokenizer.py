@@ -94,6 +94,14 @@ def _tokenizer_loader(folder: Path) -> Any:
     return AutoTokenizer
 
 
+def _rust_decoder(tokenizer: Any) -> Any | None:
+    """The Rust ``tokenizers.Tokenizer`` behind a fast Hugging Face tokenizer whose ``decode`` is that
+    tokenizer's plus nothing (``clean_up_tokenization_spaces`` off); ``None`` for other tokenizers."""
+    if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return getattr(tokenizer, "backend_tokenizer", None)
+
+
 def check_prompt_length(num_tokens: int, max_model_len: int, field: str) -> None:
     """Checks that a prompt leaves room for at least one generated token.
 
@@ -131,6 +139,7 @@ class PromptTokenizer:
         self._info = info
         self._limits = limits
         self._chat = ChatEncoder(tokenizer) if self.has_chat_template else None
+        self._rust_decoder = _rust_decoder(tokenizer)
 
     @classmethod
     def from_folder(cls, path: str | Path, limits: RequestLimits = RequestLimits()) -> PromptTokenizer:
@@ -171,7 +180,11 @@ class PromptTokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool, spaces_between_special_tokens: bool = True) -> str:
         """Decodes ids to text exactly as the Hugging Face tokenizer does
-        (``spaces_between_special_tokens`` matters to slow tokenizers only; fast ones ignore it)."""
+        (``spaces_between_special_tokens`` matters to slow tokenizers only; fast ones ignore it).
+        A fast tokenizer that cleans up no spaces decodes in its Rust tokenizer directly: the same
+        text without the Python wrapper's per-id conversions (half the time of a detokenizer step)."""
+        if self._rust_decoder is not None:
+            return self._rust_decoder.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                                       spaces_between_special_tokens=spaces_between_special_tokens)
 

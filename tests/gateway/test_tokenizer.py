@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.tokenizer import (
@@ -141,3 +142,25 @@ def test_a_template_that_refuses_the_chat_names_chat_messages(model_path) -> Non
         refusing.encode_chat([ChatTurn("user", "Hi"), ChatTurn("user", "again")])
     assert err.value.field_name == CHAT_FIELD + ".messages"
     assert "roles must alternate" in str(err.value)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), max_size=40), skip_special_tokens=st.booleans())
+def test_decode_equals_the_hugging_face_decode(prompt_tokenizer: PromptTokenizer, hf_tokenizer, ids: list[int],
+                                               skip_special_tokens: bool) -> None:
+    """The default (fast, no clean-up) tokenizer decodes in Rust directly: the same text as the
+    wrapper's, special tokens (ids 0-16) and bytes that end inside a character included."""
+    assert prompt_tokenizer._rust_decoder is not None
+    assert (prompt_tokenizer.decode(ids, skip_special_tokens) ==
+            hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_wrapper(model_path) -> None:
+    """With ``clean_up_tokenization_spaces`` the wrapper may change the text: no Rust shortcut then."""
+    tokenizer = PromptTokenizer.from_folder(model_path)
+    hf = tokenizer.hf_tokenizer
+    hf.clean_up_tokenization_spaces = True
+    try:
+        assert PromptTokenizer(hf, tokenizer.info)._rust_decoder is None
+    finally:
+        hf.clean_up_tokenization_spaces = False

@@ -1,5 +1,5 @@
 """The fused row-wise ops (models/csrc/fused_ops.cpp through models/fused_ops.py): the rotary embedding
-bit-identical to its eager form, RMSNorm within float32 rounding of float64 and within a bfloat16 ulp of
+and SwiGLU's silu(gate) * up bit-identical to their eager forms, RMSNorm within float32 rounding of float64 and within a bfloat16 ulp of
 ``F.rms_norm``, the residual add exact, a row's result independent of the other rows, and the eager
 forms where the op does not apply."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.engine.models import fused_ops
-from pagedserve.engine.models.fused_ops import add_rms_norm, apply_rotary, fused_ops_available, rms_norm
+from pagedserve.engine.models.fused_ops import add_rms_norm, apply_rotary, fused_ops_available, rms_norm, silu_and_mul
 
 pytestmark = pytest.mark.skipif(not fused_ops_available(), reason="needs a C++ compiler")
 
@@ -91,6 +91,18 @@ def test_a_rows_norm_does_not_depend_on_the_other_rows(dtype):
     assert all(torch.equal(rms_norm(x[i : i + 1], weight, EPS)[0], batch[i]) for i in (0, 31, 63))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, width", [(1, 1536), (64, 1536), (5, 37)])
+def test_silu_and_mul_is_bit_identical_to_the_eager_form_on_a_strided_view(dtype, tokens, width):
+    """Width 37: a vector body and a scalar tail; the view's rows are strided (every other half row
+    skipped); values from -90 to 90 reach exp's overflow and underflow."""
+    wide = (torch.randn(tokens, 4 * width) * 30).clamp(-90, 90).to(dtype)
+    gate_up = wide[:, : 2 * width]
+    got = silu_and_mul(gate_up)
+    assert got.is_contiguous() and got.shape == (tokens, width)
+    assert torch.equal(got, F.silu(gate_up[:, :width]) * gate_up[:, width:])
+
+
 def test_float16_and_three_dimensional_inputs_take_the_eager_forms():
     x, weight = _rows(6, 64, torch.float16, 5)
     assert torch.equal(rms_norm(x, weight, EPS), F.rms_norm(x, (64,), weight, EPS))
@@ -107,12 +119,15 @@ def test_without_the_library_every_op_is_its_eager_form(monkeypatch):
     residual = x.clone()
     assert torch.equal(add_rms_norm(residual, delta, weight, EPS), F.rms_norm(x + delta, (576,), weight, EPS))
     assert torch.equal(residual, x + delta)
+    assert torch.equal(silu_and_mul(x), F.silu(x[:, :288]) * x[:, 288:])
 
 
 @pytest.mark.parametrize("op, args, message", [
     ("rms_norm", (torch.zeros(2, 8), torch.zeros(7), EPS), "weight must be"),
     ("rotary", (torch.zeros(2, 3, 7), torch.zeros(2, 1, 3), torch.zeros(2, 1, 3)), "D even"),
     ("rotary", (torch.zeros(2, 3, 8), torch.zeros(2, 1, 3), torch.zeros(2, 1, 3)), "cos and sin"),
+    ("silu_and_mul", (torch.zeros(2, 7),), "gate_up must be"),
+    ("silu_and_mul", (torch.zeros(2, 8, dtype=torch.float16),), "float32 or bfloat16"),
 ])
 def test_the_op_refuses_shapes_it_cannot_take(op, args, message):
     with pytest.raises(RuntimeError, match=message):

@@ -1,9 +1,9 @@
 """Row-wise layer ops fused into one C++ pass each on CPU (``csrc/fused_ops.cpp``): RMSNorm, the
-residual add followed by RMSNorm, and the rotary embedding, each falling back to its eager PyTorch form
+residual add followed by RMSNorm, the rotary embedding and SwiGLU's ``silu(gate) * up``, each falling back to its eager PyTorch form
 elsewhere (GPU tensors, float16, inside a ``torch.compile`` trace, whose inductor fuses them itself, or
 where the library cannot be built).
 
-The rotary op is bit-identical to the eager form; the norms round where ``F.rms_norm`` rounds and sum
+The rotary op and ``silu_and_mul`` are bit-identical to the eager forms; the norms round where ``F.rms_norm`` rounds and sum
 the squares in another order (within float32 rounding of float64, and within one bfloat16 ulp of
 ``F.rms_norm``: tests/worker/test_fused_ops.py). Decode steps of the default model, fused against eager in one process
 (scripts/fused_ops_step_ab.py; docs/benchmarks.md, "Fused row-wise ops, and one OpenMP team"): 64
@@ -61,3 +61,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]                                 # (T, n, D/2) each
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, n, D)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's activation (Shazeer, 2020): ``gate_up`` ``[T, 2I]`` (gate columns first) -> a new
+    ``[T, I]`` ``silu(gate) * up`` of its dtype."""
+    if gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and _fused(gate_up):
+        return torch.ops.pagedserve_fused.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)                                    # (T, I) each
+    return F.silu(gate).mul_(up)

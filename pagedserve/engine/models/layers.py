@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.engine.models.fused_ops import add_rms_norm, rms_norm
+from pagedserve.engine.models.fused_ops import add_rms_norm, rms_norm, silu_and_mul
 
 
 class Linear(nn.Module):
@@ -85,9 +85,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, hidden]``."""
-        gate_up = self.gate_up_proj(x)                                    # (T, 2I)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)          # (T, I) each
-        return self.down_proj(F.silu(gate).mul_(up))                      # (T, hidden)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))         # (T, 2I) -> (T, I) -> (T, hidden)
 
 
 class LayerNorm(nn.Module):

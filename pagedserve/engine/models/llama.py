@@ -25,6 +25,7 @@ from pagedserve.engine.parallel.sharding import Slice, llama_checkpoint_slice
 from pagedserve.engine.weight_loader import load_weights
 
 if TYPE_CHECKING:
+    from pagedserve.engine.models.decode_layers import DecodeLayers
     from pagedserve.engine.parallel.group import TensorParallelGroup
     from pagedserve.engine.parallel.pipeline import PipelineStage
 
@@ -111,6 +112,7 @@ class LlamaForCausalLM(ShardedCausalLM):
     """
 
     decoder_layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer  # subclasses swap the block
+    decode_layers: DecodeLayers | None = None  # the C++ loop for decode steps (models/decode_layers.py)
 
     def __init__(self, config: LlamaConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", parallel: TensorParallelGroup | None = None,
@@ -147,6 +149,8 @@ class LlamaForCausalLM(ShardedCausalLM):
     def run_layers(self, x: torch.Tensor, positions: torch.Tensor, attention: PagedAttentionFn) -> torch.Tensor:
         """The decoder layers over ``x`` ``[T, hidden]`` (int64 ``positions`` ``[T]``) -> ``[T, hidden]``."""
         cos, sin = self.rotary(positions, self.dtype)                     # (T, 1, D/2) each
+        if self.decode_layers is not None and self.decode_layers.takes(x, cos, sin, attention):
+            return self.decode_layers(x, cos, sin, attention)             # the same layers, in one C++ call
         for layer in self.layers:
             x = layer(x, cos, sin, attention)                             # (T, hidden)
         return x

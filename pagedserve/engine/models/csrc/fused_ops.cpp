@@ -1,6 +1,7 @@
 // Row-wise ops of a decoder layer fused into one pass each for CPU: RMSNorm, the residual add with
-// the RMSNorm after it, and the rotary embedding. Eager PyTorch runs each as 5-8 kernels (pow, sum,
-// div, add, rsqrt, mul, mul; mul x4, sub, add, cat), each a pass over the activations and a dispatch.
+// the RMSNorm after it, the rotary embedding, and SwiGLU's silu(gate) * up. Eager PyTorch runs each as
+// 2-8 kernels (pow, sum, div, add, rsqrt, mul, mul; mul x4, sub, add, cat; silu, mul), each a pass over
+// the activations and a dispatch.
 // Decode steps of the default model, fused against eager in one process (scripts/fused_ops_step_ab.py;
 // docs/benchmarks.md, "Fused row-wise ops, and one OpenMP team"): 64 sequences 1.02x float32, 1.08x
 // bfloat16; one sequence 1.06x / 1.12x.
@@ -10,16 +11,23 @@
 //              (what torch.nn.functional.rms_norm computes, bfloat16 included; Zhang & Sennrich, 2019);
 //   add_rms_norm: residual <- dtype(residual + delta), then rms_norm(residual);
 //   rotary (rotate-half pairing, Su et al., 2021): out[:half] = dtype(dtype(x1 * cos) - dtype(x2 * sin)),
-//              out[half:] = dtype(dtype(x2 * cos) + dtype(x1 * sin)): bit-identical to the eager form.
+//              out[half:] = dtype(dtype(x2 * cos) + dtype(x1 * sin)): bit-identical to the eager form;
+//   silu_and_mul: out = dtype(float(dtype(silu(g))) * float(u)), silu(g) = g / (1 + exp(-g)) in float32
+//              with torch's own vector exp (SLEEF's expf, 1-ulp, as torch's CPU silu kernel takes it):
+//              bit-identical to F.silu(gate).mul_(up) where this build's vector width is torch's.
 // Floating-point contraction is off (an FMA would round once where the eager ops round twice).
 //
 // Layouts (float32 or bfloat16; weight, cos and sin in x's dtype):
 //   x, residual, delta  [T, H] (rows may be strided, the last dimension contiguous); weight [H]
 //   rotary: x [T, n, D] (last dimension contiguous), cos and sin [T, 1, D/2] -> out [T, n, D] contiguous
+//   silu_and_mul: gate_up [T, 2I] (gate columns first; last dimension contiguous) -> out [T, I] contiguous
 #pragma GCC optimize("fp-contract=off")
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
+#include <sleef.h>  // shipped in torch's include folder; libtorch_cpu exports the functions
 
 #include <algorithm>
 #include <cmath>
@@ -148,16 +156,68 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// out[j] = in[j] / (1 + exp(-in[j])) for j < n: the operations of torch's vectorized CPU silu
+// (Vectorized<float>: neg as a sign flip, SLEEF's expf, add, divide) at the widest vector this build
+// has; the scalar tail as torch's (std::exp).
+void silu_floats(const float* in, float* out, int64_t n) {
+  int64_t j = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  const __m512 one = _mm512_set1_ps(1.f), sign = _mm512_set1_ps(-0.f);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_loadu_ps(in + j);
+    _mm512_storeu_ps(out + j, _mm512_div_ps(x, _mm512_add_ps(one, Sleef_expf16_u10(_mm512_xor_ps(sign, x)))));
+  }
+#elif defined(__AVX2__)
+  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_loadu_ps(in + j);
+    _mm256_storeu_ps(out + j, _mm256_div_ps(x, _mm256_add_ps(one, Sleef_expf8_u10(_mm256_xor_ps(sign, x)))));
+  }
+#endif
+  for (; j < n; ++j) out[j] = in[j] / (1.f + std::exp(-in[j]));
+}
+
+template <typename T>
+void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = out.size(0), width = out.size(1), stride = gate_up.stride(0);
+  const T* in = gate_up.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(2 * width), [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(width), silu(width);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* g = in + i * stride;
+      const T* u = g + width;
+      for (int64_t j = 0; j < width; ++j) gate[j] = to_float(g[j]);
+      silu_floats(gate.data(), silu.data(), width);
+      for (int64_t j = 0; j < width; ++j)
+        o[i * width + j] = from_float<T>(to_float(from_float<T>(silu[j])) * to_float(u[j]));
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be a CPU [T, 2I] tensor with a contiguous last dimension");
+  TORCH_CHECK(gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16,
+              "gate_up must be float32 or bfloat16");
+  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) silu_mul_rows<float>(gate_up, out);
+  else silu_mul_rows<c10::BFloat16>(gate_up, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_fused, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_fused, CPU, m) {
   m.impl("rms_norm", TORCH_FN(rms_norm));
   m.impl("add_rms_norm", TORCH_FN(add_rms_norm));
   m.impl("rotary", TORCH_FN(rotary));
+  m.impl("silu_and_mul", TORCH_FN(silu_and_mul));
 }
