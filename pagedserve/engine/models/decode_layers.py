@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.engine.attention.cpu_backend import CpuAttentionBackend
+from pagedserve.engine.attention.cpu_op import LANES
 from pagedserve.engine.attention.step import StepAttention
 from pagedserve.engine.models import onednn
 from pagedserve.engine.models.fused_ops import DTYPES, fused_ops_available
@@ -67,8 +68,8 @@ class DecodeLayers:
         plain = all(type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention and type(layer.mlp)
                     is GatedMLP and type(layer.input_layernorm) is RMSNorm and layer.parallel is None
                     for layer in layers)
-        if (not layers or not plain or getattr(model, "parallel", None) is not None
-                or getattr(model, "stage", None) is not None or model.dtype not in DTYPES
+        if (not layers or not plain or model.parallel is not None
+                or model.stage is not None or model.dtype not in DTYPES
                 or not decode_layers_available()):
             return None
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -76,7 +77,7 @@ class DecodeLayers:
         attention = layers[0].self_attn
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
         if (not all(isinstance(m, onednn.OneDnnLinear) for m in linears) or len(eps) != 1
-                or attention.head_dim % 16 or next(model.parameters()).device.type != "cpu"):
+                or attention.head_dim % LANES or next(model.parameters()).device.type != "cpu"):
             return None
         return cls(norms=tuple(w for layer in layers for w in (layer.input_layernorm.weight,
                                                                 layer.post_attention_layernorm.weight)),
