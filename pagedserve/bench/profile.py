@@ -78,12 +78,16 @@ def instrument(runner, timers: StepTimers) -> None:
     """Puts timers around the runner's phases and the model's pieces. The attention-metadata
     builder is wrapped for the whole module: for a benchmark process, not a server. With a compiled
     forward the pieces inside the graph (embedding, norms, GEMMs) are not timed one by one: their
-    time is the forward's less attention."""
+    time is the forward's less attention. Decode steps run the Python layers, whose pieces can be
+    timed, not the C++ loop of ``models/decode_layers.py`` (the same kernels, one call: its steps are
+    shorter by the Python time, see docs/benchmarks.md)."""
     from pagedserve.engine import forward_batch
 
     model = runner.model
     if runner.forward is model:
         _instrument_layers(model, timers)
+        if getattr(model, "decode_layers", None) is not None:
+            model.decode_layers = None
     backend = runner.attention_backend
     backend.write_kv = timers.wrap("write_kv", backend.write_kv)
     backend.attend = timers.wrap("attention", backend.attend)
