@@ -15,7 +15,6 @@ from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_bl
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.openmp_threads import release_openmp_team
 from pagedserve.engine.models.onednn import pack_linear_layers, resolve_gemm_backend
-from pagedserve.engine.models.decode_layers import use_decode_layers
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.runner_config import RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
@@ -79,7 +78,7 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
     if gemm is GemmBackend.ONEDNN:
         pack_linear_layers(model)
         if CompileMode(compile_mode) is CompileMode.EAGER:  # a compiled forward traces the Python layers
-            use_decode_layers(model)
+            model.use_decode_layers()
     draft = load_draft_model(speculative.model, model, gemm) if speculative.method is SpeculativeMethod.DRAFT_MODEL \
         else None
     config = model.config

@@ -14,7 +14,7 @@ from pagedserve.engine.attention.cpu_backend import CpuAttentionBackend
 from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
 from pagedserve.engine.cpu_features import cpu_flags
 from pagedserve.engine.models import decode_layers as decode_layers_module
-from pagedserve.engine.models.decode_layers import DecodeLayers, decode_layers_available, use_decode_layers
+from pagedserve.engine.models.decode_layers import DecodeLayers, decode_layers_available
 from pagedserve.engine.models.onednn import FEW_ROWS, pack_linear_layers
 from pagedserve.engine.weight_loader import load_model
 from tests.worker.tiny_models import forward_step, make_cache, save_tiny_model
@@ -29,7 +29,7 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if {"avx512_bf16", "amx_bf16"} & cp
 def _packed_model(tmp_path, arch: str, dtype: torch.dtype):
     model = load_model(save_tiny_model(tmp_path / arch, arch), dtype=dtype)
     pack_linear_layers(model)
-    use_decode_layers(model)
+    model.use_decode_layers()
     return model
 
 

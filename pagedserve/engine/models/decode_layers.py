@@ -21,7 +21,6 @@ from pagedserve.engine.attention.cpu_op import LANES
 from pagedserve.engine.attention.step import StepAttention
 from pagedserve.engine.models import onednn
 from pagedserve.engine.models.fused_ops import DTYPES, fused_ops_available
-from pagedserve.engine.models.layers import GatedMLP, RMSNorm
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_layers.cpp"
 
@@ -59,18 +58,13 @@ class DecodeLayers:
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> DecodeLayers | None:
-        """The loop for ``model``, or ``None`` when it does not apply: not every layer a plain
-        :class:`~pagedserve.engine.models.llama.LlamaDecoderLayer` with oneDNN linear layers, more than
-        one rank, a dtype the fused ops lack, a head size the attention op cannot take, or no library."""
-        from pagedserve.engine.models.llama import LlamaAttention, LlamaDecoderLayer
-
-        layers = list(getattr(model, "layers", ()))
-        plain = all(type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention and type(layer.mlp)
-                    is GatedMLP and type(layer.input_layernorm) is RMSNorm and layer.parallel is None
-                    for layer in layers)
-        if (not layers or not plain or model.parallel is not None
-                or model.stage is not None or model.dtype not in DTYPES
-                or not decode_layers_available()):
+        """The loop for ``model``, whose layers the caller found to be plain Llama layers
+        (``LlamaForCausalLM.use_decode_layers``), or ``None`` when it does not apply: layers that are
+        not oneDNN ones, more than one rank, a dtype the fused ops lack, a head size the attention op
+        cannot take, or no library."""
+        layers = list(model.layers)
+        if model.parallel is not None or model.stage is not None or model.dtype not in DTYPES \
+                or not decode_layers_available():
             return None
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -108,9 +102,3 @@ class DecodeLayers:
             onednn.FEW_ROWS, onednn.MIN_ROWS)
         return x
 
-
-def use_decode_layers(model: torch.nn.Module) -> None:
-    """Gives a Llama-family model (one with a ``decode_layers`` hook) its loop where
-    :meth:`DecodeLayers.build` finds it applies; call after packing its linear layers."""
-    if hasattr(model, "decode_layers"):
-        model.decode_layers = DecodeLayers.build(model)

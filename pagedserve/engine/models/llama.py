@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pagedserve.engine.models.decode_layers import DecodeLayers
 from pagedserve.engine.models.llama_config import LlamaConfig
 from pagedserve.engine.models.layers import GatedMLP, Linear, RMSNorm
 from pagedserve.engine.models.fused_ops import apply_rotary
@@ -25,7 +26,6 @@ from pagedserve.engine.parallel.sharding import Slice, llama_checkpoint_slice
 from pagedserve.engine.weight_loader import load_weights
 
 if TYPE_CHECKING:
-    from pagedserve.engine.models.decode_layers import DecodeLayers
     from pagedserve.engine.parallel.group import TensorParallelGroup
     from pagedserve.engine.parallel.pipeline import PipelineStage
 
@@ -136,6 +136,15 @@ class LlamaForCausalLM(ShardedCausalLM):
             "gate_up_proj": {"gate_proj": (0, c.intermediate_size),
                              "up_proj": (c.intermediate_size, c.intermediate_size)},
         }
+
+    def use_decode_layers(self) -> None:
+        """Gives decode steps the C++ layer loop (``models/decode_layers.py``) where every layer is the
+        plain one of this module (subclasses that swap a part keep the Python layers) and
+        :meth:`DecodeLayers.build` finds the rest applies; call after packing the linear layers."""
+        plain = all(type(layer) is LlamaDecoderLayer and type(layer.self_attn) is LlamaAttention
+                    and type(layer.mlp) is GatedMLP and type(layer.input_layernorm) is RMSNorm
+                    and type(layer.post_attention_layernorm) is RMSNorm for layer in self.layers)
+        self.decode_layers = DecodeLayers.build(self) if plain and len(self.layers) else None
 
     def load_checkpoint(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fills the parameters from Hugging Face checkpoint tensors (``WeightLoadError`` when they

@@ -88,6 +88,10 @@ class ShardedCausalLM(nn.Module):
         """The layers this model holds (``layers[i]`` is checkpoint layer ``stage.first_layer + i``)."""
         return self.config.num_layers if self.stage is None else self.stage.num_layers
 
+    def use_decode_layers(self) -> None:
+        """Runs decode steps' layers in one C++ call where the model has such a loop and it applies
+        (Llama: ``models/decode_layers.py``); call after packing the linear layers. Here: nothing."""
+
     def build_embedding(self, dtype: torch.dtype, device: torch.device | str) -> Embedding | None:
         """The token embedding (this rank's vocabulary rows) if this stage holds it."""
         held = self.is_first_stage or (self.is_last_stage and self.config.tie_word_embeddings)
