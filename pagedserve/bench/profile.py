@@ -86,7 +86,7 @@ def instrument(runner, timers: StepTimers) -> None:
     model = runner.model
     if runner.forward is model:
         _instrument_layers(model, timers)
-        if getattr(model, "decode_layers", None) is not None:
+        if hasattr(model, "decode_layers"):
             model.decode_layers = None
     backend = runner.attention_backend
     backend.write_kv = timers.wrap("write_kv", backend.write_kv)

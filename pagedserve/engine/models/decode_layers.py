@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.engine.attention.cpu_backend import CpuAttentionBackend
-from pagedserve.engine.attention.cpu_op import LANES
+from pagedserve.engine.attention.cpu_op import LANES, load_cpu_library
 from pagedserve.engine.attention.step import StepAttention
 from pagedserve.engine.models import onednn
 from pagedserve.engine.models.fused_ops import DTYPES, fused_ops_available
@@ -28,8 +28,6 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_layers.cpp"
 @functools.cache
 def decode_layers_available() -> bool:
     """Whether the loop's library is built and loaded, with the fused ops it calls (on first use)."""
-    from pagedserve.engine.attention.cpu_op import load_cpu_library
-
     return fused_ops_available() and load_cpu_library(SOURCE, "pagedserve_decode_layers",
                                                       "the C++ decode-step layer loop", "the Python layers")
 
@@ -60,8 +58,8 @@ class DecodeLayers:
     def build(cls, model: torch.nn.Module) -> DecodeLayers | None:
         """The loop for ``model``, whose layers the caller found to be plain Llama layers
         (``LlamaForCausalLM.use_decode_layers``), or ``None`` when it does not apply: layers that are
-        not oneDNN ones, more than one rank, a dtype the fused ops lack, a head size the attention op
-        cannot take, or no library."""
+        not oneDNN ones (which exist on the CPU only), more than one rank, a dtype the fused ops lack, a
+        head size the attention op cannot take, or no library."""
         layers = list(model.layers)
         if model.parallel is not None or model.stage is not None or model.dtype not in DTYPES \
                 or not decode_layers_available():
@@ -71,7 +69,7 @@ class DecodeLayers:
         attention = layers[0].self_attn
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
         if (not all(isinstance(m, onednn.OneDnnLinear) for m in linears) or len(eps) != 1
-                or attention.head_dim % LANES or next(model.parameters()).device.type != "cpu"):
+                or attention.head_dim % LANES):
             return None
         return cls(norms=tuple(w for layer in layers for w in (layer.input_layernorm.weight,
                                                                 layer.post_attention_layernorm.weight)),
@@ -82,14 +80,14 @@ class DecodeLayers:
 
     def takes(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: object) -> bool:
         """Whether the loop runs this step: every token a decode of its own sequence, the C++
-        attention op, K/V cached in ``x``'s dtype, contiguous rotary tables, not inside a
-        ``torch.compile`` trace."""
+        attention op, K/V cached in ``x``'s dtype, contiguous rotary tables (a compiled forward never
+        gets here: runner_factory gives the loop to eager models only)."""
         if not isinstance(attention, StepAttention) or not isinstance(attention.backend, CpuAttentionBackend):
             return False
         metadata = attention.metadata
         return (metadata.num_decode_seqs == x.shape[0] == metadata.seq_lens.shape[0]
                 and attention.kv_cache.spec.dtype == x.dtype and cos.dtype == x.dtype and cos.is_contiguous()
-                and sin.is_contiguous() and not torch.compiler.is_compiling())
+                and sin.is_contiguous())
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: StepAttention) -> torch.Tensor:
         """``x`` ``[T, hidden]`` through every layer (updated in place and returned); ``cos``/``sin``
@@ -101,4 +99,3 @@ class DecodeLayers:
             metadata.query_start_loc, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps,
             onednn.FEW_ROWS, onednn.MIN_ROWS)
         return x
-
