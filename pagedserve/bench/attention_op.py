@@ -1,8 +1,8 @@
 """`pagedserve bench attention-op`: the CPU decode attention op's memory bandwidth per KV-cache dtype.
 
 Decode attention reads every cached K and V element once per step, so it is bound by memory: its
-figure of merit is GB/s = bytes of K/V read / time. Each KV dtype (--kv-cache-dtype: the float32
-model's own, bfloat16, fp8_e5m2) runs the compiled op (``attention/csrc``) on the same decode batch
+figure of merit is GB/s = bytes of K/V read / time. Each KV dtype (--kv-cache-dtype: the model's own
+(--dtype), bfloat16, fp8_e5m2) runs the compiled op (``attention/csrc``) on the same decode batch
 (a ShareGPT-like shape by default: 64 sequences of ~500 context tokens, the default model's 9 query
 and 3 KV heads of 64, shuffled block tables), over ``--layers`` caches in turn so that the K/V come
 from DRAM as in the model, not from the last-level cache. Beside them, in the same run and rounds, a
@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-heads", type=int, default=3, help="KV heads (default %(default)s)")
     p.add_argument("--head-dim", type=int, default=64, help="channels per head (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the model's dtype: the query's, and the cache's under --kv-cache-dtype auto; a bfloat16 "
+                        "query over bfloat16 K takes the op's AMX score path where the CPU has it (default %(default)s)")
     p.add_argument("--layers", type=int, default=8, help="caches called in turn, one per layer (default %(default)s)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds, each over every layer (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, tables and values (default %(default)s)")
@@ -105,7 +108,8 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
         raise RuntimeError("the C++ attention op could not be built here (see the warning above)")
     md, num_blocks = _decode_batch(args)
     g = torch.Generator().manual_seed(args.seed)
-    query = torch.randn(args.num_seqs, args.num_heads, args.head_dim, generator=g)  # (S, H, D)
+    model_dtype = getattr(torch, args.dtype)
+    query = torch.randn(args.num_seqs, args.num_heads, args.head_dim, generator=g).to(model_dtype)  # (S, H, D)
     out = torch.empty_like(query)
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
     buffer = torch.ones(STREAM_BYTES // 4)
@@ -113,7 +117,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
     stream_gbps = STREAM_BYTES / stream_ms / 1e6
     timings = []
     for choice in KVCacheDtype:
-        dtype = cache_dtype(choice, torch.float32)
+        dtype = cache_dtype(choice, model_dtype)
         caches = [(to_cache_dtype(torch.randn(shape, generator=g), dtype),
                    to_cache_dtype(torch.randn(shape, generator=g), dtype)) for _ in range(args.layers)]
 
@@ -132,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     stream_gbps, timings = measure(args)
-    title = (f"decode attention op, {args.num_seqs} seqs x ~{args.context_len} tokens, H{args.num_heads}/"
+    title = (f"decode attention op, {args.dtype} query, {args.num_seqs} seqs x ~{args.context_len} tokens, H{args.num_heads}/"
              f"{args.num_kv_heads} D{args.head_dim} bs{args.block_size}, {torch.get_num_threads()} threads")
     rows = [(t.kv_cache_dtype, t.cache_dtype, t.ms, t.kv_bytes / 1e6, t.gbps, 100 * t.stream_share,
              timings[0].ms / t.ms) for t in timings]

@@ -171,6 +171,22 @@ def test_attention_op_report(tmp_path):
     assert "streaming read" in stdout and "% of stream" in stdout
 
 
+def test_attention_op_report_for_a_bfloat16_model(tmp_path):
+    """--dtype bfloat16: a bfloat16 query, and the cache in bfloat16 under auto."""
+    from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
+
+    if load_cpu_attention_op() is None:
+        pytest.skip("the C++ op could not be built here")
+    out = tmp_path / "a.json"
+    stdout = bench("attention-op", "--dtype", "bfloat16", "--num-seqs", "4", "--context-len", "40", "--layers", "2",
+                   "--rounds", "2", "--result-json", str(out))
+    report = json.loads(out.read_text())
+    assert [(o["kv_cache_dtype"], o["cache_dtype"]) for o in report["ops"]] == [
+        ("auto", "bfloat16"), ("bfloat16", "bfloat16"), ("fp8_e5m2", "float8_e5m2")]
+    assert report["ops"][0]["kv_bytes"] == report["ops"][1]["kv_bytes"] == 2 * report["ops"][2]["kv_bytes"]
+    assert "bfloat16 query" in stdout
+
+
 def test_gemm_rows_report(tmp_path):
     """Each kernel's GB/s is the weights' bytes over its time, at each row count asked for."""
     from pagedserve.engine.models.onednn import few_rows_available

@@ -3,14 +3,23 @@
 // kKeyTile). Part of the op's build: cpu_op.py hashes every header in this folder with the source.
 #pragma once
 
+
+
 struct Geometry {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   float scale;
 };
 
-// The cache slot of context position `pos` of a sequence, through its block table.
-inline int64_t slot_of(const int32_t* block_table, const Geometry& g, int64_t pos) {
-  return block_table[pos / g.block_size] * g.block_size + pos % g.block_size;
+// Calls visit(j, slot) with the cache slot of each context position begin + j < end of a sequence,
+// through its block table: one division for the first position, then a walk along the blocks (a
+// division per position cost the op a sixth of its time).
+template <typename Visit>
+inline void for_each_slot(const int32_t* block_table, const Geometry& g, int64_t begin, int64_t end, Visit visit) {
+  int64_t block = begin / g.block_size, offset = begin % g.block_size;
+  for (int64_t pos = begin; pos < end; ++pos) {
+    visit(pos - begin, block_table[block] * g.block_size + offset);
+    if (++offset == g.block_size) offset = 0, ++block;
+  }
 }
 
 // The cache lines of the next key tile's K/V slots, prefetched a share at a time while the current
@@ -32,11 +41,10 @@ struct NextTile {
     lines_per_slot = (slot_bytes + 63) / 64;
     total = 2 * std::max<int64_t>(end - begin, 0) * lines_per_slot;
     issued = slot = line = 0;
-    for (int64_t pos = begin; pos < end; ++pos) {
-      const int64_t offset = slot_of(block_table, g, pos) * slot_bytes;
-      key_slots[pos - begin] = reinterpret_cast<const char*>(key_cache) + offset;
-      value_slots[pos - begin] = reinterpret_cast<const char*>(value_cache) + offset;
-    }
+    for_each_slot(block_table, g, begin, end, [&](int64_t j, int64_t slot) {
+      key_slots[j] = reinterpret_cast<const char*>(key_cache) + slot * slot_bytes;
+      value_slots[j] = reinterpret_cast<const char*>(value_cache) + slot * slot_bytes;
+    });
   }
 
   // Prefetches up to the share `done / rows` of the lines, slot by slot, each line of K then of V.
@@ -57,6 +65,7 @@ template <typename kv_t>
 struct KeyTile {
   const kv_t* keys[kKeyTile];
   const kv_t* values[kKeyTile];
-  int64_t n_valid;  // the token reads keys 0..n_valid-1 of the tile
+  int64_t slot_stride;  // elements from one slot to the next (within a block)
+  int64_t n_valid;      // the token reads keys 0..n_valid-1 of the tile
   float pos0;       // ALiBi: kRelative, key 0's distance from the query (<= 0); kFalconBf16, its position
 };

@@ -36,6 +36,16 @@ inline vf16 load16<c10::BFloat16>(const c10::BFloat16* p) {
   return v;
 }
 
+// 32 bfloat16 -> their even and their odd channels as float32 (exact): in each 32-bit word of the pair
+// the even channel is the low half (shifted up) and the odd one the high half (masked).
+inline void load_pairs(const c10::BFloat16* p, vf16& even, vf16& odd) {
+  vi16 words;
+  __builtin_memcpy(&words, p, sizeof words);
+  const vi16 e = words << 16, o = words & static_cast<int32_t>(0xFFFF0000u);
+  __builtin_memcpy(&even, &e, sizeof even);
+  __builtin_memcpy(&odd, &o, sizeof odd);
+}
+
 // fp8_e5m2 -> float32: an e5m2 byte is the high byte of an IEEE half (same exponent bias, 2 of its 10
 // significand bits), so the bytes interleaved with zero low bytes are halves, widened exactly by the
 // F16C / AVX-512F half->float conversion (subnormals, inf and NaN included); elsewhere c10's scalar one.

@@ -1,0 +1,47 @@
+// The value half of a key tile's update for the CPU paged-attention op (paged_attention_cpu.cpp includes
+// this inside its anonymous namespace, after vec16.h and key_tiles.h): each query row's output gains
+// the tile's values weighted by its probabilities. Part of the op's build: cpu_op.py hashes every
+// header in this folder with the source.
+#pragma once
+
+constexpr int64_t kValueChunks = 4;  // output chunks per update_values (the rest one at a time)
+
+// Whether update_values<.., kC, kv_t> keeps 32 channels of V as two vectors, their even and their odd
+// channels (load_pairs: bfloat16 V, a shift and a mask per 32 channels where widening took two loads,
+// two widenings and two shifts). Such a pair of output chunks is stored even, odd; the op's output
+// interleaves them back (output_channel).
+template <typename kv_t>
+constexpr bool paired_values(int64_t kC) { return std::is_same_v<kv_t, c10::BFloat16> && kC % 2 == 0; }
+
+// Channel i of output chunk c (chunks in all; those below the last multiple of kValueChunks paired).
+template <typename kv_t>
+inline int64_t output_channel(int64_t c, int64_t i, int64_t chunks) {
+  if (paired_values<kv_t>(kValueChunks) && c < chunks / kValueChunks * kValueChunks) return (c / 2) * 32 + 2 * i + c % 2;
+  return c * kLanes + i;
+}
+
+// The kG rows' outputs, channels c0 .. c0 + kC * 16 - 1: acc = acc * correction + sum over the tile's keys
+// j of probs[j] * v_j, each element summed in key order. The kC x kG sums stay in registers across the
+// keys: kC = 4 gives 12 independent FMA chains for a group of 3 heads, where one chunk at a time gave 3,
+// each a chain of 16 dependent FMAs (the value loop was bound by FMA latency, not by its loads).
+template <int kG, int kC, typename kv_t>
+inline void update_values(vf16* acc, int64_t chunks, int64_t c0, const KeyTile<kv_t>& tile, int64_t head_offset,
+                          const float probs[kG][kKeyTile], const float correction[kG]) {
+  vf16 a[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) a[g][c] = acc[g * chunks + c0 + c] * correction[g];
+  for (int64_t j = 0; j < tile.n_valid; ++j)
+    if constexpr (paired_values<kv_t>(kC))
+      for (int c = 0; c < kC; c += 2) {
+        vf16 even, odd;
+        load_pairs(tile.values[j] + head_offset + (c0 + c) * kLanes, even, odd);
+        for (int g = 0; g < kG; ++g) a[g][c] += probs[g][j] * even, a[g][c + 1] += probs[g][j] * odd;
+      }
+    else
+      for (int c = 0; c < kC; ++c) {
+        const vf16 v = load16(tile.values[j] + head_offset + (c0 + c) * kLanes);
+        for (int g = 0; g < kG; ++g) a[g][c] += probs[g][j] * v;
+      }
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) acc[g * chunks + c0 + c] = a[g][c];
+}
