@@ -57,8 +57,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-dim", type=int, default=64, help="channels per head (default %(default)s)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the model's dtype: the query's, and the cache's under --kv-cache-dtype auto; a bfloat16 "
-                        "query over bfloat16 K takes the op's AMX score path where the CPU has it (default %(default)s)")
+                   help="the model's dtype: the query's, and the cache's under --kv-cache-dtype auto (default "
+                        "%(default)s)")
     p.add_argument("--layers", type=int, default=8, help="caches called in turn, one per layer (default %(default)s)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds, each over every layer (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, tables and values (default %(default)s)")

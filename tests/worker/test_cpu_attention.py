@@ -82,8 +82,8 @@ def test_op_in_bfloat16_accumulates_in_float32():
 
 
 def _poison_unused_slots(md, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """NaN in every cache slot no sequence reads (other blocks and the tails of the last ones): the AMX
-    score path reads a block's 16 slots at once and must mask those past the sequence."""
+    """NaN in every cache slot no sequence reads (other blocks and the tails of the last ones): a key tile
+    that reads a slot past its sequence leaks NaN into the output."""
     used = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
     bs = k_cache.shape[1]
     for table, length in zip(md.block_tables.tolist(), md.seq_lens.tolist()):
@@ -95,17 +95,17 @@ def _poison_unused_slots(md, k_cache: torch.Tensor, v_cache: torch.Tensor) -> No
 
 @needs_op
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (16, 2), (4, 4), (12, 2), (10, 2)])  # groups 3, 8, 1, 6, 5
-@pytest.mark.parametrize("dim", [32, 64, 128, 48])  # 48: not a multiple of 32, the widening path
+@pytest.mark.parametrize("dim", [32, 64, 128, 48, 80])  # 48, 80: chunks not all paired
 @pytest.mark.parametrize("seqs,block_size", [
     ([(9, 1), (300, 1), (0, 1), (17, 1), (15, 1)], 16),  # decodes: tails of blocks, a one-token prompt
     ([(0, 40), (31, 3), (5, 1)], 32),                     # prefills across key tiles, a decode
-    ([(40, 1), (0, 12), (13, 9)], 8),                     # blocks shorter than a key tile: widening
+    ([(40, 1), (0, 12), (13, 9)], 8),                     # blocks shorter than a key tile
 ])
 def test_op_in_bfloat16_matches_a_float64_reference(heads, kv_heads, dim, seqs, block_size):
-    """A bfloat16 query over bfloat16 K/V (the AMX score path where the CPU has it: dim a multiple of
-    32, blocks a multiple of 16) against float64 attention of the same bfloat16 values. Every product
-    is exact and sums are float32, so the error is the output's rounding to bfloat16 (half a unit in
-    the last place: at most 2^-8 relative) plus float32 summation (~1e-6)."""
+    """A bfloat16 query over bfloat16 K/V (read 32 channels at a time as even and odd halves, in
+    whole groups of 64 channels; the rest 16 at a time) against float64 attention of the same bfloat16
+    values. Every product is exact and sums are float32, so the error is the output's rounding to
+    bfloat16 (half a unit in the last place: at most 2^-8 relative) plus float32 summation (~1e-6)."""
     md, q, _, _, k_cache, v_cache = _batch(7, seqs, block_size, heads, kv_heads, dim, torch.bfloat16)
     _poison_unused_slots(md, k_cache, v_cache)
     out = torch.full_like(q, float("nan"))

@@ -3,8 +3,6 @@
 // kKeyTile). Part of the op's build: cpu_op.py hashes every header in this folder with the source.
 #pragma once
 
-
-
 struct Geometry {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   float scale;
@@ -65,7 +63,6 @@ template <typename kv_t>
 struct KeyTile {
   const kv_t* keys[kKeyTile];
   const kv_t* values[kKeyTile];
-  int64_t slot_stride;  // elements from one slot to the next (within a block)
-  int64_t n_valid;      // the token reads keys 0..n_valid-1 of the tile
+  int64_t n_valid;  // the token reads keys 0..n_valid-1 of the tile
   float pos0;       // ALiBi: kRelative, key 0's distance from the query (<= 0); kFalconBf16, its position
 };

@@ -11,9 +11,8 @@
 // kMaxGroup at a time), so each K and V vector is loaded once for all of them. All arithmetic is
 // float32 whatever the dtypes: a cache narrower than float32 (the query's bfloat16 or half, or
 // --kv-cache-dtype's bfloat16 or fp8_e5m2: a template parameter of its own) is widened in registers as
-// it is loaded (load16, vec16.h). A bfloat16 query over bfloat16 K on a CPU with AMX gets its scores as
-// tile products instead (amx_scores.h: products exact, sums float32, the same as widening up to the
-// order of the sums). With ALiBi slopes (Press et al., 2022, §3) each scaled score of head h gets
+// it is loaded (load16, vec16.h; a bfloat16 cache 32 channels at a time as their even and odd halves,
+// load_pairs). With ALiBi slopes (Press et al., 2022, §3) each scaled score of head h gets
 // -slope[h] * (query_pos - key_pos), or with alibi_bf16 (transformers' Falcon) scale * bf16(slope[h] *
 // bf16(key_pos)); each is a separate template instantiation (kAlibi), so the default path has no
 // extra work in its score loop.
@@ -51,7 +50,6 @@ constexpr int64_t kLanes = 16;      // floats per vector; head_dim must be a mul
 constexpr int64_t kMaxGroup = 4;    // query heads updated together; a larger group is split
 
 #include "vec16.h"  // vf16/vi16, load16, exp_nonpositive, reductions, round_bf16
-#include "amx_scores.h"  // kHaveAmx, amx_permitted, configure_tiles, QueryPairs, amx_scores
 
 enum AlibiMode { kNoAlibi = 0, kRelative = 1, kFalconBf16 = 2 };
 
@@ -60,9 +58,8 @@ enum AlibiMode { kNoAlibi = 0, kRelative = 1, kFalconBf16 = 2 };
 
 // One work item's rows: scaled queries, running max and sum, unnormalised outputs.
 struct Rows {
-  std::vector<vf16> q, acc;  // [rows, D / 16] each (kAmxBf16: q unused)
+  std::vector<vf16> q, acc;  // [rows, D / 16] each, channels in chunk_channel's order
   std::vector<float> max, sum;
-  QueryPairs q_pairs;        // kAmxBf16: the query rows as the tile product's operand
   NextTile next;             // the next key tile's cache lines, prefetched over this tile's rows
   void reset(int64_t rows, int64_t chunks) {
     q.assign(rows * chunks, vf16{});
@@ -93,14 +90,7 @@ inline vf16 softmax_step(Rows& rows, int64_t row, vf16 scores, int64_t n_valid, 
   return probs;
 }
 
-// How a key tile's scores are computed. kWidened: keys widened to float32 in registers, float32 FMAs with
-// the scaled query, summed across lanes (any dtypes). kAmxBf16: a bfloat16 query over bfloat16 K, head_dim
-// a multiple of 32, block size a multiple of 16, a CPU and kernel with AMX: one tile product per 32
-// channels (amx_scores.h), the scale applied to the sums. Both sum exact products in float32, in other
-// orders, so their scores differ in the last bits.
-enum ScoreMode { kWidened = 0, kAmxBf16 = 1 };
-
-#include "value_rows.h"  // kValueChunks, update_values, output_channel
+#include "value_rows.h"  // kValueChunks, paired_chunks, chunk_channel, update_values
 
 // Online-softmax update, with one key tile, of the kG query heads of one token that share a KV head
 // (grouped-query attention): rows row0..row0+kG-1, reading that head's K/V at head_offset of each
@@ -108,34 +98,35 @@ enum ScoreMode { kWidened = 0, kAmxBf16 = 1 };
 // which keeps their scores and outputs in registers. slopes: the kG heads' ALiBi slopes. The next
 // tile's prefetches are issued key by key in the score loop, num_rows x 16 (row, key) steps in all: in
 // bursts of a share per head group, the core stalled on its fill buffers (1.07-1.13x slower).
-template <int kG, int kScore, int kAlibi, typename kv_t>
+template <int kG, int kAlibi, typename kv_t>
 void update_heads(Rows& rows, int64_t row0, const KeyTile<kv_t>& tile, int64_t head_offset, int64_t chunks,
                   const float* slopes, float scale, int64_t num_rows) {
   const vf16* q = rows.q.data() + row0 * chunks;
-  vf16 scores[kMaxGroup];
-  if constexpr (kScore == kAmxBf16) {
-    rows.next.issue((row0 + kG) * kKeyTile, num_rows * kKeyTile);  // this group's share of the prefetches
-    amx_scores(rows.q_pairs, row0, tile.keys[0] + head_offset, tile.slot_stride, chunks * kLanes, scores);
-    for (int g = 0; g < kG; ++g) scores[g] *= scale;
-  } else {
-    vf16 partial[kG][kKeyTile];
-    for (int64_t j = 0; j < kKeyTile; ++j) {
-      vf16 p[kG] = {};
-      rows.next.issue(row0 * kKeyTile + (j + 1) * kG, num_rows * kKeyTile);
-      if (j < tile.n_valid)
-        for (int64_t c = 0; c < chunks; ++c) {
-          const vf16 k = load16(tile.keys[j] + head_offset + c * kLanes);
-          for (int g = 0; g < kG; ++g) p[g] += q[g * chunks + c] * k;
+  vf16 partial[kG][kKeyTile];
+  for (int64_t j = 0; j < kKeyTile; ++j) {
+    vf16 p[kG] = {};
+    rows.next.issue(row0 * kKeyTile + (j + 1) * kG, num_rows * kKeyTile);
+    if (j < tile.n_valid) {
+      const kv_t* key = tile.keys[j] + head_offset;
+      int64_t c = 0;
+      if constexpr (paired_chunks<kv_t>(kValueChunks) > 0)
+        for (; c < paired_chunks<kv_t>(chunks); c += 2) {
+          vf16 even, odd;
+          load_pairs(key + c * kLanes, even, odd);
+          for (int g = 0; g < kG; ++g) p[g] += q[g * chunks + c] * even, p[g] += q[g * chunks + c + 1] * odd;
         }
-      for (int g = 0; g < kG; ++g) partial[g][j] = p[g];
+      for (; c < chunks; ++c) {
+        const vf16 k = load16(key + c * kLanes);
+        for (int g = 0; g < kG; ++g) p[g] += q[g * chunks + c] * k;
+      }
     }
-    for (int g = 0; g < kG; ++g) scores[g] = transpose_sum(partial[g]);
+    for (int g = 0; g < kG; ++g) partial[g][j] = p[g];
   }
   float probs[kG][kKeyTile];  // scalars, so the value loop broadcasts them from memory
   float correction[kG];
   for (int g = 0; g < kG; ++g) {
-    const vf16 pg = softmax_step<kAlibi>(rows, row0 + g, scores[g], tile.n_valid, kAlibi ? slopes[g] : 0.0f,
-                                        tile.pos0, scale, correction[g]);
+    const vf16 pg = softmax_step<kAlibi>(rows, row0 + g, transpose_sum(partial[g]), tile.n_valid,
+                                        kAlibi ? slopes[g] : 0.0f, tile.pos0, scale, correction[g]);
     __builtin_memcpy(probs[g], &pg, sizeof pg);
   }
   vf16* acc = rows.acc.data() + row0 * chunks;
@@ -146,38 +137,37 @@ void update_heads(Rows& rows, int64_t row0, const KeyTile<kv_t>& tile, int64_t h
 }
 
 // update_heads for n (1..kMaxGroup) heads: the instantiation with that many rows in registers.
-template <int kScore, int kAlibi, typename kv_t>
+template <int kAlibi, typename kv_t>
 inline void update_head_group(int64_t n, Rows& rows, int64_t row0, const KeyTile<kv_t>& tile, int64_t head_offset,
                               int64_t chunks, const float* slopes, float scale, int64_t num_rows) {
   switch (n) {
-    case 1: update_heads<1, kScore, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, scale, num_rows); break;
-    case 2: update_heads<2, kScore, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, scale, num_rows); break;
-    case 3: update_heads<3, kScore, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, scale, num_rows); break;
-    default: update_heads<4, kScore, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, scale, num_rows); break;
+    case 1: update_heads<1, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, scale, num_rows); break;
+    case 2: update_heads<2, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, scale, num_rows); break;
+    case 3: update_heads<3, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, scale, num_rows); break;
+    default: update_heads<4, kAlibi>(rows, row0, tile, head_offset, chunks, slopes, scale, num_rows); break;
   }
 }
 
-template <typename q_t, typename kv_t, int kScore, int kAlibi>
+template <typename q_t, typename kv_t, int kAlibi>
 void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query,
               const kv_t* key_cache, const kv_t* value_cache, const int32_t* block_table,
               int64_t context_len, int64_t seq_token_begin, const float* slopes, q_t* out,
               const Upcoming& upcoming) {
   const int64_t D = g.head_dim, H = g.num_heads, chunks = D / kLanes;
   rows.reset((w.token_end - w.token_begin) * H, chunks);
-  if constexpr (kScore == kAmxBf16) rows.q_pairs.reset((w.token_end - w.token_begin) * H, D);
   for (int64_t t = w.token_begin; t < w.token_end; ++t)  // rows: token-major, then query head
     for (int64_t h = 0; h < H; ++h)
-      if constexpr (kScore == kAmxBf16)
-        rows.q_pairs.set_row((t - w.token_begin) * H + h, query + (t * H + h) * D, D);
-      else
-        for (int64_t c = 0; c < chunks; ++c)
-          rows.q[((t - w.token_begin) * H + h) * chunks + c] = load16(query + (t * H + h) * D + c * kLanes) * g.scale;
+      for (int64_t c = 0; c < chunks; ++c) {  // in the key chunks' channel order
+        float channels[kLanes];
+        for (int64_t i = 0; i < kLanes; ++i)
+          channels[i] = static_cast<float>(query[(t * H + h) * D + chunk_channel<kv_t>(c, i, chunks)]);
+        rows.q[((t - w.token_begin) * H + h) * chunks + c] = load16(channels) * g.scale;
+      }
   // The token at flat index t reads positions 0..context_len + (t - seq_token_begin).
   const int64_t num_keys = context_len + (w.token_end - seq_token_begin);
   const int64_t slot_stride = g.num_kv_heads * D;
   const int64_t num_rows = (w.token_end - w.token_begin) * H;
   KeyTile<kv_t> tile;
-  tile.slot_stride = slot_stride;
   for (int64_t p0 = 0; p0 < num_keys; p0 += kKeyTile) {
     const int64_t n_tile = std::min(kKeyTile, num_keys - p0);
     for_each_slot(block_table, g, p0, p0 + n_tile, [&](int64_t j, int64_t slot) {
@@ -197,8 +187,8 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
       for (int64_t h = 0; h < H;) {  // groups of up to kMaxGroup heads sharing one KV head
         const int64_t n = std::min(kMaxGroup, g.group - h % g.group);
         const int64_t row = (t - w.token_begin) * H + h;
-        update_head_group<kScore, kAlibi>(n, rows, row, tile, h / g.group * D, chunks, kAlibi ? slopes + h : nullptr,
-                                          g.scale, num_rows);
+        update_head_group<kAlibi>(n, rows, row, tile, h / g.group * D, chunks, kAlibi ? slopes + h : nullptr,
+                                  g.scale, num_rows);
         h += n;
       }
     }
@@ -211,7 +201,7 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
       q_t* dst = out + (t * H + h) * D;
       for (int64_t c = 0; c < chunks; ++c) {
         const vf16 o = rows.acc[row * chunks + c] * inv;
-        for (int64_t i = 0; i < kLanes; ++i) dst[output_channel<kv_t>(c, i, chunks)] = static_cast<q_t>(o[i]);
+        for (int64_t i = 0; i < kLanes; ++i) dst[chunk_channel<kv_t>(c, i, chunks)] = static_cast<q_t>(o[i]);
       }
     }
   }
@@ -225,7 +215,7 @@ struct Args {
 };
 
 // Runs the work items on torch's OpenMP threads (pragmas cannot sit inside the dispatch macro).
-template <typename q_t, typename kv_t, int kScore, int kAlibi>
+template <typename q_t, typename kv_t, int kAlibi>
 void run_all(const std::vector<WorkItem>& work, const Geometry& g, const Args& a) {
   const int32_t* qsl = a.query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = a.seq_lens.data_ptr<int32_t>();
@@ -240,36 +230,29 @@ void run_all(const std::vector<WorkItem>& work, const Geometry& g, const Args& a
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     Rows rows;  // per-thread scratch
-    if constexpr (kScore == kAmxBf16) configure_tiles();
     for (int64_t i = claimed.fetch_add(1); i < n; i = claimed.fetch_add(1)) {
       const WorkItem& w = work[i];
       const int64_t query_len = qsl[w.seq + 1] - qsl[w.seq];
-      run_item<q_t, kv_t, kScore, kAlibi>(w, rows, g, q, k, v, tables + w.seq * g.max_blocks,
+      run_item<q_t, kv_t, kAlibi>(w, rows, g, q, k, v, tables + w.seq * g.max_blocks,
                                           lens[w.seq] - query_len, qsl[w.seq], a.slopes, o, upcoming);
     }
-    if constexpr (kScore == kAmxBf16) release_tiles();
   }
 }
 
-// The instantiation for the query type q_t, the caches' element type, the score mode and the ALiBi form
-// (each branch taken once per call, outside every loop; paged_attention has checked the cache dtype).
+// The instantiation for the query type q_t, the caches' element type and the ALiBi form (each branch
+// taken once per call, outside every loop; paged_attention has checked the cache dtype).
 template <typename q_t>
 void dispatch_cache(const std::vector<WorkItem>& work, const Geometry& g, const Args& a, bool alibi_bf16) {
   const at::ScalarType kv = a.key_cache.scalar_type();
-  auto with_alibi = [&](auto kv_zero, auto score) {
+  auto with_alibi = [&](auto kv_zero) {
     using kv_t = decltype(kv_zero);
-    constexpr int kScore = decltype(score)::value;
-    if (a.slopes == nullptr) run_all<q_t, kv_t, kScore, kNoAlibi>(work, g, a);
-    else if (alibi_bf16) run_all<q_t, kv_t, kScore, kFalconBf16>(work, g, a);
-    else run_all<q_t, kv_t, kScore, kRelative>(work, g, a);
+    if (a.slopes == nullptr) run_all<q_t, kv_t, kNoAlibi>(work, g, a);
+    else if (alibi_bf16) run_all<q_t, kv_t, kFalconBf16>(work, g, a);
+    else run_all<q_t, kv_t, kRelative>(work, g, a);
   };
-  if constexpr (std::is_same_v<q_t, c10::BFloat16> && kHaveAmx)
-    if (kv == at::kBFloat16 && g.head_dim % 32 == 0 && g.block_size % kKeyTile == 0 && amx_permitted())
-      return with_alibi(c10::BFloat16{}, std::integral_constant<int, kAmxBf16>{});
-  const std::integral_constant<int, kWidened> widened;
-  if (kv == a.query.scalar_type()) with_alibi(q_t{}, widened);
-  else if (kv == at::kBFloat16) with_alibi(c10::BFloat16{}, widened);
-  else with_alibi(c10::Float8_e5m2{}, widened);
+  if (kv == a.query.scalar_type()) with_alibi(q_t{});
+  else if (kv == at::kBFloat16) with_alibi(c10::BFloat16{});
+  else with_alibi(c10::Float8_e5m2{});
 }
 
 // out[T, H, D] = causal paged attention of query[T, H, D] over each sequence's cached context.

@@ -6,18 +6,20 @@
 
 constexpr int64_t kValueChunks = 4;  // output chunks per update_values (the rest one at a time)
 
-// Whether update_values<.., kC, kv_t> keeps 32 channels of V as two vectors, their even and their odd
-// channels (load_pairs: bfloat16 V, a shift and a mask per 32 channels where widening took two loads,
-// two widenings and two shifts). Such a pair of output chunks is stored even, odd; the op's output
-// interleaves them back (output_channel).
+// How many of a row's `chunks` 16-channel chunks are paired: for a bfloat16 cache, the chunks below the
+// last multiple of kValueChunks hold 32 channels as two chunks, their even and their odd channels
+// (load_pairs: one load, a shift and a mask per 32 channels where widening took two loads, two
+// widenings and two shifts); for other caches none. Queries and outputs use the same order
+// (chunk_channel): a score sums the same products as in channel order, in another order.
 template <typename kv_t>
-constexpr bool paired_values(int64_t kC) { return std::is_same_v<kv_t, c10::BFloat16> && kC % 2 == 0; }
+constexpr int64_t paired_chunks(int64_t chunks) {
+  return std::is_same_v<kv_t, c10::BFloat16> ? chunks / kValueChunks * kValueChunks : 0;
+}
 
-// Channel i of output chunk c (chunks in all; those below the last multiple of kValueChunks paired).
+// The channel held by lane i of chunk c of a row of `chunks` chunks.
 template <typename kv_t>
-inline int64_t output_channel(int64_t c, int64_t i, int64_t chunks) {
-  if (paired_values<kv_t>(kValueChunks) && c < chunks / kValueChunks * kValueChunks) return (c / 2) * 32 + 2 * i + c % 2;
-  return c * kLanes + i;
+inline int64_t chunk_channel(int64_t c, int64_t i, int64_t chunks) {
+  return c < paired_chunks<kv_t>(chunks) ? c / 2 * 2 * kLanes + 2 * i + c % 2 : c * kLanes + i;
 }
 
 // The kG rows' outputs, channels c0 .. c0 + kC * 16 - 1: acc = acc * correction + sum over the tile's keys
@@ -31,7 +33,7 @@ inline void update_values(vf16* acc, int64_t chunks, int64_t c0, const KeyTile<k
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) a[g][c] = acc[g * chunks + c0 + c] * correction[g];
   for (int64_t j = 0; j < tile.n_valid; ++j)
-    if constexpr (paired_values<kv_t>(kC))
+    if constexpr (paired_chunks<kv_t>(kC) == kC)
       for (int c = 0; c < kC; c += 2) {
         vf16 even, odd;
         load_pairs(tile.values[j] + head_offset + (c0 + c) * kLanes, even, odd);
