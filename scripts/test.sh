@@ -2,7 +2,8 @@
 # Sets up everything (scripts/setup.sh) and runs the whole test suite in three pytest-xdist workers
 # (a module's tests stay on one worker, so module-scoped stacks start once; three keep two cores
 # busy while end-to-end tests wait on their services; --no-loadscope-reorder keeps tests/conftest.py's
-# slowest-files-first order). 24:14 for a clean clone on a 2-core Xeon (2026-12-03), over the 12-minute goal.
+# slowest-files-first order). pytest 12:38-13:03 for a clean clone on a 2-core Xeon (2026-12-03/04), at or
+# over the 12-minute goal; set-up and the compose check bring `.ci/run` to 15-16.5 min.
 # Extra arguments go to pytest: `./scripts/test.sh -n 0 tests/e2e/test_chaos.py` runs one file in this process.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -233,8 +233,8 @@ void run_all(const std::vector<WorkItem>& work, const Geometry& g, const Args& a
     for (int64_t i = claimed.fetch_add(1); i < n; i = claimed.fetch_add(1)) {
       const WorkItem& w = work[i];
       const int64_t query_len = qsl[w.seq + 1] - qsl[w.seq];
-      run_item<q_t, kv_t, kAlibi>(w, rows, g, q, k, v, tables + w.seq * g.max_blocks,
-                                          lens[w.seq] - query_len, qsl[w.seq], a.slopes, o, upcoming);
+      run_item<q_t, kv_t, kAlibi>(w, rows, g, q, k, v, tables + w.seq * g.max_blocks, lens[w.seq] - query_len,
+                                  qsl[w.seq], a.slopes, o, upcoming);
     }
   }
 }
