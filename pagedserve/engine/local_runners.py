@@ -39,7 +39,7 @@ def _parallel_runners(path: Path, config: EngineConfig, rank_placement=None) -> 
     from pagedserve.engine.runner_factory import resolve_dtype
 
     runner = config.runner
-    config.speculative_config.check_ranks(runner.ranks)
+    config.speculative_config.check_ranks(runner.tensor_parallel_size, runner.pipeline_parallel_size)
     check_rank_kernels(runner.gemm_backend, runner.compile_mode)
     if config.num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
         raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "
@@ -47,7 +47,8 @@ def _parallel_runners(path: Path, config: EngineConfig, rank_placement=None) -> 
     ranks = RankConfig(str(path), runner.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, config.scheduler.block_size,
                        resolve_dtype(runner.dtype, runner.device), runner.device, runner.attention_backend,
                        runner.swap_space, pipeline_parallel_size=runner.pipeline_parallel_size,
-                       num_virtual_engines=runner.num_virtual_engines, kv_cache_dtype=runner.kv_cache_dtype)
+                       num_virtual_engines=runner.num_virtual_engines, kv_cache_dtype=runner.kv_cache_dtype,
+                       speculative=config.speculative_config)
     leader = start_tensor_parallel_runner(ranks, runner.tensor_parallel_size, placement=rank_placement or LOCAL)
     if runner.pipeline_parallel_size == 1:
         return {"worker-0": leader}

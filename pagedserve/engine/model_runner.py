@@ -130,11 +130,12 @@ class ModelRunner:
         drafting = [i for i, s in enumerate(scheduled) if s.num_lookahead_tokens and s.reaches_end]
         if not drafting:
             return scheduled
-        drafts = self.proposer.propose([scheduled[i] for i in drafting])
+        proposals = self.proposer.propose([scheduled[i] for i in drafting], self.sampler)
         with_drafts = list(scheduled)
-        for i, ids in zip(drafting, drafts):
+        for i, proposal in zip(drafting, proposals):
             s = scheduled[i]
-            with_drafts[i] = ScheduledRequest(s.state, s.num_scheduled_tokens, s.num_lookahead_tokens, ids)
+            with_drafts[i] = ScheduledRequest(s.state, s.num_scheduled_tokens, s.num_lookahead_tokens,
+                                              proposal.token_ids, proposal.probs)
         return with_drafts
 
     def _check_new(self, requests: Sequence[NewRequestData]) -> list[RequestState]:
@@ -185,7 +186,7 @@ class ModelRunner:
             total += s.num_query_tokens
             if s.reaches_end and s.draft_token_ids:  # the last known token's row and each draft's
                 drafted.append(Drafted(s.state.seq_id, list(s.state.token_ids), s.state.num_prompt_tokens,
-                                       s.state.sampling, s.draft_token_ids))
+                                       s.state.sampling, s.draft_token_ids, s.draft_probs))
                 drafted_rows += range(total - s.num_query_tokens + s.num_scheduled_tokens - 1, total)
             elif s.reaches_end:
                 plain.append(s)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 
 import torch
 
@@ -200,6 +201,29 @@ def requested_logprobs(logits: torch.Tensor, params: Sequence[EngineSamplingPara
     return out
 
 
+class Draw(IntEnum):
+    """The uniforms of one output index (``Sampler.uniforms``' columns), each used once: the token's
+    draw, the acceptance of the draft standing at that index (speculative decoding's verification),
+    and the draw of that draft by a proposer that samples its drafts (``spec_decode.draft_model``)."""
+
+    TOKEN = 0
+    ACCEPT = 1
+    DRAFT = 2
+
+
+def inverse_transform(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-transform sampling: per row, the first token whose cumulative probability (in id order,
+    summed in float64) exceeds the row's uniform times the row's total; int64 ``[R]``.
+
+    Args:
+        probs: float32 ``[R, V]``, non-negative rows (normalised or not).
+        uniforms: ``[R]`` in ``[0, 1)``.
+    """
+    cdf = probs.to(torch.float64).cumsum_(dim=-1)                         # (R, V)
+    target = uniforms.to(torch.float64) * cdf[:, -1]                      # (R,) in [0, total)
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=probs.shape[1] - 1)
+
+
 class Sampler:
     """Chooses the next token for each row of a logits batch.
 
@@ -254,18 +278,15 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[EngineSamplingParams],
                 counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Filtered sampling of ``[R, V]`` rows -> token ids int64 ``[R]`` and logprobs float32 ``[R]``."""
-        vocab = logits.shape[1]
         probs = sampling_probs(logits, params)                            # (R, V)
-        cdf = probs.to(torch.float64).cumsum_(dim=-1)                     # (R, V)
-        target = self.uniforms(params, counts)[:, 0].to(torch.float64) * cdf[:, -1]  # (R,) in [0, total)
-        token_ids = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=vocab - 1)  # (R,)
+        token_ids = inverse_transform(probs, self.uniforms(params, counts)[:, Draw.TOKEN])  # (R,)
         logprobs = probs.gather(1, token_ids[:, None])[:, 0].log()        # (R,)
         return token_ids, logprobs
 
     def uniforms(self, params: Sequence[EngineSamplingParams], counts: Sequence[int], num_draws: int = 1) -> torch.Tensor:
-        """``num_draws`` ``U[0, 1)`` draws per row, float32 ``[R, num_draws]``: from a generator
-        seeded by ``(seed, output index)`` for seeded rows (the token's draw first, then the
-        acceptance draw of a speculative step), from the sampler's own generator otherwise."""
+        """``num_draws`` ``U[0, 1)`` draws per row, float32 ``[R, num_draws]``, in :class:`Draw`'s
+        order: from a generator seeded by ``(seed, output index)`` for seeded rows (a shorter call
+        gets the same first draws), from the sampler's own generator otherwise."""
         draws = torch.rand(len(params), num_draws, generator=self._generator, device=self.device)  # (R, D)
         for i, (p, count) in enumerate(zip(params, counts)):
             if p.seed is not None:

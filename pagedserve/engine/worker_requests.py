@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from pagedserve.engine.logprobs import PromptChunk
 from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sampling_params import EngineSamplingParams, child_sampling
@@ -47,12 +49,15 @@ class RequestState:
 @dataclass(frozen=True)
 class ScheduledRequest:
     """A request, how many of its tokens this step computes, the KV slots reserved past them for
-    drafts, and the drafts it verifies (speculative decoding: each one more query row)."""
+    drafts, and the drafts it verifies (speculative decoding: each one more query row) with the
+    distributions they were drawn from (float32 ``[len(draft_token_ids), V]``; ``None``: chosen
+    drafts, ``spec_decode.proposer.Proposal``)."""
 
     state: RequestState
     num_scheduled_tokens: int
     num_lookahead_tokens: int = 0
     draft_token_ids: tuple[int, ...] = ()
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_query_tokens(self) -> int:

@@ -128,7 +128,7 @@ def _build_engines(config: WorkerConfig) -> dict:
                       resolve_dtype(config.runner.dtype, config.runner.device), config.runner.device, config.runner.attention_backend,
                       config.runner.swap_space, num_threads=threads, pipeline_parallel_size=config.runner.pipeline_parallel_size,
                       num_virtual_engines=config.runner.virtual_engines or config.runner.pipeline_parallel_size,
-                      kv_cache_dtype=config.runner.kv_cache_dtype)
+                      kv_cache_dtype=config.runner.kv_cache_dtype, speculative=config.speculative_config)
     placement = RankPlacement(config.rank_address, config.local_ranks, config.cluster_token.encode(),
                               config.rank_join_timeout_s)
     runner = start_tensor_parallel_runner(rank, config.runner.tensor_parallel_size, placement=placement)

@@ -1,9 +1,10 @@
 """Speculative decoding through the real services: a scheduler and a worker started with the same
-n-gram flags, or draft-model flags, give, greedy with n = 2, exactly the in-process engine's output
+n-gram flags (the worker of one rank or of three tensor-parallel ranks), or draft-model flags, give, greedy with n = 2, exactly the in-process engine's output
 without speculation, on a prompt that copies its input and on a plain one; the scheduler's /metrics
 counts accepted drafts (and the gateway's HTTP /metrics the same, from GetStats; every draft when the
-draft model is the target itself), and every KV block is free afterwards (the slots reserved for
-rejected drafts included)."""
+draft model is the target itself, sampled requests' drafts included), a seeded sampled request gives the
+same tokens twice, and every KV block is free afterwards (the slots reserved for rejected drafts
+included)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,8 @@ def samples_by_index(responses: list[gen.GenerateResponse]) -> list[tuple[int, .
     return [tuple(by_index[i]) for i in sorted(by_index)]
 
 
-def plain_greedy_through_the_stack(tmp_path, default_model, default_llm, flags: tuple[str, ...]) -> tuple[dict, dict]:
-    """Streams the two prompts (greedy, n = 2) through a stack whose scheduler and worker take ``flags``,
-    asserts the in-process engine's tokens and all blocks free; returns the scheduler's metrics and the
-    gateway's HTTP ones."""
+def greedy_requests(default_model, default_llm) -> tuple[list[gen.GenerateRequest], list[list[tuple[int, ...]]]]:
+    """The two prompts (greedy, n = 2) as requests, and the in-process engine's tokens for them."""
     from pagedserve.text.tokenizer import PromptTokenizer
 
     tokenizer = PromptTokenizer.from_folder(default_model)
@@ -47,21 +46,30 @@ def plain_greedy_through_the_stack(tmp_path, default_model, default_llm, flags: 
     want = [[s.token_ids for s in out.samples] for out in default_llm.generate(prompts, params)]
     requests = [gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=p), sampling_params=gen.SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, n=2)) for p in prompts]
+    return requests, want
+
+
+def through_the_stack(tmp_path, default_model, flags: tuple[str, ...], requests: list[gen.GenerateRequest],
+                      worker_args: tuple[str, ...] = ()) -> tuple[list[list[tuple[int, ...]]], dict, dict]:
+    """Streams ``requests`` at once through a stack whose scheduler and worker take ``flags`` (and the
+    worker ``worker_args``), asserts all blocks free; returns each request's samples, the scheduler's
+    metrics and the gateway's HTTP ones."""
     stack = start_stack(tmp_path, default_model, num_workers=1, worker_threads=2, scheduler_args=flags,
-                        worker_args=flags)
+                        worker_args=flags + worker_args)
     try:
         with ThreadPoolExecutor(len(requests)) as pool:
             got = [samples_by_index(r) for r in pool.map(lambda q: stream(stack.gateway, q), requests)]
-        assert got == want
         assert_all_blocks_free(stack)
         # the gateway's OpenAI port: the cluster's counts, from GetStats
-        return scrape(stack.metrics["scheduler"]), scrape(stack.http.removeprefix("http://"))
+        return got, scrape(stack.metrics["scheduler"]), scrape(stack.http.removeprefix("http://"))
     finally:
         stack.stop()
 
 
 def test_speculative_stack_gives_plain_greedy_output_and_counts_accepted_drafts(tmp_path, default_model, default_llm):
-    metrics, cluster = plain_greedy_through_the_stack(tmp_path, default_model, default_llm, SPECULATIVE)
+    requests, want = greedy_requests(default_model, default_llm)
+    got, metrics, cluster = through_the_stack(tmp_path, default_model, SPECULATIVE, requests)
+    assert got == want
     assert total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
     assert total(metrics, "vllm:spec_decode_num_draft_tokens_total") >= total(
         metrics, "vllm:spec_decode_num_accepted_tokens_total")
@@ -73,11 +81,27 @@ def test_speculative_stack_gives_plain_greedy_output_and_counts_accepted_drafts(
                                          position=str(p)) for p in range(4)]
 
 
+def test_ngram_on_a_tensor_parallel_worker_gives_plain_greedy_output(tmp_path, default_model, default_llm):
+    # 3 ranks (one KV head each) draft the same tokens and accept the same ones: the answers of rank 0
+    requests, want = greedy_requests(default_model, default_llm)
+    got, metrics, _ = through_the_stack(tmp_path, default_model, SPECULATIVE, requests,
+                                        worker_args=("--tensor-parallel-size", "3"))
+    assert got == want
+    assert total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
+
+
 def test_draft_model_stack_gives_plain_greedy_output_and_accepts_every_draft_of_the_target_itself(
         tmp_path, default_model, default_llm):
+    # and a seeded sampled request, twice: drafts drawn from the draft's q (here the target's p) are all
+    # kept too, where argmax drafts would keep p(argmax) of them
     flags = ("--speculative-method", "draft_model", "--speculative-model", str(default_model),
              "--num-speculative-tokens", "4")
-    metrics, _ = plain_greedy_through_the_stack(tmp_path, default_model, default_llm, flags)
+    requests, want = greedy_requests(default_model, default_llm)
+    sampled = gen.GenerateRequest(prompt_token_ids=requests[1].prompt_token_ids, sampling_params=gen.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.9, top_k=30, top_p=0.95, seed=17, frequency_penalty=0.3, ignore_eos=True))
+    got, metrics, _ = through_the_stack(tmp_path, default_model, flags, [*requests, sampled, sampled])
+    assert got[:2] == want
+    assert got[2] == got[3] and len(got[2][0]) == MAX_TOKENS
     accepted = total(metrics, "vllm:spec_decode_num_accepted_tokens_total")
-    assert accepted == total(metrics, "vllm:spec_decode_num_draft_tokens_total") >= 4 * 4  # 4 samples, >= 1 step each
+    assert accepted == total(metrics, "vllm:spec_decode_num_draft_tokens_total") >= 6 * 4  # 6 samples, >= 1 step each
     assert total(metrics, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="3") > 0

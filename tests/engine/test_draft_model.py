@@ -7,6 +7,8 @@ vocabulary is refused."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from pagedserve.engine.runner_factory import build_model_runner
@@ -119,6 +121,31 @@ def test_seeded_samples_repeat_per_seed(random_draft, prompts):
 
     first = sample(7)
     assert sample(7) == first and sample(8) != first
+    assert_all_free(random_draft)
+
+
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
+                         frequency_penalty=0.2, ignore_eos=True)
+"""Sampling with every kind of processing a draft's ``q`` must share with the target's ``p``."""
+
+
+def test_sampled_drafts_come_from_the_drafts_distribution_so_the_target_itself_has_every_one_accepted(
+        self_draft, random_draft, prompts):
+    # a draft drawn from q is accepted with min(1, p/q): q = p (the same model, processed alike) keeps
+    # all of them, where argmax drafts would keep p(argmax) of them and a q processed otherwise
+    # (no penalty, no top-k) would lose some
+    before = self_draft.stats().spec_decode
+    outputs = token_ids(self_draft, prompts[:4], replace(SAMPLED, seed=11))
+    after = self_draft.stats().spec_decode
+    assert_every_draft_accepted(before, after)
+    assert [len(o) for o in outputs] == [24] * 4
+    assert after.num_accepted_tokens - before.num_accepted_tokens >= 4 * 16
+    assert token_ids(self_draft, prompts[:4], replace(SAMPLED, seed=11)) == outputs  # seeded: the same again
+    before = random_draft.stats().spec_decode  # a draft that disagrees: drafts rejected, still 24 tokens each
+    assert [len(o) for o in token_ids(random_draft, prompts[:4], replace(SAMPLED, seed=11))] == [24] * 4
+    after = random_draft.stats().spec_decode
+    assert after.num_accepted_tokens - before.num_accepted_tokens < after.num_draft_tokens - before.num_draft_tokens
+    assert_all_free(self_draft)
     assert_all_free(random_draft)
 
 

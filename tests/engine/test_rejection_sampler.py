@@ -1,13 +1,18 @@
 """The rejection sampler keeps the target's distribution (a chi-square test on a tiny vocabulary,
-with a draft model's distributions and with one-hot n-gram drafts), is the argmax for greedy rows,
-and handles ragged draft counts."""
+with a draft model's distributions and with one-hot n-gram drafts; and through the worker's verifier
+with drawn and chosen drafts in one batch), is the argmax for greedy rows, and handles ragged draft
+counts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagedserve.engine.messages import SequenceId
+from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.spec_decode.rejection_sampler import rejection_sample
+from pagedserve.engine.spec_decode.verifier import Drafted, verify
 
 VOCAB, K, TRIALS = 6, 3, 200_000
 CHI2_DF5_P0001 = 20.52  # chi-square critical value, 5 degrees of freedom, p = 0.001
@@ -66,3 +71,25 @@ def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="accept_uniforms"):
         rejection_sample(torch.rand(2, K + 1, VOCAB), torch.zeros(2, K + 1, dtype=torch.long), torch.tensor([1, 1]),
                          torch.rand(2, K), torch.rand(2, K + 1))
+
+
+def test_verify_keeps_the_targets_distribution_with_drawn_and_chosen_drafts_in_one_batch():
+    # the worker's path: per sequence, the logits of its last token's row and of each draft's row; half
+    # the sequences drafted from q (draft_probs given), half chose a fixed draft (one-hot q)
+    trials, g = 20_000, torch.Generator().manual_seed(5)
+    p, q = random_probs(g, 3), random_probs(g, 2)                          # 2 drafts: 3 target rows
+    drawn = torch.stack([torch.multinomial(q[i], trials, replacement=True, generator=g) for i in range(2)], 1)
+    sampling = EngineSamplingParams(max_tokens=8, temperature=1.0)
+    drafted = [Drafted(SequenceId(str(t)), [0, 1], 1, sampling, tuple(drawn[t].tolist()), q) for t in range(trials)]
+    drafted += [Drafted(SequenceId(f"c{t}"), [0, 1], 1, sampling, (1, 4)) for t in range(trials)]
+    logits = p.log().repeat(2 * trials, 1)                                # (2 * trials * 3, V)
+    out = verify(Sampler(seed=3), logits, drafted)
+    # a drawn first draft is kept with probability sum(min(p, q)) (with q taken as one-hot: sum(p * q)),
+    # the fixed one with p(1); any of these keeps the target's distribution, only the rate tells them apart
+    chosen = torch.tensor([[1, 4]]).expand(trials, 2)
+    for half, drafts, rate in ((out[:trials], drawn, torch.minimum(p[0], q[0]).sum()), (out[trials:], chosen, p[0, 1])):
+        first = torch.tensor([t.accepted[0].token_id if t.accepted else t.token_id for t in half])
+        assert chi_square(torch.bincount(first, minlength=VOCAB).float(), p[0]) < CHI2_DF5_P0001
+        assert all(t.accepted[0].token_id == int(drafts[i, 0]) for i, t in enumerate(half) if t.accepted)
+        kept = sum(1 for t in half if t.accepted) / trials
+        assert abs(kept - float(rate)) < 4 * (float(rate) * (1 - float(rate)) / trials) ** 0.5, (kept, float(rate))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
 from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK as BLOCK_BYTES_TP1, NUM_BLOCKS,
                                      assert_a_dead_or_stuck_rank_fails_the_step,
@@ -47,3 +48,25 @@ def test_tp2_seeded_sampling_n2_and_logprobs_equal_tp1(tiny):
     """The sampler runs on rank 0 with the same per-request seeds as one rank."""
     folder, prompts = tiny
     assert_seeded_sampling_equal_one_rank(folder, prompts[:4], tensor_parallel_size=2)
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def test_tp2_ngram_speculation_gives_plain_greedy_tokens_and_one_ranks_seeded_samples(tiny):
+    """Each rank drafts the same tokens from its equal sequences and verifies them over the same logits
+    with rank 0's uniforms: greedy tokens are plain decoding's, seeded samples one rank's."""
+    folder, prompts = tiny
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    plain = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1, block_size=BLOCK)
+    one_rank = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1, block_size=BLOCK, speculative_config=NGRAM)
+    want_greedy, want_sampled = _tokens(plain, prompts), [r.token_ids for r in one_rank.generate(prompts, sampled)]
+    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1 // 2, block_size=BLOCK, tensor_parallel_size=2,
+             speculative_config=NGRAM) as llm:
+        assert _tokens(llm, prompts) == want_greedy
+        greedy = llm.stats().spec_decode
+        assert greedy.num_accepted_tokens > 0
+        assert [r.token_ids for r in llm.generate(prompts, sampled)] == want_sampled
+        stats = llm.stats()
+        assert stats.spec_decode.num_draft_tokens > greedy.num_draft_tokens
+        assert stats.workers[0].num_free_blocks == NUM_BLOCKS and stats.workers[0].num_running == 0

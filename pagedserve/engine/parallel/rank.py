@@ -4,7 +4,9 @@ Every rank runs the same :class:`~pagedserve.engine.model_runner.ModelRunner` ov
 BatchPlans, so the request states and block tables stay equal on all ranks; only the weights and
 the KV cache (this rank's heads) differ. Sampling happens on rank 0 only, over the full logits
 (gathered on every rank by the LM head's all-gather); rank 0 broadcasts the sampler's output so
-the other ranks append the same tokens to their states.
+the other ranks append the same tokens to their states. With n-gram speculation every rank drafts
+the same tokens from its equal sequence states and verifies them over the same logits, with the
+uniforms rank 0 draws and broadcasts: the ranks accept the same drafts without further messages.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pagedserve.engine.parallel.group import Collectives, CollectiveError, Tenso
 from pagedserve.engine.parallel.pipeline import RankPosition, StageForward, StageRunner, pipeline_stage
 from pagedserve.engine.parallel.sharding import ShardingError, shard_layout
 from pagedserve.engine.sampler import Sampler, SamplerOutput
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class RankConfig:
             ``world_size`` is ``T * P``.
         num_virtual_engines: with P > 1, the worker's virtual engines (``parallel/pipeline_runner.py``),
             each with its own sequences and ``1/num_virtual_engines`` of every rank's KV budget.
+        speculative: speculative decoding (n-gram only: ``SpeculativeConfig.check_ranks``).
     """
 
     model_path: str
@@ -58,6 +62,7 @@ class RankConfig:
     pipeline_parallel_size: int = 1
     num_virtual_engines: int = 1
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
 
 def check_shardable(model_path: str | Path, world_size: int, pipeline_parallel_size: int = 1) -> None:
@@ -103,6 +108,10 @@ class LeaderSampler:
             raise
         return self.group.broadcast_object(out)
 
+    def uniforms(self, params: Sequence, counts: Sequence[int], num_draws: int = 1) -> torch.Tensor:
+        """The wrapped sampler's uniforms (float32 ``[R, num_draws]``), shared with every rank."""
+        return self.group.broadcast_object(self.sampler.uniforms(params, counts, num_draws))
+
 
 class FollowerSampler:
     """A helper rank's sampler: receives rank 0's :class:`SamplerOutput` (re-raises rank 0's error)."""
@@ -116,6 +125,10 @@ class FollowerSampler:
         if isinstance(out, Exception):
             raise CollectiveError(f"rank 0's sampler failed: {out}")
         return out
+
+    def uniforms(self, params: Sequence, counts: Sequence[int], num_draws: int = 1) -> torch.Tensor:
+        """Rank 0's uniforms for the same rows (``LeaderSampler.uniforms``)."""
+        return self.group.broadcast_object(None)
 
 
 def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRunner:
@@ -135,10 +148,12 @@ def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRu
     spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, kv_dtype)
     kv_cache = KVCache(spec, num_blocks_for_memory(spec, config.kv_cache_memory_bytes), device=config.device,
                        num_cpu_blocks=config.swap_space_bytes // spec.bytes_per_block)
+    proposer = config.speculative.ngram_proposer()
     if group.rank == 0:  # only the rank that samples holds grammar matchers
         sampler = LeaderSampler(Sampler(seed=config.sampler_seed, device=config.device), group)
-        return ModelRunner(model, kv_cache, backend, sampler, grammar=grammar_compiler_for(config.model_path))
-    return ModelRunner(model, kv_cache, backend, FollowerSampler(group))
+        return ModelRunner(model, kv_cache, backend, sampler, grammar=grammar_compiler_for(config.model_path),
+                           proposer=proposer)
+    return ModelRunner(model, kv_cache, backend, FollowerSampler(group), proposer=proposer)
 
 
 def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[StageRunner]:

@@ -17,10 +17,13 @@ no message changes. Its K/V stay in step with the target's:
   (fewer rows once a sequence's ``limit`` is reached), writing draft K/V at ``p .. p + limit - 1``:
   inside the decode's slot and the lookahead slots the scheduler reserved.
 
-Drafts are the draft model's argmax tokens, proposed as one-hot distributions ``q`` (as the n-gram
-ones): the rejection sampler is exact for any ``q``, so greedy rows emit the target's argmax and
-sampled rows keep the target's distribution; only the acceptance rate depends on the draft.
-Sampling drafts from ``q`` and passing ``draft_probs`` would accept more sampled drafts (later).
+A greedy request's drafts are the draft model's argmax tokens (one-hot ``q``, as the n-gram ones);
+a sampled request's are drawn from the draft's distribution ``q`` after the same processing as the
+target's (penalties, temperature, top-k/p, min-p), and ``q`` goes to the rejection sampler, which
+accepts with ``min(1, p / q)``. The sampler is exact for any ``q``, so greedy rows emit the target's
+argmax and sampled rows keep the target's distribution; only the acceptance rate depends on the
+draft, and drawing from ``q`` keeps the drafts a draft close to the target proposes (with argmax
+drafts a sampled row would keep only ``p(argmax)`` of them).
 
 The draft's vocabulary must be the target's (its logits' width; :func:`load_draft_model` checks);
 a draft with another tokenizer of the same size cannot be told apart and would only draft badly.
@@ -31,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from pagedserve.engine.attention import AttentionBackend
@@ -39,6 +43,9 @@ from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.forward_batch import ForwardBatch
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 from pagedserve.engine.messages import BatchPlan
+from pagedserve.engine.sampler import Draw, Sampler, inverse_transform, sampling_probs
+from pagedserve.engine.spec_decode.proposer import Proposal
+from pagedserve.engine.spec_decode.verifier import Drafted, process_rows
 from pagedserve.engine.models.onednn import pack_linear_layers
 from pagedserve.engine.weight_loader import load_model
 from pagedserve.engine.worker_requests import ScheduledRequest
@@ -69,7 +76,7 @@ def draft_cache_spec(draft: nn.Module, target_spec: KVCacheSpec) -> KVCacheSpec:
 
 
 class DraftModelProposer:
-    """Proposes up to ``num_speculative_tokens`` greedy drafts per sequence with a draft model (a
+    """Proposes up to ``num_speculative_tokens`` drafts per sequence with a draft model (a
     ``proposer.Proposer``; see the module docstring for how its cache follows the target's).
 
     Args:
@@ -93,12 +100,17 @@ class DraftModelProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.device = next(model.parameters()).device
 
-    def propose(self, requests: Sequence[ScheduledRequest]) -> list[tuple[int, ...]]:
-        """Per request, ``min(num_lookahead_tokens, k)`` drafts: the draft model's argmax after its
-        known tokens, then after each draft (``max(limits)`` forwards of at most ``len(requests)``
-        rows). Each request schedules its last known token only (``proposer.Proposer``)."""
+    def propose(self, requests: Sequence[ScheduledRequest], sampler: Sampler) -> list[Proposal]:
+        """Per request, ``min(num_lookahead_tokens, k)`` drafts, each after its known tokens and the
+        drafts before it (``max(limits)`` forwards of at most ``len(requests)`` rows): a greedy
+        request's are the draft model's argmax; a sampled request's are drawn from ``q``, the draft's
+        logits processed as the target's row at the same output index (``verifier.process_rows``,
+        ``sampling_probs``), with ``sampler``'s ``Draw.DRAFT`` uniforms, and ``q`` comes with them
+        (the acceptance is then ``min(1, p / q)``: a draft that agrees with the target keeps most
+        sampled drafts). Each request schedules its last known token only (``proposer.Proposer``)."""
         limits = [min(r.num_lookahead_tokens, self.num_speculative_tokens) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
+        q_rows: list[list[torch.Tensor]] = [[] for _ in requests]  # per sampled request, (V,) per draft
         for index in range(max(limits, default=0)):
             rows = [i for i, limit in enumerate(limits) if limit > index]
             tokens = [drafts[i][-1] if index else requests[i].state.token_ids[-1] for i in rows]
@@ -107,10 +119,18 @@ class DraftModelProposer:
             batch = ForwardBatch.build(tokens, [1] * len(rows), contexts, [requests[i].state.block_ids for i in rows],
                                        self.kv_cache.block_size, self.model.dtype, self.device)
             hidden = batch.run(self.model, self.kv_cache, self.attention_backend)   # (B, hidden)
-            chosen = row_argmax(self.model.compute_logits(hidden)).tolist()     # (B,) float32 logits -> ids
+            logits = self.model.compute_logits(hidden)                          # (B, V) float32
+            chosen = row_argmax(logits).tolist()
+            drawn = [j for j, i in enumerate(rows) if not requests[i].state.sampling.is_greedy]
+            if drawn:
+                pending = [_pending(requests[rows[j]], drafts[rows[j]]) for j in drawn]
+                q, ids = _draw(logits[torch.tensor(drawn, device=logits.device)], pending, sampler)
+                for j, row_q, token in zip(drawn, q, ids.tolist()):
+                    chosen[j] = token
+                    q_rows[rows[j]].append(row_q)
             for i, token in zip(rows, chosen):
                 drafts[i].append(token)
-        return [tuple(d) for d in drafts]
+        return [Proposal(tuple(d), torch.stack(q) if q else None) for d, q in zip(drafts, q_rows)]
 
     def observe(self, batch: ForwardBatch) -> None:
         """Runs the target's batch through the draft model: its K/V at the same slots."""
@@ -119,3 +139,19 @@ class DraftModelProposer:
     def move_blocks(self, plan: BatchPlan) -> None:
         """The plan's swaps and copies on the draft's cache (the same block ids as the target's)."""
         self.kv_cache.move_blocks(plan.blocks_to_swap_out, plan.blocks_to_swap_in, plan.blocks_to_copy)
+
+
+def _pending(request: ScheduledRequest, drafts: Sequence[int]) -> tuple[Drafted, int]:
+    """The row drafting a request's next token, as ``verifier.process_rows`` takes it."""
+    state = request.state
+    return Drafted(state.seq_id, state.token_ids, state.num_prompt_tokens, state.sampling, tuple(drafts)), len(drafts)
+
+
+def _draw(logits: torch.Tensor, rows: Sequence[tuple[Drafted, int]],
+          sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` float32 ``[R, V]`` of sampled rows (``logits`` float32 ``[R, V]``, processed in place) and
+    the drafts drawn from it, int64 ``[R]``."""
+    params, counts = process_rows(logits, rows)
+    q = sampling_probs(logits, params)                                    # (R, V)
+    uniforms = sampler.uniforms(params, counts, num_draws=Draw.DRAFT + 1)[:, Draw.DRAFT]  # (R,)
+    return q, inverse_transform(q, uniforms)

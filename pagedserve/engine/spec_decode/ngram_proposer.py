@@ -14,9 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedserve.engine.spec_decode.proposer import Proposal
+
 if TYPE_CHECKING:  # annotations only: the scheduler reads SpeculativeConfig, which names this class, without torch
     from pagedserve.engine.forward_batch import ForwardBatch
     from pagedserve.engine.messages import BatchPlan
+    from pagedserve.engine.sampler import Sampler
     from pagedserve.engine.worker_requests import ScheduledRequest
 
 
@@ -43,9 +46,10 @@ class NgramProposer:
             raise ValueError(f"n-gram proposer needs num_speculative_tokens >= 1 and 1 <= min_n <= max_n, got "
                              f"{self.num_speculative_tokens}, {self.min_n}, {self.max_n}")
 
-    def propose(self, requests: Sequence[ScheduledRequest]) -> list[tuple[int, ...]]:
-        """Per request, :meth:`draft` of its known tokens, at most its lookahead."""
-        return [tuple(self.draft(r.state.token_ids, limit=r.num_lookahead_tokens)) for r in requests]
+    def propose(self, requests: Sequence[ScheduledRequest], sampler: Sampler) -> list[Proposal]:
+        """Per request, :meth:`draft` of its known tokens, at most its lookahead (chosen, not drawn:
+        no ``q``, and no use for ``sampler``)."""
+        return [Proposal(tuple(self.draft(r.state.token_ids, limit=r.num_lookahead_tokens))) for r in requests]
 
     def observe(self, batch: ForwardBatch) -> None:
         """Nothing: drafts come from the tokens alone."""

@@ -9,19 +9,22 @@ their tokens are plain decoding's; sampled rows go through the rejection sampler
 al. 2023 / Chen et al. 2023, ``rejection_sampler``) over the distributions plain sampling draws
 from (``sampling_probs``), with uniforms derived per output index like the sampler's
 (``Sampler.uniforms``): a seeded sequence's tokens are the same in every run and every batch.
+Drafts a proposer drew from its own distributions ``q`` (a draft model on a sampled sequence) are
+accepted with probability ``min(1, p / q)``; chosen ones (looked up, argmax) with ``p``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from pagedserve.engine.argmax import row_argmax
 from pagedserve.engine.messages import AcceptedDraft, SampledToken, SequenceId
 from pagedserve.engine.penalties import TokenHistory
-from pagedserve.engine.sampler import Sampler, process_logits, requested_logprobs, sampling_probs
+from pagedserve.engine.sampler import Draw, Sampler, process_logits, requested_logprobs, sampling_probs
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.spec_decode.rejection_sampler import rejection_sample
 
@@ -35,7 +38,10 @@ class Drafted:
         token_ids: its known tokens (prompt and output) before the drafts.
         num_prompt_tokens: how many of them are the prompt.
         sampling: its parameters (no structured output: ``lookahead.speculates``).
-        draft_token_ids: the drafts, >= 1.
+        draft_token_ids: the drafts (>= 1 in a verification; a proposer drawing the next one has
+            those before it).
+        draft_probs: float32 ``[len(draft_token_ids), V]``, the distributions the drafts were drawn
+            from, or ``None``: chosen drafts (one-hot ``q``; ``proposer.Proposal``).
     """
 
     seq_id: SequenceId
@@ -43,6 +49,7 @@ class Drafted:
     num_prompt_tokens: int
     sampling: EngineSamplingParams
     draft_token_ids: tuple[int, ...]
+    draft_probs: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -61,12 +68,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafted: Sequence[Drafted]) -
     Returns:
         One :class:`SampledToken` per sequence, in order, with ``accepted`` and ``num_draft_tokens`` set.
     """
-    params = [d.sampling for d in drafted for _ in range(d.num_rows)]
-    counts = [len(d.token_ids) - d.num_prompt_tokens + j for d in drafted for j in range(d.num_rows)]
-    histories = ([TokenHistory([*d.token_ids, *d.draft_token_ids[:j]], d.num_prompt_tokens)
-                  for d in drafted for j in range(d.num_rows)] if any(p.needs_history for p in params) else None)
-    process_logits(logits, params, counts, histories, None)
-    starts = [sum(d.num_rows for d in drafted[:i]) for i in range(len(drafted))]
+    params, counts = process_rows(logits, [(d, j) for d in drafted for j in range(d.num_rows)])
+    starts = [0, *accumulate(d.num_rows for d in drafted)][:-1]
     emitted = _greedy(logits, drafted, starts)
     sampled = [i for i, d in enumerate(drafted) if not d.sampling.is_greedy]
     probs: dict[int, torch.Tensor] = {}  # row -> the distribution a sampled row draws from, (V,)
@@ -75,11 +78,29 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafted: Sequence[Drafted]) -
         row_params = [params[r] for r in rows.tolist()]
         row_probs = sampling_probs(logits[rows], row_params)              # (R', V)
         probs = dict(zip(rows.tolist(), row_probs))
-        uniforms = sampler.uniforms(row_params, [counts[r] for r in rows.tolist()], num_draws=2)  # (R', 2)
+        uniforms = sampler.uniforms(row_params, [counts[r] for r in rows.tolist()], num_draws=Draw.ACCEPT + 1)
         chosen = _rejection_sample(row_probs, uniforms, [drafted[i] for i in sampled])
         for i, tokens in zip(sampled, chosen):
             emitted[i] = tokens
     return _answers(logits, drafted, starts, emitted, probs, params)
+
+
+def process_rows(logits: torch.Tensor,
+                 rows: Sequence[tuple[Drafted, int]]) -> tuple[list[EngineSamplingParams], list[int]]:
+    """Processes each logits row in place as plain decoding would process the row ``j`` of its drafted
+    sequence (``process_logits`` at output index ``outputs + j`` with the history ending in the first
+    ``j`` drafts); returns the rows' parameters and output indices.
+
+    Args:
+        logits: float32 ``[R, V]``, one row per entry of ``rows``.
+        rows: ``(sequence, j)`` pairs, ``0 <= j <= len(sequence.draft_token_ids)``.
+    """
+    params = [d.sampling for d, _ in rows]
+    counts = [len(d.token_ids) - d.num_prompt_tokens + j for d, j in rows]
+    histories = ([TokenHistory([*d.token_ids, *d.draft_token_ids[:j]], d.num_prompt_tokens) for d, j in rows]
+                 if any(p.needs_history for p in params) else None)
+    process_logits(logits, params, counts, histories, None)
+    return params, counts
 
 
 def _greedy(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int]) -> list[list[int]]:
@@ -96,7 +117,8 @@ def _greedy(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int])
 
 def _rejection_sample(probs: torch.Tensor, uniforms: torch.Tensor, drafted: Sequence[Drafted]) -> list[list[int]]:
     """Rejection sampling of sampled sequences' rows (``probs`` float32 ``[R', V]``, ``uniforms``
-    ``[R', 2]``: each row's draw then acceptance uniform), padded to the longest draft list."""
+    ``[R', 2]``: each row's draw then acceptance uniform), padded to the longest draft list; the
+    drafts' ``q`` one-hot for sequences without ``draft_probs`` when another has them."""
     k = max(len(d.draft_token_ids) for d in drafted)
     batch, vocab, device = len(drafted), probs.shape[1], probs.device
     uniforms = uniforms.to(device)
@@ -104,16 +126,21 @@ def _rejection_sample(probs: torch.Tensor, uniforms: torch.Tensor, drafted: Sequ
     draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=device)   # (B, k)
     accept = torch.zeros(batch, k, device=device)                         # (B, k)
     draw = torch.zeros(batch, k + 1, device=device)                       # (B, k+1)
+    drawn = any(d.draft_probs is not None for d in drafted)
+    q = torch.zeros(batch, k, vocab, dtype=probs.dtype, device=device) if drawn else None  # (B, k, V)
     row = 0
     for b, d in enumerate(drafted):
         n = d.num_rows
         target[b, :n] = probs[row:row + n]
         draft_ids[b, :n - 1] = torch.tensor(d.draft_token_ids, device=device)
-        accept[b, :n - 1] = uniforms[row:row + n - 1, 1]
-        draw[b, :n] = uniforms[row:row + n, 0]
+        accept[b, :n - 1] = uniforms[row:row + n - 1, Draw.ACCEPT]
+        draw[b, :n] = uniforms[row:row + n, Draw.TOKEN]
+        if q is not None:
+            q[b, :n - 1] = (d.draft_probs if d.draft_probs is not None
+                            else torch.nn.functional.one_hot(draft_ids[b, :n - 1], vocab))
         row += n
     num_drafts = torch.tensor([len(d.draft_token_ids) for d in drafted], device=device)
-    return rejection_sample(target, draft_ids, num_drafts, accept, draw).token_ids
+    return rejection_sample(target, draft_ids, num_drafts, accept, draw, q).token_ids
 
 
 def _answers(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int], emitted: list[list[int]],
@@ -126,7 +153,7 @@ def _answers(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int]
     out, at = [], 0
     for d, tokens in zip(drafted, emitted):
         lps = [float(probs[r][t].log()) if r in probs else 0.0 for r, t in zip(rows[at:at + len(tokens)], tokens)]
-        drafts = tuple(AcceptedDraft(t, lp, e) for t, lp, e in zip(tokens[:-1], lps, entries[at:]))
+        drafts = tuple(AcceptedDraft(t, lp, e) for t, lp, e in zip(tokens[:-1], lps, entries[at:at + len(tokens) - 1]))
         out.append(SampledToken(d.seq_id, tokens[-1], lps[-1], d.seq_id.sample_index, entries[at + len(tokens) - 1],
                                 accepted=drafts, num_draft_tokens=len(d.draft_token_ids)))
         at += len(tokens)
