@@ -73,20 +73,14 @@ def test_llm_options_are_the_engine_config_s_fields():
         EngineConfig.of(num_virtual_engines=2)
 
 
-@pytest.mark.parametrize(("speculative", "tensor", "pipeline"), [
-    (SpeculativeConfig(method="draft_model", model="/d"), 2, 1),
-    (SpeculativeConfig(method="ngram"), 1, 2),
-    (SpeculativeConfig(method="draft_model", model="/d"), 1, 2),
-])
-def test_a_worker_of_several_ranks_refuses_what_its_ranks_cannot_speculate(speculative, tensor, pipeline):
-    with pytest.raises(ValueError, match=f"tensor_parallel_size {tensor} and pipeline_parallel_size {pipeline}: "
-                                         "ngram runs on tensor-parallel workers"):
+@pytest.mark.parametrize("speculative", [SpeculativeConfig(method="ngram"), SpeculativeConfig(method="draft_model",
+                                                                                           model="/d")])
+def test_a_pipeline_parallel_worker_refuses_speculative_decoding_a_tensor_parallel_one_takes_it(speculative):
+    with pytest.raises(ValueError, match="pipeline_parallel_size 2: speculative decoding runs on one-rank and "
+                                         "tensor-parallel workers"):
         WorkerConfig(model=Path("/m"), cluster_token=TOKEN,
-                     runner=RunnerConfig(tensor_parallel_size=tensor, pipeline_parallel_size=pipeline),
+                     runner=RunnerConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
                      speculative_config=speculative)
-
-
-def test_a_tensor_parallel_worker_takes_ngram_speculation():
     config = WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(tensor_parallel_size=2),
-                          speculative_config=SpeculativeConfig(method="ngram"))
+                          speculative_config=speculative)
     assert config.speculative_config.num_lookahead_tokens == 4

@@ -193,3 +193,17 @@ def _copy_pairs(sources: list[torch.Tensor], targets: list[torch.Tensor], pairs:
     for source, target in zip(sources, targets):
         rows = _as_bits(source).index_select(0, src.to(source.device))  # (P, BS, Hkv, D)
         _as_bits(target).index_copy_(0, dst.to(target.device), rows.to(target.device))
+
+
+def sized_cache(spec: KVCacheSpec, memory_bytes: int, swap_space_bytes: int, device: torch.device | str,
+                *beside: KVCacheSpec) -> KVCache:
+    """A cache of ``spec`` with as many blocks as fit in ``memory_bytes`` (and swap blocks in
+    ``swap_space_bytes``), each with a block of every cache ``beside`` it (a draft model's: the
+    same block ids index both, so both have these counts).
+
+    Raises:
+        ValueError: not even one block fits (:func:`num_blocks_for_memory`).
+    """
+    num_cpu_blocks = swap_space_bytes // sum(s.bytes_per_block for s in (spec, *beside))
+    return KVCache(spec, num_blocks_for_memory(spec, memory_bytes, *beside), device=device,
+                   num_cpu_blocks=num_cpu_blocks)

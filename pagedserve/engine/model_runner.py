@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from functools import partial
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from pagedserve.engine.worker_requests import (PlanMismatchError, RequestState, 
                                                check_schedulable, expand_samples, prompt_chunk)
 from pagedserve.engine.spec_decode.lookahead import kept_blocks
 from pagedserve.engine.spec_decode.proposer import Proposer
-from pagedserve.engine.spec_decode.verifier import Drafted, verify
+from pagedserve.engine.spec_decode.verifier import Drafted, verify as verify_drafts
 
 
 class ModelRunner:
@@ -50,13 +51,17 @@ class ModelRunner:
             :class:`~pagedserve.engine.models.compiled.CompiledForward` for inductor.
         grammar: builds the matchers of structured outputs; ``None`` on ranks that do not sample
             (their sampler receives rank 0's tokens), where structured outputs are ignored.
+        verify: turns the logits of drafted sequences' rows into their tokens
+            (``spec_decode.verifier.verify`` with ``sampler``; a tensor-parallel rank's shares rank 0's).
     """
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, attention_backend: AttentionBackend,
                  sampler: Sampler, forward: Callable[..., torch.Tensor] | None = None,
-                 grammar: GrammarCompiler | None = None, proposer: Proposer | None = None) -> None:
+                 grammar: GrammarCompiler | None = None, proposer: Proposer | None = None,
+                 verify: Callable[[torch.Tensor, Sequence[Drafted]], list[SampledToken]] | None = None) -> None:
         self.model = model
         self.proposer = proposer
+        self.verify = verify or partial(verify_drafts, sampler)
         self.grammar = grammar
         self.forward = forward or model
         self.kv_cache = kv_cache
@@ -195,7 +200,7 @@ class ModelRunner:
         by_id: dict[SequenceId, list[SampledToken]] = {}
         if drafted:
             logits = self.model.compute_logits(hidden[torch.tensor(drafted_rows, device=self.device)])  # (R, vocab)
-            for token in verify(self.sampler, logits, drafted):
+            for token in self.verify(logits, drafted):
                 by_id[token.seq_id] = [token]
                 self.requests[token.seq_id].token_ids += [*(t.token_id for t in token.accepted), token.token_id]
         if plain:

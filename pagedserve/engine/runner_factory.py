@@ -5,21 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from pagedserve.engine.attention import AttentionBackend, make_attention_backend
+from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.config import CompileMode, GemmBackend, KVCacheDtype
 from pagedserve.engine.cpu_features import check_cpu_dtype, cpu_flags
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
-from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_blocks_for_memory
+from pagedserve.engine.kv_cache import KVCacheSpec, cache_dtype, sized_cache
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.openmp_threads import release_openmp_team
 from pagedserve.engine.models.onednn import pack_linear_layers, resolve_gemm_backend
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.runner_config import RunnerConfig
-from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
-from pagedserve.engine.spec_decode.draft_model import DraftModelProposer, draft_cache_spec, load_draft_model
-from pagedserve.engine.spec_decode.proposer import Proposer
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.draft_model import build_proposer, speculative_caches
 from pagedserve.engine.weight_loader import load_model
 
 
@@ -79,13 +77,12 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         pack_linear_layers(model)
         if CompileMode(compile_mode) is CompileMode.EAGER:  # a compiled forward traces the Python layers
             model.use_decode_layers()
-    draft = load_draft_model(speculative.model, model, gemm) if speculative.method is SpeculativeMethod.DRAFT_MODEL \
-        else None
     config = model.config
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, kv_dtype)
     if kv_cache_memory_bytes is None:
         kv_cache_memory_bytes = _default_kv_memory(torch.device(device), gpu_memory_utilization)
-    kv_cache, proposer = _caches(spec, draft, kv_cache_memory_bytes, swap_space_bytes, device, backend, speculative)
+    kv_cache = sized_cache(spec, kv_cache_memory_bytes, swap_space_bytes, device, *speculative_caches(speculative, spec))
+    proposer = build_proposer(speculative, model, gemm, kv_cache, backend)
     forward = None
     if CompileMode(compile_mode) is CompileMode.INDUCTOR:
         from pagedserve.engine.models.compiled import CompiledForward
@@ -111,22 +108,6 @@ def build_configured_runner(model_path: str | Path, runner: RunnerConfig, block_
         compile_mode=runner.compile_mode, kv_cache_dtype=runner.kv_cache_dtype,
         gpu_memory_utilization=runner.gpu_memory_utilization, swap_space_bytes=runner.swap_space,
         speculative=speculative)
-
-
-def _caches(spec: KVCacheSpec, draft: nn.Module | None, memory_bytes: int, swap_space_bytes: int,
-            device: torch.device | str, backend: AttentionBackend,
-            speculative: SpeculativeConfig) -> tuple[KVCache, Proposer | None]:
-    """The target's KV cache of geometry ``spec`` and the worker's proposer. With a ``draft`` model, its
-    cache has the same (device and swap) block counts: as many blocks as fit in ``memory_bytes`` (and
-    ``swap_space_bytes``) with a block of each cache together."""
-    beside = () if draft is None else (draft_cache_spec(draft, spec),)
-    num_blocks = num_blocks_for_memory(spec, memory_bytes, *beside)
-    num_cpu_blocks = swap_space_bytes // sum(s.bytes_per_block for s in (spec, *beside))
-    kv_cache = KVCache(spec, num_blocks, device=device, num_cpu_blocks=num_cpu_blocks)
-    if draft is None:
-        return kv_cache, speculative.ngram_proposer()
-    draft_cache = KVCache(beside[0], num_blocks, device=device, num_cpu_blocks=num_cpu_blocks)
-    return kv_cache, DraftModelProposer(draft, draft_cache, backend, speculative.num_speculative_tokens)
 
 
 def _default_kv_memory(device: torch.device, gpu_memory_utilization: float) -> int:

@@ -67,8 +67,7 @@ class WorkerConfig:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         if self.num_threads < 0:
             raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
-        self.speculative_config.check_ranks(self.runner.tensor_parallel_size,
-                                                self.runner.pipeline_parallel_size)
+        self.speculative_config.check_ranks(self.runner.pipeline_parallel_size)
         if self.local_ranks or self.rank_address:
             from pagedserve.engine.parallel.rank_link import RankPlacement
 

@@ -1,5 +1,5 @@
 """Speculative decoding through the real services: a scheduler and a worker started with the same
-n-gram flags (the worker of one rank or of three tensor-parallel ranks), or draft-model flags, give, greedy with n = 2, exactly the in-process engine's output
+n-gram flags, or draft-model flags (a worker of one rank, or of three tensor-parallel ranks), give, greedy with n = 2, exactly the in-process engine's output
 without speculation, on a prompt that copies its input and on a plain one; the scheduler's /metrics
 counts accepted drafts (and the gateway's HTTP /metrics the same, from GetStats; every draft when the
 draft model is the target itself, sampled requests' drafts included), a seeded sampled request gives the
@@ -81,10 +81,13 @@ def test_speculative_stack_gives_plain_greedy_output_and_counts_accepted_drafts(
                                          position=str(p)) for p in range(4)]
 
 
-def test_ngram_on_a_tensor_parallel_worker_gives_plain_greedy_output(tmp_path, default_model, default_llm):
-    # 3 ranks (one KV head each) draft the same tokens and accept the same ones: the answers of rank 0
+def test_a_tensor_parallel_worker_speculates_with_plain_greedy_output(tmp_path, default_model, default_llm):
+    # 3 ranks (one KV head each): rank 0 drafts (the draft model whole, beside its shard), shares the
+    # drafts, verifies and shares the outcome (n-gram takes the same path: tests/worker/test_tensor_parallel_llm.py)
+    flags = ("--speculative-method", "draft_model", "--speculative-model", str(default_model),
+             "--num-speculative-tokens", "4")
     requests, want = greedy_requests(default_model, default_llm)
-    got, metrics, _ = through_the_stack(tmp_path, default_model, SPECULATIVE, requests,
+    got, metrics, _ = through_the_stack(tmp_path, default_model, flags, requests,
                                         worker_args=("--tensor-parallel-size", "3"))
     assert got == want
     assert total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0

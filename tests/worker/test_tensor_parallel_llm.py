@@ -53,20 +53,31 @@ def test_tp2_seeded_sampling_n2_and_logprobs_equal_tp1(tiny):
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def test_tp2_ngram_speculation_gives_plain_greedy_tokens_and_one_ranks_seeded_samples(tiny):
-    """Each rank drafts the same tokens from its equal sequences and verifies them over the same logits
-    with rank 0's uniforms: greedy tokens are plain decoding's, seeded samples one rank's."""
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_tp2_speculation_gives_plain_greedy_tokens_and_one_ranks_seeded_samples(tiny, method):
+    """Rank 0 drafts (n-gram, or the whole model as its own draft beside its shard) and verifies; the
+    other rank runs the same rows: greedy tokens are plain decoding's, seeded samples one rank's, and
+    the draft's cache costs every rank the same blocks."""
     folder, prompts = tiny
+    speculative = NGRAM if method == "ngram" else {"method": "draft_model", "model": str(folder),
+                                                   "num_speculative_tokens": 3}
+    # a block of the draft's cache (both KV heads) beside each block of a rank's 1 head, or of one rank's 2
+    heads_per_block, one_rank_heads = (1, 2) if method == "ngram" else (3, 4)
     sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     plain = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1, block_size=BLOCK)
-    one_rank = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1, block_size=BLOCK, speculative_config=NGRAM)
-    want_greedy, want_sampled = _tokens(plain, prompts), [r.token_ids for r in one_rank.generate(prompts, sampled)]
-    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1 // 2, block_size=BLOCK, tensor_parallel_size=2,
-             speculative_config=NGRAM) as llm:
+    one_rank = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1 * one_rank_heads // 2, block_size=BLOCK,
+                   speculative_config=speculative)
+    # which positions a sampled sequence drafts decides which uniform draws its token: the sampled prompts
+    # are short enough that no lookahead is dropped for want of blocks, so both engines draft alike
+    short = [p for p in prompts if len(p) <= 7]
+    want_greedy, want_sampled = _tokens(plain, prompts), [r.token_ids for r in one_rank.generate(short, sampled)]
+    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_TP1 * heads_per_block // 2, block_size=BLOCK,
+             tensor_parallel_size=2, speculative_config=speculative) as llm:
+        assert llm.stats().workers[0].num_blocks == one_rank.stats().workers[0].num_blocks == NUM_BLOCKS
         assert _tokens(llm, prompts) == want_greedy
         greedy = llm.stats().spec_decode
         assert greedy.num_accepted_tokens > 0
-        assert [r.token_ids for r in llm.generate(prompts, sampled)] == want_sampled
+        assert [r.token_ids for r in llm.generate(short, sampled)] == want_sampled
         stats = llm.stats()
         assert stats.spec_decode.num_draft_tokens > greedy.num_draft_tokens
         assert stats.workers[0].num_free_blocks == NUM_BLOCKS and stats.workers[0].num_running == 0

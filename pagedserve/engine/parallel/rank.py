@@ -4,31 +4,41 @@ Every rank runs the same :class:`~pagedserve.engine.model_runner.ModelRunner` ov
 BatchPlans, so the request states and block tables stay equal on all ranks; only the weights and
 the KV cache (this rank's heads) differ. Sampling happens on rank 0 only, over the full logits
 (gathered on every rank by the LM head's all-gather); rank 0 broadcasts the sampler's output so
-the other ranks append the same tokens to their states. With n-gram speculation every rank drafts
-the same tokens from its equal sequence states and verifies them over the same logits, with the
-uniforms rank 0 draws and broadcasts: the ranks accept the same drafts without further messages.
+the other ranks append the same tokens to their states. Speculative decoding goes the same way:
+rank 0 drafts (n-gram, or a whole draft model with its own cache beside rank 0's shard; every rank
+sizes its cache for both, so the block counts agree) and broadcasts the draft ids, every rank runs
+the drafts' rows, and rank 0 verifies and broadcasts what was accepted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
-from pagedserve.engine.config import KVCacheDtype
-from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_blocks_for_memory
+from pagedserve.engine.config import GemmBackend, KVCacheDtype
+from pagedserve.engine.forward_batch import ForwardBatch
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_blocks_for_memory, sized_cache
+from pagedserve.engine.messages import BatchPlan, SampledToken
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models.registry import load_model_config, model_class_for
 from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
 from pagedserve.engine.parallel.pipeline import RankPosition, StageForward, StageRunner, pipeline_stage
 from pagedserve.engine.parallel.sharding import ShardingError, shard_layout
 from pagedserve.engine.sampler import Sampler, SamplerOutput
-from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
+from pagedserve.engine.spec_decode.draft_model import build_proposer, speculative_caches
+from pagedserve.engine.spec_decode.proposer import Proposal, Proposer
+from pagedserve.engine.spec_decode.verifier import Drafted, verify
+from pagedserve.engine.worker_requests import ScheduledRequest
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,7 @@ class RankConfig:
             ``world_size`` is ``T * P``.
         num_virtual_engines: with P > 1, the worker's virtual engines (``parallel/pipeline_runner.py``),
             each with its own sequences and ``1/num_virtual_engines`` of every rank's KV budget.
-        speculative: speculative decoding (n-gram only: ``SpeculativeConfig.check_ranks``).
+        speculative: speculative decoding (``SpeculativeConfig.check_ranks``: no pipeline stages).
     """
 
     model_path: str
@@ -101,16 +111,11 @@ class LeaderSampler:
     def __call__(self, logits: torch.Tensor, params: Sequence, counts: Sequence[int], histories: Sequence,
                  matchers: Sequence | None = None):
         """``logits`` float32 ``[N, vocab]`` -> the wrapped sampler's output, shared with every rank."""
-        try:
-            out = self.sampler(logits, params, counts, histories, matchers)
-        except Exception as exc:
-            self.group.broadcast_object(exc)
-            raise
-        return self.group.broadcast_object(out)
+        return _shared(self.group, lambda: self.sampler(logits, params, counts, histories, matchers))
 
-    def uniforms(self, params: Sequence, counts: Sequence[int], num_draws: int = 1) -> torch.Tensor:
-        """The wrapped sampler's uniforms (float32 ``[R, num_draws]``), shared with every rank."""
-        return self.group.broadcast_object(self.sampler.uniforms(params, counts, num_draws))
+    def verify(self, logits: torch.Tensor, drafted: Sequence[Drafted]) -> list[SampledToken]:
+        """``verifier.verify`` with the wrapped sampler; its answer shared with every rank."""
+        return _shared(self.group, lambda: verify(self.sampler, logits, drafted))
 
 
 class FollowerSampler:
@@ -121,14 +126,74 @@ class FollowerSampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence, counts: Sequence[int],
                  histories: Sequence, matchers: Sequence | None = None) -> SamplerOutput:
-        out = self.group.broadcast_object(None)
-        if isinstance(out, Exception):
-            raise CollectiveError(f"rank 0's sampler failed: {out}")
-        return out
+        return _received(self.group, "sampler")
 
-    def uniforms(self, params: Sequence, counts: Sequence[int], num_draws: int = 1) -> torch.Tensor:
-        """Rank 0's uniforms for the same rows (``LeaderSampler.uniforms``)."""
-        return self.group.broadcast_object(None)
+    def verify(self, logits: torch.Tensor, drafted: Sequence[Drafted]) -> list[SampledToken]:
+        """Rank 0's verification of the same drafts (``LeaderSampler.verify``)."""
+        return _received(self.group, "verifier")
+
+
+class LeaderProposer:
+    """Rank 0's proposer: drafts with ``proposer`` (drawing from ``sampler``, rank 0's own: the
+    runner's ``LeaderSampler`` would broadcast) and shares the draft ids with every rank."""
+
+    def __init__(self, proposer: Proposer, sampler: Sampler, group: Collectives) -> None:
+        self.proposer = proposer
+        self.sampler = sampler
+        self.group = group
+
+    def propose(self, requests: Sequence[ScheduledRequest], sampler: object) -> list[Proposal]:
+        """The wrapped proposer's proposals (``sampler``, the runner's, unused); their ids (or its
+        error) shared with every rank."""
+        proposals: list[Proposal] = []
+
+        def draft_ids() -> list[tuple[int, ...]]:
+            proposals.extend(self.proposer.propose(requests, self.sampler))
+            return [p.token_ids for p in proposals]
+
+        _shared(self.group, draft_ids)
+        return proposals
+
+    def observe(self, batch: ForwardBatch) -> None:
+        self.proposer.observe(batch)
+
+    def move_blocks(self, plan: BatchPlan) -> None:
+        self.proposer.move_blocks(plan)
+
+
+class FollowerProposer:
+    """A helper rank's proposer: rank 0's drafts (``LeaderProposer``); no cache of its own."""
+
+    def __init__(self, group: Collectives) -> None:
+        self.group = group
+
+    def propose(self, requests: Sequence[ScheduledRequest], sampler: object) -> list[Proposal]:
+        return [Proposal(ids) for ids in _received(self.group, "proposer")]
+
+    def observe(self, batch: ForwardBatch) -> None:
+        """Nothing: rank 0 drafts."""
+
+    def move_blocks(self, plan: BatchPlan) -> None:
+        """Nothing: rank 0 holds the draft's cache."""
+
+
+def _shared(group: Collectives, compute: Callable[[], T]) -> T:
+    """``compute()``'s result, broadcast from rank 0 to every rank; its error is broadcast instead
+    (a follower raises it as :class:`CollectiveError`, see :func:`_received`) and raised here."""
+    try:
+        out = compute()
+    except Exception as exc:
+        group.broadcast_object(exc)
+        raise
+    return group.broadcast_object(out)
+
+
+def _received(group: Collectives, what: str):
+    """What rank 0 broadcasts next; raises :class:`CollectiveError` when it sends its ``what``'s error."""
+    out = group.broadcast_object(None)
+    if isinstance(out, Exception):
+        raise CollectiveError(f"rank 0's {what} failed: {out}")
+    return out
 
 
 def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRunner:
@@ -146,14 +211,19 @@ def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRu
     model = load_model_shard(config.model_path, group, dtype, config.device)
     c = model.config  # this rank's heads
     spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, kv_dtype)
-    kv_cache = KVCache(spec, num_blocks_for_memory(spec, config.kv_cache_memory_bytes), device=config.device,
-                       num_cpu_blocks=config.swap_space_bytes // spec.bytes_per_block)
-    proposer = config.speculative.ngram_proposer()
-    if group.rank == 0:  # only the rank that samples holds grammar matchers
-        sampler = LeaderSampler(Sampler(seed=config.sampler_seed, device=config.device), group)
-        return ModelRunner(model, kv_cache, backend, sampler, grammar=grammar_compiler_for(config.model_path),
-                           proposer=proposer)
-    return ModelRunner(model, kv_cache, backend, FollowerSampler(group), proposer=proposer)
+    kv_cache = sized_cache(spec, config.kv_cache_memory_bytes, config.swap_space_bytes, config.device,
+                           *speculative_caches(config.speculative, spec))
+    speculates = config.speculative.method is not SpeculativeMethod.NONE
+    if group.rank == 0:  # only the rank that samples holds grammar matchers (and drafts)
+        sampler = Sampler(seed=config.sampler_seed, device=config.device)
+        leader = LeaderSampler(sampler, group)
+        proposer = build_proposer(config.speculative, model, GemmBackend.TORCH, kv_cache, backend)
+        return ModelRunner(model, kv_cache, backend, leader, grammar=grammar_compiler_for(config.model_path),
+                           proposer=LeaderProposer(proposer, sampler, group) if speculates else None,
+                           verify=leader.verify)
+    follower = FollowerSampler(group)
+    return ModelRunner(model, kv_cache, backend, follower, proposer=FollowerProposer(group) if speculates else None,
+                       verify=follower.verify)
 
 
 def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[StageRunner]:

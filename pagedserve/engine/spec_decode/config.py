@@ -34,9 +34,8 @@ class SpeculativeConfig:
 
     method: SpeculativeMethod = option(
         "speculative decoding: none, ngram (the worker drafts the tokens that followed the latest earlier "
-        "occurrence of the sequence's last n tokens; on tensor-parallel workers too) or draft_model (the worker "
-        "drafts with --speculative-model: its argmax for greedy requests, draws from its distribution for sampled "
-        "ones; one-rank workers); one target step verifies the drafts; greedy outputs are the same as without, "
+        "occurrence of the sequence's last n tokens) or draft_model (the worker drafts with --speculative-model: "
+        "its argmax for greedy requests, draws from its distribution for sampled ones); one target step verifies the drafts; greedy outputs are the same as without, "
         "sampled ones keep their distribution", SpeculativeMethod.NONE, flag="speculative-method")
     num_speculative_tokens: int = option("most draft tokens verified per sequence and step (k)", 4)
     prompt_lookup_min: int = option("ngram: shortest suffix of the sequence that may match earlier", 1)
@@ -64,16 +63,13 @@ class SpeculativeConfig:
             return None
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
 
-    def check_ranks(self, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-        """Raises ValueError when this method cannot run on a worker of these ranks: ngram runs on
-        tensor-parallel ranks (each drafts the same tokens from the same sequence), a draft model on one
-        rank only, and no method over pipeline stages."""
-        if self.method is SpeculativeMethod.NONE:
-            return
-        if pipeline_parallel_size > 1 or (self.method is SpeculativeMethod.DRAFT_MODEL and tensor_parallel_size > 1):
-            raise ValueError(f"speculative method {self.method.value} with tensor_parallel_size {tensor_parallel_size} "
-                             f"and pipeline_parallel_size {pipeline_parallel_size}: ngram runs on tensor-parallel "
-                             "workers, draft_model on one-rank workers only, neither over pipeline stages")
+    def check_ranks(self, pipeline_parallel_size: int) -> None:
+        """Raises ValueError when speculating over pipeline stages (drafts would enter at the first
+        stage and be verified at the last); tensor-parallel ranks speculate (``parallel/rank.py``)."""
+        if self.method is not SpeculativeMethod.NONE and pipeline_parallel_size > 1:
+            raise ValueError(f"speculative method {self.method.value} with pipeline_parallel_size "
+                             f"{pipeline_parallel_size}: speculative decoding runs on one-rank and tensor-parallel "
+                             "workers, not over pipeline stages")
 
     @property
     def num_lookahead_tokens(self) -> int:

@@ -44,7 +44,9 @@ from pagedserve.engine.forward_batch import ForwardBatch
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 from pagedserve.engine.messages import BatchPlan
 from pagedserve.engine.sampler import Draw, Sampler, inverse_transform, sampling_probs
-from pagedserve.engine.spec_decode.proposer import Proposal
+from pagedserve.engine.models.registry import load_model_config
+from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
+from pagedserve.engine.spec_decode.proposer import Proposal, Proposer
 from pagedserve.engine.spec_decode.verifier import Drafted, process_rows
 from pagedserve.engine.models.onednn import pack_linear_layers
 from pagedserve.engine.weight_loader import load_model
@@ -68,11 +70,34 @@ def load_draft_model(path: str | Path, target: nn.Module, gemm_backend: GemmBack
     return draft
 
 
-def draft_cache_spec(draft: nn.Module, target_spec: KVCacheSpec) -> KVCacheSpec:
-    """The draft's cache geometry: its own layers and heads, the target's block size and cache dtype."""
-    config = draft.config
-    return KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, target_spec.block_size,
-                       target_spec.dtype)
+def speculative_caches(speculative: SpeculativeConfig, target_spec: KVCacheSpec) -> tuple[KVCacheSpec, ...]:
+    """The caches beside the target's, indexed by its block ids: a draft model's (the layers and KV
+    heads of its ``config.json``, the target's block size and cache dtype), or none.
+
+    Raises:
+        ModelConfigError: the draft's folder has no readable ``config.json``.
+    """
+    if speculative.method is not SpeculativeMethod.DRAFT_MODEL:
+        return ()
+    config = load_model_config(speculative.model)
+    return (KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, target_spec.block_size,
+                        target_spec.dtype),)
+
+
+def build_proposer(speculative: SpeculativeConfig, target: nn.Module, gemm_backend: GemmBackend,
+                   kv_cache: KVCache, attention_backend: AttentionBackend) -> Proposer | None:
+    """The worker's proposer: the n-gram one, or the draft model loaded beside ``target`` (with the
+    resolved ``gemm_backend``) and its cache of ``kv_cache``'s block counts; ``None`` without
+    speculation. Raises what :func:`load_draft_model` raises."""
+    if speculative.method is SpeculativeMethod.NGRAM:
+        return speculative.ngram_proposer()
+    if speculative.method is not SpeculativeMethod.DRAFT_MODEL:
+        return None
+    draft = load_draft_model(speculative.model, target, gemm_backend)
+    (spec,) = speculative_caches(speculative, kv_cache.spec)
+    cache = KVCache(spec, kv_cache.num_blocks, device=next(target.parameters()).device,
+                    num_cpu_blocks=kv_cache.num_cpu_blocks)
+    return DraftModelProposer(draft, cache, attention_backend, speculative.num_speculative_tokens)
 
 
 class DraftModelProposer:
