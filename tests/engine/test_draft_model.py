@@ -7,6 +7,8 @@ vocabulary is refused."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -125,8 +127,18 @@ def test_seeded_samples_repeat_per_seed(random_draft, prompts):
 
 
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
-                         frequency_penalty=0.2, ignore_eos=True)
+                         frequency_penalty=0.2, logit_bias={28: 2.0, 30: -5.0}, ignore_eos=True)
 """Sampling with every kind of processing a draft's ``q`` must share with the target's ``p``."""
+
+
+def test_greedy_drafts_get_the_targets_processing_so_the_target_itself_has_every_one_accepted(
+        self_draft, default_llm, prompts):
+    # penalties and bias move the target's argmax: drafts from the raw logits would be rejected there
+    params = replace(SAMPLED, temperature=0.0)
+    before = self_draft.stats().spec_decode
+    assert token_ids(self_draft, prompts[:4], params) == token_ids(default_llm, prompts[:4], params)
+    assert_every_draft_accepted(before, self_draft.stats().spec_decode)
+    assert_all_free(self_draft)
 
 
 def test_sampled_drafts_come_from_the_drafts_distribution_so_the_target_itself_has_every_one_accepted(
@@ -178,6 +190,17 @@ def test_a_draft_of_another_vocabulary_is_refused(small_model, tmp_path):
 
     save_tiny_model(tmp_path, "llama")  # a 96-token vocabulary
     with pytest.raises(ValueError, match="vocabulary of 96 tokens, the target 49152"):
+        build_model_runner(small_model, kv_cache_memory_bytes=1 << 20,
+                           speculative=SpeculativeConfig(method="draft_model", model=str(tmp_path)))
+
+
+def test_a_draft_of_a_shorter_context_is_refused(small_model, tmp_path):
+    # a draft runs over every position of the target's sequences (learned positions fail past theirs)
+    shutil.copytree(small_model, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    target_len = config["max_position_embeddings"]
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match=f"contexts of up to 64 tokens, the target {target_len}: take a draft"):
         build_model_runner(small_model, kv_cache_memory_bytes=1 << 20,
                            speculative=SpeculativeConfig(method="draft_model", model=str(tmp_path)))
 

@@ -17,9 +17,9 @@ no message changes. Its K/V stay in step with the target's:
   (fewer rows once a sequence's ``limit`` is reached), writing draft K/V at ``p .. p + limit - 1``:
   inside the decode's slot and the lookahead slots the scheduler reserved.
 
-A greedy request's drafts are the draft model's argmax tokens (one-hot ``q``, as the n-gram ones);
-a sampled request's are drawn from the draft's distribution ``q`` after the same processing as the
-target's (penalties, temperature, top-k/p, min-p), and ``q`` goes to the rejection sampler, which
+The draft's logits get the target's processing (penalties, bias, allowed ids, ``min_tokens``). A
+greedy request's drafts are then their argmax tokens (one-hot ``q``, as the n-gram ones); a sampled
+request's are drawn from the draft's distribution ``q`` (temperature, top-k/p, min-p as well), and ``q`` goes to the rejection sampler, which
 accepts with ``min(1, p / q)``. The sampler is exact for any ``q``, so greedy rows emit the target's
 argmax and sampled rows keep the target's distribution; only the acceptance rate depends on the
 draft, and drawing from ``q`` keeps the drafts a draft close to the target proposes (with argmax
@@ -44,6 +44,7 @@ from pagedserve.engine.forward_batch import ForwardBatch
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 from pagedserve.engine.messages import BatchPlan
 from pagedserve.engine.sampler import Draw, Sampler, inverse_transform, sampling_probs
+from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.models.registry import load_model_config
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from pagedserve.engine.spec_decode.proposer import Proposal, Proposer
@@ -58,13 +59,18 @@ def load_draft_model(path: str | Path, target: nn.Module, gemm_backend: GemmBack
     resolved ``gemm_backend`` (``onednn``: its linear layers prepacked, as the target's).
 
     Raises:
-        ValueError: its vocabulary size differs from the target's (the loader's errors as well).
+        ValueError: its vocabulary size differs from the target's, or its context is shorter (it runs
+            over every position of the target's sequences; learned position embeddings would fail past
+            theirs); the loader's errors as well.
     """
     device = next(target.parameters()).device
     draft = load_model(path, dtype=target.dtype, device=device)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"the draft model {path} has a vocabulary of {draft.config.vocab_size} tokens, the target "
                          f"{target.config.vocab_size}: speculative decoding needs the target's tokenizer")
+    if draft.config.max_model_len < target.config.max_model_len:
+        raise ValueError(f"the draft model {path} serves contexts of up to {draft.config.max_model_len} tokens, the "
+                         f"target {target.config.max_model_len}: take a draft whose context covers the target's")
     if gemm_backend is GemmBackend.ONEDNN:
         pack_linear_layers(draft)
     return draft
@@ -127,10 +133,11 @@ class DraftModelProposer:
 
     def propose(self, requests: Sequence[ScheduledRequest], sampler: Sampler) -> list[Proposal]:
         """Per request, ``min(num_lookahead_tokens, k)`` drafts, each after its known tokens and the
-        drafts before it (``max(limits)`` forwards of at most ``len(requests)`` rows): a greedy
-        request's are the draft model's argmax; a sampled request's are drawn from ``q``, the draft's
-        logits processed as the target's row at the same output index (``verifier.process_rows``,
-        ``sampling_probs``), with ``sampler``'s ``Draw.DRAFT`` uniforms, and ``q`` comes with them
+        drafts before it (``max(limits)`` forwards of at most ``len(requests)`` rows), from the
+        draft's logits processed as the target's row at the same output index
+        (``verifier.process_rows``: penalties, bias, allowed ids, ``min_tokens``): a greedy request's
+        are their argmax; a sampled request's are drawn from ``q`` (``sampling_probs`` of them) with
+        ``sampler``'s ``Draw.DRAFT`` uniforms, and ``q`` comes with them
         (the acceptance is then ``min(1, p / q)``: a draft that agrees with the target keeps most
         sampled drafts). Each request schedules its last known token only (``proposer.Proposer``)."""
         limits = [min(r.num_lookahead_tokens, self.num_speculative_tokens) for r in requests]
@@ -145,11 +152,12 @@ class DraftModelProposer:
                                        self.kv_cache.block_size, self.model.dtype, self.device)
             hidden = batch.run(self.model, self.kv_cache, self.attention_backend)   # (B, hidden)
             logits = self.model.compute_logits(hidden)                          # (B, V) float32
+            params, counts = process_rows(logits, [_pending(requests[i], drafts[i]) for i in rows])
             chosen = row_argmax(logits).tolist()
-            drawn = [j for j, i in enumerate(rows) if not requests[i].state.sampling.is_greedy]
+            drawn = [j for j, p in enumerate(params) if not p.is_greedy]
             if drawn:
-                pending = [_pending(requests[rows[j]], drafts[rows[j]]) for j in drawn]
-                q, ids = _draw(logits[torch.tensor(drawn, device=logits.device)], pending, sampler)
+                q, ids = _draw(logits[torch.tensor(drawn, device=logits.device)], [params[j] for j in drawn],
+                               [counts[j] for j in drawn], sampler)
                 for j, row_q, token in zip(drawn, q, ids.tolist()):
                     chosen[j] = token
                     q_rows[rows[j]].append(row_q)
@@ -172,11 +180,10 @@ def _pending(request: ScheduledRequest, drafts: Sequence[int]) -> tuple[Drafted,
     return Drafted(state.seq_id, state.token_ids, state.num_prompt_tokens, state.sampling, tuple(drafts)), len(drafts)
 
 
-def _draw(logits: torch.Tensor, rows: Sequence[tuple[Drafted, int]],
+def _draw(logits: torch.Tensor, params: Sequence[EngineSamplingParams], counts: Sequence[int],
           sampler: Sampler) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` float32 ``[R, V]`` of sampled rows (``logits`` float32 ``[R, V]``, processed in place) and
-    the drafts drawn from it, int64 ``[R]``."""
-    params, counts = process_rows(logits, rows)
+    """``q`` float32 ``[R, V]`` of sampled rows (``logits`` float32 ``[R, V]``, processed) at output
+    indices ``counts``, and the drafts drawn from it, int64 ``[R]``."""
     q = sampling_probs(logits, params)                                    # (R, V)
     uniforms = sampler.uniforms(params, counts, num_draws=Draw.DRAFT + 1)[:, Draw.DRAFT]  # (R,)
     return q, inverse_transform(q, uniforms)

@@ -8,7 +8,8 @@ Greedy rows accept drafts while each equals the argmax and then emit the argmax 
 their tokens are plain decoding's; sampled rows go through the rejection sampler (Leviathan et
 al. 2023 / Chen et al. 2023, ``rejection_sampler``) over the distributions plain sampling draws
 from (``sampling_probs``), with uniforms derived per output index like the sampler's
-(``Sampler.uniforms``): a seeded sequence's tokens are the same in every run and every batch.
+(``Sampler.uniforms``): a seeded sequence's tokens are the same in every run and every batch that
+drafts the same positions (a drafted position's token comes from other draws than a plain one's).
 Drafts a proposer drew from its own distributions ``q`` (a draft model on a sampled sequence) are
 accepted with probability ``min(1, p / q)``; chosen ones (looked up, argmax) with ``p``.
 """
