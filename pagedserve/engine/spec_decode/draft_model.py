@@ -19,11 +19,11 @@ no message changes. Its K/V stay in step with the target's:
 
 The draft's logits get the target's processing (penalties, bias, allowed ids, ``min_tokens``). A
 greedy request's drafts are then their argmax tokens (one-hot ``q``, as the n-gram ones); a sampled
-request's are drawn from the draft's distribution ``q`` (temperature, top-k/p, min-p as well), and ``q`` goes to the rejection sampler, which
-accepts with ``min(1, p / q)``. The sampler is exact for any ``q``, so greedy rows emit the target's
-argmax and sampled rows keep the target's distribution; only the acceptance rate depends on the
-draft, and drawing from ``q`` keeps the drafts a draft close to the target proposes (with argmax
-drafts a sampled row would keep only ``p(argmax)`` of them).
+request's are drawn from the draft's distribution ``q`` (temperature, top-k/p, min-p as well), and
+``q`` goes to the rejection sampler, which accepts with ``min(1, p / q)``. The sampler is exact for
+any ``q``, so greedy rows emit the target's argmax and sampled rows keep the target's distribution;
+only the acceptance rate depends on the draft, and drawing from ``q`` keeps the drafts a draft close
+to the target proposes (with argmax drafts a sampled row would keep only ``p(argmax)`` of them).
 
 The draft's vocabulary must be the target's (its logits' width; :func:`load_draft_model` checks);
 a draft with another tokenizer of the same size cannot be told apart and would only draft badly.
