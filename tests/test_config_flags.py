@@ -73,14 +73,13 @@ def test_llm_options_are_the_engine_config_s_fields():
         EngineConfig.of(num_virtual_engines=2)
 
 
-@pytest.mark.parametrize("speculative", [SpeculativeConfig(method="ngram"), SpeculativeConfig(method="draft_model",
-                                                                                           model="/d")])
-def test_a_pipeline_parallel_worker_refuses_speculative_decoding_a_tensor_parallel_one_takes_it(speculative):
-    with pytest.raises(ValueError, match="pipeline_parallel_size 2: speculative decoding runs on one-rank and "
-                                         "tensor-parallel workers"):
-        WorkerConfig(model=Path("/m"), cluster_token=TOKEN,
-                     runner=RunnerConfig(tensor_parallel_size=2, pipeline_parallel_size=2),
-                     speculative_config=speculative)
+def test_a_pipeline_parallel_worker_refuses_a_draft_model_and_takes_ngram():
+    draft = SpeculativeConfig(method="draft_model", model="/d")
+    with pytest.raises(ValueError, match="draft_model with pipeline_parallel_size 2: .* use --speculative-method ngram"):
+        WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(pipeline_parallel_size=2),
+                     speculative_config=draft)
+    WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(pipeline_parallel_size=2),
+                 speculative_config=SpeculativeConfig(method="ngram"))
     config = WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(tensor_parallel_size=2),
-                          speculative_config=speculative)
+                          speculative_config=draft)
     assert config.speculative_config.num_lookahead_tokens == 4

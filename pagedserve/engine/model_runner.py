@@ -122,12 +122,17 @@ class ModelRunner:
         with torch.inference_mode():
             scheduled = self._with_drafts(scheduled)
             sampled, prompt = self._run(scheduled)
+        self._settle(scheduled, sampled)
+        return StepResult(step_id=plan.step_id, sampled=tuple(sampled), prompt_logprobs=tuple(prompt))
+
+    def _settle(self, scheduled: Sequence[ScheduledRequest], sampled: Sequence[SampledToken]) -> None:
+        """Counts the step's computed tokens (the accepted drafts' too); a sequence given lookahead
+        slots gives back the blocks past its computed ones (as the scheduler does)."""
         accepted = {t.seq_id: len(t.accepted) for t in sampled}
         for s in scheduled:
             s.state.num_computed_tokens += s.num_scheduled_tokens + accepted.get(s.state.seq_id, 0)
-            if s.num_lookahead_tokens:  # the slots past the accepted drafts go back (as the scheduler's)
+            if s.num_lookahead_tokens:
                 del s.state.block_ids[kept_blocks(s.state.num_computed_tokens, self.block_size):]
-        return StepResult(step_id=plan.step_id, sampled=tuple(sampled), prompt_logprobs=tuple(prompt))
 
     def _with_drafts(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
         """``scheduled`` with the proposer's drafts (at most its lookahead) for each request that has

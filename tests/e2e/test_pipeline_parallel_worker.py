@@ -1,6 +1,6 @@
 """`pagedserve worker --pipeline-parallel-size 2` in the whole stack (tiny Llama): two virtual
-engines registered as workers ``worker-0/ve0`` and ``/ve1``, the same greedy tokens as the
-in-process one-rank engine, twice the KV capacity of one rank's budget in all (each rank caches 1
+engines registered as workers ``worker-0/ve0`` and ``/ve1``, speculating with n-gram drafts, the
+same greedy tokens as the in-process one-rank engine (drafts accepted), twice the KV capacity of one rank's budget in all (each rank caches 1
 of the 2 layers; half of it per virtual engine), and a killed last-stage rank makes the scheduler
 drop both virtual engines and the worker exit non-zero (no hang)."""
 
@@ -15,10 +15,13 @@ import pytest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
 from tests.e2e.processes import scheduler_stats, start_stack
+from tests.e2e.test_metrics import scrape, total
 from tests.e2e.test_tensor_parallel_worker import kill_a_rank_and_expect_the_drop
 from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 PROMPTS = ["t5 t9 t33 t2", "t40 t41 t42 t43 t44 t45 t46 t47 t48", "t90"]
+NGRAM = ("--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-max", "2")
+"""Speculation over the stages: every rank drafts alike, the last stage verifies."""
 
 
 def _complete(target: str, prompt: str, env: dict) -> dict:
@@ -41,8 +44,8 @@ def test_pp2_worker_in_the_stack(tmp_path, tiny):
     reference = LLM(tiny, kv_cache_memory="4MiB").generate(
         PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     stack = start_stack(tmp_path, tiny, num_workers=1, kv_cache_memory="4MiB",
-                        worker_args=("--pipeline-parallel-size", "2"), scheduler_args=("--step-timeout", "30"),
-                        workers_per_process=2)
+                        worker_args=("--pipeline-parallel-size", "2", *NGRAM),
+                        scheduler_args=("--step-timeout", "30", *NGRAM), workers_per_process=2)
     try:
         # One rank's 4 MiB holds blocks of its 1 layer, half for each virtual engine: in all, twice
         # the blocks of one rank with both layers.
@@ -50,6 +53,7 @@ def test_pp2_worker_in_the_stack(tmp_path, tiny):
         assert workers == [(f"worker-0/ve{i}", (4 << 20) // (2 * 2 * 16 * 2 * 16 * 4)) for i in range(2)]
         for prompt, want in zip(PROMPTS, reference):
             assert _complete(stack.gateway, prompt, stack.env)["token_ids"] == list(want.token_ids)
+        assert total(scrape(stack.metrics["scheduler"]), "vllm:spec_decode_num_accepted_tokens_total") > 0
         kill_a_rank_and_expect_the_drop(stack, ("worker-0/ve0", "worker-0/ve1"))  # rank 1: the last stage
     finally:
         for p in reversed(list(stack.processes.values())):

@@ -14,6 +14,7 @@ import pytest
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, SequenceId
 from pagedserve.engine.model_runner import PlanMismatchError
 from pagedserve.engine.parallel.group import CollectiveError
+from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
 from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK, GREEDY, NUM_BLOCKS, TIMEOUT_BOUND_S,
                                      assert_a_dead_or_stuck_rank_fails_the_step,
@@ -121,3 +122,28 @@ def test_a_plan_that_does_not_apply_is_refused_and_the_worker_goes_on(tiny, refe
             runner.execute(BatchPlan(step_id=10**6, cached_requests=(stray,), session_id=session))
         assert runner.broken is None
         assert _tokens(llm, prompts[3:6]) == reference[0][3:6]
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("sizes", [(1, 2, 2), (2, 2, 2)], ids=["pp2_ve2", "tp2xpp2_ve2"])
+def test_pipeline_ngram_speculation_gives_one_ranks_greedy_tokens_and_seeded_samples(tiny, reference, sizes):
+    """Every rank drafts alike, the last stage verifies, and the other stages count the accepted drafts
+    when the tokens come with the engine's next plan (preemption and prefix hits included)."""
+    folder, prompts = tiny
+    t, p, v = sizes
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    short = [q for q in prompts if len(q) <= 7][:4]  # no lookahead dropped for want of blocks (see the TP test)
+    one_rank = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
+                   speculative_config=NGRAM)
+    want_sampled = [r.token_ids for r in one_rank.generate(short, sampled)]
+    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK * v // (t * p), block_size=BLOCK,
+             tensor_parallel_size=t, pipeline_parallel_size=p, virtual_engines=v, speculative_config=NGRAM) as llm:
+        assert [_tokens(llm, prompts) for _ in range(2)] == reference
+        greedy = llm.stats()
+        assert greedy.spec_decode.num_accepted_tokens > 0 and greedy.num_preemptions > 0
+        assert [r.token_ids for r in llm.generate(short, sampled)] == want_sampled
+        stats = llm.stats()
+        assert stats.spec_decode.num_draft_tokens > greedy.spec_decode.num_draft_tokens
+        assert all(w.num_free_blocks == w.num_blocks and w.num_running == 0 for w in stats.workers)

@@ -10,21 +10,26 @@ hidden states ``[tokens, hidden]`` to the same tensor-parallel rank of the next 
 the final norm, computes the logits and samples (its tensor-parallel rank 0, with the same
 per-request seeds as one rank); the other stages learn the sampled tokens with the next plan of
 the same virtual engine
-(``pipeline_runner.py``, which also hands the plans out).
+(``pipeline_runner.py``, which also hands the plans out). With n-gram speculation every rank drafts
+the same tokens from its equal sequences (a plan of a virtual engine goes out only after its
+previous answer, whose tokens come with it), the last stage verifies, and the other stages count
+the accepted drafts as computed when those tokens come.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pagedserve.engine.grammar_matchers import GrammarCompiler
-from pagedserve.engine.messages import PromptLogprobs, SampledToken
+from pagedserve.engine.messages import PromptLogprobs, SampledToken, SequenceId
 from pagedserve.engine.model_runner import ModelRunner, ScheduledRequest, batch_order
 from pagedserve.engine.parallel.group import TensorParallelGroup
+from pagedserve.engine.spec_decode.lookahead import kept_blocks
+from pagedserve.engine.spec_decode.proposer import Proposer
 
 
 class PipelineError(ValueError):
@@ -183,19 +188,40 @@ class StageRunner(ModelRunner):
     """
 
     def __init__(self, model, kv_cache, attention_backend, sampler, forward: StageForward,
-                 grammar: GrammarCompiler | None = None) -> None:
-        super().__init__(model, kv_cache, attention_backend, sampler, forward=forward, grammar=grammar)
+                 grammar: GrammarCompiler | None = None, proposer: Proposer | None = None,
+                 verify: Callable | None = None) -> None:
+        super().__init__(model, kv_cache, attention_backend, sampler, forward=forward, grammar=grammar,
+                         proposer=proposer, verify=verify)
         self.is_last = model.stage.is_last
+        self._unsettled: set[SequenceId] = set()  # given lookahead slots last step: settled by its tokens
 
     def append_sampled(self, sampled: Sequence[SampledToken]) -> None:
         """Appends the last stage's tokens of this virtual engine's previous step to the sequences
-        they belong to (nothing to do on the last stage, which sampled them)."""
+        they belong to, its accepted drafts first, which count as computed; a sequence given
+        lookahead slots then gives back the blocks past its computed ones (nothing to do on the last
+        stage, which sampled them and settled at once)."""
         if self.is_last:
             return
         for token in sampled:
             state = self.requests.get(token.seq_id)
             if state is not None and token.sample_index == token.seq_id.sample_index:  # its own token
-                state.token_ids.append(token.token_id)
+                state.token_ids += [*(a.token_id for a in token.accepted), token.token_id]
+                state.num_computed_tokens += len(token.accepted)
+        for seq_id in self._unsettled:
+            if (state := self.requests.get(seq_id)) is not None:
+                del state.block_ids[kept_blocks(state.num_computed_tokens, self.block_size):]
+        self._unsettled.clear()
+
+    def _settle(self, scheduled: Sequence[ScheduledRequest], sampled: Sequence[SampledToken]) -> None:
+        """On the last stage as any runner; the others count the scheduled tokens now and the
+        accepted drafts when the tokens come (:meth:`append_sampled`)."""
+        if self.is_last:
+            super()._settle(scheduled, sampled)
+            return
+        for s in scheduled:
+            s.state.num_computed_tokens += s.num_scheduled_tokens
+            if s.num_lookahead_tokens:
+                self._unsettled.add(s.state.seq_id)
 
     def _run(self, scheduled: Sequence[ScheduledRequest]) -> tuple[list[SampledToken], list[PromptLogprobs]]:
         """Forward, and on the last stage logits and sampling; the other stages return nothing."""

@@ -258,7 +258,9 @@ def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[
     forward = StageForward(model, position, world)
     samples = stage.is_last and (tp is None or tp.rank == 0)  # only the rank that samples holds matchers
     grammar = grammar_compiler_for(config.model_path) if samples else None
+    proposer = config.speculative.ngram_proposer()  # every rank drafts alike (check_ranks: n-gram only)
+    verify = sampler.verify if tp is not None else None
     return [StageRunner(model, KVCache(spec, num_blocks_for_memory(sized, config.kv_cache_memory_bytes // engines),
                                        device=config.device,
                                        num_cpu_blocks=config.swap_space_bytes // engines // sized.bytes_per_block),
-                        backend, sampler, forward, grammar) for _ in range(engines)]
+                        backend, sampler, forward, grammar, proposer, verify) for _ in range(engines)]

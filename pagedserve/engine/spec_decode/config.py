@@ -35,7 +35,8 @@ class SpeculativeConfig:
     method: SpeculativeMethod = option(
         "speculative decoding: none, ngram (the worker drafts the tokens that followed the latest earlier "
         "occurrence of the sequence's last n tokens) or draft_model (the worker drafts with --speculative-model: "
-        "its argmax for greedy requests, draws from its distribution for sampled ones); one target step verifies the drafts; greedy outputs are the same as without, "
+        "its argmax for greedy requests, draws from its distribution for sampled ones; not over pipeline stages); "
+        "one target step verifies the drafts; greedy outputs are the same as without, "
         "sampled ones keep their distribution", SpeculativeMethod.NONE, flag="speculative-method")
     num_speculative_tokens: int = option("most draft tokens verified per sequence and step (k)", 4)
     prompt_lookup_min: int = option("ngram: shortest suffix of the sequence that may match earlier", 1)
@@ -64,12 +65,13 @@ class SpeculativeConfig:
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
 
     def check_ranks(self, pipeline_parallel_size: int) -> None:
-        """Raises ValueError when speculating over pipeline stages (drafts would enter at the first
-        stage and be verified at the last); tensor-parallel ranks speculate (``parallel/rank.py``)."""
-        if self.method is not SpeculativeMethod.NONE and pipeline_parallel_size > 1:
-            raise ValueError(f"speculative method {self.method.value} with pipeline_parallel_size "
-                             f"{pipeline_parallel_size}: speculative decoding runs on one-rank and tensor-parallel "
-                             "workers, not over pipeline stages")
+        """Raises ValueError for a draft model over pipeline stages (every stage would need its drafts
+        before running; n-gram ones every rank makes alike: ``parallel/pipeline.py``); tensor-parallel
+        ranks take both (``parallel/rank.py``)."""
+        if self.method is SpeculativeMethod.DRAFT_MODEL and pipeline_parallel_size > 1:
+            raise ValueError(f"speculative method draft_model with pipeline_parallel_size {pipeline_parallel_size}: "
+                             "a draft model runs on one-rank and tensor-parallel workers; over pipeline stages "
+                             "use --speculative-method ngram")
 
     @property
     def num_lookahead_tokens(self) -> int:
