@@ -7,6 +7,7 @@ It runs the same classes as the services, in one process: the scheduler and its 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,22 @@ Prompt = str | Sequence[int]
 """A text prompt, or prompt token ids."""
 
 
+def offline_config(**options: Any) -> EngineConfig:
+    """The offline engine's config: :meth:`EngineConfig.of` with ``options``, where
+    ``max_decode_slowdown`` defaults to ``inf``: prefill chunks fill the token budget.
+
+    The services keep ``SchedulerConfig``'s 2: there a running stream's inter-token latency is what
+    the pacing guards. An offline run has every request in hand and no stream to pace, and the pacing
+    costs it throughput (256 ShareGPT requests in bfloat16: 0.91-0.92x of full chunks, docs/benchmarks.md);
+    vLLM's offline ``LLM`` likewise takes larger prefill chunks than its server by default. A caller
+    streaming through :meth:`LLM.step` beside long prompts can pass ``max_decode_slowdown=2``.
+
+    Raises:
+        TypeError, ValueError: as :meth:`EngineConfig.of`.
+    """
+    return EngineConfig.of(**{"max_decode_slowdown": math.inf, **options})
+
+
 @dataclass(frozen=True)
 class StreamDelta:
     """What one ``LLM.step`` produced for one sample of a request; ``error`` when the engine refused it."""
@@ -49,7 +66,7 @@ class LLM:
         rank_placement: with T*P > 1, a :class:`~pagedserve.engine.parallel.rank_link.RankPlacement`
             whose remote ranks (``pagedserve worker-rank``) rank 0 waits for; None: all spawned here.
         options: instead of ``config``, any of its fields by name (``LLM(block_size=8,
-            gemm_backend="onednn")``, see :meth:`EngineConfig.of`): KV-cache sizes per worker (and
+            gemm_backend="onednn")``, see :func:`offline_config`): KV-cache sizes per worker (and
             per rank with T*P > 1) as bytes or strings such as ``"512MiB"``, modes as enums or
             their values. One tensor- or pipeline-parallel ``LLM`` (one worker) per process at a
             time; call :meth:`close` to stop its helper ranks.
@@ -64,7 +81,7 @@ class LLM:
                  rank_placement=None, **options: Any) -> None:
         if config is not None and options:
             raise TypeError(f"give config or options, not both (got {sorted(options)})")
-        self.config = config or EngineConfig.of(**options)
+        self.config = config or offline_config(**options)
         path = resolve_model(str(model) if model else None)
         self.tokenizer = PromptTokenizer.from_folder(path)
         runners = build_local_runners(path, self.config, rank_placement)

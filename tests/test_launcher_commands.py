@@ -3,12 +3,15 @@ settings it was given (scheduler policy, the workers' rank grid and kernels)."""
 
 from __future__ import annotations
 
+import math
+
 from pagedserve.cli import build_parser
 from pagedserve.config_flags import config_from_args
 from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
 from pagedserve.engine.runner_config import EngineConfig, RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.launcher import STOP_TIMEOUT_S, Stack, StackConfig
+from pagedserve.llm import offline_config
 from services.gateway.config import SHUTDOWN_CLOSE_S
 
 
@@ -45,15 +48,20 @@ def test_every_command_up_starts_parses_and_carries_its_settings(tmp_path, monke
     assert gateway.shutdown_grace_s + SHUTDOWN_CLOSE_S <= STOP_TIMEOUT_S  # up waits for the gateway's drain
 
 
-def test_prefill_chunk_sizing_defaults_agree_in_the_offline_engine_the_scheduler_and_up(tmp_path, monkeypatch):
+def test_prefill_chunk_sizing_defaults_agree_in_the_scheduler_and_up_and_the_offline_engine_fills_the_budget(
+        tmp_path, monkeypatch):
     """How long a step with decodes may take (``max_decode_slowdown``, issue #20): one default,
-    SchedulerConfig's, wherever a scheduler runs."""
+    SchedulerConfig's, wherever the services run a scheduler; the offline engine, with no stream to
+    pace, fills the token budget unless told otherwise."""
     def policy_from_args(args):
         return config_from_args(SchedulerConfig, args, SchedulerConfig())
 
     default = SchedulerConfig().max_decode_slowdown
     assert default == 2.0
-    assert EngineConfig.of().scheduler.max_decode_slowdown == default  # what LLM(...) runs with
+    assert EngineConfig.of().scheduler.max_decode_slowdown == default
+    assert offline_config().scheduler.max_decode_slowdown == math.inf  # what LLM(...) runs with
+    assert offline_config(max_decode_slowdown=3.0).scheduler.max_decode_slowdown == 3.0
+    assert offline_config(block_size=8).scheduler.block_size == 8
     standalone = build_parser().parse_args(["scheduler", "--redis-url", "redis://127.0.0.1:3/0"])
     assert standalone.max_decode_slowdown == default
     up_policy = policy_from_args(build_parser().parse_args(["up"]))
