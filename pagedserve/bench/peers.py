@@ -160,12 +160,13 @@ def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleR
     run = time_engine(llm, prompts, requests, outputs)
     run = dataclasses.replace(run, system=variant.system)
     eos_token_ids = list(llm.tokenizer.info.eos_token_ids)
+    max_decode_slowdown = llm.config.scheduler.max_decode_slowdown
     del llm
     gc.collect()
     info = {"dtype": args.dtype, "kv_cache_dtype": KVCacheDtype(args.kv_cache_dtype).value,
             "kv_cache_memory": args.kv_cache_memory,
             "eos_token_ids": eos_token_ids, "gemm_backend": variant.gemm_backend.value,
-            "compile_mode": variant.compile_mode.value}
+            "compile_mode": variant.compile_mode.value, "max_decode_slowdown": max_decode_slowdown}
     return SystemRun(run, outputs, info)
 
 
