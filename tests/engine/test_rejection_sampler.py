@@ -32,14 +32,14 @@ def test_emitted_tokens_have_the_targets_distribution(draft):
     g = torch.Generator().manual_seed(23)
     p = random_probs(g, K + 1)                                           # one target distribution per position
     q = random_probs(g, K)
-    target = p.expand(TRIALS, K + 1, VOCAB)
+    target = p.repeat(TRIALS, 1)                                         # (TRIALS * (K + 1), V): K + 1 rows each
     if draft == "model":
         drafts = torch.stack([torch.multinomial(q[i], TRIALS, replacement=True, generator=g) for i in range(K)], 1)
-        draft_probs = q.expand(TRIALS, K, VOCAB)
+        draft_probs = q.repeat(TRIALS, 1)                                # (TRIALS * K, V)
     else:  # a lookup proposes fixed tokens: the same ones every trial
         drafts, draft_probs = torch.tensor([[1, 4, 2]]).expand(TRIALS, K), None
-    out = rejection_sample(target, drafts, torch.full((TRIALS,), K), torch.rand(TRIALS, K, generator=g),
-                           torch.rand(TRIALS, K + 1, generator=g), draft_probs)
+    out = rejection_sample(target, [K] * TRIALS, drafts.reshape(-1), torch.rand(TRIALS * K, generator=g),
+                           torch.rand(TRIALS * (K + 1), generator=g), draft_probs)
     first = torch.tensor([t[0] for t in out.token_ids])
     assert chi_square(torch.bincount(first, minlength=VOCAB).float(), p[0]) < CHI2_DF5_P0001
     # given the first draft was accepted (only then is p[1] the right conditional), the second token ~ p[1]
@@ -51,26 +51,50 @@ def test_emitted_tokens_have_the_targets_distribution(draft):
 
 
 def test_greedy_rows_emit_the_targets_argmax_tokens():
-    argmax = torch.tensor([[3, 1, 4, 0], [3, 1, 4, 5]])                  # two rows, target's argmax per position
+    argmax = torch.tensor([3, 1, 4, 0, 3, 1, 4, 5])                      # two sequences' rows, the target's argmax each
     target = torch.nn.functional.one_hot(argmax, VOCAB).float()
-    drafts = torch.tensor([[3, 1, 5], [3, 1, 4]])                          # row 0 wrong at its 3rd draft
-    out = rejection_sample(target, drafts, torch.tensor([3, 3]), torch.rand(2, K), torch.rand(2, K + 1))
+    drafts = torch.tensor([3, 1, 5, 3, 1, 4])                            # the first wrong at its 3rd draft
+    out = rejection_sample(target, [3, 3], drafts, torch.rand(6), torch.rand(8))
     assert out.token_ids == [[3, 1, 4], [3, 1, 4, 5]] and out.num_accepted == [2, 3]
 
 
 def test_ragged_drafts_and_rows_without_drafts():
-    argmax = torch.tensor([[2, 2, 2, 2], [5, 0, 1, 1], [4, 3, 3, 3]])
+    # one draft (2 rows), two drafts (3 rows), none (1 row)
+    argmax = torch.tensor([2, 2, 5, 0, 1, 4])
     target = torch.nn.functional.one_hot(argmax, VOCAB).float()
-    drafts = torch.tensor([[2, 2, 2], [5, 0, 0], [4, 3, 3]])
-    out = rejection_sample(target, drafts, torch.tensor([1, 2, 0]), torch.rand(3, K), torch.rand(3, K + 1))
-    # row 0: its one draft accepted, then the token at position 1; row 1: both, then position 2; row 2: none
+    out = rejection_sample(target, [1, 2, 0], torch.tensor([2, 5, 0]), torch.rand(3), torch.rand(6))
+    # the first: its draft accepted, then its second row's token; the second: both, then its third row's; the last: none
     assert out.token_ids == [[2, 2], [5, 0, 1], [4]] and out.num_accepted == [1, 2, 0]
+
+
+def test_a_rejected_drawn_draft_takes_the_residual_of_its_own_row():
+    # the target puts everything on token 2 at both drafted rows; the draft drew 5 from q: rejected
+    # (p(5) = 0), and the residual max(0, p - q) is token 2's alone, whatever the draw uniform
+    p = torch.nn.functional.one_hot(torch.tensor([2, 2, 3]), VOCAB).float()
+    q = torch.full((2, VOCAB), 1 / VOCAB)
+    for u in (0.0, 0.5, 0.999):
+        out = rejection_sample(p, [2], torch.tensor([5, 2]), torch.tensor([0.0, 0.0]), torch.full((3,), u), q)
+        assert out.token_ids == [[2]] and out.num_accepted == [0]
+    # the first draft accepted (p(2) = 1 >= q(2)): the second rejected, drawn from its own row
+    out = rejection_sample(p, [2], torch.tensor([2, 5]), torch.tensor([0.5, 0.5]), torch.full((3,), 0.7), q)
+    assert out.token_ids == [[2, 2]] and out.num_accepted == [1]
+
+
+def test_each_sequence_draws_with_the_uniform_of_the_row_after_its_accepted_drafts():
+    # flat target rows: the draw uniform alone picks the token; the first sequence keeps 1 of 2 drafts
+    # (u = 0 < p = 1/6, then 0.9 > 1/6) and draws from row 1 without the rejected id 3; the second keeps none
+    target = torch.full((5, VOCAB), 1 / VOCAB)
+    out = rejection_sample(target, [2, 1], torch.tensor([1, 3, 4]), torch.tensor([0.0, 0.9, 0.9]),
+                           torch.tensor([0.0, 0.99, 0.5, 0.01, 0.7]))
+    assert out.token_ids == [[1, 5], [0]] and out.num_accepted == [1, 0]
 
 
 def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="accept_uniforms"):
-        rejection_sample(torch.rand(2, K + 1, VOCAB), torch.zeros(2, K + 1, dtype=torch.long), torch.tensor([1, 1]),
-                         torch.rand(2, K), torch.rand(2, K + 1))
+        rejection_sample(torch.rand(4, VOCAB), [1, 1], torch.zeros(3, dtype=torch.long), torch.rand(2), torch.rand(4))
+    with pytest.raises(ValueError, match="draft_probs"):
+        rejection_sample(torch.rand(4, VOCAB), [1, 1], torch.zeros(2, dtype=torch.long), torch.rand(2), torch.rand(4),
+                         torch.rand(2, VOCAB + 1))
 
 
 def test_verify_keeps_the_targets_distribution_with_drawn_and_chosen_drafts_in_one_batch():

@@ -22,7 +22,9 @@ seeded request's tokens do not depend on its batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -32,67 +34,86 @@ class Verified:
     """What one verification step emitted.
 
     Attributes:
-        token_ids: per row, the accepted drafts then one drawn token (1 to ``k + 1`` ids).
-        num_accepted: per row, how many drafts were accepted (``len(token_ids[i]) - 1``).
+        token_ids: per sequence, the accepted drafts then one drawn token (1 to ``k + 1`` ids).
+        num_accepted: per sequence, how many drafts were accepted (``len(token_ids[i]) - 1``).
     """
 
     token_ids: list[list[int]]
     num_accepted: list[int]
 
 
-def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor, num_drafts: torch.Tensor,
+def rejection_sample(target_probs: torch.Tensor, num_drafts: Sequence[int], draft_token_ids: torch.Tensor,
                      accept_uniforms: torch.Tensor, draw_uniforms: torch.Tensor,
                      draft_probs: torch.Tensor | None = None) -> Verified:
-    """Accepts a prefix of each row's drafts and draws the token after it.
+    """Accepts a prefix of each sequence's drafts and draws the token after it.
+
+    Rows are ragged, as the verification step computed them: sequence ``b`` with ``n_b =
+    num_drafts[b]`` drafts owns ``n_b + 1`` consecutive rows of ``target_probs`` (its drafted positions,
+    then one past the last) and ``n_b`` consecutive entries of the per-draft tensors. Only one row per
+    sequence (the one after its accepted drafts) is read whole, so memory is ``O(B * V)`` besides the
+    inputs.
 
     Args:
-        target_probs: float32 ``[B, k + 1, V]``, the target's distribution at each drafted position
-            and one past the last (rows of a greedy request: one-hot at the argmax).
-        draft_token_ids: int64 ``[B, k]``; a row's entries past its ``num_drafts`` are ignored.
-        num_drafts: int64 ``[B]``, drafts per row, in ``[0, k]`` (a row with none draws one token
-            from ``target_probs[:, 0]``, as plain decoding does).
-        accept_uniforms: float32 ``[B, k]`` in ``[0, 1)``.
-        draw_uniforms: float32 ``[B, k + 1]`` in ``[0, 1)``: ``[b, i]`` draws the token after ``i``
-            accepted drafts (inverse-transform sampling over the vocabulary in id order).
-        draft_probs: float32 ``[B, k, V]``, the proposer's distributions, or ``None`` for a
+        target_probs: float32 ``[R, V]``, ``R = sum(n_b + 1)``: the target's distribution at each row
+            (rows of a greedy request: one-hot at the argmax).
+        num_drafts: ``B`` counts, each ``>= 0`` (a sequence with none draws one token from its row, as
+            plain decoding does).
+        draft_token_ids: int64 ``[D]``, ``D = sum(n_b)``.
+        accept_uniforms: float32 ``[D]`` in ``[0, 1)``.
+        draw_uniforms: float32 ``[R]`` in ``[0, 1)``: a row's draws the token after as many accepted
+            drafts (inverse-transform sampling over the vocabulary in id order).
+        draft_probs: float32 ``[D, V]``, the distribution each draft was drawn from, or ``None`` for a
             proposer without one (one-hot drafts).
 
     Returns:
-        The emitted tokens of each row (:class:`Verified`).
+        The emitted tokens of each sequence (:class:`Verified`).
 
     Raises:
         ValueError: shapes that do not fit together.
     """
-    batch, positions, vocab = target_probs.shape
-    k = positions - 1
-    if (draft_token_ids.shape != (batch, k) or accept_uniforms.shape != (batch, k)
-            or draw_uniforms.shape != (batch, k + 1)):
-        raise ValueError(f"target_probs {tuple(target_probs.shape)} needs drafts and accept_uniforms of shape "
-                         f"({batch}, {k}) and draw_uniforms ({batch}, {k + 1})")
-    if draft_probs is not None and draft_probs.shape != (batch, k, vocab):
-        raise ValueError(f"draft_probs must be ({batch}, {k}, {vocab}), got {tuple(draft_probs.shape)}")
-    rows = torch.arange(batch, device=target_probs.device)
-    drafts = draft_token_ids.clamp(0, vocab - 1).unsqueeze(-1)                       # (B, k, 1)
-    p_draft = target_probs[:, :k].gather(-1, drafts).squeeze(-1)                     # (B, k)
-    q_draft = draft_probs.gather(-1, drafts).squeeze(-1) if draft_probs is not None else torch.ones_like(p_draft)
-    in_range = torch.arange(k, device=target_probs.device) < num_drafts.unsqueeze(-1)  # (B, k)
-    accepted = (accept_uniforms * q_draft < p_draft) & in_range                      # u < p / q, q > 0
-    num_accepted = accepted.int().cumprod(dim=1).sum(dim=1)                          # (B,) leading run
-    stop = num_accepted.clamp(max=max(k - 1, 0))
-    p_next = target_probs[rows, num_accepted]                                        # (B, V)
-    rejected = num_accepted < num_drafts                                             # (B,)
-    if draft_probs is not None and k:
-        q_next = draft_probs[rows, stop]                                             # (B, V)
-    else:
-        q_next = torch.zeros_like(p_next)
-        if k:
-            q_next[rows, draft_token_ids[rows, stop].clamp(0, vocab - 1)] = 1.0
-    residual = torch.where(rejected.unsqueeze(-1), (p_next - q_next).clamp(min=0.0), p_next)
+    rows, vocab = target_probs.shape
+    counts = list(num_drafts)
+    drafts_total, device = sum(counts), target_probs.device
+    if (rows != drafts_total + len(counts) or draft_token_ids.shape != (drafts_total,)
+            or accept_uniforms.shape != (drafts_total,) or draw_uniforms.shape != (rows,)):
+        raise ValueError(f"{len(counts)} sequences with {drafts_total} drafts need target_probs and draw_uniforms of "
+                         f"{drafts_total + len(counts)} rows and draft_token_ids and accept_uniforms of {drafts_total}, "
+                         f"got {rows}, {tuple(draw_uniforms.shape)}, {tuple(draft_token_ids.shape)} and "
+                         f"{tuple(accept_uniforms.shape)}")
+    if draft_probs is not None and draft_probs.shape != (drafts_total, vocab):
+        raise ValueError(f"draft_probs must be ({drafts_total}, {vocab}), got {tuple(draft_probs.shape)}")
+    row_starts = [0, *accumulate(n + 1 for n in counts)][:-1]
+    draft_starts = [0, *accumulate(counts)][:-1]
+    drafts = draft_token_ids.clamp(0, vocab - 1)                                     # (D,)
+    draft_rows = torch.tensor([r + j for r, n in zip(row_starts, counts) for j in range(n)], dtype=torch.int64,
+                              device=device)
+    p_draft = target_probs[draft_rows, drafts]                                       # (D,)
+    q_draft = (draft_probs[torch.arange(drafts_total, device=device), drafts] if draft_probs is not None
+               else torch.ones_like(p_draft))
+    accepted = (accept_uniforms * q_draft < p_draft).tolist()                        # u < p / q, q > 0
+    num_accepted = [_leading_run(accepted[d:d + n]) for d, n in zip(draft_starts, counts)]
+    next_rows = torch.tensor([r + a for r, a in zip(row_starts, num_accepted)], device=device)
+    p_next = target_probs[next_rows]                                                 # (B, V)
+    rejected = [b for b, (a, n) in enumerate(zip(num_accepted, counts)) if a < n]
+    q_next = torch.zeros_like(p_next)
+    if rejected:
+        at = torch.tensor([draft_starts[b] + num_accepted[b] for b in rejected], device=device)
+        which = torch.tensor(rejected, device=device)
+        if draft_probs is not None:
+            q_next[which] = draft_probs[at]
+        else:
+            q_next[which, drafts[at]] = 1.0
+    residual = (p_next - q_next).clamp(min=0.0)                                      # q_next is 0 where nothing was rejected
     mass = residual.sum(dim=-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp(min=torch.finfo(residual.dtype).tiny), p_next)
     cumulative = residual.cumsum(dim=-1)                                             # (B, V)
-    draw = draw_uniforms[rows, num_accepted]                                         # (B,)
+    draw = draw_uniforms[next_rows]                                                  # (B,)
     drawn = torch.searchsorted(cumulative, (draw * cumulative[:, -1]).unsqueeze(-1), right=True)
-    drawn = drawn.squeeze(-1).clamp(max=vocab - 1)                                   # (B,)
-    counts, drafted, draws = num_accepted.tolist(), draft_token_ids.tolist(), drawn.tolist()
-    return Verified([drafted[b][:counts[b]] + [draws[b]] for b in range(batch)], counts)
+    draws = drawn.squeeze(-1).clamp(max=vocab - 1).tolist()                         # (B,)
+    ids = draft_token_ids.tolist()
+    return Verified([ids[d:d + a] + [t] for d, a, t in zip(draft_starts, num_accepted, draws)], num_accepted)
+
+
+def _leading_run(flags: Sequence[bool]) -> int:
+    """How many of ``flags`` are true before the first false one."""
+    return next((i for i, f in enumerate(flags) if not f), len(flags))

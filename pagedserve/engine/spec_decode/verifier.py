@@ -118,30 +118,20 @@ def _greedy(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int])
 
 def _rejection_sample(probs: torch.Tensor, uniforms: torch.Tensor, drafted: Sequence[Drafted]) -> list[list[int]]:
     """Rejection sampling of sampled sequences' rows (``probs`` float32 ``[R', V]``, ``uniforms``
-    ``[R', 2]``: each row's draw then acceptance uniform), padded to the longest draft list; the
-    drafts' ``q`` one-hot for sequences without ``draft_probs`` when another has them."""
-    k = max(len(d.draft_token_ids) for d in drafted)
-    batch, vocab, device = len(drafted), probs.shape[1], probs.device
+    ``[R', 2]``: each row's draw then acceptance uniform); the drafts' ``q`` one-hot for sequences
+    without ``draft_probs`` when another has them."""
+    device, vocab = probs.device, probs.shape[1]
     uniforms = uniforms.to(device)
-    target = torch.zeros(batch, k + 1, vocab, dtype=probs.dtype, device=device)  # (B, k+1, V)
-    draft_ids = torch.zeros(batch, k, dtype=torch.int64, device=device)   # (B, k)
-    accept = torch.zeros(batch, k, device=device)                         # (B, k)
-    draw = torch.zeros(batch, k + 1, device=device)                       # (B, k+1)
-    drawn = any(d.draft_probs is not None for d in drafted)
-    q = torch.zeros(batch, k, vocab, dtype=probs.dtype, device=device) if drawn else None  # (B, k, V)
-    row = 0
-    for b, d in enumerate(drafted):
-        n = d.num_rows
-        target[b, :n] = probs[row:row + n]
-        draft_ids[b, :n - 1] = torch.tensor(d.draft_token_ids, device=device)
-        accept[b, :n - 1] = uniforms[row:row + n - 1, Draw.ACCEPT]
-        draw[b, :n] = uniforms[row:row + n, Draw.TOKEN]
-        if q is not None:
-            q[b, :n - 1] = (d.draft_probs if d.draft_probs is not None
-                            else torch.nn.functional.one_hot(draft_ids[b, :n - 1], vocab))
-        row += n
-    num_drafts = torch.tensor([len(d.draft_token_ids) for d in drafted], device=device)
-    return rejection_sample(target, draft_ids, num_drafts, accept, draw, q).token_ids
+    draft_ids = torch.tensor([t for d in drafted for t in d.draft_token_ids], dtype=torch.int64, device=device)
+    draft_rows = [r for start, d in zip(accumulate((d.num_rows for d in drafted), initial=0), drafted)
+                  for r in range(start, start + len(d.draft_token_ids))]         # all but each one's last row
+    q = None
+    if any(d.draft_probs is not None for d in drafted):
+        q = torch.cat([d.draft_probs.to(device) if d.draft_probs is not None else
+                       torch.nn.functional.one_hot(torch.tensor(d.draft_token_ids, device=device), vocab).to(probs.dtype)
+                       for d in drafted])                                          # (D, V)
+    return rejection_sample(probs, [len(d.draft_token_ids) for d in drafted], draft_ids,
+                            uniforms[draft_rows, Draw.ACCEPT], uniforms[:, Draw.TOKEN], q).token_ids
 
 
 def _answers(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int], emitted: list[list[int]],
