@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import threading
 import time
@@ -186,6 +187,8 @@ def run(args: argparse.Namespace) -> dict:
     instrument(runner, timers)
     cases = [(f"decode x{b}", b, args.context_len, True) for b in args.batches]
     cases.append((f"prefill {args.prefill_len}", 1, args.prefill_len, False))
+    for name, batch, context, _ in cases:
+        check_cache_holds(llm, name, batch, context + args.steps + 2, args.kv_cache_memory)
     results = {}
     for name, batch, context, decode in cases:
         pieces = profile_case(llm, timers, batch, context, decode, args.steps)
@@ -194,6 +197,22 @@ def run(args: argparse.Namespace) -> dict:
         results[name] = pieces
         print(f"  {name}: step {pieces.get('step', 0):.1f} ms", flush=True)
     return {"machine": machine_line(machine_info()), "threads": torch.get_num_threads(), "cases": results}
+
+
+def check_cache_holds(llm, name: str, batch: int, tokens: int, kv_cache_memory: str) -> None:
+    """Exits with what to change when ``batch`` sequences of ``tokens`` tokens do not fit in the
+    worker's KV cache at once: they would be preempted in turn and never all decode together, and
+    the case would wait for them forever."""
+    from pagedserve.engine.block_manager import blocks_for_tokens
+    from pagedserve.units import parse_bytes
+
+    cache = llm.stats().workers[0].num_blocks
+    needed = batch * blocks_for_tokens(tokens, llm.config.scheduler.block_size)
+    if needed > cache:
+        enough = math.ceil(parse_bytes(kv_cache_memory) * needed / cache / 2**20)
+        raise SystemExit(f"{name}: {batch} sequences of up to {tokens} tokens need {needed} KV blocks, the cache "
+                         f"holds {cache}: give --kv-cache-memory {enough}MiB or more, or fewer --batches or "
+                         "a shorter --context-len")
 
 
 def format_table(report: dict) -> str:

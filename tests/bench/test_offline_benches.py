@@ -85,6 +85,15 @@ def test_profile_report_accounts_for_the_step(tmp_path, small_model):
     assert "| step / torch.mm floor |" in stdout and "| step / onednn floor |" in stdout
 
 
+def test_profile_refuses_batches_the_kv_cache_cannot_hold_at_once_instead_of_waiting_forever(small_model):
+    result = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "profile", "--model", str(small_model),
+                             "--batches", "1,64", "--context-len", "200", "--kv-cache-memory", "4MiB"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "decode x64: 64 sequences of up to 207 tokens need 832 KV blocks" in result.stderr
+    assert "give --kv-cache-memory" in result.stderr and "decode x1" not in result.stdout  # before any case ran
+
+
 def test_profile_workload_accounts_for_a_dataset_run(tmp_path, small_model):
     out = tmp_path / "w.json"
     stdout = bench("profile-workload", "--model", str(small_model), "--dataset-name", "random", "--num-prompts", "3",
