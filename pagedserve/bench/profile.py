@@ -20,6 +20,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, fields_except
@@ -31,20 +32,31 @@ GEMMS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 PIECES = ("embed", "norm", "rotary", *GEMMS, "write_kv", "attention", "lm_head")
 
 
+@dataclass(frozen=True)
+class Window:
+    """What the timers saw between two :meth:`StepTimers.take` calls: milliseconds per piece, and
+    how many plans the runner executed."""
+
+    ms: dict[str, float]
+    plans: int
+
+
 class StepTimers:
     """Wall-clock milliseconds per piece, accumulated until ``take`` (CPU work is synchronous).
 
-    The engine may send a step's plan before the previous one is answered, so a plan can still run
-    when ``LLM.step`` returns: :meth:`wrap_step` counts the plans running, and :meth:`take` waits for
-    none (each window then holds whole plans, its forward inside its step)."""
+    With overlap scheduling ``LLM.step`` can return before the plan it sent has started, so a window
+    may hold no plan or two: :meth:`wrap_step` counts the plans started and finished, :meth:`take`
+    waits until none runs and says how many the window holds (the profile runs one plan at a time,
+    ``max_plans_in_flight=1``, and checks that each window holds one)."""
 
     def __init__(self) -> None:
         self.ms: dict[str, float] = defaultdict(float)
         self.running = 0
+        self.plans = 0
         self._idle = threading.Condition()
 
     def wrap_step(self, fn: Callable) -> Callable:
-        """``wrap("step", fn)`` that also counts the calls running (the runner's ``execute``)."""
+        """``wrap("step", fn)`` that also counts the calls running and done (the runner's ``execute``)."""
         timed = self.wrap("step", fn)
 
         def counted(*args, **kwargs):
@@ -55,6 +67,7 @@ class StepTimers:
             finally:
                 with self._idle:
                     self.running -= 1
+                    self.plans += 1
                     self._idle.notify_all()
         return counted
 
@@ -67,12 +80,13 @@ class StepTimers:
                 self.ms[label] += (time.perf_counter() - start) * 1000
         return timed
 
-    def take(self, timeout_s: float = 60.0) -> dict[str, float]:
-        """The pieces since the last take, once no step runs (up to ``timeout_s`` seconds)."""
+    def take(self, timeout_s: float = 60.0) -> Window:
+        """The pieces and plans since the last take, once no step runs (up to ``timeout_s`` seconds)."""
         with self._idle:
             self._idle.wait_for(lambda: self.running == 0, timeout_s)
-        out, self.ms = dict(self.ms), defaultdict(float)
-        return out
+            window = Window(dict(self.ms), self.plans)
+            self.ms, self.plans = defaultdict(float), 0
+        return window
 
 
 def instrument(runner, timers: StepTimers) -> None:
@@ -162,7 +176,11 @@ def profile_case(llm, timers: StepTimers, batch: int, context_len: int, decode: 
     per_step: list[dict[str, float]] = []
     for _ in range(steps if decode else 1):
         llm.step()
-        per_step.append(timers.take())
+        window = timers.take()
+        if window.plans != 1:
+            raise RuntimeError(f"{window.plans} plans ran in one profiled step: the engine must run one plan a step "
+                               "(max_plans_in_flight=1)")
+        per_step.append(window.ms)
     for request_id in ids:
         llm.abort(request_id)
     llm.step()  # the workers drop the aborted sequences
@@ -180,7 +198,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model or None, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
-              max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False,
+              max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False, max_plans_in_flight=1,
               **kernel_options(args), attention_backend=args.attention_backend)
     runner = llm.engine.executor.runners["worker-0"]
     timers = StepTimers()

@@ -46,7 +46,7 @@ def main(args: argparse.Namespace) -> int:
     timers = StepTimers()
     instrument(llm.engine.executor.runners["worker-0"], timers)
     run = time_engine(llm, prompts, requests)
-    seconds = {k: v / 1000 for k, v in sorted(timers.take().items(), key=lambda kv: -kv[1])}
+    seconds = {k: v / 1000 for k, v in sorted(timers.take().ms.items(), key=lambda kv: -kv[1])}
     steps = seconds.get("step", 0.0)
     print(f"\n{len(requests)} requests, {run.output_tokens} output tokens in {run.elapsed_s:.1f} s "
           f"({run.output_tokens_per_s:.1f} output tok/s), gemm backend {args.gemm_backend}, {args.compile_mode} "
