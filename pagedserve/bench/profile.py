@@ -127,10 +127,11 @@ def _instrument_layers(model, timers: StepTimers) -> None:
             linear.forward = timers.wrap(name, linear.forward)
 
 
-def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, repeats: int = 5) -> dict[str, float]:
-    """The step's GEMMs alone for ``num_tokens`` rows (and ``num_logit_rows`` of logits), ms per step,
-    twice: ``torch.mm`` (MKL, what ``F.linear`` runs) and oneDNN with prepacked weights (what
-    ``--gemm-backend onednn`` runs).
+def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, dtype: str = "float32",
+                  repeats: int = 5) -> dict[str, float]:
+    """The step's GEMMs alone for ``num_tokens`` rows (and ``num_logit_rows`` of logits) with weights
+    and inputs in ``dtype`` (a torch dtype's name), ms per step, twice: ``torch.mm`` (what ``F.linear``
+    runs) and oneDNN with prepacked weights (what ``--gemm-backend onednn`` runs).
 
     Every layer gets weights of its own, as in the model, so a small batch pays for streaming all
     of them from memory (one shared matrix would stay in cache and flatter the floor).
@@ -142,8 +143,10 @@ def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, repeats: int = 5
     hidden, inter = config.hidden_size, config.intermediate_size
     shapes = [(config.q_size + 2 * config.kv_size, hidden), (hidden, config.q_size), (2 * inter, hidden),
               (hidden, inter)] * config.num_layers + [(config.vocab_size, hidden)]  # [out, in]; lm_head last
-    weights = [torch.randn(n, k) for n, k in shapes]
-    inputs = [torch.randn(num_logit_rows if i == len(shapes) - 1 else num_tokens, k) for i, (_, k) in enumerate(shapes)]
+    kind = getattr(torch, dtype)
+    weights = [torch.randn(n, k, dtype=kind) for n, k in shapes]
+    inputs = [torch.randn(num_logit_rows if i == len(shapes) - 1 else num_tokens, k, dtype=kind)
+              for i, (_, k) in enumerate(shapes)]
     transposed = [w.t().contiguous() for w in weights]                    # [in, out] for torch.mm
     packed = [OneDnnLinear(w, None) for w in weights]
     return {"torch.mm": _best_ms(lambda: [torch.mm(x, w) for x, w in zip(inputs, transposed)], repeats),
@@ -199,6 +202,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model or None, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False, max_plans_in_flight=1,
+              dtype=args.dtype,
               **kernel_options(args), attention_backend=args.attention_backend)
     runner = llm.engine.executor.runners["worker-0"]
     timers = StepTimers()
@@ -211,10 +215,11 @@ def run(args: argparse.Namespace) -> dict:
     for name, batch, context, decode in cases:
         pieces = profile_case(llm, timers, batch, context, decode, args.steps)
         rows = batch if decode else context
-        pieces["gemm_floor"] = gemm_floor_ms(runner.model.config, rows, batch)
+        pieces["gemm_floor"] = gemm_floor_ms(runner.model.config, rows, batch, args.dtype)
         results[name] = pieces
         print(f"  {name}: step {pieces.get('step', 0):.1f} ms", flush=True)
-    return {"machine": machine_line(machine_info()), "threads": torch.get_num_threads(), "cases": results}
+    return {"machine": machine_line(machine_info()), "threads": torch.get_num_threads(), "dtype": args.dtype,
+            "cases": results}
 
 
 def check_cache_holds(llm, name: str, batch: int, tokens: int, kv_cache_memory: str) -> None:
@@ -260,6 +265,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-len", type=int, default=64, help="tokens of each decoding sequence (default %(default)s)")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill case (default %(default)s)")
     p.add_argument("--steps", type=int, default=5, help="timed decode steps per case (default %(default)s)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the model's weights and activations, and the GEMM floor's (default %(default)s); bfloat16 "
+                        "needs a CPU with native bfloat16 (AVX512_BF16 or AMX)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory (default %(default)s)")
     add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
@@ -271,7 +279,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     report = run(args)
-    print(f"\n{report['machine']}, {report['threads']} torch threads\n\n{format_table(report)}")
+    print(f"\n{report['machine']}, {report['threads']} torch threads, {report['dtype']}\n\n{format_table(report)}")
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(report, indent=2))
     return 0
