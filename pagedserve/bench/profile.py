@@ -127,7 +127,7 @@ def _instrument_layers(model, timers: StepTimers) -> None:
             linear.forward = timers.wrap(name, linear.forward)
 
 
-def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, dtype: str = "float32",
+def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, dtype: str,
                   repeats: int = 5) -> dict[str, float]:
     """The step's GEMMs alone for ``num_tokens`` rows (and ``num_logit_rows`` of logits) with weights
     and inputs in ``dtype`` (a torch dtype's name), ms per step, twice: ``torch.mm`` (what ``F.linear``

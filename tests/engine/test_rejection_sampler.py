@@ -38,7 +38,7 @@ def test_emitted_tokens_have_the_targets_distribution(draft):
         draft_probs = q.repeat(TRIALS, 1)                                # (TRIALS * K, V)
     else:  # a lookup proposes fixed tokens: the same ones every trial
         drafts, draft_probs = torch.tensor([[1, 4, 2]]).expand(TRIALS, K), None
-    out = rejection_sample(target, [K] * TRIALS, drafts.reshape(-1), torch.rand(TRIALS * K, generator=g),
+    out = rejection_sample(target, [K] * TRIALS, drafts.reshape(-1), torch.rand(TRIALS * (K + 1), generator=g),
                            torch.rand(TRIALS * (K + 1), generator=g), draft_probs)
     first = torch.tensor([t[0] for t in out.token_ids])
     assert chi_square(torch.bincount(first, minlength=VOCAB).float(), p[0]) < CHI2_DF5_P0001
@@ -54,7 +54,7 @@ def test_greedy_rows_emit_the_targets_argmax_tokens():
     argmax = torch.tensor([3, 1, 4, 0, 3, 1, 4, 5])                      # two sequences' rows, the target's argmax each
     target = torch.nn.functional.one_hot(argmax, VOCAB).float()
     drafts = torch.tensor([3, 1, 5, 3, 1, 4])                            # the first wrong at its 3rd draft
-    out = rejection_sample(target, [3, 3], drafts, torch.rand(6), torch.rand(8))
+    out = rejection_sample(target, [3, 3], drafts, torch.rand(8), torch.rand(8))
     assert out.token_ids == [[3, 1, 4], [3, 1, 4, 5]] and out.num_accepted == [2, 3]
 
 
@@ -62,7 +62,7 @@ def test_ragged_drafts_and_rows_without_drafts():
     # one draft (2 rows), two drafts (3 rows), none (1 row)
     argmax = torch.tensor([2, 2, 5, 0, 1, 4])
     target = torch.nn.functional.one_hot(argmax, VOCAB).float()
-    out = rejection_sample(target, [1, 2, 0], torch.tensor([2, 5, 0]), torch.rand(3), torch.rand(6))
+    out = rejection_sample(target, [1, 2, 0], torch.tensor([2, 5, 0]), torch.rand(6), torch.rand(6))
     # the first: its draft accepted, then its second row's token; the second: both, then its third row's; the last: none
     assert out.token_ids == [[2, 2], [5, 0, 1], [4]] and out.num_accepted == [1, 2, 0]
 
@@ -73,10 +73,10 @@ def test_a_rejected_drawn_draft_takes_the_residual_of_its_own_row():
     p = torch.nn.functional.one_hot(torch.tensor([2, 2, 3]), VOCAB).float()
     q = torch.full((2, VOCAB), 1 / VOCAB)
     for u in (0.0, 0.5, 0.999):
-        out = rejection_sample(p, [2], torch.tensor([5, 2]), torch.tensor([0.0, 0.0]), torch.full((3,), u), q)
+        out = rejection_sample(p, [2], torch.tensor([5, 2]), torch.zeros(3), torch.full((3,), u), q)
         assert out.token_ids == [[2]] and out.num_accepted == [0]
     # the first draft accepted (p(2) = 1 >= q(2)): the second rejected, drawn from its own row
-    out = rejection_sample(p, [2], torch.tensor([2, 5]), torch.tensor([0.5, 0.5]), torch.full((3,), 0.7), q)
+    out = rejection_sample(p, [2], torch.tensor([2, 5]), torch.full((3,), 0.5), torch.full((3,), 0.7), q)
     assert out.token_ids == [[2, 2]] and out.num_accepted == [1]
 
 
@@ -84,16 +84,16 @@ def test_each_sequence_draws_with_the_uniform_of_the_row_after_its_accepted_draf
     # flat target rows: the draw uniform alone picks the token; the first sequence keeps 1 of 2 drafts
     # (u = 0 < p = 1/6, then 0.9 > 1/6) and draws from row 1 without the rejected id 3; the second keeps none
     target = torch.full((5, VOCAB), 1 / VOCAB)
-    out = rejection_sample(target, [2, 1], torch.tensor([1, 3, 4]), torch.tensor([0.0, 0.9, 0.9]),
+    out = rejection_sample(target, [2, 1], torch.tensor([1, 3, 4]), torch.tensor([0.0, 0.9, 0.0, 0.9, 0.0]),
                            torch.tensor([0.0, 0.99, 0.5, 0.01, 0.7]))
     assert out.token_ids == [[1, 5], [0]] and out.num_accepted == [1, 0]
 
 
 def test_shapes_that_do_not_fit_are_refused():
     with pytest.raises(ValueError, match="accept_uniforms"):
-        rejection_sample(torch.rand(4, VOCAB), [1, 1], torch.zeros(3, dtype=torch.long), torch.rand(2), torch.rand(4))
+        rejection_sample(torch.rand(4, VOCAB), [1, 1], torch.zeros(2, dtype=torch.long), torch.rand(2), torch.rand(4))
     with pytest.raises(ValueError, match="draft_probs"):
-        rejection_sample(torch.rand(4, VOCAB), [1, 1], torch.zeros(2, dtype=torch.long), torch.rand(2), torch.rand(4),
+        rejection_sample(torch.rand(4, VOCAB), [1, 1], torch.zeros(2, dtype=torch.long), torch.rand(4), torch.rand(4),
                          torch.rand(2, VOCAB + 1))
 
 

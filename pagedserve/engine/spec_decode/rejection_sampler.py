@@ -48,8 +48,8 @@ def rejection_sample(target_probs: torch.Tensor, num_drafts: Sequence[int], draf
     """Accepts a prefix of each sequence's drafts and draws the token after it.
 
     Rows are ragged, as the verification step computed them: sequence ``b`` with ``n_b =
-    num_drafts[b]`` drafts owns ``n_b + 1`` consecutive rows of ``target_probs`` (its drafted positions,
-    then one past the last) and ``n_b`` consecutive entries of the per-draft tensors. Only one row per
+    num_drafts[b]`` drafts owns ``n_b + 1`` consecutive rows (its drafted positions, then one past the
+    last) of the per-row tensors and ``n_b`` consecutive entries of the per-draft ones. Only one row per
     sequence (the one after its accepted drafts) is read whole, so memory is ``O(B * V)`` besides the
     inputs.
 
@@ -59,7 +59,8 @@ def rejection_sample(target_probs: torch.Tensor, num_drafts: Sequence[int], draf
         num_drafts: ``B`` counts, each ``>= 0`` (a sequence with none draws one token from its row, as
             plain decoding does).
         draft_token_ids: int64 ``[D]``, ``D = sum(n_b)``.
-        accept_uniforms: float32 ``[D]`` in ``[0, 1)``.
+        accept_uniforms: float32 ``[R]`` in ``[0, 1)``: a row's accepts the draft checked at it (a
+            sequence's last row's is not read).
         draw_uniforms: float32 ``[R]`` in ``[0, 1)``: a row's draws the token after as many accepted
             drafts (inverse-transform sampling over the vocabulary in id order).
         draft_probs: float32 ``[D, V]``, the distribution each draft was drawn from, or ``None`` for a
@@ -75,11 +76,11 @@ def rejection_sample(target_probs: torch.Tensor, num_drafts: Sequence[int], draf
     counts = list(num_drafts)
     drafts_total, device = sum(counts), target_probs.device
     if (rows != drafts_total + len(counts) or draft_token_ids.shape != (drafts_total,)
-            or accept_uniforms.shape != (drafts_total,) or draw_uniforms.shape != (rows,)):
-        raise ValueError(f"{len(counts)} sequences with {drafts_total} drafts need target_probs and draw_uniforms of "
-                         f"{drafts_total + len(counts)} rows and draft_token_ids and accept_uniforms of {drafts_total}, "
-                         f"got {rows}, {tuple(draw_uniforms.shape)}, {tuple(draft_token_ids.shape)} and "
-                         f"{tuple(accept_uniforms.shape)}")
+            or accept_uniforms.shape != (rows,) or draw_uniforms.shape != (rows,)):
+        raise ValueError(f"{len(counts)} sequences with {drafts_total} drafts need target_probs, accept_uniforms and "
+                         f"draw_uniforms of {drafts_total + len(counts)} rows and draft_token_ids of {drafts_total}, "
+                         f"got {rows}, {tuple(accept_uniforms.shape)}, {tuple(draw_uniforms.shape)} and "
+                         f"{tuple(draft_token_ids.shape)}")
     if draft_probs is not None and draft_probs.shape != (drafts_total, vocab):
         raise ValueError(f"draft_probs must be ({drafts_total}, {vocab}), got {tuple(draft_probs.shape)}")
     row_starts = [0, *accumulate(n + 1 for n in counts)][:-1]
@@ -90,7 +91,7 @@ def rejection_sample(target_probs: torch.Tensor, num_drafts: Sequence[int], draf
     p_draft = target_probs[draft_rows, drafts]                                       # (D,)
     q_draft = (draft_probs[torch.arange(drafts_total, device=device), drafts] if draft_probs is not None
                else torch.ones_like(p_draft))
-    accepted = (accept_uniforms * q_draft < p_draft).tolist()                        # u < p / q, q > 0
+    accepted = (accept_uniforms[draft_rows] * q_draft < p_draft).tolist()            # u < p / q, q > 0
     num_accepted = [_leading_run(accepted[d:d + n]) for d, n in zip(draft_starts, counts)]
     next_rows = torch.tensor([r + a for r, a in zip(row_starts, num_accepted)], device=device)
     p_next = target_probs[next_rows]                                                 # (B, V)

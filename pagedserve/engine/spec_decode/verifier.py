@@ -123,15 +123,13 @@ def _rejection_sample(probs: torch.Tensor, uniforms: torch.Tensor, drafted: Sequ
     device, vocab = probs.device, probs.shape[1]
     uniforms = uniforms.to(device)
     draft_ids = torch.tensor([t for d in drafted for t in d.draft_token_ids], dtype=torch.int64, device=device)
-    draft_rows = [r for start, d in zip(accumulate((d.num_rows for d in drafted), initial=0), drafted)
-                  for r in range(start, start + len(d.draft_token_ids))]         # all but each one's last row
     q = None
     if any(d.draft_probs is not None for d in drafted):
         q = torch.cat([d.draft_probs.to(device) if d.draft_probs is not None else
                        torch.nn.functional.one_hot(torch.tensor(d.draft_token_ids, device=device), vocab).to(probs.dtype)
                        for d in drafted])                                          # (D, V)
     return rejection_sample(probs, [len(d.draft_token_ids) for d in drafted], draft_ids,
-                            uniforms[draft_rows, Draw.ACCEPT], uniforms[:, Draw.TOKEN], q).token_ids
+                            uniforms[:, Draw.ACCEPT], uniforms[:, Draw.TOKEN], q).token_ids
 
 
 def _answers(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int], emitted: list[list[int]],
