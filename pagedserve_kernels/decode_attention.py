@@ -37,7 +37,9 @@ BLOCK_N = 64            # keys per inner-loop tile
 MIN_TOKENS_PER_SPLIT = 256
 
 
-@triton.jit
+# Integer arguments that vary from step to step are not specialized (Triton compiles a variant for 1
+# and for multiples of 16): the block-table width grows with the longest context, the splits with the batch.
+@triton.jit(do_not_specialize=["stride_bt_s", "num_splits"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, slopes_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,

@@ -71,7 +71,7 @@ def _attend_tiles(acc, l_i, m_i, q, k_cache_ptr, v_cache_ptr, bt_row_ptr, stride
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt_s"])  # the block-table width varies step to step
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, slopes_ptr, out_ptr,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, config_from_args, fields_except
@@ -120,11 +120,28 @@ def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],
     return ThroughputRun("pagedserve", elapsed, total, sum(len(p) for p in prompts))
 
 
+# On CUDA each system first runs the first requests untimed (16 output tokens each): Triton compiles a
+# kernel variant at its first launch (1-2 s each: prefill tile sizes, split decode) and cuBLAS makes its
+# handles, a start-up cost that a served model pays once, not per run.
+WARM_UP_REQUESTS = 16
+
+
+def warm_up(run) -> None:
+    started = time.perf_counter()
+    run()
+    print(f"warm-up (untimed): {time.perf_counter() - started:.1f} s")
+
+
 def run_engine(model: Path, requests: list[SampleRequest], args: argparse.Namespace, tokenizer) -> ThroughputRun:
     """All requests submitted at once to the in-process engine; time until the last one finishes
     (with speculative decoding: its mean accepted length printed)."""
     llm = build_engine(model, args, speculative_config=config_from_args(SpeculativeConfig, args))
-    run = time_engine(llm, [tokenizer.encode(r.prompt) for r in requests], requests)
+    prompts = [tokenizer.encode(r.prompt) for r in requests]
+    if args.device.startswith("cuda"):
+        # reversed prompts: the same lengths, no prefix-cache hits for the timed run
+        warm_up(lambda: time_engine(llm, [p[::-1] for p in prompts[:WARM_UP_REQUESTS]], [
+            replace(r, expected_output_len=min(r.expected_output_len, 16)) for r in requests[:WARM_UP_REQUESTS]]))
+    run = time_engine(llm, prompts, requests)
     counters = llm.stats().spec_decode
     if counters is not None and counters.num_drafts:
         print(f"speculative decoding: {counters.num_draft_tokens} drafts, {counters.num_accepted_tokens} accepted "
@@ -145,14 +162,19 @@ def run_hf(model_dir: Path, requests: list[SampleRequest], batch_size: int, toke
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     tokenizer.padding_side = "left"
-    start = time.perf_counter()
-    for i in tqdm(range(0, len(requests), batch_size), desc=f"transformers b={batch_size}", unit="batch"):
-        batch = requests[i:i + batch_size]
+
+    def generate(batch: list[SampleRequest], longest: int) -> None:
         enc = tokenizer([r.prompt for r in batch], return_tensors="pt", padding=True).to(args.device)
-        longest = max(r.expected_output_len for r in batch)
         with torch.inference_mode():
             model.generate(**enc, max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
                            pad_token_id=pad)
+
+    if args.device.startswith("cuda"):
+        warm_up(lambda: generate(requests[:min(batch_size, WARM_UP_REQUESTS)], 16))
+    start = time.perf_counter()
+    for i in tqdm(range(0, len(requests), batch_size), desc=f"transformers b={batch_size}", unit="batch"):
+        batch = requests[i:i + batch_size]
+        generate(batch, max(r.expected_output_len for r in batch))
     elapsed = time.perf_counter() - start
     return ThroughputRun(f"hf-b{batch_size}", elapsed, sum(r.expected_output_len for r in requests),
                          sum(r.prompt_len for r in requests))

@@ -23,9 +23,9 @@ BATCHES = {
 
 
 def make_batch(seed: int, seqs: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int, dim: int,
-               dtype: torch.dtype = torch.float32):
+               dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """A random cache, shuffled block tables (one spare block each) and new q/k/v written to the cache
-    for ``(context_len, query_len)`` sequences."""
+    for ``(context_len, query_len)`` sequences, on ``device`` (drawn on the CPU: the same values anywhere)."""
     g = torch.Generator().manual_seed(seed)
     need = sum(-(-(c + q) // block_size) + 1 for c, q in seqs) + 3
     k_cache = torch.randn(need, block_size, kv_heads, dim, generator=g).to(dtype)
@@ -35,11 +35,10 @@ def make_batch(seed: int, seqs: list[tuple[int, int]], block_size: int, heads: i
     tables = [[free.pop() for _ in range(-(-(c + q) // block_size) + 1)] for c, q in seqs]
     query_lens, context_lens = [q for _, q in seqs], [c for c, _ in seqs]
     md = build_attention_metadata(query_lens, context_lens, tables, compute_positions(query_lens, context_lens),
-                                  block_size, dtype=dtype, decode_chunk_tokens=64)
+                                  block_size, dtype=dtype, device=device, decode_chunk_tokens=64)
     num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens, heads, dim, generator=g).to(dtype)
-    k = torch.randn(num_tokens, kv_heads, dim, generator=g).to(dtype)
-    v = torch.randn(num_tokens, kv_heads, dim, generator=g).to(dtype)
+    q, k, v = (torch.randn(num_tokens, h, dim, generator=g).to(dtype).to(device) for h in (heads, kv_heads, kv_heads))
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
     TorchAttentionBackend().write_kv(k, v, k_cache, v_cache, md)
     return md, q, k, v, k_cache, v_cache
 

@@ -128,22 +128,25 @@ def rewrite_config(folder: Path, **changes) -> None:
     path.write_text(json.dumps(config))
 
 
-def make_cache(model, num_blocks: int, block_size: int) -> KVCache:
+def make_cache(model, num_blocks: int, block_size: int, device: str = "cpu") -> KVCache:
     c = model.config
     spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, block_size, model.dtype)
-    return KVCache(spec, num_blocks)
+    return KVCache(spec, num_blocks, device)
 
 
 def forward_step(model, cache: KVCache, backend, token_ids: list[list[int]], context_lens: list[int],
                  block_tables: list[list[int]], forward=None) -> torch.Tensor:
     """One forward pass of our model (or of ``forward``, e.g. a compiled one) over several sequences'
-    new tokens; logits of every token ``[T, V]``."""
+    new tokens; logits of every token ``[T, V]``, on the cache's device."""
+    device = cache.key_caches[0].device
     query_lens = [len(t) for t in token_ids]
-    positions = compute_positions(query_lens, context_lens)
-    metadata = build_attention_metadata(query_lens, context_lens, block_tables, positions, cache.block_size)
-    ids = torch.tensor([t for seq in token_ids for t in seq])
+    positions = compute_positions(query_lens, context_lens)  # the metadata is built from it on the CPU
+    metadata = build_attention_metadata(query_lens, context_lens, block_tables, positions, cache.block_size,
+                                        device=device)
+    ids = torch.tensor([t for seq in token_ids for t in seq], device=device)
     with torch.inference_mode():
-        return model.compute_logits((forward or model)(ids, positions, StepAttention(cache, metadata, backend)))
+        return model.compute_logits((forward or model)(ids, positions.to(device), StepAttention(cache, metadata,
+                                                                                               backend)))
 
 
 GREEDY = EngineSamplingParams(max_tokens=64, temperature=0.0)
