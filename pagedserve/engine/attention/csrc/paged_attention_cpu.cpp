@@ -49,7 +49,7 @@ constexpr int64_t kKeyTile = 16;    // context positions scored together (any bl
 constexpr int64_t kLanes = 16;      // floats per vector; head_dim must be a multiple
 constexpr int64_t kMaxGroup = 4;    // query heads updated together; a larger group is split
 
-#include "vec16.h"  // vf16/vi16, load16, exp_nonpositive, reductions, round_bf16
+#include "vec16.h"  // vf16/vi16, load16, exp_nonpositive, reductions, transpose_sum, round_bf16
 
 enum AlibiMode { kNoAlibi = 0, kRelative = 1, kFalconBf16 = 2 };
 
@@ -76,11 +76,9 @@ struct Rows {
 template <int kAlibi>
 inline vf16 softmax_step(Rows& rows, int64_t row, vf16 scores, int64_t n_valid, float slope, float pos0,
                          float bias_scale, float& correction) {
-  const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  if constexpr (kAlibi == kRelative) scores += slope * (__builtin_convertvector(lane, vf16) + pos0);
-  if constexpr (kAlibi == kFalconBf16)
-    scores += round_bf16(slope * round_bf16(__builtin_convertvector(lane, vf16) + pos0)) * bias_scale;
-  scores = lane < static_cast<int32_t>(n_valid) ? scores : splat(-std::numeric_limits<float>::infinity());
+  if constexpr (kAlibi == kRelative) scores += slope * (to_float(lane_index()) + pos0);
+  if constexpr (kAlibi == kFalconBf16) scores += round_bf16(slope * round_bf16(to_float(lane_index()) + pos0)) * bias_scale;
+  scores = first_lanes(scores, n_valid, -std::numeric_limits<float>::infinity());
   const float old_max = rows.max[row];
   const float new_max = std::max(old_max, reduce_max(scores));
   correction = new_max == old_max ? 1.0f : std::exp(old_max - new_max);  // 0 on the first tile

@@ -4,7 +4,9 @@
 // header in this folder with the source.
 #pragma once
 
-constexpr int64_t kValueChunks = 4;  // output chunks per update_values (the rest one at a time)
+// Output chunks per update_values (the rest one at a time): kG x kValueChunks sums stay in registers, 12
+// for a group of 3 at 4 chunks on AVX-512; on AVX2 (a vf16 in two of its 16 registers) 2 chunks.
+constexpr int64_t kValueChunks = 4 / kRegistersPerVf16;
 
 // How many of a row's `chunks` 16-channel chunks are paired: for a bfloat16 cache, the chunks below the
 // last multiple of kValueChunks hold 32 channels as two chunks, their even and their odd channels
