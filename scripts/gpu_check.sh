@@ -55,7 +55,9 @@ print("/tmp/llama1b-config.json")
 EOF
 )
 step imports 60 python3 -c "import tests.conftest, pagedserve.cli, pagedserve.llm, pagedserve_kernels.bench, xdist"
-step make-models 120 bash -c "python3 scripts/gpu_engine_check.py make-model --config $files/config.json --tokenizer $files --out $models/smollm2-shape && python3 scripts/gpu_engine_check.py make-model --config $llama1b --tokenizer $files --out $models/llama1b-shape"
+step make-models 120 bash -c 'python3 scripts/gpu_engine_check.py make-model --config "$1/config.json" --tokenizer "$1" \
+  --out "$3/smollm2-shape" && python3 scripts/gpu_engine_check.py make-model --config "$2" --tokenizer "$1" \
+  --out "$3/llama1b-shape"' make-models "$files" "$llama1b" "$models"
 step greedy-float32 120 python3 scripts/gpu_engine_check.py greedy --model $models/smollm2-shape --dtype float32
 step kernel-tests 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels
 random=(--dataset-name random --num-prompts 256 --input-len 256 --output-len 256 --range-ratio 0.5)

@@ -141,8 +141,11 @@ def run_engine(model: Path, requests: list[SampleRequest], args: argparse.Namesp
         # reversed prompts: the same lengths, no prefix-cache hits for the timed run
         warm_up(lambda: time_engine(llm, [p[::-1] for p in prompts[:WARM_UP_REQUESTS]], [
             replace(r, expected_output_len=min(r.expected_output_len, 16)) for r in requests[:WARM_UP_REQUESTS]]))
+    before = llm.stats().spec_decode  # the warm-up's, not counted
     run = time_engine(llm, prompts, requests)
     counters = llm.stats().spec_decode
+    if counters is not None and before is not None:
+        counters -= before
     if counters is not None and counters.num_drafts:
         print(f"speculative decoding: {counters.num_draft_tokens} drafts, {counters.num_accepted_tokens} accepted "
               f"{counters.num_accepted_tokens_per_pos} by position, mean accepted length {counters.mean_accepted_length:.2f}")

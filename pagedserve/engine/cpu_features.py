@@ -8,6 +8,10 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 """/proc/cpuinfo flags of native bfloat16 dot products: x86 AVX512_BF16 and AMX-BF16, Arm's BF16.
 Without one, oneDNN emulates bfloat16 GEMMs in float32 and they run several times slower."""
 
+ONEDNN_BF16_CPU_FLAGS = ("avx512bw", "avx_ne_convert")
+"""/proc/cpuinfo flags without one of which oneDNN has no bfloat16 GEMM at all (torch's
+``mkldnn_reorder_linear_weight`` raises: it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)."""
+
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     """The feature flags of the first CPU in ``cpuinfo`` (x86 ``flags``, Arm ``Features``); empty when

@@ -129,3 +129,11 @@ def test_the_step_cost_model_sees_a_speculative_decode_as_the_rows_it_verified(m
     decode = scheduler.schedule(["w0"]).plans["w0"]
     answer(scheduler, decode.step_id, 54)  # the worker found nothing to draft: a plain decode's row
     assert observed[2] == StepShape(1, attention_pairs(8, 1), False)
+
+
+def test_counters_since_an_earlier_reading_are_the_difference_of_the_totals():
+    """`bench throughput` subtracts the warm-up's counts from the totals it prints."""
+    earlier = SpecDecodeCounters(2, 8, 3, (1, 1, 1, 0))
+    later = earlier + SpecDecodeCounters(3, 9, 6, (3, 2, 1))
+    assert later - earlier == SpecDecodeCounters(3, 9, 6, (3, 2, 1, 0))
+    assert (later - earlier).mean_accepted_length == 3.0

@@ -28,7 +28,7 @@ def tiny(tmp_path_factory):
 
 def greedy_outputs(folder, backend: str, kv_cache_dtype: str = "auto") -> dict[str, list[int]]:
     runner = build_model_runner(folder, kv_cache_memory_bytes=1 << 22, block_size=BLOCK, attention_backend=backend,
-                                kv_cache_dtype=kv_cache_dtype, device=DEVICE if backend == "triton" else "cpu")
+                                kv_cache_dtype=kv_cache_dtype, device=DEVICE)
     scheduler = Scheduler(SchedulerConfig(block_size=BLOCK, max_num_seqs=8, max_num_batched_tokens=16))
     scheduler.add_worker("w", runner.num_blocks)
     engine = Engine(scheduler, LocalExecutor({"w": runner}))

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from pagedserve.engine.cpu_features import BF16_CPU_FLAGS, cpu_flags
+from pagedserve.engine.cpu_features import ONEDNN_BF16_CPU_FLAGS, cpu_flags
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId, StepResult
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.model_runner import PlanMismatchError
@@ -144,7 +144,7 @@ def test_kv_budget_too_small_raises(tiny):
         build_model_runner(tiny[0], kv_cache_memory_bytes=100, block_size=BLOCK)
 
 
-@pytest.mark.skipif(not cpu_flags() & set(BF16_CPU_FLAGS), reason="CPU without native bfloat16 (oneDNN refuses it)")
+@pytest.mark.skipif(not cpu_flags() & set(ONEDNN_BF16_CPU_FLAGS), reason="oneDNN has no bfloat16 GEMM on this CPU")
 def test_bfloat16_runner_runs_a_mixed_batch(tiny):
     runner = build_model_runner(tiny[0], kv_cache_memory_bytes=1 << 20, block_size=BLOCK, dtype=torch.bfloat16)
     assert runner.kv_cache.key_caches[0].dtype == torch.bfloat16

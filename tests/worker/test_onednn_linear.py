@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import logging
 
 from pagedserve.engine.config import GemmBackend
-from pagedserve.engine.cpu_features import cpu_flags
+from pagedserve.engine.cpu_features import ONEDNN_BF16_CPU_FLAGS, cpu_flags
 from pagedserve.engine.models.layers import Linear
 from pagedserve.engine.models.onednn import MIN_ROWS, OneDnnLinear, pack_linear_layers, resolve_gemm_backend
 
@@ -70,9 +70,9 @@ MODEL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    "amx_bf16" in cpu_flags() or "avx512_bf16" in cpu_flags() or "avx512bw" not in cpu_flags(),
+    "amx_bf16" in cpu_flags() or "avx512_bf16" in cpu_flags() or not cpu_flags() & set(ONEDNN_BF16_CPU_FLAGS),
     reason="bfloat16 rows change at 33 rows on CPUs with AMX (oneDNN) and past FEW_ROWS with AVX512_BF16 "
-           "(models/onednn.py); without AVX-512 oneDNN has no bfloat16 GEMM"))])
+           "(models/onednn.py); oneDNN has no bfloat16 GEMM on CPUs without ONEDNN_BF16_CPU_FLAGS"))])
 @pytest.mark.parametrize("out_features, in_features", MODEL_SHAPES)
 def test_a_rows_result_does_not_depend_on_the_batch_size(out_features, in_features, dtype):
     """Rows alone, in twos, sevens and 64s are bit-identical to the same rows in a batch of 257 (MKL's

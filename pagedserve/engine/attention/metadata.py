@@ -72,7 +72,7 @@ class ContextPrefill:
     context_len: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TorchHelperInputs:
     """The step's host-side description, kept for the torch backend's helpers (``AttentionMetadata``).
 
@@ -280,6 +280,6 @@ def build_attention_metadata(
         max_seq_len=max(seq_lens),
         block_size=block_size,
         num_decode_seqs=num_decode,
-        torch_helper_inputs=TorchHelperInputs(table, seq_lens, context_lens, query_start_loc.tolist(), dtype, device,
-                                              decode_chunk_tokens),
+        torch_helper_inputs=TorchHelperInputs(table, seq_lens, tuple(context_lens), query_start_loc.tolist(), dtype,
+                                              device, decode_chunk_tokens),
     )

@@ -40,12 +40,20 @@ class SpecDecodeCounters:
                    tuple(sum(len(s.accepted) > i for s in drafted) for i in range(width)))
 
     def __add__(self, other: SpecDecodeCounters) -> SpecDecodeCounters:
+        return self._combine(other, 1)
+
+    def __sub__(self, earlier: SpecDecodeCounters) -> SpecDecodeCounters:
+        """The counts since ``earlier``, the same totals read before."""
+        return self._combine(earlier, -1)
+
+    def _combine(self, other: SpecDecodeCounters, sign: int) -> SpecDecodeCounters:
         mine, theirs = self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos
         width = max(len(mine), len(theirs))
         mine, theirs = mine + (0,) * (width - len(mine)), theirs + (0,) * (width - len(theirs))
-        return SpecDecodeCounters(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
-                                  self.num_accepted_tokens + other.num_accepted_tokens,
-                                  tuple(a + b for a, b in zip(mine, theirs)))
+        return SpecDecodeCounters(self.num_drafts + sign * other.num_drafts,
+                                  self.num_draft_tokens + sign * other.num_draft_tokens,
+                                  self.num_accepted_tokens + sign * other.num_accepted_tokens,
+                                  tuple(a + sign * b for a, b in zip(mine, theirs)))
 
     @property
     def mean_accepted_length(self) -> float:

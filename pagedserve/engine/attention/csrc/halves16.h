@@ -103,6 +103,7 @@ inline float reduce_sum(vf16 v) {
 // then folds by 4, 2 and 1 lanes that keep the sums of consecutive vectors side by side (wide16.h's
 // tree, half as wide).
 inline vf16 transpose_sum(const vf16 p[kKeyTile]) {
+  static_assert(kKeyTile == 16 && kLanes == 16, "the tree below sums 16 vectors of 16 lanes");
   vf8 s[16], u[8], w[4];
   for (int j = 0; j < 16; ++j) s[j] = p[j].h[0] + p[j].h[1];
   for (int k = 0; k < 8; ++k)

@@ -107,7 +107,7 @@ void update_heads(Rows& rows, int64_t row0, const KeyTile<kv_t>& tile, int64_t h
     if (j < tile.n_valid) {
       const kv_t* key = tile.keys[j] + head_offset;
       int64_t c = 0;
-      if constexpr (paired_chunks<kv_t>(kValueChunks) > 0)
+      if constexpr (paired_chunks<kv_t>(4) > 0)
         for (; c < paired_chunks<kv_t>(chunks); c += 2) {
           vf16 even, odd;
           load_pairs(key + c * kLanes, even, odd);
@@ -129,9 +129,12 @@ void update_heads(Rows& rows, int64_t row0, const KeyTile<kv_t>& tile, int64_t h
   }
   vf16* acc = rows.acc.data() + row0 * chunks;
   int64_t c = 0;
+  if constexpr (paired_chunks<kv_t>(4) > 0)
+    for (; c < paired_chunks<kv_t>(chunks); c += kValueChunks)
+      update_values<kG, kValueChunks, kEvenOdd>(acc, chunks, c, tile, head_offset, probs, correction);
   for (; c + kValueChunks <= chunks; c += kValueChunks)
-    update_values<kG, kValueChunks>(acc, chunks, c, tile, head_offset, probs, correction);
-  for (; c < chunks; ++c) update_values<kG, 1>(acc, chunks, c, tile, head_offset, probs, correction);
+    update_values<kG, kValueChunks, kInOrder>(acc, chunks, c, tile, head_offset, probs, correction);
+  for (; c < chunks; ++c) update_values<kG, 1, kInOrder>(acc, chunks, c, tile, head_offset, probs, correction);
 }
 
 // update_heads for n (1..kMaxGroup) heads: the instantiation with that many rows in registers.

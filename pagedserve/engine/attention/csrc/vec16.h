@@ -57,7 +57,7 @@ inline vf16 load16<c10::Float8_e5m2>(const c10::Float8_e5m2* p) {
 #else
   float tmp[kLanes];
   for (int64_t i = 0; i < kLanes; ++i) tmp[i] = static_cast<float>(p[i]);
-  __builtin_memcpy(&v, tmp, sizeof v);
+  v = load_floats(tmp);
 #endif
   return v;
 }

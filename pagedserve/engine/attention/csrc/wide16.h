@@ -6,7 +6,7 @@
 
 typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
-constexpr int64_t kRegistersPerVf16 = 1;  // of the 32 zmm registers (AVX-512)
+constexpr int64_t kRegistersPerVf16 = 1;  // one zmm of 32 on AVX-512 (elsewhere what the compiler makes of it)
 
 inline vf16 load_floats(const void* p) {
   vf16 v;
