@@ -110,9 +110,11 @@ def test_complete_refuses_model_flags_without_offline(first):
 
 
 def test_a_stream_cut_by_an_error_prints_the_error_on_its_own_line(first):
+    # 4000 tokens take minutes on a CPU, so a 10 s deadline cuts the stream; a 3 s one could expire before
+    # the first token on a busy 2-core CI machine (nothing came: one clean-clone run on an AVX2 EPYC)
     process = subprocess.run([sys.executable, "-m", "pagedserve", "complete", "--target", first["target"],
                               "--prompt", "Once upon a time", "--ignore-eos", "--max-tokens", "4000",
-                              "--timeout", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              "--timeout", "10"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=first["env"], timeout=60)
     assert process.returncode == 1
     text, _, error = process.stdout.rpartition("error: DEADLINE_EXCEEDED")
