@@ -45,19 +45,10 @@ step() {
   python3 -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
 } 2>&1 | tee "$out/gpu.txt"
 
-llama1b=$(python3 - "$files" <<'EOF'
-import json, sys
-c = json.load(open(sys.argv[1] + "/config.json"))
-c.update(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-         num_key_value_heads=8, head_dim=64)  # Llama-3.2-1B's shape with the default model's vocabulary
-json.dump(c, open("/tmp/llama1b-config.json", "w"))
-print("/tmp/llama1b-config.json")
-EOF
-)
 step imports 60 python3 -c "import tests.conftest, pagedserve.cli, pagedserve.llm, pagedserve_kernels.bench, xdist"
 step make-models 120 bash -c 'python3 scripts/gpu_engine_check.py make-model --config "$1/config.json" --tokenizer "$1" \
-  --out "$3/smollm2-shape" && python3 scripts/gpu_engine_check.py make-model --config "$2" --tokenizer "$1" \
-  --out "$3/llama1b-shape"' make-models "$files" "$llama1b" "$models"
+  --out "$2/smollm2-shape" && python3 scripts/gpu_engine_check.py make-model --config "$1/config.json" --shape llama-1b \
+  --tokenizer "$1" --out "$2/llama1b-shape"' make-models "$files" "$models"
 step greedy-float32 120 python3 scripts/gpu_engine_check.py greedy --model $models/smollm2-shape --dtype float32
 step kernel-tests 150 python3 -m pytest -q -n 8 -p no:cacheprovider tests/kernels
 random=(--dataset-name random --num-prompts 256 --input-len 256 --output-len 256 --range-ratio 0.5)

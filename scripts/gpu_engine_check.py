@@ -24,15 +24,23 @@ from pathlib import Path
 
 import torch
 
+# Shapes other than the config's own: overrides of its fields (the default model's vocabulary kept).
+SHAPES = {
+    "config": {},
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64),  # Llama-3.2-1B's
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
-def make_model(config_path: Path, tokenizer_dir: Path, out: Path, device: str, seed: int = 0) -> Path:
+def make_model(config_path: Path, tokenizer_dir: Path, out: Path, device: str, shape: str = "config",
+               seed: int = 0) -> Path:
     """Writes a random-weight Hugging Face folder of ``config_path``'s shape (float32 safetensors)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
-    config = AutoConfig.from_pretrained(config_path.parent if config_path.name == "config.json" else config_path)
+    config = AutoConfig.from_pretrained(config_path.parent if config_path.name == "config.json" else config_path,
+                                        **SHAPES[shape])
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -118,6 +126,7 @@ def main() -> int:
     m.add_argument("--config", type=Path, required=True)
     m.add_argument("--tokenizer", type=Path, required=True)
     m.add_argument("--out", type=Path, required=True)
+    m.add_argument("--shape", default="config", choices=sorted(SHAPES), help="the config's shape, or another's")
     g = sub.add_parser("greedy")
     g.add_argument("--model", type=Path, required=True)
     g.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -131,7 +140,7 @@ def main() -> int:
         print("no CUDA device")
         return 2
     if args.command == "make-model":
-        print(make_model(args.config, args.tokenizer, args.out, args.device))
+        print(make_model(args.config, args.tokenizer, args.out, args.device, args.shape))
         return 0
     return greedy(args.model, args.dtype, args.num_prompts, args.num_tokens, args.seed, args.device)
 

@@ -25,17 +25,11 @@ run() {  # run NAME SECONDS COMMAND...
   timeout "$limit" "$@" 2>&1 | tr '\r' '\n' | grep -v -E "it/s\]|tok/s\]|s/it\]" >> "$log"
   printf '%-22s rc=%-3s %4d s\n' "$name" "${PIPESTATUS[0]}" $((SECONDS - started)) | tee -a "$out/profile-summary.txt"
 }
-python3 - "$files" <<'PY'
-import json, sys
-c = json.load(open(sys.argv[1] + "/config.json"))
-c.update(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-         num_key_value_heads=8, head_dim=64)  # Llama-3.2-1B's shape with the default model's vocabulary
-json.dump(c, open("/tmp/llama1b-config.json", "w"))
-PY
-run make-model 90 python3 scripts/gpu_engine_check.py make-model --config /tmp/llama1b-config.json --tokenizer "$files" --out $model
+run make-model 90 python3 scripts/gpu_engine_check.py make-model --config "$files/config.json" --shape llama-1b --tokenizer "$files" --out $model
 random=(--dataset-name random --num-prompts 256 --input-len 256 --output-len 256 --range-ratio 0.5 --kv-cache-memory 16GiB)
-run engine-py-spy 120 py-spy record --idle --threads --format raw --rate 250 -o "$out/py-spy-1b.txt" -- \
+run engine-py-spy 120 py-spy record --idle --threads --format raw --rate 100 -o /tmp/py-spy-1b.txt -- \
   python3 -m pagedserve bench throughput --device cuda --model $model "${random[@]}" --skip-hf
+gzip -9 -c /tmp/py-spy-1b.txt > "$out/py-spy-1b.txt.gz"  # raw stacks at 250 Hz were over 16 MiB
 run no-overlap 90 python3 -m pagedserve bench throughput --device cuda --model $model "${random[@]}" --skip-hf --max-plans-in-flight 1
 run overlap 90 python3 -m pagedserve bench throughput --device cuda --model $model "${random[@]}" --skip-hf
 run batch-1 90 python3 -m pagedserve bench throughput --device cuda --model $model --dataset-name random --num-prompts 1 \
