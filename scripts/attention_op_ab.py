@@ -7,7 +7,7 @@ so only a same-process A/B resolves a 10% change).
 The base revision's sources are built into the op cache under another library name
 (``pagedserve_cpu_base``), so both ops load side by side. A decode batch like `pagedserve bench
 attention-op`'s (``--num-seqs`` sequences of ``--context-len`` +-25% tokens, 9 query and 3 KV heads of 64,
-shuffled blocks of 16, ``--layers`` caches called in turn so K/V come from DRAM) runs through each, three
+shuffled blocks of 16 (``--num-heads``/``--num-kv-heads``/``--head-dim`` for other shapes), ``--layers`` caches called in turn so K/V come from DRAM) runs through each, three
 alternated rounds of ``--rounds``; printed: the largest difference between their outputs, each one's median
 milliseconds per call and K/V GB/s, and the ratio. A measurement, not a test.
 """
@@ -54,7 +54,11 @@ def main() -> None:
     p.add_argument("--num-seqs", type=int, default=64, help="decoding sequences (default %(default)s)")
     p.add_argument("--context-len", type=int, default=270, help="mean context tokens (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="the query's dtype")
-    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16"), help="the caches' (default: --dtype)")
+    p.add_argument("--kv-dtype", default=None, choices=("float32", "bfloat16", "float8_e5m2"),
+                   help="the caches' (default: --dtype)")
+    p.add_argument("--num-heads", type=int, default=9, help="query heads (default %(default)s)")
+    p.add_argument("--num-kv-heads", type=int, default=3, help="KV heads (default %(default)s)")
+    p.add_argument("--head-dim", type=int, default=64, help="channels per head (default %(default)s)")
     p.add_argument("--layers", type=int, default=8, help="caches called in turn (default %(default)s)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per turn (default %(default)s)")
     args = p.parse_args()
@@ -73,14 +77,14 @@ def main() -> None:
     md = build_attention_metadata(ones, contexts, tables, compute_positions(ones, contexts), 16)
     q_dtype, kv_dtype = getattr(torch, args.dtype), getattr(torch, args.kv_dtype or args.dtype)
     g = torch.Generator().manual_seed(0)
-    query = torch.randn(args.num_seqs, 9, 64, generator=g).to(q_dtype)
-    shape = (sum(blocks), 16, 3, 64)
+    query = torch.randn(args.num_seqs, args.num_heads, args.head_dim, generator=g).to(q_dtype)
+    shape = (sum(blocks), 16, args.num_kv_heads, args.head_dim)
     caches = [(torch.randn(shape, generator=g).to(kv_dtype), torch.randn(shape, generator=g).to(kv_dtype))
               for _ in range(args.layers)]
     outs = {}
     for name, op in (("base", old), ("tree", new)):
         out = torch.empty_like(query)
-        op(out, query, *caches[0], md.block_tables, md.seq_lens, md.query_start_loc, 0.125)
+        op(out, query, *caches[0], md.block_tables, md.seq_lens, md.query_start_loc, args.head_dim ** -0.5)
         outs[name] = out.float()
     print(f"largest |tree - base| {(outs['tree'] - outs['base']).abs().max().item():.3g}")
     times: dict[str, list[float]] = {"base": [], "tree": []}
@@ -88,9 +92,9 @@ def main() -> None:
         for name, op in (("base", old), ("tree", new)):
             out = torch.empty_like(query)
             times[name].append(median_ms(lambda i: op(out, query, *caches[i % args.layers], md.block_tables,
-                                                      md.seq_lens, md.query_start_loc, 0.125),
+                                                      md.seq_lens, md.query_start_loc, args.head_dim ** -0.5),
                                          4 * args.layers, args.rounds))
-    kv_bytes = 2 * int(md.seq_lens.sum()) * 3 * 64 * kv_dtype.itemsize
+    kv_bytes = 2 * int(md.seq_lens.sum()) * args.num_kv_heads * args.head_dim * kv_dtype.itemsize
     base, tree = statistics.median(times["base"]), statistics.median(times["tree"])
     print(f"{args.num_seqs} x ~{args.context_len} tokens, {args.dtype} query, {str(kv_dtype).removeprefix('torch.')} K/V, "
           f"{torch.get_num_threads()} threads, {time.strftime('%H:%M UTC', time.gmtime())}")

@@ -111,11 +111,11 @@ void update_heads(Rows& rows, int64_t row0, const KeyTile<kv_t>& tile, int64_t h
         for (; c < paired_chunks<kv_t>(chunks); c += 2) {
           vf16 even, odd;
           load_pairs(key + c * kLanes, even, odd);
-          for (int g = 0; g < kG; ++g) p[g] += q[g * chunks + c] * even, p[g] += q[g * chunks + c + 1] * odd;
+          for (int g = 0; g < kG; ++g) p[g] = mul_add(q[g * chunks + c + 1], odd, mul_add(q[g * chunks + c], even, p[g]));
         }
       for (; c < chunks; ++c) {
         const vf16 k = load16(key + c * kLanes);
-        for (int g = 0; g < kG; ++g) p[g] += q[g * chunks + c] * k;
+        for (int g = 0; g < kG; ++g) p[g] = mul_add(q[g * chunks + c], k, p[g]);
       }
     }
     for (int g = 0; g < kG; ++g) partial[g][j] = p[g];

@@ -45,12 +45,15 @@ inline void update_values(vf16* acc, int64_t chunks, int64_t c0, const KeyTile<k
       for (int c = 0; c < kC; c += 2) {
         vf16 even, odd;
         load_pairs(tile.values[j] + head_offset + (c0 + c) * kLanes, even, odd);
-        for (int g = 0; g < kG; ++g) a[g][c] += probs[g][j] * even, a[g][c + 1] += probs[g][j] * odd;
+        for (int g = 0; g < kG; ++g) {
+          a[g][c] = mul_add(splat(probs[g][j]), even, a[g][c]);
+          a[g][c + 1] = mul_add(splat(probs[g][j]), odd, a[g][c + 1]);
+        }
       }
     else
       for (int c = 0; c < kC; ++c) {
         const vf16 v = load16(tile.values[j] + head_offset + (c0 + c) * kLanes);
-        for (int g = 0; g < kG; ++g) a[g][c] += probs[g][j] * v;
+        for (int g = 0; g < kG; ++g) a[g][c] = mul_add(splat(probs[g][j]), v, a[g][c]);
       }
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) acc[g * chunks + c0 + c] = a[g][c];

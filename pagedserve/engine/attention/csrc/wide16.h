@@ -8,6 +8,17 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 constexpr int64_t kRegistersPerVf16 = 1;  // one zmm of 32 on AVX-512 (elsewhere what the compiler makes of it)
 
+// a * b + c rounded once (a fused multiply-add) on AVX-512, whatever the compiler's tuning (halves16.h);
+// elsewhere as the compiler contracts it.
+inline vf16 mul_add(vf16 a, vf16 b, vf16 c) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vf16>(_mm512_fmadd_ps(reinterpret_cast<__m512>(a), reinterpret_cast<__m512>(b),
+                                                reinterpret_cast<__m512>(c)));
+#else
+  return a * b + c;
+#endif
+}
+
 inline vf16 load_floats(const void* p) {
   vf16 v;
   __builtin_memcpy(&v, p, sizeof v);
