@@ -48,6 +48,15 @@ def base_op(revision: str, folder: Path):
     return torch.ops.pagedserve_cpu_base.paged_attention
 
 
+
+def both_ops(revision: str):
+    """(the op at ``revision``, the working tree's op). Raises SystemExit when the tree's cannot be built."""
+    new = load_cpu_attention_op()
+    if new is None:
+        raise SystemExit("the working tree's op could not be built (see the warning above)")
+    with tempfile.TemporaryDirectory() as folder:
+        return base_op(revision, Path(folder)), new
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the git revision to compare the working tree's op with")
@@ -62,11 +71,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8, help="caches called in turn (default %(default)s)")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per turn (default %(default)s)")
     args = p.parse_args()
-    new = load_cpu_attention_op()
-    if new is None:
-        raise SystemExit("the working tree's op could not be built (see the warning above)")
-    with tempfile.TemporaryDirectory() as folder:
-        old = base_op(args.base, Path(folder))
+    old, new = both_ops(args.base)
     rng = random.Random(0)
     contexts = [rng.randint(args.context_len * 3 // 4, args.context_len * 5 // 4) for _ in range(args.num_seqs)]
     blocks = [-(-(c + 1) // 16) for c in contexts]
