@@ -7,8 +7,8 @@ so only a same-process A/B resolves a 10% change).
 The base revision's sources are built into the op cache under another library name
 (``pagedserve_cpu_base``), so both ops load side by side. A decode batch like `pagedserve bench
 attention-op`'s (``--num-seqs`` sequences of ``--context-len`` +-25% tokens, 9 query and 3 KV heads of 64,
-shuffled blocks of 16 (``--num-heads``/``--num-kv-heads``/``--head-dim`` for other shapes), ``--layers`` caches called in turn so K/V come from DRAM) runs through each, three
-alternated rounds of ``--rounds``; printed: the largest difference between their outputs, each one's median
+or ``--num-heads``/``--num-kv-heads``/``--head-dim``, shuffled blocks of 16, ``--layers`` caches called in
+turn so K/V come from DRAM) runs through each, three alternated rounds of ``--rounds``; printed: the largest difference between their outputs, each one's median
 milliseconds per call and K/V GB/s, and the ratio. A measurement, not a test.
 """
 
@@ -48,7 +48,6 @@ def base_op(revision: str, folder: Path):
     return torch.ops.pagedserve_cpu_base.paged_attention
 
 
-
 def both_ops(revision: str):
     """(the op at ``revision``, the working tree's op). Raises SystemExit when the tree's cannot be built."""
     new = load_cpu_attention_op()
@@ -56,6 +55,7 @@ def both_ops(revision: str):
         raise SystemExit("the working tree's op could not be built (see the warning above)")
     with tempfile.TemporaryDirectory() as folder:
         return base_op(revision, Path(folder)), new
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

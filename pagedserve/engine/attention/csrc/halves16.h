@@ -28,6 +28,8 @@ struct Halves {
   template <typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>
   friend Halves operator-(Halves a, S s) { return {{a.h[0] - s, a.h[1] - s}}; }
   template <typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>
+  friend Halves operator-(S s, Halves a) { return {{s - a.h[0], s - a.h[1]}}; }
+  template <typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>
   friend Halves operator*(Halves a, S s) { return {{a.h[0] * s, a.h[1] * s}}; }
   template <typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>>
   friend Halves operator*(S s, Halves a) { return {{s * a.h[0], s * a.h[1]}}; }
@@ -40,9 +42,10 @@ typedef Halves<vf8> vf16;
 typedef Halves<vi8> vi16;
 constexpr int64_t kRegistersPerVf16 = 2;  // of the 16 ymm registers
 
-// a * b + c rounded once (a fused multiply-add), half by half, whatever the compiler's tuning: GCC's
-// for Zen 3 (avoid-fma-max-bits) leaves a loop-carried a * b + c as a multiply and an add, so a sum
-// came out in other bits than where the same code is contracted (found by an A/B: MHA scores).
+// a * b + c rounded once (a fused multiply-add), half by half, on every CPU with FMA whatever the
+// compiler's tuning: GCC's tuning for Zen 3 (avoid-fma-max-bits) leaves a loop-carried a * b + c as a
+// multiply and an add, so a sum came out in other bits than where the same code is contracted (found
+// by an A/B: MHA scores; scripts/attention_op_identity.py).
 inline vf8 mul_add(vf8 a, vf8 b, vf8 c) {
 #if defined(__FMA__)
   return reinterpret_cast<vf8>(_mm256_fmadd_ps(reinterpret_cast<__m256>(a), reinterpret_cast<__m256>(b),
@@ -51,7 +54,9 @@ inline vf8 mul_add(vf8 a, vf8 b, vf8 c) {
   return a * b + c;
 #endif
 }
-inline vf16 mul_add(vf16 a, vf16 b, vf16 c) { return {{mul_add(a.h[0], b.h[0], c.h[0]), mul_add(a.h[1], b.h[1], c.h[1])}}; }
+inline vf16 mul_add(vf16 a, vf16 b, vf16 c) {
+  return {{mul_add(a.h[0], b.h[0], c.h[0]), mul_add(a.h[1], b.h[1], c.h[1])}};
+}
 
 // Loads and bit casts half by half: a memcpy of all 64 bytes became four 16-byte stores to the stack
 // and two 32-byte loads from them, each of which waited for its stores (no store forwarding).

@@ -31,7 +31,7 @@
 #include <torch/library.h>
 
 #if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>  // vec16.h's F16C / AVX-512 half->float loads
+#include <immintrin.h>  // vec16.h's F16C / AVX-512 half->float loads, mul_add's FMA
 #endif
 #include <algorithm>
 #include <atomic>

@@ -62,7 +62,8 @@ inline vf16 load16<c10::Float8_e5m2>(const c10::Float8_e5m2* p) {
   return v;
 }
 
-inline vf16 splat(float x) { return vf16{} + x; }
+// x in every lane (x - 0 is x for every x, so the compiler drops the subtraction; 0 + x is not, for -0).
+inline vf16 splat(float x) { return x - vf16{}; }
 
 // e^x lane by lane for x <= 0: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), e^r by its
 // degree-6 Taylor polynomial (truncation < 1.3e-7 relative), 2^n from the exponent bits. Lanes
