@@ -8,8 +8,9 @@ The base revision's sources are built into the op cache under another library na
 (``pagedserve_cpu_base``), so both ops load side by side. A decode batch like `pagedserve bench
 attention-op`'s (``--num-seqs`` sequences of ``--context-len`` +-25% tokens, 9 query and 3 KV heads of 64,
 or ``--num-heads``/``--num-kv-heads``/``--head-dim``, shuffled blocks of 16, ``--layers`` caches called in
-turn so K/V come from DRAM) runs through each, three alternated rounds of ``--rounds``; printed: the largest difference between their outputs, each one's median
-milliseconds per call and K/V GB/s, and the ratio. A measurement, not a test.
+turn so K/V come from DRAM) runs through each, three alternated rounds of ``--rounds``; printed: the
+largest difference between their outputs, each one's median milliseconds per call and K/V GB/s, and the
+ratio. A measurement, not a test.
 """
 
 from __future__ import annotations

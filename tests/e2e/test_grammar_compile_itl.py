@@ -66,9 +66,12 @@ def test_ten_cold_grammars_stall_the_free_streams_no_more_than_ten_free_arrivals
     with grpc.insecure_channel(stack.gateway) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         alone, free_gap = longest_gap_while(stub, [token_request(p, ARRIVAL_TOKENS) for p in prompts], rng)
+        bound = 2 * free_gap + 0.3
         cold_gaps = []
-        while len(cold_gaps) < 2 and (not cold_gaps or cold_gaps[-1] >= 2 * free_gap + 0.3):
+        for _ in range(2):
             cold_gaps.append(longest_gap_while(stub, cold_arrivals(prompts, rng), rng)[1])
+            if cold_gaps[-1] < bound:
+                break
     print(f"\nstreams' median gap alone {alone * 1000:.0f} ms; longest gap while {NUM_ARRIVALS} arrive: free "
           f"{free_gap * 1000:.0f} ms, with cold grammars {', '.join(f'{g * 1000:.0f}' for g in cold_gaps)} ms")
-    assert min(cold_gaps) < 2 * free_gap + 0.3
+    assert min(cold_gaps) < bound

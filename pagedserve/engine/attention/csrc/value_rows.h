@@ -46,8 +46,8 @@ inline void update_values(vf16* acc, int64_t chunks, int64_t c0, const KeyTile<k
         vf16 even, odd;
         load_pairs(tile.values[j] + head_offset + (c0 + c) * kLanes, even, odd);
         for (int g = 0; g < kG; ++g) {
-          a[g][c] = mul_add(splat(probs[g][j]), even, a[g][c]);
-          a[g][c + 1] = mul_add(splat(probs[g][j]), odd, a[g][c + 1]);
+          const vf16 p = splat(probs[g][j]);
+          a[g][c] = mul_add(p, even, a[g][c]), a[g][c + 1] = mul_add(p, odd, a[g][c + 1]);
         }
       }
     else
