@@ -71,11 +71,14 @@ from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
 from pagedserve.engine.models.decode_layers import decode_layers_available
 from pagedserve.engine.models.fused_ops import fused_ops_available
 from pagedserve.engine.models.onednn import few_rows_available
+from pagedserve.engine.models.panel_gemm import panels_available
 from pagedserve.model_files import prepare_default_model
 
 print("   C++ op:", "built" if load_cpu_attention_op() else "NOT built (the torch backend is used): see the warning above",
       flush=True)
 print("   few-row bfloat16 GEMM:", "built" if few_rows_available() else "not used (no AVX512_BF16, or see the warning above)",
+      flush=True)
+print("   float32 panel GEMM:", "built" if panels_available() else "not used (no AVX2 and FMA, or see the warning above)",
       flush=True)
 print("   fused RMSNorm, rotary, SwiGLU:", "built" if fused_ops_available() else "NOT built (eager ops are used): see the warning above",
       flush=True)

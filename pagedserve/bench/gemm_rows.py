@@ -1,13 +1,16 @@
-"""`pagedserve bench gemm-rows`: the model's linear layers at a few rows, bfloat16 few-row kernel vs oneDNN.
+"""`pagedserve bench gemm-rows`: the model's linear layers at some row counts, pagedserve's kernel vs oneDNN.
 
 A decode step of a few sequences (and every batch-1 step) multiplies a few rows by every weight of
-the model, so its GEMMs are bound by reading the weights: the figure of merit is GB/s = weight bytes
-/ time. For each row count of ``--rows``, the default model's linear layers (fused QKV, output
-projection, gate-up and down of each of ``--layers`` layers, then the LM head; random bfloat16
-weights) run through oneDNN's packed GEMM (as ``--gemm-backend onednn`` runs rows past
-``FEW_ROWS``) and through the few-row kernel (``models/csrc/few_rows_bf16.cpp``, which the layers
-take up to ``FEW_ROWS`` rows), in alternating rounds; beside them, in the same run, a streaming
-read (``torch.sum`` over a 512 MiB float32 buffer). Medians of ``--rounds`` rounds. Needs AVX512_BF16.
+the model, so its GEMMs are bound by reading the weights: the figure of merit there is GB/s = weight
+bytes / time; from tens of rows up they are bound by the multiply-adds (GFLOP/s, also shown). For each
+row count of ``--rows``, the default model's linear layers (fused QKV, output projection, gate-up and
+down of each of ``--layers`` layers, then the LM head; random weights of ``--dtype``) run through
+oneDNN's packed GEMM (``--gemm-backend onednn``, one row padded to ``MIN_ROWS``) and through
+pagedserve's kernel for that dtype, in alternating rounds: bfloat16, the few-row kernel
+(``models/csrc/few_rows_bf16.cpp``, which the layers take up to ``FEW_ROWS`` rows; needs AVX512_BF16);
+float32, the panel GEMM (``models/csrc/panel_gemm_f32.cpp``, ``--gemm-backend panels``; needs AVX2 and
+FMA). Beside them, in the same run, a streaming read (``torch.sum`` over a 512 MiB float32 buffer).
+Medians of ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pagedserve.bench.report import format_table
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [out, in] of one default-model layer
 LM_HEAD = (49152, 576)
+KERNELS = {"bfloat16": "few-row", "float32": "panels"}  # --dtype -> pagedserve's kernel for it
 
 
 @dataclass(frozen=True)
@@ -33,21 +37,27 @@ class RowsTiming:
 
     Attributes:
         rows: rows of the activations (tokens of the step).
-        onednn_ms, few_rows_ms: median time of one pass over every layer, milliseconds.
-        onednn_gbps, few_rows_gbps: weight bytes over that time, 10^9 bytes per second.
+        onednn_ms, kernel_ms: median time of one pass over every layer (oneDNN, pagedserve's kernel), milliseconds.
+        onednn_gbps, kernel_gbps: weight bytes over that time, 10^9 bytes per second.
+        onednn_gflops, kernel_gflops: 2 x rows x weight elements over that time, 10^9 per second.
     """
 
     rows: int
     onednn_ms: float
-    few_rows_ms: float
+    kernel_ms: float
     onednn_gbps: float
-    few_rows_gbps: float
+    kernel_gbps: float
+    onednn_gflops: float
+    kernel_gflops: float
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gemm-rows", help="the model's bfloat16 GEMMs at a few rows: few-row kernel vs oneDNN, GB/s",
+    p = sub.add_parser("gemm-rows", help="the model's GEMMs at some row counts: pagedserve's kernel vs oneDNN",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="1,2,4,8,12,16", help="comma-separated row counts (default %(default)s)")
+    p.add_argument("--dtype", choices=KERNELS, default="bfloat16",
+                   help="weights and activations: bfloat16 (the few-row kernel) or float32 (the panel GEMM) "
+                        "(default %(default)s)")
     p.add_argument("--layers", type=int, default=30, help="decoder layers of the default model's shapes (default %(default)s)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per kernel and row count (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write every figure here")
@@ -58,19 +68,26 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
     """The streaming read's GB/s and a :class:`RowsTiming` per row count.
 
     Raises:
-        RuntimeError: the few-row kernel is not available here (no AVX512_BF16, or no compiler).
+        RuntimeError: the kernel for ``--dtype`` is not available here (no AVX512_BF16, or no AVX2 and
+            FMA, or no compiler).
     """
     import torch
 
     from pagedserve.engine.models.onednn import MIN_ROWS, OneDnnLinear, few_rows_available
+    from pagedserve.engine.models.panel_gemm import PanelLinear, panels_available
 
-    if not few_rows_available():
-        raise RuntimeError("the few-row bfloat16 kernel needs a CPU with AVX512_BF16 and a C++ compiler")
+    dtype = getattr(torch, args.dtype)
+    if not (few_rows_available() if dtype == torch.bfloat16 else panels_available()):
+        raise RuntimeError(f"the {KERNELS[args.dtype]} kernel needs a CPU with "
+                           f"{'AVX512_BF16' if dtype == torch.bfloat16 else 'AVX2 and FMA'} and a C++ compiler")
     g = torch.Generator().manual_seed(0)
     shapes = [*LAYER_SHAPES * args.layers, LM_HEAD]
-    layers = [OneDnnLinear((torch.randn(*s, generator=g) * s[1] ** -0.5).bfloat16(), None) for s in shapes]
-    weight_bytes = sum(2 * o * i for o, i in shapes)
-    inputs = {i: torch.randn(max(map(int, args.rows.split(","))) + MIN_ROWS, i, generator=g).bfloat16()
+    weights = [(torch.randn(*s, generator=g) * s[1] ** -0.5).to(dtype) for s in shapes]
+    layers = [OneDnnLinear(w, None) for w in weights]
+    panels = [PanelLinear(w, None) for w in weights] if dtype == torch.float32 else []
+    elements = sum(o * i for o, i in shapes)
+    weight_bytes = elements * weights[0].element_size()
+    inputs = {i: torch.randn(max(map(int, args.rows.split(","))) + MIN_ROWS, i, generator=g).to(dtype)
               for i in {s[1] for s in shapes}}
     buffer = torch.ones(STREAM_BYTES // 4)
     stream_gbps = STREAM_BYTES / median_ms(lambda i: buffer.sum(), 1, args.rounds) / 1e6
@@ -79,21 +96,26 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
         for layer, (_, i) in zip(layers, shapes):
             torch.ops.mkldnn._linear_pointwise(inputs[i][:max(rows, MIN_ROWS)], layer.packed_weight, None, "none", [], "")
 
-    def few_rows(rows: int) -> None:
-        for layer, (_, i) in zip(layers, shapes):
-            torch.ops.pagedserve_gemm.few_rows_linear(inputs[i][:rows], layer.pairs, None)
+    def kernel(rows: int) -> None:
+        if panels:
+            for layer, (_, i) in zip(panels, shapes):
+                layer(inputs[i][:rows])
+        else:
+            for layer, (_, i) in zip(layers, shapes):
+                torch.ops.pagedserve_gemm.few_rows_linear(inputs[i][:rows], layer.pairs, None)
 
     timings = []
     for rows in map(int, args.rows.split(",")):
-        ms = {onednn: [], few_rows: []}
-        onednn(rows), few_rows(rows)  # warm-up
+        ms = {onednn: [], kernel: []}
+        onednn(rows), kernel(rows)  # warm-up
         for r in range(args.rounds):  # alternate, so drift hits both
-            for kernel in (onednn, few_rows) if r % 2 == 0 else (few_rows, onednn):
+            for run_kernel in (onednn, kernel) if r % 2 == 0 else (kernel, onednn):
                 start = time.perf_counter()
-                kernel(rows)
-                ms[kernel].append((time.perf_counter() - start) * 1e3)
-        a, b = statistics.median(ms[onednn]), statistics.median(ms[few_rows])
-        timings.append(RowsTiming(rows, a, b, weight_bytes / a / 1e6, weight_bytes / b / 1e6))
+                run_kernel(rows)
+                ms[run_kernel].append((time.perf_counter() - start) * 1e3)
+        a, b = statistics.median(ms[onednn]), statistics.median(ms[kernel])
+        timings.append(RowsTiming(rows, a, b, weight_bytes / a / 1e6, weight_bytes / b / 1e6,
+                                  2 * rows * elements / a / 1e6, 2 * rows * elements / b / 1e6))
     return stream_gbps, timings
 
 
@@ -103,18 +125,19 @@ def run(args: argparse.Namespace) -> int:
     from pagedserve.engine.models.onednn import FEW_ROWS
 
     stream_gbps, timings = measure(args)
-    title = (f"bfloat16 GEMMs of {args.layers} default-model layers + LM head, {torch.get_num_threads()} threads "
-             f"(the layers take the few-row kernel up to {FEW_ROWS} rows)")
-    rows = [(t.rows, t.onednn_ms, t.onednn_gbps, t.few_rows_ms, t.few_rows_gbps, t.onednn_ms / t.few_rows_ms)
-            for t in timings]
-    print(format_table(("rows", "oneDNN ms", "oneDNN GB/s", "few-row ms", "few-row GB/s", "oneDNN / few-row time"),
-                       rows, title))
+    name = KERNELS[args.dtype]
+    title = (f"{args.dtype} GEMMs of {args.layers} default-model layers + LM head, {torch.get_num_threads()} threads"
+             + (f" (the layers take the few-row kernel up to {FEW_ROWS} rows)" if args.dtype == "bfloat16" else ""))
+    rows = [(t.rows, t.onednn_ms, t.onednn_gbps, t.onednn_gflops, t.kernel_ms, t.kernel_gbps, t.kernel_gflops,
+             t.onednn_ms / t.kernel_ms) for t in timings]
+    print(format_table(("rows", "oneDNN ms", "oneDNN GB/s", "oneDNN GFLOP/s", f"{name} ms", f"{name} GB/s",
+                        f"{name} GFLOP/s", f"oneDNN / {name} time"), rows, title))
     print(f"streaming read (float32 sum): {stream_gbps:.1f} GB/s")
     info = machine_info()
     print(machine_line(info))
     if args.result_json:
         args.result_json.write_text(json.dumps({"stream_gbps": stream_gbps, "timings": [asdict(t) for t in timings],
-                                                "few_rows": FEW_ROWS, "threads": torch.get_num_threads(),
+                                                "kernel": name, "few_rows": FEW_ROWS, "threads": torch.get_num_threads(),
                                                 "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
                                                 "machine": info}, indent=2) + "\n")
     return 0

@@ -6,7 +6,8 @@ bfloat16) and --kv-cache-dtype (what the KV cache stores):
 
   pagedserve  the in-process engine, all requests submitted at once (as `bench throughput` runs it),
               once per --engines entry (pagedserve: the defaults; pagedserve-torch: F.linear, the
-              reference GEMMs; -onednn: oneDNN named explicitly; -inductor: compiled dense part, opt-in);
+              reference GEMMs; -onednn / -panels: that GEMM named explicitly; -inductor: compiled dense
+              part, opt-in);
   vllm        vLLM's offline LLM.generate, in a subprocess of the Python given by --vllm-python
               (a separate vLLM CPU install; the driver is pagedserve/bench/vllm_driver.py);
   llama.cpp   a running llama-server given by --llama-server-url, all requests sent at once; its
@@ -72,8 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_arguments(g, RunnerConfig, exclude=fields_except(RunnerConfig, {"kv_cache_dtype"}))
     g.add_argument("--engines", default="auto", type=_engine_variants,
                    help="comma-separated: one pagedserve row per engine variant GEMM[+COMPILE], the first is "
-                        "the reference for greedy agreement; GEMM auto (the default: onednn on CPU), torch "
-                        "(F.linear, the reference kernels) or onednn, COMPILE eager (when omitted) or inductor "
+                        "the reference for greedy agreement; GEMM auto (the default: panels or onednn on CPU), "
+                        "torch (F.linear, the reference kernels), onednn or panels, COMPILE eager (when omitted) or inductor "
                         "(opt-in; see pagedserve worker --help), e.g. auto,torch,auto+inductor (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write settings, machine, every figure and per-request matches")
     p.set_defaults(func=run, device="cpu")

@@ -16,9 +16,10 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 class GemmBackend(enum.Enum):
     """Which kernels run the model's linear layers on CPU (``pagedserve/engine/models/onednn.py``)."""
 
-    AUTO = "auto"  # ONEDNN on a CPU whose torch has oneDNN, else TORCH (models/onednn.resolve_gemm_backend)
+    AUTO = "auto"  # PANELS or ONEDNN on a CPU, else TORCH (models/onednn.resolve_gemm_backend)
     TORCH = "torch"  # F.linear (MKL on CPU): the same kernels as transformers, the reference path
     ONEDNN = "onednn"  # oneDNN, weights prepacked: 2-3x faster on CPU, rows independent of the batch
+    PANELS = "panels"  # float32 layers on pagedserve's AVX2 GEMM (models/panel_gemm.py), others on oneDNN
 
 
 class CompileMode(enum.Enum):

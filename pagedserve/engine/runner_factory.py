@@ -52,9 +52,9 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
         dtype: weights and activations dtype.
         device: where everything lives.
         attention_backend: ``auto`` (Triton on CUDA, the C++ op elsewhere), ``cpu``, ``torch`` or ``triton``.
-        gemm_backend: ``auto`` (``onednn`` on a CPU whose torch has oneDNN, else ``torch``), ``torch``
-            (``F.linear``, transformers' kernels: the reference path) or ``onednn`` (prepacked oneDNN
-            GEMMs on CPU, 2-3x faster, float32 sums in another order).
+        gemm_backend: ``auto`` (``models/onednn.resolve_gemm_backend``), ``torch`` (``F.linear``,
+            transformers' kernels: the reference path), ``onednn`` (prepacked oneDNN GEMMs on CPU, 2-3x
+            faster, float32 sums in another order) or ``panels`` (float32 layers on pagedserve's GEMM).
         compile_mode: ``eager``, or ``inductor`` (the dense part compiled with ``torch.compile``;
             compiles during this call, tens of seconds; opt-in, see ``models/compiled.py``).
         kv_cache_dtype: what the cache stores: ``auto`` (``dtype``), ``bfloat16`` or ``fp8_e5m2``
@@ -73,8 +73,8 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
     backend = make_attention_backend(attention_backend, device)
     model = load_model(model_path, dtype=dtype, device=device)
     gemm = resolve_gemm_backend(gemm_backend, device)
-    if gemm is GemmBackend.ONEDNN:
-        pack_linear_layers(model)
+    if gemm is not GemmBackend.TORCH:
+        pack_linear_layers(model, gemm)
         if CompileMode(compile_mode) is CompileMode.EAGER:  # a compiled forward traces the Python layers
             model.use_decode_layers()
     config = model.config

@@ -196,18 +196,25 @@ def test_attention_op_report_for_a_bfloat16_model(tmp_path):
     assert "bfloat16 query" in stdout
 
 
-def test_gemm_rows_report(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gemm_rows_report(tmp_path, dtype):
     """Each kernel's GB/s is the weights' bytes over its time, at each row count asked for."""
     from pagedserve.engine.models.onednn import few_rows_available
+    from pagedserve.engine.models.panel_gemm import panels_available
 
-    if not few_rows_available():
-        pytest.skip("the few-row bfloat16 kernel needs AVX512_BF16 and a C++ compiler")
+    if not (few_rows_available() if dtype == "bfloat16" else panels_available()):
+        pytest.skip(f"no {dtype} kernel here (AVX512_BF16 / AVX2 and FMA, and a C++ compiler)")
     out = tmp_path / "g.json"
-    stdout = bench("gemm-rows", "--rows", "1,3", "--layers", "1", "--rounds", "2", "--result-json", str(out))
+    stdout = bench("gemm-rows", "--dtype", dtype, "--rows", "1,3", "--layers", "1", "--rounds", "2",
+                   "--result-json", str(out))
     report = json.loads(out.read_text())
-    weight_bytes = 2 * (960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536 + 49152 * 576)
+    elements = 960 * 576 + 576 * 576 + 3072 * 576 + 576 * 1536 + 49152 * 576
+    weight_bytes = elements * (2 if dtype == "bfloat16" else 4)
     assert [t["rows"] for t in report["timings"]] == [1, 3]
     for t in report["timings"]:
-        assert t["onednn_gbps"] == pytest.approx(weight_bytes / t["onednn_ms"] / 1e6)
-        assert t["few_rows_gbps"] == pytest.approx(weight_bytes / t["few_rows_ms"] / 1e6)
-    assert report["stream_gbps"] > 0 and "few-row GB/s" in stdout and "streaming read" in stdout
+        for kernel in ("onednn", "kernel"):
+            assert t[f"{kernel}_gbps"] == pytest.approx(weight_bytes / t[f"{kernel}_ms"] / 1e6)
+            assert t[f"{kernel}_gflops"] == pytest.approx(2 * t["rows"] * elements / t[f"{kernel}_ms"] / 1e6)
+    name = "few-row" if dtype == "bfloat16" else "panels"
+    assert report["kernel"] == name and report["stream_gbps"] > 0
+    assert f"{name} GB/s" in stdout and "streaming read" in stdout

@@ -1,6 +1,7 @@
 """The kernels and precisions a worker can be started with, through the real services: a worker with
---gemm-backend torch (the reference F.linear GEMMs) gives the in-process engine's default output
-(oneDNN GEMMs; ``offline_outputs``, shared with test_stack) on these questions; a worker with
+--gemm-backend torch (the reference F.linear GEMMs) or onednn gives the in-process engine's default
+output (the panel GEMM or oneDNN, by CPU: models/onednn.resolve_gemm_backend; ``offline_outputs``,
+shared with test_stack) on these questions; a worker with
 --dtype bfloat16 gives exactly the in-process bfloat16 engine's, one question at a time (the same
 kernels on the same row counts: bfloat16 rows are not batch-invariant on CPUs with AMX, whose
 kernels oneDNN takes for larger batches: models/onednn.py); so does a worker with --kv-cache-dtype
@@ -37,9 +38,10 @@ def assert_stack_gives(tmp_path, default_model, worker_args: tuple[str, ...], wa
 
 # (inductor through the stack took 40 s of compiling in CI; compiled outputs are checked in-process in
 # tests/worker/test_compiled_forward.py, and up's commands carry --compile-mode: tests/test_launcher_commands.py)
-def test_reference_gemms_worker_matches_in_process_default(tmp_path, default_model, offline_outputs):
+@pytest.mark.parametrize("gemm", ["torch", "onednn"])
+def test_a_worker_with_other_gemms_matches_in_process_default(tmp_path, default_model, offline_outputs, gemm):
     want = {q: offline_outputs[q] for q in QUESTIONS[:8]}
-    assert_stack_gives(tmp_path, default_model, ("--gemm-backend", "torch"), want, concurrency=len(want))
+    assert_stack_gives(tmp_path, default_model, ("--gemm-backend", gemm), want, concurrency=len(want))
 
 
 def in_process_answers(default_model, questions: list[str], offline_outputs, **options) -> dict:

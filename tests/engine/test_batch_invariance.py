@@ -1,6 +1,7 @@
-"""With the default GEMMs (oneDNN on CPU) a request's tokens and logprobs are bit-identical alone and
-in a batch: every op of a step computes a row the same whatever the other rows (oneDNN's GEMMs from
-two rows up, single rows padded: ``models/onednn.MIN_ROWS``; norms and attention per row or per
+"""With the default GEMMs (on CPU the panel GEMM or oneDNN) a request's tokens and logprobs are
+bit-identical alone and in a batch: every op of a step computes a row the same whatever the other rows
+(the panel GEMM at any row count, models/panel_gemm.py; oneDNN's from two rows up, single rows padded:
+``models/onednn.MIN_ROWS``; norms and attention per row or per
 sequence). Prefix caching is off and prompts are prefilled whole: a prompt prefilled over a cached
 prefix or in chunks goes through the attention op's other path and may differ in the last bits.
 (With ``--gemm-backend torch`` none of the first 12 prompts was identical on this machine: MKL's

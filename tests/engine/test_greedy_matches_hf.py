@@ -1,7 +1,8 @@
 """The in-process engine's greedy output equals Hugging Face greedy generate on each prompt alone:
 submitted together, arriving staggered, and under a KV cache so small that preemption happens, with
-the default GEMMs (oneDNN on CPU); and with the reference GEMMs (``--gemm-backend torch``,
-transformers' own F.linear). Neither is bit-identical to HF's logits (MKL's rows change with the
+the default GEMMs (on CPU pagedserve's panel GEMM or oneDNN: models/onednn.resolve_gemm_backend); and
+with each GEMM backend named: the reference (``--gemm-backend torch``, transformers' own F.linear),
+``onednn`` and ``panels``. None is bit-identical to HF's logits (MKL's rows change with the
 batch's row count too: scripts/gemm_batch_invariance.py), so equality is on these prompts."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.llm import LLM
+from pagedserve.engine.models.panel_gemm import panels_available
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import BASE_PROMPTS, hf_greedy
 
@@ -76,8 +78,11 @@ def test_preemption_under_a_small_kv_cache_keeps_outputs_exact(default_model, pr
     assert all(w.num_free_blocks == w.num_blocks for w in llm.stats().workers)
 
 
-def test_reference_gemms_match_hf(default_model, prompt_ids, reference):
-    llm = LLM(default_model, kv_cache_memory="64MiB", gemm_backend="torch")
+@pytest.mark.parametrize("gemm", ["torch", "onednn", "panels"])
+def test_each_gemm_backend_matches_hf(default_model, prompt_ids, reference, gemm):
+    if gemm == "panels" and not panels_available():
+        pytest.skip("the panel GEMM needs an x86 CPU with AVX2 and FMA and a C++ compiler")
+    llm = LLM(default_model, kv_cache_memory="64MiB", gemm_backend=gemm)
     results = llm.generate(prompt_ids, GREEDY)
     for i, result in enumerate(results):
         assert list(result.token_ids) == reference[i], f"prompt {i}: {BASE_PROMPTS[i][:40]!r}"

@@ -11,6 +11,7 @@ import torch
 from pagedserve.engine.attention import TorchAttentionBackend
 from pagedserve.engine.runner_factory import build_model_runner
 from pagedserve.engine.models.compiled import CompiledForward
+from pagedserve.engine.models.panel_gemm import panels_available
 from pagedserve.engine.weight_loader import load_model
 from tests.worker.tiny_models import (MiniScheduler, forward_step, hf_greedy, hf_model, make_cache, relative_errors,
                                       save_tiny_model)
@@ -76,13 +77,16 @@ def test_compiled_runner_matches_hf_greedy_without_recompiling(tiny):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
-def test_compiled_forward_with_onednn_gemms_matches_eager_onednn(tiny):
-    """oneDNN layers stay opaque custom ops inside the compiled graph: same greedy tokens as eager."""
+@pytest.mark.parametrize("gemm", ["onednn", "panels"])
+def test_compiled_forward_with_packed_gemms_matches_eager(tiny, gemm):
+    """oneDNN and panel layers stay opaque custom ops inside the compiled graph: same greedy tokens as eager."""
+    if gemm == "panels" and not panels_available():
+        pytest.skip("the panel GEMM needs an x86 CPU with AVX2 and FMA and a C++ compiler")
     folder, _ = tiny
     outputs = []
     for mode in ("eager", "inductor"):
         runner = build_model_runner(folder, kv_cache_memory_bytes=KV_BYTES, block_size=BLOCK,
-                                    gemm_backend="onednn", compile_mode=mode)
+                                    gemm_backend=gemm, compile_mode=mode)
         sched = MiniScheduler(runner, seed=3)
         for i, prompt in enumerate(_prompts(5, 12, 4, 20)):
             sched.add(f"p{i}", prompt)

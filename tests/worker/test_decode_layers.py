@@ -1,6 +1,6 @@
 """The C++ decode-step layer loop (models/decode_layers.py): logits and K/V caches bit-identical to the
-Python layers over several decode steps, at 1 row (oneDNN's padded row), a few rows (bfloat16's few-row
-kernel) and many, with q/k/v biases (Qwen2), on shuffled block tables; the Python layers wherever it
+Python layers over several decode steps, with oneDNN's and the panel GEMM's linear layers, at 1 row
+(oneDNN's padded row), a few rows (bfloat16's few-row kernel) and many, with q/k/v biases (Qwen2), on shuffled block tables; the Python layers wherever it
 does not apply."""
 
 from __future__ import annotations
@@ -12,10 +12,12 @@ import torch
 
 from pagedserve.engine.attention.cpu_backend import CpuAttentionBackend
 from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
+from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.cpu_features import cpu_flags
 from pagedserve.engine.models import decode_layers as decode_layers_module
 from pagedserve.engine.models.decode_layers import DecodeLayers, decode_layers_available
 from pagedserve.engine.models.onednn import FEW_ROWS, pack_linear_layers
+from pagedserve.engine.models.panel_gemm import panels_available
 from pagedserve.engine.weight_loader import load_model
 from tests.worker.tiny_models import forward_step, make_cache, save_tiny_model
 
@@ -24,11 +26,12 @@ pytestmark = pytest.mark.skipif(not decode_layers_available() or load_cpu_attent
 
 BLOCK_SIZE = 4
 DTYPES = [torch.float32] + ([torch.bfloat16] if {"avx512_bf16", "amx_bf16"} & cpu_flags() else [])
+GEMMS = [GemmBackend.ONEDNN] + ([GemmBackend.PANELS] if panels_available() else [])
 
 
-def _packed_model(tmp_path, arch: str, dtype: torch.dtype):
+def _packed_model(tmp_path, arch: str, dtype: torch.dtype, gemm: GemmBackend = GemmBackend.ONEDNN):
     model = load_model(save_tiny_model(tmp_path / arch, arch), dtype=dtype)
-    pack_linear_layers(model)
+    pack_linear_layers(model, gemm)
     model.use_decode_layers()
     return model
 
@@ -50,8 +53,9 @@ def loop_calls(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("num_seqs", [1, 3, FEW_ROWS + 4])
-def test_decode_steps_are_bit_identical_to_the_python_layers(tmp_path, loop_calls, dtype, arch, num_seqs):
-    model = _packed_model(tmp_path, arch, dtype)
+@pytest.mark.parametrize("gemm", GEMMS, ids=lambda g: g.value)
+def test_decode_steps_are_bit_identical_to_the_python_layers(tmp_path, loop_calls, dtype, arch, num_seqs, gemm):
+    model = _packed_model(tmp_path, arch, dtype, gemm)
     loop = model.decode_layers
     assert loop is not None
     backend = CpuAttentionBackend(load_cpu_attention_op())

@@ -13,6 +13,7 @@ from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.cpu_features import ONEDNN_BF16_CPU_FLAGS, cpu_flags
 from pagedserve.engine.models.layers import Linear
 from pagedserve.engine.models.onednn import MIN_ROWS, OneDnnLinear, pack_linear_layers, resolve_gemm_backend
+from pagedserve.engine.models.panel_gemm import panels_available, panels_preferred
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
@@ -88,14 +89,16 @@ def test_a_rows_result_does_not_depend_on_the_batch_size(out_features, in_featur
             assert torch.equal(layer(x[start:start + size])[row - start], full[row]), (size, row)
 
 
-def test_auto_is_onednn_on_the_cpu_and_torch_elsewhere(caplog):
+def test_auto_is_panels_or_onednn_on_the_cpu_and_torch_elsewhere(caplog):
+    cpu = GemmBackend.PANELS if panels_preferred() else GemmBackend.ONEDNN
     with caplog.at_level(logging.INFO, logger="pagedserve.worker"):
-        assert resolve_gemm_backend("auto", "cpu") is GemmBackend.ONEDNN
+        assert resolve_gemm_backend("auto", "cpu") is cpu
         assert not caplog.records
         assert resolve_gemm_backend(GemmBackend.AUTO, "cuda:1") is GemmBackend.TORCH
     assert "torch GEMMs (F.linear) on cuda:1" in caplog.text
     assert resolve_gemm_backend("torch", "cpu") is GemmBackend.TORCH
     assert resolve_gemm_backend("onednn", "cpu") is GemmBackend.ONEDNN
+    assert panels_preferred() == (panels_available() and "avx512f" not in cpu_flags())
 
 
 def test_parallel_ranks_take_auto_as_torch_and_refuse_onednn(caplog):
@@ -107,6 +110,7 @@ def test_parallel_ranks_take_auto_as_torch_and_refuse_onednn(caplog):
         check_rank_kernels(GemmBackend.TORCH, CompileMode.EAGER)
     assert [r.getMessage() for r in caplog.records] == [
         "--gemm-backend auto: torch GEMMs (F.linear) on tensor- and pipeline-parallel ranks"]
-    for gemm, mode in ((GemmBackend.ONEDNN, CompileMode.EAGER), (GemmBackend.AUTO, CompileMode.INDUCTOR)):
+    for gemm, mode in ((GemmBackend.ONEDNN, CompileMode.EAGER), (GemmBackend.PANELS, CompileMode.EAGER),
+                       (GemmBackend.AUTO, CompileMode.INDUCTOR)):
         with pytest.raises(ValueError, match="use gemm_backend 'auto' or 'torch' and compile_mode 'eager'"):
             check_rank_kernels(gemm, mode)

@@ -9,7 +9,8 @@ custom op (``pagedserve::paged_attention``) that looks up the step's
 depends on no block table, length or batch composition, and one graph (symbolic token count) serves
 every step; inductor specializes a single-token step into a second graph. oneDNN linear layers are
 custom ops too (``pagedserve::onednn_linear``, see ``onednn.py``): inductor cannot take their packed
-weights as graph inputs. Mixtral's routed expert dispatch (``pagedserve::moe_experts``, see
+weights as graph inputs; panel layers call their op (``pagedserve_panels::panel_linear``, with a fake
+registered in ``panel_gemm.py``) on plain tensors. Mixtral's routed expert dispatch (``pagedserve::moe_experts``, see
 ``mixtral.py``) is a custom op as well: its per-expert token counts are data-dependent shapes.
 
 Inductor sums RMSNorm's squares in another order than eager torch, so greedy output can differ

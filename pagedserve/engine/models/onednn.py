@@ -1,4 +1,5 @@
-"""Linear layers on oneDNN with prepacked weights: the default GEMMs on CPU (``--gemm-backend auto``).
+"""Linear layers on oneDNN with prepacked weights: the default GEMMs on CPU (``--gemm-backend auto``)
+but for float32 layers on x86 CPUs with AVX2 and no AVX-512, which take ``models/panel_gemm.py``.
 
 oneDNN reorders each weight matrix once into its blocked layout for the CPU's vector units (the
 ``torch.ops.mkldnn`` ops inductor uses for frozen CPU models). On the 2-core AMD EPYC of
@@ -36,6 +37,7 @@ from torch import nn
 from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.cpu_features import cpu_flags
 from pagedserve.engine.models.layers import Linear
+from pagedserve.engine.models.panel_gemm import PanelLinear, panels_available, panels_preferred
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -126,8 +128,16 @@ class OneDnnLinear(nn.Module):
         return packed_linear(x, self)
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replaces every :class:`Linear` of ``model`` by a :class:`OneDnnLinear` with the same weights.
+def packed_layer(weight: torch.Tensor, bias: torch.Tensor | None, backend: GemmBackend) -> nn.Module:
+    """``weight`` and ``bias`` packed for ``backend``: a :class:`PanelLinear` for a float32 weight under
+    ``panels``, else a :class:`OneDnnLinear`."""
+    if backend is GemmBackend.PANELS and weight.dtype == torch.float32:
+        return PanelLinear(weight, bias)
+    return OneDnnLinear(weight, bias)
+
+
+def pack_linear_layers(model: nn.Module, backend: GemmBackend = GemmBackend.ONEDNN) -> int:
+    """Replaces every :class:`Linear` of ``model`` by its :func:`packed_layer` with the same weights.
 
     A model whose LM head is tied to its embeddings (``lm_head is None``) gets a packed copy of the
     embedding matrix as its ``lm_head``; the embedding table itself stays for token lookups.
@@ -144,19 +154,26 @@ def pack_linear_layers(model: nn.Module) -> int:
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
-                setattr(parent, name, OneDnnLinear(child.weight, child.bias))
+                setattr(parent, name, packed_layer(child.weight, child.bias, backend))
                 packed += 1
     if model.lm_head is None:
-        model.lm_head = OneDnnLinear(model.embed_tokens.weight, None)
+        model.lm_head = packed_layer(model.embed_tokens.weight, None, backend)
         packed += 1
     return packed
 
 
 def resolve_gemm_backend(backend: GemmBackend | str, device: torch.device | str) -> GemmBackend:
-    """``auto`` -> ``onednn`` on the CPU when this torch has oneDNN, else ``torch`` (logged with the
-    reason); ``torch`` and ``onednn`` unchanged (:func:`pack_linear_layers` refuses the latter off the CPU).
+    """``auto`` -> on the CPU ``panels`` where :func:`panels_preferred`, else ``onednn`` when this torch
+    has oneDNN, else ``torch`` (logged with the reason); the others unchanged (:func:`pack_linear_layers`
+    refuses packed layers off the CPU).
+
+    Raises:
+        ValueError: ``panels`` on a CPU without AVX2 and FMA, or where its library cannot be built.
     """
     backend = GemmBackend(backend)
+    if backend is GemmBackend.PANELS and not panels_available():
+        raise ValueError("--gemm-backend panels needs an x86 CPU with AVX2 and FMA and a C++ compiler (g++, ninja) "
+                         "to build it; use --gemm-backend auto or onednn")
     if backend is not GemmBackend.AUTO:
         return backend
     if torch.device(device).type != "cpu":
@@ -166,4 +183,4 @@ def resolve_gemm_backend(backend: GemmBackend | str, device: torch.device | str)
         log.warning("--gemm-backend auto: torch GEMMs (F.linear, 2-3x slower on CPU): this torch build has no "
                     "oneDNN (torch.backends.mkldnn.is_available() is False); install torch's CPU wheel")
         return GemmBackend.TORCH
-    return GemmBackend.ONEDNN
+    return GemmBackend.PANELS if panels_preferred() else GemmBackend.ONEDNN

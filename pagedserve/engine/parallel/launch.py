@@ -37,12 +37,13 @@ log = logging.getLogger("pagedserve.worker")
 
 def check_rank_kernels(gemm_backend: GemmBackend, compile_mode: CompileMode) -> None:
     """Ranks build their shards with torch's own GEMMs in eager mode (oneDNN packing and inductor are
-    not wired into the sharded layers): ``auto`` runs them, logged; ``onednn`` or ``inductor`` is refused.
+    not wired into the sharded layers): ``auto`` runs them, logged; ``onednn``, ``panels`` or ``inductor``
+    is refused.
 
     Raises:
-        ValueError: ``gemm_backend`` is ``onednn`` or ``compile_mode`` is ``inductor``.
+        ValueError: ``gemm_backend`` is ``onednn`` or ``panels``, or ``compile_mode`` is ``inductor``.
     """
-    if gemm_backend is GemmBackend.ONEDNN or compile_mode is not CompileMode.EAGER:
+    if gemm_backend in (GemmBackend.ONEDNN, GemmBackend.PANELS) or compile_mode is not CompileMode.EAGER:
         raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 runs eager torch GEMMs only: "
                          "use gemm_backend 'auto' or 'torch' and compile_mode 'eager'")
     if gemm_backend is GemmBackend.AUTO:

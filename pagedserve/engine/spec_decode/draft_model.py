@@ -56,7 +56,7 @@ from pagedserve.engine.worker_requests import ScheduledRequest
 
 def load_draft_model(path: str | Path, target: nn.Module, gemm_backend: GemmBackend) -> nn.Module:
     """The draft model of the Hugging Face folder ``path``, with ``target``'s dtype and device and the
-    resolved ``gemm_backend`` (``onednn``: its linear layers prepacked, as the target's).
+    resolved ``gemm_backend`` (``onednn`` or ``panels``: its linear layers prepacked, as the target's).
 
     Raises:
         ValueError: its vocabulary size differs from the target's, or its context is shorter (it runs
@@ -71,8 +71,8 @@ def load_draft_model(path: str | Path, target: nn.Module, gemm_backend: GemmBack
     if draft.config.max_model_len < target.config.max_model_len:
         raise ValueError(f"the draft model {path} serves contexts of up to {draft.config.max_model_len} tokens, the "
                          f"target {target.config.max_model_len}: take a draft whose context covers the target's")
-    if gemm_backend is GemmBackend.ONEDNN:
-        pack_linear_layers(draft)
+    if gemm_backend is not GemmBackend.TORCH:
+        pack_linear_layers(draft, gemm_backend)
     return draft
 
 

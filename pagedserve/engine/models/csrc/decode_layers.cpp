@@ -3,11 +3,11 @@
 // Eagerly, each layer is ~40 Python-level calls (modules, views, the fused ops, the GEMMs, the K/V
 // store, the attention op), ~170 us a layer on the 2-core Xeon of docs/benchmarks.md: a third of a
 // batch-1 step. This loop makes the same calls, in the same order and with the same kernels, from
-// C++: the fused row-wise ops (fused_ops.cpp), the GEMMs as models/onednn.py's packed_linear runs them
-// (the few-row bfloat16 kernel up to few_rows rows, else oneDNN's packed GEMM with one row padded to
-// min_rows), the K/V store as kv_cache.store_rows (index_copy_ of same-width integer views) and the
-// paged-attention op; so its output is bit-identical to LlamaDecoderLayer's (tests/worker/
-// test_decode_layers.py). Ops of other libraries are reached through torch's dispatcher: those
+// C++: the fused row-wise ops (fused_ops.cpp), the GEMMs as models/panel_gemm.py's PanelLinear or
+// models/onednn.py's packed_linear runs them (the panel GEMM; or the few-row bfloat16 kernel up to
+// few_rows rows, else oneDNN's packed GEMM with one row padded to min_rows), the K/V store as
+// kv_cache.store_rows (index_copy_ of same-width integer views) and the paged-attention op; so its
+// output is bit-identical to LlamaDecoderLayer's (tests/worker/test_decode_layers.py). Ops of other libraries are reached through torch's dispatcher: those
 // libraries must be loaded first (models/decode_layers.py does).
 //
 // Per layer l (x [T, hidden] updated in place; T tokens, each a decode of its own sequence):
@@ -16,8 +16,9 @@
 //   key_caches[l][slot_mapping] = qk[:, H:];  value_caches[l][slot_mapping] = v
 //   o = paged_attention(qk[:, :H]);  h = add_rms_norm(x, linear(o, 4l + 1), norms[2l + 1])   (x += o_proj)
 //   x += linear(silu_and_mul(linear(h, 4l + 2)), 4l + 3)
-// Linear i: packed[i] (oneDNN's packed weight), bias[i], and for bfloat16 pairs[i] / pair_bias[i]
-// (the few-row kernel's weight and float32 bias), as a OneDnnLinear holds them.
+// Linear i: panels[i] and out_features[i] as a PanelLinear holds them, or packed[i] (oneDNN's packed
+// weight) and for bfloat16 pairs[i] / pair_bias[i] (the few-row kernel's weight and float32 bias), as a
+// OneDnnLinear holds them; bias[i] either way.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -52,6 +53,14 @@ struct Ops {
   c10::OperatorHandle linear = op("mkldnn::_linear_pointwise");  // called boxed: its str and Scalar?[] arguments
 };
 
+using PanelLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
+
+// pagedserve's float32 GEMM, found on first use (its library is loaded for --gemm-backend panels only).
+const c10::TypedOperatorHandle<PanelLinear>& panel_op() {
+  static const auto handle = typed<PanelLinear>("pagedserve_panels::panel_linear");
+  return handle;
+}
+
 // The few-row bfloat16 GEMM, found on first use (its library is loaded for bfloat16 models only).
 const c10::OperatorHandle& few_rows_op() {
   static const c10::OperatorHandle handle = op("pagedserve_gemm::few_rows_linear");
@@ -71,20 +80,25 @@ at::Tensor call_boxed(const c10::OperatorHandle& handle, std::vector<c10::IValue
 
 // The linear layers' weights and the row counts that choose their kernel.
 struct Linears {
-  at::TensorList packed;
+  const c10::List<OptTensor>& packed;
   const c10::List<OptTensor>& bias;
   const c10::List<OptTensor>& pairs;
   const c10::List<OptTensor>& pair_bias;
+  const c10::List<OptTensor>& panels;
+  at::IntArrayRef out_features;
   int64_t few_rows, min_rows;
 
-  // x [T, in] -> [T, out] through linear i, as models/onednn.py's packed_linear runs it.
+  // x [T, in] -> [T, out] through linear i, as models/panel_gemm.py's PanelLinear or models/onednn.py's
+  // packed_linear runs it.
   at::Tensor operator()(const at::Tensor& x, size_t i) const {
     const int64_t rows = x.size(0);
+    const OptTensor panel_weight = panels.get(i);
+    if (panel_weight.has_value()) return panel_op().call(x.contiguous(), *panel_weight, bias.get(i), out_features[i]);
     const OptTensor pair_weight = pairs.get(i);
     if (pair_weight.has_value() && rows <= few_rows)
       return call_boxed(few_rows_op(), {x.contiguous(), *pair_weight, pair_bias.get(i)});
     at::Tensor in = rows < min_rows ? at::cat({x, x.new_zeros({min_rows - rows, x.size(1)})}) : x;
-    at::Tensor out = call_boxed(ops().linear, {in.contiguous(), packed[i], bias.get(i), std::string("none"),
+    at::Tensor out = call_boxed(ops().linear, {in.contiguous(), *packed.get(i), bias.get(i), std::string("none"),
                                                c10::List<std::optional<at::Scalar>>(), std::optional<std::string>("")});
     return rows < min_rows ? out.slice(0, 0, rows) : out;
   }
@@ -97,18 +111,23 @@ void store_rows(const at::Tensor& cache, const at::Tensor& slots, const at::Tens
 }
 
 void decode_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
-                   at::TensorList packed, const c10::List<OptTensor>& bias, const c10::List<OptTensor>& pairs,
-                   const c10::List<OptTensor>& pair_bias, at::TensorList key_caches, at::TensorList value_caches,
-                   const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                   const c10::List<OptTensor>& packed, const c10::List<OptTensor>& bias,
+                   const c10::List<OptTensor>& pairs, const c10::List<OptTensor>& pair_bias,
+                   const c10::List<OptTensor>& panels, at::IntArrayRef out_features, at::TensorList key_caches,
+                   at::TensorList value_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                    const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    double scale, double eps, int64_t few_rows, int64_t min_rows) {
   const size_t layers = key_caches.size();
   TORCH_CHECK(value_caches.size() == layers && norms.size() == 2 * layers && packed.size() == 4 * layers &&
-                  bias.size() == 4 * layers && pairs.size() == 4 * layers && pair_bias.size() == 4 * layers,
-              "per layer: 2 norms, 4 linears (packed, bias, pairs, pair_bias each) and a key and value cache");
+                  bias.size() == 4 * layers && pairs.size() == 4 * layers && pair_bias.size() == 4 * layers &&
+                  panels.size() == 4 * layers && out_features.size() == 4 * layers,
+              "per layer: 2 norms, 4 linears (packed, bias, pairs, pair_bias, panels, out_features each) and a key "
+              "and value cache");
+  for (size_t i = 0; i < 4 * layers; ++i)
+    TORCH_CHECK(packed.get(i).has_value() != panels.get(i).has_value(), "linear ", i, " needs packed or panels");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) == slot_mapping.size(0) && x.size(0) == seq_lens.size(0),
               "x must be a contiguous [T, hidden] tensor of T decodes, one a sequence");
-  const Linears linear{packed, bias, pairs, pair_bias, few_rows, min_rows};
+  const Linears linear{packed, bias, pairs, pair_bias, panels, out_features, few_rows, min_rows};
   const int64_t tokens = x.size(0), qk_width = (num_heads + num_kv_heads) * head_dim;
   for (size_t l = 0; l < layers; ++l) {
     const at::Tensor qkv = linear(ops().rms_norm.call(x, norms[2 * l], eps), 4 * l);  // (T, (H+2Hkv)*D)
@@ -128,10 +147,10 @@ void decode_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_layers, m) {
-  m.def("decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] packed, Tensor?[] bias, "
-        "Tensor?[] pairs, Tensor?[] pair_bias, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, int num_heads, int num_kv_heads, int head_dim, "
-        "float scale, float eps, int few_rows, int min_rows) -> ()");
+  m.def("decode_layers(Tensor(a!) x, Tensor cos, Tensor sin, Tensor[] norms, Tensor?[] packed, Tensor?[] bias, "
+        "Tensor?[] pairs, Tensor?[] pair_bias, Tensor?[] panels, int[] out_features, Tensor(b!)[] key_caches, "
+        "Tensor(c!)[] value_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+        "int num_heads, int num_kv_heads, int head_dim, float scale, float eps, int few_rows, int min_rows) -> ()");
 }
 
 // Every backend: the packed weights are oneDNN (MkldnnCPU) tensors beside plain CPU ones.

@@ -1,0 +1,70 @@
+"""Float32 linear layers on pagedserve's own GEMM (``csrc/panel_gemm_f32.cpp``): ``--gemm-backend panels``,
+the default on x86 CPUs with AVX2 and FMA but no AVX-512.
+
+The weight is packed once into panels of 16 output columns; a 6 x 16 block of sums stays in registers
+while a panel's slice stays in L1 (the BLIS scheme). Each output is summed over k in order, one fused
+multiply-add per k, whatever the batch: a row's result is the same bits alone, in a batch of any size,
+and on any number of threads, so one row is not padded to two as oneDNN's are
+(:data:`~pagedserve.engine.models.onednn.MIN_ROWS`). On the 2-core AVX2 EPYC of docs/benchmarks.md it
+ran the default model's layers (weights from DRAM, as in a step) 1.35-1.42x faster than oneDNN's
+packed kernels at 1-16 rows and 1.02-1.09x at 64-512 rows (`pagedserve bench gemm-rows --dtype
+float32`; "pagedserve's float32 GEMM on AVX2"). On CPUs with AVX-512 oneDNN's wider kernels stay the
+default; ``panels`` can still be chosen there.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedserve.engine.cpu_features import cpu_flags
+
+SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_f32.cpp"
+
+
+@functools.cache
+def panels_available() -> bool:
+    """Whether this CPU has AVX2 and FMA and the GEMM's library is built and loaded (on first use)."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        return False
+    from pagedserve.engine.attention.cpu_op import load_cpu_library
+
+    if not load_cpu_library(SOURCE, "pagedserve_panel_gemm", "pagedserve's float32 GEMM", "oneDNN's GEMMs"):
+        return False
+    torch.library.register_fake("pagedserve_panels::panel_linear")(
+        lambda x, panels, bias, out_features: x.new_empty(x.shape[0], out_features))
+    return True
+
+
+def panels_preferred() -> bool:
+    """Whether ``--gemm-backend auto`` takes these GEMMs: available, and no AVX-512 (whose oneDNN kernels
+    are twice as wide)."""
+    return panels_available() and "avx512f" not in cpu_flags()
+
+
+class PanelLinear(nn.Module):
+    """``y = x @ weight.T + bias`` in float32 with ``weight`` ``[out, in]`` packed once into panels.
+
+    Args:
+        weight: ``[out, in]`` float32 on the CPU (copied into ``[ceil(out / 16), in, 16]`` panels).
+        bias: ``[out]`` or ``None``.
+
+    Raises:
+        RuntimeError: the CPU lacks AVX2 or FMA, or the library cannot be built (:func:`panels_available`).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        if not panels_available():
+            raise RuntimeError("--gemm-backend panels needs an x86 CPU with AVX2 and FMA and a C++ compiler (g++, "
+                               "ninja) to build it; use --gemm-backend auto or onednn")
+        self.out_features = weight.shape[0]
+        self.panels = torch.ops.pagedserve_panels.pack_panels(weight.detach().float())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, in]`` float32 -> ``[T, out]`` float32."""
+        return torch.ops.pagedserve_panels.panel_linear(x.contiguous(), self.panels, self.bias, self.out_features)
