@@ -150,6 +150,7 @@ def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleR
     is freed before the next system runs. The row is named by :attr:`EngineVariant.system`."""
     import gc
 
+    from pagedserve.engine.models.onednn import resolve_gemm_backend
     from pagedserve.engine.sampling_params import SamplingParams
 
     llm = build_engine(model, argparse.Namespace(**{**vars(args), "gemm_backend": variant.gemm_backend.value,
@@ -167,6 +168,7 @@ def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleR
     info = {"dtype": args.dtype, "kv_cache_dtype": KVCacheDtype(args.kv_cache_dtype).value,
             "kv_cache_memory": args.kv_cache_memory,
             "eos_token_ids": eos_token_ids, "gemm_backend": variant.gemm_backend.value,
+            "gemm_backend_resolved": resolve_gemm_backend(variant.gemm_backend, "cpu").value,
             "compile_mode": variant.compile_mode.value, "max_decode_slowdown": max_decode_slowdown}
     return SystemRun(run, outputs, info)
 

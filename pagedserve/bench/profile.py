@@ -5,9 +5,10 @@ For decode batches (default 1, 16, 64, 256 sequences of ``--context-len`` tokens
 the model runner's phases (attention metadata, forward, logits, sampling, and the rest: plan
 application and Python glue), and inside the forward the embedding, the norms, rotary, each GEMM
 group (qkv, o, gate_up, down), the KV-cache write and attention. Beside them, the GEMM floors: the
-same matmul shapes timed alone in the same run, with ``torch.mm`` (MKL, what ``F.linear`` runs) and
-with oneDNN on prepacked weights (``--gemm-backend onednn``): the least the step could cost with
-those GEMMs. Times are milliseconds per step, medians over the timed steps.
+same matmul shapes timed alone in the same run, with ``torch.mm`` (MKL, what ``F.linear`` runs),
+with oneDNN on prepacked weights (``--gemm-backend onednn``) and, for float32 on CPUs with AVX2 and
+FMA, with the panel GEMM (``--gemm-backend panels``): the least the step could cost with those GEMMs.
+Times are milliseconds per step, medians over the timed steps.
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ def _instrument_layers(model, timers: StepTimers) -> None:
 def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, dtype: str,
                   repeats: int = 5) -> dict[str, float]:
     """The step's GEMMs alone for ``num_tokens`` rows (and ``num_logit_rows`` of logits) with weights
-    and inputs in ``dtype`` (a torch dtype's name), ms per step, twice: ``torch.mm`` (what ``F.linear``
-    runs) and oneDNN with prepacked weights (what ``--gemm-backend onednn`` runs).
+    and inputs in ``dtype`` (a torch dtype's name), ms per step: ``torch.mm`` (what ``F.linear`` runs),
+    oneDNN with prepacked weights (what ``--gemm-backend onednn`` runs) and, for float32 where it is
+    built, the panel GEMM (``--gemm-backend panels``).
 
     Every layer gets weights of its own, as in the model, so a small batch pays for streaming all
     of them from memory (one shared matrix would stay in cache and flatter the floor).
@@ -139,6 +141,7 @@ def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, dtype: str,
     import torch
 
     from pagedserve.engine.models.onednn import OneDnnLinear
+    from pagedserve.engine.models.panel_gemm import PanelLinear, panels_available
 
     hidden, inter = config.hidden_size, config.intermediate_size
     shapes = [(config.q_size + 2 * config.kv_size, hidden), (hidden, config.q_size), (2 * inter, hidden),
@@ -149,8 +152,13 @@ def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, dtype: str,
               for i, (_, k) in enumerate(shapes)]
     transposed = [w.t().contiguous() for w in weights]                    # [in, out] for torch.mm
     packed = [OneDnnLinear(w, None) for w in weights]
-    return {"torch.mm": _best_ms(lambda: [torch.mm(x, w) for x, w in zip(inputs, transposed)], repeats),
-            "onednn": _best_ms(lambda: [f(x) for x, f in zip(inputs, packed)], repeats)}
+    floors = {"torch.mm": _best_ms(lambda: [torch.mm(x, w) for x, w in zip(inputs, transposed)], repeats),
+              "onednn": _best_ms(lambda: [f(x) for x, f in zip(inputs, packed)], repeats)}
+    del packed
+    if kind == torch.float32 and panels_available():
+        panels = [PanelLinear(w, None) for w in weights]
+        floors["panels"] = _best_ms(lambda: [f(x) for x, f in zip(inputs, panels)], repeats)
+    return floors
 
 
 def _best_ms(fn: Callable, repeats: int) -> float:
@@ -248,7 +256,7 @@ def format_table(report: dict) -> str:
     rest = [c.get("step", 0) - sum(c.get(k, 0.0) for k in ("metadata", "forward", "lm_head", "sampling"))
             for c in cases.values()]
     rows.append("| rest of the step (plan, glue) | " + " | ".join(f"{r:.2f}" for r in rest) + " |")
-    for floor in ("torch.mm", "onednn"):
+    for floor in next(iter(cases.values()))["gemm_floor"]:
         values = [c["gemm_floor"][floor] for c in cases.values()]
         rows.append(f"| **GEMM floor** ({floor} alone) | " + " | ".join(f"{f:.2f}" for f in values) + " |")
         rows.append(f"| step / {floor} floor | " + " | ".join(

@@ -51,7 +51,8 @@ class RunnerConfig:
         "torch has no oneDNN; logged), torch (F.linear, transformers' kernels: the reference path), onednn "
         "(weights prepacked for oneDNN: 2-3x faster matmuls on CPU, float32 sums in another order, a row's "
         "result independent of the batch's size) or panels (float32 layers on pagedserve's own AVX2 GEMM, "
-        "1.02-1.4x oneDNN's speed there, each row's sums in one order whatever the batch; others on oneDNN)",
+        "faster than oneDNN there: docs/benchmarks.md; each row's sums in one order whatever the batch; others "
+        "on oneDNN)",
         GemmBackend.AUTO)
     compile_mode: CompileMode = option(
         "eager: run the model op by op; inductor: torch.compile the layers' dense part (fused RMSNorm, rotary, "

@@ -73,6 +73,8 @@ def test_feature_benchmark_reports(tmp_path, small_model):
 
 
 def test_profile_report_accounts_for_the_step(tmp_path, small_model):
+    from pagedserve.engine.models.panel_gemm import panels_available
+
     out = tmp_path / "p.json"
     stdout = bench("profile", "--model", str(small_model), "--batches", "1,4", "--prefill-len", "32",
                    "--context-len", "16", "--steps", "2", "--kv-cache-memory", "64MiB", "--result-json", str(out))
@@ -82,7 +84,9 @@ def test_profile_report_accounts_for_the_step(tmp_path, small_model):
         pieces = sum(case[k] for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "attention"))
         assert 0 < pieces < case["forward"] <= case["step"]
         assert case["gemm_floor"]["torch.mm"] > 0 and case["gemm_floor"]["onednn"] > 0
+        assert case["gemm_floor"].get("panels", 1.0) > 0
     assert "| step / torch.mm floor |" in stdout and "| step / onednn floor |" in stdout
+    assert panels_available() == ("| step / panels floor |" in stdout)
 
 
 def test_profile_refuses_batches_the_kv_cache_cannot_hold_at_once_instead_of_waiting_forever(small_model):

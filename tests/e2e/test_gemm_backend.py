@@ -1,7 +1,7 @@
 """The kernels and precisions a worker can be started with, through the real services: a worker with
---gemm-backend torch (the reference F.linear GEMMs) or onednn gives the in-process engine's default
-output (the panel GEMM or oneDNN, by CPU: models/onednn.resolve_gemm_backend; ``offline_outputs``,
-shared with test_stack) on these questions; a worker with
+--gemm-backend torch (the reference F.linear GEMMs), or the packed GEMM that is not this CPU's default
+(onednn where auto takes the panel GEMM, else panels), gives the in-process engine's default output
+(models/onednn.resolve_gemm_backend; ``offline_outputs``, shared with test_stack) on these questions; a worker with
 --dtype bfloat16 gives exactly the in-process bfloat16 engine's, one question at a time (the same
 kernels on the same row counts: bfloat16 rows are not batch-invariant on CPUs with AMX, whose
 kernels oneDNN takes for larger batches: models/onednn.py); so does a worker with --kv-cache-dtype
@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pagedserve.engine.cpu_features import BF16_CPU_FLAGS, cpu_flags
+from pagedserve.engine.models.panel_gemm import panels_available, panels_preferred
 from tests.e2e.processes import start_stack
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 
@@ -38,8 +39,10 @@ def assert_stack_gives(tmp_path, default_model, worker_args: tuple[str, ...], wa
 
 # (inductor through the stack took 40 s of compiling in CI; compiled outputs are checked in-process in
 # tests/worker/test_compiled_forward.py, and up's commands carry --compile-mode: tests/test_launcher_commands.py)
-@pytest.mark.parametrize("gemm", ["torch", "onednn"])
+@pytest.mark.parametrize("gemm", ["torch", "onednn" if panels_preferred() else "panels"])
 def test_a_worker_with_other_gemms_matches_in_process_default(tmp_path, default_model, offline_outputs, gemm):
+    if gemm == "panels" and not panels_available():
+        pytest.skip("the panel GEMM needs an x86 CPU with AVX2 and FMA and a C++ compiler")
     want = {q: offline_outputs[q] for q in QUESTIONS[:8]}
     assert_stack_gives(tmp_path, default_model, ("--gemm-backend", gemm), want, concurrency=len(want))
 

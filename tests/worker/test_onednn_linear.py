@@ -98,7 +98,25 @@ def test_auto_is_panels_or_onednn_on_the_cpu_and_torch_elsewhere(caplog):
     assert "torch GEMMs (F.linear) on cuda:1" in caplog.text
     assert resolve_gemm_backend("torch", "cpu") is GemmBackend.TORCH
     assert resolve_gemm_backend("onednn", "cpu") is GemmBackend.ONEDNN
-    assert panels_preferred() == (panels_available() and "avx512f" not in cpu_flags())
+
+
+@pytest.mark.skipif(not panels_available(), reason="needs an x86 CPU with AVX2 and FMA and a C++ compiler")
+def test_auto_takes_the_panel_gemm_without_avx512_and_onednn_with_it(monkeypatch):
+    from pagedserve.engine.models import panel_gemm
+
+    monkeypatch.setattr(panel_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert resolve_gemm_backend("auto", "cpu") is GemmBackend.PANELS
+    monkeypatch.setattr(panel_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert resolve_gemm_backend("auto", "cpu") is GemmBackend.ONEDNN
+    assert resolve_gemm_backend("panels", "cpu") is GemmBackend.PANELS  # chosen explicitly: still taken
+
+
+def test_panels_where_they_cannot_run_is_refused_with_what_to_use(monkeypatch):
+    from pagedserve.engine.models import onednn
+
+    monkeypatch.setattr(onednn, "panels_available", lambda: False)
+    with pytest.raises(ValueError, match="needs an x86 CPU with AVX2 and FMA .* use --gemm-backend auto or onednn"):
+        resolve_gemm_backend("panels", "cpu")
 
 
 def test_parallel_ranks_take_auto_as_torch_and_refuse_onednn(caplog):

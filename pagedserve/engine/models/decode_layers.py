@@ -80,8 +80,9 @@ class DecodeLayers:
         dnn = [m if isinstance(m, onednn.OneDnnLinear) else None for m in linears]
         return cls(norms=tuple(w for layer in layers for w in (layer.input_layernorm.weight,
                                                                 layer.post_attention_layernorm.weight)),
-                   packed=tuple(m and m.packed_weight for m in dnn), bias=tuple(m.bias for m in linears),
-                   pairs=tuple(m and m.pairs for m in dnn), pair_bias=tuple(m and m.float_bias for m in dnn),
+                   packed=tuple(None if m is None else m.packed_weight for m in dnn),
+                   bias=tuple(m.bias for m in linears), pairs=tuple(None if m is None else m.pairs for m in dnn),
+                   pair_bias=tuple(None if m is None else m.float_bias for m in dnn),
                    panels=tuple(m.panels if isinstance(m, PanelLinear) else None for m in linears),
                    out_features=tuple(m.out_features for m in linears),
                    num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
@@ -105,6 +106,6 @@ class DecodeLayers:
         torch.ops.pagedserve_layers.decode_layers(
             x, cos, sin, self.norms, self.packed, self.bias, self.pairs, self.pair_bias, self.panels,
             self.out_features, cache.key_caches, cache.value_caches, metadata.slot_mapping, metadata.block_tables,
-            metadata.seq_lens, metadata.query_start_loc, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.eps,
-            onednn.FEW_ROWS, onednn.MIN_ROWS)
+            metadata.seq_lens, metadata.query_start_loc, self.num_heads, self.num_kv_heads, self.head_dim,
+            self.scale, self.eps, onednn.FEW_ROWS, onednn.MIN_ROWS)
         return x

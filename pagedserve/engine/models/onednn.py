@@ -149,7 +149,7 @@ def pack_linear_layers(model: nn.Module, backend: GemmBackend = GemmBackend.ONED
         ValueError: the model is not on the CPU.
     """
     if next(model.parameters()).device.type != "cpu":
-        raise ValueError("--gemm-backend onednn is for CPU models; use --gemm-backend torch on GPUs")
+        raise ValueError(f"--gemm-backend {backend.value} is for CPU models; use --gemm-backend torch on GPUs")
     packed = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -6,10 +6,10 @@ while a panel's slice stays in L1 (the BLIS scheme). Each output is summed over 
 multiply-add per k, whatever the batch: a row's result is the same bits alone, in a batch of any size,
 and on any number of threads, so one row is not padded to two as oneDNN's are
 (:data:`~pagedserve.engine.models.onednn.MIN_ROWS`). On the 2-core AVX2 EPYC of docs/benchmarks.md it
-ran the default model's layers (weights from DRAM, as in a step) 1.35-1.42x faster than oneDNN's
-packed kernels at 1-16 rows and 1.02-1.09x at 64-512 rows (`pagedserve bench gemm-rows --dtype
-float32`; "pagedserve's float32 GEMM on AVX2"). On CPUs with AVX-512 oneDNN's wider kernels stay the
-default; ``panels`` can still be chosen there.
+runs the default model's layers faster than oneDNN's packed kernels at every row count measured, most
+at a few rows (`pagedserve bench gemm-rows --dtype float32`; the figures: "pagedserve's float32 GEMM on
+AVX2" there). On CPUs with AVX-512 oneDNN's wider kernels stay the default; ``panels`` can still be
+chosen there.
 """
 
 from __future__ import annotations
@@ -34,15 +34,21 @@ def panels_available() -> bool:
 
     if not load_cpu_library(SOURCE, "pagedserve_panel_gemm", "pagedserve's float32 GEMM", "oneDNN's GEMMs"):
         return False
-    torch.library.register_fake("pagedserve_panels::panel_linear")(
-        lambda x, panels, bias, out_features: x.new_empty(x.shape[0], out_features))
+    _register_fake()
     return True
 
 
+@functools.cache
+def _register_fake() -> None:
+    """The op's output shape for ``torch.compile`` (once a process: a second registration raises)."""
+    torch.library.register_fake("pagedserve_panels::panel_linear")(
+        lambda x, panels, bias, out_features: x.new_empty(x.shape[0], out_features))
+
+
 def panels_preferred() -> bool:
-    """Whether ``--gemm-backend auto`` takes these GEMMs: available, and no AVX-512 (whose oneDNN kernels
-    are twice as wide)."""
-    return panels_available() and "avx512f" not in cpu_flags()
+    """Whether ``--gemm-backend auto`` takes these GEMMs: no AVX-512 (whose oneDNN kernels are twice as
+    wide; nothing is built there), and available."""
+    return "avx512f" not in cpu_flags() and panels_available()
 
 
 class PanelLinear(nn.Module):
@@ -63,7 +69,7 @@ class PanelLinear(nn.Module):
                                "ninja) to build it; use --gemm-backend auto or onednn")
         self.out_features = weight.shape[0]
         self.panels = torch.ops.pagedserve_panels.pack_panels(weight.detach().float())
-        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, in]`` float32 -> ``[T, out]`` float32."""

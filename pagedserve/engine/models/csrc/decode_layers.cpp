@@ -7,8 +7,9 @@
 // models/onednn.py's packed_linear runs them (the panel GEMM; or the few-row bfloat16 kernel up to
 // few_rows rows, else oneDNN's packed GEMM with one row padded to min_rows), the K/V store as
 // kv_cache.store_rows (index_copy_ of same-width integer views) and the paged-attention op; so its
-// output is bit-identical to LlamaDecoderLayer's (tests/worker/test_decode_layers.py). Ops of other libraries are reached through torch's dispatcher: those
-// libraries must be loaded first (models/decode_layers.py does).
+// output is bit-identical to LlamaDecoderLayer's (tests/worker/test_decode_layers.py). Ops of other
+// libraries are reached through torch's dispatcher: those libraries must be loaded first
+// (models/decode_layers.py does).
 //
 // Per layer l (x [T, hidden] updated in place; T tokens, each a decode of its own sequence):
 //   h = rms_norm(x, norms[2l]);  qkv = linear(h, 4l)                    [T, (H + 2 Hkv) D]
@@ -114,8 +115,8 @@ void decode_layers(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, 
                    const c10::List<OptTensor>& packed, const c10::List<OptTensor>& bias,
                    const c10::List<OptTensor>& pairs, const c10::List<OptTensor>& pair_bias,
                    const c10::List<OptTensor>& panels, at::IntArrayRef out_features, at::TensorList key_caches,
-                   at::TensorList value_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                   const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                   at::TensorList value_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                    double scale, double eps, int64_t few_rows, int64_t min_rows) {
   const size_t layers = key_caches.size();
   TORCH_CHECK(value_caches.size() == layers && norms.size() == 2 * layers && packed.size() == 4 * layers &&
