@@ -16,6 +16,7 @@ Medians of ``--rounds`` rounds.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -84,7 +85,11 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
     shapes = [*LAYER_SHAPES * args.layers, LM_HEAD]
     weights = [(torch.randn(*s, generator=g) * s[1] ** -0.5).to(dtype) for s in shapes]
     layers = [OneDnnLinear(w, None) for w in weights]
-    panels = [PanelLinear(w, None) for w in weights] if dtype == torch.float32 else []
+    if dtype == torch.float32:  # pagedserve's kernel for the dtype, as a call per layer
+        kernel_layers = [PanelLinear(w, None) for w in weights]
+    else:
+        kernel_layers = [functools.partial(torch.ops.pagedserve_gemm.few_rows_linear, packed=layer.pairs, bias=None)
+                         for layer in layers]
     elements = sum(o * i for o, i in shapes)
     weight_bytes = elements * weights[0].element_size()
     inputs = {i: torch.randn(max(map(int, args.rows.split(","))) + MIN_ROWS, i, generator=g).to(dtype)
@@ -97,12 +102,8 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
             torch.ops.mkldnn._linear_pointwise(inputs[i][:max(rows, MIN_ROWS)], layer.packed_weight, None, "none", [], "")
 
     def kernel(rows: int) -> None:
-        if panels:
-            for layer, (_, i) in zip(panels, shapes):
-                layer(inputs[i][:rows])
-        else:
-            for layer, (_, i) in zip(layers, shapes):
-                torch.ops.pagedserve_gemm.few_rows_linear(inputs[i][:rows], layer.pairs, None)
+        for layer, (_, i) in zip(kernel_layers, shapes):
+            layer(inputs[i][:rows])
 
     timings = []
     for rows in map(int, args.rows.split(",")):

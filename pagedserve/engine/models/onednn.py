@@ -37,7 +37,7 @@ from torch import nn
 from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.cpu_features import cpu_flags
 from pagedserve.engine.models.layers import Linear
-from pagedserve.engine.models.panel_gemm import PanelLinear, panels_available, panels_preferred
+from pagedserve.engine.models.panel_gemm import UNAVAILABLE, PanelLinear, panels_available, panels_preferred
 
 log = logging.getLogger("pagedserve.worker")
 
@@ -172,8 +172,7 @@ def resolve_gemm_backend(backend: GemmBackend | str, device: torch.device | str)
     """
     backend = GemmBackend(backend)
     if backend is GemmBackend.PANELS and not panels_available():
-        raise ValueError("--gemm-backend panels needs an x86 CPU with AVX2 and FMA and a C++ compiler (g++, ninja) "
-                         "to build it; use --gemm-backend auto or onednn")
+        raise ValueError(UNAVAILABLE)
     if backend is not GemmBackend.AUTO:
         return backend
     if torch.device(device).type != "cpu":

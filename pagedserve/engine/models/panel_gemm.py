@@ -23,6 +23,8 @@ from torch import nn
 from pagedserve.engine.cpu_features import cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_f32.cpp"
+UNAVAILABLE = ("--gemm-backend panels needs an x86 CPU with AVX2 and FMA and a C++ compiler (g++, ninja) to build "
+               "it; use --gemm-backend auto or onednn")
 
 
 @functools.cache
@@ -65,8 +67,7 @@ class PanelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         if not panels_available():
-            raise RuntimeError("--gemm-backend panels needs an x86 CPU with AVX2 and FMA and a C++ compiler (g++, "
-                               "ninja) to build it; use --gemm-backend auto or onednn")
+            raise RuntimeError(UNAVAILABLE)
         self.out_features = weight.shape[0]
         self.panels = torch.ops.pagedserve_panels.pack_panels(weight.detach().float())
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
