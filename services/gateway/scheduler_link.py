@@ -100,7 +100,7 @@ class SchedulerLink:
                 await call.initial_metadata()
                 if not call.done():  # else a refusal (a trailers-only answer), which the loop below raises
                     self._set_connected(True)
-                backoff = FIRST_BACKOFF_S
+                    backoff = FIRST_BACKOFF_S  # a refusing scheduler is retried ever more slowly
                 async for batch in call:
                     self._on_batch(self.scheduler_id, batch)
             except grpc.RpcError as exc:

@@ -69,3 +69,57 @@ def test_a_wait_for_a_connection_that_times_out_says_why(redis_url):
 def test_a_pool_without_connections_is_refused():
     with pytest.raises(ValueError, match="at least one connection"):
         threaded_redis_client("redis://127.0.0.1:1/0", max_connections=0)
+
+
+def test_a_task_cancelled_during_a_command_always_ends_cancelled(redis_url):
+    """Python 3.11's wait_for inside redis-py dropped most such cancels (1,568 of 2,000 with a plain
+    client): a cancelled loop of commands ran on."""
+    async def run() -> int | None:
+        client = async_redis_client(redis_url, max_connections=2)
+        await client.hset("h", "field", "value")
+
+        async def poll(lost_cancel: asyncio.Event) -> None:
+            while not lost_cancel.is_set():
+                await client.hgetall("h")
+
+        try:
+            for trial in range(300):
+                lost_cancel = asyncio.Event()
+                task = asyncio.ensure_future(poll(lost_cancel))
+                await asyncio.sleep((trial % 20) * 1e-4)
+                task.cancel()
+                done, _ = await asyncio.wait({task}, timeout=1.0)
+                if not (done and task.cancelled()):
+                    lost_cancel.set()
+                    return trial
+        finally:
+            await client.aclose()
+        return None
+
+    assert asyncio.run(run()) is None  # else the trial whose cancel was lost
+
+
+def test_a_clean_up_after_a_cancel_runs_all_its_commands(redis_url):
+    async def run() -> list:
+        client = async_redis_client(redis_url, max_connections=2)
+        started = asyncio.Event()
+
+        async def worker() -> None:
+            try:
+                started.set()
+                await asyncio.sleep(10)
+            finally:  # cancelled: the task's cancel count is 1 for every command below
+                for key in ("first", "second", "third"):
+                    await client.set(f"cleanup:{key}", key)
+
+        try:
+            task = asyncio.ensure_future(worker())
+            await started.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return await client.mget(["cleanup:first", "cleanup:second", "cleanup:third"])
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(run()) == [b"first", b"second", b"third"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import traceback
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -175,5 +174,14 @@ def run_scenario(scenario: Callable[[], Awaitable[None]], timeout_s: float = SCE
 
 
 def _task_stack(task: asyncio.Task) -> str:
-    frames = traceback.format_list(traceback.extract_stack(task.get_stack()[-1])) if task.get_stack() else []
-    return f"{task.get_name()} {task.get_coro()!r}:\n{''.join(frames)}"
+    """The task's chain of awaits, outermost first (``Task.get_stack`` shows only the outermost
+    frame of a suspended coroutine)."""
+    lines, awaited = [], task.get_coro()
+    while awaited is not None:
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n")
+        else:
+            lines.append(f"  {awaited!r}\n")
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    return f"{task.get_name()}:\n{''.join(lines)}"

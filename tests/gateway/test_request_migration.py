@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.request_samples import ParsedRequest
 from services.common import redis_keys
+from services.common.redis_pool import async_redis_client
 from services.common.pb import engine_pb2 as pb
 from services.gateway.generation_core import GenerationCore, GenerationError, StatusKind, Submission
 from services.gateway.metrics import GatewayMetrics
@@ -43,7 +43,7 @@ class Gateway:
         self.s1, self.s2 = await FakeScheduler("s1").start(), await FakeScheduler("s2").start()
         register(self.client, "s1", self.s1.address)
         register(self.client, "s2", self.s2.address)
-        aclient = aioredis.Redis.from_url(self.redis_url)
+        aclient = async_redis_client(self.redis_url, 8)
         self.metrics = GatewayMetrics("m")
         self.router = OutputRouter(aclient, TOKEN, "gw-1", self.metrics.requests_migrated.inc, poll_interval_s=0.1)
         self.core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1", TOKEN), self.router, 8, self.metrics,
@@ -170,7 +170,7 @@ def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_schedu
 
 def test_new_requests_are_refused_when_no_scheduler_was_reachable_for_the_grace(client, redis_url):
     async def scenario():
-        aclient = aioredis.Redis.from_url(redis_url)
+        aclient = async_redis_client(redis_url, 8)
         router = OutputRouter(aclient, TOKEN, "gw-1")
         core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1", TOKEN), router, 8, GatewayMetrics("m"),
                               scheduler_grace_s=0.2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import redis.asyncio as aioredis
 
+from services.common.redis_pool import async_redis_client
 from services.gateway.scheduler_discovery import SchedulerDiscovery
 from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, register, until, run_scenario
 
@@ -22,7 +22,7 @@ def test_connects_to_every_live_scheduler_and_drops_one_whose_lease_expired_once
         s1, s2 = await FakeScheduler("s1").start(), await FakeScheduler("s2").start()
         register(client, "s1", s1.address)
         register(client, "s2", s2.address, lease_ms=1500)
-        discovery = SchedulerDiscovery(aioredis.Redis.from_url(redis_url), TOKEN, "gw-1", ignore, poll_interval_s=0.1)
+        discovery = SchedulerDiscovery(async_redis_client(redis_url, 8), TOKEN, "gw-1", ignore, poll_interval_s=0.1)
         assert discovery.none_connected_for_s() > 0
         task = asyncio.create_task(discovery.run())
         try:
@@ -53,7 +53,7 @@ def test_registrations_not_signed_with_the_cluster_token_are_ignored(client, red
         register(client, "foreign", foreign.address, token="another-cluster's-token")
         client.hset("pagedserve:schedulers", "garbage", b"\xff\x00not a protobuf")
         client.set("pagedserve:scheduler:garbage:lease", "x")
-        discovery = SchedulerDiscovery(aioredis.Redis.from_url(redis_url), TOKEN, "gw-1", ignore)
+        discovery = SchedulerDiscovery(async_redis_client(redis_url, 8), TOKEN, "gw-1", ignore)
         try:
             for _ in range(2):  # the second refresh reuses what the first one checked
                 await discovery.refresh()
@@ -71,7 +71,7 @@ def test_a_registration_whose_lease_holds_another_instance_is_not_live(client, r
         s1 = await FakeScheduler("s1").start()
         register(client, "s1", s1.address)
         client.set("pagedserve:scheduler:s1:lease", "an-earlier-instance")
-        discovery = SchedulerDiscovery(aioredis.Redis.from_url(redis_url), TOKEN, "gw-1", ignore)
+        discovery = SchedulerDiscovery(async_redis_client(redis_url, 8), TOKEN, "gw-1", ignore)
         try:
             await discovery.refresh()
             assert discovery.links == {}

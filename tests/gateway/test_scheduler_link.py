@@ -17,7 +17,10 @@ class SlowlyRefusing(FakeScheduler):
     """Refuses every stream after a moment, as a busy scheduler answers: the request was sent (what
     grpc's wait_for_connection waits for) well before the refusal comes."""
 
+    calls = 0
+
     async def StreamOutputs(self, request, context):
+        self.calls += 1
         await asyncio.sleep(0.05)
         await context.abort(grpc.StatusCode.UNAVAILABLE, "this scheduler is gone")
         yield pb.TokenEventBatch()  # never reached: makes this an async generator like the real one
@@ -29,17 +32,18 @@ def _link(scheduler: FakeScheduler, changes: list[bool]) -> SchedulerLink:
     return link
 
 
-def test_a_scheduler_refusing_every_stream_never_counts_as_connected():
+def test_a_scheduler_refusing_every_stream_never_counts_as_connected_and_is_retried_ever_more_slowly():
     async def scenario():
         scheduler = await SlowlyRefusing("s1").start()
         changes: list[bool] = []
         link = _link(scheduler, changes)
         link.start()
-        await asyncio.sleep(1.5)  # several retries (backoff from 0.1 s)
+        await asyncio.sleep(1.5)  # calls at about 0, 0.15, 0.4 and 0.85 s (waits of 0.1, 0.2, 0.4 s after each refusal)
         down_for = link.down_for_s()
         await link.close()
         await scheduler.stop()
         assert True not in changes and down_for >= 1.4
+        assert 3 <= scheduler.calls <= 5  # 10 when every refusal restarted the backoff at 0.1 s
 
     run_scenario(scenario)
 
