@@ -17,6 +17,11 @@ say() { step=$((step + 1)); echo "== [$step/3, $((SECONDS - started)) s] $*"; }
 # stamp_matches FILE KEY: whether FILE holds KEY (what the step was last done for)
 stamp_matches() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "pagedserve needs Python 3.11 or newer (the gateway relies on asyncio's Task.cancelling, 3.11+);" \
+       "$PYTHON is $("$PYTHON" --version 2>&1 || echo missing): install python3.11 and run PYTHON=python3.11 $0" >&2
+  exit 1
+fi
 if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"
   "$PYTHON" -m venv .venv

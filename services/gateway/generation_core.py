@@ -282,8 +282,9 @@ class GenerationCore:
         waited_s = 0
         while True:
             try:
-                return await asyncio.wait_for(outputs.get(), timeout=1.0)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(1.0):  # not wait_for, which can lose a cancel (see redis_pool)
+                    return await outputs.get()
+            except TimeoutError:
                 waited_s += 1
                 if self._router.unreachable_for_s(submission.key) > self._grace_s:
                     raise GenerationError(StatusKind.UNAVAILABLE, "lost the connection to the scheduler") from None

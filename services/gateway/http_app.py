@@ -69,8 +69,9 @@ class _BodyLimit:
         if length is not None and (not length.isdigit() or int(length) > self._max):
             return await self._too_large(scope, receive, send)
         try:
-            body = await asyncio.wait_for(self._read_body(receive), self._timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self._timeout_s):
+                body = await self._read_body(receive)
+        except TimeoutError:
             response = error_response(408, f"the request body did not arrive within {self._timeout_s:g} s")
             return await response(scope, receive, send)
         if body is None:

@@ -212,8 +212,9 @@ async def serve_gateway(config: GatewayConfig) -> None:
     log.info("gateway %s drained; closing", config.gateway_id)
     http_server.should_exit = True
     try:  # the bound this function promises, whatever a link or a Redis connection waits for
-        await asyncio.wait_for(_close(server, http_task, tasks, redis_client), SHUTDOWN_CLOSE_S)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(SHUTDOWN_CLOSE_S):
+            await _close(server, http_task, tasks, redis_client)
+    except TimeoutError:
         log.warning("gateway %s: closing its connections took over %g s; exiting anyway", config.gateway_id,
                     SHUTDOWN_CLOSE_S)
     http_socket.close()
