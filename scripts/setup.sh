@@ -17,9 +17,12 @@ say() { step=$((step + 1)); echo "== [$step/3, $((SECONDS - started)) s] $*"; }
 # stamp_matches FILE KEY: whether FILE holds KEY (what the step was last done for)
 stamp_matches() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
-if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+python_in_use=$PYTHON
+if [ -x .venv/bin/python ]; then python_in_use=.venv/bin/python; fi
+if ! "$python_in_use" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
   echo "pagedserve needs Python 3.11 or newer (the gateway relies on asyncio's Task.cancelling, 3.11+);" \
-       "$PYTHON is $("$PYTHON" --version 2>&1 || echo missing): install python3.11 and run PYTHON=python3.11 $0" >&2
+       "$python_in_use is $("$python_in_use" --version 2>/dev/null || echo 'not found'):" \
+       "install python3.11, delete .venv if an older Python made it, and run PYTHON=python3.11 $0" >&2
   exit 1
 fi
 if [ ! -x .venv/bin/python ]; then

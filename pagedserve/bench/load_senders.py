@@ -68,8 +68,9 @@ async def grpc_sender(target: str, settings: SendSettings) -> AsyncIterator[Send
     async with grpc.aio.insecure_channel(target, options=CLIENT_API_CHANNEL_OPTIONS,
                                          interceptors=gateway_aio_interceptors(settings.api_key)) as channel:
         try:
-            await asyncio.wait_for(channel.channel_ready(), settings.connect_timeout_s)
-        except asyncio.TimeoutError as exc:
+            async with asyncio.timeout(settings.connect_timeout_s):
+                await channel.channel_ready()
+        except TimeoutError as exc:
             raise ConnectionError(f"no gateway answers at {target} after {settings.connect_timeout_s} s") from exc
         stub = generate_pb2_grpc.GenerationStub(channel)
 

@@ -78,22 +78,25 @@ class _AsyncBlockingPool(aioredis.BlockingConnectionPool):
 class _CancellableRedis(aioredis.Redis):
     """redis-py's asyncio client, with a cancellation that arrives during a command never lost.
 
-    redis-py puts ``asyncio.wait_for`` around socket reads and writes when a socket timeout is set
-    (always here, and by default since redis-py 8). Python 3.11's ``wait_for`` returns the result,
-    dropping the ``CancelledError``, when its task is cancelled just as the awaited read completes
-    (CPython issue gh-86296, fixed in 3.12): a cancelled gateway loop then ran on for ever (a
-    gateway test hung on it 1 run in 6; 1,568 of 2,000 cancels of a loop of HGETALLs were lost).
-    A command during which its task was cancelled raises ``CancelledError`` once it has completed;
-    a cancellation requested before the command started (a clean-up in a ``finally``) does not.
+    redis-py 8 puts ``asyncio.wait_for`` around socket writes when a socket timeout is set (always
+    here; by default since redis-py 8). Python 3.11's ``wait_for`` returns, dropping the
+    ``CancelledError``, when its task is cancelled just as the awaited write completes (CPython issue
+    gh-86296, fixed in 3.12): a cancelled gateway loop then ran on for ever (a gateway test hung on it
+    1 run in 6; 1,568 of 2,000 cancels of a loop of HGETALLs were lost). A command during which its
+    task was cancelled raises ``CancelledError`` once it has ended, whether it returned or failed (the
+    gateway's loops catch ``redis.RedisError`` and go on); a cancellation requested before the command
+    started (a clean-up in a ``finally``) does not. Only ``execute_command`` is covered: the gateway
+    uses no pipeline or pub/sub.
     """
 
     async def execute_command(self, *args, **options):
         task = asyncio.current_task()
         cancels_before = task.cancelling()
-        result = await super().execute_command(*args, **options)
-        if task.cancelling() > cancels_before:
-            raise asyncio.CancelledError
-        return result
+        try:
+            return await super().execute_command(*args, **options)
+        finally:
+            if task.cancelling() > cancels_before:
+                raise asyncio.CancelledError  # replaces the result or the command's own error
 
 
 def threaded_redis_client(url: str, max_connections: int = THREADED_SERVICE_MAX_CONNECTIONS,

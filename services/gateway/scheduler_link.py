@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -73,8 +72,9 @@ class SchedulerLink:
         """Ends the stream and closes the channel (the link cannot be started again)."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # asyncio.wait neither raises the link task's CancelledError nor swallows one aimed at the
+            # caller (awaiting the task inside suppress(CancelledError) lost the caller's own cancel)
+            await asyncio.wait({self._task})
         self._set_connected(False)
         # grpc.aio's close waits for the channel's calls to end, which a call racing the close now and
         # then never does (a CI run hung there): bounded, without cancelling it (as wait_for would).
