@@ -19,10 +19,12 @@ stamp_matches() { [ -f "$1" ] && [ "$(cat "$1")" = "$2" ]; }
 
 python_in_use=$PYTHON
 if [ -x .venv/bin/python ]; then python_in_use=.venv/bin/python; fi
-if ! "$python_in_use" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
-  echo "pagedserve needs Python 3.11 or newer (the gateway relies on asyncio's Task.cancelling, 3.11+);" \
+min_python=$(sed -n 's/^requires-python = ">=\([0-9.]*\)"$/\1/p' pyproject.toml)  # pyproject.toml owns it
+if ! "$python_in_use" -c "import sys; sys.exit(sys.version_info < tuple(map(int, '$min_python'.split('.'))))" \
+    2>/dev/null; then
+  echo "pagedserve needs Python $min_python or newer (pyproject.toml's requires-python);" \
        "$python_in_use is $("$python_in_use" --version 2>/dev/null || echo 'not found'):" \
-       "install python3.11, delete .venv if an older Python made it, and run PYTHON=python3.11 $0" >&2
+       "install python$min_python, delete .venv if an older Python made it, and run PYTHON=python$min_python $0" >&2
   exit 1
 fi
 if [ ! -x .venv/bin/python ]; then
