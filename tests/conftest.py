@@ -8,6 +8,24 @@ from pagedserve.model_files import prepare_default_model
 from tests.e2e.processes import start_stack
 
 
+def _openmp_threads_sleep_while_they_wait() -> None:
+    """Sets OMP_WAIT_POLICY=passive (unless set) for the test processes and every service they
+    start, before torch loads its OpenMP runtime (so as this conftest is imported: the directories'
+    conftests import torch before any ``pytest_configure``): a thread that waits for work or at a
+    barrier sleeps instead of spinning. The suite runs more processes than cores, so a spinning thread
+    burns a core that another test needs, often while the thread it waits for is descheduled (libgomp
+    throttles its spinning only when one process has more threads than cores). tests/e2e/test_cli.py beside two
+    busy loops: 131 s wall and 121 CPU-s with the default policy, 69 s and 53 CPU-s passive; with
+    nothing beside them, test_gemm_backend's two stacks took 38 and 35 CPU-s in the same wall time.
+    Served workers keep the default: their threads own their cores there."""
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+
+_openmp_threads_sleep_while_they_wait()
+
+
 def pytest_configure(config):
     """Holds one reference to grpc.aio for the whole session. grpc.aio joins its poller thread when
     its last object is finalized, and a half-stopped server finalized by a garbage collection in any
@@ -16,24 +34,7 @@ def pytest_configure(config):
     import grpc.aio
 
     grpc.aio.init_grpc_aio()
-    _openmp_threads_sleep_while_they_wait()
     _one_thread_per_process_when_workers_fill_the_cores()
-
-
-def _openmp_threads_sleep_while_they_wait() -> None:
-    """Sets OMP_WAIT_POLICY=passive (unless set) for the test processes and every service they
-    start, before torch loads its OpenMP runtime: a thread that waits for work or at a barrier sleeps
-    instead of spinning. The suite runs more processes than cores, so a spinning thread burns a core
-    that another test needs, often while the thread it waits for is descheduled (libgomp throttles
-    its spinning only when one process has more threads than cores). tests/e2e/test_cli.py beside two
-    busy loops: 131 s wall and 121 CPU-s with the default policy, 69 s and 53 CPU-s passive; with
-    nothing beside them, test_gemm_backend's two stacks took 38 and 35 CPU-s in the same wall time.
-    Served workers keep the default: their threads own their cores there."""
-    import os
-    import sys
-
-    assert "torch" not in sys.modules, "OMP_WAIT_POLICY must be set before torch loads libgomp"
-    os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 
 def _one_thread_per_process_when_workers_fill_the_cores() -> None:

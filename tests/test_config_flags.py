@@ -41,9 +41,28 @@ def test_a_service_config_comes_back_equal_from_its_flags(monkeypatch, command, 
     monkeypatch.setenv("PAGEDSERVE_CLUSTER_TOKEN", TOKEN)  # secrets travel in the environment, not argv
     argv = config_to_argv(config)
     assert TOKEN not in argv
-    args = build_parser().parse_args([command, *argv])
     given = {"model": config.model} if hasattr(config, "model") else {}
-    assert config_from_args(type(config), args, **given) == config
+    for parser in (build_parser(), build_parser(command)):  # every command's flags, or only this one's
+        assert config_from_args(type(config), parser.parse_args([command, *argv]), **given) == config
+
+
+def test_a_command_line_builds_only_its_commands_flags():
+    """`pagedserve worker ...` builds the worker's flags alone: the other commands' configs and modules
+    (the launcher, the benchmarks, the gateway's config) are not imported; `pagedserve` alone (or an
+    unknown command) builds them all."""
+    import subprocess
+    import sys
+
+    others = ("pagedserve.launcher", "pagedserve.bench.cli", "services.gateway.config")
+    code = ("import sys; from pagedserve.cli import build_parser; build_parser('worker').parse_args(['worker']); "
+            f"print([m for m in {others!r} if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.stdout.strip() == "[]", result.stderr
+    from pagedserve.cli import COMMANDS
+
+    for command in (None, "no-such-command"):
+        subcommands = next(a for a in build_parser(command)._actions if a.dest == "command")
+        assert list(subcommands.choices) == list(COMMANDS)
 
 
 def test_two_flags_that_would_share_a_value_are_refused():
