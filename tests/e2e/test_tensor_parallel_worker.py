@@ -31,11 +31,15 @@ KV_MIB = 8
 MAX_CONSTRAINED = 96
 
 
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def _helper_pids(worker_pid: int) -> list[int]:
-    """The spawned helper ranks among the worker's children (not multiprocessing's resource tracker)."""
-    children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
-    return [pid for pid in map(int, children)
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")]
+    """The helper ranks: the children of the worker's multiprocessing fork server (engine/parallel/spawn.py
+    forks them there; the worker's other child is multiprocessing's resource tracker)."""
+    servers = [pid for pid in _children(worker_pid) if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return [helper for server in servers for helper in _children(server)]
 
 
 @pytest.fixture(scope="module")
