@@ -36,6 +36,7 @@ from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, data
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.peer_systems import (VLLM_PYTHON_HELP, SystemRun, check_vllm_python, exit_on_peer_error,
                                            kv_cache_gib, llama_server_props, run_llama_server, run_vllm)
+from pagedserve.bench.peer_rounds import fastest_pagedserve, rounds_table, run_rounds
 from pagedserve.bench.report import format_table, write_json
 from pagedserve.bench.vllm_driver import DEFAULT_ENGINE_CORE, ENGINE_CORES
 from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
@@ -76,8 +77,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the reference for greedy agreement; GEMM auto (the default: panels or onednn on CPU), "
                         "torch (F.linear, the reference kernels), onednn or panels, COMPILE eager (when omitted) or inductor "
                         "(opt-in; see pagedserve worker --help), e.g. auto,torch,auto+inductor (default %(default)s)")
+    p.add_argument("--rounds", type=_positive, default=1,
+                   help="run every system this many times, in turn: the order reverses each round, so a machine "
+                        "whose memory bandwidth drifts during the run slows each side alike; the table per round "
+                        "and each system's median over the rounds (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write settings, machine, every figure and per-request matches")
     p.set_defaults(func=run, device="cpu")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> int | None:
@@ -189,7 +201,7 @@ def vllm_spec(model: Path, prompts: list[list[int]], requests: list[SampleReques
 
 def table(runs: list[SystemRun], matches: dict[str, dict], n: int) -> str:
     """The result table: one row per system, pagedserve first; the ratio is to the fastest pagedserve row."""
-    engine = _fastest_pagedserve(runs)
+    engine = fastest_pagedserve(runs)
     rows = []
     for s in runs:
         m = matches.get(s.run.system)
@@ -199,11 +211,6 @@ def table(runs: list[SystemRun], matches: dict[str, dict], n: int) -> str:
                      m["first_mismatch_median"] if m else None, m["at_eos"] if m else None])
     return format_table(["system", "elapsed s", "output tok/s", "total tok/s", "best pagedserve / it",
                          "same greedy ids", "first mismatch median", "of which at EOS"], rows)
-
-
-def _fastest_pagedserve(runs: list[SystemRun]):
-    """The pagedserve run (one per GEMM backend) with the most output tokens/s."""
-    return max((s.run for s in runs if s.run.system.startswith("pagedserve")), key=lambda r: r.output_tokens_per_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,36 +232,47 @@ def _run(args: argparse.Namespace) -> int:
     prompts = [tokenizer.encode(r.prompt) for r in requests]
     max_tokens = [r.expected_output_len for r in requests]
     print(f"{len(requests)} requests: {sum(map(len, prompts))} prompt tokens, {sum(max_tokens)} output tokens")
-    runs = [run_pagedserve(model, prompts, requests, args, backend) for backend in args.engines]
+    systems = [lambda v=v: [run_pagedserve(model, prompts, requests, args, v)] for v in args.engines]
     if args.vllm_python:
-        runs += run_vllm(args.vllm_python, vllm_spec(model, prompts, requests, args), prompts, max_tokens)
+        systems.append(lambda: run_vllm(args.vllm_python, vllm_spec(model, prompts, requests, args), prompts, max_tokens))
     if args.llama_server_url:
-        runs.append(run_llama_server(args.llama_server_url, prompts, max_tokens, WARMUP_TOKEN_IDS, WARMUP_TOKENS))
-    eos = runs[0].info["eos_token_ids"]
-    matches = {s.run.system: match_summary(runs[0].outputs, s.outputs, eos) for s in runs[1:]}
+        systems.append(lambda: [run_llama_server(args.llama_server_url, prompts, max_tokens, WARMUP_TOKEN_IDS,
+                                                 WARMUP_TOKENS)])
+    rounds = run_rounds(systems, args.rounds)
+    eos = rounds[0][0].info["eos_token_ids"]
+    matches = [{s.run.system: match_summary(runs[0].outputs, s.outputs, eos) for s in runs[1:]} for runs in rounds]
     machine = machine_info()
     print(f"\nOffline throughput and greedy agreement, {args.dtype}, KV cache {KVCacheDtype(args.kv_cache_dtype).value} "
           f"({machine_line(machine)})")
-    print(table(runs, matches, len(requests)))
-    for s in runs:
+    for i, (runs, round_matches) in enumerate(zip(rounds, matches)):
+        print(f"round {i + 1} of {len(rounds)}" if len(rounds) > 1 else "")
+        print(table(runs, round_matches, len(requests)))
+    if len(rounds) > 1:
+        print(f"\nover the {len(rounds)} rounds\n{rounds_table(rounds)}")
+    for s in rounds[0]:
         if s.run.output_tokens != sum(max_tokens):
             print(f"note: {s.run.system} generated {s.run.output_tokens} tokens, {sum(max_tokens)} asked for")
     if args.result_json:
-        write_json(args.result_json, result(args, machine, runs, matches, requests))
+        write_json(args.result_json, result(args, machine, rounds, matches, requests))
     return 0
 
 
-def result(args: argparse.Namespace, machine: dict, runs: list[SystemRun], matches: dict[str, dict],
+def result(args: argparse.Namespace, machine: dict, rounds: list[list[SystemRun]], matches: list[dict[str, dict]],
            requests: list[SampleRequest]) -> dict:
-    """Everything the run measured, for --result-json (tokens/s per second of wall time)."""
-    engine = _fastest_pagedserve(runs)
-    systems = []
-    for s in runs:
-        systems.append({**vars(s.run), "output_tokens_per_s": s.run.output_tokens_per_s,
-                        "total_tokens_per_s": s.run.total_tokens_per_s,
-                        "pagedserve_ratio": engine.output_tokens_per_s / s.run.output_tokens_per_s,
-                        "info": s.info, "match": matches.get(s.run.system)})
+    """Everything the run measured, for --result-json (tokens/s per second of wall time): ``systems``
+    the first round's, ``rounds`` every round's (the first again), ``median_ratio`` per system."""
+    by_round = [_systems(runs, round_matches) for runs, round_matches in zip(rounds, matches)]
+    median_ratio = {s["system"]: statistics.median(r[i]["pagedserve_ratio"] for r in by_round)
+                    for i, s in enumerate(by_round[0])}
     return {"num_requests": len(requests),
             "requests": [{"prompt_len": r.prompt_len, "output_len": r.expected_output_len} for r in requests],
-            "systems": systems, "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
-            "machine": machine}
+            "systems": by_round[0], "rounds": by_round, "median_ratio": median_ratio,
+            "settings": {k: str(v) for k, v in vars(args).items() if k != "func"}, "machine": machine}
+
+
+def _systems(runs: list[SystemRun], matches: dict[str, dict]) -> list[dict]:
+    engine = fastest_pagedserve(runs)
+    return [{**vars(s.run), "output_tokens_per_s": s.run.output_tokens_per_s,
+             "total_tokens_per_s": s.run.total_tokens_per_s,
+             "pagedserve_ratio": engine.output_tokens_per_s / s.run.output_tokens_per_s,
+             "info": s.info, "match": matches.get(s.run.system)} for s in runs]

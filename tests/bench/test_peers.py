@@ -109,12 +109,38 @@ def test_engine_variants_parse_and_name_their_rows():
             _engine_variants(bad)
 
 
+def test_rounds_alternate_the_order_and_ratios_are_taken_within_a_round():
+    from pagedserve.bench.peer_rounds import rounds_table, run_rounds
+    from pagedserve.bench.peer_systems import SystemRun
+    from pagedserve.bench.throughput import ThroughputRun
+
+    calls, speeds = [], {"pagedserve": iter([10, 20, 30]), "vllm": iter([8, 10, 20])}
+
+    def system(name: str):
+        def run() -> list[SystemRun]:
+            calls.append(name)
+            return [SystemRun(ThroughputRun(name, 1.0, next(speeds[name]), 5), [[1]], {})]  # tokens in 1 s
+        return run
+
+    rounds = run_rounds([system("pagedserve"), system("vllm")], 3)
+    assert calls == ["pagedserve", "vllm", "vllm", "pagedserve", "pagedserve", "vllm"]
+    assert [[s.run.system for s in runs] for runs in rounds] == [["pagedserve", "vllm"]] * 3
+    text = rounds_table(rounds)
+    assert "10.0, 20.0, 30.0" in text and "1.25, 2.00, 1.50" in text  # 10/8, 20/10, 30/20: median 1.50
+    vllm_row = next(line for line in text.splitlines() if line.lstrip("| ").startswith("vllm"))
+    assert vllm_row.rstrip(" |").endswith("1.50")
+
+
 @pytest.mark.model
 def test_peers_with_pagedserve_only(tmp_path, small_model):
     out = tmp_path / "peers.json"
-    stdout = bench("peers", "--model", str(small_model), *TINY, "--result-json", str(out))
+    stdout = bench("peers", "--model", str(small_model), *TINY, "--rounds", "2", "--result-json", str(out))
     assert "same greedy ids" in stdout and "reference" in stdout
+    assert "round 2 of 2" in stdout and "median ratio" in stdout
     report = json.loads(out.read_text())
+    assert len(report["rounds"]) == 2 and report["rounds"][0] == report["systems"]
+    assert [s["output_tokens"] for s in report["rounds"][1]] == [12]
+    assert report["median_ratio"] == {"pagedserve": pytest.approx(1.0)}
     [engine] = report["systems"]
     assert engine["system"] == "pagedserve" and engine["match"] is None
     assert engine["output_tokens"] == 12  # 3 requests x 4 tokens, EOS ignored
