@@ -73,8 +73,12 @@ def spawn_helpers(config: RankConfig, spec: GroupSpec, ranks: range,
     """Starts ``target(config, spec, rank, pipe)`` in a new process per rank; ``[(process, pipe)]``.
 
     The processes are forked from multiprocessing's fork server, which imports ``target``'s module
-    (torch and the engine) once, before any thread or OpenMP team exists: a helper then starts
-    without importing torch again (with ``spawn`` each did: 3-4 CPU-s a helper on the AVX2 EPYC).
+    (torch and the engine) once, before any OpenMP team or CUDA context exists (numpy's OpenBLAS
+    pool, which handles fork, is its one other thread): a helper then starts without importing torch
+    again (with ``spawn`` each did: 3-4 CPU-s a helper on the AVX2 EPYC). The server starts at this
+    process's first call and keeps that moment's environment and CPU affinity for every later helper
+    (the worker service binds its cores before; an in-process engine that changes ``os.environ``
+    between two parallel engines gives the second one's helpers the first one's environment).
     """
     context = mp.get_context("forkserver")
     context.set_forkserver_preload([target.__module__])  # read when the server starts (first use only)
