@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 _BYTE_UNITS = {
@@ -60,3 +61,17 @@ def format_bytes(size: int) -> str:
         if size and size % _BYTE_UNITS[unit.lower()] == 0:
             return f"{size // _BYTE_UNITS[unit.lower()]}{unit}"
     return str(size)
+
+
+def positive(kind: type):
+    """An argparse ``type`` reading a ``kind`` (``int`` or ``float``) that must be above 0.
+
+    Raises (the returned parser):
+        argparse.ArgumentTypeError: the value is 0 or less.
+    """
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse

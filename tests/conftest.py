@@ -14,9 +14,10 @@ def _openmp_threads_sleep_while_they_wait() -> None:
     conftests import torch before any ``pytest_configure``): a thread that waits for work or at a
     barrier sleeps instead of spinning. The suite runs more processes than cores, so a spinning thread
     burns a core that another test needs, often while the thread it waits for is descheduled (libgomp
-    throttles its spinning only when one process has more threads than cores). tests/e2e/test_cli.py beside two
-    busy loops: 131 s wall and 121 CPU-s with the default policy, 69 s and 53 CPU-s passive; with
-    nothing beside them, test_gemm_backend's two stacks took 38 and 35 CPU-s in the same wall time.
+    throttles its spinning only when one process has more threads than cores). tests/e2e/test_cli.py
+    beside two busy loops: 131 s wall and 121 CPU-s with the default policy, 69 s and 53 CPU-s
+    passive; with nothing beside them, test_gemm_backend's two stacks took 38 and 35 CPU-s in the same
+    wall time.
     Served workers keep the default: their threads own their cores there."""
     import os
 

@@ -43,6 +43,7 @@ from pagedserve.bench.throughput import add_engine_arguments, build_engine, time
 from pagedserve.config_flags import add_config_arguments, fields_except
 from pagedserve.engine.config import CompileMode, GemmBackend, KVCacheDtype
 from pagedserve.engine.runner_config import RunnerConfig
+from pagedserve.units import positive
 
 WARMUP_TOKEN_IDS = list(range(1000, 1032))
 """The warm-up prompt: 32 token ids no sampled prompt starts with, so no prefix cache is primed."""
@@ -77,19 +78,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the reference for greedy agreement; GEMM auto (the default: panels or onednn on CPU), "
                         "torch (F.linear, the reference kernels), onednn or panels, COMPILE eager (when omitted) or inductor "
                         "(opt-in; see pagedserve worker --help), e.g. auto,torch,auto+inductor (default %(default)s)")
-    p.add_argument("--rounds", type=_positive, default=1,
+    p.add_argument("--rounds", type=positive(int), default=1,
                    help="run every system this many times, in turn: the order reverses each round, so a machine "
                         "whose memory bandwidth drifts during the run slows each side alike; the table per round "
                         "and each system's median over the rounds (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write settings, machine, every figure and per-request matches")
     p.set_defaults(func=run, device="cpu")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def first_mismatch(reference: Sequence[int], other: Sequence[int]) -> int | None:
@@ -245,7 +239,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"\nOffline throughput and greedy agreement, {args.dtype}, KV cache {KVCacheDtype(args.kv_cache_dtype).value} "
           f"({machine_line(machine)})")
     for i, (runs, round_matches) in enumerate(zip(rounds, matches)):
-        print(f"round {i + 1} of {len(rounds)}" if len(rounds) > 1 else "")
+        if len(rounds) > 1:
+            print(f"round {i + 1} of {len(rounds)}")
         print(table(runs, round_matches, len(requests)))
     if len(rounds) > 1:
         print(f"\nover the {len(rounds)} rounds\n{rounds_table(rounds)}")

@@ -27,6 +27,7 @@ from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments
 from pagedserve.bench.load_senders import Backend, SendSettings, sender
 from pagedserve.bench.metrics import RequestRecord, ServeMetrics, compute_metrics, error_counts
 from pagedserve.bench.serve_compare import format_backend_comparison, parse_backends
+from pagedserve.units import positive
 from services.common.service_args import DEFAULT_HTTP_PORT, DEFAULT_TARGET
 
 
@@ -61,15 +62,6 @@ def parse_rates(text: str) -> tuple[float, ...]:
     if not rates or any(not r > 0 for r in rates):
         raise argparse.ArgumentTypeError(f"rates must be positive numbers or inf, got {text!r}")
     return rates
-
-
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-    return parse
 
 
 def arrival_offsets(n: int, load: LoadSettings) -> list[float]:
@@ -267,7 +259,7 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--target", default=DEFAULT_TARGET, help="gRPC gateway HOST:PORT (default %(default)s)")
     p.add_argument("--base-url", default=f"http://127.0.0.1:{DEFAULT_HTTP_PORT}",
                    help="base URL of the OpenAI-compatible server (default %(default)s)")
-    p.add_argument("--rounds", type=_positive(int), default=1,
+    p.add_argument("--rounds", type=positive(int), default=1,
                    help="with several backends: how many times they take turns (default %(default)s)")
     p.add_argument("--served-model-name", default="",
                    help="the `model` sent to the OpenAI API (default: the --model folder's name)")
@@ -280,14 +272,14 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
     load.add_argument("--request-rate", type=parse_rates, default=(math.inf,), metavar="RATES",
                       help="requests per second, or a comma-separated list run in turn, e.g. 1,2,4,inf; "
                       "inf sends everything at once (default inf)")
-    load.add_argument("--burstiness", type=_positive(float), default=1.0,
+    load.add_argument("--burstiness", type=positive(float), default=1.0,
                       help="gamma shape of the gaps between arrivals: 1 is Poisson, <1 burstier, >1 steadier "
                       "(default %(default)s)")
-    load.add_argument("--max-concurrency", type=_positive(int), default=None,
+    load.add_argument("--max-concurrency", type=positive(int), default=None,
                       help="most calls in flight at once (default: no cap)")
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default %(default)s)")
     load.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens (=output length)")
-    load.add_argument("--timeout", type=_positive(float), default=600.0, help="per-request deadline, s (default %(default)s)")
+    load.add_argument("--timeout", type=positive(float), default=600.0, help="per-request deadline, s (default %(default)s)")
     out = p.add_argument_group("output")
     out.add_argument("--result-json", type=Path, help="write every figure, the settings and each request's record")
     out.add_argument("--plot", type=Path, metavar="DIR", help="write latency CDFs (and throughput vs rate) as PNGs")
