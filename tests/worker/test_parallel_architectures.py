@@ -11,14 +11,13 @@ import torch.multiprocessing as tmp
 
 from pagedserve.engine.kv_cache import KVCacheSpec
 from pagedserve.engine.models.registry import load_model_config
-from pagedserve.engine.parallel.group import free_loopback_port
 from pagedserve.engine.parallel.rank import check_shardable
 from pagedserve.engine.parallel.sharding import ShardingError, grouped_qkv_slice, shard_layout
 from pagedserve.engine.weight_loader import load_model
 from pagedserve.llm import LLM
 from tests.worker.tiny_models import TINY_MIXTRAL, save_tiny_model
-from tests.worker.tp_helpers import (BLOCK, NUM_BLOCKS, generated_tokens, split_two_ways_main,
-                                     tiny_model_and_prompts, two_steps)
+from tests.worker.tp_helpers import (BLOCK, NUM_BLOCKS, generated_tokens, parent_rendezvous,
+                                     split_two_ways_main, tiny_model_and_prompts, two_steps)
 
 _RW = {"alibi": True, "new_decoder_architecture": False, "multi_query": False, "num_kv_heads": 4,
        "parallel_attn": False, "bias": True}  # falcon-rw: [H, 3, D] rows, sequential block, biases
@@ -51,8 +50,8 @@ def test_t2_and_p2_logits_equal_one_rank(tmp_path):
     folders = {name: save_tiny_model(tmp_path / name, arch, seed=5, **overrides)
                for name, (arch, overrides) in CASES.items()}
     cases = {name: (str(folder), _backends(name)) for name, folder in folders.items()}
-    tmp.spawn(split_two_ways_main, args=(cases, f"tcp://127.0.0.1:{free_loopback_port()}", str(tmp_path)),
-              nprocs=2)
+    spec, _store = parent_rendezvous(2)
+    tmp.spawn(split_two_ways_main, args=(cases, spec, str(tmp_path)), nprocs=2)
     for name, folder in folders.items():
         model = load_model(folder)
         for backend in _backends(name):

@@ -7,14 +7,13 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from pagedserve.engine.parallel.group import free_loopback_port
 from pagedserve.engine.parallel.pipeline import (PipelineError, RankPosition, pipeline_stage,
                                                  stage_checkpoint_name)
 from pagedserve.engine.parallel.rank import check_shardable
 from pagedserve.engine.weight_loader import load_model
 from pagedserve.llm import LLM
 from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
-from tests.worker.tp_helpers import grid_rank_main, two_steps
+from tests.worker.tp_helpers import grid_rank_main, parent_rendezvous, two_steps
 
 CASES = {  # (T, P), model overrides
     "pp2": ((1, 2), dict()),
@@ -72,8 +71,8 @@ def test_pipeline_logits_equal_one_rank(tmp_path, case):
     folder = save_tiny_model(tmp_path / "m", "llama", seed=5, **overrides)
     reference = two_steps(load_model(folder))
     out = tmp_path / "logits.pt"
-    tmp.spawn(grid_rank_main, args=(str(folder), f"tcp://127.0.0.1:{free_loopback_port()}", (t, p), str(out)),
-              nprocs=t * p)
+    spec, _store = parent_rendezvous(t * p)
+    tmp.spawn(grid_rank_main, args=(str(folder), spec, (t, p), str(out)), nprocs=t * p)
     ours = torch.load(out)
     for got, want in zip(ours, reference, strict=True):
         assert got.shape == want.shape

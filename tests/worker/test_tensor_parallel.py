@@ -8,13 +8,12 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from pagedserve.engine.parallel.group import free_loopback_port
 from pagedserve.engine.parallel.rank import check_shardable
 from pagedserve.engine.parallel.sharding import ShardingError, checkpoint_slice, shard_layout
 from pagedserve.engine.weight_loader import load_model
 from pagedserve.engine.models.registry import load_model_config
 from tests.worker.tiny_models import save_tiny_model
-from tests.worker.tp_helpers import rank_main, two_steps
+from tests.worker.tp_helpers import parent_rendezvous, rank_main, two_steps
 
 CASES = {
     "kv_split": dict(num_key_value_heads=2),                    # 2 KV heads: one per rank
@@ -27,7 +26,8 @@ def test_tp2_logits_equal_tp1(tmp_path, case):
     folder = save_tiny_model(tmp_path / "m", "llama", seed=5, **CASES[case])
     reference = two_steps(load_model(folder))
     out = tmp_path / "logits.pt"
-    tmp.spawn(rank_main, args=(str(folder), f"tcp://127.0.0.1:{free_loopback_port()}", 2, str(out)), nprocs=2)
+    spec, _store = parent_rendezvous(2)
+    tmp.spawn(rank_main, args=(str(folder), spec, str(out)), nprocs=2)
     ours = torch.load(out)
     for got, want in zip(ours, reference):
         assert got.shape == want.shape

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedserve.engine.attention import make_attention_backend
+from pagedserve.engine.parallel.group import GroupSpec, TensorParallelGroup, dial_rendezvous, serve_rendezvous
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.worker.tiny_models import forward_step, make_cache, save_tiny_model, save_tiny_tokenizer
 
@@ -95,13 +96,23 @@ def two_steps(model, backend: str = "torch", cache=None, forward=None) -> list[t
     return [prefill, decode]
 
 
-def rank_main(rank: int, folder: str, init_method: str, world_size: int, out: str) -> None:
+def parent_rendezvous(world_size: int) -> tuple[GroupSpec, object]:
+    """A rendezvous this test process serves for the rank processes it spawns (every rank dials it,
+    rank 0 too: :func:`join_parent`): ``(spec, store)``; keep the store until the ranks are done."""
+    return serve_rendezvous(GroupSpec("tcp://127.0.0.1:0", world_size, timeout_s=30.0))
+
+
+def join_parent(spec: GroupSpec, rank: int) -> TensorParallelGroup:
+    """Joins, as ``rank``, the group whose rendezvous the test process serves."""
+    return TensorParallelGroup(spec, rank, dial_rendezvous(spec))
+
+
+def rank_main(rank: int, folder: str, spec: GroupSpec, out: str) -> None:
     """One rank: builds its shard, runs :func:`two_steps`; rank 0 saves the logits to ``out``."""
-    from pagedserve.engine.parallel.group import GroupSpec, TensorParallelGroup
     from pagedserve.engine.parallel.rank import load_model_shard
 
     torch.set_num_threads(1)
-    group = TensorParallelGroup(GroupSpec(init_method, world_size, timeout_s=30.0), rank)
+    group = join_parent(spec, rank)
     try:
         model = load_model_shard(folder, group, torch.float32, "cpu")
         logits = two_steps(model)
@@ -111,15 +122,14 @@ def rank_main(rank: int, folder: str, init_method: str, world_size: int, out: st
         group.close()
 
 
-def grid_rank_main(rank: int, folder: str, init_method: str, sizes: tuple[int, int], out: str) -> None:
+def grid_rank_main(rank: int, folder: str, spec: GroupSpec, sizes: tuple[int, int], out: str) -> None:
     """One rank of a ``T x P`` grid: builds its runner, runs the :func:`two_steps` forwards through its
     stage; the last stage's tensor-parallel rank 0 saves the logits to ``out``."""
-    from pagedserve.engine.parallel.group import GroupSpec, TensorParallelGroup
     from pagedserve.engine.parallel.rank import RankConfig, build_stage_runners
 
     torch.set_num_threads(1)
     t, p = sizes
-    group = TensorParallelGroup(GroupSpec(init_method, t * p, timeout_s=30.0), rank)
+    group = join_parent(spec, rank)
     try:
         runner = build_stage_runners(RankConfig(folder, 1 << 20, BLOCK, pipeline_parallel_size=p), group)[0]
         logits = two_steps(runner.model, cache=runner.kv_cache, forward=runner.forward)
@@ -129,16 +139,15 @@ def grid_rank_main(rank: int, folder: str, init_method: str, sizes: tuple[int, i
         group.close()
 
 
-def split_two_ways_main(rank: int, cases: dict[str, tuple[str, tuple[str, ...]]], init_method: str, out: str) -> None:
+def split_two_ways_main(rank: int, cases: dict[str, tuple[str, tuple[str, ...]]], spec: GroupSpec, out: str) -> None:
     """One of 2 ranks, for every case ``name -> (folder, attention backends)``: :func:`two_steps` over
     its T=2 shard, then over its stage of P=2 (one group serves both: T=2 x P=1 and T=1 x P=2), per
     backend. Rank 0 saves the T=2 logits, rank 1 (the last stage) the P=2 ones, in ``out/NAME.tp.pt``
     and ``out/NAME.pp.pt`` (``{backend: [prefill, decode]}``)."""
-    from pagedserve.engine.parallel.group import GroupSpec, TensorParallelGroup
     from pagedserve.engine.parallel.rank import RankConfig, build_stage_runners, load_model_shard
 
     torch.set_num_threads(1)
-    group = TensorParallelGroup(GroupSpec(init_method, 2, timeout_s=30.0), rank)
+    group = join_parent(spec, rank)
     try:
         for name, (folder, backends) in cases.items():
             model = load_model_shard(folder, group, torch.float32, "cpu")

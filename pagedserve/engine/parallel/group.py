@@ -14,10 +14,12 @@ One group per process: it is the default ``torch.distributed`` group, destroyed 
 
 from __future__ import annotations
 
-import socket
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -25,13 +27,6 @@ import torch.distributed as dist
 
 class CollectiveError(RuntimeError):
     """A collective failed: a peer rank died, or did not answer within the group's timeout."""
-
-
-def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a rendezvous address)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 COLLECTIVE_TIMEOUT_S = 15.0
@@ -55,6 +50,43 @@ class GroupSpec:
     world_size: int
     timeout_s: float = COLLECTIVE_TIMEOUT_S
     backend: str = "gloo"
+
+
+def serve_rendezvous(spec: GroupSpec) -> tuple[GroupSpec, dist.TCPStore]:
+    """Rank 0's rendezvous store, served from now on (before any helper starts), and the spec the
+    other ranks join with: ``spec`` with the port the store holds (``spec``'s port 0: one the OS
+    picks). A port found free, closed and bound again later could be taken in between (EADDRINUSE:
+    seen in a test run beside other stacks).
+
+    Raises:
+        CollectiveError: the port is in use.
+    """
+    address = urlsplit(spec.init_method)
+    with _store_errors(spec):
+        store = dist.TCPStore(address.hostname, address.port, spec.world_size, is_master=True,
+                              timeout=timedelta(seconds=spec.timeout_s), wait_for_workers=False)
+    return replace(spec, init_method=f"tcp://{urlsplit(spec.init_method).hostname}:{store.port}"), store
+
+
+def dial_rendezvous(spec: GroupSpec) -> dist.TCPStore:
+    """A client of the rendezvous store another process serves at ``spec.init_method``, retrying
+    until ``spec.timeout_s``.
+
+    Raises:
+        CollectiveError: no server answered in time.
+    """
+    address = urlsplit(spec.init_method)
+    with _store_errors(spec):
+        return dist.TCPStore(address.hostname, address.port, spec.world_size,
+                             timeout=timedelta(seconds=spec.timeout_s))
+
+
+@contextmanager
+def _store_errors(spec: GroupSpec) -> Iterator[None]:
+    try:
+        yield
+    except (RuntimeError, ValueError) as exc:  # DistNetworkError: EADDRINUSE, connection timeouts
+        raise CollectiveError(f"rendezvous {spec.init_method}: {exc}") from exc
 
 
 class Collectives:
@@ -106,20 +138,26 @@ class TensorParallelGroup(Collectives):
     Args:
         spec: the rendezvous.
         rank: this process's rank, ``0 <= rank < spec.world_size``.
+        store: the rendezvous store, when this process already opened it (:func:`serve_rendezvous`,
+            :func:`dial_rendezvous`); by default rank 0 serves it and the others dial it.
 
     Raises:
         CollectiveError: the other ranks did not join within the timeout.
     """
 
-    def __init__(self, spec: GroupSpec, rank: int) -> None:
+    def __init__(self, spec: GroupSpec, rank: int, store: dist.TCPStore | None = None) -> None:
         if not 0 <= rank < spec.world_size:
             raise ValueError(f"rank {rank} is outside a group of {spec.world_size}")
         super().__init__(rank, spec.world_size, tuple(range(spec.world_size)))
         self.spec = spec
+        if store is None:
+            store = serve_rendezvous(spec)[1] if rank == 0 else dial_rendezvous(spec)
+        self.store = store
         try:
-            dist.init_process_group(spec.backend, init_method=spec.init_method, rank=rank,
-                                    world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
+            dist.init_process_group(spec.backend, store=self.store, rank=rank, world_size=spec.world_size,
+                                    timeout=timedelta(seconds=spec.timeout_s))
         except (RuntimeError, ValueError) as exc:
+            _forget_failed_init()
             raise CollectiveError(f"rank {rank} could not join {spec.init_method}: {exc}") from exc
 
     def subgroups(self, partition: list[tuple[int, ...]]) -> Collectives:
@@ -147,3 +185,13 @@ class TensorParallelGroup(Collectives):
         """Leaves the group (destroys the default process group); idempotent."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _forget_failed_init() -> None:
+    """Resets torch's count of process groups after a failed ``init_process_group``. torch names the
+    default group after that process-wide count, bumped before the rendezvous can fail and reset only
+    by ``destroy_process_group``: this process's next group would be named "1" while fresh helper
+    ranks name theirs "0", and gloo's keys (which hold the name) would never meet (every later
+    parallel engine of the process timed out: seen in a test run)."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0

@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pagedserve.engine.openmp_threads import release_openmp_team
-from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup, free_loopback_port
+from pagedserve.engine.parallel.group import CollectiveError, GroupSpec, TensorParallelGroup, serve_rendezvous
 from pagedserve.engine.parallel.rank import RankConfig, check_shardable
 from pagedserve.engine.parallel.rank_link import LOCAL, RankPlacement, accept_ranks, send_setup
 
@@ -46,7 +46,7 @@ def launch_ranks(config: RankConfig, tensor_parallel_size: int, timeout_s: float
     local = placement.spawned(world_size)
     if config.num_threads == 0:
         config = replace(config, num_threads=max(1, (mp.cpu_count() or 1) // local))
-    spec = GroupSpec(placement.rendezvous(f"tcp://127.0.0.1:{free_loopback_port()}"), world_size, timeout_s)
+    spec, store = serve_rendezvous(GroupSpec(placement.rendezvous("tcp://127.0.0.1:0"), world_size, timeout_s))
     remotes = accept_ranks(placement, range(local, world_size)) if local < world_size else []
     helpers, group = [], None
     try:
@@ -55,7 +55,7 @@ def launch_ranks(config: RankConfig, tensor_parallel_size: int, timeout_s: float
         send_setup(remotes, config, spec)
         helpers += remotes
         wait_ready(remotes, STARTUP_TIMEOUT_S)
-        group = TensorParallelGroup(spec, 0)
+        group = TensorParallelGroup(spec, 0, store)
         built = build(config, group)
         release_openmp_team()  # rank 0 runs on its worker's model thread (openmp_threads.py)
         wait_ready(helpers, STARTUP_TIMEOUT_S)
