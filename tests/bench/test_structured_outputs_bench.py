@@ -10,17 +10,16 @@ import sys
 
 import pytest
 
+from tests.bench.test_offline_benches import bench
+
 
 @pytest.mark.model
 def test_structured_outputs_report(tmp_path, small_model):
     out = tmp_path / "so.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "pagedserve", "bench", "structured-outputs", "--model", str(small_model),
-         "--dataset-name", "random", "--num-prompts", "3", "--input-len", "8", "--output-len", "5",
-         "--kv-cache-memory", "64MiB", "--streams", "2", "--arrivals", "2", "--before-tokens", "2",
-         "--arrival-tokens", "2", "--repeats", "2", "--result-json", str(out)],
-        capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    stdout = bench("structured-outputs", "--model", str(small_model), "--dataset-name", "random", "--num-prompts",
+                   "3", "--input-len", "8", "--output-len", "5", "--kv-cache-memory", "64MiB", "--streams", "2",
+                   "--arrivals", "2", "--before-tokens", "2", "--arrival-tokens", "2", "--repeats", "2",
+                   "--result-json", str(out))
     report = json.loads(out.read_text())
     passes = report["passes"]
     assert [p["system"] for p in passes] == ["free", "json schema", "json schema", "free"]  # ABBA, --repeats 2
@@ -52,7 +51,7 @@ def test_structured_outputs_report(tmp_path, small_model):
         assert s["during_p50_ms"] <= s["during_p99_ms"] <= s["longest_gap_ms"]
         assert s["before_p50_ms"] <= s["before_p99_ms"]
         assert s["longest_compile_ms"] <= s["worker_compile_ms"]
-    assert "ratio json schema / free" in result.stdout
+    assert "ratio json schema / free" in stdout
 
 
 def test_a_python_without_vllm_stops_before_the_engine_runs():
