@@ -71,7 +71,14 @@ def ctrl_c(process: subprocess.Popen) -> tuple[int, str]:
     """SIGINT to the process group, as a terminal's Ctrl-C; the exit status and the output after it."""
     try:
         os.killpg(process.pid, signal.SIGINT)
-        status = process.wait(timeout=90)
+        try:
+            status = process.wait(timeout=90)
+        except subprocess.TimeoutExpired:  # what still runs, and what it printed (once seen in a full run)
+            tree = subprocess.run(["ps", "-o", "pid,ppid,stat,etime,wchan:20,args", "-s", str(process.pid)],
+                                  capture_output=True, text=True).stdout
+            os.killpg(process.pid, signal.SIGKILL)
+            pytest.fail(f"run.sh still ran 90 s after Ctrl-C:\n{tree}\n"
+                        + process.stdout.read().decode(errors="replace")[-3000:])
         ignored = [line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("SigIgn")]
         return status, f"{ignored} SIGINT here: {signal.getsignal(signal.SIGINT)}\n" + \
             process.stdout.read().decode(errors="replace")[-3000:]
