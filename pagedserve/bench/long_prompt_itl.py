@@ -124,7 +124,8 @@ def run_config(model: Path, args: argparse.Namespace, budget: int, slowdown: flo
 
     with LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=budget, dtype="float32",
              **kernel_options(args),
-             max_plans_in_flight=args.max_plans_in_flight, max_decode_slowdown=slowdown) as llm:
+             max_plans_in_flight=args.max_plans_in_flight, max_decode_slowdown=slowdown,
+             admission_headroom=args.admission_headroom) as llm:
         alone, _ = _run_streams(llm, [prompt(STREAM_PROMPT_TOKENS) for _ in range(args.streams)], args.alone_tokens, None)
         streams = [prompt(STREAM_PROMPT_TOKENS) for _ in range(args.streams)]
         beside, ttft = _run_streams(llm, streams, BESIDE_MAX_TOKENS, prompt(args.long_prompt))

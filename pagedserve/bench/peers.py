@@ -175,7 +175,8 @@ def run_pagedserve(model: Path, prompts: list[list[int]], requests: list[SampleR
             "kv_cache_memory": args.kv_cache_memory,
             "eos_token_ids": eos_token_ids, "gemm_backend": variant.gemm_backend.value,
             "gemm_backend_resolved": resolve_gemm_backend(variant.gemm_backend, "cpu").value,
-            "compile_mode": variant.compile_mode.value, "max_decode_slowdown": max_decode_slowdown}
+            "compile_mode": variant.compile_mode.value, "max_decode_slowdown": max_decode_slowdown,
+            "admission_headroom": args.admission_headroom}
     return SystemRun(run, outputs, info)
 
 

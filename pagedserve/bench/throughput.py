@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, config_from_args, fields_except
+from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.runner_config import KERNELS, RunnerConfig, kernel_options
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
@@ -76,9 +77,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_plans_in_flight_argument(p: argparse.ArgumentParser) -> None:
-    """``--max-plans-in-flight`` of the in-process engine (read by :func:`build_engine`)."""
+    """``--max-plans-in-flight`` and ``--admission-headroom`` of the in-process engine (read by
+    :func:`build_engine`)."""
     p.add_argument("--max-plans-in-flight", type=int, default=2,
                    help="engine: 2 overlaps scheduling with the model's step, 1 does not (default %(default)s)")
+    add_config_arguments(p, SchedulerConfig, exclude=fields_except(SchedulerConfig, frozenset({"admission_headroom"})))
 
 
 def build_engine(model: Path, args: argparse.Namespace, **options):
@@ -88,7 +91,8 @@ def build_engine(model: Path, args: argparse.Namespace, **options):
 
     return LLM(model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype, device=args.device,
-               **kernel_options(args), max_plans_in_flight=args.max_plans_in_flight, **options)
+               **kernel_options(args), max_plans_in_flight=args.max_plans_in_flight,
+               admission_headroom=args.admission_headroom, **options)
 
 
 def time_engine(llm, prompts: list[list[int]], requests: list[SampleRequest],

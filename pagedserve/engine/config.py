@@ -84,7 +84,7 @@ class SchedulerConfig:
 
     Raises:
         ValueError: a non-positive limit, more than ``MAX_PLANS_IN_FLIGHT`` plans in flight,
-            a decode slowdown below 1, an unknown mode or policy.
+            a decode slowdown below 1, an admission headroom outside [0, 1], an unknown mode or policy.
     """
 
     block_size: int = option("token slots per KV block; workers must use the same", 16)
@@ -118,6 +118,11 @@ class SchedulerConfig:
         "decodes alone (predicted from the worker's step times, pagedserve/engine/step_cost.py); prefill "
         "chunks beside them are sized to fit, so a long prompt does not stall running streams; inf: chunks "
         "fill the token budget", 2.0)
+    admission_headroom: float = option(
+        "a waiting request is admitted only if the free KV blocks then still hold this fraction of the tokens each "
+        "running request may yet generate (max_tokens left, at most 4096), so that fewer are preempted and "
+        "prefilled again; it falls to a seventh of this over 600 iterations without a preemption and comes back "
+        "at one (SGLang's new-token ratio; pagedserve/engine/admission.py); 0: admit whatever fits now", 0.7)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_plans_in_flight"):
@@ -127,6 +132,8 @@ class SchedulerConfig:
             raise ValueError(f"max_plans_in_flight must be at most {MAX_PLANS_IN_FLIGHT}, got {self.max_plans_in_flight}")
         if not self.max_decode_slowdown >= 1:  # NaN too
             raise ValueError(f"max_decode_slowdown must be at least 1, got {self.max_decode_slowdown}")
+        if not 0 <= self.admission_headroom <= 1:  # NaN too
+            raise ValueError(f"admission_headroom must be between 0 and 1, got {self.admission_headroom}")
         # The enums' values are accepted too (flags, ``LLM(policy="priority")``).
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))

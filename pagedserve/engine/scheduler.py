@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence as Seq
 
+from pagedserve.engine.admission import AdmissionHeadroom
 from pagedserve.engine.block_manager import NO_PREFIX
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
 from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, ResumedSample,
@@ -53,6 +54,7 @@ class Scheduler:
         self._step_id = 0
         self._num_preemptions = 0
         self._num_swap_preemptions = 0
+        self._headroom = AdmissionHeadroom(config.admission_headroom)
 
     # ---- workers -------------------------------------------------------------------------
     def add_worker(self, worker_id: str, num_blocks: int, num_cpu_blocks: int = 0) -> None:
@@ -152,12 +154,14 @@ class Scheduler:
         """Decides what runs next on each of ``worker_ids`` (unknown ids are ignored), with which
         blocks; waiting requests are admitted onto these workers only."""
         self._step_id += 1
+        num_preemptions = self._num_preemptions
         drafts = self._workers.new_drafts(worker_ids)
         for worker_id, draft in drafts.items():
             worker = self._workers[worker_id]
             self._schedule_running(worker, draft)
             worker.swap_in(draft, self.config.max_num_seqs)
         self._schedule_waiting(drafts)
+        self._headroom.end_iteration(self._num_preemptions - num_preemptions)
         plans = self._workers.take_plans(drafts)
         outputs, self._outputs = tuple(self._outputs), []
         return SchedulerOutput(plans, outputs)
@@ -237,8 +241,10 @@ class Scheduler:
             worker.advance(seq, num_new, draft, lookahead)
 
     def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
-        """Admits waiting sequences in the policy's order until one does not fit."""
+        """Admits waiting sequences in the policy's order until one does not fit, with room left for the
+        running sequences' growth (``admission``)."""
         waiting = self._requests.waiting
+        kept: dict[str, int] = {}  # per worker: free blocks kept for its running sequences' growth
         while len(waiting):
             seq = waiting.peek()
             if seq.num_tokens_in_flight:
@@ -257,12 +263,16 @@ class Scheduler:
             prefix = worker.cached_prefix(seq) if seq.sampling.prompt_logprobs is None else NO_PREFIX
             num_new = num_new_tokens(seq, draft, self.config, prefix.num_tokens)
             total = prefix.num_tokens + num_new
-            if num_new == 0 or not worker.blocks.can_allocate(seq.seq_id, total, prefix):
+            if worker.worker_id not in kept:
+                kept[worker.worker_id] = self._headroom.kept_blocks(worker.blocks, worker.running.values())
+            if num_new == 0 or not self._headroom.admits(worker.blocks, seq, total, prefix, kept[worker.worker_id],
+                                                         len(worker.running)):
                 return
             worker.blocks.allocate_slots(seq.seq_id, total, prefix)
             waiting.remove(seq.seq_id)
             seq.num_computed_tokens = prefix.num_tokens
             worker.start(seq, draft, num_new)
+            kept[worker.worker_id] += worker.blocks.num_new_blocks(seq.seq_id, self._headroom.target_tokens(seq))
 
     def _fits_any_worker(self, seq: Sequence) -> bool:
         """Ends (with RESOURCE_EXHAUSTED) a sequence no worker could ever run; True if it fits."""

@@ -91,7 +91,7 @@ def test_constrained_greedy_is_exact_beside_free_requests_and_under_preemption(d
     assert [r.token_ids for r in batch[1::2]] == free_alone * 8  # rows without a structure are unchanged
     blocks = -(-(len(constrained) + len(alone.token_ids)) // 16) + 2  # room for one sequence and a bit
     small = LLM(default_model, kv_cache_memory=blocks * BLOCK_BYTES, preemption_mode="recompute",
-                enable_prefix_caching=False)
+                enable_prefix_caching=False, admission_headroom=0.0)  # both admitted: one is preempted
     preempted = small.generate([constrained, constrained], spec)
     assert small.stats().num_preemptions > 0
     assert [r.token_ids for r in preempted] == [alone.token_ids] * 2
@@ -104,7 +104,7 @@ def test_constrained_greedy_is_exact_under_swap_preemption(default_model, defaul
     alone = default_llm.generate(constrained, spec)[0]
     blocks = -(-(len(constrained) + len(alone.token_ids)) // 16) + 2
     small = LLM(default_model, kv_cache_memory=blocks * BLOCK_BYTES, swap_space=64 * BLOCK_BYTES,
-                preemption_mode="swap", enable_prefix_caching=False)
+                preemption_mode="swap", enable_prefix_caching=False, admission_headroom=0.0)
     swapped = small.generate([constrained, constrained, constrained], spec)
     assert small.stats().num_swap_preemptions > 0
     assert [r.token_ids for r in swapped] == [alone.token_ids] * 3

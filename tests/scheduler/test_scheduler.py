@@ -101,7 +101,7 @@ def test_decodes_go_first_and_budget_is_shared():
 
 
 def test_preemption_recomputes_newest_and_outputs_stay_exact():
-    engine, runners = make_engine({"w0": 10}, max_num_seqs=8)
+    engine, runners = make_engine({"w0": 10}, max_num_seqs=8, admission_headroom=0.0)  # admit what fits: preempt
     reqs = [request(f"r{i}", 6, 12, t=i) for i in range(5)]
     for r in reqs:
         engine.add_request(r)
@@ -116,7 +116,8 @@ def test_preemption_recomputes_newest_and_outputs_stay_exact():
 
 
 def test_newest_running_sequence_is_the_victim():
-    engine, runners = make_engine({"w0": 4}, max_num_seqs=8, max_plans_in_flight=1)  # one plan per step
+    engine, runners = make_engine({"w0": 4}, max_num_seqs=8, max_plans_in_flight=1,  # one plan per step
+                                  admission_headroom=0.0)  # both admitted, so one is preempted
     engine.add_request(request("old", 4, 8, t=0))
     engine.add_request(request("new", 4, 8, t=1))
     for _ in range(5):  # prefill (blocks 0, 1), then decodes fill blocks 2, 3 up to slot 7

@@ -113,7 +113,7 @@ def test_without_chunking_a_prompt_runs_whole_or_is_refused():
 
 
 def test_priority_orders_admission_and_picks_the_lowest_priority_victim():
-    engine, runners = make({"w": 6}, policy="priority", max_num_seqs=8)
+    engine, runners = make({"w": 6}, policy="priority", max_num_seqs=8, admission_headroom=0.0)  # all three admitted
     engine.add_request(req("low", prompt(4, 1), 12, t=0, priority=5))
     engine.add_request(req("high", prompt(4, 2), 12, t=1, priority=0))
     engine.add_request(req("mid", prompt(4, 3), 12, t=2, priority=2))

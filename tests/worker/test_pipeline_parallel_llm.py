@@ -139,7 +139,8 @@ def test_pipeline_ngram_speculation_gives_one_ranks_greedy_tokens_and_seeded_sam
                    speculative_config=NGRAM)
     want_sampled = [r.token_ids for r in one_rank.generate(short, sampled)]
     with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK * v // (t * p), block_size=BLOCK,
-             tensor_parallel_size=t, pipeline_parallel_size=p, virtual_engines=v, speculative_config=NGRAM) as llm:
+             tensor_parallel_size=t, pipeline_parallel_size=p, virtual_engines=v, speculative_config=NGRAM,
+             admission_headroom=0.0) as llm:  # admit what fits: preemption happens
         assert [_tokens(llm, prompts) for _ in range(2)] == reference
         greedy = llm.stats()
         assert greedy.spec_decode.num_accepted_tokens > 0 and greedy.num_preemptions > 0
