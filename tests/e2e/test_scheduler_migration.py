@@ -52,6 +52,9 @@ NUMBERS = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0
                       "minItems": 60, "maxItems": 200})  # 60+ numbers: longer than any stream, never closed
 STRUCTURED = frozenset(range(3, NUM_STREAMS, 4))
 """The streams whose output is constrained by ``NUMBERS``."""
+KV_CACHE = "256MiB"
+"""Per worker: room for all 32 streams at once with the admission headroom (64 MiB, 91 blocks, held the
+prompts but kept later streams queued for the running ones' growth, so one ended before the fault)."""
 LEASE_TTL_S = 2.0
 ADOPTION_BOUND_S = LEASE_TTL_S + 3.0
 """A dead scheduler's worker is owned by the survivor within this long (TTL + two ticks + slack)."""
@@ -107,7 +110,7 @@ def two_schedulers(tmp_path, model):
         for i in range(2):
             processes[f"w{i}"] = pagedserve(f"w{i}", [
                 "worker", *common, "--model", str(model), "--host", "127.0.0.1", "--port", "0", "--kv-cache-memory",
-                "64MiB", "--num-threads", "1", "--worker-id", f"w{i}", "--cpu-affinity", str(i % (os.cpu_count() or 1)),
+                KV_CACHE, "--num-threads", "1", "--worker-id", f"w{i}", "--cpu-affinity", str(i % (os.cpu_count() or 1)),
                 "--metrics-port", metrics[f"w{i}"].rsplit(":", 1)[1]], tmp_path, env)
         gateway = f"127.0.0.1:{free_port()}"
         processes["gateway"] = pagedserve("gateway", ["gateway", *common, "--model", str(model), "--host", "127.0.0.1",
