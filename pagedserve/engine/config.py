@@ -120,9 +120,9 @@ class SchedulerConfig:
         "fill the token budget", 2.0)
     admission_headroom: float = option(
         "a waiting request is admitted only if the free KV blocks then still hold this fraction of the tokens each "
-        "running request may yet generate (max_tokens left, at most 4096), so that fewer are preempted and "
-        "prefilled again; it falls to a seventh of this over 600 iterations without a preemption and comes back "
-        "at one (SGLang's new-token ratio; pagedserve/engine/admission.py); 0: admit whatever fits now", 0.7)
+        "running request may yet generate (max_tokens left), so that fewer are preempted and prefilled again; "
+        "lowered while nothing is preempted, back at a preemption (SGLang's new-token ratio; clip, decay and "
+        "floor in pagedserve/engine/admission.py); 0: admit whatever fits now", 0.7)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_plans_in_flight"):

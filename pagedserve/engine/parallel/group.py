@@ -65,7 +65,7 @@ def serve_rendezvous(spec: GroupSpec) -> tuple[GroupSpec, dist.TCPStore]:
     with _store_errors(spec):
         store = dist.TCPStore(address.hostname, address.port, spec.world_size, is_master=True,
                               timeout=timedelta(seconds=spec.timeout_s), wait_for_workers=False)
-    return replace(spec, init_method=f"tcp://{urlsplit(spec.init_method).hostname}:{store.port}"), store
+    return replace(spec, init_method=f"tcp://{address.hostname}:{store.port}"), store
 
 
 def dial_rendezvous(spec: GroupSpec) -> dist.TCPStore:
