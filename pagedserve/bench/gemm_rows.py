@@ -75,6 +75,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
     import torch
 
     from pagedserve.engine.models.onednn import MIN_ROWS, OneDnnLinear, few_rows_available
+    from pagedserve.engine.models.huge_pages import HugePageArena
     from pagedserve.engine.models.panel_gemm import PanelLinear, panels_available
 
     dtype = getattr(torch, args.dtype)
@@ -86,7 +87,8 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
     weights = [(torch.randn(*s, generator=g) * s[1] ** -0.5).to(dtype) for s in shapes]
     layers = [OneDnnLinear(w, None) for w in weights]
     if dtype == torch.float32:  # pagedserve's kernel for the dtype, as a call per layer
-        kernel_layers = [PanelLinear(w, None) for w in weights]
+        arena = HugePageArena()  # as pack_linear_layers packs a model's
+        kernel_layers = [PanelLinear(w, None, arena) for w in weights]
     else:
         kernel_layers = [functools.partial(torch.ops.pagedserve_gemm.few_rows_linear, packed=layer.pairs, bias=None)
                          for layer in layers]

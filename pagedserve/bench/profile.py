@@ -141,6 +141,7 @@ def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, dtype: str,
     import torch
 
     from pagedserve.engine.models.onednn import OneDnnLinear
+    from pagedserve.engine.models.huge_pages import HugePageArena
     from pagedserve.engine.models.panel_gemm import PanelLinear, panels_available
 
     hidden, inter = config.hidden_size, config.intermediate_size
@@ -156,7 +157,8 @@ def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, dtype: str,
               "onednn": _best_ms(lambda: [f(x) for x, f in zip(inputs, packed)], repeats)}
     del packed
     if kind == torch.float32 and panels_available():
-        panels = [PanelLinear(w, None) for w in weights]
+        arena = HugePageArena()  # as pack_linear_layers packs a model's
+        panels = [PanelLinear(w, None, arena) for w in weights]
         floors["panels"] = _best_ms(lambda: [f(x) for x, f in zip(inputs, panels)], repeats)
     return floors
 

@@ -12,6 +12,7 @@ from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.cpu_features import ONEDNN_BF16_CPU_FLAGS, cpu_flags
 from pagedserve.engine.models.layers import Linear
 from pagedserve.engine.models.onednn import OneDnnLinear, pack_linear_layers
+from pagedserve.engine.models.huge_pages import HugePageArena
 from pagedserve.engine.models.panel_gemm import PanelLinear, panels_available
 
 pytestmark = pytest.mark.skipif(not panels_available(), reason="needs an x86 CPU with AVX2 and FMA and a C++ compiler")
@@ -27,7 +28,7 @@ def _layer(out_features: int, in_features: int, bias: bool,
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=g) * in_features ** -0.5
     b = torch.randn(out_features, generator=g) if bias else None
-    return PanelLinear(weight, b), weight, b
+    return PanelLinear(weight, b, HugePageArena()), weight, b
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -102,4 +103,7 @@ def test_bad_arguments_are_refused_with_a_message():
     with pytest.raises(RuntimeError, match="need K > 0 and N > 0"):
         panel_linear(torch.randn(2, 0), torch.zeros(3, 0, 16), None, 40)
     with pytest.raises(RuntimeError, match="weight must be float32"):
-        torch.ops.pagedserve_panels.pack_panels(torch.randn(16, 8).bfloat16())
+        torch.ops.pagedserve_panels.pack_panels(torch.randn(16, 8).bfloat16(), torch.empty(1, 8, 16))
+    with pytest.raises(RuntimeError, match=r"panels must be a contiguous float32 \[3, 8, 16\] tensor on the CPU for a "
+                                           r"\[40, 8\] weight"):
+        torch.ops.pagedserve_panels.pack_panels(torch.randn(40, 8), torch.empty(2, 8, 16))

@@ -37,6 +37,7 @@ from torch import nn
 from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.cpu_features import cpu_flags
 from pagedserve.engine.models.layers import Linear
+from pagedserve.engine.models.huge_pages import HugePageArena
 from pagedserve.engine.models.panel_gemm import UNAVAILABLE, PanelLinear, panels_available, panels_preferred
 
 log = logging.getLogger("pagedserve.worker")
@@ -128,11 +129,12 @@ class OneDnnLinear(nn.Module):
         return packed_linear(x, self)
 
 
-def packed_layer(weight: torch.Tensor, bias: torch.Tensor | None, backend: GemmBackend) -> nn.Module:
+def packed_layer(weight: torch.Tensor, bias: torch.Tensor | None, backend: GemmBackend,
+                 arena: HugePageArena) -> nn.Module:
     """``weight`` and ``bias`` packed for ``backend``: a :class:`PanelLinear` for a float32 weight under
-    ``panels``, else a :class:`OneDnnLinear`."""
+    ``panels`` (its panels in ``arena``), else a :class:`OneDnnLinear` (oneDNN allocates its own)."""
     if backend is GemmBackend.PANELS and weight.dtype == torch.float32:
-        return PanelLinear(weight, bias)
+        return PanelLinear(weight, bias, arena)
     return OneDnnLinear(weight, bias)
 
 
@@ -140,7 +142,8 @@ def pack_linear_layers(model: nn.Module, backend: GemmBackend = GemmBackend.ONED
     """Replaces every :class:`Linear` of ``model`` by its :func:`packed_layer` with the same weights.
 
     A model whose LM head is tied to its embeddings (``lm_head is None``) gets a packed copy of the
-    embedding matrix as its ``lm_head``; the embedding table itself stays for token lookups.
+    embedding matrix as its ``lm_head``; the embedding table itself stays for token lookups. The
+    model's panels share one :class:`HugePageArena`.
 
     Returns:
         The number of linear layers packed (the LM head included).
@@ -150,14 +153,14 @@ def pack_linear_layers(model: nn.Module, backend: GemmBackend = GemmBackend.ONED
     """
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"--gemm-backend {backend.value} is for CPU models; use --gemm-backend torch on GPUs")
-    packed = 0
+    packed, arena = 0, HugePageArena()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
-                setattr(parent, name, packed_layer(child.weight, child.bias, backend))
+                setattr(parent, name, packed_layer(child.weight, child.bias, backend, arena))
                 packed += 1
     if model.lm_head is None:
-        model.lm_head = packed_layer(model.embed_tokens.weight, None, backend)
+        model.lm_head = packed_layer(model.embed_tokens.weight, None, backend, arena)
         packed += 1
     return packed
 

@@ -21,8 +21,11 @@ import torch
 from torch import nn
 
 from pagedserve.engine.cpu_features import cpu_flags
+from pagedserve.engine.models.huge_pages import HugePageArena
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_f32.cpp"
+PANEL_COLUMNS = 16
+"""Output columns of a panel (the kernel's ``kCols``, which checks the panels' shape)."""
 UNAVAILABLE = ("--gemm-backend panels needs an x86 CPU with AVX2 and FMA and a C++ compiler (g++, ninja) to build "
                "it; use --gemm-backend auto or onednn")
 
@@ -59,17 +62,20 @@ class PanelLinear(nn.Module):
     Args:
         weight: ``[out, in]`` float32 on the CPU (copied into ``[ceil(out / 16), in, 16]`` panels).
         bias: ``[out]`` or ``None``.
+        arena: where the panels go (2 MiB pages: the GEMMs of a few rows read them at the memory's speed).
 
     Raises:
         RuntimeError: the CPU lacks AVX2 or FMA, or the library cannot be built (:func:`panels_available`).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, arena: HugePageArena) -> None:
         super().__init__()
         if not panels_available():
             raise RuntimeError(UNAVAILABLE)
-        self.out_features = weight.shape[0]
-        self.panels = torch.ops.pagedserve_panels.pack_panels(weight.detach().float())
+        out_features, in_features = weight.shape
+        self.out_features = out_features
+        self.panels = arena.empty((-(-out_features // PANEL_COLUMNS), in_features, PANEL_COLUMNS), torch.float32)
+        torch.ops.pagedserve_panels.pack_panels(weight.detach().float(), self.panels)
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@
 //
 // Layouts:
 //   weight  float32 [N, K]
-//   panels  float32 [ceil(N / 16), K, 16]   pack_panels(weight): panel p, row k = W[16p .. 16p + 15, k]
+//   panels  float32 [ceil(N / 16), K, 16]   pack_panels(weight, panels): panel p, row k = W[16p .. 16p + 15, k]
 //                                            (columns past N: 0; their sums are computed, not stored)
 //   x       float32 [M, K] contiguous,  bias float32 [N] or None,  out float32 [M, N]
 #include <ATen/ATen.h>
@@ -36,12 +36,15 @@ constexpr int64_t kKc = 256;    // k per pass: a panel's slice is 256 x 16 x 4 B
 // GEMMs were 1.07x / 1.16x slower at 160 / 256 rows (the weights, 0.5 GB, come from DRAM in a step).
 constexpr int64_t kXBytes = 4 << 20;
 
-at::Tensor pack_panels(const at::Tensor& weight) {
+void pack_panels(const at::Tensor& weight, at::Tensor& panels) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.device().is_cpu(),
               "weight must be float32 [N, K] on the CPU");
   const int64_t N = weight.size(0), K = weight.size(1), P = (N + kCols - 1) / kCols;
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.device().is_cpu() && panels.size(0) == P && panels.size(1) == K && panels.size(2) == kCols,
+              "panels must be a contiguous float32 [", P, ", ", K, ", ", kCols, "] tensor on the CPU for a [", N, ", ",
+              K, "] weight");
   const at::Tensor w = weight.contiguous();
-  at::Tensor panels = at::empty({P, K, kCols}, weight.options());
   const float* src = w.data_ptr<float>();
   float* dst = panels.data_ptr<float>();
   // One pass over the weight (a zero-padded copy, then a transposing copy: 0.64 s for the default
@@ -59,7 +62,6 @@ at::Tensor pack_panels(const at::Tensor& weight) {
       }
     }
   });
-  return panels;
 }
 
 enum class Start { kZero, kLoad };  // sums start from 0 (the first k slice) or from out (the later ones)
@@ -178,7 +180,7 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_panels, m) {
-  m.def("pack_panels(Tensor weight) -> Tensor");
+  m.def("pack_panels(Tensor weight, Tensor(a!) panels) -> ()");
   m.def("panel_linear(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
 }
 
