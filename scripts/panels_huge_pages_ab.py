@@ -3,17 +3,21 @@
 ordinary allocation (4 KiB pages), alternated in one process (this machine's speed drifts up to 1.5x
 within minutes, so only a same-process A/B resolves a 10% change).
 
-    python scripts/panels_huge_pages_ab.py [--rows 1,4,16] [--rounds 15]
+    python scripts/panels_huge_pages_ab.py [--rows 1,4,16] [--rounds 15] [--decode-tokens 100]
 
 The layers are the default model's fused QKV, output, gate-up and down projections of 30 layers and its
 LM head (0.54 GB of float32 panels, so each pass comes from DRAM), random weights. Printed per row count:
 each side's median milliseconds per pass over every layer, its GB/s of weights, and the ratio; beside
-them a streaming read (``torch.sum`` over 512 MiB) from each kind of page. A measurement, not a test.
+them a streaming read (``torch.sum`` over 512 MiB) from each kind of page. With ``--decode-tokens N``,
+then the offline engine on the default model at batch 1 (one 300-token prompt, N greedy tokens, EOS
+ignored), its panels on 2 MiB pages as built and a copy in torch's allocation swapped in by turns:
+milliseconds per token, and the same token ids from both. A measurement, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -48,6 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,4,16", help="comma-separated row counts (default 1,4,16)")
     parser.add_argument("--rounds", type=int, default=15, help="alternated rounds per row count (default 15)")
+    parser.add_argument("--decode-tokens", type=int, default=0,
+                        help="then the engine at batch 1 in --rounds alternated rounds of this many tokens (default: not)")
     args = parser.parse_args()
     if not panels_available():
         raise SystemExit("the panel GEMM needs an x86 CPU with AVX2 and FMA and a C++ compiler")
@@ -78,6 +84,37 @@ def main() -> None:
             sums[name].append(time.perf_counter() - start)
     print("streaming read: " + ", ".join(f"{name} {STREAM_ELEMENTS * 4 / statistics.median(t) / 1e9:.1f} GB/s"
                                          for name, t in sums.items()))
+    if args.decode_tokens:
+        decode_ab(args.decode_tokens, args.rounds)
+
+
+def decode_ab(tokens: int, rounds: int) -> None:
+    """Batch-1 decode in the offline engine: the model's panels as built (2 MiB pages) against copies in
+    torch's allocation, swapped into the decode loop and the LM head by turns."""
+    from pagedserve.engine.sampling_params import SamplingParams
+    from pagedserve.llm import LLM
+    from pagedserve.model_files import prepare_default_model
+
+    llm = LLM(prepare_default_model(), kv_cache_memory="256MiB", max_num_seqs=1)
+    model = llm.engine.executor.runners["worker-0"].model
+    if model.decode_layers is None:
+        raise SystemExit("the default model does not run the C++ decode loop here")
+    built = (model.decode_layers, model.lm_head.panels)
+    copied = (dataclasses.replace(model.decode_layers, panels=tuple(
+        None if p is None else p.clone() for p in model.decode_layers.panels)), model.lm_head.panels.clone())
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    prompt = [[1, 2, 3] * 100]
+    reference = llm.generate(prompt, params)[0].token_ids
+    times = {"4 KiB pages": [], "2 MiB pages": []}
+    for _ in range(rounds):
+        for name, (loop, lm_head) in (("4 KiB pages", copied), ("2 MiB pages", built)):
+            model.decode_layers, model.lm_head.panels = loop, lm_head
+            start = time.perf_counter()
+            assert llm.generate(prompt, params)[0].token_ids == reference
+            times[name].append((time.perf_counter() - start) / tokens * 1e3)
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    print(f"engine, batch 1, {tokens} tokens a round: " + ", ".join(f"{n} {m:.2f} ms/token" for n, m in ms.items())
+          + f"; 4 KiB / 2 MiB time {ms['4 KiB pages'] / ms['2 MiB pages']:.2f}x (same token ids)")
 
 
 if __name__ == "__main__":
