@@ -14,6 +14,7 @@ finds it built; llguidance builds lexer and parser states lazily while it comput
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -28,6 +29,16 @@ from pagedserve.engine.structured_output import GrammarError, StructuredOutput
 from pagedserve.engine.token_bitmask import allocate_bitmask, apply_bitmask
 
 log = logging.getLogger("pagedserve.worker")
+
+
+@functools.lru_cache(maxsize=4)
+def llguidance_tokenizer(tokenizer_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """llguidance's view of a vocabulary (``LLTokenizer``, read-only and shared by its matchers), built
+    once per process for these arguments: ~0.5 CPU-s, which every offline engine built again in one
+    process (the test suite's some hundred) would otherwise spend again."""
+    import llguidance
+
+    return llguidance.LLTokenizer(tokenizer_path, n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
 
 def built() -> Future[None]:
@@ -64,9 +75,7 @@ class GrammarCompiler:
         self._compile_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
     def _build_tokenizer(self):
-        import llguidance
-
-        return llguidance.LLTokenizer(self.tokenizer_path, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+        return llguidance_tokenizer(self.tokenizer_path, self.vocab_size, tuple(self.eos_token_ids))
 
     def _llg_tokenizer(self):
         """llguidance's view of the vocabulary (waits for its build, started with the compiler)."""

@@ -10,7 +10,7 @@ import json
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,23 @@ def _tokenizer_loader(folder: Path) -> Any:
     return AutoTokenizer
 
 
+def _file_stamps(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    """(name, mtime ns, size) of the folder's files a tokenizer or model facts are read from."""
+    files = sorted(p for p in folder.iterdir() if p.suffix in {".json", ".jinja", ".txt", ".model"}) \
+        if folder.is_dir() else []
+    return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
+
+
+@cache
+def _load_prompt_tokenizer(cls: type[PromptTokenizer], folder: Path, limits: RequestLimits,
+                           stamps: tuple[tuple[str, int, int], ...]) -> PromptTokenizer:
+    """:meth:`PromptTokenizer.from_folder`'s load, memoized by folder, limits and file stamps (a
+    failed load raises and is not kept)."""
+    info = load_model_info(folder)
+    tokenizer = _tokenizer_loader(folder).from_pretrained(str(folder), local_files_only=True)
+    return cls(tokenizer, info, limits)
+
+
 def _rust_decoder(tokenizer: Any) -> Any | None:
     """The Rust ``tokenizers.Tokenizer`` behind a fast Hugging Face tokenizer whose ``decode`` is that
     tokenizer's plus nothing (``clean_up_tokenization_spaces`` off); ``None`` for other tokenizers."""
@@ -145,13 +162,16 @@ class PromptTokenizer:
     def from_folder(cls, path: str | Path, limits: RequestLimits = RequestLimits()) -> PromptTokenizer:
         """Loads the tokenizer and model facts from a local Hugging Face model folder (no hub access).
 
+        Once per process for a folder whose small files (JSON, Jinja, text) are unchanged: the
+        tokenizer is read-only once built, and loading it takes ~0.3 CPU-s (an offline engine built
+        again in the same process, as the test suite does some hundred times, reuses it).
+
         Raises:
             pagedserve.engine.models.config.ModelConfigError: no usable ``config.json``.
             OSError: the folder has no tokenizer files.
         """
-        info = load_model_info(path)
-        tokenizer = _tokenizer_loader(Path(path)).from_pretrained(str(Path(path)), local_files_only=True)
-        return cls(tokenizer, info, limits)
+        folder = Path(path).resolve()
+        return _load_prompt_tokenizer(cls, folder, limits, _file_stamps(folder))
 
     @property
     def hf_tokenizer(self) -> Any:

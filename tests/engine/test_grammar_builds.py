@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from pagedserve.engine.grammar_matchers import GrammarCompiler
+from pagedserve.engine.grammar_matchers import GrammarCompiler, llguidance_tokenizer
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from pagedserve.llm import LLM
@@ -88,3 +88,13 @@ def test_a_grammar_past_the_parser_limit_ends_with_an_error_not_a_silent_stop(de
     tokens, error = results[1]
     assert error is not None and "max is 2000" in error, (tokens, error)
     assert 0 < len(tokens) < 30
+
+
+def test_the_vocabulary_is_built_once_per_process_for_a_tokenizer(default_model):
+    """llguidance's read-only view of the vocabulary (~0.5 CPU-s to build) is shared by every compiler
+    of the same tokenizer, vocabulary width and EOS ids in the process; other arguments get their own."""
+    path = str(default_model / "tokenizer.json")
+    first = GrammarCompiler(path, 49152, [2])._llg_tokenizer()
+    assert GrammarCompiler(path, 49152, [2])._llg_tokenizer() is first
+    assert llguidance_tokenizer(path, 49152, (2,)) is first
+    assert llguidance_tokenizer(path, 49160, (2,)) is not first

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagedserve.engine.sampling_params import InvalidRequestError
+from pagedserve.text.request_limits import RequestLimits
 from pagedserve.text.tokenizer import (
     CHAT_FIELD,
     PROMPT_FIELD,
@@ -135,9 +136,11 @@ def test_prompt_length_check(prompt_tokenizer: PromptTokenizer) -> None:
 def test_a_template_that_refuses_the_chat_names_chat_messages(model_path) -> None:
     """A template's own error (``raise_exception``, as Llama's and Mistral's templates raise on roles
     out of order) is the client's bad input on every API, not a server failure."""
-    refusing = PromptTokenizer.from_folder(model_path)
-    refusing.hf_tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
-    refusing = PromptTokenizer(refusing.hf_tokenizer, refusing.info)
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_path), local_files_only=True)  # its own: from_folder's is shared
+    hf.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    refusing = PromptTokenizer(hf, PromptTokenizer.from_folder(model_path).info)
     with pytest.raises(InvalidRequestError) as err:
         refusing.encode_chat([ChatTurn("user", "Hi"), ChatTurn("user", "again")])
     assert err.value.field_name == CHAT_FIELD + ".messages"
@@ -164,3 +167,22 @@ def test_a_tokenizer_that_cleans_up_spaces_decodes_through_its_wrapper(model_pat
         assert PromptTokenizer(hf, tokenizer.info)._rust_decoder is None
     finally:
         hf.clean_up_tokenization_spaces = False
+
+
+def test_a_folder_is_loaded_once_until_its_files_change(model_path, tmp_path) -> None:
+    """from_folder keeps one tokenizer per folder, limits and file stamps: the same object again, a new
+    one for other limits or once a tokenizer file changes (a memo of read-only data, never stale)."""
+    import shutil
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_path / name, folder / name)
+    first = PromptTokenizer.from_folder(folder)
+    assert PromptTokenizer.from_folder(folder) is first
+    assert PromptTokenizer.from_folder(str(folder) + "/") is first  # the resolved path is the key
+    assert PromptTokenizer.from_folder(folder, RequestLimits(max_chat_messages=3)) is not first
+    config = folder / "tokenizer_config.json"
+    config.write_text(config.read_text() + "\n")
+    changed = PromptTokenizer.from_folder(folder)
+    assert changed is not first and changed.encode_prompt("Hello") == first.encode_prompt("Hello")
