@@ -10,7 +10,7 @@ import json
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +101,7 @@ def _file_stamps(folder: Path) -> tuple[tuple[str, int, int], ...]:
     return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
 
 
-@cache
+@lru_cache(maxsize=8)  # a few folders a process (tests make many tiny models: the oldest are let go)
 def _load_prompt_tokenizer(cls: type[PromptTokenizer], folder: Path, limits: RequestLimits,
                            stamps: tuple[tuple[str, int, int], ...]) -> PromptTokenizer:
     """:meth:`PromptTokenizer.from_folder`'s load, memoized by folder, limits and file stamps (a
