@@ -73,4 +73,6 @@ def test_the_chunk_is_eligible_for_huge_pages():
     else:
         raise AssertionError("the arena's mapping is not in /proc/self/smaps")
     eligible = [line for line in entry if line.startswith("THPeligible:")]
-    assert eligible and eligible[0].split()[1] == "1", entry
+    if not eligible:
+        pytest.skip("this kernel's smaps has no THPeligible field (Linux < 5.0)")
+    assert eligible[0].split()[1] == "1", entry
