@@ -25,17 +25,18 @@ from pathlib import Path
 import torch
 
 from pagedserve.engine.models.huge_pages import HugePageArena
-from pagedserve.engine.models.panel_gemm import PANEL_COLUMNS, panels_available
+from pagedserve.bench.attention_op import STREAM_BYTES
+from pagedserve.engine.models.panel_gemm import panel_shape, panels_available
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # [out, in], LM head last
-STREAM_ELEMENTS = 128 << 20  # 512 MiB of float32
+STREAM_ELEMENTS = STREAM_BYTES // 4  # float32, as the benches' streaming read
 
 
 def packed(weights: list[torch.Tensor], allocate) -> list[tuple[torch.Tensor, int]]:
     """(panels, out_features) per weight, the panels allocated by ``allocate(shape)``."""
     layers = []
     for w in weights:
-        panels = allocate((-(-w.shape[0] // PANEL_COLUMNS), w.shape[1], PANEL_COLUMNS))
+        panels = allocate(panel_shape(*w.shape))
         torch.ops.pagedserve_panels.pack_panels(w, panels)
         layers.append((panels, w.shape[0]))
     return layers
@@ -53,7 +54,8 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16", help="comma-separated row counts (default 1,4,16)")
     parser.add_argument("--rounds", type=int, default=15, help="alternated rounds per row count (default 15)")
     parser.add_argument("--decode-tokens", type=int, default=0,
-                        help="then the engine at batch 1 in --rounds alternated rounds of this many tokens (default: not)")
+                        help="then the engine at batch 1 in --rounds alternated rounds of this many tokens "
+                             "(default: not)")
     args = parser.parse_args()
     if not panels_available():
         raise SystemExit("the panel GEMM needs an x86 CPU with AVX2 and FMA and a C++ compiler")
@@ -74,7 +76,8 @@ def main() -> None:
         ms = {name: statistics.median(t) for name, t in times.items()}
         print(f"rows {rows}: " + ", ".join(f"{name} {m:.2f} ms ({nbytes / m / 1e6:.1f} GB/s)" for name, m in ms.items())
               + f"; 4 KiB / 2 MiB time {ms['4 KiB pages'] / ms['2 MiB pages']:.2f}x")
-    buffers = {"4 KiB pages": torch.ones(STREAM_ELEMENTS), "2 MiB pages": arena.empty((STREAM_ELEMENTS,), torch.float32)}
+    buffers = {"4 KiB pages": torch.ones(STREAM_ELEMENTS),
+               "2 MiB pages": arena.empty((STREAM_ELEMENTS,), torch.float32)}
     buffers["2 MiB pages"].fill_(1.0)
     sums = {name: [] for name in buffers}
     for _ in range(args.rounds):

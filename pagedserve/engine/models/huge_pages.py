@@ -2,9 +2,8 @@
 
 A decode step of a few sequences reads every GEMM weight once from DRAM, so its GEMMs run at the
 memory's speed, and on 4 KiB pages they lose part of it: a TLB miss every 4 KiB, and the hardware
-prefetchers stop at each 4 KiB page's end. On the 2-core AVX2 EPYC of docs/benchmarks.md ("Packed
-weights on 2 MiB pages") the panel GEMM over the default model's weights at one row ran 1.18-1.20x
-faster from 2 MiB pages (19.6 -> 16.3 ms), and a streaming ``torch.sum`` 1.10-1.22x.
+prefetchers stop at each 4 KiB page's end. The panel GEMM over the default model's weights at one
+row runs faster from 2 MiB pages (the figures: docs/benchmarks.md, "Packed weights on 2 MiB pages").
 
 Linux's transparent huge pages (THP) give 2 MiB pages to a range marked ``MADV_HUGEPAGE`` when its
 pages are first touched, in THP's ``madvise`` mode (the usual default) and in ``always`` mode; in

@@ -26,6 +26,11 @@ from pagedserve.engine.models.huge_pages import HugePageArena
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_f32.cpp"
 PANEL_COLUMNS = 16
 """Output columns of a panel (the kernel's ``kCols``, which checks the panels' shape)."""
+
+
+def panel_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The packed panels' shape for an ``[out_features, in_features]`` weight: ``[ceil(out / 16), in, 16]``."""
+    return -(-out_features // PANEL_COLUMNS), in_features, PANEL_COLUMNS
 UNAVAILABLE = ("--gemm-backend panels needs an x86 CPU with AVX2 and FMA and a C++ compiler (g++, ninja) to build "
                "it; use --gemm-backend auto or onednn")
 
@@ -74,7 +79,7 @@ class PanelLinear(nn.Module):
             raise RuntimeError(UNAVAILABLE)
         out_features, in_features = weight.shape
         self.out_features = out_features
-        self.panels = arena.empty((-(-out_features // PANEL_COLUMNS), in_features, PANEL_COLUMNS), torch.float32)
+        self.panels = arena.empty(panel_shape(out_features, in_features), torch.float32)
         torch.ops.pagedserve_panels.pack_panels(weight.detach().float(), self.panels)
         self.bias = None if bias is None else bias.detach().float().contiguous().clone()
 
