@@ -89,6 +89,19 @@ def test_float32_layers_are_packed_into_panels_and_others_into_onednn():
     assert model.lm_head(x).shape == (3, 100)
 
 
+@pytest.mark.parametrize("shape", SHAPES + [(17, 13), (32, 8), (16, 7)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_panels_hold_the_weight_column_by_column_sixteen_at_a_time(shape):
+    """Panel p, row k holds W[16p .. 16p + 15, k], zeros past the last column: every element placed,
+    on depths that are and are not a multiple of the 8-deep blocks the packing transposes."""
+    out_features, in_features = shape
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(1))
+    layer = PanelLinear(weight, None, HugePageArena())
+    num_panels = -(-out_features // 16)
+    padded = torch.zeros(num_panels * 16, in_features)
+    padded[:out_features] = weight
+    assert torch.equal(layer.panels, padded.view(num_panels, 16, in_features).transpose(1, 2))
+
+
 def test_bad_arguments_are_refused_with_a_message():
     layer, _, _ = _layer(40, 64, bias=True)
     panel_linear = torch.ops.pagedserve_panels.panel_linear
