@@ -103,7 +103,7 @@ void update_heads(Rows& rows, int64_t row0, const KeyTile<kv_t>& tile, int64_t h
   vf16 partial[kG][kKeyTile];
   for (int64_t j = 0; j < kKeyTile; ++j) {
     vf16 p[kG] = {};
-    rows.next.issue(row0 * kKeyTile + (j + 1) * kG, num_rows * kKeyTile);
+    rows.next.issue(row0 * kKeyTile + (j + 1) * kG);
     if (j < tile.n_valid) {
       const kv_t* key = tile.keys[j] + head_offset;
       int64_t c = 0;
@@ -176,10 +176,11 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
       tile.values[j] = value_cache + slot * slot_stride;
     });
     if (p0 + kKeyTile < num_keys)
-      rows.next.fill(key_cache, value_cache, block_table, g, p0 + kKeyTile, std::min(p0 + 2 * kKeyTile, num_keys));
+      rows.next.fill(key_cache, value_cache, block_table, g, p0 + kKeyTile, std::min(p0 + 2 * kKeyTile, num_keys),
+                     num_rows * kKeyTile);
     else  // the last tile: the first keys of the item this thread will likely take next
       upcoming.first_keys([&](const int32_t* table, int64_t keys) {
-        rows.next.fill(key_cache, value_cache, table, g, 0, std::min(kKeyTile, keys));
+        rows.next.fill(key_cache, value_cache, table, g, 0, std::min(kKeyTile, keys), num_rows * kKeyTile);
       });
     for (int64_t t = w.token_begin; t < w.token_end; ++t) {
       tile.n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
@@ -193,7 +194,7 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
         h += n;
       }
     }
-    rows.next.issue(num_rows, num_rows);  // the rest, when the tile's last tokens were past their keys
+    rows.next.issue_all();  // the rest, when the tile's last tokens were past their keys
   }
   for (int64_t t = w.token_begin; t < w.token_end; ++t) {
     for (int64_t h = 0; h < H; ++h) {
