@@ -93,7 +93,6 @@ class StackConfig:
     def __post_init__(self) -> None:
         if self.workers < 1 or self.schedulers < 1:
             raise ValueError(f"--workers and --schedulers must be at least 1, got {self.workers}, {self.schedulers}")
-        self.speculative_config.check_ranks(self.runner.pipeline_parallel_size)
         if not self.cluster_token:
             object.__setattr__(self, "cluster_token", secrets.token_hex(32))
         if self.data_dir is None:

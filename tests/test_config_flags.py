@@ -92,13 +92,9 @@ def test_llm_options_are_the_engine_config_s_fields():
         EngineConfig.of(num_virtual_engines=2)
 
 
-def test_a_pipeline_parallel_worker_refuses_a_draft_model_and_takes_ngram():
-    draft = SpeculativeConfig(method="draft_model", model="/d")
-    with pytest.raises(ValueError, match="draft_model with pipeline_parallel_size 2: .* use --speculative-method ngram"):
-        WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(pipeline_parallel_size=2),
-                     speculative_config=draft)
-    WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(pipeline_parallel_size=2),
-                 speculative_config=SpeculativeConfig(method="ngram"))
-    config = WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=RunnerConfig(tensor_parallel_size=2),
-                          speculative_config=draft)
-    assert config.speculative_config.num_lookahead_tokens == 4
+def test_pipeline_and_tensor_parallel_workers_take_a_draft_model_and_ngram():
+    for method, model in (("draft_model", "/d"), ("ngram", None)):
+        for runner in (RunnerConfig(pipeline_parallel_size=2), RunnerConfig(tensor_parallel_size=2)):
+            config = WorkerConfig(model=Path("/m"), cluster_token=TOKEN, runner=runner,
+                                  speculative_config=SpeculativeConfig(method=method, model=model))
+            assert config.speculative_config.num_lookahead_tokens == 4

@@ -39,7 +39,6 @@ def _parallel_runners(path: Path, config: EngineConfig, rank_placement=None) -> 
     from pagedserve.engine.runner_factory import resolve_dtype
 
     runner = config.runner
-    config.speculative_config.check_ranks(runner.pipeline_parallel_size)
     check_rank_kernels(runner.gemm_backend, runner.compile_mode)
     if config.num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
         raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "

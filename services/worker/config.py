@@ -24,8 +24,7 @@ class WorkerConfig:
         heartbeat_interval_s: how often the registration is refreshed, seconds.
 
     Raises:
-        ValueError: a value out of range, no cluster token, or a speculative method its ranks cannot
-            run (``SpeculativeConfig.check_ranks``).
+        ValueError: a value out of range, or no cluster token.
     """
 
     model: Path = model_option()
@@ -67,7 +66,6 @@ class WorkerConfig:
             raise ValueError(f"--block-size must be positive, got {self.block_size}")
         if self.num_threads < 0:
             raise ValueError(f"--num-threads must be >= 0, got {self.num_threads}")
-        self.speculative_config.check_ranks(self.runner.pipeline_parallel_size)
         if self.local_ranks or self.rank_address:
             from pagedserve.engine.parallel.rank_link import RankPlacement
 

@@ -127,20 +127,27 @@ def test_a_plan_that_does_not_apply_is_refused_and_the_worker_goes_on(tiny, refe
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("sizes", [(1, 2, 2), (2, 2, 2)], ids=["pp2_ve2", "tp2xpp2_ve2"])
-def test_pipeline_ngram_speculation_gives_one_ranks_greedy_tokens_and_seeded_samples(tiny, reference, sizes):
-    """Every rank drafts alike, the last stage verifies, and the other stages count the accepted drafts
-    when the tokens come with the engine's next plan (preemption and prefix hits included)."""
+def test_pipeline_speculation_gives_one_ranks_greedy_tokens_and_seeded_samples(tiny, reference, sizes, method):
+    """The first stage drafts (n-gram, or the whole model as its own draft beside its layers, on its
+    tensor-parallel rank 0) and passes the drafts on, the last stage verifies, and the other stages count
+    the accepted drafts when the tokens come with the engine's next plan (preemption and prefix hits
+    included); the draft's cache costs every stage the same blocks."""
     folder, prompts = tiny
     t, p, v = sizes
+    speculative = NGRAM if method == "ngram" else {**NGRAM, "method": "draft_model", "model": str(folder)}
+    # a rank's block holds 1 / (t * p) of one rank's (its layers and heads); a draft's block beside it the whole
+    draft_blocks = 0 if method == "ngram" else 1
     sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     short = [q for q in prompts if len(q) <= 7][:4]  # no lookahead dropped for want of blocks (see the TP test)
-    one_rank = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK, block_size=BLOCK,
-                   speculative_config=NGRAM)
+    one_rank = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK * (1 + draft_blocks), block_size=BLOCK,
+                   speculative_config=speculative)
     want_sampled = [r.token_ids for r in one_rank.generate(short, sampled)]
-    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK * v // (t * p), block_size=BLOCK,
-             tensor_parallel_size=t, pipeline_parallel_size=p, virtual_engines=v, speculative_config=NGRAM,
-             admission_headroom=0.0) as llm:  # admit what fits: preemption happens
+    with LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK * v * (1 + draft_blocks * t * p) // (t * p),
+             block_size=BLOCK, tensor_parallel_size=t, pipeline_parallel_size=p, virtual_engines=v,
+             speculative_config=speculative, admission_headroom=0.0) as llm:  # admit what fits: preemption happens
+        assert [w.num_blocks for w in llm.stats().workers] == [NUM_BLOCKS] * v
         assert [_tokens(llm, prompts) for _ in range(2)] == reference
         greedy = llm.stats()
         assert greedy.spec_decode.num_accepted_tokens > 0 and greedy.num_preemptions > 0

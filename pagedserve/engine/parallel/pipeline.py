@@ -10,10 +10,9 @@ hidden states ``[tokens, hidden]`` to the same tensor-parallel rank of the next 
 the final norm, computes the logits and samples (its tensor-parallel rank 0, with the same
 per-request seeds as one rank); the other stages learn the sampled tokens with the next plan of
 the same virtual engine
-(``pipeline_runner.py``, which also hands the plans out). With n-gram speculation every rank drafts
-the same tokens from its equal sequences (a plan of a virtual engine goes out only after its
-previous answer, whose tokens come with it), the last stage verifies, and the other stages count
-the accepted drafts as computed when those tokens come.
+(``pipeline_runner.py``, which also hands the plans out). With speculation the first stage drafts
+(n-gram or a draft model) and passes the drafts on before the activations (``stage_drafts.py``), the
+last stage verifies, and the other stages count the accepted drafts as computed when those tokens come.
 """
 
 from __future__ import annotations

@@ -31,9 +31,10 @@ from pagedserve.engine.models.registry import load_model_config, model_class_for
 from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
 from pagedserve.engine.parallel.pipeline import RankPosition, StageForward, StageRunner, pipeline_stage
 from pagedserve.engine.parallel.sharding import ShardingError, shard_layout
+from pagedserve.engine.parallel.stage_drafts import StageDrafts
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
-from pagedserve.engine.spec_decode.draft_model import build_proposer, speculative_caches
+from pagedserve.engine.spec_decode.draft_model import build_proposer, build_proposers, speculative_caches
 from pagedserve.engine.spec_decode.proposer import Proposal, Proposer
 from pagedserve.engine.spec_decode.verifier import Drafted, verify
 from pagedserve.engine.worker_requests import ScheduledRequest
@@ -57,7 +58,7 @@ class RankConfig:
             ``world_size`` is ``T * P``.
         num_virtual_engines: with P > 1, the worker's virtual engines (``parallel/pipeline_runner.py``),
             each with its own sequences and ``1/num_virtual_engines`` of every rank's KV budget.
-        speculative: speculative decoding (``SpeculativeConfig.check_ranks``: no pipeline stages).
+        speculative: speculative decoding (over pipeline stages the first stage drafts: ``stage_drafts.py``).
     """
 
     model_path: str
@@ -251,16 +252,40 @@ def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[
     sized = KVCacheSpec(stage.max_stage_layers, c.num_kv_heads, c.head_dim, config.block_size, kv_dtype)
     spec = KVCacheSpec(stage.num_layers, c.num_kv_heads, c.head_dim, config.block_size, kv_dtype)
     engines = config.num_virtual_engines
-    sampler = Sampler(seed=config.sampler_seed, device=config.device)
+    beside = speculative_caches(config.speculative, spec)  # the first stage's draft cache: every stage counts it
+    num_blocks = num_blocks_for_memory(sized, config.kv_cache_memory_bytes // engines, *beside)
+    num_cpu_blocks = config.swap_space_bytes // engines // sum(s.bytes_per_block for s in (sized, *beside))
+    caches = [KVCache(spec, num_blocks, device=config.device, num_cpu_blocks=num_cpu_blocks) for _ in range(engines)]
+    raw_sampler = Sampler(seed=config.sampler_seed, device=config.device)
+    sampler = raw_sampler
     if tp is not None:
-        sampler = LeaderSampler(sampler, tp) if tp.rank == 0 else FollowerSampler(tp)
+        sampler = LeaderSampler(raw_sampler, tp) if tp.rank == 0 else FollowerSampler(tp)
     backend = make_attention_backend(config.attention_backend, config.device)
     forward = StageForward(model, position, world)
     samples = stage.is_last and (tp is None or tp.rank == 0)  # only the rank that samples holds matchers
     grammar = grammar_compiler_for(config.model_path) if samples else None
-    proposer = config.speculative.ngram_proposer()  # every rank drafts alike (check_ranks: n-gram only)
+    proposers = _stage_proposers(config.speculative, model, caches, backend, position, world, tp, raw_sampler)
     verify = sampler.verify if tp is not None else None
-    return [StageRunner(model, KVCache(spec, num_blocks_for_memory(sized, config.kv_cache_memory_bytes // engines),
-                                       device=config.device,
-                                       num_cpu_blocks=config.swap_space_bytes // engines // sized.bytes_per_block),
-                        backend, sampler, forward, grammar, proposer, verify) for _ in range(engines)]
+    return [StageRunner(model, cache, backend, sampler, forward, grammar, proposer, verify)
+            for cache, proposer in zip(caches, proposers)]
+
+
+def _stage_proposers(speculative: SpeculativeConfig, model: nn.Module, caches: Sequence[KVCache], backend,
+                     position: RankPosition, world: TensorParallelGroup, tp: Collectives | None,
+                     sampler: Sampler) -> list[StageDrafts | None]:
+    """Per virtual engine, the rank's :class:`StageDrafts` (``None`` without speculation): on the first
+    stage around the engine's proposer (n-gram, or the draft model loaded once: on its tensor-parallel
+    rank 0, which shares the ids with the stage's other ranks)."""
+    if speculative.method is SpeculativeMethod.NONE:
+        return [None] * len(caches)
+    if position.stage > 0:
+        inner: list[Proposer | None] = [None] * len(caches)
+    elif tp is not None and tp.rank > 0:
+        inner = [FollowerProposer(tp) for _ in caches]
+    else:
+        inner = build_proposers(speculative, model, GemmBackend.TORCH, caches, backend)
+        if tp is not None:
+            inner = [LeaderProposer(p, sampler, tp) for p in inner]
+    is_last = position.stage == position.pipeline_parallel_size - 1
+    return [StageDrafts(p, world, position.rank, position.tensor_parallel_size, is_last, model.config.vocab_size)
+            for p in inner]

@@ -35,9 +35,9 @@ class SpeculativeConfig:
     method: SpeculativeMethod = option(
         "speculative decoding: none, ngram (the worker drafts the tokens that followed the latest earlier "
         "occurrence of the sequence's last n tokens) or draft_model (the worker drafts with --speculative-model: "
-        "its argmax for greedy requests, draws from its distribution for sampled ones; not over pipeline stages); "
-        "one target step verifies the drafts; greedy outputs are the same as without, "
-        "sampled ones keep their distribution", SpeculativeMethod.NONE, flag="speculative-method")
+        "its argmax for greedy requests, draws from its distribution for sampled ones); over pipeline stages the "
+        "first stage drafts and passes the drafts on; one target step verifies the drafts; greedy outputs are the "
+        "same as without, sampled ones keep their distribution", SpeculativeMethod.NONE, flag="speculative-method")
     num_speculative_tokens: int = option("most draft tokens verified per sequence and step (k)", 4)
     prompt_lookup_min: int = option("ngram: shortest suffix of the sequence that may match earlier", 1)
     prompt_lookup_max: int = option("ngram: longest suffix of the sequence tried first", 4)
@@ -63,15 +63,6 @@ class SpeculativeConfig:
         if self.method is not SpeculativeMethod.NGRAM:
             return None
         return NgramProposer(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
-
-    def check_ranks(self, pipeline_parallel_size: int) -> None:
-        """Raises ValueError for a draft model over pipeline stages (every stage would need its drafts
-        before running; n-gram ones every rank makes alike: ``parallel/pipeline.py``); tensor-parallel
-        ranks take both (``parallel/rank.py``)."""
-        if self.method is SpeculativeMethod.DRAFT_MODEL and pipeline_parallel_size > 1:
-            raise ValueError(f"speculative method draft_model with pipeline_parallel_size {pipeline_parallel_size}: "
-                             "a draft model runs on one-rank and tensor-parallel workers; over pipeline stages "
-                             "use --speculative-method ngram")
 
     @property
     def num_lookahead_tokens(self) -> int:

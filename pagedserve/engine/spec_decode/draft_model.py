@@ -95,15 +95,23 @@ def build_proposer(speculative: SpeculativeConfig, target: nn.Module, gemm_backe
     """The worker's proposer: the n-gram one, or the draft model loaded beside ``target`` (with the
     resolved ``gemm_backend``) and its cache of ``kv_cache``'s block counts; ``None`` without
     speculation. Raises what :func:`load_draft_model` raises."""
-    if speculative.method is SpeculativeMethod.NGRAM:
-        return speculative.ngram_proposer()
+    return build_proposers(speculative, target, gemm_backend, [kv_cache], attention_backend)[0]
+
+
+def build_proposers(speculative: SpeculativeConfig, target: nn.Module, gemm_backend: GemmBackend,
+                    kv_caches: Sequence[KVCache], attention_backend: AttentionBackend) -> list[Proposer | None]:
+    """One proposer per target cache (a pipeline stage's virtual engines have one each), as
+    :func:`build_proposer`; a draft model is loaded once and shared, each proposer with its own cache."""
     if speculative.method is not SpeculativeMethod.DRAFT_MODEL:
-        return None
+        return [speculative.ngram_proposer() for _ in kv_caches]
     draft = load_draft_model(speculative.model, target, gemm_backend)
-    (spec,) = speculative_caches(speculative, kv_cache.spec)
-    cache = KVCache(spec, kv_cache.num_blocks, device=next(target.parameters()).device,
-                    num_cpu_blocks=kv_cache.num_cpu_blocks)
-    return DraftModelProposer(draft, cache, attention_backend, speculative.num_speculative_tokens)
+    device = next(target.parameters()).device
+    proposers: list[Proposer | None] = []
+    for kv_cache in kv_caches:
+        (spec,) = speculative_caches(speculative, kv_cache.spec)
+        cache = KVCache(spec, kv_cache.num_blocks, device=device, num_cpu_blocks=kv_cache.num_cpu_blocks)
+        proposers.append(DraftModelProposer(draft, cache, attention_backend, speculative.num_speculative_tokens))
+    return proposers
 
 
 class DraftModelProposer:
