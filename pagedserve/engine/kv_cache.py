@@ -119,6 +119,12 @@ def num_blocks_for_memory(spec: KVCacheSpec, memory_bytes: int, *beside: KVCache
     return num_blocks
 
 
+def num_cpu_blocks_for_memory(spec: KVCacheSpec, swap_space_bytes: int, *beside: KVCacheSpec) -> int:
+    """How many swap blocks of ``spec`` fit in ``swap_space_bytes`` (0 is allowed: no swapping), each
+    with a block of every cache ``beside`` it (as :func:`num_blocks_for_memory`)."""
+    return swap_space_bytes // sum(s.bytes_per_block for s in (spec, *beside))
+
+
 class KVCache:
     """Per-layer K and V tensors, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
@@ -204,6 +210,5 @@ def sized_cache(spec: KVCacheSpec, memory_bytes: int, swap_space_bytes: int, dev
     Raises:
         ValueError: not even one block fits (:func:`num_blocks_for_memory`).
     """
-    num_cpu_blocks = swap_space_bytes // sum(s.bytes_per_block for s in (spec, *beside))
     return KVCache(spec, num_blocks_for_memory(spec, memory_bytes, *beside), device=device,
-                   num_cpu_blocks=num_cpu_blocks)
+                   num_cpu_blocks=num_cpu_blocks_for_memory(spec, swap_space_bytes, *beside))

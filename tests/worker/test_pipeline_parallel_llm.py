@@ -16,6 +16,7 @@ from pagedserve.engine.model_runner import PlanMismatchError
 from pagedserve.engine.parallel.group import CollectiveError
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
+from tests.worker.tiny_models import save_tiny_model
 from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK, GREEDY, NUM_BLOCKS, TIMEOUT_BOUND_S,
                                      assert_a_dead_or_stuck_rank_fails_the_step,
                                      assert_seeded_sampling_equal_one_rank, generated_tokens as _tokens,
@@ -127,18 +128,27 @@ def test_a_plan_that_does_not_apply_is_refused_and_the_worker_goes_on(tiny, refe
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory):
+    """Another tiny Llama (seed 8) of the same vocabulary: a draft the target often rejects."""
+    return save_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=8)
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "other_draft"])
 @pytest.mark.parametrize("sizes", [(1, 2, 2), (2, 2, 2)], ids=["pp2_ve2", "tp2xpp2_ve2"])
-def test_pipeline_speculation_gives_one_ranks_greedy_tokens_and_seeded_samples(tiny, reference, sizes, method):
-    """The first stage drafts (n-gram, or the whole model as its own draft beside its layers, on its
-    tensor-parallel rank 0) and passes the drafts on, the last stage verifies, and the other stages count
-    the accepted drafts when the tokens come with the engine's next plan (preemption and prefix hits
-    included); the draft's cache costs every stage the same blocks."""
+def test_pipeline_speculation_gives_one_ranks_greedy_tokens_and_seeded_samples(tiny, other_model, reference, sizes,
+                                                                              method):
+    """The first stage drafts (n-gram, or a draft model beside its layers on its tensor-parallel rank 0:
+    the model itself, which has every draft accepted, or another one, which has many rejected) and
+    passes the drafts on, the last stage verifies, and the other stages count the accepted drafts when
+    the tokens come with the engine's next plan (preemption and prefix hits included); the draft's
+    cache costs every stage the same blocks."""
     folder, prompts = tiny
     t, p, v = sizes
-    speculative = NGRAM if method == "ngram" else {**NGRAM, "method": "draft_model", "model": str(folder)}
+    draft = {"self_draft": folder, "other_draft": other_model}.get(method)
+    speculative = NGRAM if draft is None else {**NGRAM, "method": "draft_model", "model": str(draft)}
     # a rank's block holds 1 / (t * p) of one rank's (its layers and heads); a draft's block beside it the whole
-    draft_blocks = 0 if method == "ngram" else 1
+    draft_blocks = 0 if draft is None else 1
     sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     short = [q for q in prompts if len(q) <= 7][:4]  # no lookahead dropped for want of blocks (see the TP test)
     one_rank = LLM(folder, kv_cache_memory=NUM_BLOCKS * BLOCK_BYTES_ONE_RANK * (1 + draft_blocks), block_size=BLOCK,
@@ -150,8 +160,25 @@ def test_pipeline_speculation_gives_one_ranks_greedy_tokens_and_seeded_samples(t
         assert [w.num_blocks for w in llm.stats().workers] == [NUM_BLOCKS] * v
         assert [_tokens(llm, prompts) for _ in range(2)] == reference
         greedy = llm.stats()
-        assert greedy.spec_decode.num_accepted_tokens > 0 and greedy.num_preemptions > 0
+        drafted, accepted = greedy.spec_decode.num_draft_tokens, greedy.spec_decode.num_accepted_tokens
+        assert 0 < accepted <= drafted and greedy.num_preemptions > 0
+        assert (accepted == drafted) == (method == "self_draft"), (accepted, drafted)
         assert [r.token_ids for r in llm.generate(short, sampled)] == want_sampled
         stats = llm.stats()
         assert stats.spec_decode.num_draft_tokens > greedy.spec_decode.num_draft_tokens
         assert all(w.num_free_blocks == w.num_blocks and w.num_running == 0 for w in stats.workers)
+
+
+def test_pipeline_drafts_follow_the_target_through_swap_preemption(tiny, reference):
+    """Swap-out and swap-in move the first stage's draft K/V with the target's (the same block ids): the
+    model as its own draft still has every draft accepted, and greedy tokens stay one rank's."""
+    folder, prompts = tiny
+    speculative = {**NGRAM, "method": "draft_model", "model": str(folder)}
+    per_rank_block = BLOCK_BYTES_ONE_RANK * 3 // 2  # half the layers of one rank's block, and the whole draft's
+    with LLM(folder, kv_cache_memory=2 * NUM_BLOCKS * per_rank_block, swap_space=128 * per_rank_block,
+             block_size=BLOCK, pipeline_parallel_size=2, preemption_mode="swap", speculative_config=speculative,
+             admission_headroom=0.0) as llm:  # two virtual engines, half of each rank's budget each
+        assert _tokens(llm, prompts) == reference[0]
+        stats = llm.stats()
+        assert stats.num_swap_preemptions > 0 and [w.num_blocks for w in stats.workers] == [NUM_BLOCKS] * 2
+        assert 0 < stats.spec_decode.num_accepted_tokens == stats.spec_decode.num_draft_tokens

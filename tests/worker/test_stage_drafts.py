@@ -12,32 +12,25 @@ import pytest
 import torch
 
 from pagedserve.engine.parallel.group import CollectiveError
-from pagedserve.engine.parallel.stage_drafts import StageDrafts
+from pagedserve.engine.parallel.stage_drafts import StageDrafts, draft_seed
 from pagedserve.engine.spec_decode.proposer import Proposal
 
 VOCAB = 5
 
 
 class Links:
-    """``send``/``recv`` of a group whose ranks live in this process: one FIFO per (source, destination)."""
+    """One stage's ``send_next``/``recv_prev`` over in-memory FIFOs, one per pair of neighbour stages."""
 
-    def __init__(self) -> None:
-        self.queues: dict[tuple[int, int], deque[torch.Tensor]] = defaultdict(deque)
+    def __init__(self, stage: int, queues: dict[int, deque[torch.Tensor]]) -> None:
+        self.stage, self.queues = stage, queues
 
-    def for_rank(self, rank: int) -> "Links.Rank":
-        return Links.Rank(self, rank)
+    def send_next(self, tensor: torch.Tensor) -> None:
+        self.queues[self.stage].append(tensor.clone())
 
-    class Rank:
-        def __init__(self, links: "Links", rank: int) -> None:
-            self.links, self.rank = links, rank
-
-        def send(self, tensor: torch.Tensor, dst: int) -> None:
-            self.links.queues[(self.rank, dst)].append(tensor.clone())
-
-        def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-            sent = self.links.queues[(src, self.rank)].popleft()
-            assert sent.shape == tensor.shape and sent.dtype == tensor.dtype, (sent.shape, tensor.shape)
-            return tensor.copy_(sent)
+    def recv_prev(self, tensor: torch.Tensor) -> torch.Tensor:
+        sent = self.queues[self.stage - 1].popleft()
+        assert sent.shape == tensor.shape and sent.dtype == tensor.dtype, (sent.shape, tensor.shape)
+        return tensor.copy_(sent)
 
 
 class Fixed:
@@ -53,8 +46,8 @@ class Fixed:
 
 
 def _stages(first: Fixed, num_stages: int = 3) -> list[StageDrafts]:
-    links = Links()
-    return [StageDrafts(first if s == 0 else None, links.for_rank(s), s, 1, s == num_stages - 1, VOCAB)
+    queues: dict[int, deque[torch.Tensor]] = defaultdict(deque)
+    return [StageDrafts(first if s == 0 else None, Links(s, queues), s == num_stages - 1, VOCAB)
             for s in range(num_stages)]
 
 
@@ -74,6 +67,11 @@ def test_no_drafts_at_all_sends_only_the_header():
     stages = _stages(Fixed([Proposal(()), Proposal(())]))
     got = [stage.propose([object()] * 2, None) for stage in stages]
     assert all([p.token_ids for p in proposals] == [(), ()] for proposals in got)
+
+
+def test_the_draft_sampler_seed_differs_from_the_workers_and_repeats():
+    assert draft_seed(None) is None
+    assert draft_seed(7) == draft_seed(7) != 7 and draft_seed(7) != draft_seed(8)
 
 
 def test_a_failed_first_stage_makes_every_later_stage_raise():

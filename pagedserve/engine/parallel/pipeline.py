@@ -135,7 +135,8 @@ class RankPosition:
 class StageForward:
     """One stage's forward (the ``forward`` a :class:`ModelRunner` calls): receive or embed, run
     the stage's layers, send on (or apply the final norm on the last stage). ``comm_s`` adds up the
-    seconds spent in ``send``/``recv`` (waiting for a neighbour stage included).
+    seconds spent in :meth:`send_next`/:meth:`recv_prev` (waiting for a neighbour stage included; the
+    drafts of ``stage_drafts.py`` go over them too).
 
     Args:
         model: the stage's model (a :class:`~pagedserve.engine.models.sharded.ShardedCausalLM`
@@ -159,18 +160,26 @@ class StageForward:
         if self.stage.is_first:
             x = model.embed(input_ids, positions)                         # (T, hidden)
         else:
-            x = torch.empty(input_ids.shape[0], model.config.hidden_size, dtype=model.dtype,
-                            device=input_ids.device)
-            start = time.perf_counter()
-            self.world.recv(x, self.prev_rank)                            # (T, hidden)
-            self.comm_s += time.perf_counter() - start
+            x = self.recv_prev(torch.empty(input_ids.shape[0], model.config.hidden_size, dtype=model.dtype,
+                                           device=input_ids.device))     # (T, hidden)
         x = model.run_layers(x, positions, attention)                     # (T, hidden)
         if not self.stage.is_last:
-            start = time.perf_counter()
-            self.world.send(x, self.next_rank)
-            self.comm_s += time.perf_counter() - start
+            self.send_next(x)
             return x
         return model.norm(x)                                              # (T, hidden)
+
+    def send_next(self, tensor: torch.Tensor) -> None:
+        """Sends ``tensor`` to the same tensor-parallel rank of the next stage (timed into ``comm_s``)."""
+        start = time.perf_counter()
+        self.world.send(tensor, self.next_rank)
+        self.comm_s += time.perf_counter() - start
+
+    def recv_prev(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Receives into ``tensor`` from the same tensor-parallel rank of the stage before (timed); returns it."""
+        start = time.perf_counter()
+        self.world.recv(tensor, self.prev_rank)
+        self.comm_s += time.perf_counter() - start
+        return tensor
 
 
 class StageRunner(ModelRunner):

@@ -24,14 +24,15 @@ from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
 from pagedserve.engine.config import GemmBackend, KVCacheDtype
 from pagedserve.engine.forward_batch import ForwardBatch
-from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, num_blocks_for_memory, sized_cache
+from pagedserve.engine.kv_cache import (KVCache, KVCacheSpec, cache_dtype, num_blocks_for_memory,
+                                       num_cpu_blocks_for_memory, sized_cache)
 from pagedserve.engine.messages import BatchPlan, SampledToken
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.models.registry import load_model_config, model_class_for
 from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
 from pagedserve.engine.parallel.pipeline import RankPosition, StageForward, StageRunner, pipeline_stage
 from pagedserve.engine.parallel.sharding import ShardingError, shard_layout
-from pagedserve.engine.parallel.stage_drafts import StageDrafts
+from pagedserve.engine.parallel.stage_drafts import StageDrafts, draft_seed
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from pagedserve.engine.spec_decode.draft_model import build_proposer, build_proposers, speculative_caches
@@ -254,9 +255,11 @@ def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[
     engines = config.num_virtual_engines
     beside = speculative_caches(config.speculative, spec)  # the first stage's draft cache: every stage counts it
     num_blocks = num_blocks_for_memory(sized, config.kv_cache_memory_bytes // engines, *beside)
-    num_cpu_blocks = config.swap_space_bytes // engines // sum(s.bytes_per_block for s in (sized, *beside))
+    num_cpu_blocks = num_cpu_blocks_for_memory(sized, config.swap_space_bytes // engines, *beside)
     caches = [KVCache(spec, num_blocks, device=config.device, num_cpu_blocks=num_cpu_blocks) for _ in range(engines)]
-    raw_sampler = Sampler(seed=config.sampler_seed, device=config.device)
+    # a stage before the last samples nothing: its sampler only draws drafts, from uniforms apart from the verifier's
+    raw_sampler = Sampler(seed=config.sampler_seed if stage.is_last else draft_seed(config.sampler_seed),
+                          device=config.device)
     sampler = raw_sampler
     if tp is not None:
         sampler = LeaderSampler(raw_sampler, tp) if tp.rank == 0 else FollowerSampler(tp)
@@ -264,21 +267,20 @@ def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[
     forward = StageForward(model, position, world)
     samples = stage.is_last and (tp is None or tp.rank == 0)  # only the rank that samples holds matchers
     grammar = grammar_compiler_for(config.model_path) if samples else None
-    proposers = _stage_proposers(config.speculative, model, caches, backend, position, world, tp, raw_sampler)
+    proposers = _stage_proposers(config.speculative, model, caches, backend, forward, tp, raw_sampler)
     verify = sampler.verify if tp is not None else None
     return [StageRunner(model, cache, backend, sampler, forward, grammar, proposer, verify)
             for cache, proposer in zip(caches, proposers)]
 
 
 def _stage_proposers(speculative: SpeculativeConfig, model: nn.Module, caches: Sequence[KVCache], backend,
-                     position: RankPosition, world: TensorParallelGroup, tp: Collectives | None,
-                     sampler: Sampler) -> list[StageDrafts | None]:
+                     links: StageForward, tp: Collectives | None, sampler: Sampler) -> list[StageDrafts | None]:
     """Per virtual engine, the rank's :class:`StageDrafts` (``None`` without speculation): on the first
     stage around the engine's proposer (n-gram, or the draft model loaded once: on its tensor-parallel
     rank 0, which shares the ids with the stage's other ranks)."""
     if speculative.method is SpeculativeMethod.NONE:
         return [None] * len(caches)
-    if position.stage > 0:
+    if not links.stage.is_first:
         inner: list[Proposer | None] = [None] * len(caches)
     elif tp is not None and tp.rank > 0:
         inner = [FollowerProposer(tp) for _ in caches]
@@ -286,6 +288,4 @@ def _stage_proposers(speculative: SpeculativeConfig, model: nn.Module, caches: S
         inner = build_proposers(speculative, model, GemmBackend.TORCH, caches, backend)
         if tp is not None:
             inner = [LeaderProposer(p, sampler, tp) for p in inner]
-    is_last = position.stage == position.pipeline_parallel_size - 1
-    return [StageDrafts(p, world, position.rank, position.tensor_parallel_size, is_last, model.config.vocab_size)
-            for p in inner]
+    return [StageDrafts(p, links, links.stage.is_last, model.config.vocab_size) for p in inner]

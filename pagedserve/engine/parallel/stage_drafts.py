@@ -8,9 +8,12 @@ engine goes out only after its previous answer, whose tokens come with it: ``pip
 proposer drafts: the n-gram proposer, or a draft model with its own KV cache, in that stage only (its
 tensor-parallel rank 0 when the stage has several ranks, sharing the ids with the others as on a
 tensor-parallel worker: ``rank.LeaderProposer``). The drafts then go down the stages beside the hidden
-states, over the same point-to-point links (``StageForward``: each rank to the same tensor-parallel rank
-of the next stage): a rank sends them before the step's activations, so the order on each link holds.
-Only tensor-parallel rank 0's link carries ``q`` (the rank that verifies on the last stage).
+states, over the same point-to-point links (``StageForward.send_next``/``recv_prev``: each rank to the
+same tensor-parallel rank of the next stage, the time counted as the stage's communication): a rank
+sends them before the step's activations, so the order on each link holds. Only tensor-parallel rank
+0's link carries ``q`` (the rank that verifies on the last stage); it arrives on the CPU (the verifier
+moves it to the logits' device). No message names its step: every rank runs the same plans in the same
+order (``pipeline_runner.py``), and a rank that fails is not used again.
 
 The last stage's accepted drafts come back to the other stages with the tokens of the engine's next plan
 (``StageRunner.append_sampled``), as for any step.
@@ -18,18 +21,26 @@ The last stage's accepted drafts come back to the other stages with the tokens o
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
 
 from pagedserve.engine.forward_batch import ForwardBatch
 from pagedserve.engine.messages import BatchPlan
-from pagedserve.engine.parallel.group import CollectiveError, TensorParallelGroup
+from pagedserve.engine.parallel.group import CollectiveError
 from pagedserve.engine.spec_decode.proposer import Proposal, Proposer
 from pagedserve.engine.worker_requests import ScheduledRequest
 
 FAILED = -1
 """A header count that says the first stage's proposer failed (the next stages raise too)."""
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """The seed of a first stage's sampler, which only draws drafts, derived from the worker's ``seed``
+    (equal seeds on the first and the last stage would draw a request's draft and its acceptance test
+    from the same uniforms when the request has no seed of its own); ``None`` stays ``None``."""
+    return None if seed is None else int.from_bytes(hashlib.sha256(f"{seed}/drafts".encode()).digest()[:7], "big")
 
 
 class StageDrafts:
@@ -38,18 +49,15 @@ class StageDrafts:
     Args:
         proposer: the first stage's proposer (its leader or follower on a tensor-parallel stage);
             ``None`` on the other stages, which receive the drafts.
-        world: the group of all ranks.
-        rank, tensor_parallel_size: this rank and the ranks per stage (``rank - T`` feeds it,
-            ``rank + T`` reads from it).
+        links: the rank's links to its neighbour stages (``send_next(tensor)``, ``recv_prev(tensor)``:
+            the rank's ``StageForward``).
         is_last: whether this rank is on the last stage (it passes nothing on).
         vocab_size: the width of ``q``'s rows.
     """
 
-    def __init__(self, proposer: Proposer | None, world: TensorParallelGroup, rank: int, tensor_parallel_size: int,
-                 is_last: bool, vocab_size: int) -> None:
+    def __init__(self, proposer: Proposer | None, links, is_last: bool, vocab_size: int) -> None:
         self.proposer = proposer
-        self.world = world
-        self.prev_rank, self.next_rank = rank - tensor_parallel_size, rank + tensor_parallel_size
+        self.links = links
         self.is_last = is_last
         self.vocab_size = vocab_size
 
@@ -89,27 +97,26 @@ class StageDrafts:
         ``q`` float32 ``[D_q, V]`` of the proposals that have one (each only if not empty)."""
         counts = [len(p.token_ids) for p in proposals]
         with_q = [p.probs is not None and len(p.token_ids) > 0 for p in proposals]
-        self.world.send(torch.tensor(counts + [int(b) for b in with_q], dtype=torch.int64), self.next_rank)
+        self.links.send_next(torch.tensor(counts + [int(b) for b in with_q], dtype=torch.int64))
         if sum(counts):
-            self.world.send(torch.tensor([t for p in proposals for t in p.token_ids], dtype=torch.int64),
-                            self.next_rank)
+            self.links.send_next(torch.tensor([t for p in proposals for t in p.token_ids], dtype=torch.int64))
         if any(with_q):
-            self.world.send(torch.cat([p.probs for p, b in zip(proposals, with_q) if b]).float(), self.next_rank)
+            self.links.send_next(torch.cat([p.probs for p, b in zip(proposals, with_q) if b]).float())
 
     def _send_failure(self, num_requests: int) -> None:
         if not self.is_last:
-            self.world.send(torch.full((2 * num_requests,), FAILED, dtype=torch.int64), self.next_rank)
+            self.links.send_next(torch.full((2 * num_requests,), FAILED, dtype=torch.int64))
 
     def _receive(self, num_requests: int) -> list[Proposal]:
-        header = self.world.recv(torch.empty(2 * num_requests, dtype=torch.int64), self.prev_rank).tolist()
+        header = self.links.recv_prev(torch.empty(2 * num_requests, dtype=torch.int64)).tolist()
         if FAILED in header:
             self._send_failure(num_requests)
             raise CollectiveError("the first pipeline stage failed to draft this step's tokens")
         counts, with_q = header[:num_requests], header[num_requests:]
-        ids = (self.world.recv(torch.empty(sum(counts), dtype=torch.int64), self.prev_rank).tolist()
+        ids = (self.links.recv_prev(torch.empty(sum(counts), dtype=torch.int64)).tolist()
                if sum(counts) else [])
         num_q = sum(n for n, b in zip(counts, with_q) if b)
-        q = self.world.recv(torch.empty(num_q, self.vocab_size), self.prev_rank) if num_q else None
+        q = self.links.recv_prev(torch.empty(num_q, self.vocab_size)) if num_q else None
         proposals, at, q_at = [], 0, 0
         for n, b in zip(counts, with_q):
             probs = q[q_at:q_at + n] if b else None
