@@ -106,12 +106,9 @@ def build_proposers(speculative: SpeculativeConfig, target: nn.Module, gemm_back
         return [speculative.ngram_proposer() for _ in kv_caches]
     draft = load_draft_model(speculative.model, target, gemm_backend)
     device = next(target.parameters()).device
-    proposers: list[Proposer | None] = []
-    for kv_cache in kv_caches:
-        (spec,) = speculative_caches(speculative, kv_cache.spec)
-        cache = KVCache(spec, kv_cache.num_blocks, device=device, num_cpu_blocks=kv_cache.num_cpu_blocks)
-        proposers.append(DraftModelProposer(draft, cache, attention_backend, speculative.num_speculative_tokens))
-    return proposers
+    (spec,) = speculative_caches(speculative, kv_caches[0].spec)  # the engines' caches share block size and dtype
+    return [DraftModelProposer(draft, KVCache(spec, c.num_blocks, device=device, num_cpu_blocks=c.num_cpu_blocks),
+                               attention_backend, speculative.num_speculative_tokens) for c in kv_caches]
 
 
 class DraftModelProposer:
