@@ -101,7 +101,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
     import torch
 
     from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
-    from pagedserve.engine.kv_cache import cache_dtype, to_cache_dtype
+    from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, cache_dtype, to_cache_dtype
 
     op = load_cpu_attention_op()
     if op is None:
@@ -118,8 +118,11 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
     timings = []
     for choice in KVCacheDtype:
         dtype = cache_dtype(choice, model_dtype)
-        caches = [(to_cache_dtype(torch.randn(shape, generator=g), dtype),
-                   to_cache_dtype(torch.randn(shape, generator=g), dtype)) for _ in range(args.layers)]
+        kv_cache = KVCache(KVCacheSpec(args.layers, args.num_kv_heads, args.head_dim, args.block_size, dtype),
+                           num_blocks)  # the worker's memory (2 MiB pages where Linux gives them)
+        for layer in kv_cache.key_caches + kv_cache.value_caches:
+            layer.copy_(to_cache_dtype(torch.randn(shape, generator=g), dtype))
+        caches = [kv_cache.layer(i) for i in range(args.layers)]
 
         def call(i: int) -> None:
             k, v = caches[i % args.layers]

@@ -1,6 +1,6 @@
 """models/huge_pages.py: tensors carved in order from 2 MiB-aligned chunks, 64-byte aligned, never
 overlapping; a tensor larger than a chunk gets its own; the chunk is marked for transparent huge pages
-where the kernel offers them; the memory lives as long as a tensor views it."""
+where the kernel offers them; the memory lives as long as a tensor views it; a CPU KV cache sits there."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 from pagedserve.engine.models.huge_pages import ALIGN_BYTES, CHUNK_BYTES, HUGE_PAGE_BYTES, HugePageArena
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -56,11 +57,11 @@ def test_the_memory_outlives_the_arena_while_a_tensor_views_it():
     assert torch.equal(tensor, torch.arange(1024.0))
 
 
-@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
-                    reason="transparent huge pages are off (or this is not Linux)")
-def test_the_chunk_is_eligible_for_huge_pages():
-    tensor = HugePageArena().empty((HUGE_PAGE_BYTES // 4,), torch.float32)
-    tensor.fill_(1.0)
+THP_OFF = not THP_MODE.exists() or "[never]" in THP_MODE.read_text()
+
+
+def thp_eligible(tensor: torch.Tensor) -> str:
+    """The ``THPeligible`` value of the mapping that holds ``tensor`` in /proc/self/smaps ("1": yes)."""
     start = tensor.data_ptr()
     smaps = Path("/proc/self/smaps").read_text().split("\n")
     for i, line in enumerate(smaps):
@@ -71,8 +72,26 @@ def test_the_chunk_is_eligible_for_huge_pages():
                 entry = smaps[i + 1:i + 30]
                 break
     else:
-        raise AssertionError("the arena's mapping is not in /proc/self/smaps")
+        raise AssertionError("the tensor's mapping is not in /proc/self/smaps")
     eligible = [line for line in entry if line.startswith("THPeligible:")]
     if not eligible:
         pytest.skip("this kernel's smaps has no THPeligible field (Linux < 5.0)")
-    assert eligible[0].split()[1] == "1", entry
+    return eligible[0].split()[1]
+
+
+@pytest.mark.skipif(THP_OFF, reason="transparent huge pages are off (or this is not Linux)")
+def test_the_chunk_is_eligible_for_huge_pages():
+    tensor = HugePageArena().empty((HUGE_PAGE_BYTES // 4,), torch.float32)
+    tensor.fill_(1.0)
+    assert thp_eligible(tensor) == "1"
+
+
+@pytest.mark.skipif(THP_OFF, reason="transparent huge pages are off (or this is not Linux)")
+def test_a_cpu_kv_cache_is_zeroed_memory_eligible_for_huge_pages():
+    cache = KVCache(KVCacheSpec(3, 2, 16, 4, torch.float32), num_blocks=5, num_cpu_blocks=2)
+    for layer in cache.key_caches + cache.value_caches:
+        assert layer.shape == (5, 4, 2, 16) and not layer.any()
+        assert thp_eligible(layer) == "1"
+    layers = cache.key_caches + cache.value_caches
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in layers)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # 6 tensors, none overlapping
