@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import redis
 
@@ -286,10 +286,19 @@ class GenerationCore:
                     return await outputs.get()
             except TimeoutError:
                 waited_s += 1
-                if self._router.unreachable_for_s(submission.key) > self._grace_s:
-                    raise GenerationError(StatusKind.UNAVAILABLE, "lost the connection to the scheduler") from None
+                if (unreachable_s := self._router.unreachable_for_s(submission.key)) > self._grace_s:
+                    self._fail_unreachable(submission.key, unreachable_s)
                 if unread is not None and waited_s % LOST_CHECK_S == 0 and await self._producer.lost(unread.entry_id):
                     await self._requeue(submission, unread)
+
+    def _fail_unreachable(self, key: str, unreachable_s: float) -> NoReturn:
+        """Logs and raises UNAVAILABLE for a request without a scheduler stream for ``unreachable_s`` seconds."""
+        owner = self._router.owner_of(key)
+        who = f"scheduler {owner}" if owner is not None else "any scheduler"
+        log.warning("request %s: no stream from %s for %.1f s (grace %g s); it ends UNAVAILABLE. Links: %s",
+                    key, who, unreachable_s, self._grace_s, self._router.discovery.describe())
+        raise GenerationError(StatusKind.UNAVAILABLE, f"lost the connection to {who} for {unreachable_s:.0f} s "
+                                                      f"(the gateway waits {self._grace_s:g} s); retry")
 
     async def _requeue(self, submission: Submission, entry: _QueuedEntry) -> None:
         """Queues a request whose entry Redis lost again (updating ``entry``).

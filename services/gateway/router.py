@@ -137,6 +137,11 @@ class OutputRouter:
             return self.discovery.none_connected_for_s()
         return self.discovery.down_for_s(request.owner)
 
+    def owner_of(self, key: str) -> str | None:
+        """The scheduler whose events the request takes (``None`` before its first event or query, or unknown)."""
+        request = self._requests.get(key)
+        return None if request is None else request.owner
+
     async def abort_sample(self, key: str, sample_index: int) -> None:
         """Asks the request's owner (every live scheduler while it has none) to stop one sample of
         the request and free its blocks (the other samples go on); errors are logged."""

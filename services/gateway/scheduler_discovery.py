@@ -64,6 +64,12 @@ class SchedulerDiscovery:
         """The links whose stream is open now."""
         return [link for link in self.links.values() if link.connected]
 
+    def describe(self) -> str:
+        """The links' states for a log line: ``id (connected|down N.N s)`` each, or ``no scheduler links``."""
+        states = [f"{sid} ({'connected' if link.connected else f'down {link.down_for_s():.1f} s'})"
+                  for sid, link in self.links.items()]
+        return ", ".join(states) or "no scheduler links"
+
     def none_connected_for_s(self) -> float:
         """Seconds for which no scheduler stream has been open (0 while one is; counted from the
         gateway's start before the first connects)."""

@@ -5,6 +5,8 @@ scheduler that takes a request over is told exactly what the client received."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 
 import pytest
 import redis
@@ -156,7 +158,7 @@ def test_a_client_that_leaves_before_any_scheduler_answered_aborts_on_every_sche
     run_scenario(scenario)
 
 
-def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_scheduler_is_up(client, redis_url):
+def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_scheduler_is_up(client, redis_url, caplog):
     async def scenario():
         async with Gateway(client, redis_url, grace_s=1.0) as gw:
             key = await gw.submit(SamplingParams(max_tokens=4))
@@ -165,7 +167,13 @@ def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_schedu
             gw.s1.refuse_streams()  # s1 died and no scheduler took the request over
             await until(lambda: getattr(gw, "done", False), "the request to fail", timeout_s=15)
             assert gw.error.kind == StatusKind.UNAVAILABLE
+            assert gw.error.message.startswith("lost the connection to scheduler s1 for "), gw.error.message
+            warning = next(r.getMessage() for r in caplog.records if "ends UNAVAILABLE" in r.getMessage())
+            assert f"request {key}: no stream from scheduler s1" in warning and "s2 (connected)" in warning, warning
+            assert re.search(r"s1 \(down \d+\.\d s\)", warning), warning
             gw.core.check_scheduler()  # s2 is up: new requests are accepted
+
+    caplog.set_level(logging.WARNING, logger="pagedserve.gateway")
 
     run_scenario(scenario)
 
