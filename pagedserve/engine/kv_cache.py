@@ -13,6 +13,7 @@ float32 when read; copies between blocks move bytes, whatever the type.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.config import KVCacheDtype
-from pagedserve.engine.models.huge_pages import HugePageArena
+from pagedserve.engine.models.huge_pages import ALIGN_BYTES, HUGE_PAGE_BYTES, HugePageArena
 
 CACHE_TORCH_DTYPES = {KVCacheDtype.BFLOAT16: "bfloat16", KVCacheDtype.FP8_E5M2: "float8_e5m2"}
 """The torch dtype (an attribute name of ``torch``) of each ``--kv-cache-dtype`` but ``auto``."""
@@ -130,7 +131,8 @@ class KVCache:
     """Per-layer K and V tensors, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
     The tensors start zeroed so that padded reads of unused slots stay finite (attention masks
-    them, and a NaN there would still poison ``0 * NaN``).
+    them, and a NaN there would still poison ``0 * NaN``). On the CPU, a cache of 2 MiB or more keeps
+    its layers in one mapping of 2 MiB pages (views of one storage: clone a layer before saving it).
 
     Swap space (for swap preemption) is a second set of the same tensors with ``num_cpu_blocks``
     blocks in CPU memory; the scheduler's plans say which blocks to copy out and back.
@@ -153,7 +155,7 @@ class KVCache:
         self.num_blocks = num_blocks
         self.num_cpu_blocks = num_cpu_blocks
         shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        zeros = _zeros_maker(shape, spec.dtype, device)
+        zeros = _zeros_maker(shape, spec.dtype, device, count=2 * spec.num_layers)
         self.key_caches = [zeros() for _ in range(spec.num_layers)]
         self.value_caches = [zeros() for _ in range(spec.num_layers)]
         cpu_shape = (num_cpu_blocks, *shape[1:])
@@ -191,15 +193,17 @@ class KVCache:
         return self.key_caches[index], self.value_caches[index]
 
 
-def _zeros_maker(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> Callable[[], torch.Tensor]:
-    """Makes zeroed ``shape`` tensors of ``dtype`` on ``device``; on the CPU from one arena of 2 MiB pages
-    where Linux gives them (``HugePageArena``): decode attention reads each sequence's blocks scattered
-    over the cache, a TLB miss every 4 KiB on ordinary pages, and from 2 MiB pages the CPU op ran
-    1.03-1.06x faster (float32 and bfloat16 K/V, 64 and 256 sequences of ~270 tokens, 30 layers, AVX2
-    EPYC; docs/benchmarks.md, "The attention op on AVX2")."""
-    if torch.device(device).type != "cpu":
+def _zeros_maker(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+                 count: int) -> Callable[[], torch.Tensor]:
+    """Makes ``count`` zeroed ``shape`` tensors of ``dtype`` on ``device``; on the CPU, when they take at least
+    a huge page together, from one mapping of 2 MiB pages where Linux gives them (``HugePageArena``): decode
+    attention reads each sequence's blocks scattered over the cache, a TLB miss every 4 KiB on ordinary
+    pages (the attention op's figures: docs/benchmarks.md, the changes table). The tensors are then views
+    of one storage: clone one before saving it or sending it to another process."""
+    layer_bytes = -(-math.prod(shape) * dtype.itemsize // ALIGN_BYTES) * ALIGN_BYTES
+    if torch.device(device).type != "cpu" or count * layer_bytes < HUGE_PAGE_BYTES:
         return lambda: torch.zeros(shape, dtype=dtype, device=device)
-    arena = HugePageArena()
+    arena = HugePageArena(chunk_bytes=count * layer_bytes)
     return lambda: arena.empty(shape, dtype).zero_()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
@@ -187,6 +188,7 @@ class GenerationCore:
         self._producer = producer
         self._router = router
         self._max_concurrent = max_concurrent_requests
+        self._unreachable_logged: dict[str | None, float] = {}  # scheduler -> when a failure for it was logged
         self._grace_s = scheduler_grace_s
         self._background: set[asyncio.Task] = set()
 
@@ -292,13 +294,20 @@ class GenerationCore:
                     await self._requeue(submission, unread)
 
     def _fail_unreachable(self, key: str, unreachable_s: float) -> NoReturn:
-        """Logs and raises UNAVAILABLE for a request without a scheduler stream for ``unreachable_s`` seconds."""
+        """Raises UNAVAILABLE for a request without a scheduler stream for ``unreachable_s`` seconds (``inf``:
+        its scheduler is unknown or forgotten), logging why once per scheduler per grace period (the
+        other requests of a scheduler that died fail in the same second)."""
         owner = self._router.owner_of(key)
-        who = f"scheduler {owner}" if owner is not None else "any scheduler"
-        log.warning("request %s: no stream from %s for %.1f s (grace %g s); it ends UNAVAILABLE. Links: %s",
-                    key, who, unreachable_s, self._grace_s, self._router.discovery.describe())
-        raise GenerationError(StatusKind.UNAVAILABLE, f"lost the connection to {who} for {unreachable_s:.0f} s "
-                                                      f"(the gateway waits {self._grace_s:g} s); retry")
+        now = time.monotonic()
+        if now - self._unreachable_logged.get(owner, -math.inf) > self._grace_s:
+            self._unreachable_logged[owner] = now
+            log.warning("request %s (and any other of %s failing in the next %g s): no stream for %.1f s, over the "
+                        "grace of %g s; it ends UNAVAILABLE. Links: %s", key,
+                        f"scheduler {owner}" if owner is not None else "no scheduler yet", self._grace_s,
+                        unreachable_s, self._grace_s, self._router.discovery.describe())
+        waited = f"for {unreachable_s:.1f} s" if math.isfinite(unreachable_s) else "(it left the cluster)"
+        message = f"lost the connection to the request's scheduler {waited}, longer than the gateway waits"
+        raise GenerationError(StatusKind.UNAVAILABLE, f"{message} ({self._grace_s:g} s); retry") from None
 
     async def _requeue(self, submission: Submission, entry: _QueuedEntry) -> None:
         """Queues a request whose entry Redis lost again (updating ``entry``).

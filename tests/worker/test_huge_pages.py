@@ -87,11 +87,20 @@ def test_the_chunk_is_eligible_for_huge_pages():
 
 
 @pytest.mark.skipif(THP_OFF, reason="transparent huge pages are off (or this is not Linux)")
-def test_a_cpu_kv_cache_is_zeroed_memory_eligible_for_huge_pages():
-    cache = KVCache(KVCacheSpec(3, 2, 16, 4, torch.float32), num_blocks=5, num_cpu_blocks=2)
+def test_a_cpu_kv_cache_is_zeroed_memory_eligible_for_huge_pages_in_one_mapping_of_its_size():
+    cache = KVCache(KVCacheSpec(2, 2, 64, 16, torch.float32), num_blocks=512)  # 4 MiB a layer, 16 MiB in all
+    layers = cache.key_caches + cache.value_caches
+    for layer in layers:
+        assert layer.shape == (512, 16, 2, 64) and not layer.any()
+        assert thp_eligible(layer) == "1"
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in layers)
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # 4 tensors, none overlapping
+    assert spans[-1][1] - spans[0][0] == 4 * (4 << 20)  # back to back
+    assert layers[0].untyped_storage().nbytes() == (16 << 20) + (2 << 20)  # one mapping: the cache + 2 MiB to align
+
+
+def test_a_cpu_kv_cache_under_a_huge_page_takes_ordinary_memory():
+    cache = KVCache(KVCacheSpec(3, 2, 16, 4, torch.float32), num_blocks=5, num_cpu_blocks=2)  # 6 x 2,560 bytes
     for layer in cache.key_caches + cache.value_caches:
         assert layer.shape == (5, 4, 2, 16) and not layer.any()
-        assert thp_eligible(layer) == "1"
-    layers = cache.key_caches + cache.value_caches
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in layers)
-    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))  # 6 tensors, none overlapping
+        assert layer.untyped_storage().nbytes() == 2560  # its own allocation, no 2 MiB page
