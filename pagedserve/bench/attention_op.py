@@ -5,7 +5,8 @@ figure of merit is GB/s = bytes of K/V read / time. Each KV dtype (--kv-cache-dt
 (--dtype), bfloat16, fp8_e5m2) runs the compiled op (``attention/csrc``) on the same decode batch
 (a ShareGPT-like shape by default: 64 sequences of ~500 context tokens, the default model's 9 query
 and 3 KV heads of 64, shuffled block tables), over ``--layers`` caches in turn so that the K/V come
-from DRAM as in the model, not from the last-level cache. Beside them, in the same run and rounds, a
+from DRAM as in the model, not from the last-level cache; the caches are allocated as a worker's are
+(``KVCache``: 2 MiB pages where Linux gives them). Beside them, in the same run and rounds, a
 streaming read: ``torch.sum`` over a 512 MiB float32 buffer. Medians of ``--rounds`` rounds.
 """
 
