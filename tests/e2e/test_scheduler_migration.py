@@ -48,6 +48,10 @@ NUM_STREAMS = 32
 MAX_TOKENS = [60 + (i % 8) * 2 for i in range(NUM_STREAMS)]  # 60..74, exact lengths (ignore_eos): the first
 # streams must still decode when the last is admitted (32 prompts take 2.4-3.2 s to admit here; with 40..54
 # one ended first in a CI run once the panel GEMM made decodes faster)
+MIN_RUNNING_AT_FAULT = NUM_STREAMS * 3 // 4
+"""Streams that must still decode when the fault hits (the others finished; finish_streams checks them all
+the same): with all 32 required, a CI run on a loaded 2-core VM failed the precondition twice (a free
+stream ended while the structured ones still waited for their grammar's first build)."""
 NUMBERS = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
                       "minItems": 60, "maxItems": 200})  # 60+ numbers: longer than any stream, never closed
 STRUCTURED = frozenset(range(3, NUM_STREAMS, 4))
@@ -146,7 +150,8 @@ def start_calls(target: str) -> list[Call]:
         call.thread.start()
     for call in calls:
         assert call.decoding.wait(180), f"stream {call.index} produced no tokens"
-    assert all(c.ended_at is None for c in calls), "a stream ended before the fault"
+    running = sum(c.ended_at is None for c in calls)
+    assert running >= MIN_RUNNING_AT_FAULT, f"only {running} of {NUM_STREAMS} streams still decode at the fault"
     return calls
 
 
