@@ -198,8 +198,7 @@ def _zeros_maker(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     """Makes ``count`` zeroed ``shape`` tensors of ``dtype`` on ``device``; on the CPU, when they take at least
     a huge page together, from one mapping of 2 MiB pages where Linux gives them (``HugePageArena``): decode
     attention reads each sequence's blocks scattered over the cache, a TLB miss every 4 KiB on ordinary
-    pages (the attention op's figures: docs/benchmarks.md, the changes table). The tensors are then views
-    of one storage: clone one before saving it or sending it to another process."""
+    pages (the attention op's figures: docs/benchmarks.md, the changes table)."""
     layer_bytes = -(-math.prod(shape) * dtype.itemsize // ALIGN_BYTES) * ALIGN_BYTES
     if torch.device(device).type != "cpu" or count * layer_bytes < HUGE_PAGE_BYTES:
         return lambda: torch.zeros(shape, dtype=dtype, device=device)
