@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.engine.config import KVCacheDtype
-from pagedserve.engine.models.huge_pages import ALIGN_BYTES, HUGE_PAGE_BYTES, HugePageArena
+from pagedserve.engine.models.huge_pages import HUGE_PAGE_BYTES, HugePageArena, aligned_bytes
 
 CACHE_TORCH_DTYPES = {KVCacheDtype.BFLOAT16: "bfloat16", KVCacheDtype.FP8_E5M2: "float8_e5m2"}
 """The torch dtype (an attribute name of ``torch``) of each ``--kv-cache-dtype`` but ``auto``."""
@@ -199,7 +199,7 @@ def _zeros_maker(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     a huge page together, from one mapping of 2 MiB pages where Linux gives them (``HugePageArena``): decode
     attention reads each sequence's blocks scattered over the cache, a TLB miss every 4 KiB on ordinary
     pages (the attention op's figures: docs/benchmarks.md, the changes table)."""
-    layer_bytes = -(-math.prod(shape) * dtype.itemsize // ALIGN_BYTES) * ALIGN_BYTES
+    layer_bytes = aligned_bytes(math.prod(shape) * dtype.itemsize)
     if torch.device(device).type != "cpu" or count * layer_bytes < HUGE_PAGE_BYTES:
         return lambda: torch.zeros(shape, dtype=dtype, device=device)
     arena = HugePageArena(chunk_bytes=count * layer_bytes)

@@ -57,8 +57,13 @@ class HugePageArena:
         if self._chunk is None or self._used + nbytes > self._chunk.numel():
             self._chunk, self._used = _map_chunk(max(self._chunk_bytes, nbytes)), 0
         tensor = self._chunk[self._used:self._used + nbytes].view(dtype).view(shape)
-        self._used += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+        self._used += aligned_bytes(nbytes)
         return tensor
+
+
+def aligned_bytes(nbytes: int) -> int:
+    """The bytes a tensor of ``nbytes`` takes in an arena: rounded up to :data:`ALIGN_BYTES`."""
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 def _map_chunk(nbytes: int) -> torch.Tensor:
