@@ -59,7 +59,7 @@ COPY services ./services
 COPY pagedserve_kernels ./pagedserve_kernels
 COPY pagedserve ./pagedserve
 # the ops (attention, the fused row-wise ops, the decode-step layer loop; the few-row bfloat16 GEMM where the CPU has
-# AVX512_BF16, the float32 panel GEMM where it has AVX2 and FMA) are built into $PAGEDSERVE_CACHE_DIR/ops, which the
+# AVX512_BF16, the float32 panel GEMM and the prefill attention op where it has AVX2 and FMA) are built into $PAGEDSERVE_CACHE_DIR/ops, which the
 # run-time stage copies (not a volume)
 RUN pip install --no-deps . \
     && mkdir -p "$PAGEDSERVE_CACHE_DIR" \
@@ -68,6 +68,7 @@ from pagedserve.engine.attention.cpu_op import load_cpu_attention_op as load; \
 from pagedserve.engine.models.decode_layers import decode_layers_available; \
 from pagedserve.engine.models.onednn import few_rows_available; few_rows_available(); \
 from pagedserve.engine.models.panel_gemm import panels_available; panels_available(); \
+from pagedserve.engine.attention.prefill_op import prefill_op_available; prefill_op_available(); \
 sys.exit(load() is None or not decode_layers_available())'; fi
 
 FROM python

@@ -78,6 +78,7 @@ else
   say "building the C++ paged-attention op and the default model folder (about 40 s, once)"
   python - <<'PY'
 from pagedserve.engine.attention.cpu_op import load_cpu_attention_op
+from pagedserve.engine.attention.prefill_op import prefill_op_available
 from pagedserve.engine.models.decode_layers import decode_layers_available
 from pagedserve.engine.models.fused_ops import fused_ops_available
 from pagedserve.engine.models.onednn import few_rows_available
@@ -85,6 +86,8 @@ from pagedserve.engine.models.panel_gemm import panels_available
 from pagedserve.model_files import prepare_default_model
 
 print("   C++ op:", "built" if load_cpu_attention_op() else "NOT built (the torch backend is used): see the warning above",
+      flush=True)
+print("   prefill attention op:", "built" if prefill_op_available() else "not used (no AVX2 and FMA, or see the warning above)",
       flush=True)
 print("   few-row bfloat16 GEMM:", "built" if few_rows_available() else "not used (no AVX512_BF16, or see the warning above)",
       flush=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.bench import (attention_op, gemm_rows, grammar_engines, kv, kv_features, long_prompt_itl, overhead, peers, pipeline_parallel, placement,
-                              profile, profile_workload, serve, structured_outputs, tensor_parallel, throughput,
+                              prefill_attention, profile, profile_workload, serve, structured_outputs, tensor_parallel, throughput,
                               token_budget)
 
 
@@ -22,6 +22,6 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
     commands = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     for module in (serve, throughput, peers, overhead, kv, profile, profile_workload, token_budget,
                    long_prompt_itl, tensor_parallel, placement, pipeline_parallel, grammar_engines,
-                   structured_outputs, attention_op, gemm_rows):
+                   structured_outputs, attention_op, prefill_attention, gemm_rows):
         module.add_parser(commands)
     kv_features.add_parsers(commands)

@@ -208,6 +208,25 @@ def test_attention_op_report_for_a_bfloat16_model(tmp_path):
     assert "bfloat16 query" in stdout
 
 
+def test_prefill_attention_report(tmp_path):
+    """Each length's GFLOP/s is its causal products over each kernel's time; the ratio is the times'."""
+    from pagedserve.engine.attention.prefill_op import prefill_op_available
+
+    if not prefill_op_available():
+        pytest.skip("the prefill attention op needs AVX2, FMA and a compiler")
+    out = tmp_path / "p.json"
+    stdout = bench("prefill-attention", "--prompt-lens", "16,40", "--context-len", "8", "--rounds", "1",
+                   "--result-json", str(out))
+    timings = json.loads(out.read_text())["timings"]
+    assert [(t["prompt_len"], t["context_len"]) for t in timings] == [(16, 8), (40, 8)]
+    for t in timings:
+        gflop = 4 * 64 * 9 * (t["prompt_len"] * 8 + t["prompt_len"] * (t["prompt_len"] + 1) // 2) / 1e9
+        assert t["op_gflops"] == pytest.approx(gflop / t["op_ms"] * 1e3)
+        assert t["torch_gflops"] == pytest.approx(gflop / t["torch_ms"] * 1e3)
+        assert t["speedup"] == pytest.approx(t["torch_ms"] / t["op_ms"])
+    assert "torch SDPA ms" in stdout and "8 cached positions" in stdout
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gemm_rows_report(tmp_path, dtype):
     """Each kernel's GB/s is the weights' bytes over its time, at each row count asked for."""

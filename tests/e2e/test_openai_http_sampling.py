@@ -6,14 +6,17 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pagedserve.engine.attention.prefill_op import prefill_op_available
 from services.common.pb import generate_pb2 as gen
+from tests.e2e.processes import scheduler_stats
 from tests.e2e.test_openai_http import PROMPTS, client, model_name  # noqa: F401 (module fixtures)
 from tests.e2e.test_stack import QUESTIONS, chat_request, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 TOL = 1e-5
-"""Same float32 computation on both paths; a prefix-cache hit changes the prefill's shape and so the
-float32 summation order (differences of ~2e-6 seen), hence not 1e-6."""
+"""Same float32 computation on both paths. Where the workers have no prefill op (no AVX2), a prefix-cache
+hit changes torch's prefill kernel and so the float32 summation order (differences of ~2e-6 seen), hence
+not 1e-6; with the op the bits are the same (the bit-for-bit test below)."""
 
 
 def grpc_sample(stack, request: gen.GenerateRequest) -> tuple[list[int], list]:
@@ -39,9 +42,26 @@ def test_completion_logprobs_equal_grpc(stack, client, model_name):  # noqa: F81
             assert abs(top[token] - max(top.values())) < TOL
 
 
+@pytest.mark.skipif(not prefill_op_available(), reason="needs the CPU prefill attention op (AVX2, FMA, a compiler)")
+def test_a_prefix_cache_hit_gives_the_logprobs_of_the_whole_prompt_bit_for_bit(stack):
+    """The workers' prefill op sums each query row in the same order however the prompt is split
+    (tests/engine/test_features_exact.py shows it in-process): a request whose first blocks are cached
+    gets the very logprobs of the one that prefilled them."""
+    prompt = "Inventory note 7731: " + " ".join(f"crate {i} holds {i * 37 % 101} bolts;" for i in range(12))
+    request = gen.GenerateRequest(prompt=prompt, sampling_params=gen.SamplingParams(max_tokens=6, temperature=0.0,
+                                                                                    logprobs=3))
+    first = grpc_sample(stack, request)
+    hits_before = scheduler_stats(stack.scheduler).prefix_cache_hits
+    again = grpc_sample(stack, request)
+    assert scheduler_stats(stack.scheduler).prefix_cache_hits - hits_before >= 64  # 4+ blocks of the prompt
+    assert again[0] == first[0]
+    assert [(e.logprob, list(e.top_token_ids), list(e.top_logprobs)) for e in again[1]] == [
+        (e.logprob, list(e.top_token_ids), list(e.top_logprobs)) for e in first[1]]
+
+
 def test_chat_logprobs_equal_grpc_streamed_or_not(stack, client, model_name):  # noqa: F811
-    # each request below then finds the prompt's full blocks cached: the same computation for all three (a
-    # first prefill of the whole prompt ends in other bits: 2.7e-5 apart in this logprob, when run alone)
+    # each request below then finds the prompt's full blocks cached: the same computation for all three (without
+    # the prefill op a first prefill of the whole prompt ends in other bits: 2.7e-5 apart in this logprob)
     grpc_sample(stack, chat_request(QUESTIONS[0], max_tokens=1))
     ids, entries = grpc_sample(stack, chat_request(QUESTIONS[0], max_tokens=8, logprobs=3))
     messages = [{"role": "user", "content": QUESTIONS[0]}]

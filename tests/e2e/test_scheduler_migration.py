@@ -78,21 +78,22 @@ def summary():
 
 @pytest.fixture(scope="module")
 def reference(default_llm):
-    """Token ids of an undisturbed greedy run of each stream, from the in-process engine."""
+    """Token ids of an undisturbed greedy run of each stream, from the in-process engine: one run per
+    (question, constrained or not) the streams use, 16 for the 32 streams (stream i + 16 repeats stream i)."""
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.text.tokenizer import ChatTurn
 
     from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 
-    longest = max(MAX_TOKENS)
-    conversations = [[ChatTurn("user", q)] for q in QUESTIONS]
-    free = default_llm.chat(conversations, SamplingParams(max_tokens=longest, temperature=0.0, ignore_eos=True))
-    numbers = default_llm.chat(conversations, SamplingParams(
-        max_tokens=longest, temperature=0.0, ignore_eos=True,
-        structured_output=StructuredOutput(StructureKind.JSON, NUMBERS)))
-    assert all(re.fullmatch(r"\[[0-9,]*", out.text) for out in numbers), [out.text for out in numbers]
-    return [list((numbers if i in STRUCTURED else free)[i % len(QUESTIONS)].token_ids[:m])
-            for i, m in enumerate(MAX_TOKENS)]
+    numbers = StructuredOutput(StructureKind.JSON, NUMBERS)
+    runs = {(i % len(QUESTIONS), i in STRUCTURED): MAX_TOKENS[i] for i in range(NUM_STREAMS)}
+    assert all(runs[i % len(QUESTIONS), i in STRUCTURED] == m for i, m in enumerate(MAX_TOKENS))
+    outputs = default_llm.chat([[ChatTurn("user", QUESTIONS[q])] for q, _ in runs], [
+        SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
+                       structured_output=numbers if constrained else None) for (_, constrained), m in runs.items()])
+    by_run = dict(zip(runs, outputs))
+    assert all(re.fullmatch(r"\[[0-9,]*", out.text) for (_, constrained), out in by_run.items() if constrained)
+    return [list(by_run[i % len(QUESTIONS), i in STRUCTURED].token_ids) for i in range(NUM_STREAMS)]
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedserve.engine.attention.prefill_op import prefill_op_available
 from pagedserve.llm import LLM
 from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sampling_params import SamplingParams
@@ -76,6 +77,23 @@ def test_all_features_together_with_staggered_arrivals(default_model, default_ll
     assert tuple(outputs[0]) == tuple(outputs[1]) == long_alone.token_ids
     stats = llm.stats()
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+@pytest.mark.skipif(not prefill_op_available(), reason="needs the CPU prefill attention op (AVX2, FMA, a compiler)")
+def test_chunked_and_cached_prefills_give_the_bits_of_a_whole_prefill(default_model):
+    """With the prefill op a query row's attention sums run over the same key blocks in the same order
+    however its prompt is split (tests/worker/test_prefill_attention_cpu.py), and the panel GEMMs are
+    batch-invariant: 16-token chunks, or a prompt whose first 256 tokens are cached, give the logprobs of
+    the whole prompt at once, bit for bit (torch's SDPA kernel: 2.7e-5 apart)."""
+    shared = [(13 * j) % 40000 + 100 for j in range(256)]
+    prompts = [shared + [(7 * i + 5 * j) % 30000 + 200 for j in range(40 + i)] for i in range(2)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
+    whole = LLM(default_model, kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=2048)
+    want = [r.samples for r in whole.generate(prompts, params)]
+    chunked = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=16)
+    got = [chunked.generate(p, params)[0].samples for p in prompts]  # the second finds the first's blocks
+    assert chunked.stats().prefix_cache_hits == 256
+    assert got == want
 
 
 def test_four_seeded_samples_share_the_prompt_blocks(default_model, default_llm, tokenizer):

@@ -15,6 +15,7 @@ from pagedserve_kernels.reference import paged_attention_ref
 from pagedserve.engine.attention import (CpuAttentionBackend, TorchAttentionBackend, build_attention_metadata,
                                          compute_positions, make_attention_backend)
 from pagedserve.engine.attention import cpu_op
+from pagedserve.engine.attention.prefill_op import prefill_attention, prefill_op_available
 
 OP = cpu_op.load_cpu_attention_op()
 needs_op = pytest.mark.skipif(OP is None, reason="the C++ op could not be built here (see the warning)")
@@ -116,7 +117,8 @@ def test_op_in_bfloat16_matches_a_float64_reference(heads, kv_heads, dim, seqs, 
 
 
 @needs_op
-def test_backend_uses_the_op_for_decodes_and_torch_for_prefills():
+@pytest.mark.skipif(not prefill_op_available(), reason="needs AVX2, FMA and a C++ compiler")
+def test_backend_uses_the_paged_op_for_decodes_and_the_prefill_op_for_prefills():
     seqs = [(40, 1), (17, 1), (3, 1), (0, 12), (16, 16), (13, 9)]
     md, q, k, v, k_cache, v_cache = _batch(9, seqs, 8, 9, 3, 64)
     assert md.num_decode_seqs == 3
@@ -125,6 +127,11 @@ def test_backend_uses_the_op_for_decodes_and_torch_for_prefills():
     got = backend.attend(q, k, v, k_cache, v_cache, md, 0.125)
     want = TorchAttentionBackend().attend(q, k, v, k_cache, v_cache, md, 0.125)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    fresh = prefill_attention(q[3:15], k[3:15], v[3:15], 0.125)  # (0, 12): tokens 3..14
+    assert torch.equal(got[3:15], fresh)
+    cached = torch.cat([k_cache[i] for i in md.block_tables[4, :4].tolist()])  # (16, 16): 4 blocks of 8
+    values = torch.cat([v_cache[i] for i in md.block_tables[4, :4].tolist()])
+    assert torch.equal(got[15:31], prefill_attention(q[15:31], cached, values, 0.125))
 
 
 @needs_op

@@ -2,10 +2,11 @@
 
 Decodes (one new token per sequence) read K/V in place through the block table: no gathered copy,
 no padding to the longest context in a chunk. Prefills, with or without cached context, go to the
-torch backend's paths (fused ``scaled_dot_product_attention``): with many query rows per key a
-GEMM-based kernel beats the op's vector loops on CPU (measured in docs/benchmarks.md).
-ALiBi slopes (Press et al., 2022, §3) go to the op, which adds the bias in its own instantiation of
-the score loop, and to the torch prefill paths.
+prefill op (``csrc/prefill_attention_cpu.cpp``, register-blocked products: with many query rows per key
+a GEMM-like kernel beats the paged op's vector loops) in float32 without ALiBi, else to the torch
+backend's paths (fused ``scaled_dot_product_attention``); docs/benchmarks.md measures all three.
+ALiBi slopes (Press et al., 2022, §3) go to the paged op, which adds the bias in its own instantiation
+of the score loop, and to the torch prefill paths.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import torch
 
 from pagedserve.engine.attention.cpu_op import LANES, PagedAttentionOp
 from pagedserve.engine.attention.metadata import AttentionMetadata
+from pagedserve.engine.attention.prefill_op import prefill_attention, prefill_op_applies
 from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, attend_prefills
+from pagedserve.engine.kv_cache import as_stored
 
 
 class CpuAttentionBackend:
@@ -49,5 +52,27 @@ class CpuAttentionBackend:
         if n:  # the first n sequences own the first n tokens, one each
             self._op(out[:n], query[:n].contiguous(), key_cache, value_cache, metadata.block_tables[:n],
                      metadata.seq_lens[:n], metadata.query_start_loc[:n + 1], scale, alibi_slopes, alibi_bf16)
-        attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes, alibi_bf16)
+        if alibi_slopes is None and prefill_op_applies(query):
+            _attend_prefills_with_op(out, query, key, value, key_cache, value_cache, metadata, scale)
+        else:
+            attend_prefills(out, query, key, value, key_cache, value_cache, metadata, scale, alibi_slopes,
+                            alibi_bf16)
         return out
+
+
+def _attend_prefills_with_op(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
+                             scale: float) -> None:
+    """``attend_prefills`` through the prefill op: a fresh prefill reads its new K/V ``[q, Hkv, D]`` as the
+    cache stores them; one with cached context reads its first ``context_len + q`` positions gathered
+    from the cache's blocks ``[NB, BS, Hkv, D]``, widened to float32."""
+    for seq in metadata.fresh_prefills:
+        s, e = seq.query_start, seq.query_end
+        out[s:e] = prefill_attention(query[s:e], as_stored(key[s:e], key_cache.dtype),
+                                     as_stored(value[s:e], value_cache.dtype), scale)
+    for seq in metadata.context_prefills:
+        s, e = seq.query_start, seq.query_end
+        length = seq.context_len + e - s
+        k, v = (cache.index_select(0, seq.block_indices).flatten(0, 1)[:length].to(query.dtype)
+                for cache in (key_cache, value_cache))                      # (L, Hkv, D) each
+        out[s:e] = prefill_attention(query[s:e], k, v, scale)

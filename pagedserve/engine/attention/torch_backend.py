@@ -141,14 +141,28 @@ def attend_prefills(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, v
 def _causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
             alibi_slopes: torch.Tensor | None, bf16_scale: float | None) -> torch.Tensor:
     """Causal self-attention of one sequence's new tokens: ``[q, H, D]`` x ``[q, Hkv, D]`` -> ``[q, H, D]``."""
-    q, k, v = _grouped(query, key, value, key.shape[1])
     if alibi_slopes is None:
+        return sdpa_prefill(query, key, value, scale)
+    q, k, v = _grouped(query, key, value, key.shape[1])
+    q_pos = torch.arange(query.shape[0], device=query.device)            # (q,)
+    mask = alibi.prefill_mask(alibi_slopes, q_pos, key.shape[0], key.shape[1], None, query.dtype,
+                              bf16_scale)                                 # (Hkv, G, q, q)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (Hkv, G, q, D)
+    return _heads_last(o)                                                 # (q, H, D)
+
+
+def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch's causal attention of a sequence's ``q`` new tokens over its ``L`` positions, the new ones last
+    (new token ``i`` reads keys ``0 .. L - q + i``): ``[q, H, D]`` x ``[L, Hkv, D]`` -> ``[q, H, D]``. The
+    fresh prefills' kernel without the prefill op, and the op's baseline in ``bench prefill-attention``."""
+    q, k, v = _grouped(query, key, value, key.shape[1])
+    offset = key.shape[0] - query.shape[0]
+    if offset == 0:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (Hkv, G, q, D)
     else:
-        q_pos = torch.arange(query.shape[0], device=query.device)        # (q,)
-        mask = alibi.prefill_mask(alibi_slopes, q_pos, key.shape[0], key.shape[1], None, query.dtype,
-                                    bf16_scale)                           # (Hkv, G, q, q)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (Hkv, G, q, D)
+        allowed = (torch.arange(key.shape[0], device=query.device)[None, :]
+                   <= torch.arange(query.shape[0], device=query.device)[:, None] + offset)  # (q, L)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)  # (Hkv, G, q, D)
     return _heads_last(o)                                                 # (q, H, D)
 
 

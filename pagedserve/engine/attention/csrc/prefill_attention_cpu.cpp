@@ -1,0 +1,236 @@
+// Causal attention of one sequence's new tokens over its context, float32, for CPU prefills: the
+// loop order of FlashAttention-2 (Dao, "FlashAttention-2: Faster Attention with Better Parallelism and
+// Work Partitioning", 2023, Algorithm 1: a block of query rows stays put while blocks of keys pass,
+// with an online softmax), its two products in register blocks as in a BLIS GEMM (6 rows x 16
+// columns of sums in 12 ymm registers; panel_gemm_f32.cpp does the same for the linear layers).
+//
+// A work item is one KV head and up to kItemRows of its query rows, token-major (row t * G + g: token t,
+// the g-th of the G query heads that share the KV head in grouped-query attention), so each key panel
+// and value row loaded serves them all. Per block of kKeyBlock keys: scores S = Q K^T (K packed once per
+// call into panels of 16 keys, d-major), the causal mask on the blocks that cross the diagonal, the
+// running max and sum of each row rescaled, P = exp(S - max), O += P V (V read in place). Keys past
+// every row's last are never scored. Every row's sums run over d = 0 .. D-1 and keys in order; the
+// order depends only on D and the key-block boundaries (multiples of kKeyBlock), not on the thread
+// count or other rows.
+//
+// Layouts:
+//   query, out  float32 [q, H, D]     the sequence's q new tokens, positions L - q .. L - 1
+//   key, value  float32 [L, Hkv, D]   its whole context, the new tokens last (each row's D floats
+//                                     contiguous; any strides over the first two dimensions)
+//   token i (0-based among the new ones) reads keys 0 .. L - q + i; H a multiple of Hkv; D of 16.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <omp.h>
+#include <vector>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the prefill attention op needs AVX2 and FMA"
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;     // vec16.h's vector width: the softmax works 16 scores at a time
+constexpr int64_t kKeyTile = 16;   // vec16.h's transpose_sum (not used here)
+#include "vec16.h"  // vf16, exp_nonpositive, splat
+
+constexpr int64_t kRows = 6;        // rows of a register block: 6 x 2 sums + 2 loads + 1 broadcast = 15 registers
+constexpr int64_t kCols = 16;       // keys of a K panel, output columns of a P V block
+constexpr int64_t kKeyBlock = 64;   // keys per online-softmax step: 4 panels, 16 KiB of V at D = 64
+constexpr int64_t kItemRows = 48;   // query rows (positions x heads of a group) per work item, at most
+
+struct Shape {
+  int64_t q, L, H, Hkv, G, D;
+  int64_t offset;  // L - q: new token i reads keys 0 .. offset + i
+  float scale;
+};
+
+// K of every KV head in panels of 16 keys, d-major: panels[h][p][d][j] = key[16p + j, h, d] (0 past L).
+std::vector<float> pack_keys(const at::Tensor& key, const Shape& s) {
+  const int64_t P = (s.L + kCols - 1) / kCols;
+  std::vector<float> panels(s.Hkv * P * s.D * kCols);
+  const float* k = key.data_ptr<float>();
+  const int64_t s0 = key.stride(0), s1 = key.stride(1);
+  at::parallel_for(0, s.Hkv * P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t hp = begin; hp < end; ++hp) {
+      const int64_t h = hp / P, p = hp % P;
+      float* dst = panels.data() + hp * s.D * kCols;
+      for (int64_t j = 0; j < kCols; ++j) {
+        const int64_t t = p * kCols + j;
+        for (int64_t d = 0; d < s.D; ++d) dst[d * kCols + j] = t < s.L ? k[t * s0 + h * s1 + d] : 0.0f;
+      }
+    }
+  });
+  return panels;
+}
+
+// scores[r][0..15] = sum over d of q[r][d] * panel[d][0..15], for kRows rows D floats apart.
+inline void score_block(const float* q, int64_t D, const float* panel, float* scores) {
+  __m256 acc[kRows][2];
+  for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+  const float* rows[kRows];  // the row addresses held in registers: computing them in the loop spilled its counter
+  for (int64_t r = 0; r < kRows; ++r) rows[r] = q + r * D;
+  for (const float* const end = panel + D * kCols; panel != end; panel += kCols) {
+    const __m256 b0 = _mm256_loadu_ps(panel), b1 = _mm256_loadu_ps(panel + 8);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m256 a = _mm256_broadcast_ss(rows[r]++);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(scores + r * kKeyBlock, acc[r][0]);
+    _mm256_storeu_ps(scores + r * kKeyBlock + 8, acc[r][1]);
+  }
+}
+
+// o[r][0..15] += sum over k < nk of p[r][k] * v[k][0..15], for kRows rows (o D floats apart, p
+// kKeyBlock apart) and value rows v_stride floats apart.
+inline void value_block(const float* p, const float* v, int64_t v_stride, int64_t nk, float* o, int64_t D) {
+  __m256 acc[kRows][2];
+  for (int64_t r = 0; r < kRows; ++r)
+    acc[r][0] = _mm256_loadu_ps(o + r * D), acc[r][1] = _mm256_loadu_ps(o + r * D + 8);
+  for (int64_t k = 0; k < nk; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(v + k * v_stride), b1 = _mm256_loadu_ps(v + k * v_stride + 8);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m256 a = _mm256_broadcast_ss(p + r * kKeyBlock + k);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r)
+    _mm256_storeu_ps(o + r * D, acc[r][0]), _mm256_storeu_ps(o + r * D + 8, acc[r][1]);
+}
+
+// One thread's rows of a work item: scaled queries, unnormalised outputs, scores, running max and sum.
+struct Rows {
+  std::vector<float> q, o, s, max, sum;
+  std::vector<int64_t> last_key;  // the row's last readable key
+  explicit Rows(int64_t D)
+      : q(kItemRows * D), o(kItemRows * D), s(kItemRows * kKeyBlock), max(kItemRows), sum(kItemRows),
+        last_key(kItemRows) {}
+};
+
+// Turns row r's scores of the keys k0 .. k0 + nk - 1 into probabilities against its updated running max,
+// rescaling its sum and output (FlashAttention's online softmax). Keys past the row's last get 0.
+inline void softmax_row(Rows& rows, int64_t r, int64_t k0, int64_t nk, int64_t D) {
+  float* s = rows.s.data() + r * kKeyBlock;
+  const int64_t valid = std::min(nk, rows.last_key[r] - k0 + 1);
+  if (valid <= 0) {
+    std::fill(s, s + kKeyBlock, 0.0f);
+    return;
+  }
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  vf16 scores[kKeyBlock / kLanes], block_max = splat(kMinusInf);
+  for (int64_t c = 0; c < kKeyBlock / kLanes; ++c) {
+    scores[c] = first_lanes(load_floats(s + c * kLanes), valid - c * kLanes, kMinusInf);
+    block_max = where_less(block_max, scores[c], scores[c], block_max);
+  }
+  const float new_max = std::max(rows.max[r], reduce_max(block_max));
+  const float alpha = std::exp(rows.max[r] - new_max);  // 0 on the row's first block (max -inf)
+  vf16 total{};
+  for (int64_t c = 0; c < kKeyBlock / kLanes; ++c) {
+    const vf16 prob = exp_nonpositive(scores[c] - new_max);
+    __builtin_memcpy(s + c * kLanes, &prob, sizeof prob);
+    total += prob;
+  }
+  const float block_sum = reduce_sum(total);
+  rows.sum[r] = rows.sum[r] * alpha + block_sum;
+  rows.max[r] = new_max;
+  if (alpha != 1.0f) {
+    float* o = rows.o.data() + r * D;
+    for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
+  }
+}
+
+struct Item {
+  int64_t head;   // KV head
+  int64_t first;  // first query row of the head (token-major)
+  int64_t count;  // query rows, at most kItemRows
+};
+
+// out rows of one work item: attention of its query rows over the keys its last token reads.
+void run_item(const Item& item, const Shape& s, const at::Tensor& query, const at::Tensor& value,
+              const float* key_panels, at::Tensor& out, Rows& rows) {
+  const int64_t R = item.count, padded = (R + kRows - 1) / kRows * kRows, D = s.D;
+  const float* qsrc = query.data_ptr<float>();
+  for (int64_t r = 0; r < padded; ++r) {  // padding rows repeat the last real row; never stored
+    const int64_t row = item.first + std::min(r, R - 1), t = row / s.G, h = item.head * s.G + row % s.G;
+    for (int64_t d = 0; d < D; ++d) rows.q[r * D + d] = qsrc[(t * s.H + h) * D + d] * s.scale;
+    rows.last_key[r] = s.offset + t;
+    rows.max[r] = -std::numeric_limits<float>::infinity();
+    rows.sum[r] = 0.0f;
+  }
+  std::fill(rows.o.begin(), rows.o.begin() + padded * D, 0.0f);
+  const int64_t panels_per_head = (s.L + kCols - 1) / kCols;
+  const int64_t keys = s.offset + (item.first + R - 1) / s.G + 1;
+  const float* panels = key_panels + item.head * panels_per_head * D * kCols;
+  const float* v = value.data_ptr<float>() + item.head * value.stride(1);
+  for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, keys - k0);
+    for (int64_t r = 0; r < padded; r += kRows)
+      for (int64_t j = 0; j < nk; j += kCols)
+        score_block(rows.q.data() + r * D, D, panels + (k0 + j) / kCols * D * kCols, rows.s.data() + r * kKeyBlock + j);
+    for (int64_t r = 0; r < padded; ++r) softmax_row(rows, r, k0, nk, D);
+    for (int64_t r = 0; r < padded; r += kRows)
+      for (int64_t c = 0; c < D; c += kCols)
+        value_block(rows.s.data() + r * kKeyBlock, v + k0 * value.stride(0) + c, value.stride(0), nk,
+                    rows.o.data() + r * D + c, D);
+  }
+  float* dst = out.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = (item.first + r) / s.G, h = item.head * s.G + (item.first + r) % s.G;
+    const float inv = 1.0f / rows.sum[r];
+    for (int64_t d = 0; d < D; ++d) dst[(t * s.H + h) * D + d] = rows.o[r * D + d] * inv;
+  }
+}
+
+// out[q, H, D] = causal attention of query[q, H, D] over key/value[L, Hkv, D] (see the layouts above).
+void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       double scale) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes() && out.sizes() == query.sizes(),
+              "query and out must be [q, H, D], key and value [L, Hkv, D]");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &key, &value})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "every tensor must be float32 on the CPU");
+  TORCH_CHECK(out.is_contiguous() && query.is_contiguous() && key.stride(2) == 1 && value.stride(2) == 1,
+              "query and out must be contiguous, key and value rows contiguous");
+  const int64_t kv_heads = std::max<int64_t>(key.size(1), 1);
+  const Shape s{query.size(0), key.size(0), query.size(1), key.size(1), query.size(1) / kv_heads, query.size(2),
+                key.size(0) - query.size(0), static_cast<float>(scale)};
+  TORCH_CHECK(s.Hkv > 0 && s.H % s.Hkv == 0 && key.size(2) == s.D && s.D % kCols == 0 && s.D > 0,
+              "heads must be a multiple of KV heads, head_dim must match and be a multiple of 16");
+  TORCH_CHECK(s.q >= 1 && s.q <= s.L, "query length ", s.q, " not in 1..context length ", s.L);
+  const std::vector<float> panels = pack_keys(key, s);
+  // kItemRows rows per item, fewer (multiples of kRows) where that leaves under 4 items a thread: a
+  // 16-token chunk after a long context is 3 items of 48 rows for the default model, 9 of 18 on 2 threads.
+  const int64_t rows_per_head = s.q * s.G, threads = at::get_num_threads();
+  const int64_t even_share = (rows_per_head * s.Hkv + 4 * threads - 1) / (4 * threads);
+  const int64_t rows_per_item = std::clamp((even_share + kRows - 1) / kRows * kRows, kRows, kItemRows);
+  std::vector<Item> items;  // costliest (last tokens) first: threads claim them in this order
+  for (int64_t first = (rows_per_head - 1) / rows_per_item * rows_per_item; first >= 0; first -= rows_per_item)
+    for (int64_t h = 0; h < s.Hkv; ++h) items.push_back({h, first, std::min(rows_per_item, rows_per_head - first)});
+  std::atomic<int64_t> claimed{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+#pragma omp parallel num_threads(std::min<int64_t>(at::get_num_threads(), n))
+  {
+    Rows rows(s.D);
+    for (int64_t i = claimed.fetch_add(1); i < n; i = claimed.fetch_add(1))
+      run_item(items[i], s, query, value, panels.data(), out, rows);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_prefill, m) {
+  m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_prefill, CPU, m) { m.impl("prefill_attention", TORCH_FN(prefill_attention)); }

@@ -1,0 +1,62 @@
+"""The C++ prefill attention op for CPU (``csrc/prefill_attention_cpu.cpp``): causal attention of one
+sequence's new tokens over its context in float32, in register-blocked tiles (FlashAttention-2's loop
+order). torch's ``scaled_dot_product_attention`` runs the same products through small GEMM calls at
+17 GFLOP/s on one AVX2 core for a 1000-token prompt (10.6 at 128 tokens); docs/benchmarks.md has both.
+
+Built on first use like the paged op (:func:`~pagedserve.engine.attention.cpu_op.load_cpu_library`),
+only on x86 CPUs with AVX2 and FMA; elsewhere, or where it cannot be built, prefills keep torch's kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from pagedserve.engine.cpu_features import cpu_flags
+
+SOURCE = Path(__file__).parent / "csrc" / "prefill_attention_cpu.cpp"
+HEAD_DIM_MULTIPLE = 16
+"""The op's head_dim must be a multiple of this (its panels are 16 keys wide and its output blocks 16 columns)."""
+
+
+@functools.cache
+def prefill_op_available() -> bool:
+    """Whether this CPU has AVX2 and FMA and the op's library is built and loaded (on first use)."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        return False
+    from pagedserve.engine.attention.cpu_op import load_cpu_library
+
+    return load_cpu_library(SOURCE, "pagedserve_prefill_attention", "the C++ prefill attention op for CPU",
+                            "torch's scaled_dot_product_attention for prefills")
+
+
+def prefill_op_applies(query: torch.Tensor) -> bool:
+    """Whether :func:`prefill_attention` takes this query ``[q, H, D]``: float32 on the CPU, ``D`` a
+    multiple of 16, and the op available."""
+    return (query.dtype == torch.float32 and query.device.type == "cpu"
+            and query.shape[-1] % HEAD_DIM_MULTIPLE == 0 and prefill_op_available())
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a sequence's ``q`` new tokens over its ``L`` context positions, the new ones
+    last: new token ``i`` reads keys ``0 .. L - q + i``.
+
+    Args:
+        query: float32 ``[q, H, D]`` (made contiguous if it is not).
+        key, value: float32 ``[L, Hkv, D]`` with ``L >= q``, ``H`` a multiple of ``Hkv``; each head's rows
+            contiguous (any strides over the first two dimensions).
+        scale: the factor of the scores, ``1 / sqrt(D)`` unless the model says otherwise.
+
+    Returns:
+        A new float32 ``[q, H, D]``.
+
+    Raises:
+        RuntimeError: from the op, for shapes or dtypes other than these (callers check
+            :func:`prefill_op_applies` first).
+    """
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    torch.ops.pagedserve_prefill.prefill_attention(out, query, key, value, scale)
+    return out
