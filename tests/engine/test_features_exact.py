@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.attention.prefill_op import prefill_op_available
+from pagedserve.engine.attention.prefill_op import prefill_op_preferred
 from pagedserve.llm import LLM
 from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sampling_params import SamplingParams
@@ -33,8 +33,9 @@ def plain_outputs(default_model, prompts) -> list[tuple[int, ...]]:
 def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, tokenizer):
     system = tokenizer.encode_prompt(" ".join(f"Rule {i}: be brief, exact and kind." for i in range(90)))[:1000]
     assert len(system) == 1000
-    # Three questions (16, then 6 before): the uncached reference prefills each 1000+-token prompt whole.
-    questions = [tokenizer.encode_prompt(f" Question {i}: what is {i} plus {i}?") for i in range(3)]
+    # Two questions (three took 16 s more and showed nothing a second hit does not): the uncached reference
+    # prefills each 1000+-token prompt whole.
+    questions = [tokenizer.encode_prompt(f" Question {i}: what is {i} plus {i}?") for i in range(2)]
     prompts = [system + q for q in questions]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     cached = LLM(default_model, kv_cache_memory="128MiB")
@@ -42,7 +43,7 @@ def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, toke
     for p in prompts:  # one after another, so each later request finds the system prompt cached
         with_cache.append(cached.generate(p, params)[0].token_ids)
     stats = cached.stats()
-    assert stats.prefix_cache_hits >= 2 * 992  # 62 full blocks of the system prompt, per later request
+    assert stats.prefix_cache_hits >= 992  # 62 full blocks of the system prompt, for the later request
     uncached = LLM(default_model, kv_cache_memory="128MiB", enable_prefix_caching=False)
     assert [r.token_ids for r in uncached.generate(prompts, params)] == with_cache
     assert uncached.stats().prefix_cache_hits == 0
@@ -79,7 +80,7 @@ def test_all_features_together_with_staggered_arrivals(default_model, default_ll
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
-@pytest.mark.skipif(not prefill_op_available(), reason="needs the CPU prefill attention op (AVX2, FMA, a compiler)")
+@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only with AVX2 and no AVX-512")
 def test_chunked_and_cached_prefills_give_the_bits_of_a_whole_prefill(default_model):
     """With the prefill op a query row's attention sums run over the same key blocks in the same order
     however its prompt is split (tests/worker/test_prefill_attention_cpu.py), and the panel GEMMs are

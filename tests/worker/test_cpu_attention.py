@@ -15,7 +15,7 @@ from pagedserve_kernels.reference import paged_attention_ref
 from pagedserve.engine.attention import (CpuAttentionBackend, TorchAttentionBackend, build_attention_metadata,
                                          compute_positions, make_attention_backend)
 from pagedserve.engine.attention import cpu_op
-from pagedserve.engine.attention.prefill_op import prefill_attention, prefill_op_available
+from pagedserve.engine.attention.prefill_op import prefill_attention, prefill_op_preferred
 
 OP = cpu_op.load_cpu_attention_op()
 needs_op = pytest.mark.skipif(OP is None, reason="the C++ op could not be built here (see the warning)")
@@ -117,7 +117,7 @@ def test_op_in_bfloat16_matches_a_float64_reference(heads, kv_heads, dim, seqs, 
 
 
 @needs_op
-@pytest.mark.skipif(not prefill_op_available(), reason="needs AVX2, FMA and a C++ compiler")
+@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only with AVX2 and no AVX-512")
 def test_backend_uses_the_paged_op_for_decodes_and_the_prefill_op_for_prefills():
     seqs = [(40, 1), (17, 1), (3, 1), (0, 12), (16, 16), (13, 9)]
     md, q, k, v, k_cache, v_cache = _batch(9, seqs, 8, 9, 3, 64)

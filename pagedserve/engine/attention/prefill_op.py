@@ -1,10 +1,12 @@
 """The C++ prefill attention op for CPU (``csrc/prefill_attention_cpu.cpp``): causal attention of one
 sequence's new tokens over its context in float32, in register-blocked tiles (FlashAttention-2's loop
 order). torch's ``scaled_dot_product_attention`` runs the same products through small GEMM calls at
-17 GFLOP/s on one AVX2 core for a 1000-token prompt (10.6 at 128 tokens); docs/benchmarks.md has both.
+18 GFLOP/s on one AVX2 core for a 1000-token prompt (11 at 128 tokens); docs/benchmarks.md has both.
 
 Built on first use like the paged op (:func:`~pagedserve.engine.attention.cpu_op.load_cpu_library`),
-only on x86 CPUs with AVX2 and FMA; elsewhere, or where it cannot be built, prefills keep torch's kernel.
+only on x86 CPUs with AVX2 and FMA, and used only where they lack AVX-512 (as the panel GEMM: measured
+on AVX2 alone, where torch's kernel has no wider vectors to use); elsewhere, or where it cannot be built,
+prefills keep torch's kernel.
 """
 
 from __future__ import annotations
@@ -32,11 +34,16 @@ def prefill_op_available() -> bool:
                             "torch's scaled_dot_product_attention for prefills")
 
 
+def prefill_op_preferred() -> bool:
+    """Whether the CPU backend sends prefills to the op: no AVX-512, and available."""
+    return "avx512f" not in cpu_flags() and prefill_op_available()
+
+
 def prefill_op_applies(query: torch.Tensor) -> bool:
-    """Whether :func:`prefill_attention` takes this query ``[q, H, D]``: float32 on the CPU, ``D`` a
-    multiple of 16, and the op available."""
+    """Whether the CPU backend sends the prefills of this query ``[q, H, D]`` to the op: float32 on the
+    CPU, ``D`` a multiple of 16, and :func:`prefill_op_preferred`."""
     return (query.dtype == torch.float32 and query.device.type == "cpu"
-            and query.shape[-1] % HEAD_DIM_MULTIPLE == 0 and prefill_op_available())
+            and query.shape[-1] % HEAD_DIM_MULTIPLE == 0 and prefill_op_preferred())
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
@@ -53,9 +60,11 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         A new float32 ``[q, H, D]``.
 
     Raises:
-        RuntimeError: from the op, for shapes or dtypes other than these (callers check
-            :func:`prefill_op_applies` first).
+        RuntimeError: the op is not available here (:func:`prefill_op_available`); from the op, for
+            shapes or dtypes other than these.
     """
+    if not prefill_op_available():
+        raise RuntimeError("the prefill attention op needs an x86 CPU with AVX2 and FMA and a C++ compiler")
     query = query.contiguous()
     out = torch.empty_like(query)
     torch.ops.pagedserve_prefill.prefill_attention(out, query, key, value, scale)

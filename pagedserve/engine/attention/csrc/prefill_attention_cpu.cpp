@@ -53,30 +53,23 @@ struct Shape {
   float scale;
 };
 
-// K of every KV head in panels of 16 keys, d-major: panels[h][p][d][j] = key[16p + j, h, d] (0 past L).
-std::vector<float> pack_keys(const at::Tensor& key, const Shape& s) {
-  const int64_t P = (s.L + kCols - 1) / kCols;
-  std::vector<float> panels(s.Hkv * P * s.D * kCols);
+// Panel hp = h * P + p of K (P panels a head): panels[hp][d][j] = key[16p + j, h, d], 0 past L.
+void pack_panel(const at::Tensor& key, const Shape& s, int64_t hp, float* panels) {
+  const int64_t P = (s.L + kCols - 1) / kCols, h = hp / P, p = hp % P;
   const float* k = key.data_ptr<float>();
-  const int64_t s0 = key.stride(0), s1 = key.stride(1);
-  at::parallel_for(0, s.Hkv * P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t hp = begin; hp < end; ++hp) {
-      const int64_t h = hp / P, p = hp % P;
-      float* dst = panels.data() + hp * s.D * kCols;
-      for (int64_t j = 0; j < kCols; ++j) {
-        const int64_t t = p * kCols + j;
-        for (int64_t d = 0; d < s.D; ++d) dst[d * kCols + j] = t < s.L ? k[t * s0 + h * s1 + d] : 0.0f;
-      }
-    }
-  });
-  return panels;
+  float* dst = panels + hp * s.D * kCols;
+  for (int64_t j = 0; j < kCols; ++j) {
+    const int64_t t = p * kCols + j;
+    const float* row = k + t * key.stride(0) + h * key.stride(1);
+    for (int64_t d = 0; d < s.D; ++d) dst[d * kCols + j] = t < s.L ? row[d] : 0.0f;
+  }
 }
 
 // scores[r][0..15] = sum over d of q[r][d] * panel[d][0..15], for kRows rows D floats apart.
 inline void score_block(const float* q, int64_t D, const float* panel, float* scores) {
   __m256 acc[kRows][2];
   for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
-  const float* rows[kRows];  // the row addresses held in registers: computing them in the loop spilled its counter
+  const float* rows[kRows];  // each row's next query element
   for (int64_t r = 0; r < kRows; ++r) rows[r] = q + r * D;
   for (const float* const end = panel + D * kCols; panel != end; panel += kCols) {
     const __m256 b0 = _mm256_loadu_ps(panel), b1 = _mm256_loadu_ps(panel + 8);
@@ -205,23 +198,26 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
   const int64_t kv_heads = std::max<int64_t>(key.size(1), 1);
   const Shape s{query.size(0), key.size(0), query.size(1), key.size(1), query.size(1) / kv_heads, query.size(2),
                 key.size(0) - query.size(0), static_cast<float>(scale)};
-  TORCH_CHECK(s.Hkv > 0 && s.H % s.Hkv == 0 && key.size(2) == s.D && s.D % kCols == 0 && s.D > 0,
+  TORCH_CHECK(s.Hkv > 0 && s.H > 0 && s.H % s.Hkv == 0 && key.size(2) == s.D && s.D % kCols == 0 && s.D > 0,
               "heads must be a multiple of KV heads, head_dim must match and be a multiple of 16");
   TORCH_CHECK(s.q >= 1 && s.q <= s.L, "query length ", s.q, " not in 1..context length ", s.L);
-  const std::vector<float> panels = pack_keys(key, s);
-  // kItemRows rows per item, fewer (multiples of kRows) where that leaves under 4 items a thread: a
-  // 16-token chunk after a long context is 3 items of 48 rows for the default model, 9 of 18 on 2 threads.
+  // kItemRows rows per item; on several threads fewer (multiples of kRows) where that leaves under 4 items a
+  // thread: a 16-token chunk of the default model is 48 rows per KV head, 18 + 18 + 12 on 2 threads.
   const int64_t rows_per_head = s.q * s.G, threads = at::get_num_threads();
   const int64_t even_share = (rows_per_head * s.Hkv + 4 * threads - 1) / (4 * threads);
-  const int64_t rows_per_item = std::clamp((even_share + kRows - 1) / kRows * kRows, kRows, kItemRows);
+  const int64_t rows_per_item =
+      threads == 1 ? kItemRows : std::clamp((even_share + kRows - 1) / kRows * kRows, kRows, kItemRows);
   std::vector<Item> items;  // costliest (last tokens) first: threads claim them in this order
   for (int64_t first = (rows_per_head - 1) / rows_per_item * rows_per_item; first >= 0; first -= rows_per_item)
     for (int64_t h = 0; h < s.Hkv; ++h) items.push_back({h, first, std::min(rows_per_item, rows_per_head - first)});
+  const int64_t num_panels = s.Hkv * ((s.L + kCols - 1) / kCols), n = static_cast<int64_t>(items.size());
+  std::vector<float> panels(num_panels * s.D * kCols);
   std::atomic<int64_t> claimed{0};
-  const int64_t n = static_cast<int64_t>(items.size());
-#pragma omp parallel num_threads(std::min<int64_t>(at::get_num_threads(), n))
+#pragma omp parallel num_threads(threads)  // one team packs the panels, then runs the items
   {
-    Rows rows(s.D);
+#pragma omp for schedule(static)
+    for (int64_t hp = 0; hp < num_panels; ++hp) pack_panel(key, s, hp, panels.data());
+    Rows rows(s.D);  // the loop's implicit barrier: every panel is packed
     for (int64_t i = claimed.fetch_add(1); i < n; i = claimed.fetch_add(1))
       run_item(items[i], s, query, value, panels.data(), out, rows);
   }
