@@ -18,6 +18,7 @@ from pathlib import Path
 from pagedserve.bench.attention_op import median_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.report import format_table
+from pagedserve.units import positive
 
 
 @dataclass(frozen=True)
@@ -40,17 +41,42 @@ class PrefillTiming:
     speedup: float
 
 
+def _head_dim(text: str) -> int:
+    from pagedserve.engine.attention.prefill_op import HEAD_DIM_MULTIPLE  # torch: only when the command runs
+
+    value = positive(int)(text)
+    if value % HEAD_DIM_MULTIPLE:
+        raise argparse.ArgumentTypeError(f"must be a multiple of {HEAD_DIM_MULTIPLE} (the op's panels), got {text}")
+    return value
+
+
+def _prompt_lens(text: str) -> list[int]:
+    try:
+        return [positive(int)(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}") from None
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prefill-attention", help="the CPU prefill attention op vs torch's SDPA, per prompt length",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt-lens", default="128,512,1000,2000",
-                   help="comma-separated new tokens per prefill (default %(default)s)")
-    p.add_argument("--context-len", type=int, default=0,
-                   help="cached positions before each prompt (default %(default)s)")
-    p.add_argument("--num-heads", type=int, default=9, help="query heads (default %(default)s)")
-    p.add_argument("--num-kv-heads", type=int, default=3, help="KV heads (default %(default)s)")
-    p.add_argument("--head-dim", type=int, default=64, help="channels per head (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds per length and kernel (default %(default)s)")
+    p.add_argument("--prompt-lens", type=_prompt_lens, default=[128, 512, 1000, 2000],
+                   help="comma-separated new tokens per prefill (default 128,512,1000,2000)")
+    p.add_argument("--context-len", type=_non_negative, default=0,
+                   help="cached positions before each prompt, 0 or more (default %(default)s)")
+    p.add_argument("--num-heads", type=positive(int), default=9, help="query heads (default %(default)s)")
+    p.add_argument("--num-kv-heads", type=positive(int), default=3,
+                   help="KV heads, a divisor of --num-heads (default %(default)s)")
+    p.add_argument("--head-dim", type=_head_dim, default=64, help="channels per head (default %(default)s)")
+    p.add_argument("--rounds", type=positive(int), default=7,
+                   help="timed rounds per length and kernel (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write every figure here")
     p.set_defaults(func=run)
 
@@ -88,7 +114,9 @@ def measure(args: argparse.Namespace, prompt_len: int) -> PrefillTiming:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    timings = [measure(args, int(n)) for n in args.prompt_lens.split(",")]
+    if args.num_heads % args.num_kv_heads:
+        raise SystemExit(f"--num-heads {args.num_heads} is not a multiple of --num-kv-heads {args.num_kv_heads}")
+    timings = [measure(args, n) for n in args.prompt_lens]
     title = (f"prefill attention, float32, H{args.num_heads}/{args.num_kv_heads} D{args.head_dim}, "
              f"{args.context_len} cached positions, {torch.get_num_threads()} threads")
     rows = [(t.prompt_len, t.torch_ms, t.torch_gflops, t.op_ms, t.op_gflops, t.speedup) for t in timings]

@@ -227,6 +227,18 @@ def test_prefill_attention_report(tmp_path):
     assert "torch SDPA ms" in stdout and "8 cached positions" in stdout
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--prompt-lens", "12,x"], "must be comma-separated positive integers, got '12,x'"),
+    (["--prompt-lens", "0"], "must be positive, got 0"),
+    (["--context-len", "-1"], "must be 0 or more, got -1"),
+    (["--head-dim", "24"], "must be a multiple of 16"),
+])
+def test_prefill_attention_refuses_bad_flags_with_a_usage_error(capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "prefill-attention", *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_gemm_rows_report(tmp_path, dtype):
     """Each kernel's GB/s is the weights' bytes over its time, at each row count asked for."""
