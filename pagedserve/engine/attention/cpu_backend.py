@@ -52,6 +52,8 @@ class CpuAttentionBackend:
         if n:  # the first n sequences own the first n tokens, one each
             self._op(out[:n], query[:n].contiguous(), key_cache, value_cache, metadata.block_tables[:n],
                      metadata.seq_lens[:n], metadata.query_start_loc[:n + 1], scale, alibi_slopes, alibi_bf16)
+        if not (metadata.fresh_prefills or metadata.context_prefills):
+            return out
         if alibi_slopes is None and prefill_op_applies(query):
             _attend_prefills_with_op(out, query, key, value, key_cache, value_cache, metadata, scale)
         else:
