@@ -85,15 +85,13 @@ def measure(args: argparse.Namespace, prompt_len: int) -> PrefillTiming:
     """Both kernels on one random prompt of ``prompt_len`` tokens after ``args.context_len`` positions.
 
     Raises:
-        RuntimeError: the op cannot be built or run here.
+        RuntimeError: the op cannot be built or run here (from ``prefill_attention``).
     """
     import torch
 
-    from pagedserve.engine.attention.prefill_op import prefill_attention, prefill_op_available
+    from pagedserve.engine.attention.prefill_op import prefill_attention
     from pagedserve.engine.attention.torch_backend import sdpa_prefill
 
-    if not prefill_op_available():
-        raise RuntimeError("the prefill attention op needs an x86 CPU with AVX2 and FMA and a C++ compiler")
     g = torch.Generator().manual_seed(prompt_len)
     length = args.context_len + prompt_len
     query = torch.randn(prompt_len, args.num_heads, args.head_dim, generator=g)

@@ -16,7 +16,7 @@ import torch
 from pagedserve.engine.attention.cpu_op import LANES, PagedAttentionOp
 from pagedserve.engine.attention.metadata import AttentionMetadata
 from pagedserve.engine.attention.prefill_op import prefill_attention, prefill_op_applies
-from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, attend_prefills
+from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, attend_prefills, gathered_context
 from pagedserve.engine.kv_cache import as_stored
 
 
@@ -75,6 +75,5 @@ def _attend_prefills_with_op(out: torch.Tensor, query: torch.Tensor, key: torch.
     for seq in metadata.context_prefills:
         s, e = seq.query_start, seq.query_end
         length = seq.context_len + e - s
-        k, v = (cache.index_select(0, seq.block_indices).flatten(0, 1)[:length].to(query.dtype)
-                for cache in (key_cache, value_cache))                      # (L, Hkv, D) each
+        k, v = (gathered_context(cache, seq, query.dtype)[:length] for cache in (key_cache, value_cache))  # (L, Hkv, D)
         out[s:e] = prefill_attention(query[s:e], k, v, scale)

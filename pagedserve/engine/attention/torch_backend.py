@@ -166,6 +166,12 @@ def sdpa_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
     return _heads_last(o)                                                 # (q, H, D)
 
 
+def gathered_context(cache: torch.Tensor, seq: ContextPrefill, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of ``seq``'s whole blocks of one layer's ``cache`` ``[NB, BS, Hkv, D]``, in order and in ``dtype``:
+    ``[Lp, Hkv, D]`` with ``Lp`` = blocks x block size (positions past its length are the last block's tail)."""
+    return cache.index_select(0, seq.block_indices).flatten(0, 1).to(dtype)
+
+
 def _with_context(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                   seq: ContextPrefill, scale: float, alibi_slopes: torch.Tensor | None,
                   bf16_scale: float | None) -> torch.Tensor:
@@ -175,9 +181,7 @@ def _with_context(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         q_pos = torch.arange(seq.query_end - seq.query_start, device=mask.device) + seq.context_len  # (q,)
         mask = alibi.prefill_mask(alibi_slopes, q_pos, mask.shape[1], key_cache.shape[2], mask,
                                   query.dtype, bf16_scale)                # (Hkv, G, q, Lp)
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    k = key_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim).to(query.dtype)    # (Lp, Hkv, D)
-    v = value_cache.index_select(0, seq.block_indices).view(-1, num_kv_heads, head_dim).to(query.dtype)  # (Lp, Hkv, D)
-    q, k, v = _grouped(query[seq.query_start:seq.query_end], k, v, num_kv_heads)
+    k, v = gathered_context(key_cache, seq, query.dtype), gathered_context(value_cache, seq, query.dtype)
+    q, k, v = _grouped(query[seq.query_start:seq.query_end], k, v, key_cache.shape[2])
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # (Hkv, G, q, D)
     return _heads_last(o)                                                 # (q, H, D)

@@ -51,17 +51,16 @@ struct Shape {
   int64_t q, L, H, Hkv, G, D;
   int64_t offset;  // L - q: new token i reads keys 0 .. offset + i
   float scale;
+  int64_t panels_per_head() const { return (L + kCols - 1) / kCols; }
 };
 
-// Panel hp = h * P + p of K (P panels a head): panels[hp][d][j] = key[16p + j, h, d], 0 past L.
+// Panel hp = h * P + p of K (P panels a head) into zeroed panels: panels[hp][d][j] = key[16p + j, h, d], 0 past L.
 void pack_panel(const at::Tensor& key, const Shape& s, int64_t hp, float* panels) {
-  const int64_t P = (s.L + kCols - 1) / kCols, h = hp / P, p = hp % P;
-  const float* k = key.data_ptr<float>();
+  const int64_t P = s.panels_per_head(), h = hp / P, p = hp % P;
   float* dst = panels + hp * s.D * kCols;
-  for (int64_t j = 0; j < kCols; ++j) {
-    const int64_t t = p * kCols + j;
-    const float* row = k + t * key.stride(0) + h * key.stride(1);
-    for (int64_t d = 0; d < s.D; ++d) dst[d * kCols + j] = t < s.L ? row[d] : 0.0f;
+  for (int64_t j = 0; j < kCols && p * kCols + j < s.L; ++j) {
+    const float* row = key.data_ptr<float>() + (p * kCols + j) * key.stride(0) + h * key.stride(1);
+    for (int64_t d = 0; d < s.D; ++d) dst[d * kCols + j] = row[d];
   }
 }
 
@@ -163,9 +162,8 @@ void run_item(const Item& item, const Shape& s, const at::Tensor& query, const a
     rows.sum[r] = 0.0f;
   }
   std::fill(rows.o.begin(), rows.o.begin() + padded * D, 0.0f);
-  const int64_t panels_per_head = (s.L + kCols - 1) / kCols;
   const int64_t keys = s.offset + (item.first + R - 1) / s.G + 1;
-  const float* panels = key_panels + item.head * panels_per_head * D * kCols;
+  const float* panels = key_panels + item.head * s.panels_per_head() * D * kCols;
   const float* v = value.data_ptr<float>() + item.head * value.stride(1);
   for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, keys - k0);
@@ -210,8 +208,8 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
   std::vector<Item> items;  // costliest (last tokens) first: threads claim them in this order
   for (int64_t first = (rows_per_head - 1) / rows_per_item * rows_per_item; first >= 0; first -= rows_per_item)
     for (int64_t h = 0; h < s.Hkv; ++h) items.push_back({h, first, std::min(rows_per_item, rows_per_head - first)});
-  const int64_t num_panels = s.Hkv * ((s.L + kCols - 1) / kCols), n = static_cast<int64_t>(items.size());
-  std::vector<float> panels(num_panels * s.D * kCols);
+  const int64_t num_panels = s.Hkv * s.panels_per_head(), n = static_cast<int64_t>(items.size());
+  std::vector<float> panels(num_panels * s.D * kCols);  // zeroed: the keys past L stay 0
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(threads)  // one team packs the panels, then runs the items
   {
