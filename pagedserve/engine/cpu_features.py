@@ -27,6 +27,13 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
+def own_avx2_kernels_preferred(flags: frozenset[str]) -> bool:
+    """Whether pagedserve's own 8-float-wide kernels (the panel GEMM, the prefill attention op) are preferred
+    to torch's and oneDNN's on a CPU with these flags (:func:`cpu_flags`): only without AVX-512, where those
+    have no 16-wide kernels (ours are measured on AVX2 CPUs alone)."""
+    return "avx512f" not in flags
+
+
 def check_cpu_dtype(dtype: str, flags: frozenset[str]) -> None:
     """Refuses ``bfloat16`` on a CPU whose ``flags`` (:func:`cpu_flags`) hold none of ``BF16_CPU_FLAGS``.
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.engine.cpu_features import cpu_flags
+from pagedserve.engine.cpu_features import cpu_flags, own_avx2_kernels_preferred
 
 SOURCE = Path(__file__).parent / "csrc" / "prefill_attention_cpu.cpp"
 HEAD_DIM_MULTIPLE = 16
@@ -36,9 +36,9 @@ def prefill_op_available() -> bool:
 
 @functools.cache
 def prefill_op_preferred() -> bool:
-    """Whether the CPU backend sends prefills to the op: no AVX-512, and available (once a process: every
-    attention call asks, and reading /proc/cpuinfo takes ~90 us)."""
-    return "avx512f" not in cpu_flags() and prefill_op_available()
+    """Whether the CPU backend sends prefills to the op: ``own_avx2_kernels_preferred`` (no AVX-512), and
+    available (once a process: every attention call asks, and reading /proc/cpuinfo takes ~90 us)."""
+    return own_avx2_kernels_preferred(cpu_flags()) and prefill_op_available()
 
 
 def prefill_op_applies(query: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.engine.cpu_features import cpu_flags
+from pagedserve.engine.cpu_features import cpu_flags, own_avx2_kernels_preferred
 from pagedserve.engine.models.huge_pages import HugePageArena
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_f32.cpp"
@@ -58,7 +58,7 @@ def _register_fake() -> None:
 def panels_preferred() -> bool:
     """Whether ``--gemm-backend auto`` takes these GEMMs: no AVX-512 (whose oneDNN kernels are twice as
     wide; nothing is built there), and available."""
-    return "avx512f" not in cpu_flags() and panels_available()
+    return own_avx2_kernels_preferred(cpu_flags()) and panels_available()
 
 
 class PanelLinear(nn.Module):
