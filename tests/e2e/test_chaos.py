@@ -1,9 +1,11 @@
 """Chaos suite (issue #9): one fault per test, injected while 8 greedy streams are in flight.
 
-Every test starts its own small stack (real redis-server on a free loopback port, a scheduler,
-one or two workers, a gateway; real gRPC clients), starts 8 greedy streams (temperature 0,
-ignore_eos, max_tokens 32..46, so each stream's tokens are known exactly), injects one fault once
-every stream is decoding, and then checks:
+The faults that leave a whole stack behind (a process restarted on its port, a paused one resumed)
+take turns on one small stack (``faults.SharedStack``: real redis-server on a free loopback port, a
+scheduler, one worker, a gateway; a turn starts once it has settled, and a stack left unsettled by a
+failed turn is replaced); the two that need other flags or two workers start their own. Each test
+starts 8 greedy streams (temperature 0, ignore_eos, max_tokens 48..62, so each stream's tokens are
+known exactly; real gRPC clients), injects one fault once every stream is decoding, and then checks:
 
 - every stream ends within ``STREAM_BOUND_S`` (client deadline, threads joined with a timeout:
   a hang fails the test): either completed with exactly the reference token ids (computed by
@@ -15,28 +17,24 @@ every stream is decoding, and then checks:
 - at the end the scheduler's GetStats shows nothing running or waiting and every KV block free,
   and Redis holds no request entry and nothing pending in the consumer group.
 
-What each fault is expected to do is stated in its test's docstring. Run with
+What each fault is expected to do is stated in its test's docstring; what the services logged is
+read from the fault's own turn (``SharedStack.log_of_this_turn``). Run with
 ``python -m pytest tests/e2e/test_chaos.py -s`` (about 2.5 minutes on 2 cores) to see the figures.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-import shutil
 import signal
-import threading
 import time
-from dataclasses import dataclass, field
 
 import grpc
 import pytest
-import redis
 
-from services.common import redis_keys
-from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
-from tests.e2e.processes import Process, Stack, healthy, pagedserve, scheduler_stats, start_stack, wait_until
+from tests.e2e.faults import (SharedStack, assert_no_leak, blocks_free, finish_streams, kill, own_stack,
+                              probe, start_gateway, start_redis_on, start_scheduler, start_streams, start_worker)
+from tests.e2e.processes import healthy, scheduler_stats, wait_until
 from tests.e2e.test_stack import QUESTIONS, chat_request
 
 GATEWAY_ID = re.compile(r"gateway (\S+) listening")
@@ -46,10 +44,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.model]
 NUM_STREAMS = 8
 MAX_TOKENS = [48 + 2 * i for i in range(NUM_STREAMS)]  # 48..62, exact lengths (ignore_eos): with 32..46 the first
 # stream ended before the last began decoding on a 2-core Xeon, so the fault missed it
-STREAM_BOUND_S = 120.0
-"""Every stream ends (completes or fails with a clear status) within this long of the fault."""
-RECOVERY_BOUND_S = 60.0
-"""A new request succeeds within this long of the fault (restarts included)."""
 GATEWAY_GRACE_S = 10.0
 """The scheduler's gateway_grace_s: the requests of a gateway gone this long are aborted."""
 LEAK_SLACK_S = 15.0
@@ -57,10 +51,6 @@ REDIS_PAUSE_GAP_S = 3.0
 """Longest gap between two tokens of a stream while Redis is paused, seconds: a loop that waited on
 Redis would stall the whole pause (4 s or 12 s); 2 s was exceeded (2.17 s) by a 3-worker test run on
 2 cores."""
-
-# Terminal statuses that say clearly what happened; UNKNOWN and INTERNAL never are.
-CLEAR_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED,
-                  grpc.StatusCode.DEADLINE_EXCEEDED}
 
 RESULTS: dict[str, dict] = {}
 """Figures of every fault, printed at the end of the module."""
@@ -87,179 +77,20 @@ def reference(default_llm):
     return refs
 
 
-# ---- processes ---------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def own_stack(tmp_path, model, num_workers: int = 1, scheduler_args: list[str] = ()):
-    stack = start_stack(tmp_path, model, num_workers=num_workers, worker_threads=1, scheduler_args=scheduler_args)
-    try:
-        yield stack
-    except BaseException:
-        print(stack.logs())
-        raise
-    finally:
-        stack.stop()
 
 
-def kill(stack: Stack, name: str) -> None:
-    """kill -9: the process says goodbye to no one. Its log stays under ``NAME-killed``."""
-    proc = stack.processes.pop(name)
-    proc.popen.send_signal(signal.SIGKILL)
-    proc.popen.wait()
-    proc.stop()
-    stack.processes[f"{name}-killed-{time.monotonic():.0f}"] = proc
+SHARED_SCHEDULER_ARGS = ("--step-timeout", "4", "--max-num-batched-tokens", "32")
+"""The shared stack's scheduler: a step times out after 4 s (the SIGSTOP fault), and a recompute runs in
+32-token steps (one step prefilling all 8 sequences again took over 4 s on a busy CI machine, three test
+workers on two cores, timed out three times, and failed the requests)."""
 
 
-def start_worker(stack: Stack, model, worker_id: str, log_dir, name: str) -> Process:
-    proc = pagedserve(name, ["worker", "--redis-url", stack.redis_url, "--model", str(model), "--host", "127.0.0.1",
-                             "--port", "0", "--kv-cache-memory", "64MiB", "--num-threads", "1",
-                             "--worker-id", worker_id, "--cpu-affinity", "0"], log_dir, stack.env)
-    stack.processes[name] = proc
-    return proc
-
-
-def start_scheduler(stack: Stack, log_dir, name: str, extra: list[str] = ()) -> Process:
-    port = stack.scheduler.rsplit(":", 1)[1]
-    proc = pagedserve(name, ["scheduler", "--redis-url", stack.redis_url, "--host", "127.0.0.1", "--port", port,
-                             "--consumer-name", "scheduler-0", *extra], log_dir, stack.env)
-    stack.processes[name] = proc
-    return proc
-
-
-def start_gateway(stack: Stack, model, log_dir, name: str, gateway_id: str = "") -> Process:
-    port = stack.gateway.rsplit(":", 1)[1]
-    same_id = ["--gateway-id", gateway_id] if gateway_id else []
-    proc = pagedserve(name, ["gateway", "--redis-url", stack.redis_url, "--model", str(model), "--host", "127.0.0.1",
-                             "--port", port, "--http-port", "0", *same_id],
-                      log_dir, stack.env)
-    stack.processes[name] = proc
-    return proc
-
-
-def start_redis_on(stack: Stack, log_dir, name: str) -> Process:
-    """A new, empty redis-server on the port of the stack's Redis URL."""
-    port = stack.redis_url.rsplit(":", 1)[1].split("/")[0]
-    data_dir = log_dir / name
-    data_dir.mkdir()
-    proc = Process(name, [shutil.which("redis-server"), "--bind", "127.0.0.1", "--port", port, "--save", "",
-                          "--appendonly", "no", "--dir", str(data_dir)], log_dir)
-    stack.processes[name] = proc
-    return proc
-
-
-# ---- clients -----------------------------------------------------------------------------------
-
-@dataclass
-class Call:
-    """One streaming Generate call on its own thread and channel."""
-
-    index: int
-    request: gen.GenerateRequest
-    token_ids: list[int] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    finish_reason: int = 0
-    completion_tokens: int = 0
-    code: grpc.StatusCode | None = None
-    details: str = ""
-    ended_at: float | None = None
-    decoding: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-
-    def run(self, target: str) -> None:
-        try:
-            with grpc.insecure_channel(target) as channel:
-                for r in generate_pb2_grpc.GenerationStub(channel).Generate(self.request, timeout=STREAM_BOUND_S):
-                    self.token_ids.extend(r.token_ids)
-                    self.times.append(time.monotonic())
-                    if len(self.token_ids) >= 2:
-                        self.decoding.set()
-                    if r.finish_reason:
-                        self.finish_reason = r.finish_reason
-                        self.completion_tokens = r.usage.completion_tokens
-        except grpc.RpcError as exc:
-            self.code, self.details = exc.code(), exc.details()
-        finally:
-            self.ended_at = time.monotonic()
-            self.decoding.set()
-
-
-def start_streams(target: str, max_tokens: list[int] = MAX_TOKENS) -> list[Call]:
-    calls = [Call(i, chat_request(QUESTIONS[i], max_tokens=m, ignore_eos=True)) for i, m in enumerate(max_tokens)]
-    for call in calls:
-        call.thread = threading.Thread(target=call.run, args=(target,), daemon=True)
-        call.thread.start()
-    for call in calls:
-        assert call.decoding.wait(120), f"stream {call.index} produced no tokens"
-    assert all(c.ended_at is None for c in calls), "a stream ended before the fault"
-    return calls
-
-
-def finish_streams(calls: list[Call], reference: list[list[int]], fault_at: float,
-                   allowed: set[grpc.StatusCode]) -> dict:
-    """Joins every stream (a hang fails) and checks each: reference tokens exactly, or an allowed status."""
-    for call in calls:
-        call.thread.join(max(0.0, fault_at + STREAM_BOUND_S + 5 - time.monotonic()))
-        assert not call.thread.is_alive(), f"stream {call.index} still running {STREAM_BOUND_S} s after the fault"
-    completed, failed = 0, {}
-    for call in calls:
-        expected = reference[call.index]
-        if call.code is None:
-            assert call.token_ids == expected, (
-                f"stream {call.index}: {len(call.token_ids)} tokens, reference {len(expected)}; "
-                f"first difference at {next((i for i, (a, b) in enumerate(zip(call.token_ids, expected)) if a != b), None)}")
-            assert call.finish_reason == gen.FINISH_REASON_LENGTH and call.completion_tokens == len(expected)
-            completed += 1
-        else:
-            assert call.code in allowed, f"stream {call.index} failed with {call.code}: {call.details}"
-            assert call.code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-            n = min(len(call.token_ids), len(expected))  # greedy: a longer run starts with the reference
-            assert call.token_ids[:n] == expected[:n], f"stream {call.index}: wrong tokens before failing"
-            failed[call.code.name] = failed.get(call.code.name, 0) + 1
-    gaps = [b - a for c in calls for a, b in zip(c.times, c.times[1:])]
-    ends = [c.ended_at - fault_at for c in calls]
-    return {"completed_identical": completed, "failed": failed or "none",
-            "last_stream_end_s": round(max(ends), 2), "longest_token_gap_s": round(max(gaps, default=0.0), 2)}
-
-
-def probe(target: str, since: float, bound_s: float = RECOVERY_BOUND_S) -> float:
-    """Sends short requests until one completes; seconds from ``since`` to that success."""
-    deadline = since + bound_s
-    attempts, last = 0, None
-    while time.monotonic() < deadline:
-        attempts += 1
-        try:
-            with grpc.insecure_channel(target) as channel:
-                request = chat_request(QUESTIONS[3], max_tokens=4)
-                timeout = max(1.0, min(30.0, deadline - time.monotonic()))
-                responses = list(generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout))
-            if responses and responses[-1].finish_reason:
-                return round(time.monotonic() - since, 2)
-        except grpc.RpcError as exc:
-            last = f"{exc.code().name}: {exc.details()}"
-            assert exc.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), last
-        time.sleep(0.25)
-    raise AssertionError(f"no new request succeeded within {bound_s} s ({attempts} attempts; last: {last})")
-
-
-def blocks_free(stack: Stack) -> bool:
-    stats = scheduler_stats(stack.scheduler)
-    return stats.num_running == 0 and stats.num_waiting == 0 and all(
-        w.num_free_blocks == w.num_blocks for w in stats.workers)
-
-
-def redis_clean(stack: Stack) -> bool:
-    client = redis.Redis.from_url(stack.redis_url)
-    try:
-        pending = client.xpending(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)["pending"]
-        return pending == 0 and client.xlen(redis_keys.REQUEST_STREAM) == 0
-    finally:
-        client.close()
-
-
-def assert_no_leak(stack: Stack, num_workers: int, timeout_s: float = 30.0) -> None:
-    wait_until(lambda: len(scheduler_stats(stack.scheduler).workers) == num_workers, f"{num_workers} worker(s)", 30)
-    wait_until(lambda: blocks_free(stack), "every KV block free, nothing running or waiting", timeout_s)
-    wait_until(lambda: redis_clean(stack), "no request entry left in Redis", 10)
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, default_model):
+    """The stack the faults that leave a whole stack take turns on (``SharedStack``)."""
+    holder = SharedStack(tmp_path_factory.mktemp("chaos"), default_model, SHARED_SCHEDULER_ARGS)
+    yield holder
+    holder.stop()
 
 
 # ---- the faults --------------------------------------------------------------------------------
@@ -269,7 +100,7 @@ def test_kill_one_of_two_workers(tmp_path, default_model, reference):
     before its heartbeat expires), its sequences are recomputed on the other worker. Expected:
     all 8 streams complete token-identical; the survivor serves new requests."""
     with own_stack(tmp_path, default_model, num_workers=2) as stack:
-        calls = start_streams(stack.gateway)
+        calls = start_streams(stack.gateway, MAX_TOKENS)
         fault_at = time.monotonic()
         kill(stack, "worker-1")
         recovery = probe(stack.gateway, fault_at)
@@ -278,18 +109,18 @@ def test_kill_one_of_two_workers(tmp_path, default_model, reference):
         RESULTS["1 kill one of two workers"] = {**figures, "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
-def test_kill_the_only_worker_and_start_another(tmp_path, default_model, reference):
+def test_kill_the_only_worker_and_start_another(shared, default_model, reference):
     """kill -9 the only worker; 3 s later start a new one with the same --worker-id (a new
     instance). Expected: the gateway reports NOT_SERVING while no worker is up; the requests wait
     (--no-worker-timeout is 30 s) and all 8 complete token-identical on the new worker."""
-    with own_stack(tmp_path, default_model, num_workers=1) as stack:
-        calls = start_streams(stack.gateway)
+    with shared.turn() as stack:
+        calls = start_streams(stack.gateway, MAX_TOKENS)
         fault_at = time.monotonic()
         kill(stack, "worker-0")
         wait_until(lambda: not healthy(stack.gateway), "gateway NOT_SERVING", 10)
         not_serving_after = round(time.monotonic() - fault_at, 2)
         time.sleep(max(0.0, fault_at + 3.0 - time.monotonic()))
-        start_worker(stack, default_model, "worker-0", tmp_path, "worker-0-new")
+        start_worker(stack, default_model, "worker-0", shared.folder)
         started_at = time.monotonic()
         recovery = probe(stack.gateway, fault_at)
         figures = finish_streams(calls, reference, fault_at, allowed=set())
@@ -305,8 +136,8 @@ def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, de
     go back to waiting and fail with UNAVAILABLE within the timeout + heartbeat expiry (3 s) +
     back-off (<= 2 s) + slack (15 s in all), a request sent then fails with UNAVAILABLE at once,
     and once a worker is started new requests succeed."""
-    with own_stack(tmp_path, default_model, num_workers=1, scheduler_args=["--no-worker-timeout", "3"]) as stack:
-        calls = start_streams(stack.gateway)
+    with own_stack(tmp_path, default_model, num_workers=1, scheduler_args=("--no-worker-timeout", "3")) as stack:
+        calls = start_streams(stack.gateway, MAX_TOKENS)
         fault_at = time.monotonic()
         kill(stack, "worker-0")
         for call in calls:
@@ -318,7 +149,7 @@ def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, de
             list(generate_pb2_grpc.GenerationStub(channel).Generate(chat_request(QUESTIONS[3], max_tokens=4), timeout=10))
         refused_after = round(time.monotonic() - sent_at, 2)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and refused_after < 3, (refused.value, refused_after)
-        start_worker(stack, default_model, "worker-0", tmp_path, "worker-0-new")
+        start_worker(stack, default_model, "worker-0", tmp_path)
         started_at = time.monotonic()
         recovery = probe(stack.gateway, started_at)
         assert_no_leak(stack, num_workers=1)
@@ -327,16 +158,16 @@ def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, de
             "new_request_ok_after_worker_start_s": recovery, "blocks_leaked": 0}
 
 
-def test_kill_and_restart_the_scheduler(tmp_path, default_model, reference):
+def test_kill_and_restart_the_scheduler(shared, reference):
     """kill -9 the scheduler and restart it at once (same --consumer-name, same port). Expected:
     the restarted scheduler re-reads the 8 pending entries and recomputes them, the gateway drops
     repeated tokens by output index: all 8 complete token-identical within the gateway's grace."""
-    with own_stack(tmp_path, default_model, num_workers=1) as stack:
-        calls = start_streams(stack.gateway)
+    with shared.turn() as stack:
+        calls = start_streams(stack.gateway, MAX_TOKENS)
         fault_at = time.monotonic()
         kill(stack, "scheduler")
-        start_scheduler(stack, tmp_path, "scheduler-restarted")
-        wait_until(lambda: healthy(stack.scheduler), "restarted scheduler", 60, [stack.processes["scheduler-restarted"]])
+        start_scheduler(stack, shared.folder, SHARED_SCHEDULER_ARGS)
+        wait_until(lambda: healthy(stack.scheduler), "restarted scheduler", 60, [stack.processes["scheduler"]])
         up_after = round(time.monotonic() - fault_at, 2)
         recovery = probe(stack.gateway, fault_at)
         figures = finish_streams(calls, reference, fault_at, allowed=set())
@@ -345,21 +176,21 @@ def test_kill_and_restart_the_scheduler(tmp_path, default_model, reference):
                                                  "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
-def test_kill_redis_and_restart_it_empty(tmp_path, default_model, reference):
+def test_kill_redis_and_restart_it_empty(shared, reference):
     """kill -9 Redis and restart it empty on the same port: the stream entries, the consumer group
     and the registrations are lost, but the 8 requests live on in the scheduler. Expected: the
     workers register again within worker_gone_after_s (nothing is dropped), the scheduler
     recreates its consumer group, all 8 complete token-identical, and new requests are queued
     again once the gateway's Redis client reconnects."""
-    with own_stack(tmp_path, default_model, num_workers=1) as stack:
-        calls = start_streams(stack.gateway)
+    with shared.turn() as stack:
+        calls = start_streams(stack.gateway, MAX_TOKENS)
         fault_at = time.monotonic()
         kill(stack, "redis")
-        start_redis_on(stack, tmp_path, "redis-restarted")
+        start_redis_on(stack, shared.folder)
         recovery = probe(stack.gateway, fault_at)
         figures = finish_streams(calls, reference, fault_at, allowed=set())
         assert_no_leak(stack, num_workers=1)
-        scheduler_log = stack.processes["scheduler"].log_text()
+        scheduler_log = shared.log_of_this_turn("scheduler")
         assert "dropped" not in scheduler_log, "a worker was dropped although it registered again in time"
         assert "consumer group is gone" in scheduler_log, "the scheduler did not notice the empty Redis"
         RESULTS["4 kill Redis, restart empty"] = {**figures, "new_request_ok_after_s": recovery, "blocks_leaked": 0}
@@ -378,46 +209,46 @@ def end_of_dead_gateways_calls(stack, calls, reference, fault_at: float) -> tupl
     return figures, freed_after
 
 
-def test_kill_and_restart_the_gateway(tmp_path, default_model, reference):
+def test_kill_and_restart_the_gateway(shared, default_model, reference):
     """kill -9 the gateway and restart it on the same port (a new gateway id). Expected: its 8
     client calls fail at once with UNAVAILABLE (the connection dropped; CANCELLED is accepted too);
     the scheduler aborts their requests when gateway_grace_s (10 s) has passed, so every block is
     free within grace + slack of the kill; new requests through the restarted gateway succeed.
     These streams are longer (160 tokens) so that they are still running when the grace ends."""
     long_streams = [160] * NUM_STREAMS
-    with own_stack(tmp_path, default_model, num_workers=1) as stack:
+    with shared.turn() as stack:
         calls = start_streams(stack.gateway, long_streams)
         fault_at = time.monotonic()
         kill(stack, "gateway")
         for call in calls:
             call.thread.join(10)
         running_after_kill = scheduler_stats(stack.scheduler).num_running
-        start_gateway(stack, default_model, tmp_path, "gateway-restarted")
+        start_gateway(stack, default_model, shared.folder)
         recovery = probe(stack.gateway, fault_at)
         figures, freed_after = end_of_dead_gateways_calls(stack, calls, reference, fault_at)
-        aborted = stack.processes["scheduler"].log_text().count("its gateway")
+        aborted = shared.log_of_this_turn("scheduler").count("its gateway")
         RESULTS["5 kill + restart gateway"] = {
             **figures, "running_in_scheduler_after_kill": running_after_kill, "aborted_for_gone_gateway": aborted,
             "all_blocks_free_after_s": freed_after, "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
-def test_kill_and_restart_the_gateway_with_the_same_id(tmp_path, default_model, reference):
+def test_kill_and_restart_the_gateway_with_the_same_id(shared, default_model, reference):
     """As above, but the gateway comes back with the same --gateway-id, within the grace period.
     Expected: the scheduler keeps the dead gateway's requests (its stream came back in time) and
     sends their tokens to the new gateway, which has no call waiting for them and aborts each
     orphan: every block is free well before the grace period would have ended."""
     long_streams = [160] * NUM_STREAMS
-    with own_stack(tmp_path, default_model, num_workers=1) as stack:
+    with shared.turn() as stack:
         # the gateway serves before its log line reaches the file: wait for the line
         wait_until(lambda: re.search(GATEWAY_ID, stack.processes["gateway"].log_text()), "the gateway's id in its log", 10)
         gateway_id = re.search(GATEWAY_ID, stack.processes["gateway"].log_text()).group(1)
         calls = start_streams(stack.gateway, long_streams)
         fault_at = time.monotonic()
         kill(stack, "gateway")
-        start_gateway(stack, default_model, tmp_path, "gateway-restarted", gateway_id)
+        start_gateway(stack, default_model, shared.folder, gateway_id)
         recovery = probe(stack.gateway, fault_at)
         figures, freed_after = end_of_dead_gateways_calls(stack, calls, reference, fault_at)
-        orphans = stack.processes["gateway-restarted"].log_text().count("no call waits for its tokens")
+        orphans = shared.log_of_this_turn("gateway").count("no call waits for its tokens")
         if recovery < GATEWAY_GRACE_S:  # (a gateway slower to restart finds them aborted by the grace period)
             assert orphans == NUM_STREAMS, f"{orphans} orphans aborted by the restarted gateway"
         RESULTS["5b kill + restart gateway, same id"] = {
@@ -425,16 +256,14 @@ def test_kill_and_restart_the_gateway_with_the_same_id(tmp_path, default_model, 
             "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
-def test_worker_step_times_out_without_dying(tmp_path, default_model, reference):
+def test_worker_step_times_out_without_dying(shared, reference):
     """SIGSTOP the only worker for 8 s with --step-timeout 4, then SIGCONT. Expected: the step
     times out, the worker is reset (its heartbeat also lapses, so it registers again after
     SIGCONT) and re-admitted after the back-off; it drops its old state (new session id), the
-    sequences are recomputed: all 8 complete token-identical. The recompute runs in 32-token steps:
-    one step prefilling all 8 sequences again took over 4 s on a busy CI machine (three test workers
-    on two cores), timed out three times, and failed the requests."""
-    args = ["--step-timeout", "4", "--max-num-batched-tokens", "32"]
-    with own_stack(tmp_path, default_model, num_workers=1, scheduler_args=args) as stack:
-        calls = start_streams(stack.gateway)
+    sequences are recomputed (in 32-token steps: ``SHARED_SCHEDULER_ARGS``): all 8 complete
+    token-identical."""
+    with shared.turn() as stack:
+        calls = start_streams(stack.gateway, MAX_TOKENS)
         worker = stack.processes["worker-0"]
         fault_at = time.monotonic()
         worker.popen.send_signal(signal.SIGSTOP)
@@ -446,21 +275,21 @@ def test_worker_step_times_out_without_dying(tmp_path, default_model, reference)
         recovery = probe(stack.gateway, fault_at)
         figures = finish_streams(calls, reference, fault_at, allowed=set())
         assert_no_leak(stack, num_workers=1)
-        assert "a step failed" in stack.processes["scheduler"].log_text(), "the step did not time out"
+        assert "a step failed" in shared.log_of_this_turn("scheduler"), "the step did not time out"
         RESULTS["6 worker SIGSTOP 8 s (step timeout 4 s)"] = {
             **figures, "new_request_ok_after_s": recovery,
             "of_which_after_SIGCONT_s": round(recovery - (resumed_at - fault_at), 2), "blocks_leaked": 0}
 
 
 @pytest.mark.parametrize("pause_s,name", [(4, "7 Redis SIGSTOP 4 s"), (12, "7b Redis SIGSTOP 12 s")])
-def test_redis_paused(tmp_path, default_model, reference, pause_s, name):
+def test_redis_paused(shared, reference, pause_s, name):
     """SIGSTOP Redis for 4 s, and for 12 s (longer than the services' 10 s socket timeout), then
     SIGCONT. Expected: Redis calls wait or time out and are retried, no worker is dropped; the
     scheduler loop never waits on Redis, so tokens keep flowing (longest gap under
     ``REDIS_PAUSE_GAP_S``, below the shorter pause); all 8 complete token-identical and new requests
     succeed after SIGCONT."""
-    with own_stack(tmp_path, default_model, num_workers=1) as stack:
-        calls = start_streams(stack.gateway)
+    with shared.turn() as stack:
+        calls = start_streams(stack.gateway, MAX_TOKENS)
         redis_proc = stack.processes["redis"]
         fault_at = time.monotonic()
         redis_proc.popen.send_signal(signal.SIGSTOP)
@@ -476,4 +305,4 @@ def test_redis_paused(tmp_path, default_model, reference, pause_s, name):
         RESULTS[name] = {
             **figures, "new_request_ok_after_s": recovery,
             "of_which_after_SIGCONT_s": round(recovery - (resumed_at - fault_at), 2),
-            "worker_dropped": "dropped" in stack.processes["scheduler"].log_text(), "blocks_leaked": 0}
+            "worker_dropped": "dropped" in shared.log_of_this_turn("scheduler"), "blocks_leaked": 0}

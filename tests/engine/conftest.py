@@ -52,3 +52,43 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
     return out[0, len(prompt_ids):].tolist()
+
+
+class HfGreedyCheck:
+    """Whether generated ids are Hugging Face's greedy continuation, by teacher forcing: one HF forward
+    over prompt + output, whose argmax at each output position must be the next output id, and the
+    output must end with EOS or at ``max_new_tokens``. By induction that is the sequence HF's greedy
+    ``generate`` picks (it runs the same model a token at a time from a KV cache: ~2 s a 24-token
+    prompt on one thread, the forward ~0.3 s; tests/engine/test_greedy_matches_hf.py checks that both
+    agree). Answers are kept per (prompt, output): the tests that all produce the reference cost one
+    forward per prompt in all."""
+
+    def __init__(self, model, eos_token_id: int = 2) -> None:
+        self.model, self.eos_token_id = model, eos_token_id
+        self._first_difference: dict[tuple[tuple[int, ...], tuple[int, ...], int], int | None] = {}
+
+    def first_difference(self, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int) -> int | None:
+        """The index of the first output id that is not HF's greedy choice (``len(output_ids)`` when the
+        output stops early without EOS, or runs past ``max_new_tokens``); None when it is HF's greedy output."""
+        key = (tuple(prompt_ids), tuple(output_ids), max_new_tokens)
+        if key not in self._first_difference:
+            self._first_difference[key] = self._compare(prompt_ids, output_ids, max_new_tokens)
+        return self._first_difference[key]
+
+    def _compare(self, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int) -> int | None:
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([prompt_ids + output_ids])).logits[0]
+        start = len(prompt_ids) - 1
+        choices = logits[start:start + len(output_ids)].argmax(dim=-1).tolist()
+        differs = next((i for i, (got, hf) in enumerate(zip(output_ids, choices)) if got != hf), None)
+        if differs is not None:
+            return differs
+        if self.eos_token_id in output_ids[:-1]:  # HF stops at its first EOS
+            return output_ids.index(self.eos_token_id) + 1
+        ends = len(output_ids) == max_new_tokens or (output_ids and output_ids[-1] == self.eos_token_id)
+        return None if ends and len(output_ids) <= max_new_tokens else len(output_ids)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_check(hf_model) -> HfGreedyCheck:
+    return HfGreedyCheck(hf_model)

@@ -1,9 +1,11 @@
-"""The in-process engine's greedy output equals Hugging Face greedy generate on each prompt alone:
+"""The in-process engine's greedy output is Hugging Face's greedy output on each prompt alone:
 submitted together, arriving staggered, and under a KV cache so small that preemption happens, with
 the default GEMMs (on CPU pagedserve's panel GEMM or oneDNN: models/onednn.resolve_gemm_backend); and
 with each GEMM backend named: the reference (``--gemm-backend torch``, transformers' own F.linear),
 ``onednn`` and ``panels``. None is bit-identical to HF's logits (MKL's rows change with the
-batch's row count too: scripts/gemm_batch_invariance.py), so equality is on these prompts."""
+batch's row count too: scripts/gemm_batch_invariance.py), so equality is on these prompts. HF's greedy
+output is checked by teacher forcing (``HfGreedyCheck``: one HF forward per output), which
+``test_teacher_forcing_agrees_with_hf_generate`` ties to HF's ``generate`` on two prompts."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 from pagedserve.llm import LLM
 from pagedserve.engine.models.panel_gemm import panels_available
 from pagedserve.engine.sampling_params import SamplingParams
-from tests.engine.conftest import BASE_PROMPTS, hf_greedy
+from tests.engine.conftest import BASE_PROMPTS, HfGreedyCheck, hf_greedy
 
 pytestmark = pytest.mark.model
 
@@ -28,9 +30,23 @@ def prompt_ids(tokenizer) -> list[list[int]]:
     return ids
 
 
-@pytest.fixture(scope="module")
-def reference(hf_model, prompt_ids) -> list[list[int]]:
-    return [hf_greedy(hf_model, ids, MAX_TOKENS) for ids in prompt_ids]
+def assert_hf_greedy(check: HfGreedyCheck, prompt_ids: list[list[int]], outputs: dict[int, list[int]]) -> None:
+    """Every prompt's output is HF's greedy output of MAX_TOKENS tokens (or up to EOS)."""
+    assert sorted(outputs) == list(range(len(prompt_ids)))
+    for i, ids in enumerate(prompt_ids):
+        differs = check.first_difference(ids, outputs[i], MAX_TOKENS)
+        assert differs is None, f"prompt {i} ({BASE_PROMPTS[i][:40]!r}): output id {differs} is not HF's greedy choice"
+
+
+def test_teacher_forcing_agrees_with_hf_generate(hf_model, hf_greedy_check, prompt_ids):
+    """The check the other tests use gives HF generate's own output (two prompts: generate costs ~2 s each)."""
+    for ids in (prompt_ids[1], prompt_ids[3]):
+        generated = hf_greedy(hf_model, ids, MAX_TOKENS)
+        assert len(generated) == MAX_TOKENS
+        assert hf_greedy_check.first_difference(ids, generated, MAX_TOKENS) is None
+        assert hf_greedy_check.first_difference(ids, generated[:-1], MAX_TOKENS) == len(generated) - 1
+        wrong = generated[:5] + [(generated[5] + 1) % 49152] + generated[6:]
+        assert hf_greedy_check.first_difference(ids, wrong, MAX_TOKENS) == 5
 
 
 def run_staggered(llm: LLM, prompt_ids: list[list[int]], every: int,
@@ -50,39 +66,34 @@ def run_staggered(llm: LLM, prompt_ids: list[list[int]], every: int,
     return outputs
 
 
-def test_batch_submitted_together_matches_hf(default_model, prompt_ids, reference):
+def test_batch_submitted_together_matches_hf(default_model, prompt_ids, hf_greedy_check):
     llm = LLM(default_model, kv_cache_memory="64MiB")
     results = llm.generate(prompt_ids, GREEDY)
-    for i, result in enumerate(results):
-        assert list(result.token_ids) == reference[i], f"prompt {i}: {BASE_PROMPTS[i][:40]!r}"
+    assert_hf_greedy(hf_greedy_check, prompt_ids, {i: list(r.token_ids) for i, r in enumerate(results)})
     assert llm.stats().num_preemptions == 0
     assert all(w.num_free_blocks == w.num_blocks for w in llm.stats().workers)
 
 
-def test_staggered_arrivals_match_hf(default_model, prompt_ids, reference):
+def test_staggered_arrivals_match_hf(default_model, prompt_ids, hf_greedy_check):
     llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=256, max_num_seqs=8)
-    outputs = run_staggered(llm, prompt_ids, every=2)
-    for i in range(len(prompt_ids)):
-        assert outputs[i] == reference[i], f"prompt {i}"
+    assert_hf_greedy(hf_greedy_check, prompt_ids, run_staggered(llm, prompt_ids, every=2))
 
 
-def test_preemption_under_a_small_kv_cache_keeps_outputs_exact(default_model, prompt_ids, reference):
+def test_preemption_under_a_small_kv_cache_keeps_outputs_exact(default_model, prompt_ids, hf_greedy_check):
     longest = max(len(ids) for ids in prompt_ids) + MAX_TOKENS
     num_blocks = -(-longest // 16) + 4  # room for the longest request and a little more
     llm = LLM(default_model, kv_cache_memory=num_blocks * BLOCK_BYTES, max_num_seqs=16)
     assert llm.stats().workers[0].num_blocks == num_blocks
     outputs = run_staggered(llm, prompt_ids, every=1)
     assert llm.stats().num_preemptions > 0, "the cache was meant to be too small for all requests"
-    for i in range(len(prompt_ids)):
-        assert outputs[i] == reference[i], f"prompt {i}"
+    assert_hf_greedy(hf_greedy_check, prompt_ids, outputs)
     assert all(w.num_free_blocks == w.num_blocks for w in llm.stats().workers)
 
 
 @pytest.mark.parametrize("gemm", ["torch", "onednn", "panels"])
-def test_each_gemm_backend_matches_hf(default_model, prompt_ids, reference, gemm):
+def test_each_gemm_backend_matches_hf(default_model, prompt_ids, hf_greedy_check, gemm):
     if gemm == "panels" and not panels_available():
         pytest.skip("the panel GEMM needs an x86 CPU with AVX2 and FMA and a C++ compiler")
     llm = LLM(default_model, kv_cache_memory="64MiB", gemm_backend=gemm)
     results = llm.generate(prompt_ids, GREEDY)
-    for i, result in enumerate(results):
-        assert list(result.token_ids) == reference[i], f"prompt {i}: {BASE_PROMPTS[i][:40]!r}"
+    assert_hf_greedy(hf_greedy_check, prompt_ids, {i: list(r.token_ids) for i, r in enumerate(results)})
