@@ -88,8 +88,9 @@ def start_gateway(stack: Stack, model, log_dir, gateway_id: str = "") -> Process
     """A new gateway (role ``gateway``) on the stack's gateway port, with ``gateway_id`` if given."""
     port = stack.gateway.rsplit(":", 1)[1]
     same_id = ["--gateway-id", gateway_id] if gateway_id else []
-    return _replacement(stack, "gateway", ["gateway", "--redis-url", stack.redis_url, "--model", str(model),
-                                           "--host", "127.0.0.1", "--port", port, "--http-port", "0", *same_id], log_dir)
+    argv = ["gateway", "--redis-url", stack.redis_url, "--model", str(model), "--host", "127.0.0.1", "--port", port,
+            "--http-port", "0", *same_id]
+    return _replacement(stack, "gateway", argv, log_dir)
 
 
 def start_redis_on(stack: Stack, log_dir) -> Process:

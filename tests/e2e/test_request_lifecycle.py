@@ -217,8 +217,9 @@ def test_a_long_prefill_on_one_worker_does_not_stall_the_other(stack):
     thread.start()
     assert first.wait(120)
     time.sleep(0.5)
-    # A 1,400-token prompt: placed on the other worker (the one with the most free blocks).
-    long_prompt = gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=[100 + i % 5000 for i in range(1400)]),
+    # A 700-token prompt (~3 s to prefill on a core, ~50 decode steps' time): placed on the other worker (the one
+    # with the most free blocks).
+    long_prompt = gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=[100 + i % 5000 for i in range(700)]),
                                       sampling_params=gen.SamplingParams(max_tokens=1, temperature=0.0))
     sent = time.monotonic()
     stream(stack.gateway, long_prompt)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -56,30 +58,39 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
 
 class HfGreedyCheck:
     """Whether generated ids are Hugging Face's greedy continuation, by teacher forcing: one HF forward
-    over prompt + output, whose argmax at each output position must be the next output id, and the
+    over prompt + output, whose argmax at each output position (after a logits processor, as HF
+    generate's ``logits_processor`` would apply it to that prefix) must be the next output id, and the
     output must end with EOS or at ``max_new_tokens``. By induction that is the sequence HF's greedy
     ``generate`` picks (it runs the same model a token at a time from a KV cache: ~2 s a 24-token
     prompt on one thread, the forward ~0.3 s; tests/engine/test_greedy_matches_hf.py checks that both
-    agree). Answers are kept per (prompt, output): the tests that all produce the reference cost one
-    forward per prompt in all."""
+    agree). Answers without a processor are kept per (prompt, output): the tests that all produce the
+    reference cost one forward per prompt in all."""
 
     def __init__(self, model, eos_token_id: int = 2) -> None:
         self.model, self.eos_token_id = model, eos_token_id
         self._first_difference: dict[tuple[tuple[int, ...], tuple[int, ...], int], int | None] = {}
 
-    def first_difference(self, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int) -> int | None:
+    def first_difference(self, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int,
+                         processor: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> int | None:
         """The index of the first output id that is not HF's greedy choice (``len(output_ids)`` when the
-        output stops early without EOS, or runs past ``max_new_tokens``); None when it is HF's greedy output."""
+        output stops early without EOS, or runs past ``max_new_tokens``); None when it is HF's greedy
+        output. ``processor(input_ids [1, t], scores [1, V]) -> scores`` is a HF logits processor."""
+        if processor is not None:
+            return self._compare(prompt_ids, output_ids, max_new_tokens, processor)
         key = (tuple(prompt_ids), tuple(output_ids), max_new_tokens)
         if key not in self._first_difference:
-            self._first_difference[key] = self._compare(prompt_ids, output_ids, max_new_tokens)
+            self._first_difference[key] = self._compare(prompt_ids, output_ids, max_new_tokens, None)
         return self._first_difference[key]
 
-    def _compare(self, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int) -> int | None:
+    def _compare(self, prompt_ids: list[int], output_ids: list[int], max_new_tokens: int, processor) -> int | None:
+        ids = torch.tensor([prompt_ids + output_ids])
         with torch.inference_mode():
-            logits = self.model(torch.tensor([prompt_ids + output_ids])).logits[0]
-        start = len(prompt_ids) - 1
-        choices = logits[start:start + len(output_ids)].argmax(dim=-1).tolist()
+            logits = self.model(ids).logits[0]
+            start = len(prompt_ids) - 1
+            rows = logits[start:start + len(output_ids)]
+            if processor is not None:
+                rows = torch.cat([processor(ids[:, :start + 1 + i], row[None])[0][None] for i, row in enumerate(rows)])
+        choices = rows.argmax(dim=-1).tolist()
         differs = next((i for i, (got, hf) in enumerate(zip(output_ids, choices)) if got != hf), None)
         if differs is not None:
             return differs

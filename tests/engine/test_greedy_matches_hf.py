@@ -5,7 +5,7 @@ with each GEMM backend named: the reference (``--gemm-backend torch``, transform
 ``onednn`` and ``panels``. None is bit-identical to HF's logits (MKL's rows change with the
 batch's row count too: scripts/gemm_batch_invariance.py), so equality is on these prompts. HF's greedy
 output is checked by teacher forcing (``HfGreedyCheck``: one HF forward per output), which
-``test_teacher_forcing_agrees_with_hf_generate`` ties to HF's ``generate`` on two prompts."""
+``test_teacher_forcing_agrees_with_hf_generate`` ties to HF's ``generate``."""
 
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ def assert_hf_greedy(check: HfGreedyCheck, prompt_ids: list[list[int]], outputs:
 
 
 def test_teacher_forcing_agrees_with_hf_generate(hf_model, hf_greedy_check, prompt_ids):
-    """The check the other tests use gives HF generate's own output (two prompts: generate costs ~2 s each)."""
-    for ids in (prompt_ids[1], prompt_ids[3]):
+    """The check the other tests use gives HF generate's own output (one prompt: generate costs 2-8 s)."""
+    for ids in (prompt_ids[3],):
         generated = hf_greedy(hf_model, ids, MAX_TOKENS)
         assert len(generated) == MAX_TOKENS
         assert hf_greedy_check.first_difference(ids, generated, MAX_TOKENS) is None

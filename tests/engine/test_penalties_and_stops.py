@@ -1,6 +1,7 @@
 """The default model with penalties, logit_bias, min_tokens, stop reasons and best_of, in process:
-greedy outputs with repetition_penalty=1.3 (and OpenAI's frequency/presence formula) equal
-Hugging Face generate token for token, alone and batched with unpenalized requests."""
+greedy outputs with repetition_penalty=1.3 (and OpenAI's frequency/presence formula) are Hugging
+Face's greedy choices under the same logits processor token for token (teacher forcing:
+``HfGreedyCheck``), alone and batched with unpenalized requests."""
 
 from __future__ import annotations
 
@@ -34,39 +35,30 @@ class OpenAIPenalties:
         return scores - self.frequency * counts - self.presence * (counts > 0).float()
 
 
-def hf_generate(model, ids: list[int], **kw) -> list[int]:
-    from transformers import LogitsProcessorList
+def test_repetition_penalty_matches_hf_alone_and_batched(llm, hf_greedy_check, tokenizer):
+    from transformers import RepetitionPenaltyLogitsProcessor
 
-    x = torch.tensor([ids])
-    kw.setdefault("max_new_tokens", MAX_TOKENS)
-    processors = LogitsProcessorList([kw.pop("processor")]) if "processor" in kw else None
-    with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                             eos_token_id=2, pad_token_id=2, logits_processor=processors, **kw)
-    return out[0, len(ids):].tolist()
-
-
-def test_repetition_penalty_matches_hf_alone_and_batched(llm, hf_model, tokenizer):
     ids = [tokenizer.encode_prompt(p) for p in PROMPTS]
     penalized = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.3)
     plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    reference = [hf_generate(hf_model, i, repetition_penalty=1.3) for i in ids]
-    unpenalized = [hf_generate(hf_model, i) for i in ids]
-    assert reference != unpenalized  # the penalty changes something
-    alone = [llm.generate(i, penalized)[0] for i in ids]
-    batched = llm.generate(ids + ids, [penalized] * len(ids) + [plain] * len(ids))
+    alone = [list(llm.generate(i, penalized)[0].token_ids) for i in ids]
+    batched = [list(r.token_ids) for r in llm.generate(ids + ids, [penalized] * len(ids) + [plain] * len(ids))]
+    assert batched[:len(ids)] == alone
+    assert alone != batched[len(ids):]  # the penalty changes something
+    penalty = RepetitionPenaltyLogitsProcessor(1.3)  # what HF generate(repetition_penalty=1.3) applies
     for i in range(len(ids)):
-        assert list(alone[i].token_ids) == reference[i], PROMPTS[i]
-        assert list(batched[i].token_ids) == reference[i], PROMPTS[i]
-        assert list(batched[len(ids) + i].token_ids) == unpenalized[i], PROMPTS[i]
+        assert hf_greedy_check.first_difference(ids[i], alone[i], MAX_TOKENS, penalty) is None, PROMPTS[i]
+        assert hf_greedy_check.first_difference(ids[i], batched[len(ids) + i], MAX_TOKENS) is None, PROMPTS[i]
+    # and the check sees the penalty: the penalized outputs are not HF's unpenalized choices
+    assert any(hf_greedy_check.first_difference(i, out, MAX_TOKENS) is not None for i, out in zip(ids, alone))
 
 
-def test_frequency_and_presence_penalties_match_openai_formula(llm, hf_model, tokenizer):
+def test_frequency_and_presence_penalties_match_openai_formula(llm, hf_greedy_check, tokenizer):
     ids = tokenizer.encode_prompt("The quick brown fox jumps over the lazy dog. " * 3)  # greedy repeats it
     params = SamplingParams(max_tokens=32, temperature=0.0, frequency_penalty=2.0, presence_penalty=1.0)
     got = llm.generate([ids, ids], [params, SamplingParams(max_tokens=32, temperature=0.0)])
-    assert list(got[0].token_ids) == hf_generate(hf_model, ids, max_new_tokens=32,
-                                                 processor=OpenAIPenalties(len(ids), 2.0, 1.0))
+    openai = OpenAIPenalties(len(ids), 2.0, 1.0)
+    assert hf_greedy_check.first_difference(ids, list(got[0].token_ids), 32, openai) is None
     assert got[0].token_ids != got[1].token_ids
 
 
