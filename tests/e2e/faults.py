@@ -114,6 +114,7 @@ class Call:
     index: int
     request: gen.GenerateRequest
     token_ids: list[int] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)
     finish_reason: int = 0
     completion_tokens: int = 0
@@ -128,6 +129,7 @@ class Call:
             with grpc.insecure_channel(target) as channel:
                 for r in generate_pb2_grpc.GenerationStub(channel).Generate(self.request, timeout=STREAM_BOUND_S):
                     self.token_ids.extend(r.token_ids)
+                    self.texts.append(r.text)
                     self.times.append(time.monotonic())
                     if len(self.token_ids) >= 2:
                         self.decoding.set()

@@ -65,18 +65,21 @@ def summary():
 
 
 @pytest.fixture(scope="module")
-def reference(default_llm):
-    """Token ids of an undisturbed greedy run of each stream, from the in-process engine."""
+def reference_outputs(default_llm):
+    """An undisturbed greedy run of each stream, from the in-process engine."""
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.text.tokenizer import ChatTurn
 
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
     outputs = default_llm.chat([[ChatTurn("user", q)] for q in QUESTIONS[:NUM_STREAMS]], params)
-    refs = [list(o.token_ids) for o in outputs]
-    assert [len(r) for r in refs] == MAX_TOKENS
-    return refs
+    assert [len(o.token_ids) for o in outputs] == MAX_TOKENS
+    return outputs
 
 
+@pytest.fixture(scope="module")
+def reference(reference_outputs):
+    """Token ids of each stream's undisturbed run."""
+    return [list(o.token_ids) for o in reference_outputs]
 
 
 SHARED_SCHEDULER_ARGS = ("--step-timeout", "4", "--max-num-batched-tokens", "32")
@@ -158,10 +161,11 @@ def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, de
             "new_request_ok_after_worker_start_s": recovery, "blocks_leaked": 0}
 
 
-def test_kill_and_restart_the_scheduler(shared, reference):
+def test_kill_and_restart_the_scheduler(shared, reference, reference_outputs):
     """kill -9 the scheduler and restart it at once (same --consumer-name, same port). Expected:
     the restarted scheduler re-reads the 8 pending entries and recomputes them, the gateway drops
-    repeated tokens by output index: all 8 complete token-identical within the gateway's grace."""
+    repeated tokens by output index: all 8 complete token-identical within the gateway's grace,
+    with the reference's text too."""
     with shared.turn() as stack:
         calls = start_streams(stack.gateway, MAX_TOKENS)
         fault_at = time.monotonic()
@@ -171,6 +175,7 @@ def test_kill_and_restart_the_scheduler(shared, reference):
         up_after = round(time.monotonic() - fault_at, 2)
         recovery = probe(stack.gateway, fault_at)
         figures = finish_streams(calls, reference, fault_at, allowed=set())
+        assert ["".join(c.texts) for c in calls] == [o.text for o in reference_outputs]
         assert_no_leak(stack, num_workers=1)
         RESULTS["3 kill + restart scheduler"] = {**figures, "scheduler_up_after_s": up_after,
                                                  "new_request_ok_after_s": recovery, "blocks_leaked": 0}
