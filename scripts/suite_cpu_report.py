@@ -12,11 +12,15 @@ from pathlib import Path
 
 
 def process_kind(argv: str, test: str) -> str:
-    """``pytest worker``, ``pagedserve SUBCOMMAND`` (``bench NAME`` for benches), or what argv starts with."""
+    """``pytest worker``, ``pytest`` (the controller, or every test's own CPU with ``-n 0``), ``pagedserve
+    SUBCOMMAND`` (``bench NAME`` for benches), or the name of the file argv starts with."""
     words = argv.split()
     if test == "-" and words[:1] == ["-c"]:
         return "pytest worker"
-    if words and words[0].endswith("pagedserve/__main__.py") and len(words) > 1:
+    if words and words[0].endswith("pytest/__main__.py"):
+        return "pytest"
+    if words and (words[0].endswith("pagedserve/__main__.py") or words[0].endswith("bin/pagedserve")) \
+            and len(words) > 1:
         return "pagedserve " + " ".join(words[1:3] if words[1] == "bench" else words[1:2])
     if words[:1] == ["-c"]:
         return "python -c (rank processes, probes)"
@@ -31,13 +35,16 @@ def main() -> None:
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     by_file: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     total = 0.0
-    for line in args.log.read_text().splitlines():
-        _, cpu, test, argv = line.split("\t", 3)
+    for line in args.log.read_text(errors="replace").splitlines():
+        fields = line.split("\t", 3)
+        if len(fields) != 4:  # a line cut short (a full disk, a process killed mid-write)
+            continue
+        _, cpu, test, argv = fields
         kind, seconds = process_kind(argv, test), float(cpu)
         total += seconds
         by_kind[kind][0] += seconds
         by_kind[kind][1] += 1
-        if kind != "pytest worker":
+        if kind not in ("pytest worker", "pytest"):
             by_file[test.split("::")[0]][kind] += seconds
     print(f"{total:.0f} CPU-s logged\n\nCPU-s  processes  kind")
     for kind, (seconds, count) in sorted(by_kind.items(), key=lambda item: -item[1][0]):

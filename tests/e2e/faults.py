@@ -235,20 +235,20 @@ def stack_settled(stack: Stack, num_workers: int) -> bool:
 
 @dataclass
 class SharedStack:
-    """One one-worker stack that the faults which leave a whole stack behind (processes restarted on
-    their ports, paused ones resumed) take turns on: a stack start costs ~9 CPU-s and ~6 s. A turn
-    begins on a settled stack (``stack_settled``, waited for ``SETTLE_S``); one left unsettled by a failed
-    turn is replaced by a fresh one, so a failure stays in its own test.
+    """One one-worker stack with the services' default flags that the faults which leave a whole stack
+    behind (processes restarted on their ports, paused ones resumed) take turns on: a stack start costs
+    ~10 CPU-s and ~6 s. A turn begins on a settled stack (``stack_settled``, waited for ``SETTLE_S``). A
+    failed turn's stack is stopped, so the next turn starts a fresh one and a failure stays in its own
+    test; a stack that a passing turn left does not settle fails the next turn (a leak that turn's checks
+    missed) and is replaced.
 
     Args:
         log_dir: a folder for the stacks' logs (one subfolder each).
         model: the model folder.
-        scheduler_args: the scheduler's flags beyond the stack's own (a restarted scheduler gets them too).
     """
 
     log_dir: Path
     model: Path
-    scheduler_args: tuple[str, ...] = ()
     stack: Stack | None = None
     folder: Path | None = None
     """The current stack's log folder (where replacement processes log too)."""
@@ -258,18 +258,27 @@ class SharedStack:
 
     @contextlib.contextmanager
     def turn(self):
-        """Yields the settled stack; prints its logs if the turn fails."""
+        """Yields the settled stack; prints its logs and stops it if the turn fails.
+
+        Raises:
+            AssertionError: the stack the previous (passing) turn left did not settle within ``SETTLE_S``.
+        """
         if self.stack is not None and not _within(self.SETTLE_S, lambda: stack_settled(self.stack, 1)):
+            print(self.stack.logs())
             self.stop()
+            raise AssertionError(f"the stack the previous turn left did not settle within {self.SETTLE_S} s "
+                                 "(serving, one worker, nothing running or waiting, every block free, Redis clean)")
         if self.stack is None:
-            folder = self.log_dir / f"stack-{next(_instances)}"
-            folder.mkdir()
-            self.stack = start_stack(folder, self.model, num_workers=1, worker_threads=1,
-                                     scheduler_args=self.scheduler_args)
-            self.folder = folder
+            self.folder = self.log_dir / f"stack-{next(_instances)}"
+            self.folder.mkdir()
+            self.stack = start_stack(self.folder, self.model, num_workers=1, worker_threads=1)
         self._log_starts = {p.name: len(p.log_text()) for p in self.stack.processes.values()}
-        with logs_on_failure(self.stack):
-            yield self.stack
+        try:
+            with logs_on_failure(self.stack):
+                yield self.stack
+        except BaseException:
+            self.stop()
+            raise
 
     def log_of_this_turn(self, role: str) -> str:
         """The log the process of ``role`` wrote during the current turn (all of it if it started in it)."""

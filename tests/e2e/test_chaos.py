@@ -1,9 +1,10 @@
 """Chaos suite (issue #9): one fault per test, injected while 8 greedy streams are in flight.
 
 The faults that leave a whole stack behind (a process restarted on its port, a paused one resumed)
-take turns on one small stack (``faults.SharedStack``: real redis-server on a free loopback port, a
-scheduler, one worker, a gateway; a turn starts once it has settled, and a stack left unsettled by a
-failed turn is replaced); the two that need other flags or two workers start their own. Each test
+take turns on one small stack with the services' default flags (``faults.SharedStack``: real
+redis-server on a free loopback port, a scheduler, one worker, a gateway; a turn starts once it has
+settled, a failed turn's stack is replaced); the three that need other flags or two workers start their
+own. Each test
 starts 8 greedy streams (temperature 0, ignore_eos, max_tokens 48..62, so each stream's tokens are
 known exactly; real gRPC clients), injects one fault once every stream is decoding, and then checks:
 
@@ -82,16 +83,16 @@ def reference(reference_outputs):
     return [list(o.token_ids) for o in reference_outputs]
 
 
-SHARED_SCHEDULER_ARGS = ("--step-timeout", "4", "--max-num-batched-tokens", "32")
-"""The shared stack's scheduler: a step times out after 4 s (the SIGSTOP fault), and a recompute runs in
-32-token steps (one step prefilling all 8 sequences again took over 4 s on a busy CI machine, three test
-workers on two cores, timed out three times, and failed the requests)."""
+STEP_TIMEOUT_ARGS = ("--step-timeout", "4", "--max-num-batched-tokens", "32")
+"""The step-timeout fault's scheduler: a step times out after 4 s, and the recompute runs in 32-token steps
+(one step prefilling all 8 sequences again took over 4 s on a busy CI machine, three test workers on two
+cores, timed out three times, and failed the requests)."""
 
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory, default_model):
-    """The stack the faults that leave a whole stack take turns on (``SharedStack``)."""
-    holder = SharedStack(tmp_path_factory.mktemp("chaos"), default_model, SHARED_SCHEDULER_ARGS)
+    """The stack the faults that leave a whole stack take turns on (``SharedStack``, default flags)."""
+    holder = SharedStack(tmp_path_factory.mktemp("chaos"), default_model)
     yield holder
     holder.stop()
 
@@ -170,7 +171,7 @@ def test_kill_and_restart_the_scheduler(shared, reference, reference_outputs):
         calls = start_streams(stack.gateway, MAX_TOKENS)
         fault_at = time.monotonic()
         kill(stack, "scheduler")
-        start_scheduler(stack, shared.folder, SHARED_SCHEDULER_ARGS)
+        start_scheduler(stack, shared.folder)
         wait_until(lambda: healthy(stack.scheduler), "restarted scheduler", 60, [stack.processes["scheduler"]])
         up_after = round(time.monotonic() - fault_at, 2)
         recovery = probe(stack.gateway, fault_at)
@@ -261,13 +262,13 @@ def test_kill_and_restart_the_gateway_with_the_same_id(shared, default_model, re
             "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
-def test_worker_step_times_out_without_dying(shared, reference):
+def test_worker_step_times_out_without_dying(tmp_path, default_model, reference):
     """SIGSTOP the only worker for 8 s with --step-timeout 4, then SIGCONT. Expected: the step
     times out, the worker is reset (its heartbeat also lapses, so it registers again after
     SIGCONT) and re-admitted after the back-off; it drops its old state (new session id), the
-    sequences are recomputed (in 32-token steps: ``SHARED_SCHEDULER_ARGS``): all 8 complete
+    sequences are recomputed (in 32-token steps: ``STEP_TIMEOUT_ARGS``): all 8 complete
     token-identical."""
-    with shared.turn() as stack:
+    with own_stack(tmp_path, default_model, num_workers=1, scheduler_args=STEP_TIMEOUT_ARGS) as stack:
         calls = start_streams(stack.gateway, MAX_TOKENS)
         worker = stack.processes["worker-0"]
         fault_at = time.monotonic()
@@ -280,7 +281,7 @@ def test_worker_step_times_out_without_dying(shared, reference):
         recovery = probe(stack.gateway, fault_at)
         figures = finish_streams(calls, reference, fault_at, allowed=set())
         assert_no_leak(stack, num_workers=1)
-        assert "a step failed" in shared.log_of_this_turn("scheduler"), "the step did not time out"
+        assert "a step failed" in stack.processes["scheduler"].log_text(), "the step did not time out"
         RESULTS["6 worker SIGSTOP 8 s (step timeout 4 s)"] = {
             **figures, "new_request_ok_after_s": recovery,
             "of_which_after_SIGCONT_s": round(recovery - (resumed_at - fault_at), 2), "blocks_leaked": 0}

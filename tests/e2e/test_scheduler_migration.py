@@ -45,17 +45,20 @@ from tests.e2e.test_stack import QUESTIONS, chat_request
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 NUM_STREAMS = 16
-MAX_TOKENS = [60 + (i % 8) * 2 for i in range(NUM_STREAMS)]  # 60..74, exact lengths (ignore_eos): the first
+DISTINCT = 8
+"""Stream i + 8 is the same request as stream i (question, constraint, length): identical requests in flight
+share their prompt blocks through adoption and hand-off. 16 streams, not 32 as until 2026-12-05: the same
+paths (both schedulers and workers busy, repeated requests, 4 constrained streams) in half the suite's time."""
+MAX_TOKENS = [60 + (i % DISTINCT) * 2 for i in range(NUM_STREAMS)]  # 60..74, exact lengths (ignore_eos): the first
 # streams must still decode when the last is admitted (32 prompts took 2.4-3.2 s to admit here; with 40..54
-# one ended first in a CI run once the panel GEMM made decodes faster). 16 streams, not 32 as until 2026-12-05:
-# the same paths (both schedulers and workers busy, 4 constrained streams), half the suite's time (~300 test-s)
+# one ended first in a CI run once the panel GEMM made decodes faster)
 MIN_RUNNING_AT_FAULT = NUM_STREAMS * 3 // 4
 """Streams that must still decode when the fault hits (the others finished; finish_streams checks them all
 the same): with all 32 required, a CI run on a loaded 2-core VM failed the precondition twice (a free
 stream ended while the structured ones still waited for their grammar's first build)."""
 NUMBERS = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
                       "minItems": 60, "maxItems": 200})  # 60+ numbers: longer than any stream, never closed
-STRUCTURED = frozenset(range(3, NUM_STREAMS, 4))
+STRUCTURED = frozenset(range(3, NUM_STREAMS, 4))  # 3, 7 and their repeats 11, 15
 """The streams whose output is constrained by ``NUMBERS``."""
 KV_CACHE = "256MiB"
 """Per worker: room for all the streams at once with the admission headroom (64 MiB, 91 blocks, held the
@@ -80,21 +83,21 @@ def summary():
 @pytest.fixture(scope="module")
 def reference(default_llm):
     """Token ids of an undisturbed greedy run of each stream, from the in-process engine: one run per
-    (question, constrained or not) the streams use (one each while there are no more streams than questions)."""
+    (question, constrained or not) the streams use: ``DISTINCT`` runs for the ``NUM_STREAMS`` streams."""
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.text.tokenizer import ChatTurn
 
     from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 
     numbers = StructuredOutput(StructureKind.JSON, NUMBERS)
-    runs = {(i % len(QUESTIONS), i in STRUCTURED): MAX_TOKENS[i] for i in range(NUM_STREAMS)}
-    assert all(runs[i % len(QUESTIONS), i in STRUCTURED] == m for i, m in enumerate(MAX_TOKENS))
+    runs = {(i % DISTINCT, i in STRUCTURED): MAX_TOKENS[i] for i in range(NUM_STREAMS)}
+    assert len(runs) == DISTINCT and all(runs[i % DISTINCT, i in STRUCTURED] == m for i, m in enumerate(MAX_TOKENS))
     outputs = default_llm.chat([[ChatTurn("user", QUESTIONS[q])] for q, _ in runs], [
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
                        structured_output=numbers if constrained else None) for (_, constrained), m in runs.items()])
     by_run = dict(zip(runs, outputs))
     assert all(re.fullmatch(r"\[[0-9,]*", out.text) for (_, constrained), out in by_run.items() if constrained)
-    return [list(by_run[i % len(QUESTIONS), i in STRUCTURED].token_ids) for i in range(NUM_STREAMS)]
+    return [list(by_run[i % DISTINCT, i in STRUCTURED].token_ids) for i in range(NUM_STREAMS)]
 
 
 @contextlib.contextmanager
@@ -143,7 +146,7 @@ def metric(address: str, name: str) -> float:
 
 
 def start_calls(target: str) -> list[Call]:
-    calls = [Call(i, chat_request(QUESTIONS[i % len(QUESTIONS)], max_tokens=m, ignore_eos=True))
+    calls = [Call(i, chat_request(QUESTIONS[i % DISTINCT], max_tokens=m, ignore_eos=True))
              for i, m in enumerate(MAX_TOKENS)]
     for i in STRUCTURED:
         calls[i].request.sampling_params.structured_output.json = NUMBERS

@@ -42,6 +42,8 @@ def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, toke
     with_cache = []
     for p in prompts:  # one after another, so each later request finds the system prompt cached
         with_cache.append(cached.generate(p, params)[0].token_ids)
+        if len(with_cache) == 1:
+            assert cached.stats().prefix_cache_hits == 0  # the first is its own uncached reference
     stats = cached.stats()
     assert stats.prefix_cache_hits >= 992  # 62 full blocks of the system prompt, for the later request
     # The first request found nothing cached: only the later one needs an uncached reference.

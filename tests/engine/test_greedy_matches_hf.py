@@ -5,7 +5,8 @@ with each GEMM backend named: the reference (``--gemm-backend torch``, transform
 ``onednn`` and ``panels``. None is bit-identical to HF's logits (MKL's rows change with the
 batch's row count too: scripts/gemm_batch_invariance.py), so equality is on these prompts. HF's greedy
 output is checked by teacher forcing (``HfGreedyCheck``: one HF forward per output), which
-``test_teacher_forcing_agrees_with_hf_generate`` ties to HF's ``generate``."""
+``test_teacher_forcing_agrees_with_hf_generate`` ties to HF's ``generate`` (and the penalties test
+under a logits processor)."""
 
 from __future__ import annotations
 
@@ -39,14 +40,16 @@ def assert_hf_greedy(check: HfGreedyCheck, prompt_ids: list[list[int]], outputs:
 
 
 def test_teacher_forcing_agrees_with_hf_generate(hf_model, hf_greedy_check, prompt_ids):
-    """The check the other tests use gives HF generate's own output (one prompt: generate costs 2-8 s)."""
-    for ids in (prompt_ids[3],):
-        generated = hf_greedy(hf_model, ids, MAX_TOKENS)
-        assert len(generated) == MAX_TOKENS
-        assert hf_greedy_check.first_difference(ids, generated, MAX_TOKENS) is None
-        assert hf_greedy_check.first_difference(ids, generated[:-1], MAX_TOKENS) == len(generated) - 1
-        wrong = generated[:5] + [(generated[5] + 1) % 49152] + generated[6:]
-        assert hf_greedy_check.first_difference(ids, wrong, MAX_TOKENS) == 5
+    """The check the other tests use gives HF generate's own output (generate costs 2-8 s a prompt): on a
+    prompt HF answers at length and on one it ends with EOS; a truncated, altered or extended output fails."""
+    long, ends = hf_greedy(hf_model, prompt_ids[3], MAX_TOKENS), hf_greedy(hf_model, prompt_ids[2], MAX_TOKENS)
+    assert len(long) == MAX_TOKENS and ends[-1] == 2 and len(ends) < MAX_TOKENS
+    assert hf_greedy_check.first_difference(prompt_ids[3], long, MAX_TOKENS) is None
+    assert hf_greedy_check.first_difference(prompt_ids[2], ends, MAX_TOKENS) is None
+    assert hf_greedy_check.first_difference(prompt_ids[3], long[:-1], MAX_TOKENS) == len(long) - 1
+    wrong = long[:5] + [(long[5] + 1) % 49152] + long[6:]
+    assert hf_greedy_check.first_difference(prompt_ids[3], wrong, MAX_TOKENS) == 5
+    assert hf_greedy_check.first_difference(prompt_ids[2], ends + [5], MAX_TOKENS) == len(ends)
 
 
 def run_staggered(llm: LLM, prompt_ids: list[list[int]], every: int,
