@@ -2,8 +2,9 @@
 bit-identical alone and in a batch: every op of a step computes a row the same whatever the other rows
 (the panel GEMM at any row count, models/panel_gemm.py; oneDNN's from two rows up, single rows padded:
 ``models/onednn.MIN_ROWS``; norms and attention per row or per
-sequence). Prefix caching is off and prompts are prefilled whole: a prompt prefilled over a cached
-prefix or in chunks goes through the attention op's other path and may differ in the last bits.
+sequence). Prefix caching is off and prompts are prefilled whole (a prompt prefilled over a cached prefix
+or in chunks gives the same bits where the C++ prefill op runs, float32 on AVX2 without AVX-512:
+tests/engine/test_features_exact.py; elsewhere it may differ in the last bits).
 (With ``--gemm-backend torch`` none of the first 12 prompts was identical on this machine: MKL's
 rows change with the batch's row count, scripts/gemm_batch_invariance.py.)"""
 
