@@ -77,11 +77,11 @@ def start_worker(stack: Stack, model, worker_id: str, log_dir) -> Process:
         "--kv-cache-memory", "64MiB", "--num-threads", "1", "--worker-id", worker_id, "--cpu-affinity", "0"], log_dir)
 
 
-def start_scheduler(stack: Stack, log_dir, extra: tuple[str, ...] = ()) -> Process:
-    """A new scheduler (role ``scheduler``) on the stack's scheduler port, consumer ``scheduler-0``."""
+def start_scheduler(stack: Stack, log_dir) -> Process:
+    """A new scheduler (role ``scheduler``, default flags) on the stack's scheduler port, consumer ``scheduler-0``."""
     port = stack.scheduler.rsplit(":", 1)[1]
     return _replacement(stack, "scheduler", ["scheduler", "--redis-url", stack.redis_url, "--host", "127.0.0.1",
-                                             "--port", port, "--consumer-name", "scheduler-0", *extra], log_dir)
+                                             "--port", port, "--consumer-name", "scheduler-0"], log_dir)
 
 
 def start_gateway(stack: Stack, model, log_dir, gateway_id: str = "") -> Process:

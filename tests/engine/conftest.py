@@ -47,12 +47,14 @@ def tokenizer(default_model):
     return PromptTokenizer.from_folder(default_model)
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int = 2) -> list[int]:
-    """Hugging Face greedy generate on one prompt alone; the new tokens (up to and with EOS)."""
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int = 2,
+              **generate_options) -> list[int]:
+    """Hugging Face greedy generate on one prompt alone (``generate_options`` passed on, e.g.
+    ``repetition_penalty``); the new tokens (up to and with EOS)."""
     ids = torch.tensor([prompt_ids])
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+                             do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id, **generate_options)
     return out[0, len(prompt_ids):].tolist()
 
 

@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.engine.messages import FinishReason
 from pagedserve.engine.sampling_params import SamplingParams
-from tests.engine.conftest import BASE_PROMPTS
+from tests.engine.conftest import BASE_PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.model
 
@@ -52,11 +52,7 @@ def test_repetition_penalty_matches_hf_alone_and_batched(llm, hf_model, hf_greed
     # and the check sees the penalty: the penalized outputs are not HF's unpenalized choices
     assert any(hf_greedy_check.first_difference(i, out, MAX_TOKENS) is not None for i, out in zip(ids, alone))
     # and the processor path is HF generate's own (one prompt: generate costs ~2 s)
-    x = torch.tensor([ids[0]])
-    with torch.inference_mode():
-        generated = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_TOKENS,
-                                      repetition_penalty=1.3, eos_token_id=2, pad_token_id=2)[0, len(ids[0]):].tolist()
-    assert generated == alone[0]
+    assert hf_greedy(hf_model, ids[0], MAX_TOKENS, repetition_penalty=1.3) == alone[0]
 
 
 def test_frequency_and_presence_penalties_match_openai_formula(llm, hf_greedy_check, tokenizer):
