@@ -1,12 +1,13 @@
 """The C++ prefill attention op for CPU (csrc/prefill_attention_cpu.cpp) against a float64 reference,
-and the properties its header states: bits independent of the thread count and of the other rows."""
+and the properties its header states: bits independent of the thread count and of the other rows, and
+the same bits read in place through a block table as from a gathered copy."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedserve.engine.attention.prefill_op import prefill_attention, prefill_op_available
+from pagedserve.engine.attention.prefill_op import paged_prefill_attention, prefill_attention, prefill_op_available
 
 pytestmark = pytest.mark.skipif(not prefill_op_available(), reason="needs AVX2, FMA and a C++ compiler")
 
@@ -88,3 +89,46 @@ def test_bad_shapes_are_refused(q, L, heads, kv_heads, dim, message):
     query, key, value = _inputs(1, q, L, heads, kv_heads, dim)
     with pytest.raises(RuntimeError, match=message):
         prefill_attention(query, key, value, 0.25)
+
+
+@pytest.mark.parametrize("block_size,q,context_len,heads,kv_heads", [
+    (16, 16, 1484, 9, 3),    # a 16-token chunk after 1,484 cached positions, the default model's heads
+    (16, 1, 0, 9, 3),        # a one-token prompt
+    (8, 37, 5, 4, 4),        # multi-head, a context that ends mid-block
+    (32, 70, 130, 16, 2),    # group 8, several key blocks
+    (128, 20, 300, 9, 3),    # vLLM CPU's block size: a block longer than the op's 64-key steps
+])
+def test_in_place_reads_give_the_bits_of_the_gathered_copy(block_size, q, context_len, heads, kv_heads):
+    """Shuffled blocks whose unused rows (the last block's tail, every block the sequence does not own) hold
+    NaN: none is read, and the output equals the op over the same positions gathered, bit for bit."""
+    length, dim = context_len + q, 64
+    num_blocks = -(-length // block_size)
+    g = torch.Generator().manual_seed(block_size + q)
+    key_cache, value_cache = (torch.full((2 * num_blocks + 3, block_size, kv_heads, dim), float("nan")) for _ in "kv")
+    block_ids = torch.randperm(2 * num_blocks + 3, generator=g)[:num_blocks]
+    key, value = (torch.randn(length, kv_heads, dim, generator=g) for _ in range(2))
+    for cache, rows in ((key_cache, key), (value_cache, value)):
+        for p in range(length):
+            cache[block_ids[p // block_size], p % block_size] = rows[p]
+    query = torch.randn(q, heads, dim, generator=g)
+    got = paged_prefill_attention(query, key_cache, value_cache, block_ids, context_len, dim ** -0.5)
+    assert not got.isnan().any()
+    assert torch.equal(got, prefill_attention(query, key, value, dim ** -0.5))
+    longer = torch.cat([block_ids, torch.tensor([-1, 10 ** 6])])  # entries past the sequence's blocks: unread
+    assert torch.equal(paged_prefill_attention(query, key_cache, value_cache, longer, context_len, dim ** -0.5), got)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(block_ids=torch.tensor([0, 9])), "block id 9 outside the cache of 4 blocks"),
+    (dict(block_ids=torch.tensor([0, -1])), "block id -1 outside"),
+    (dict(block_ids=torch.tensor([0])), "need 2 blocks, block_ids has 1"),
+    (dict(block_ids=torch.tensor([0, 1], dtype=torch.int32)), "block_ids must be contiguous int64"),
+    (dict(context_len=-1), "context_len must be >= 0"),
+    (dict(dtype=torch.bfloat16), "the caches must be contiguous float32"),
+])
+def test_in_place_reads_refuse_what_would_read_outside_the_cache(change, message):
+    kwargs = {"block_ids": torch.tensor([0, 1]), "context_len": 10, "dtype": torch.float32, **change}
+    cache = torch.zeros(4, 8, 2, 16, dtype=kwargs["dtype"])
+    with pytest.raises(RuntimeError, match=message):
+        paged_prefill_attention(torch.zeros(4, 4, 16), cache, cache.clone(), kwargs["block_ids"], kwargs["context_len"],
+                                0.25)

@@ -15,7 +15,8 @@ import torch
 
 from pagedserve.engine.attention.cpu_op import LANES, PagedAttentionOp
 from pagedserve.engine.attention.metadata import AttentionMetadata
-from pagedserve.engine.attention.prefill_op import prefill_attention, prefill_op_applies
+from pagedserve.engine.attention.prefill_op import (IN_PLACE_MAX_TOKENS, paged_prefill_attention, prefill_attention,
+                                                    prefill_op_applies)
 from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, attend_prefills, gathered_context
 from pagedserve.engine.kv_cache import as_stored
 
@@ -66,14 +67,19 @@ def _attend_prefills_with_op(out: torch.Tensor, query: torch.Tensor, key: torch.
                              key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
                              scale: float) -> None:
     """``attend_prefills`` through the prefill op: a fresh prefill reads its new K/V ``[q, Hkv, D]`` as the
-    cache stores them; one with cached context reads its first ``context_len + q`` positions gathered
-    from the cache's blocks ``[NB, BS, Hkv, D]``, widened to float32."""
+    cache stores them; one with cached context reads its first ``context_len + q`` positions from the
+    cache's blocks ``[NB, BS, Hkv, D]``: in place when the cache is float32 and the new tokens at most
+    ``IN_PLACE_MAX_TOKENS``, else gathered (and widened). The same bits either way."""
     for seq in metadata.fresh_prefills:
         s, e = seq.query_start, seq.query_end
         out[s:e] = prefill_attention(query[s:e], as_stored(key[s:e], key_cache.dtype),
                                      as_stored(value[s:e], value_cache.dtype), scale)
     for seq in metadata.context_prefills:
         s, e = seq.query_start, seq.query_end
+        if key_cache.dtype == torch.float32 and e - s <= IN_PLACE_MAX_TOKENS:
+            out[s:e] = paged_prefill_attention(query[s:e], key_cache, value_cache, seq.block_indices, seq.context_len,
+                                               scale)
+            continue
         length = seq.context_len + e - s
         k, v = (gathered_context(cache, seq, query.dtype)[:length] for cache in (key_cache, value_cache))  # (L, Hkv, D)
         out[s:e] = prefill_attention(query[s:e], k, v, scale)

@@ -21,6 +21,12 @@ from pagedserve.engine.cpu_features import cpu_flags, own_avx2_kernels_preferred
 SOURCE = Path(__file__).parent / "csrc" / "prefill_attention_cpu.cpp"
 HEAD_DIM_MULTIPLE = 16
 """The op's head_dim must be a multiple of this (its panels are 16 keys wide and its output blocks 16 columns)."""
+IN_PLACE_MAX_TOKENS = 128
+"""Context prefills of at most this many new tokens read a float32 cache in place
+(:func:`paged_prefill_attention`); longer ones read a gathered copy. Every work item of the op streams its
+KV head's V rows, so with many items a contiguous copy, made once, pays for itself: in place was
+1.06-1.45x at 16-32 new tokens after ~1,500 cached, 1.03-1.09x at 64, 0.99-1.07x at 128, 0.92-1.01x at
+256-512 (the op alone, the AVX2 EPYC, Zen 1; docs/benchmarks.md, "Prefill attention in C++")."""
 
 
 @functools.cache
@@ -70,4 +76,33 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     query = query.contiguous()
     out = torch.empty_like(query)
     torch.ops.pagedserve_prefill.prefill_attention(out, query, key, value, scale)
+    return out
+
+
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_ids: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
+    """:func:`prefill_attention` over a sequence's ``context_len + q`` positions read in place from one
+    layer's cache (no gathered copy of its context): position ``p`` is row ``p % BS`` of block
+    ``block_ids[p // BS]``. The same arithmetic in the same order, so the same bits as the gathered copy.
+
+    Args:
+        query: float32 ``[q, H, D]`` (made contiguous if it is not).
+        key_cache, value_cache: float32 ``[NB, BS, Hkv, D]``, contiguous, the new tokens' K/V written.
+        block_ids: int64 ``[>= ceil((context_len + q) / BS)]``, the sequence's blocks in order.
+        context_len: cached positions before the new tokens.
+        scale: the factor of the scores.
+
+    Returns:
+        A new float32 ``[q, H, D]``.
+
+    Raises:
+        RuntimeError: the op is not available here; from the op, for other shapes or dtypes, or a block id
+            outside the cache.
+    """
+    if not prefill_op_available():
+        raise RuntimeError("the prefill attention op needs an x86 CPU with AVX2 and FMA and a C++ compiler")
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    torch.ops.pagedserve_prefill.prefill_attention_paged(out, query, key_cache, value_cache, block_ids, context_len,
+                                                         scale)
     return out

@@ -17,6 +17,9 @@
 //   query, out  float32 [q, H, D]     the sequence's q new tokens, positions L - q .. L - 1
 //   key, value  float32 [L, Hkv, D]   its whole context, the new tokens last (each row's D floats
 //                                     contiguous; any strides over the first two dimensions)
+//   or, prefill_attention_paged: key_cache, value_cache float32 [NB, BS, Hkv, D] (one layer's cache)
+//   and block_ids int64 [>= ceil(L / BS)], the sequence's blocks in order: position p is row p % BS of
+//   block block_ids[p / BS]; the rows are read in place, the same arithmetic as from a gathered copy.
 //   token i (0-based among the new ones) reads keys 0 .. L - q + i; H a multiple of Hkv; D of 16.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -54,12 +57,41 @@ struct Shape {
   int64_t panels_per_head() const { return (L + kCols - 1) / kCols; }
 };
 
+// Where each context position's K and V rows are: key[p] + h * key_head_stride is position p's row of KV
+// head h (D floats), the same for V; from strided [L, Hkv, D] tensors or through a block table. Within
+// each run of `run` positions from a multiple of it, V rows lie value_row_stride floats apart (the
+// value loop steps through a run without loading each row's pointer: 0.92-0.99x at 256+ rows when it did).
+struct KvRows {
+  std::vector<const float*> key, value;
+  int64_t key_head_stride, value_head_stride, run, value_row_stride;
+};
+
+KvRows strided_rows(const at::Tensor& key, const at::Tensor& value) {
+  KvRows rows{{}, {}, key.stride(1), value.stride(1), key.size(0), value.stride(0)};
+  for (int64_t p = 0; p < key.size(0); ++p) {
+    rows.key.push_back(key.data_ptr<float>() + p * key.stride(0));
+    rows.value.push_back(value.data_ptr<float>() + p * value.stride(0));
+  }
+  return rows;
+}
+
+KvRows paged_rows(const at::Tensor& key_cache, const at::Tensor& value_cache, const int64_t* block_ids, int64_t L) {
+  const int64_t block_size = key_cache.size(1), slot = key_cache.size(2) * key_cache.size(3);
+  KvRows rows{{}, {}, key_cache.size(3), value_cache.size(3), block_size, slot};
+  for (int64_t p = 0; p < L; ++p) {
+    const int64_t offset = (block_ids[p / block_size] * block_size + p % block_size) * slot;
+    rows.key.push_back(key_cache.data_ptr<float>() + offset);
+    rows.value.push_back(value_cache.data_ptr<float>() + offset);
+  }
+  return rows;
+}
+
 // Panel hp = h * P + p of K (P panels a head) into zeroed panels: panels[hp][d][j] = key[16p + j, h, d], 0 past L.
-void pack_panel(const at::Tensor& key, const Shape& s, int64_t hp, float* panels) {
+void pack_panel(const KvRows& kv, const Shape& s, int64_t hp, float* panels) {
   const int64_t P = s.panels_per_head(), h = hp / P, p = hp % P;
   float* dst = panels + hp * s.D * kCols;
   for (int64_t j = 0; j < kCols && p * kCols + j < s.L; ++j) {
-    const float* row = key.data_ptr<float>() + (p * kCols + j) * key.stride(0) + h * key.stride(1);
+    const float* row = kv.key[p * kCols + j] + h * kv.key_head_stride;
     for (int64_t d = 0; d < s.D; ++d) dst[d * kCols + j] = row[d];
   }
 }
@@ -84,18 +116,21 @@ inline void score_block(const float* q, int64_t D, const float* panel, float* sc
   }
 }
 
-// o[r][0..15] += sum over k < nk of p[r][k] * v[k][0..15], for kRows rows (o D floats apart, p
-// kKeyBlock apart) and value rows v_stride floats apart.
-inline void value_block(const float* p, const float* v, int64_t v_stride, int64_t nk, float* o, int64_t D) {
+// o[r][0..15] += sum over k < nk of p[r][k] * v_k[0..15], for kRows rows (o D floats apart, p kKeyBlock
+// apart): v_k = kv.value[k0 + k] + offset, read run by run (rows value_row_stride apart within one).
+inline void value_block(const float* p, const KvRows& kv, int64_t k0, int64_t offset, int64_t nk, float* o, int64_t D) {
   __m256 acc[kRows][2];
   for (int64_t r = 0; r < kRows; ++r)
     acc[r][0] = _mm256_loadu_ps(o + r * D), acc[r][1] = _mm256_loadu_ps(o + r * D + 8);
-  for (int64_t k = 0; k < nk; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(v + k * v_stride), b1 = _mm256_loadu_ps(v + k * v_stride + 8);
-    for (int64_t r = 0; r < kRows; ++r) {
-      const __m256 a = _mm256_broadcast_ss(p + r * kKeyBlock + k);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+  for (int64_t k = 0; k < nk;) {
+    const int64_t end = std::min(nk, k + kv.run - (k0 + k) % kv.run);
+    for (const float* v = kv.value[k0 + k] + offset; k < end; ++k, v += kv.value_row_stride) {
+      const __m256 b0 = _mm256_loadu_ps(v), b1 = _mm256_loadu_ps(v + 8);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const __m256 a = _mm256_broadcast_ss(p + r * kKeyBlock + k);
+        acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+      }
     }
   }
   for (int64_t r = 0; r < kRows; ++r)
@@ -150,7 +185,7 @@ struct Item {
 };
 
 // out rows of one work item: attention of its query rows over the keys its last token reads.
-void run_item(const Item& item, const Shape& s, const at::Tensor& query, const at::Tensor& value,
+void run_item(const Item& item, const Shape& s, const at::Tensor& query, const KvRows& kv,
               const float* key_panels, at::Tensor& out, Rows& rows) {
   const int64_t R = item.count, padded = (R + kRows - 1) / kRows * kRows, D = s.D;
   const float* qsrc = query.data_ptr<float>();
@@ -164,7 +199,7 @@ void run_item(const Item& item, const Shape& s, const at::Tensor& query, const a
   std::fill(rows.o.begin(), rows.o.begin() + padded * D, 0.0f);
   const int64_t keys = s.offset + (item.first + R - 1) / s.G + 1;
   const float* panels = key_panels + item.head * s.panels_per_head() * D * kCols;
-  const float* v = value.data_ptr<float>() + item.head * value.stride(1);
+  const int64_t v_offset = item.head * kv.value_head_stride;
   for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, keys - k0);
     for (int64_t r = 0; r < padded; r += kRows)
@@ -173,8 +208,7 @@ void run_item(const Item& item, const Shape& s, const at::Tensor& query, const a
     for (int64_t r = 0; r < padded; ++r) softmax_row(rows, r, k0, nk, D);
     for (int64_t r = 0; r < padded; r += kRows)
       for (int64_t c = 0; c < D; c += kCols)
-        value_block(rows.s.data() + r * kKeyBlock, v + k0 * value.stride(0) + c, value.stride(0), nk,
-                    rows.o.data() + r * D + c, D);
+        value_block(rows.s.data() + r * kKeyBlock, kv, k0, v_offset + c, nk, rows.o.data() + r * D + c, D);
   }
   float* dst = out.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
@@ -184,21 +218,23 @@ void run_item(const Item& item, const Shape& s, const at::Tensor& query, const a
   }
 }
 
-// out[q, H, D] = causal attention of query[q, H, D] over key/value[L, Hkv, D] (see the layouts above).
-void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       double scale) {
-  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes() && out.sizes() == query.sizes(),
-              "query and out must be [q, H, D], key and value [L, Hkv, D]");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &key, &value})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), "every tensor must be float32 on the CPU");
-  TORCH_CHECK(out.is_contiguous() && query.is_contiguous() && key.stride(2) == 1 && value.stride(2) == 1,
-              "query and out must be contiguous, key and value rows contiguous");
-  const int64_t kv_heads = std::max<int64_t>(key.size(1), 1);
-  const Shape s{query.size(0), key.size(0), query.size(1), key.size(1), query.size(1) / kv_heads, query.size(2),
-                key.size(0) - query.size(0), static_cast<float>(scale)};
-  TORCH_CHECK(s.Hkv > 0 && s.H > 0 && s.H % s.Hkv == 0 && key.size(2) == s.D && s.D % kCols == 0 && s.D > 0,
+// The shape of a call over L context positions of kv_heads KV heads of kv_dim floats, checked.
+Shape checked_shape(const at::Tensor& out, const at::Tensor& query, int64_t L, int64_t kv_heads, int64_t kv_dim,
+                    double scale) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [q, H, D]");
+  for (const at::Tensor* t : {&out, &query})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                "query and out must be contiguous float32 on the CPU");
+  const Shape s{query.size(0), L, query.size(1), kv_heads, query.size(1) / std::max<int64_t>(kv_heads, 1),
+                query.size(2), L - query.size(0), static_cast<float>(scale)};
+  TORCH_CHECK(s.Hkv > 0 && s.H > 0 && s.H % s.Hkv == 0 && kv_dim == s.D && s.D % kCols == 0 && s.D > 0,
               "heads must be a multiple of KV heads, head_dim must match and be a multiple of 16");
   TORCH_CHECK(s.q >= 1 && s.q <= s.L, "query length ", s.q, " not in 1..context length ", s.L);
+  return s;
+}
+
+// out = the attention of s's rows over the context rows kv (checked by the callers below).
+void attend(at::Tensor& out, const at::Tensor& query, const KvRows& kv, const Shape& s) {
   // kItemRows rows per item; on several threads fewer (multiples of kRows) where that leaves under 4 items a
   // thread: a 16-token chunk of the default model is 48 rows per KV head, 18 + 18 + 12 on 2 threads.
   const int64_t rows_per_head = s.q * s.G, threads = at::get_num_threads();
@@ -214,17 +250,55 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
 #pragma omp parallel num_threads(threads)  // one team packs the panels, then runs the items
   {
 #pragma omp for schedule(static)
-    for (int64_t hp = 0; hp < num_panels; ++hp) pack_panel(key, s, hp, panels.data());
+    for (int64_t hp = 0; hp < num_panels; ++hp) pack_panel(kv, s, hp, panels.data());
     Rows rows(s.D);  // the loop's implicit barrier: every panel is packed
     for (int64_t i = claimed.fetch_add(1); i < n; i = claimed.fetch_add(1))
-      run_item(items[i], s, query, value, panels.data(), out, rows);
+      run_item(items[i], s, query, kv, panels.data(), out, rows);
   }
+}
+
+// out[q, H, D] = causal attention of query[q, H, D] over key/value[L, Hkv, D] (see the layouts above).
+void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       double scale) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [L, Hkv, D]");
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(2) == 1,
+                "key and value must be float32 on the CPU, each row contiguous");
+  attend(out, query, strided_rows(key, value), checked_shape(out, query, key.size(0), key.size(1), key.size(2), scale));
+}
+
+// The same over the first context_len + q positions of a sequence's blocks block_ids in one layer's cache.
+void prefill_attention_paged(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_ids, int64_t context_len,
+                             double scale) {
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "key_cache and value_cache must be [NB, BS, Hkv, D]");
+  for (const at::Tensor* t : {&key_cache, &value_cache})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->is_contiguous(),
+                "the caches must be contiguous float32 on the CPU");
+  TORCH_CHECK(block_ids.dim() == 1 && block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() &&
+                  block_ids.device().is_cpu(), "block_ids must be contiguous int64 [blocks] on the CPU");
+  TORCH_CHECK(context_len >= 0, "context_len must be >= 0, got ", context_len);
+  const int64_t L = context_len + query.size(0), block_size = key_cache.size(1);
+  TORCH_CHECK(block_size > 0 && block_ids.size(0) * block_size >= L, "positions 0..", L - 1, " need ",
+              (L + block_size - 1) / std::max<int64_t>(block_size, 1), " blocks, block_ids has ", block_ids.size(0));
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  for (int64_t b = 0; b < (L + block_size - 1) / block_size; ++b)
+    TORCH_CHECK(ids[b] >= 0 && ids[b] < key_cache.size(0), "block id ", ids[b], " outside the cache of ",
+                key_cache.size(0), " blocks");
+  const Shape s = checked_shape(out, query, L, key_cache.size(2), key_cache.size(3), scale);
+  attend(out, query, paged_rows(key_cache, value_cache, ids, L), s);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(pagedserve_prefill, m) {
   m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key, Tensor value, float scale) -> ()");
+  m.def("prefill_attention_paged(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_ids, int context_len, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedserve_prefill, CPU, m) { m.impl("prefill_attention", TORCH_FN(prefill_attention)); }
+TORCH_LIBRARY_IMPL(pagedserve_prefill, CPU, m) {
+  m.impl("prefill_attention", TORCH_FN(prefill_attention));
+  m.impl("prefill_attention_paged", TORCH_FN(prefill_attention_paged));
+}
