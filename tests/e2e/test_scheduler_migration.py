@@ -297,8 +297,8 @@ def a_burst_sharing_the_cached_prefix_is_balanced(stack: Stack, schedulers: dict
 def test_redis_restarted_empty_then_a_worker_killed_loses_no_stream(tmp_path, default_model, reference):
     """kill -9 Redis and restart it empty while 16 streams decode on two schedulers (every lease,
     registration, stream entry and the consumer group are gone), then kill -9 the busier scheduler's
-    worker: that scheduler,
-    left without a worker, hands its requests off, though Redis holds no entry of theirs any more.
+    worker: that scheduler, left without a worker, hands its requests off, though Redis holds no entry of
+    theirs any more.
     Expected: they are queued again and the peer resumes them; every stream ends within
     ``REDIS_RESTART_BOUND_S`` of the fault, completed token-identical (never a hang until the
     client's deadline); the peer keeps its own worker, ends idle with every block free, and

@@ -15,7 +15,9 @@ from pagedserve_kernels.reference import paged_attention_ref
 from pagedserve.engine.attention import (CpuAttentionBackend, TorchAttentionBackend, build_attention_metadata,
                                          compute_positions, make_attention_backend)
 from pagedserve.engine.attention import cpu_op
-from pagedserve.engine.attention.prefill_op import prefill_attention, prefill_op_preferred
+from pagedserve.engine.attention import cpu_backend
+from pagedserve.engine.attention.prefill_op import (IN_PLACE_MAX_TOKENS, prefill_attention, prefill_attention_paged,
+                                                    prefill_op_preferred)
 
 OP = cpu_op.load_cpu_attention_op()
 needs_op = pytest.mark.skipif(OP is None, reason="the C++ op could not be built here (see the warning)")
@@ -132,6 +134,31 @@ def test_backend_uses_the_paged_op_for_decodes_and_the_prefill_op_for_prefills()
     cached = torch.cat([k_cache[i] for i in md.block_tables[4, :4].tolist()])  # (16, 16): 4 blocks of 8
     values = torch.cat([v_cache[i] for i in md.block_tables[4, :4].tolist()])
     assert torch.equal(got[15:31], prefill_attention(q[15:31], cached, values, 0.125))
+
+
+@needs_op
+@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only with AVX2 and no AVX-512")
+def test_short_context_prefills_read_a_float32_cache_in_place_and_long_ones_a_gathered_copy(monkeypatch):
+    """16 new tokens over 20 cached: in place; IN_PLACE_MAX_TOKENS + 2 over 20: gathered; the same bits as
+    the op over gathered copies either way."""
+    long = IN_PLACE_MAX_TOKENS + 2
+    md, q, k, v, k_cache, v_cache = _batch(4, [(20, 16), (20, long)], 8, 9, 3, 64)
+    in_place, gathered = [], []
+
+    def recorded(calls: list[int], op):
+        def call(query, *args):
+            calls.append(len(query))
+            return op(query, *args)
+        return call
+
+    monkeypatch.setattr(cpu_backend, "prefill_attention_paged", recorded(in_place, prefill_attention_paged))
+    monkeypatch.setattr(cpu_backend, "prefill_attention", recorded(gathered, prefill_attention))
+    got = make_attention_backend("cpu", "cpu").attend(q, k, v, k_cache, v_cache, md, 0.125)
+    assert (in_place, gathered) == ([16], [long])
+    for row, (start, end) in enumerate([(0, 16), (16, 16 + long)]):
+        blocks = md.block_tables[row, :-(-(20 + end - start) // 8)].tolist()
+        keys, values = (torch.cat([cache[b] for b in blocks])[:20 + end - start] for cache in (k_cache, v_cache))
+        assert torch.equal(got[start:end], prefill_attention(q[start:end], keys, values, 0.125))
 
 
 @needs_op

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.attention.prefill_op import paged_prefill_attention, prefill_attention, prefill_op_available
+from pagedserve.engine.attention.prefill_op import prefill_attention_paged, prefill_attention, prefill_op_available
 
 pytestmark = pytest.mark.skipif(not prefill_op_available(), reason="needs AVX2, FMA and a C++ compiler")
 
@@ -97,10 +97,13 @@ def test_bad_shapes_are_refused(q, L, heads, kv_heads, dim, message):
     (8, 37, 5, 4, 4),        # multi-head, a context that ends mid-block
     (32, 70, 130, 16, 2),    # group 8, several key blocks
     (128, 20, 300, 9, 3),    # vLLM CPU's block size: a block longer than the op's 64-key steps
+    (24, 40, 100, 6, 2),     # blocks that neither divide 64 nor are a multiple of it: runs cut mid-step
+    (48, 70, 130, 16, 2),
 ])
 def test_in_place_reads_give_the_bits_of_the_gathered_copy(block_size, q, context_len, heads, kv_heads):
     """Shuffled blocks whose unused rows (the last block's tail, every block the sequence does not own) hold
-    NaN: none is read, and the output equals the op over the same positions gathered, bit for bit."""
+    NaN: none reaches the output (a V row read would; a K row past the context is masked anyway), and the
+    output equals the op over the same positions gathered, bit for bit."""
     length, dim = context_len + q, 64
     num_blocks = -(-length // block_size)
     g = torch.Generator().manual_seed(block_size + q)
@@ -111,11 +114,11 @@ def test_in_place_reads_give_the_bits_of_the_gathered_copy(block_size, q, contex
         for p in range(length):
             cache[block_ids[p // block_size], p % block_size] = rows[p]
     query = torch.randn(q, heads, dim, generator=g)
-    got = paged_prefill_attention(query, key_cache, value_cache, block_ids, context_len, dim ** -0.5)
+    got = prefill_attention_paged(query, key_cache, value_cache, block_ids, context_len, dim ** -0.5)
     assert not got.isnan().any()
     assert torch.equal(got, prefill_attention(query, key, value, dim ** -0.5))
     longer = torch.cat([block_ids, torch.tensor([-1, 10 ** 6])])  # entries past the sequence's blocks: unread
-    assert torch.equal(paged_prefill_attention(query, key_cache, value_cache, longer, context_len, dim ** -0.5), got)
+    assert torch.equal(prefill_attention_paged(query, key_cache, value_cache, longer, context_len, dim ** -0.5), got)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -123,12 +126,13 @@ def test_in_place_reads_give_the_bits_of_the_gathered_copy(block_size, q, contex
     (dict(block_ids=torch.tensor([0, -1])), "block id -1 outside"),
     (dict(block_ids=torch.tensor([0])), "need 2 blocks, block_ids has 1"),
     (dict(block_ids=torch.tensor([0, 1], dtype=torch.int32)), "block_ids must be contiguous int64"),
-    (dict(context_len=-1), "context_len must be >= 0"),
+    (dict(context_len=-1), "context_len -1 not in 0..32"),
+    (dict(context_len=2 ** 62), "not in 0..32"),
     (dict(dtype=torch.bfloat16), "the caches must be contiguous float32"),
 ])
 def test_in_place_reads_refuse_what_would_read_outside_the_cache(change, message):
     kwargs = {"block_ids": torch.tensor([0, 1]), "context_len": 10, "dtype": torch.float32, **change}
     cache = torch.zeros(4, 8, 2, 16, dtype=kwargs["dtype"])
     with pytest.raises(RuntimeError, match=message):
-        paged_prefill_attention(torch.zeros(4, 4, 16), cache, cache.clone(), kwargs["block_ids"], kwargs["context_len"],
+        prefill_attention_paged(torch.zeros(4, 4, 16), cache, cache.clone(), kwargs["block_ids"], kwargs["context_len"],
                                 0.25)

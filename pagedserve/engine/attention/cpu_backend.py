@@ -15,7 +15,7 @@ import torch
 
 from pagedserve.engine.attention.cpu_op import LANES, PagedAttentionOp
 from pagedserve.engine.attention.metadata import AttentionMetadata
-from pagedserve.engine.attention.prefill_op import (IN_PLACE_MAX_TOKENS, paged_prefill_attention, prefill_attention,
+from pagedserve.engine.attention.prefill_op import (IN_PLACE_MAX_TOKENS, prefill_attention_paged, prefill_attention,
                                                     prefill_op_applies)
 from pagedserve.engine.attention.torch_backend import TorchAttentionBackend, attend_prefills, gathered_context
 from pagedserve.engine.kv_cache import as_stored
@@ -76,8 +76,8 @@ def _attend_prefills_with_op(out: torch.Tensor, query: torch.Tensor, key: torch.
                                      as_stored(value[s:e], value_cache.dtype), scale)
     for seq in metadata.context_prefills:
         s, e = seq.query_start, seq.query_end
-        if key_cache.dtype == torch.float32 and e - s <= IN_PLACE_MAX_TOKENS:
-            out[s:e] = paged_prefill_attention(query[s:e], key_cache, value_cache, seq.block_indices, seq.context_len,
+        if key_cache.dtype == value_cache.dtype == torch.float32 and e - s <= IN_PLACE_MAX_TOKENS:
+            out[s:e] = prefill_attention_paged(query[s:e], key_cache, value_cache, seq.block_indices, seq.context_len,
                                                scale)
             continue
         length = seq.context_len + e - s

@@ -23,10 +23,10 @@ HEAD_DIM_MULTIPLE = 16
 """The op's head_dim must be a multiple of this (its panels are 16 keys wide and its output blocks 16 columns)."""
 IN_PLACE_MAX_TOKENS = 128
 """Context prefills of at most this many new tokens read a float32 cache in place
-(:func:`paged_prefill_attention`); longer ones read a gathered copy. Every work item of the op streams its
-KV head's V rows, so with many items a contiguous copy, made once, pays for itself: in place was
-1.06-1.45x at 16-32 new tokens after ~1,500 cached, 1.03-1.09x at 64, 0.99-1.07x at 128, 0.92-1.01x at
-256-512 (the op alone, the AVX2 EPYC, Zen 1; docs/benchmarks.md, "Prefill attention in C++")."""
+(:func:`prefill_attention_paged`); longer ones read a gathered copy. Every work item of the op streams its
+KV head's V rows again, so with many items a contiguous copy, made once, pays for itself: in place gained
+at 16-64 new tokens and stopped gaining from about 128 (docs/benchmarks.md, "Prefill attention in C++",
+"Cached context read in place")."""
 
 
 @functools.cache
@@ -79,7 +79,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out
 
 
-def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+def prefill_attention_paged(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             block_ids: torch.Tensor, context_len: int, scale: float) -> torch.Tensor:
     """:func:`prefill_attention` over a sequence's ``context_len + q`` positions read in place from one
     layer's cache (no gathered copy of its context): position ``p`` is row ``p % BS`` of block
@@ -88,8 +88,9 @@ def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_
     Args:
         query: float32 ``[q, H, D]`` (made contiguous if it is not).
         key_cache, value_cache: float32 ``[NB, BS, Hkv, D]``, contiguous, the new tokens' K/V written.
-        block_ids: int64 ``[>= ceil((context_len + q) / BS)]``, the sequence's blocks in order.
-        context_len: cached positions before the new tokens.
+        block_ids: int64 ``[>= ceil((context_len + q) / BS)]``, contiguous on the CPU: the sequence's blocks
+            in order (entries past those are not read).
+        context_len: cached positions before the new tokens, at most the cache's slots (``NB * BS``).
         scale: the factor of the scores.
 
     Returns:

@@ -17,10 +17,10 @@
 //   query, out  float32 [q, H, D]     the sequence's q new tokens, positions L - q .. L - 1
 //   key, value  float32 [L, Hkv, D]   its whole context, the new tokens last (each row's D floats
 //                                     contiguous; any strides over the first two dimensions)
-//   or, prefill_attention_paged: key_cache, value_cache float32 [NB, BS, Hkv, D] (one layer's cache)
-//   and block_ids int64 [>= ceil(L / BS)], the sequence's blocks in order: position p is row p % BS of
-//   block block_ids[p / BS]; the rows are read in place, the same arithmetic as from a gathered copy.
 //   token i (0-based among the new ones) reads keys 0 .. L - q + i; H a multiple of Hkv; D of 16.
+// prefill_attention_paged reads the context in place from one layer's caches [NB, BS, Hkv, D] (float32)
+// through block_ids int64 [>= ceil(L / BS)]: position p is row p % BS of block block_ids[p / BS]; the
+// same arithmetic in the same order as over a gathered copy.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -57,34 +57,7 @@ struct Shape {
   int64_t panels_per_head() const { return (L + kCols - 1) / kCols; }
 };
 
-// Where each context position's K and V rows are: key[p] + h * key_head_stride is position p's row of KV
-// head h (D floats), the same for V; from strided [L, Hkv, D] tensors or through a block table. Within
-// each run of `run` positions from a multiple of it, V rows lie value_row_stride floats apart (the
-// value loop steps through a run without loading each row's pointer: 0.92-0.99x at 256+ rows when it did).
-struct KvRows {
-  std::vector<const float*> key, value;
-  int64_t key_head_stride, value_head_stride, run, value_row_stride;
-};
-
-KvRows strided_rows(const at::Tensor& key, const at::Tensor& value) {
-  KvRows rows{{}, {}, key.stride(1), value.stride(1), key.size(0), value.stride(0)};
-  for (int64_t p = 0; p < key.size(0); ++p) {
-    rows.key.push_back(key.data_ptr<float>() + p * key.stride(0));
-    rows.value.push_back(value.data_ptr<float>() + p * value.stride(0));
-  }
-  return rows;
-}
-
-KvRows paged_rows(const at::Tensor& key_cache, const at::Tensor& value_cache, const int64_t* block_ids, int64_t L) {
-  const int64_t block_size = key_cache.size(1), slot = key_cache.size(2) * key_cache.size(3);
-  KvRows rows{{}, {}, key_cache.size(3), value_cache.size(3), block_size, slot};
-  for (int64_t p = 0; p < L; ++p) {
-    const int64_t offset = (block_ids[p / block_size] * block_size + p % block_size) * slot;
-    rows.key.push_back(key_cache.data_ptr<float>() + offset);
-    rows.value.push_back(value_cache.data_ptr<float>() + offset);
-  }
-  return rows;
-}
+#include "kv_rows.h"  // KvRows, strided_rows, paged_rows
 
 // Panel hp = h * P + p of K (P panels a head) into zeroed panels: panels[hp][d][j] = key[16p + j, h, d], 0 past L.
 void pack_panel(const KvRows& kv, const Shape& s, int64_t hp, float* panels) {
@@ -116,21 +89,18 @@ inline void score_block(const float* q, int64_t D, const float* panel, float* sc
   }
 }
 
-// o[r][0..15] += sum over k < nk of p[r][k] * v_k[0..15], for kRows rows (o D floats apart, p kKeyBlock
-// apart): v_k = kv.value[k0 + k] + offset, read run by run (rows value_row_stride apart within one).
-inline void value_block(const float* p, const KvRows& kv, int64_t k0, int64_t offset, int64_t nk, float* o, int64_t D) {
+// o[r][0..15] += sum over k < nk of p[r][k] * v[k][0..15], for kRows rows (o D floats apart, p
+// kKeyBlock apart) and value rows v[k] + offset.
+inline void value_block(const float* p, const float* const* v, int64_t offset, int64_t nk, float* o, int64_t D) {
   __m256 acc[kRows][2];
   for (int64_t r = 0; r < kRows; ++r)
     acc[r][0] = _mm256_loadu_ps(o + r * D), acc[r][1] = _mm256_loadu_ps(o + r * D + 8);
-  for (int64_t k = 0; k < nk;) {
-    const int64_t end = std::min(nk, k + kv.run - (k0 + k) % kv.run);
-    for (const float* v = kv.value[k0 + k] + offset; k < end; ++k, v += kv.value_row_stride) {
-      const __m256 b0 = _mm256_loadu_ps(v), b1 = _mm256_loadu_ps(v + 8);
-      for (int64_t r = 0; r < kRows; ++r) {
-        const __m256 a = _mm256_broadcast_ss(p + r * kKeyBlock + k);
-        acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-      }
+  for (int64_t k = 0; k < nk; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(v[k] + offset), b1 = _mm256_loadu_ps(v[k] + offset + 8);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m256 a = _mm256_broadcast_ss(p + r * kKeyBlock + k);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
     }
   }
   for (int64_t r = 0; r < kRows; ++r)
@@ -208,7 +178,8 @@ void run_item(const Item& item, const Shape& s, const at::Tensor& query, const K
     for (int64_t r = 0; r < padded; ++r) softmax_row(rows, r, k0, nk, D);
     for (int64_t r = 0; r < padded; r += kRows)
       for (int64_t c = 0; c < D; c += kCols)
-        value_block(rows.s.data() + r * kKeyBlock, kv, k0, v_offset + c, nk, rows.o.data() + r * D + c, D);
+        value_block(rows.s.data() + r * kKeyBlock, kv.value.data() + k0, v_offset + c, nk, rows.o.data() + r * D + c,
+                    D);
   }
   float* dst = out.data_ptr<float>();
   for (int64_t r = 0; r < R; ++r) {
@@ -264,7 +235,8 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
   for (const at::Tensor* t : {&key, &value})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(2) == 1,
                 "key and value must be float32 on the CPU, each row contiguous");
-  attend(out, query, strided_rows(key, value), checked_shape(out, query, key.size(0), key.size(1), key.size(2), scale));
+  const Shape s = checked_shape(out, query, key.size(0), key.size(1), key.size(2), scale);
+  attend(out, query, strided_rows(key, value), s);
 }
 
 // The same over the first context_len + q positions of a sequence's blocks block_ids in one layer's cache.
@@ -278,8 +250,11 @@ void prefill_attention_paged(at::Tensor& out, const at::Tensor& query, const at:
                 "the caches must be contiguous float32 on the CPU");
   TORCH_CHECK(block_ids.dim() == 1 && block_ids.scalar_type() == at::kLong && block_ids.is_contiguous() &&
                   block_ids.device().is_cpu(), "block_ids must be contiguous int64 [blocks] on the CPU");
-  TORCH_CHECK(context_len >= 0, "context_len must be >= 0, got ", context_len);
-  const int64_t L = context_len + query.size(0), block_size = key_cache.size(1);
+  TORCH_CHECK(query.dim() == 3, "query must be [q, H, D]");
+  const int64_t block_size = key_cache.size(1);
+  TORCH_CHECK(context_len >= 0 && context_len <= key_cache.size(0) * block_size, "context_len ", context_len,
+              " not in 0..", key_cache.size(0) * block_size, " (the cache's slots)");
+  const int64_t L = context_len + query.size(0);
   TORCH_CHECK(block_size > 0 && block_ids.size(0) * block_size >= L, "positions 0..", L - 1, " need ",
               (L + block_size - 1) / std::max<int64_t>(block_size, 1), " blocks, block_ids has ", block_ids.size(0));
   const int64_t* ids = block_ids.data_ptr<int64_t>();
