@@ -71,12 +71,7 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         RuntimeError: the op is not available here (:func:`prefill_op_available`); from the op, for
             shapes or dtypes other than these.
     """
-    if not prefill_op_available():
-        raise RuntimeError("the prefill attention op needs an x86 CPU with AVX2 and FMA and a C++ compiler")
-    query = query.contiguous()
-    out = torch.empty_like(query)
-    torch.ops.pagedserve_prefill.prefill_attention(out, query, key, value, scale)
-    return out
+    return _run("prefill_attention", query, key, value, scale)
 
 
 def prefill_attention_paged(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -100,10 +95,14 @@ def prefill_attention_paged(query: torch.Tensor, key_cache: torch.Tensor, value_
         RuntimeError: the op is not available here; from the op, for other shapes or dtypes, or a block id
             outside the cache.
     """
+    return _run("prefill_attention_paged", query, key_cache, value_cache, block_ids, context_len, scale)
+
+
+def _run(name: str, query: torch.Tensor, *args) -> torch.Tensor:
+    """The op ``name``'s output for ``query`` (made contiguous) and its other arguments ``args``."""
     if not prefill_op_available():
         raise RuntimeError("the prefill attention op needs an x86 CPU with AVX2 and FMA and a C++ compiler")
     query = query.contiguous()
     out = torch.empty_like(query)
-    torch.ops.pagedserve_prefill.prefill_attention_paged(out, query, key_cache, value_cache, block_ids, context_len,
-                                                         scale)
+    getattr(torch.ops.pagedserve_prefill, name)(out, query, *args)
     return out

@@ -254,11 +254,11 @@ void prefill_attention_paged(at::Tensor& out, const at::Tensor& query, const at:
   const int64_t block_size = key_cache.size(1);
   TORCH_CHECK(context_len >= 0 && context_len <= key_cache.size(0) * block_size, "context_len ", context_len,
               " not in 0..", key_cache.size(0) * block_size, " (the cache's slots)");
-  const int64_t L = context_len + query.size(0);
-  TORCH_CHECK(block_size > 0 && block_ids.size(0) * block_size >= L, "positions 0..", L - 1, " need ",
-              (L + block_size - 1) / std::max<int64_t>(block_size, 1), " blocks, block_ids has ", block_ids.size(0));
+  const int64_t L = context_len + query.size(0), blocks = (L + block_size - 1) / std::max<int64_t>(block_size, 1);
+  TORCH_CHECK(block_size > 0 && block_ids.size(0) >= blocks, "positions 0..", L - 1, " need ", blocks,
+              " blocks, block_ids has ", block_ids.size(0));
   const int64_t* ids = block_ids.data_ptr<int64_t>();
-  for (int64_t b = 0; b < (L + block_size - 1) / block_size; ++b)
+  for (int64_t b = 0; b < blocks; ++b)
     TORCH_CHECK(ids[b] >= 0 && ids[b] < key_cache.size(0), "block id ", ids[b], " outside the cache of ",
                 key_cache.size(0), " blocks");
   const Shape s = checked_shape(out, query, L, key_cache.size(2), key_cache.size(3), scale);
