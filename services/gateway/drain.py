@@ -14,7 +14,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from services.gateway.generation_core import GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
+from services.gateway.generation_core import GenerationCore, SampleDelta, Submission
+from services.gateway.generation_errors import GenerationError, StatusKind
 
 log = logging.getLogger("pagedserve.gateway")
 

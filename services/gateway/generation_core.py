@@ -9,28 +9,26 @@ status or an HTTP status.
 from __future__ import annotations
 
 import asyncio
-import enum
+import contextlib
 import logging
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 import redis
 
 from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.outputs import OutputKind, RequestOutput
-from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.text.output_processor import TextDelta
 from pagedserve.text.request_samples import ParsedRequest, RequestSamples
 from pagedserve.text.tokenizer import PromptTokenizer
+from services.gateway.generation_errors import STATUS_OF_ERROR, GenerationError, StatusKind
 from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter, ResumeQuery
-
-_T = TypeVar("_T")
 
 log = logging.getLogger("pagedserve.gateway")
 
@@ -48,73 +46,6 @@ class _QueuedEntry:
 
     entry_id: bytes
     requeues: int = 0
-
-
-class StatusKind(enum.Enum):
-    """Why a request failed; the values are the canonical status codes gRPC uses."""
-
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    ALREADY_EXISTS = 6
-    PERMISSION_DENIED = 7
-    RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
-    ABORTED = 10
-    OUT_OF_RANGE = 11
-    UNIMPLEMENTED = 12
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    DATA_LOSS = 15
-    UNAUTHENTICATED = 16
-
-
-STATUS_OF_ERROR = {
-    ErrorKind.INVALID_ARGUMENT: StatusKind.INVALID_ARGUMENT,
-    # larger than any worker's KV cache: waiting cannot fix it, so not RESOURCE_EXHAUSTED (HTTP 429, which
-    # clients retry) but FAILED_PRECONDITION (HTTP 400): it fits only once the operator gives workers more KV
-    ErrorKind.RESOURCE_EXHAUSTED: StatusKind.FAILED_PRECONDITION,
-    ErrorKind.UNAVAILABLE: StatusKind.UNAVAILABLE,
-}
-"""The gateway's status for each kind of engine error (HTTP maps ``StatusKind`` on in ``openai_errors``)."""
-
-
-class GenerationError(Exception):
-    """A request the gateway cannot serve (or stopped serving).
-
-    Args:
-        kind: what went wrong, mapped to a transport status by each front end.
-        message: for the client; for ``INVALID_ARGUMENT`` it starts with the field name.
-        param: the offending request field, when one is to blame ("" otherwise).
-    """
-
-    def __init__(self, kind: StatusKind, message: str, param: str = "") -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.param = param
-
-
-async def naming_failures(events: AsyncIterator[_T], field: str) -> AsyncIterator[_T]:
-    """``events``, where a request the engine ended with ``INVALID_ARGUMENT`` naming no field (its
-    structured output's grammar did not build on the workers, or failed at a parser limit while
-    decoding: ``limits.grammar_failure``) is named as ``field``, the client's field that asked for
-    the structure ("": left as it is).
-
-    Raises:
-        GenerationError: those of ``events``; that one with ``param`` ``field``, its message prefixed.
-    """
-    try:
-        async for event in events:
-            yield event
-    except GenerationError as exc:
-        if not field or exc.kind is not StatusKind.INVALID_ARGUMENT or exc.param:
-            raise
-        raise GenerationError(exc.kind, f"{field}: {exc.message}", field) from exc
-    finally:
-        await events.aclose()
 
 
 @dataclass(frozen=True)
@@ -256,14 +187,24 @@ class GenerationCore:
                 request_metrics.aborted(parsed.params.num_samples)
 
     async def _enqueue(self, submission: Submission) -> bytes:
+        """Queues the request and returns its stream entry's id. Cancelled while Redis has it (the
+        client went away before the reply was read), the entry is deleted once queued."""
         parsed = submission.parsed
         request = EngineRequest(submission.key, parsed.prompt_token_ids, parsed.engine_params, time.time(),
                                 dict(submission.trace_context), parsed.priority, parsed.cache_salt)
+        queued = asyncio.ensure_future(self._producer.enqueue(request))
         try:
-            return await self._producer.enqueue(request)
+            return await asyncio.shield(queued)
+        except asyncio.CancelledError:
+            self._in_background(self._forget_when_queued(queued))
+            raise
         except redis.RedisError as exc:
             raise GenerationError(StatusKind.UNAVAILABLE,
                                   f"cannot queue the request (Redis: {exc}); retry later") from exc
+
+    async def _forget_when_queued(self, queued: asyncio.Future[bytes]) -> None:
+        with contextlib.suppress(redis.RedisError):  # never queued: nothing to delete
+            await self._producer.forget(await queued)
 
     @staticmethod
     def _process(state: RequestSamples, output: RequestOutput) -> TextDelta:

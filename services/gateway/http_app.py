@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.engine.sampling_params import InvalidRequestError
 from services.common.grpc_server import CLIENT_API_MAX_MESSAGE_BYTES
-from services.gateway.generation_core import GenerationError, StatusKind
+from services.gateway.generation_errors import GenerationError, StatusKind
 from services.gateway.openai_chat import chat_prompt_mode, create_chat_completion, encode_messages
 from services.gateway.openai_completions import create_completion
 from services.gateway.openai_errors import add_error_handlers, error_response

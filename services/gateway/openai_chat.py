@@ -18,7 +18,8 @@ from pagedserve.text.request_samples import ParsedRequest, parse_request
 from pagedserve.text.tokenizer import CHAT_FIELD, ChatTurn, PromptTokenizer
 from pagedserve.text.tool_calls import FunctionTool
 from pagedserve.text.tool_parsers import ToolCallParserKind
-from services.gateway.generation_core import GenerationError, SampleDelta, naming_failures
+from services.gateway.generation_core import SampleDelta
+from services.gateway.generation_errors import GenerationError, naming_failures
 from services.gateway.openai_errors import error_event
 from services.gateway.openai_logprobs import ChatLogprobs, TokenNames, chat_logprobs
 from services.gateway.openai_samples import collect_samples

@@ -22,7 +22,8 @@ from pagedserve.llm_outputs import SampleOutput
 from pagedserve.text.request_samples import ParsedRequest, parse_request
 from pagedserve.text.token_text import MisalignedText
 from pagedserve.text.tokenizer import TOKEN_IDS_FIELD, PromptTokenizer
-from services.gateway.generation_core import GenerationError, SampleDelta, naming_failures
+from services.gateway.generation_core import SampleDelta
+from services.gateway.generation_errors import GenerationError, naming_failures
 from services.gateway.openai_params import sampling_params_from_openai
 from services.gateway.openai_protocol import CompletionRequest, StreamOptions
 from services.gateway.openai_responses import (

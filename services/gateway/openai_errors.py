@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 from pagedserve.engine.sampling_params import InvalidRequestError
-from services.gateway.generation_core import STATUS_OF_ERROR, GenerationError, StatusKind
+from services.gateway.generation_errors import STATUS_OF_ERROR, GenerationError, StatusKind
 from services.gateway.openai_responses import ErrorInfo, ErrorResponse
 from services.gateway.openai_serving import ClientDisconnected
 

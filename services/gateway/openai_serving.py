@@ -18,7 +18,8 @@ from pagedserve.text.request_samples import ParsedRequest
 from pagedserve.text.tokenizer import PromptTokenizer
 from pagedserve.text.tool_parsers import ToolCallParserKind
 from services.common import telemetry
-from services.gateway.generation_core import STATUS_OF_ERROR, GenerationCore, GenerationError, SampleDelta, StatusKind, Submission
+from services.gateway.generation_core import GenerationCore, SampleDelta, Submission
+from services.gateway.generation_errors import STATUS_OF_ERROR, GenerationError, StatusKind
 from services.gateway.openai_protocol import StreamOptions
 from services.gateway.openai_responses import UsageInfo
 

@@ -17,9 +17,8 @@ from services.common.pb import generate_pb2_grpc
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.tool_parsers import ToolCallParserKind
 from pagedserve.text.tool_use import ToolUse
-from services.gateway.generation_core import (
-    STATUS_OF_ERROR, GenerationCore, GenerationError, SampleDelta, StatusKind, Submission, naming_failures,
-)
+from services.gateway.generation_core import GenerationCore, SampleDelta, Submission
+from services.gateway.generation_errors import STATUS_OF_ERROR, GenerationError, StatusKind, naming_failures
 from services.gateway.grpc_tools import SampleCalls
 from services.gateway.request_parser import parse_generate_request
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 
 import pytest
 import redis
@@ -16,7 +17,8 @@ from pagedserve.text.request_samples import ParsedRequest
 from services.common import redis_keys
 from services.common.redis_pool import async_redis_client
 from services.common.pb import engine_pb2 as pb
-from services.gateway.generation_core import GenerationCore, GenerationError, StatusKind, Submission
+from services.gateway.generation_core import GenerationCore, Submission
+from services.gateway.generation_errors import GenerationError, StatusKind
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter
@@ -154,6 +156,23 @@ def test_a_client_that_leaves_before_any_scheduler_answered_aborts_on_every_sche
             gw._tasks[-1].cancel()  # the client goes away
             await until(lambda: gw.s1.aborted(key) and gw.s2.aborted(key), "an abort to each scheduler")
             await until(lambda: client.xlen(redis_keys.REQUEST_STREAM) == 0, "the stream entry deleted")
+
+    run_scenario(scenario)
+
+
+def test_a_client_that_leaves_before_the_gateway_read_its_entry_id_leaves_no_stream_entry(client, redis_url):
+    async def scenario():
+        async with Gateway(client, redis_url) as gw:
+            client.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+            params = SamplingParams(max_tokens=4)
+            task = asyncio.create_task(gw._collect(Submission(ParsedRequest((1,), params,
+                                                                            params.to_engine(1, 100, 26, ())))))
+            await asyncio.sleep(0.1)  # the XADD is sent and waits in Redis
+            time.sleep(0.5)  # the event loop blocked: Redis queues the entry, the gateway has not read the reply
+            assert client.xlen(redis_keys.REQUEST_STREAM) == 1
+            task.cancel()  # the client goes away before the gateway knows the entry's id
+            await asyncio.gather(task, return_exceptions=True)
+            await until(lambda: client.xlen(redis_keys.REQUEST_STREAM) == 0, "the entry deleted", timeout_s=5.0)
 
     run_scenario(scenario)
 
