@@ -14,7 +14,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -121,7 +121,6 @@ class GenerationCore:
         self._max_concurrent = max_concurrent_requests
         self._unreachable_logged: dict[str | None, float] = {}  # scheduler -> when a failure for it was logged
         self._grace_s = scheduler_grace_s
-        self._background: set[asyncio.Task] = set()
 
     @property
     def num_in_flight(self) -> int:
@@ -171,7 +170,7 @@ class GenerationCore:
                 delta = self._process(state, output)
                 request_metrics.delta(output.sample_index, delta, state.num_prompt_tokens)
                 if delta.stop_string_matched:
-                    self._in_background(self._router.abort_sample(key, output.sample_index))
+                    self._router.background.start(self._router.abort_sample(key, output.sample_index))
                 if delta.text or delta.token_ids or delta.finish_reason:
                     usage = Usage(state.num_prompt_tokens, state.num_output_tokens) if state.finished else None
                     yield SampleDelta(output.sample_index, delta, usage)
@@ -183,7 +182,7 @@ class GenerationCore:
             else:
                 self._router.abandon(key)
                 if entry is not None:
-                    self._in_background(self._producer.forget(entry.entry_id))
+                    self._router.background.start(self._producer.forget(entry.entry_id))
                 request_metrics.aborted(parsed.params.num_samples)
 
     async def _enqueue(self, submission: Submission) -> bytes:
@@ -196,7 +195,7 @@ class GenerationCore:
         try:
             return await asyncio.shield(queued)
         except asyncio.CancelledError:
-            self._in_background(self._forget_when_queued(queued))
+            self._router.background.start(self._forget_when_queued(queued))
             raise
         except redis.RedisError as exc:
             raise GenerationError(StatusKind.UNAVAILABLE,
@@ -263,9 +262,3 @@ class GenerationCore:
                     "queuing it again", submission.key)
         entry.entry_id = await self._enqueue(submission)
         entry.requeues += 1
-
-    def _in_background(self, coroutine: Coroutine) -> None:
-        """Runs ``coroutine`` without waiting for it (safe while the call is being cancelled)."""
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)

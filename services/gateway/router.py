@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -17,6 +17,7 @@ from pagedserve.text.request_samples import ReceivedSample
 from services.common.convert import output_from_pb
 from services.common.pb import engine_pb2 as pb
 from services.common.signed_records import RecordKind
+from services.gateway.background import BackgroundCalls
 from services.gateway.scheduler_discovery import POLL_INTERVAL_S, SchedulerDiscovery
 from services.gateway.scheduler_link import SchedulerLink
 
@@ -74,7 +75,8 @@ class OutputRouter:
         self._on_migrated = on_migrated
         self._requests: dict[str, _Request] = {}
         self._aborted: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._background: set[asyncio.Task] = set()
+        self.background = BackgroundCalls()
+        """Aborts and Resumes sent without waiting (and the generation core's calls of that kind)."""
 
     async def run(self) -> None:
         """Follows the scheduler directory and streams from every live scheduler until cancelled."""
@@ -107,7 +109,7 @@ class OutputRouter:
         request, asked = forgotten
         if request.owner not in asked:
             self._remember_aborted(request.owner, key)
-            self._in_background(self._abort_owned(request.owner, pb.AbortRequest(request_id=key)))
+            self.background.start(self._abort_owned(request.owner, pb.AbortRequest(request_id=key)))
 
     def _forget(self, key: str) -> tuple[_Request, set[str]] | None:
         """Drops the request and aborts it on each scheduler whose resume query it leaves unanswered
@@ -121,7 +123,7 @@ class OutputRouter:
             if isinstance(item, ResumeQuery):
                 asked.add(item.scheduler_id)
         for scheduler_id in asked:
-            self._in_background(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
+            self.background.start(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
         return request, asked
 
     @property
@@ -155,13 +157,13 @@ class OutputRouter:
         request waiting (the scheduler asks again when this gateway's stream is back)."""
         request = self._requests.get(key)
         if request is None:  # unregistered meanwhile: nobody waits for it
-            self._in_background(self._abort_on(self._link(query.scheduler_id), pb.AbortRequest(request_id=key)))
+            self.background.start(self._abort_on(self._link(query.scheduler_id), pb.AbortRequest(request_id=key)))
             return
         message = pb.ResumeRequest(request_id=key, gateway_id=self._gateway_id,
                                    num_migrations=request.num_migrations + 1)
         message.samples.extend(pb.ResumedSample(sample_index=s.sample_index, token_ids=s.token_ids,
                                                 finished=s.finished) for s in received)
-        self._in_background(self._send_resume(query.scheduler_id, request, message))
+        self.background.start(self._send_resume(query.scheduler_id, request, message))
 
     def _dispatch(self, scheduler_id: str, batch: pb.TokenEventBatch) -> None:
         for event in batch.events:
@@ -171,7 +173,7 @@ class OutputRouter:
             request = self._requests.get(key)
             if request is None:
                 log.info("scheduler %s took over %s, which no call here waits for: aborting it", scheduler_id, key)
-                self._in_background(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
+                self.background.start(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
                 continue
             if query.taken_at_us < request.taken_at_us:  # sent before another scheduler took the request over
                 log.info("ignoring scheduler %s's stale resume query for %s", scheduler_id, key)
@@ -193,7 +195,7 @@ class OutputRouter:
             why = "no call waits for its tokens" if request is None else f"scheduler {request.owner} owns it"
             log.info("aborting %s on scheduler %s: %s", key, scheduler_id, why)
             self._remember_aborted(scheduler_id, key)
-            self._in_background(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
+            self.background.start(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
 
     def _link(self, scheduler_id: str | None) -> SchedulerLink | None:
         return None if scheduler_id is None else self.discovery.links.get(scheduler_id)
@@ -211,15 +213,20 @@ class OutputRouter:
         targets = [link] if link is not None else list(self.discovery.links.values())
         await asyncio.gather(*(self._abort_on(t, message) for t in targets))
 
-    @staticmethod
-    async def _abort_on(link: SchedulerLink | None, message: pb.AbortRequest) -> None:
+    async def _abort_on(self, link: SchedulerLink | None, message: pb.AbortRequest) -> None:
+        """Sends ``message``; when it fails, or the scheduler did not hold the request (it may still
+        read it from Redis), the pair is no longer remembered as aborted, so that the next token the
+        scheduler streams for it is answered with another Abort instead of being dropped."""
         if link is None:
             return
         key = message.request_id
         try:
-            await link.stub.Abort(message, timeout=CALL_TIMEOUT_S)
+            found = (await link.stub.Abort(message, timeout=CALL_TIMEOUT_S)).found
         except grpc.RpcError as exc:
             log.warning("abort of %s on scheduler %s failed: %s", key, link.scheduler_id, exc.code())
+            found = False
+        if not found and not message.HasField("sample_index"):
+            self._aborted.pop((link.scheduler_id, key), None)
 
     async def _send_resume(self, scheduler_id: str, request: _Request, message: pb.ResumeRequest) -> None:
         link = self._link(scheduler_id)
@@ -239,8 +246,3 @@ class OutputRouter:
         self._on_migrated()
         log.info("request %s resumed on scheduler %s (migration %d)", message.request_id, scheduler_id,
                  message.num_migrations)
-
-    def _in_background(self, coroutine: Coroutine) -> None:
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)

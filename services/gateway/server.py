@@ -108,11 +108,13 @@ def _http_server(config: GatewayConfig, serving: OpenAIServing, http_health: Hea
     return new_http_server(app, config.http_header_timeout_s, SHUTDOWN_CLOSE_S / 2, tls)
 
 
-async def _close(server: grpc.aio.Server, http_task: asyncio.Task, tasks: list[asyncio.Task],
+async def _close(server: grpc.aio.Server, http_task: asyncio.Task, router: OutputRouter, tasks: list[asyncio.Task],
                  redis_client) -> None:
-    """Stops the gRPC and HTTP servers, then the router's tasks (which close the scheduler links),
-    then the Redis pool."""
+    """Stops the gRPC and HTTP servers, lets the calls the ended requests started (Aborts, stream entries'
+    deletions) end, then stops the router's tasks (which close the scheduler links), then the Redis pool."""
     await asyncio.gather(server.stop(grace=SHUTDOWN_CLOSE_S / 2), http_task, return_exceptions=True)
+    if left := await router.background.settle(SHUTDOWN_CLOSE_S / 4):
+        log.warning("%d Abort or clean-up calls still running at shutdown are cancelled", left)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
@@ -213,7 +215,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     http_server.should_exit = True
     try:  # the bound this function promises, whatever a link or a Redis connection waits for
         async with asyncio.timeout(SHUTDOWN_CLOSE_S):
-            await _close(server, http_task, tasks, redis_client)
+            await _close(server, http_task, router, tasks, redis_client)
     except TimeoutError:
         log.warning("gateway %s: closing its connections took over %g s; exiting anyway", config.gateway_id,
                     SHUTDOWN_CLOSE_S)

@@ -30,7 +30,7 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
     """A Scheduler service double behind a real asyncio gRPC server (cluster token required).
 
     Every StreamOutputs call streams the batches put in ``outbox``; Abort and Resume calls are
-    recorded (and answered ``found=True``).
+    recorded (and answered ``found=True``), but the next ``aborts_to_fail`` Aborts fail with UNAVAILABLE.
     """
 
     def __init__(self, scheduler_id: str) -> None:
@@ -43,6 +43,7 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
         self.server: grpc.aio.Server | None = None
         self.stopped = False
         self.refusing = False
+        self.aborts_to_fail = 0
         self.address = ""
 
     async def start(self) -> FakeScheduler:
@@ -102,6 +103,9 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
 
     async def Abort(self, request, context):
         self.aborts.append(request)
+        if self.aborts_to_fail:
+            self.aborts_to_fail -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "a link blip")
         return pb.AbortResponse(found=True)
 
     async def Resume(self, request, context):

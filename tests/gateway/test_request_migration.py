@@ -177,6 +177,23 @@ def test_a_client_that_leaves_before_the_gateway_read_its_entry_id_leaves_no_str
     run_scenario(scenario)
 
 
+def test_an_abort_that_failed_is_sent_again_when_the_scheduler_streams_on_for_the_request(client, redis_url):
+    async def scenario():
+        async with Gateway(client, redis_url) as gw:
+            key = await gw.submit(SamplingParams(max_tokens=50))
+            gw.s1.send(event(key, 0, [0]))
+            await until(lambda: gw.token_ids() == [0], "the first token")
+            gw.s1.aborts_to_fail = 1
+            gw._tasks[-1].cancel()  # the client goes away; the owner's Abort fails
+            await until(lambda: len(gw.s1.aborted(key)) == 1 and not gw.router.background.num_running, "the failed abort")
+            gw.s1.send(event(key, 1, [1]), event(key, 2, [2]))  # s1 still runs the request
+            await until(lambda: len(gw.s1.aborted(key)) == 2, "the abort sent again")
+            await asyncio.sleep(0.3)
+            assert len(gw.s1.aborted(key)) == 2 and gw.s2.aborted(key) == []  # once per failure, to the owner only
+
+    run_scenario(scenario)
+
+
 def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_scheduler_is_up(client, redis_url, caplog):
     async def scenario():
         async with Gateway(client, redis_url, grace_s=1.0) as gw:
