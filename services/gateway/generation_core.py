@@ -148,11 +148,13 @@ class GenerationCore:
         a scheduler takes the request over (a resume query), it is told what the client received.
 
         Raises:
-            GenerationError: ``UNAVAILABLE`` (Redis or the scheduler unreachable, the request lost),
+            GenerationError: ``RESOURCE_EXHAUSTED`` (the gateway full: ``check_capacity``), ``UNAVAILABLE``
+                (Redis or the scheduler unreachable, the request lost),
                 ``ABORTED`` (the token stream broke), or the kind the engine failed the request with.
         """
         key, parsed = submission.key, submission.parsed
-        outputs = self._router.register(key)
+        self.check_capacity()  # again, with no await before the registration: the front ends check before
+        outputs = self._router.register(key)  # parsing, and a burst could all pass that check at once
         state = RequestSamples(self.tokenizer, parsed.prompt_token_ids, parsed.params)
         request_metrics = RequestMetrics(self.metrics, submission.arrived_s)
         entry: _QueuedEntry | None = None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -273,4 +274,19 @@ def test_api_key_is_required_and_a_full_gateway_answers_429(stack, keyed_gateway
             return False
 
     wait_until(accepts, "the keyed gateway accepts again", 30)
+    assert_all_blocks_free(stack)
+
+
+def test_a_burst_at_a_full_gateway_gets_one_answer_and_429_for_the_rest(stack, keyed_gateway):
+    # every request of the burst arrives while none is in flight: each would pass a check made before
+    # parsing; the limit (1) holds because the gateway checks again where it registers the request
+    body = {"model": "smol", "prompt": PROMPTS[1], "max_tokens": 48, "ignore_eos": True}
+
+    async def burst() -> list[int]:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=keyed_gateway, timeout=120, headers=headers) as http:
+            responses = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(6)))
+        return sorted(r.status_code for r in responses)
+
+    assert asyncio.run(burst()) == [200, 429, 429, 429, 429, 429]
     assert_all_blocks_free(stack)

@@ -194,6 +194,28 @@ def test_an_abort_that_failed_is_sent_again_when_the_scheduler_streams_on_for_th
     run_scenario(scenario)
 
 
+def test_a_burst_of_requests_is_held_to_the_gateway_limit(client, redis_url):
+    # the front ends check the limit before parsing (off the event loop): a burst all passes that check
+    async def scenario():
+        async with Gateway(client, redis_url) as gw:  # its core holds 8 requests at most
+            params = SamplingParams(max_tokens=4)
+            streams = [gw.core.generate(Submission(ParsedRequest((1,), params, params.to_engine(1, 100, 26, ()))))
+                       for _ in range(11)]
+            firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+            await until(lambda: client.xlen(redis_keys.REQUEST_STREAM) == 8, "8 requests queued")
+            await asyncio.sleep(0.2)
+            refused = [f.exception() for f in firsts if f.done()]
+            assert [e.kind for e in refused] == [StatusKind.RESOURCE_EXHAUSTED] * 3, refused
+            assert gw.core.num_in_flight == 8 and client.xlen(redis_keys.REQUEST_STREAM) == 8
+            for first in firsts:
+                first.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
+
+    run_scenario(scenario)
+
+
 def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_scheduler_is_up(client, redis_url, caplog):
     async def scenario():
         async with Gateway(client, redis_url, grace_s=1.0) as gw:
