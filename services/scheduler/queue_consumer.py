@@ -110,6 +110,13 @@ class RequestQueueConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def reread_backlog(self) -> None:
+        """Makes the next reads page through this consumer's pending entries again (as at start). An
+        entry Redis moved to this consumer without the scheduler taking it (a read or claim whose reply
+        was lost, and which redis-py retried; an error between a read and the hand-over to the loop)
+        comes back ``Delivery.REDELIVERED`` and is resumed; the loop ignores the entries it holds."""
+        self._backlog_cursor = b"0"
+
     def read(self, count: int, block_ms: int) -> list[QueueEntry]:
         """Returns up to ``count`` entries: first this consumer's unfinished backlog, then new ones.
 

@@ -30,6 +30,11 @@ NEW_READ_BATCH = 16
 """Most new entries read at once: small reads give every scheduler's reader a share of a burst, and
 the load each forwards by stays current."""
 
+BACKLOG_REREAD_S = 30.0
+"""How often the reader pages through this scheduler's pending entries again, seconds
+(``RequestQueueConsumer.reread_backlog``; also after every Redis error): the bound on how long an entry
+Redis gave this scheduler without the loop getting it (a lost reply) waits before it is resumed."""
+
 
 class RequestReader:
     """Feeds requests to the loop until stopped.
@@ -60,11 +65,14 @@ class RequestReader:
         self._kept_unseen = 0  # entries kept since the loop's stats last changed
 
     def run(self, stop: threading.Event) -> None:
-        measured_at = 0.0
+        measured_at, reread_at = 0.0, time.monotonic()
         while not stop.is_set():
             if not self._watch.lease_held.is_set():
                 stop.wait(0.1)
                 continue
+            if time.monotonic() - reread_at >= BACKLOG_REREAD_S:
+                self._consumer.reread_backlog()
+                reread_at = time.monotonic()
             try:
                 if self._loop.model_name and time.monotonic() - measured_at >= STREAM_LENGTH_INTERVAL_S:
                     self._loop.metrics.stream_length.labels(self._loop.model_name).set(self._consumer.length())
@@ -81,8 +89,9 @@ class RequestReader:
                 log.warning("the request stream's consumer group is gone (Redis restarted empty?); creating it again")
                 self._retry_until_stopped(self._consumer.ensure_group, stop)
                 continue
-            except redis.RedisError as exc:
+            except redis.RedisError as exc:  # entries read before the error are in our pending list
                 log.warning("reading the request stream failed: %s", exc)
+                self._consumer.reread_backlog()
                 stop.wait(1.0)
                 continue
             if entries:
