@@ -24,11 +24,14 @@ class GatewayStreams:
     pending events; the older call sees it is no longer current and ends, and its end does not
     count as the gateway going away. Resume queries are not carried over (a stale one would take a
     request from the scheduler that resumed it meanwhile): the loop sends those still waiting again.
+    A gateway gone past its grace is retired (``retire``): its queue, which holds the final outputs
+    of the requests dropped for it, is kept a while for a gateway that comes back just then.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
+        self._retiring: dict[str, float] = {}  # gateway id -> when its queue goes, unless it subscribes again
         self._generations = 0
 
     def subscribe(self, gateway_id: str) -> tuple[int, queue.SimpleQueue[pb.TokenEventBatch]]:
@@ -44,6 +47,7 @@ class GatewayStreams:
                 if batch.events:
                     new.events.put(batch)
             self._streams[gateway_id] = new
+            self._retiring.pop(gateway_id, None)
             return new.generation, new.events
 
     def is_current(self, gateway_id: str, generation: int) -> bool:
@@ -53,12 +57,28 @@ class GatewayStreams:
             return stream is not None and stream.generation == generation
 
     def publish(self, gateway_id: str, batch: pb.TokenEventBatch) -> None:
-        with self._lock:
+        with self._lock:  # held while putting: a subscription moving the queue's events must not miss it
             stream = self._streams.get(gateway_id)
             if stream is None:  # no subscription yet: the events wait for one
                 stream = self._streams[gateway_id] = _Stream(0)
-        stream.events.put(batch)
+            stream.events.put(batch)
 
-    def close(self, gateway_id: str) -> None:
+    def retire(self, gateway_id: str, until_s: float) -> None:
+        """Drops the gateway's queue at ``until_s`` (``time.monotonic()`` seconds) unless it subscribes
+        again before: the final outputs of the requests dropped at the end of its grace period still
+        reach a gateway that reconnects then (its own grace runs on its own clock)."""
         with self._lock:
-            self._streams.pop(gateway_id, None)
+            if gateway_id in self._streams:
+                self._retiring[gateway_id] = until_s
+
+    def keep(self, gateway_id: str) -> None:
+        """Cancels the gateway's retirement: it listens again (its subscription may predate ``retire``)."""
+        with self._lock:
+            self._retiring.pop(gateway_id, None)
+
+    def drop_retired(self, now_s: float) -> None:
+        """Drops the queues of gateways retired until ``now_s`` or before."""
+        with self._lock:
+            for gateway_id in [g for g, until_s in self._retiring.items() if until_s <= now_s]:
+                del self._retiring[gateway_id]
+                self._streams.pop(gateway_id, None)

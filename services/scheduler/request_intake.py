@@ -4,6 +4,7 @@ aborts and resume answers, gateways that come and go. Its requests live in one `
 from __future__ import annotations
 
 import logging
+import time
 
 from pagedserve.engine.messages import EngineRequest, RequestError, SequenceId
 from pagedserve.engine.outputs import RequestOutput
@@ -57,6 +58,7 @@ class RequestIntake:
     def gateway_back(self, gateway_id: str) -> None:
         """Starts the requests parked for a gateway that listens again; sends its resume queries again."""
         self.gateways.back(gateway_id)
+        self.streams.keep(gateway_id)  # it may have subscribed just before its grace ran out
         for request_id in self.table.of_gateway(gateway_id, Phase.PARKED):
             row = self.table.remove(request_id)
             self._start(row.entry, row.request)
@@ -75,7 +77,8 @@ class RequestIntake:
             for request_id in self.table.of_gateway(gateway_id, Phase.RUNNING):
                 log.info("aborting %s: its gateway %s is gone", request_id, gateway_id)
                 self.abort(request_id)
-            self.streams.close(gateway_id)  # after the aborts, whose outputs would make its queue again
+            self.streams.retire(gateway_id, time.monotonic() + self.config.gateway_grace_s)  # with the aborts' finals
+        self.streams.drop_retired(time.monotonic())
         self.table.forget_aborted_unread(self.config.gateway_grace_s + ABORTED_UNREAD_KEEP_S)
 
     def add(self, entry: QueueEntry) -> None:

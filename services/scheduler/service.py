@@ -35,7 +35,9 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
         streams, gateway_id = self._loop.streams, request.gateway_id
         generation, events = streams.subscribe(gateway_id)
         self._loop.submit(GatewayBack(gateway_id, generation))
-        context.add_callback(lambda: self._loop.submit(GatewayGone(gateway_id, generation)))
+        gone = GatewayGone(gateway_id, generation)
+        if not context.add_callback(lambda: self._loop.submit(gone)):  # the call ended already: no callback
+            self._loop.submit(gone)
         while context.is_active() and streams.is_current(gateway_id, generation):
             try:
                 yield events.get(timeout=0.5)

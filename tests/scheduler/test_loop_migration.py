@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 from opentelemetry import trace
@@ -94,21 +95,70 @@ def test_a_request_dropped_for_an_unanswered_resume_query_ends_at_its_gateway(mo
             "the gateway was never told that its request was dropped: its client hangs"
 
 
-def test_no_output_queue_is_kept_for_a_gateway_whose_requests_were_aborted_for_its_absence():
-    """When a gateway stays away longer than the grace period its queue is closed and its requests
-    aborted; the abort outputs must not make a new queue for it (kept forever: gateway ids are new
-    at every gateway start, so every gateway that ever died holds one)."""
+def dropped_for_its_absence(sched: Loop) -> int:
+    """Connects gateway ``gw``, runs a request of it, closes its stream and waits until the request is
+    dropped after the grace period; returns the stream's generation."""
+    generation, events = sched.connect("gw")
+    sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
+    taken = next_batch(events, 5)
+    assert taken is not None and [(e.request_id, e.kind) for e in taken.events] == [("r", pb.TOKEN_EVENT_KIND_TAKEN)]
+    sched.loop.submit(GatewayGone("gw", generation))
+    while b"r-0" not in sched.acked:  # aborted after the grace period
+        threading.Event().wait(0.02)
+    return generation
+
+
+def test_a_gateway_back_just_after_its_grace_gets_the_finals_of_its_dropped_requests():
+    """The gateway's own grace runs on its clock: it may reconnect when this scheduler has just
+    dropped its requests, and must then hear that they ended (it would wait for them for ever)."""
+    with Loop(gateway_grace_s=1.0) as sched:
+        dropped_for_its_absence(sched)
+        _, events = sched.connect("gw")
+        final = next_batch(events, 5)
+        assert final is not None and [(e.request_id, e.finish_reason) for e in final.events] == [
+            ("r", pb.FINISH_REASON_ABORT)]
+
+
+def test_no_output_queue_is_kept_for_a_gateway_gone_for_good():
+    """The queue of a gateway whose requests were dropped for its absence goes one more grace period
+    later (gateway ids are new at every gateway start: every gateway that ever died would hold one)."""
     with Loop(gateway_grace_s=0.2) as sched:
-        generation, events = sched.connect("gw")
-        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
-        taken = next_batch(events, 5)
-        assert taken is not None and [(e.request_id, e.kind) for e in taken.events] == [("r", pb.TOKEN_EVENT_KIND_TAKEN)]
-        sched.loop.submit(GatewayGone("gw", generation))
-        while b"r-0" not in sched.acked:  # aborted after the grace period
-            threading.Event().wait(0.05)
-        threading.Event().wait(0.2)
+        generation = dropped_for_its_absence(sched)
+        deadline = time.monotonic() + 5
+        while sched.loop.streams.is_current("gw", generation) and time.monotonic() < deadline:
+            threading.Event().wait(0.02)
         _, stale = sched.loop.streams.subscribe("gw")  # a later gateway under that id (or a leak check)
-        assert stale.empty(), "the aborted requests' outputs were queued again for the gone gateway"
+        assert stale.empty(), "the dropped requests' outputs were kept for the gone gateway"
+
+
+def test_a_gateway_that_reconnects_as_its_grace_runs_out_gets_the_finals_and_keeps_its_queue():
+    """Its new stream's GatewayBack is queued behind the loop's drop of its requests (one loop pass
+    stepped by hand): the finals go to the new stream, which stays current and is not retired."""
+    config = SchedulerServiceConfig(redis_url="redis://unused", cluster_token="t" * 16, gateway_grace_s=0.2)
+    loop = SchedulerLoop(config, Scheduler(config.policy), RedisWrites(lambda e: None, lambda e: 0),
+                         trace.get_tracer("test"), lambda ready: None)
+
+    def one_pass() -> None:  # SchedulerLoop.run's order
+        loop.requests.drop_for_gone_gateways()
+        loop._dispatch()
+        loop._handle_commands(wait_s=0.01)
+
+    first, _ = loop.streams.subscribe("gw")
+    loop.submit(GatewayBack("gw", first))
+    loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
+    one_pass()
+    loop.submit(GatewayGone("gw", first))
+    one_pass()
+    time.sleep(0.25)  # the grace runs out as the gateway reconnects
+    second, events = loop.streams.subscribe("gw")
+    loop.submit(GatewayBack("gw", second))
+    one_pass()
+    finals = []
+    while not events.empty():
+        finals += [(e.request_id, e.finish_reason) for e in events.get_nowait().events if e.finish_reason]
+    assert finals == [("r", pb.FINISH_REASON_ABORT)]
+    loop.streams.drop_retired(time.monotonic() + 60)
+    assert loop.streams.is_current("gw", second)
 
 
 def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_later(monkeypatch):
