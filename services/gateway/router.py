@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -12,7 +13,9 @@ from dataclasses import dataclass, field
 import grpc
 import redis.asyncio as aioredis
 
+from pagedserve.engine.messages import RequestError
 from pagedserve.engine.outputs import RequestOutput
+from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.text.request_samples import ReceivedSample
 from services.common.convert import output_from_pb
 from services.common.pb import engine_pb2 as pb
@@ -45,6 +48,7 @@ class _Request:
     owner: str | None = None   # the scheduler whose events are taken; None until the first event or query
     num_migrations: int = 0    # resumes the owner confirmed
     taken_at_us: int = 0       # stamp of the newest resume query followed (Redis clock, microseconds)
+    heard_at: float = field(default_factory=time.monotonic)  # its last event or query (time.monotonic())
 
 
 class OutputRouter:
@@ -126,6 +130,20 @@ class OutputRouter:
             self.background.start(self._abort_on(self._link(scheduler_id), pb.AbortRequest(request_id=key)))
         return request, asked
 
+    def quiet_owned(self, scheduler_id: str, quiet_s: float) -> dict[str, float]:
+        """The requests ``scheduler_id`` owns that heard nothing from it for ``quiet_s`` seconds: key ->
+        when they last did (``time.monotonic()``)."""
+        since = time.monotonic() - quiet_s
+        return {key: r.heard_at for key, r in self._requests.items() if r.owner == scheduler_id and r.heard_at <= since}
+
+    def end_unheld(self, key: str, scheduler_id: str) -> None:
+        """Ends a request its owner ``scheduler_id`` no longer holds: its call fails with UNAVAILABLE."""
+        request = self._requests.get(key)
+        if request is not None and request.owner == scheduler_id:
+            error = RequestError(ErrorKind.UNAVAILABLE, f"scheduler {scheduler_id} no longer holds the request (its "
+                                                        "last output was lost); retry")
+            request.queue.put_nowait(RequestOutput.aborted(key, error))
+
     @property
     def num_in_flight(self) -> int:
         return len(self._requests)
@@ -181,7 +199,7 @@ class OutputRouter:
             request.taken_at_us = query.taken_at_us
             if request.owner != scheduler_id:
                 log.info("request %s moves from scheduler %s to %s", key, request.owner, scheduler_id)
-            request.owner = scheduler_id
+            request.owner, request.heard_at = scheduler_id, time.monotonic()
             request.queue.put_nowait(ResumeQuery(scheduler_id))
 
     def _route_event(self, scheduler_id: str, event: pb.TokenEvent) -> None:
@@ -190,6 +208,7 @@ class OutputRouter:
         if request is not None and request.owner is None:
             request.owner = scheduler_id
         if request is not None and request.owner == scheduler_id:
+            request.heard_at = time.monotonic()
             request.queue.put_nowait(output_from_pb(event))
         elif not event.finish_reason and (scheduler_id, key) not in self._aborted:
             why = "no call waits for its tokens" if request is None else f"scheduler {request.owner} owns it"

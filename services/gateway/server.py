@@ -28,6 +28,7 @@ from services.gateway.http_server import EmbeddedUvicorn, listening_socket, new_
 from services.gateway.openai_serving import OpenAIServing
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_producer import RequestQueueProducer
+from services.gateway.held_check import HeldCheck
 from services.gateway.router import OutputRouter
 from services.gateway.service import GenerationServicer
 from pagedserve.text.tokenizer import PromptTokenizer
@@ -200,7 +201,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     if not await producer.ping():
         log.warning("Redis at %s does not answer: requests fail with UNAVAILABLE until it does (health is "
                     "NOT_SERVING meanwhile)", redact_url(config.redis_url))
-    tasks = [asyncio.create_task(router.run())]
+    tasks = [asyncio.create_task(router.run()), asyncio.create_task(HeldCheck(router).run())]
     http_task = asyncio.create_task(http_server.serve(sockets=[http_socket]))
     await _http_started(http_server, http_task)
     _log_started(config, port, http_port, tls=credentials is not None)

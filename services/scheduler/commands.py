@@ -26,6 +26,14 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class HeldRequests:
+    """Which of ``request_ids`` this scheduler holds; ``done`` gets them as a list."""
+
+    request_ids: tuple[str, ...]
+    done: Future
+
+
+@dataclass(frozen=True)
 class AbortSample:
     """Abort one sample of a request (the others go on); ``done`` gets whether it was in flight."""
 
@@ -64,4 +72,5 @@ class Resume:
     done: Future
 
 
-Command = NewEntries | ClaimedEntries | Abort | AbortSample | GatewayGone | GatewayBack | StepDone | ClusterView | Resume
+Command = (NewEntries | ClaimedEntries | Abort | AbortSample | HeldRequests | GatewayGone | GatewayBack | StepDone
+           | ClusterView | Resume)

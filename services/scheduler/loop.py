@@ -22,7 +22,8 @@ from pagedserve.engine.messages import RequestError
 from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.scheduler import Scheduler
 from services.scheduler.cluster import ClaimedEntries, ClusterView, LoadSnapshot
-from services.scheduler.commands import Abort, AbortSample, Command, GatewayGone, NewEntries, Resume, StepDone
+from services.scheduler.commands import (Abort, AbortSample, Command, GatewayGone, HeldRequests, NewEntries, Resume,
+                                         StepDone)
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.gateway_streams import GatewayStreams
 from services.scheduler.grpc_executor import GrpcExecutor
@@ -164,6 +165,8 @@ class SchedulerLoop:
             command.done.set_result(self.requests.abort(command.request_id))
         elif isinstance(command, AbortSample):
             command.done.set_result(self.requests.abort_sample(command.seq_id))
+        elif isinstance(command, HeldRequests):
+            command.done.set_result(self.requests.held(command.request_ids))
         elif isinstance(command, Resume):
             self.requests.resume(command)
         elif isinstance(command, GatewayGone):

@@ -165,6 +165,11 @@ class RequestIntake:
         self._deliver(outputs)
         return bool(outputs)
 
+    def held(self, request_ids: tuple[str, ...]) -> list[str]:
+        """Those of ``request_ids`` this scheduler holds, in any phase but aborted before being read."""
+        rows = ((request_id, self.table.row(request_id)) for request_id in request_ids)
+        return [request_id for request_id, row in rows if row is not None and row.phase is not Phase.ABORTED_UNREAD]
+
     def abort_sample(self, seq_id: SequenceId) -> bool:
         """Aborts one sample of a request (the others go on); returns whether it was in flight."""
         outputs = self.scheduler.abort_sample(seq_id)

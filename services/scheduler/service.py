@@ -12,7 +12,8 @@ from pagedserve.engine.messages import SequenceId
 from services.common.convert import stats_to_pb
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
-from services.scheduler.commands import Abort, AbortSample, GatewayBack, GatewayGone, Resume
+from services.common.limits import MAX_HELD_QUERY_IDS
+from services.scheduler.commands import Abort, AbortSample, GatewayBack, GatewayGone, HeldRequests, Resume
 from services.scheduler.loop import SchedulerLoop
 
 
@@ -70,6 +71,18 @@ class SchedulerServicer(engine_pb2_grpc.SchedulerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler did not answer in {self._abort_timeout_s:g} s; retry")
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def HeldRequests(self, request: pb.HeldRequestsRequest, context: grpc.ServicerContext) -> pb.HeldRequestsResponse:
+        """Which of the given requests this scheduler holds (a gateway's check of the quiet ones)."""
+        if len(request.request_ids) > MAX_HELD_QUERY_IDS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request_ids: at most {MAX_HELD_QUERY_IDS}, got {len(request.request_ids)}")
+        done: Future = Future()
+        self._loop.submit(HeldRequests(tuple(request.request_ids), done))
+        try:
+            return pb.HeldRequestsResponse(request_ids=done.result(timeout=self._abort_timeout_s))
+        except TimeoutError:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the scheduler did not answer in {self._abort_timeout_s:g} s; retry")
 
     def GetStats(self, request: pb.GetStatsRequest, context: grpc.ServicerContext) -> pb.SchedulerStats:
         """The loop's latest snapshot of queues and KV occupancy."""

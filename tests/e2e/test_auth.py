@@ -56,6 +56,8 @@ def test_the_scheduler_refuses_calls_without_the_cluster_token(stack, token):
             == grpc.StatusCode.UNAUTHENTICATED
         assert status_of(lambda: stub.Abort(pb.AbortRequest(request_id="x"), metadata=metadata, timeout=10)) \
             == grpc.StatusCode.UNAUTHENTICATED
+        assert status_of(lambda: stub.HeldRequests(pb.HeldRequestsRequest(request_ids=["x"]), metadata=metadata,
+                                                   timeout=10)) == grpc.StatusCode.UNAUTHENTICATED
         events = stub.StreamOutputs(pb.StreamOutputsRequest(gateway_id="intruder"), metadata=metadata, timeout=10)
         assert status_of(lambda: next(events)) == grpc.StatusCode.UNAUTHENTICATED
     assert check_health(stack.scheduler)  # probes need no token

@@ -17,6 +17,7 @@ import redis
 
 from services.common import redis_keys
 from services.common.auth import CLUSTER_TOKEN_KEY
+from services.common.limits import MAX_HELD_QUERY_IDS
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.pb import generate_pb2 as gen
@@ -24,6 +25,7 @@ from services.common.pb import generate_pb2_grpc
 from services.common.signed_records import sign_record
 from tests.e2e.processes import (CLUSTER_TOKEN, healthy, pagedserve, scheduler_stats, start_stack, stranger_server,
                                  wait_until)
+from tests.e2e.test_auth import status_of
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -121,11 +123,20 @@ def test_an_abort_from_the_scheduler_ends_the_client_stream(stack):
     thread.start()
     assert first.wait(120)
     [key] = _queued_keys(stack.redis_url)
-    started = time.monotonic()
+    token = ((CLUSTER_TOKEN_KEY, CLUSTER_TOKEN),)
     with grpc.insecure_channel(stack.scheduler) as channel:
-        found = engine_pb2_grpc.SchedulerStub(channel).Abort(
-            pb.AbortRequest(request_id=key), metadata=((CLUSTER_TOKEN_KEY, CLUSTER_TOKEN),), timeout=30).found
-    thread.join(30)
+        scheduler = engine_pb2_grpc.SchedulerStub(channel)
+        def held() -> list[str]:  # what a gateway's HeldCheck asks
+            return list(scheduler.HeldRequests(pb.HeldRequestsRequest(request_ids=[key, "no-such"]), metadata=token,
+                                               timeout=30).request_ids)
+        assert held() == [key]
+        started = time.monotonic()
+        found = scheduler.Abort(pb.AbortRequest(request_id=key), metadata=token, timeout=30).found
+        thread.join(30)
+        assert held() == []
+        too_many = pb.HeldRequestsRequest(request_ids=[key] * (MAX_HELD_QUERY_IDS + 1))
+        assert status_of(lambda: scheduler.HeldRequests(too_many, metadata=token, timeout=30)) \
+            == grpc.StatusCode.INVALID_ARGUMENT
     assert found and not thread.is_alive(), "the client was not told"
     assert time.monotonic() - started < 10
     assert responses[-1].finish_reason == gen.FINISH_REASON_ABORT

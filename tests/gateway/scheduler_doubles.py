@@ -1,5 +1,6 @@
 """Real in-process Scheduler gRPC servers that stream what a test gives them and record the Abort
-and Resume calls they get, and scheduler registrations written into a real Redis."""
+and Resume calls they get, scheduler registrations written into a real Redis, and a gateway's core
+and router over two of them (``Gateway``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,19 @@ from collections.abc import Awaitable, Callable
 import grpc
 import redis
 
+from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.text.request_samples import ParsedRequest
 from services.common import redis_keys
 from services.common.auth import CLUSTER_TOKEN_KEY, AioMetadataAuthInterceptor
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
+from services.common.redis_pool import async_redis_client
 from services.common.signed_records import sign_record
+from services.gateway.generation_core import GenerationCore, Submission
+from services.gateway.generation_errors import GenerationError
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.queue_producer import RequestQueueProducer
+from services.gateway.router import OutputRouter
 
 TOKEN = "test-cluster-token"
 STOP_WAIT_S = 2.0
@@ -31,6 +40,7 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
 
     Every StreamOutputs call streams the batches put in ``outbox``; Abort and Resume calls are
     recorded (and answered ``found=True``), but the next ``aborts_to_fail`` Aborts fail with UNAVAILABLE.
+    HeldRequests answers that it holds every request asked about but those in ``forgotten``.
     """
 
     def __init__(self, scheduler_id: str) -> None:
@@ -44,6 +54,8 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
         self.stopped = False
         self.refusing = False
         self.aborts_to_fail = 0
+        self.forgotten: set[str] = set()
+        self.held_queries: list[list[str]] = []
         self.address = ""
 
     async def start(self) -> FakeScheduler:
@@ -111,6 +123,10 @@ class FakeScheduler(engine_pb2_grpc.SchedulerServicer):
     async def Resume(self, request, context):
         self.resumes.append(request)
         return pb.ResumeResponse(found=True)
+
+    async def HeldRequests(self, request, context):
+        self.held_queries.append(list(request.request_ids))
+        return pb.HeldRequestsResponse(request_ids=[r for r in request.request_ids if r not in self.forgotten])
 
 
 def event(request_id: str, first: int, token_ids: list[int], sample_index: int = 0,
@@ -189,3 +205,59 @@ def _task_stack(task: asyncio.Task) -> str:
             lines.append(f"  {awaited!r}\n")
         awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
     return f"{task.get_name()}:\n{''.join(lines)}"
+
+
+class Letters:
+    """Token i decodes to the i-th letter."""
+
+    def decode(self, ids, skip_special_tokens):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+
+class Gateway:
+    """A gateway's core and router over two fake schedulers registered in Redis; one request's
+    deltas are collected as its client would receive them."""
+
+    def __init__(self, client: redis.Redis, redis_url: str, grace_s: float = 10.0) -> None:
+        self.client, self.redis_url, self.grace_s = client, redis_url, grace_s
+        self.deltas: list = []
+
+    async def __aenter__(self) -> Gateway:
+        self.s1, self.s2 = await FakeScheduler("s1").start(), await FakeScheduler("s2").start()
+        register(self.client, "s1", self.s1.address)
+        register(self.client, "s2", self.s2.address)
+        aclient = async_redis_client(self.redis_url, 8)
+        self.metrics = GatewayMetrics("m")
+        self.router = OutputRouter(aclient, TOKEN, "gw-1", self.metrics.requests_migrated.inc, poll_interval_s=0.1)
+        self.core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1", TOKEN), self.router, 8, self.metrics,
+                                   scheduler_grace_s=self.grace_s)
+        self._tasks = [asyncio.create_task(self.router.run())]
+        await until(lambda: len(self.router.discovery.connected_links()) == 2, "both scheduler streams")
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(self.s1.stop(), self.s2.stop())
+
+    async def submit(self, params: SamplingParams) -> str:
+        """Starts a request and returns its key once it is queued in Redis."""
+        submission = Submission(ParsedRequest((1,), params, params.to_engine(1, 100, 26, ())))
+        self._tasks.append(asyncio.create_task(self._collect(submission)))
+        await until(lambda: self.client.xlen(redis_keys.REQUEST_STREAM) == len(self._tasks) - 1, "the request queued")
+        return submission.key
+
+    async def _collect(self, submission: Submission) -> None:
+        try:
+            async for sample in self.core.generate(submission):
+                self.deltas.append(sample)
+        except GenerationError as exc:
+            self.error = exc
+        self.done = True
+
+    def token_ids(self, sample_index: int = 0) -> list[int]:
+        return [t for d in self.deltas if d.sample_index == sample_index for t in d.delta.token_ids]
+
+    def text(self, sample_index: int = 0) -> str:
+        return "".join(d.delta.text for d in self.deltas if d.sample_index == sample_index)

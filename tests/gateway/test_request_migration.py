@@ -10,7 +10,6 @@ import re
 import time
 
 import pytest
-import redis
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.request_samples import ParsedRequest
@@ -22,66 +21,10 @@ from services.gateway.generation_errors import GenerationError, StatusKind
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_producer import RequestQueueProducer
 from services.gateway.router import OutputRouter
-from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, event, register, until, run_scenario
+from tests.gateway.scheduler_doubles import TOKEN, Gateway, Letters, event, register, until, run_scenario
 
 pytestmark = pytest.mark.timeout(60)
 LENGTH = pb.FINISH_REASON_LENGTH
-
-
-class Letters:
-    """Token i decodes to the i-th letter."""
-
-    def decode(self, ids, skip_special_tokens):
-        return "".join(chr(ord("a") + i) for i in ids)
-
-
-class Gateway:
-    """A gateway's core and router over two fake schedulers registered in Redis; one request's
-    deltas are collected as its client would receive them."""
-
-    def __init__(self, client: redis.Redis, redis_url: str, grace_s: float = 10.0) -> None:
-        self.client, self.redis_url, self.grace_s = client, redis_url, grace_s
-        self.deltas: list = []
-
-    async def __aenter__(self) -> Gateway:
-        self.s1, self.s2 = await FakeScheduler("s1").start(), await FakeScheduler("s2").start()
-        register(self.client, "s1", self.s1.address)
-        register(self.client, "s2", self.s2.address)
-        aclient = async_redis_client(self.redis_url, 8)
-        self.metrics = GatewayMetrics("m")
-        self.router = OutputRouter(aclient, TOKEN, "gw-1", self.metrics.requests_migrated.inc, poll_interval_s=0.1)
-        self.core = GenerationCore(Letters(), RequestQueueProducer(aclient, "gw-1", TOKEN), self.router, 8, self.metrics,
-                                   scheduler_grace_s=self.grace_s)
-        self._tasks = [asyncio.create_task(self.router.run())]
-        await until(lambda: len(self.router.discovery.connected_links()) == 2, "both scheduler streams")
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(self.s1.stop(), self.s2.stop())
-
-    async def submit(self, params: SamplingParams) -> str:
-        """Starts a request and returns its key once it is queued in Redis."""
-        submission = Submission(ParsedRequest((1,), params, params.to_engine(1, 100, 26, ())))
-        self._tasks.append(asyncio.create_task(self._collect(submission)))
-        await until(lambda: self.client.xlen(redis_keys.REQUEST_STREAM) == len(self._tasks) - 1, "the request queued")
-        return submission.key
-
-    async def _collect(self, submission: Submission) -> None:
-        try:
-            async for sample in self.core.generate(submission):
-                self.deltas.append(sample)
-        except GenerationError as exc:
-            self.error = exc
-        self.done = True
-
-    def token_ids(self, sample_index: int = 0) -> list[int]:
-        return [t for d in self.deltas if d.sample_index == sample_index for t in d.delta.token_ids]
-
-    def text(self, sample_index: int = 0) -> str:
-        return "".join(d.delta.text for d in self.deltas if d.sample_index == sample_index)
 
 
 def test_tokens_come_from_the_owner_and_move_with_a_resume_query(client, redis_url):

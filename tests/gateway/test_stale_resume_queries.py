@@ -8,11 +8,12 @@ import asyncio
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
-from tests.gateway import test_request_migration
-from tests.gateway.scheduler_doubles import FakeScheduler, event, until, run_scenario
-from tests.gateway.test_request_migration import LENGTH, Gateway
+from services.common.pb import engine_pb2 as pb
+from tests.gateway import scheduler_doubles
+from tests.gateway.scheduler_doubles import FakeScheduler, Gateway, event, until, run_scenario
 
 pytestmark = pytest.mark.timeout(60)
+LENGTH = pb.FINISH_REASON_LENGTH
 
 
 class Scheduler(FakeScheduler):
@@ -29,7 +30,7 @@ class Scheduler(FakeScheduler):
 
 @pytest.fixture(autouse=True)
 def refusable_schedulers(monkeypatch):
-    monkeypatch.setattr(test_request_migration, "FakeScheduler", Scheduler)
+    monkeypatch.setattr(scheduler_doubles, "FakeScheduler", Scheduler)
 
 
 def test_a_stale_resume_query_does_not_take_the_request_from_the_scheduler_that_resumed_it(client, redis_url):

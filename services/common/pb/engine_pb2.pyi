@@ -312,6 +312,18 @@ class StepResult(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
 
+class HeldRequestsRequest(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeldRequestsResponse(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class StreamOutputsRequest(_message.Message):
     __slots__ = ("gateway_id", "scheduler_id")
     GATEWAY_ID_FIELD_NUMBER: _ClassVar[int]

@@ -173,6 +173,11 @@ class SchedulerStub:
                 request_serializer=services_dot_common_dot_pb_dot_engine__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=services_dot_common_dot_pb_dot_engine__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.HeldRequests = channel.unary_unary(
+                '/pagedserve.engine.v1.Scheduler/HeldRequests',
+                request_serializer=services_dot_common_dot_pb_dot_engine__pb2.HeldRequestsRequest.SerializeToString,
+                response_deserializer=services_dot_common_dot_pb_dot_engine__pb2.HeldRequestsResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -207,6 +212,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HeldRequests(self, request, context):
+        """Which of the given requests this scheduler holds (parked, waiting, running or awaiting a resume
+        answer). A gateway asks about the requests it has here that went quiet, and ends those no longer
+        held (their last output was lost) instead of waiting for them for ever.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +243,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=services_dot_common_dot_pb_dot_engine__pb2.ResumeRequest.FromString,
                     response_serializer=services_dot_common_dot_pb_dot_engine__pb2.ResumeResponse.SerializeToString,
+            ),
+            'HeldRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.HeldRequests,
+                    request_deserializer=services_dot_common_dot_pb_dot_engine__pb2.HeldRequestsRequest.FromString,
+                    response_serializer=services_dot_common_dot_pb_dot_engine__pb2.HeldRequestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -339,6 +358,33 @@ class Scheduler:
             '/pagedserve.engine.v1.Scheduler/Resume',
             services_dot_common_dot_pb_dot_engine__pb2.ResumeRequest.SerializeToString,
             services_dot_common_dot_pb_dot_engine__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeldRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.engine.v1.Scheduler/HeldRequests',
+            services_dot_common_dot_pb_dot_engine__pb2.HeldRequestsRequest.SerializeToString,
+            services_dot_common_dot_pb_dot_engine__pb2.HeldRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,
