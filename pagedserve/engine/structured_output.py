@@ -27,6 +27,8 @@ MAX_SPEC_BYTES = 64 * 1024
 """Largest spec accepted (UTF-8 bytes of the schema, regex or grammar text, or of the choices together)."""
 GRAMMAR_BUILD_TIMEOUT_S = 30.0
 """Longest a worker may take to build a request's grammar before the request fails (seconds)."""
+LONE_SURROGATE = "holds a lone UTF-16 surrogate (U+D800-U+DFFF, e.g. the JSON escape \\ud800 unpaired), which is not text"
+"""Why a spec whose text (or a string of its JSON) is not Unicode text is refused."""
 JSON_OPTIONS = {"whitespace_flexible": False}
 """llguidance's JSON compile options: compact JSON (``,`` and ``:``, no free whitespace), so that a
 small model cannot fill its output with newlines between keys."""
@@ -118,7 +120,10 @@ def check_structured_output(structure: StructuredOutput) -> None:
         InvalidRequestError: naming ``structured_output.<kind>`` and the reason.
     """
     name = _field(structure.kind)
-    size = len(structure.spec.encode()) + sum(len(c.encode()) for c in structure.choices)
+    try:
+        size = len(structure.spec.encode()) + sum(len(c.encode()) for c in structure.choices)
+    except UnicodeEncodeError:
+        raise InvalidRequestError(name, LONE_SURROGATE) from None
     if size > MAX_SPEC_BYTES:
         raise InvalidRequestError(name, f"is {size} bytes; at most {MAX_SPEC_BYTES} are allowed")
     if structure.kind is StructureKind.CHOICE and (not structure.choices or not all(structure.choices)):
@@ -140,15 +145,19 @@ def _load_json(text: str, name: str) -> object:
     """``text`` parsed as JSON.
 
     Raises:
-        InvalidRequestError(name): not JSON, or nested too deeply for the parser (a few hundred
-            levels: Python's recursion limit).
+        InvalidRequestError(name): not JSON, nested too deeply for the parser (a few hundred
+            levels: Python's recursion limit), or holding a lone surrogate.
     """
     try:
-        return json.loads(text)
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode()  # a \ud800 escape loads as a lone surrogate
     except json.JSONDecodeError as e:
         raise InvalidRequestError(name, f"is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidRequestError(name, "is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise InvalidRequestError(name, LONE_SURROGATE) from None
+    return value
 
 
 KNOWN_METASCHEMAS = frozenset(f"json-schema.org/{draft}/schema" for draft in (

@@ -172,11 +172,19 @@ def test_chat_sse_wire_format(stack, model_name):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "functions": [{"name": "f"}]},
      "functions"),
     ("/v1/completions", {"prompt": "Hi", "use_beam_search": True}, "use_beam_search"),
+    # a lone surrogate (sent as the JSON escape \ud800) inside a schema was a 500
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "description": "\ud800"}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"enum": ["\udfff"]}}}}}]},
+     "tools[0].function.parameters"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "audio": {"id": "a"}}]},
      "messages[0].audio"),
 ])
 def test_invalid_input_is_a_400_naming_the_parameter(stack, model_name, path, body, param):
-    response = httpx.post(stack.http + path, json={"model": model_name, **body}, timeout=60)
+    content = json.dumps({"model": model_name, **body})  # ASCII: a lone surrogate travels as its escape
+    response = httpx.post(stack.http + path, content=content, headers={"content-type": "application/json"}, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error" and error["code"] == 400
