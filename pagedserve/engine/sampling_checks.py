@@ -25,6 +25,9 @@ MAX_LOGPROBS = 20
 """Most alternatives per position (``logprobs``, ``prompt_logprobs``, chat's ``top_logprobs``), as OpenAI allows."""
 MAX_LOGIT_BIAS = 300
 """Most entries in ``logit_bias``, as OpenAI allows."""
+MAX_ALLOWED_IDS_IN_ALL = 1 << 20
+"""Most distinct ``allowed_token_ids`` times samples (each sample carries the list to the workers and
+masks with it every step; 20 copies of the vocabulary at n = 64 made a plan too large for gRPC)."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.engine.request_errors import InvalidRequestError  # noqa: F401 (the API's name for it lives here too)
-from pagedserve.engine.sampling_checks import check_sampling_params
+from pagedserve.engine.sampling_checks import MAX_ALLOWED_IDS_IN_ALL, check_sampling_params
 from pagedserve.engine.structured_output import StructuredOutput, check_structured_output
 
 CONFLICTS_WITH_STRUCTURE = ("allowed_token_ids", "bad_words", "min_tokens")
@@ -236,8 +236,9 @@ class SamplingParams:
             bad_words_token_ids: ``bad_words`` tokenized (``request_samples.bad_words_token_ids``).
 
         Raises:
-            InvalidRequestError: ``max_tokens`` beyond the context, or a token id outside the
-                vocabulary (``stop_token_ids[i]``, ``logit_bias[id]``).
+            InvalidRequestError: ``max_tokens`` beyond the context, a token id outside the
+                vocabulary (``stop_token_ids[i]``, ``logit_bias[id]``), or more distinct ``allowed_token_ids``
+                times samples than ``MAX_ALLOWED_IDS_IN_ALL`` (the list is carried deduplicated and sorted).
         """
         room = max_model_len - num_prompt_tokens
         max_tokens = room if self.max_tokens is None else self.max_tokens
@@ -251,6 +252,10 @@ class SamplingParams:
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise InvalidRequestError("allowed_token_ids", "must hold at least one token id when given")
         _check_token_ids("allowed_token_ids", self.allowed_token_ids or (), vocab_size)
+        allowed = None if self.allowed_token_ids is None else tuple(sorted(set(self.allowed_token_ids)))
+        if allowed is not None and len(allowed) * self.num_samples > MAX_ALLOWED_IDS_IN_ALL:
+            raise InvalidRequestError("allowed_token_ids", f"{len(allowed)} distinct ids x {self.num_samples} samples "
+                                      f"is over {MAX_ALLOWED_IDS_IN_ALL} in all: allow fewer ids or ask for fewer samples")
         for word in bad_words_token_ids:
             _check_token_ids("bad_words", word, vocab_size)
         # best_of > n ranks samples by their cumulative logprob: the engine must compute it
@@ -265,6 +270,7 @@ class SamplingParams:
             n=self.num_samples,
             logprobs=logprobs,
             logit_bias=tuple(sorted((int(t), float(b)) for t, b in self.logit_bias.items() if b != 0.0)),
+            allowed_token_ids=allowed,
             bad_words_token_ids=bad_words_token_ids,
         ))
 

@@ -130,6 +130,15 @@ def test_allowed_token_ids_and_bad_words_as_grpc_does(stack, client, model_name)
     empty = httpx.post(stack.http + "/v1/completions", timeout=60, json={
         "model": model_name, "prompt": "Hi", "max_tokens": 2, "allowed_token_ids": []})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "allowed_token_ids"
+    # the list is a set: 200,000 copies of one id x 8 samples travel as one id (1.6 million ids per plan
+    # before; 20 copies of the vocabulary at n = 64 made a plan too large for gRPC and dropped the worker)
+    repeated = client.completions.create(model=model_name, prompt=PROMPTS[1], max_tokens=4, temperature=0, n=8,
+                                         extra_body={"allowed_token_ids": [token] * 200_000})
+    assert [c.text for c in repeated.choices] == [" cat" * 4] * 8
+    every_id = httpx.post(stack.http + "/v1/completions", timeout=60, json={
+        "model": model_name, "prompt": "Hi", "max_tokens": 2, "n": 64, "allowed_token_ids": list(range(49152))})
+    assert every_id.status_code == 400 and every_id.json()["error"]["param"] == "allowed_token_ids", every_id.text
+    assert "49152 distinct ids x 64 samples" in every_id.json()["error"]["message"]
 
 
 def test_stop_reason_names_the_stop_string(stack, client, model_name):  # noqa: F811
