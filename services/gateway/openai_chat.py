@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from pagedserve.engine.messages import TokenLogprobs
 from pagedserve.engine.sampling_params import InvalidRequestError
@@ -114,8 +114,7 @@ async def create_chat_completion(serving: OpenAIServing, body: ChatCompletionReq
         span.end()
         raise
     usage = StreamUsage(body.stream_options or StreamOptions(), (len(parsed.prompt_token_ids),))
-    return StreamingResponse(_stream(first, events, meta, body.n, names, usage, answers, span),
-                             media_type="text/event-stream")
+    return serving.event_stream(_stream(first, events, meta, body.n, names, usage, answers, span))
 
 
 @dataclass(frozen=True)

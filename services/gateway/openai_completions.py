@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from pagedserve.engine.messages import TokenLogprobs
 from pagedserve.engine.sampling_params import InvalidRequestError
@@ -102,7 +102,7 @@ async def create_completion(serving: OpenAIServing, body: CompletionRequest, req
         raise
     usage = StreamUsage(body.stream_options or StreamOptions(), tuple(len(p.prompt_token_ids) for p in parsed))
     stream = _stream(first, events, meta, shape, body.logprobs is not None, usage, span)
-    return StreamingResponse(stream, media_type="text/event-stream")
+    return serving.event_stream(stream)
 
 
 def echo_prompts(body: CompletionRequest, parsed: list[ParsedRequest], tokenizer: PromptTokenizer,

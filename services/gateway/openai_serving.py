@@ -4,6 +4,7 @@ requests, client-disconnect handling and the SSE wire format."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from typing import TypeVar
 from opentelemetry import trace
 from pydantic import BaseModel
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Message, Send
 
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.request_samples import ParsedRequest
@@ -24,6 +27,7 @@ from services.gateway.openai_protocol import StreamOptions
 from services.gateway.openai_responses import UsageInfo
 
 T = TypeVar("T")
+log = logging.getLogger("pagedserve.gateway")
 SSE_DONE = b"data: [DONE]\n\n"
 """The last event of every stream."""
 
@@ -41,12 +45,18 @@ class OpenAIServing:
         model_name: the served model name (``model`` must equal it).
         tracer: makes one server span per HTTP request.
         tool_call_parser: how chat answers write tool calls (``--tool-call-parser``).
+        send_timeout_s: how long a streamed response waits for its client to read (``--http-send-timeout-s``).
     """
 
     core: GenerationCore
     model_name: str
     tracer: trace.Tracer
-    tool_call_parser: ToolCallParserKind = ToolCallParserKind.HERMES
+    tool_call_parser: ToolCallParserKind
+    send_timeout_s: float
+
+    def event_stream(self, chunks: AsyncIterator[str]) -> StreamingResponse:
+        """The response streaming ``chunks`` as server-sent events, cut when its client stops reading."""
+        return _ReadOrCut(chunks, self.send_timeout_s)
 
     @property
     def tokenizer(self) -> PromptTokenizer:
@@ -57,6 +67,29 @@ class OpenAIServing:
         if model != self.model_name:
             raise GenerationError(StatusKind.NOT_FOUND, f"The model `{model}` does not exist; this server serves "
                                   f"`{self.model_name}`", "model")
+
+
+class _ReadOrCut(StreamingResponse):
+    """Server-sent events whose client must keep reading: a send that waits ``send_timeout_s`` seconds
+    (the connection's buffers full) ends the response and closes ``chunks``, which ends its requests
+    (aborted in the schedulers). A client that stops reading would otherwise keep its requests, and
+    their places among the gateway's requests in flight, until it closes the connection."""
+
+    def __init__(self, chunks: AsyncIterator[str], send_timeout_s: float) -> None:
+        super().__init__(chunks, media_type="text/event-stream")
+        self._send_timeout_s = send_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def bounded(message: Message) -> None:
+            async with asyncio.timeout(self._send_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(bounded)
+        except TimeoutError:
+            log.warning("an HTTP client read nothing for %g s: its stream is cut and its requests aborted",
+                        self._send_timeout_s)
+            await self.body_iterator.aclose()
 
 
 def invalid(exc: InvalidRequestError) -> GenerationError:

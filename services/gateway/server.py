@@ -195,7 +195,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     http_health = HealthState()
     http_socket = listening_socket(config.host, config.http_port)
     http_port = http_socket.getsockname()[1]
-    serving = OpenAIServing(core, config.model_name, tracer, config.tool_call_parser)
+    serving = OpenAIServing(core, config.model_name, tracer, config.tool_call_parser, config.http_send_timeout_s)
     http_server = _http_server(config, serving, http_health, metrics, router)
     await server.start()
     if not await producer.ping():
