@@ -129,7 +129,11 @@ class GenerationCore:
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """Raises ``GenerationError(RESOURCE_EXHAUSTED)`` when ``num_requests`` more would exceed
-        the gateway's limit of requests in flight."""
+        the gateway's limit of requests in flight, ``INVALID_ARGUMENT`` naming ``prompt`` when they
+        alone would (a retry cannot help)."""
+        if num_requests > self._max_concurrent:
+            raise GenerationError(StatusKind.INVALID_ARGUMENT, f"prompt: {num_requests} prompts, where this gateway "
+                                  f"takes at most {self._max_concurrent} requests at once; send fewer", "prompt")
         if self._router.num_in_flight + num_requests > self._max_concurrent:
             raise GenerationError(StatusKind.RESOURCE_EXHAUSTED,
                                   f"the gateway has {self._max_concurrent} requests in flight; retry later")

@@ -75,6 +75,9 @@ def _forms(request: StructuredFields) -> list[tuple[str, StructuredOutput]]:
     """Each (client's field name, structured output) the request sets."""
     forms: list[tuple[str, StructuredOutput]] = []
     rf = request.response_format
+    if rf is not None and rf.type != "json_schema" and rf.json_schema is not None:
+        raise InvalidRequestError("response_format.json_schema", f"is only read with type json_schema, not {rf.type}: "
+                                  "set type json_schema, or leave json_schema out")
     if rf is not None and rf.type == "json_object":
         forms.append(("response_format", StructuredOutput(StructureKind.JSON_OBJECT)))
     elif rf is not None and rf.type == "json_schema":

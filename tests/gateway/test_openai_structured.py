@@ -50,8 +50,11 @@ def test_each_form_becomes_its_structured_output(fields, expected):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "format": "no-such"}}}},
      "response_format.json_schema.schema"),
     ({"guided_json": {"type": "object", "description": "x" * (MAX_SPEC_BYTES + 1)}}, "guided_json"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": SCHEMA}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "text", "json_schema": {"name": "x", "schema": SCHEMA}}}, "response_format.json_schema"),
 ], ids=["two-forms", "format-and-vllm", "two-members", "no-schema", "bad-regex", "bad-grammar", "no-choice",
-        "invalid-schema", "unsupported-keyword", "over-64KiB"])
+        "invalid-schema", "unsupported-keyword", "over-64KiB", "schema-with-json-object", "schema-with-text"])
 def test_a_bad_spec_is_refused_naming_the_clients_field(fields, field_name):
     with pytest.raises(InvalidRequestError) as caught:
         sampling_params_from_openai(chat(**fields))
