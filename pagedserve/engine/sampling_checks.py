@@ -25,9 +25,10 @@ MAX_LOGPROBS = 20
 """Most alternatives per position (``logprobs``, ``prompt_logprobs``, chat's ``top_logprobs``), as OpenAI allows."""
 MAX_LOGIT_BIAS = 300
 """Most entries in ``logit_bias``, as OpenAI allows."""
-MAX_ALLOWED_IDS_IN_ALL = 1 << 20
-"""Most distinct ``allowed_token_ids`` times samples (each sample carries the list to the workers and
-masks with it every step; 20 copies of the vocabulary at n = 64 made a plan too large for gRPC)."""
+MAX_ALLOWED_IDS_IN_ALL = 1 << 16
+"""Most distinct ``allowed_token_ids`` times samples. Each sample carries the list in the plan that
+starts it (and masks with it every step): 20 copies of the vocabulary at n = 64 made one plan too large
+for gRPC's 64 MiB; at this bound, 256 new sequences in one plan carry at most about 44 MB of them."""
 
 
 @dataclass(frozen=True)

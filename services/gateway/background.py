@@ -26,7 +26,7 @@ class BackgroundCalls:
 
     async def settle(self, timeout_s: float) -> int:
         """Waits up to ``timeout_s`` seconds for the running calls and those they start; returns how
-        many are still running then (the caller's shutdown cancels them)."""
+        many are still running then (they end with the event loop)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while self._tasks and (left := deadline - asyncio.get_running_loop().time()) > 0:
             await asyncio.wait(set(self._tasks), timeout=left)

@@ -38,7 +38,10 @@ class HeldCheck:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self._interval_s)
-            await self.check_once()
+            try:
+                await self.check_once()
+            except Exception:  # a link closed under the call, ...: the next check asks again
+                log.exception("checking which requests the schedulers hold failed")
 
     async def check_once(self) -> None:
         """Asks each connected scheduler about its quiet requests; ends those not held at the last
@@ -61,5 +64,5 @@ class HeldCheck:
             if self._suspects.get(key) == suspect:  # the same scheduler, and nothing heard since
                 log.warning("request %s: scheduler %s no longer holds it and sent nothing for %g s or more; it "
                             "ends UNAVAILABLE", key, suspect[0], 2 * self._interval_s)
-                self._router.end_unheld(key, suspect[0])
+                self._router.end_unheld(key, *suspect)
         self._suspects = {key: s for key, s in not_held.items() if self._suspects.get(key) != s}

@@ -33,17 +33,42 @@ KEEP_ALIVE_S = 30
 class HeaderTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol, closing a connection whose request headers are not complete within
     ``header_timeout_s`` seconds of the connection opening or of the first byte of a following
-    request (on a kept-alive connection).
+    request (on a kept-alive connection), and aborting one whose client has not read for
+    ``send_timeout_s`` seconds while the server had more to send (its write buffer full: a closed
+    transport would wait for ever to flush it).
 
     Args:
-        header_timeout_s: the bound, seconds (positive).
+        header_timeout_s: the first bound, seconds (positive).
+        send_timeout_s: the second bound, seconds (positive; ``--http-send-timeout-s``).
         *args, **kwargs: those of ``H11Protocol`` (uvicorn passes them).
     """
 
-    def __init__(self, *args, header_timeout_s: float, **kwargs) -> None:
+    def __init__(self, *args, header_timeout_s: float, send_timeout_s: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._header_timeout_s = header_timeout_s
         self._header_deadline: asyncio.TimerHandle | None = None
+        self._send_timeout_s = send_timeout_s
+        self._send_deadline: asyncio.TimerHandle | None = None
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_deadline is None:
+            self._send_deadline = self.loop.call_later(self._send_timeout_s, self._on_send_timeout)
+
+    def resume_writing(self) -> None:
+        self._disarm_send_deadline()
+        super().resume_writing()
+
+    def _disarm_send_deadline(self) -> None:
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+
+    def _on_send_timeout(self) -> None:
+        self._send_deadline = None
+        log.info("aborting the HTTP connection of %s: it read nothing for %g s",
+                 "%s:%d" % self.client if self.client else "a client", self._send_timeout_s)
+        self.transport.abort()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -63,6 +88,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
+        self._disarm_send_deadline()
         super().connection_lost(exc)
 
     def _awaiting_headers(self) -> bool:
@@ -107,12 +133,14 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot listen on {host}:{port} (--http-port): {exc.strerror or exc}") from exc
 
 
-def new_http_server(app, header_timeout_s: float, close_s: float, tls: dict[str, str]) -> EmbeddedUvicorn:
+def new_http_server(app, header_timeout_s: float, send_timeout_s: float, close_s: float,
+                    tls: dict[str, str]) -> EmbeddedUvicorn:
     """uvicorn serving ``app`` with ``HeaderTimeoutProtocol`` (always h11: not httptools even when
     installed), no connection limit of its own (the gateway bounds requests in flight), and at most
     ``close_s`` seconds for the responses still open when it stops. ``tls``: uvicorn's
     ``ssl_certfile``/``ssl_keyfile`` settings, or empty for plaintext."""
-    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=header_timeout_s)
+    protocol = functools.partial(HeaderTimeoutProtocol, header_timeout_s=header_timeout_s,
+                                 send_timeout_s=send_timeout_s)
     config = uvicorn.Config(app, http=protocol, lifespan="off", access_log=False, log_level="warning",
                             timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=close_s, **tls)
     return EmbeddedUvicorn(config)

@@ -86,9 +86,10 @@ class _ReadOrCut(StreamingResponse):
 
         try:
             await super().stream_response(bounded)
-        except TimeoutError:
+        except TimeoutError:  # the connection itself is aborted by http_server.HeaderTimeoutProtocol
             log.warning("an HTTP client read nothing for %g s: its stream is cut and its requests aborted",
                         self._send_timeout_s)
+        finally:  # also when the client went away: its requests end now, not when the generator is collected
             await self.body_iterator.aclose()
 
 

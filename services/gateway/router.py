@@ -136,10 +136,11 @@ class OutputRouter:
         since = time.monotonic() - quiet_s
         return {key: r.heard_at for key, r in self._requests.items() if r.owner == scheduler_id and r.heard_at <= since}
 
-    def end_unheld(self, key: str, scheduler_id: str) -> None:
-        """Ends a request its owner ``scheduler_id`` no longer holds: its call fails with UNAVAILABLE."""
+    def end_unheld(self, key: str, scheduler_id: str, heard_at: float) -> None:
+        """Ends a request its owner ``scheduler_id`` no longer holds: its call fails with UNAVAILABLE
+        (unless it heard from its owner after ``heard_at`` meanwhile, or has another owner)."""
         request = self._requests.get(key)
-        if request is not None and request.owner == scheduler_id:
+        if request is not None and request.owner == scheduler_id and request.heard_at == heard_at:
             error = RequestError(ErrorKind.UNAVAILABLE, f"scheduler {scheduler_id} no longer holds the request (its "
                                                         "last output was lost); retry")
             request.queue.put_nowait(RequestOutput.aborted(key, error))

@@ -106,7 +106,7 @@ def _http_server(config: GatewayConfig, serving: OpenAIServing, http_health: Hea
     add_metrics_route(app, render)
     # TLS: the same certificate as the gRPC port.
     tls = dict(ssl_certfile=str(config.tls_cert_file), ssl_keyfile=str(config.tls_key_file)) if config.tls_cert_file else {}
-    return new_http_server(app, config.http_header_timeout_s, SHUTDOWN_CLOSE_S / 2, tls)
+    return new_http_server(app, config.http_header_timeout_s, config.http_send_timeout_s, SHUTDOWN_CLOSE_S / 2, tls)
 
 
 async def _close(server: grpc.aio.Server, http_task: asyncio.Task, router: OutputRouter, tasks: list[asyncio.Task],
@@ -115,7 +115,7 @@ async def _close(server: grpc.aio.Server, http_task: asyncio.Task, router: Outpu
     deletions) end, then stops the router's tasks (which close the scheduler links), then the Redis pool."""
     await asyncio.gather(server.stop(grace=SHUTDOWN_CLOSE_S / 2), http_task, return_exceptions=True)
     if left := await router.background.settle(SHUTDOWN_CLOSE_S / 4):
-        log.warning("%d Abort or clean-up calls still running at shutdown are cancelled", left)
+        log.warning("%d Abort or clean-up calls still running at shutdown end with the process", left)
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

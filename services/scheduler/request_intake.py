@@ -83,19 +83,20 @@ class RequestIntake:
 
     def add(self, entry: QueueEntry) -> None:
         """Takes a stream entry read from Redis (new, claimed, handed off or read again)."""
+        row = self.table.row(entry.request.request_id)
+        if row is not None and row.phase is not Phase.ABORTED_UNREAD:  # in flight: its own entry read again
+            if row.entry.entry_id != entry.entry_id:  # is kept; another entry of it (a replay) is acknowledged
+                self.acks.put(entry.entry_id)
+            return
         try:
             request = request_from_pb(entry.request)
         except ValueError as exc:  # a record no gateway of ours writes: drop it, keep serving
             log.error("dropping stream entry %r: %s", entry.entry_id, exc)
             self.acks.put(entry.entry_id)
             return
-        row = self.table.row(request.request_id)
-        if row is not None and row.phase is Phase.ABORTED_UNREAD:
+        if row is not None:  # its client gave up before we read it
             self.table.remove(request.request_id)
-            self.acks.put(entry.entry_id)  # its client gave up before we read it
-        elif row is not None:  # in flight: its own entry read again after a reconnect is kept
-            if row.entry.entry_id != entry.entry_id:  # another entry of a request in flight (a replay)
-                self.acks.put(entry.entry_id)
+            self.acks.put(entry.entry_id)
         elif not self.gateways.is_live(entry.request.gateway_id):  # orphans cost nothing until it listens
             self.gateways.request_read(entry.request.gateway_id)
             self.table.park(entry, request)

@@ -166,6 +166,15 @@ def http_health(base_url: str) -> int:
         return 0
 
 
+def gateway_in_flight(http: str) -> int:
+    """Requests in flight in the gateway whose HTTP API is at ``http`` (its /metrics)."""
+    import httpx
+
+    text = httpx.get(http + "/metrics", timeout=5).text
+    lines = [line for line in text.splitlines() if line.startswith("pagedserve_gateway_requests_in_flight")]
+    return int(float(lines[0].split()[-1])) if lines else 0
+
+
 def start_gateway(name: str, stack: "Stack", model: Path, log_dir: Path, args: tuple[str, ...] = (),
                   env_extra: dict | None = None) -> tuple[Process, str, str]:
     """Another gateway on ``stack`` (with ``args`` added to its flags), once its HTTP health is 200.

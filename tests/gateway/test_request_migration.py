@@ -106,12 +106,13 @@ def test_a_client_that_leaves_before_any_scheduler_answered_aborts_on_every_sche
 def test_a_client_that_leaves_before_the_gateway_read_its_entry_id_leaves_no_stream_entry(client, redis_url):
     async def scenario():
         async with Gateway(client, redis_url) as gw:
-            client.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+            client.execute_command("CLIENT", "PAUSE", 20_000, "WRITE")
             params = SamplingParams(max_tokens=4)
             task = asyncio.create_task(gw._collect(Submission(ParsedRequest((1,), params,
                                                                             params.to_engine(1, 100, 26, ())))))
-            await asyncio.sleep(0.1)  # the XADD is sent and waits in Redis
-            time.sleep(0.5)  # the event loop blocked: Redis queues the entry, the gateway has not read the reply
+            await until(lambda: client.info("clients")["blocked_clients"] == 1, "the XADD waiting in Redis")
+            client.execute_command("CLIENT", "UNPAUSE")
+            time.sleep(0.3)  # the event loop blocked: Redis queues the entry, the gateway has not read the reply
             assert client.xlen(redis_keys.REQUEST_STREAM) == 1
             task.cancel()  # the client goes away before the gateway knows the entry's id
             await asyncio.gather(task, return_exceptions=True)
