@@ -43,15 +43,21 @@ def logit_bias_of(bias: dict[str, float] | None) -> dict[int, float]:
     as token id -> bias.
 
     Raises:
-        InvalidRequestError: ``logit_bias``, for a key that is not an integer.
+        InvalidRequestError: ``logit_bias``, for a key that is not an integer, or two keys naming one
+            token id (``"5"`` and ``"05"``: one bias would be dropped).
     """
     parsed: dict[int, float] = {}
+    keys: dict[int, str] = {}
     for key, value in (bias or {}).items():
         digits = key.strip()
         # ASCII digits only: int() would also take "1_0", "+5" and other scripts' digits
         if not (digits.isascii() and digits.isdigit()):
             raise InvalidRequestError("logit_bias", f"keys must be token ids (decimal integers), got {key!r}")
-        parsed[int(digits)] = value
+        token_id = int(digits)
+        if token_id in keys:
+            raise InvalidRequestError("logit_bias", f"keys {keys[token_id]!r} and {key!r} both name token id "
+                                      f"{token_id}")
+        keys[token_id], parsed[token_id] = key, value
     return parsed
 
 

@@ -147,6 +147,7 @@ def test_chat_sse_wire_format(stack, model_name):
     ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "suffix": "x"}, "suffix"),
     ("/v1/completions", {"prompt": "Hi", "logit_bias": {"abc": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "Hi", "logit_bias": {"5": 5, "05": -5}}, "logit_bias"),
     ("/v1/completions", {"prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "Hi", "best_of": 2, "stream": True}, "best_of"),
     # values the services carry as uint64 / int32 / float32 (these were a 500, or garbage text)

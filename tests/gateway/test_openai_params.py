@@ -71,6 +71,7 @@ def test_defaults_are_the_engine_defaults_but_max_tokens_16_for_completions():
     ({"best_of": 3, "stream": True}, "best_of"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"logit_bias": {"abc": 1.0}}, "logit_bias"),
     ({"logit_bias": {"5": 101.0}}, "logit_bias[5]"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"logit_bias": {"5": 100.0, "05": -100.0}}, "logit_bias"),  # one token id twice: one bias was dropped
 ])
 def test_bad_or_unsupported_values_name_the_openai_field(fields, param):
     with pytest.raises(InvalidRequestError) as info:
