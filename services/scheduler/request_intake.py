@@ -68,6 +68,7 @@ class RequestIntake:
 
     def drop_for_gone_gateways(self) -> None:
         """Drops the requests of gateways whose stream has been closed longer than the grace period."""
+        now = time.monotonic()
         for gateway_id in self.gateways.expired():
             parked = self.table.of_gateway(gateway_id, Phase.PARKED)
             if parked:
@@ -77,8 +78,8 @@ class RequestIntake:
             for request_id in self.table.of_gateway(gateway_id, Phase.RUNNING):
                 log.info("aborting %s: its gateway %s is gone", request_id, gateway_id)
                 self.abort(request_id)
-            self.streams.retire(gateway_id, time.monotonic() + self.config.gateway_grace_s)  # with the aborts' finals
-        self.streams.drop_retired(time.monotonic())
+            self.streams.retire(gateway_id, now + self.config.gateway_grace_s)  # with the aborts' finals
+        self.streams.drop_retired(now)
         self.table.forget_aborted_unread(self.config.gateway_grace_s + ABORTED_UNREAD_KEEP_S)
 
     def add(self, entry: QueueEntry) -> None:

@@ -222,6 +222,16 @@ def stranger_server(add_servicer, servicer) -> tuple["grpc.Server", int]:
     return server, port
 
 
+def status_of(call: Callable[[], object]) -> "grpc.StatusCode":
+    """The status a gRPC call made by ``call()`` fails with (the test fails if it succeeds)."""
+    import grpc
+    import pytest
+
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code()
+
+
 def healthy(address: str) -> bool:
     return check_health(address)
 

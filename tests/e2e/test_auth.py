@@ -17,7 +17,7 @@ from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc, generate_pb2_grpc
 from services.common.redis_keys import WORKERS_HASH
-from tests.e2e.processes import free_port, pagedserve, scheduler_stats, wait_until
+from tests.e2e.processes import free_port, pagedserve, scheduler_stats, status_of, wait_until
 from tests.e2e.test_stack import QUESTIONS, chat_request, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -28,12 +28,6 @@ BAD_TOKENS = [None, "wrong-token"]
 
 def token_metadata(token: str | None) -> tuple:
     return () if token is None else ((CLUSTER_TOKEN_KEY, token),)
-
-
-def status_of(call) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code()
 
 
 @pytest.mark.parametrize("service", ["scheduler", "worker", "gateway"])

@@ -24,8 +24,7 @@ from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
 from services.common.signed_records import sign_record
 from tests.e2e.processes import (CLUSTER_TOKEN, healthy, pagedserve, scheduler_stats, start_stack, stranger_server,
-                                 wait_until)
-from tests.e2e.test_auth import status_of
+                                 status_of, wait_until)
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
