@@ -51,7 +51,7 @@ class WorkerConfig:
     rank_join_timeout_s: float = option("seconds rank 0 waits for the remote ranks to join before failing at start",
                                         300.0, flag="rank-join-timeout", metavar="SECONDS")
     cpu_affinity: tuple[int, ...] = option(
-        "run on these CPU cores (e.g. 0-3) with torch's OpenMP threads bound to them, one per core; give each "
+        "run every thread of the worker (torch's OpenMP team included) on these CPU cores (e.g. 0-3); give each "
         "worker on a machine its own cores", (), parse=parse_cpu_list, show=lambda cores: ",".join(map(str, cores)),
         default_help="no binding")
     heartbeat_interval_s: float = 1.0

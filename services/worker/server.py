@@ -27,14 +27,23 @@ log = logging.getLogger("pagedserve.worker")
 
 
 def bind_to_cores(cores: tuple[int, ...]) -> None:
-    """Pins this process to ``cores`` and asks OpenMP to bind its threads one per core.
+    """Runs every thread of this process on ``cores``: the threads it has (numpy's OpenBLAS pool,
+    started by imports) and, by inheritance, those it starts later (torch's OpenMP team, gRPC's).
 
-    Must run before torch is imported: OpenMP reads its settings when it starts. Unbound OpenMP
-    threads migrating between cores made a worker step up to 1.6x slower on a 2-core machine.
+    OpenMP threads are not bound one per core: libgomp reads ``OMP_PROC_BIND``/``OMP_PLACES`` when
+    torch loads, before this runs (setting them here did nothing, and a forkserver's helper ranks
+    inherited them); set before, they bind the first thread to the first core and every thread
+    started later (gRPC's, the model thread) inherits that one core. Binding a team one per core
+    measured no faster in-process (docs/benchmarks.md, "What was tried").
+
+    Raises:
+        OSError: a core is not one this process may run on.
     """
-    os.sched_setaffinity(0, cores)
-    os.environ["OMP_PROC_BIND"] = "true"
-    os.environ["OMP_PLACES"] = ",".join(f"{{{core}}}" for core in cores)
+    for thread_id in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread_id), cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
 
 
 def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:

@@ -192,6 +192,14 @@ def start_gateway(name: str, stack: "Stack", model: Path, log_dir: Path, args: t
     return process, f"127.0.0.1:{port}", http
 
 
+def thread_cores(pid: int) -> list[str]:
+    """Each thread's allowed CPUs in process ``pid`` (``Cpus_allowed_list`` of /proc, e.g. ``"0"``,
+    ``"0-1"``), main thread first."""
+    tasks = sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name) != pid)
+    return [next(line.split()[1] for line in (t / "status").read_text().splitlines()
+                 if line.startswith("Cpus_allowed_list:")) for t in tasks]
+
+
 def scheduler_stats(address: str, cluster_token: str = CLUSTER_TOKEN) -> pb.SchedulerStats:
     with cluster_channel(address, cluster_token) as channel:
         return engine_pb2_grpc.SchedulerStub(channel).GetStats(pb.GetStatsRequest(), timeout=5)
