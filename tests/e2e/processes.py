@@ -20,6 +20,7 @@ from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from services.common.signed_records import RecordCheck
+from tests.e2e import zygote
 
 CLUSTER_TOKEN = secrets.token_hex(32)
 """The cluster token of every stack the tests start (services get it as PAGEDSERVE_CLUSTER_TOKEN)."""
@@ -84,13 +85,14 @@ def wait_until(ready: Callable[[], bool], what: str, timeout_s: float, processes
 
 
 class Process:
-    """A child process whose output goes to a log file (shown when it dies unexpectedly)."""
+    """A child process whose output goes to a log file (shown when it dies unexpectedly); a pagedserve
+    service is forked from a template that has imported it (``tests/e2e/zygote.py``)."""
 
     def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.popen = zygote.start(argv, self.log_path, env)
         self._terminated = False
 
     def log_text(self) -> str:
