@@ -3,6 +3,13 @@
 REQUEST_STREAM = "pagedserve:requests"
 """Stream of protobuf ``QueuedRequest`` records (field ``request``), written by gateways."""
 
+def submission_key(submission_id: str) -> str:
+    """Key marking one submission of a request to REQUEST_STREAM (value: its entry id, with a TTL), so
+    that a command redis-py sends again queues nothing more; ``submission_id`` is random, drawn by the
+    gateway for each submission."""
+    return f"pagedserve:submission:{submission_id}"
+
+
 REQUEST_FIELD = b"request"
 """The stream entry field that holds the encoded request."""
 
