@@ -1,8 +1,8 @@
 """The gateway's OpenAI-compatible HTTP API: the FastAPI app, its auth, and the small endpoints.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``POST /tokenize``, ``POST /detokenize`` (all behind the API key when one is set) and
-``GET /health`` (open, like gRPC health). ``GET /metrics`` (open) is added by
+``POST /tokenize``, ``POST /detokenize`` (all behind the API key when one is set: ``_RequireApiKey``)
+and ``GET /health`` (open, like gRPC health). ``GET /metrics`` (open) is added by
 ``add_metrics_route`` when the gateway has metrics.
 """
 
@@ -12,13 +12,12 @@ import asyncio
 import hmac
 from dataclasses import dataclass
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.engine.sampling_params import InvalidRequestError
 from services.common.grpc_server import CLIENT_API_MAX_MESSAGE_BYTES
-from services.gateway.generation_errors import GenerationError, StatusKind
 from services.gateway.openai_chat import chat_prompt_mode, create_chat_completion, encode_messages
 from services.gateway.openai_completions import create_completion
 from services.gateway.openai_errors import add_error_handlers, error_response
@@ -26,6 +25,12 @@ from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRe
 from services.gateway.openai_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse, now_s
 from services.gateway.openai_serving import OpenAIServing, invalid
 from pagedserve.text.tokenizer import PromptTokenizer
+
+
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+OPEN_PATHS = frozenset({HEALTH_PATH, METRICS_PATH})
+"""Paths answered without the API key (probes and scrapers hold none)."""
 
 
 class HealthState:
@@ -106,16 +111,23 @@ class _BodyLimit:
         await response(scope, receive, send)
 
 
-def _auth_dependency(api_key: str):
-    """A FastAPI dependency that refuses a missing or wrong ``Authorization: Bearer`` (constant time)."""
-    expected = f"Bearer {api_key}".encode()
+class _RequireApiKey:
+    """ASGI middleware: answers 401 to a request for any path but ``OPEN_PATHS`` that lacks exactly one
+    ``Authorization: Bearer API_KEY`` header (compared in constant time), before anything reads its
+    body: a client without the key learns nothing of what its body would have got (400, 413, ...)."""
 
-    async def check(request: Request) -> None:
-        values = request.headers.getlist("authorization")
-        if not (len(values) == 1 and hmac.compare_digest(values[0].encode(), expected)):
-            raise GenerationError(StatusKind.UNAUTHENTICATED, "missing or wrong API key (header Authorization: Bearer KEY)")
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self._app = app
+        self._expected = f"Bearer {api_key}".encode()
 
-    return check
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            values = [value for name, value in scope["headers"] if name == b"authorization"]
+            if not (len(values) == 1 and hmac.compare_digest(values[0], self._expected)):
+                response = error_response(401, "missing or wrong API key (header Authorization: Bearer KEY)")
+                await response(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
 
 
 def _tokenize(tokenizer: PromptTokenizer, body: TokenizeRequest) -> list[int]:
@@ -181,14 +193,15 @@ def build_http_app(serving: OpenAIServing, health: HealthState, settings: HttpSe
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible API of a pagedserve gateway",
                   docs_url=None, redoc_url=None, openapi_url=None)
     add_error_handlers(app)
-    dependencies = [Depends(_auth_dependency(settings.api_key))] if settings.api_key else []
-    app.include_router(_api_routes(serving), dependencies=dependencies)
+    app.include_router(_api_routes(serving))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers often probe with HEAD
+    @app.api_route(HEALTH_PATH, methods=["GET", "HEAD"])  # load balancers often probe with HEAD
     async def health_check() -> Response:
         return Response(status_code=200 if health.serving else 503)
 
     app.add_middleware(_BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
+    if settings.api_key:  # added last, so outermost: before the body limit reads the body
+        app.add_middleware(_RequireApiKey, api_key=settings.api_key)
     return app
 
 
@@ -196,7 +209,7 @@ def add_metrics_route(app: FastAPI, render) -> None:
     """``GET /metrics`` (open): ``await render()`` returns ``(body bytes, content type)`` of the
     Prometheus exposition."""
 
-    @app.get("/metrics")
+    @app.get(METRICS_PATH)
     async def metrics() -> Response:
         body, content_type = await render()
         return Response(body, media_type=content_type)

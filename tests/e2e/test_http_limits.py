@@ -40,6 +40,9 @@ def test_api_key_is_required_and_a_full_gateway_answers_429(stack, keyed_gateway
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         response = httpx.post(keyed_gateway + "/v1/completions", json=body, headers=headers, timeout=60)
         assert response.status_code == 401 and response.json()["error"]["code"] == 401
+    malformed = httpx.post(keyed_gateway + "/v1/completions", content=b"{not json", timeout=60,
+                           headers={"Content-Type": "application/json"})
+    assert malformed.status_code == 401, malformed.text  # the key is checked before the body is read
     assert httpx.get(keyed_gateway + "/health", timeout=10).status_code == 200  # open, like gRPC health
     keyed = openai.OpenAI(base_url=keyed_gateway + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     assert [m.id for m in keyed.models.list().data] == ["smol"]

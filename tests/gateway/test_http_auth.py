@@ -1,0 +1,55 @@
+"""The HTTP API's key check, on the ASGI middleware itself: it answers before anything reads the body."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from services.gateway.http_app import OPEN_PATHS, _RequireApiKey
+
+KEY = "k" * 32
+
+
+def _run(path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict | None, bool]:
+    """(status, JSON body of a refusal, whether the app was called) for a POST of a malformed body."""
+    sent, reached = [], []
+
+    async def app(scope, receive, send) -> None:
+        reached.append(await receive())
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def receive():
+        return {"type": "http.request", "body": b"{not json", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+    asyncio.run(_RequireApiKey(app, KEY)(scope, receive, send))
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return status, json.loads(body) if status == 401 else None, bool(reached)
+
+
+@pytest.mark.parametrize("headers", [[], [(b"authorization", b"Bearer wrong")],
+                                     [(b"authorization", f"Bearer {KEY}".encode())] * 2])
+def test_a_request_without_exactly_the_key_is_401_before_its_body_is_read(headers):
+    """Review finding: malformed JSON without the key got 400 (the body was parsed first)."""
+    status, body, reached = _run("/v1/completions", headers)
+    assert (status, body["error"]["code"], body["error"]["type"], reached) == (401, 401, "authentication_error", False)
+
+
+def test_the_key_lets_the_request_through():
+    assert _run("/v1/completions", [(b"authorization", f"Bearer {KEY}".encode())]) == (200, None, True)
+
+
+@pytest.mark.parametrize("path", sorted(OPEN_PATHS))
+def test_probes_and_scrapers_need_no_key(path):
+    assert _run(path, []) == (200, None, True)
+
+
+def test_unknown_paths_are_behind_the_key_too():
+    assert _run("/v1/embeddings", [])[0] == 401
