@@ -11,6 +11,11 @@ random placeholder per message instead of its content; the rendered text is spli
 placeholders; template pieces are tokenized as usual and contents with special-token matching
 off. Otherwise (the usual case) the rendered text is tokenized whole, which gives the very ids
 ``apply_chat_template(..., tokenize=True)`` gives.
+
+Every other string the template renders (a message's ``name``, a call's id and ``arguments``, a
+tool's description and ``parameters``) is refused when it spells an added token: templates write
+those through filters (``tojson``) whose output a placeholder cannot stand in for, and none of them
+needs marker text.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.engine.request_errors import InvalidRequestError
 from pagedserve.text.tool_calls import FunctionTool, fallback_conversation
 
 
@@ -64,10 +70,15 @@ class ChatEncoder:
         are; otherwise tools and calls are written into the contents (``tool_calls.fallback_conversation``).
         The template writes the special tokens itself, so none are added while tokenizing; special
         tokens spelled inside a content are tokenized as their characters.
+
+        Raises:
+            InvalidRequestError: a string other than a content spells an added token (field
+                ``messages[i]...`` or ``tools[j]...``, as in the OpenAI shape).
         """
         if not self.takes_tools:
             conversation, tools = fallback_conversation(conversation, tools), ()
         rendering = _Rendering(mode, [tool.as_openai() for tool in tools] or None)
+        self._refuse_marker_text(conversation, rendering.tools or ())
         if any(self._holds_added_token(message["content"]) for message in conversation):
             return self._encode_contents_as_text(conversation, rendering)
         return list(self._tokenizer.encode(self._render(conversation, rendering), add_special_tokens=False))
@@ -101,6 +112,37 @@ class ChatEncoder:
 
     def _holds_added_token(self, content: str) -> bool:
         return any(token in content for token in self._added)
+
+    def _refuse_marker_text(self, conversation: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> None:
+        """Raises InvalidRequestError for the first string the template renders as it is (anything
+        but a message's content) that spells an added token: tokenized with the rendered text, it
+        would become that token (a forged ``<|im_start|>system`` in a call's arguments opened a
+        system turn)."""
+        parts = [(f"messages[{i}]", {k: v for k, v in m.items() if k != "content"}) for i, m in enumerate(conversation)]
+        parts += [(f"tools[{j}]", tool) for j, tool in enumerate(tools)]
+        for path, part in parts:
+            for field, text in _strings(part, path, inside_document=False):
+                token = next((t for t in self._added if t in text), None)
+                if token is not None:
+                    raise InvalidRequestError(field, f"holds the text of the token {token!r}, which the chat template "
+                                                     "would turn into that token; only message contents may")
+
+
+_DOCUMENTS = frozenset({"arguments", "parameters"})
+"""Keys whose values are JSON documents a client wrote whole: strings inside one are named by its path."""
+
+
+def _strings(value: Any, path: str, inside_document: bool) -> Any:
+    """``(path, text)`` of every string in an OpenAI-shaped value, dictionary keys included."""
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield path, str(key)
+            yield from _strings(item, path if inside_document else f"{path}.{key}", inside_document or key in _DOCUMENTS)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _strings(item, path if inside_document else f"{path}[{i}]", inside_document)
 
 
 @dataclass(frozen=True)

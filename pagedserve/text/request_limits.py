@@ -25,6 +25,7 @@ class RequestLimits:
             before the tokenizer spends time on it.
         max_chat_messages: most messages in ``chat.messages``.
         max_role_chars: longest ``chat.messages[i].role`` in characters (roles are short words).
+        max_message_name_chars: longest ``chat.messages[i].name`` (the author's name), in characters.
         max_stop_strings: most entries in ``sampling_params.stop`` (and in ``bad_words``).
         max_stop_string_chars: longest stop string (and bad word), in characters.
         max_stop_token_ids: most entries in ``sampling_params.stop_token_ids``.
@@ -50,6 +51,7 @@ class RequestLimits:
     prompt_bytes_per_context_token: int = 32
     max_chat_messages: int = 1024
     max_role_chars: int = 32
+    max_message_name_chars: int = 256
     max_stop_strings: int = 64
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 1024

@@ -40,12 +40,14 @@ class ChatTurn:
         content: the message text (may be empty).
         tool_calls: an assistant message's calls of tools (history of tool use).
         tool_call_id: a ``tool`` message's answer to the call of this id; None for other roles.
+        name: the author's name (OpenAI's ``name``), for chat templates that render one; None: none.
     """
 
     role: str
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    name: str | None = None
 
     def as_openai(self) -> dict[str, object]:
         """The message as chat templates read it (OpenAI's shape; only the keys that are set)."""
@@ -54,6 +56,8 @@ class ChatTurn:
             message["tool_calls"] = [call.as_openai() for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
         return message
 
     def check_tool_use(self, field: str) -> None:
@@ -270,13 +274,17 @@ class PromptTokenizer:
                 contents together exceed ``max_prompt_bytes``; ``chat.messages[i].role`` for a role
                 outside ``CHAT_ROLES``; ``chat.messages[i].content`` for a content over
                 ``max_prompt_bytes``. All checked before rendering. ``chat.messages`` also when the
-                template refuses the conversation (it raises, e.g. for roles out of its order).
+                template refuses the conversation (it raises, e.g. for roles out of its order);
+                ``chat.messages[i]...`` or ``chat.tools[j]...`` for a string other than a content
+                that spells an added token (``ChatEncoder.encode``).
         """
         if self._chat is None:
             raise InvalidRequestError(CHAT_FIELD, f"model {self._info.name} has no chat template; send a prompt")
         self._check_chat(messages)
         try:
             return self._chat.encode([turn.as_openai() for turn in messages], mode, tools)
+        except InvalidRequestError as exc:  # named within the chat
+            raise exc.renamed(f"{CHAT_FIELD}.{exc.field_name}") from exc
         except (ValueError, jinja2.TemplateError) as exc:
             raise InvalidRequestError(CHAT_FIELD + ".messages", f"the chat template refused them: {exc}") from exc
 
@@ -290,6 +298,7 @@ class PromptTokenizer:
         total = 0
         for i, turn in enumerate(messages):
             check_count(f"{field}[{i}].role", len(turn.role), self._limits.max_role_chars, "characters")
+            check_count(f"{field}[{i}].name", len(turn.name or ""), self._limits.max_message_name_chars, "characters")
             if turn.role not in CHAT_ROLES:
                 raise InvalidRequestError(f"{field}[{i}].role", f"{turn.role!r} is not one of {', '.join(CHAT_ROLES)}")
             total += check_text_bytes(f"{field}[{i}].content", turn.content, budget)

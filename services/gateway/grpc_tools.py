@@ -124,7 +124,8 @@ def chat_turns(chat: gen.ChatMessages, limits: RequestLimits) -> list[ChatTurn]:
     for i, message in enumerate(chat.messages):
         field = f"chat.messages[{i}]"
         turn = ChatTurn(message.role, message.content, tuple(ToolCall(call.id, call.name, call.arguments)
-                                                             for call in message.tool_calls), message.tool_call_id or None)
+                                                             for call in message.tool_calls), message.tool_call_id or None,
+                        message.name or None)
         turn.check_tool_use(field)
         for j, call in enumerate(message.tool_calls):
             _check_name(f"{field}.tool_calls[{j}].name", call.name, limits)

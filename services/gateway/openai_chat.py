@@ -63,13 +63,15 @@ def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage],
     """
     # OpenAI's "developer" role took over "system"'s job; chat templates know only "system"
     turns = [ChatTurn(role="system" if m.role == "developer" else m.role, content=m.text(),
-                      tool_calls=history_calls(m.tool_calls), tool_call_id=m.tool_call_id) for m in messages]
+                      tool_calls=history_calls(m.tool_calls), tool_call_id=m.tool_call_id, name=m.name)
+             for m in messages]
     for i, turn in enumerate(turns):
         turn.check_tool_use(f"messages[{i}]")
     try:
         return tokenizer.encode_chat(turns, mode, tools)
     except InvalidRequestError as exc:
-        name = "messages" + exc.field_name.removeprefix(CHAT_FIELD).removeprefix(".messages")
+        field = exc.field_name.removeprefix(CHAT_FIELD).removeprefix(".")
+        name = field if field.startswith("tools") else "messages" + field.removeprefix("messages")
         raise InvalidRequestError(name, exc.reason) from exc
 
 

@@ -23,7 +23,7 @@ _LIMITS = RequestLimits()
 MAX_PROMPTS = 64
 """Most prompts in one completions request (each is its own engine request)."""
 MAX_NAME_CHARS = 256
-"""Longest model name, user, or message name."""
+"""Longest model name or user."""
 
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier")
 """Request fields accepted and deliberately ignored: an end-user label, OpenAI's stored completions
@@ -134,13 +134,14 @@ class TextPart(StrictRequest):
 
 class ChatMessage(StrictRequest):
     """One chat message; ``content`` is a string or a list of text parts (joined). An assistant
-    message may hold the ``tool_calls`` it made, a ``tool`` message the ``tool_call_id`` it answers."""
+    message may hold the ``tool_calls`` it made, a ``tool`` message the ``tool_call_id`` it answers;
+    ``name`` reaches the chat template (``message.name``)."""
 
     _ignored_when_empty = IGNORED_MESSAGE_FIELDS
 
     role: Annotated[StrictStr, Field(max_length=_LIMITS.max_role_chars)]
     content: Text | Annotated[list[TextPart], Field(max_length=_LIMITS.max_chat_messages)] | None = None
-    name: Name | None = None
+    name: Annotated[StrictStr, Field(max_length=_LIMITS.max_message_name_chars)] | None = None
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=_LIMITS.max_chat_messages)] | None = None
     tool_call_id: CallId | None = None
 

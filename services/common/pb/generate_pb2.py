@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!services/common/pb/generate.proto\x12\rpagedserve.v1\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\xca\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x05tools\x18\x02 \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12.\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x19.pagedserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xa9\x01\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.pagedserve.v1.ToolChoice.ModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\r\n\tMODE_AUTO\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xe0\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x06\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\x0c\x88\x01\x01\x12@\n\nlogit_bias\x18\x13 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x07\x62\x65st_of\x18\x14 \x01(\x05H\r\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x15 \x01(\x08H\x0e\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x16 \x03(\x03\x12\x11\n\tbad_words\x18\x17 \x03(\t\x12:\n\x11structured_output\x18\x18 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\n\n\x08_best_ofB \n\x1e_spaces_between_special_tokens\"\x8f\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x87\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x0e\n\x0cprompt_input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"A\n\x0ePromptLogprobs\x12/\n\tpositions\x18\x01 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"\x83\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x12+\n\ntool_calls\x18\x0b \x03(\x0b\x32\x17.pagedserve.v1.ToolCallB\r\n\x0bstop_reason*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!services/common/pb/generate.proto\x12\rpagedserve.v1\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xca\x01\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12\"\n\x05tools\x18\x02 \x03(\x0b\x32\x13.pagedserve.v1.Tool\x12.\n\x0btool_choice\x18\x03 \x01(\x0b\x32\x19.pagedserve.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x04 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xa9\x01\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32\x1e.pagedserve.v1.ToolChoice.ModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\"M\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\r\n\tMODE_AUTO\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xe0\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12 \n\x13skip_special_tokens\x18\x0c \x01(\x08H\x06\x88\x01\x01\x12\x0e\n\x01n\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\t\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x02H\n\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x02H\x0b\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x02H\x0c\x88\x01\x01\x12@\n\nlogit_bias\x18\x13 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x07\x62\x65st_of\x18\x14 \x01(\x05H\r\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x15 \x01(\x08H\x0e\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x16 \x03(\x03\x12\x11\n\tbad_words\x18\x17 \x03(\t\x12:\n\x11structured_output\x18\x18 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\n\n\x08_best_ofB \n\x1e_spaces_between_special_tokens\"\x8f\x01\n\x10StructuredOutput\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x87\x02\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x36\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x12\n\ncache_salt\x18\x07 \x01(\tB\x0e\n\x0cprompt_input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"A\n\x0ePromptLogprobs\x12/\n\tpositions\x18\x01 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\"\x83\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.pagedserve.v1.TokenLogprobs\x12\x36\n\x0fprompt_logprobs\x18\x08 \x01(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\n \x01(\rH\x00\x12+\n\ntool_calls\x18\x0b \x03(\x0b\x32\x17.pagedserve.v1.ToolCallB\r\n\x0bstop_reason*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32[\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,40 +33,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2750
-  _globals['_FINISHREASON']._serialized_end=2900
+  _globals['_FINISHREASON']._serialized_start=2764
+  _globals['_FINISHREASON']._serialized_end=2914
   _globals['_CHATMESSAGE']._serialized_start=52
-  _globals['_CHATMESSAGE']._serialized_end=163
-  _globals['_CHATMESSAGES']._serialized_start=166
-  _globals['_CHATMESSAGES']._serialized_end=368
-  _globals['_TOOL']._serialized_start=370
-  _globals['_TOOL']._serialized_end=431
-  _globals['_TOOLCHOICE']._serialized_start=434
-  _globals['_TOOLCHOICE']._serialized_end=603
-  _globals['_TOOLCHOICE_MODE']._serialized_start=516
-  _globals['_TOOLCHOICE_MODE']._serialized_end=593
-  _globals['_TOOLCALL']._serialized_start=605
-  _globals['_TOOLCALL']._serialized_end=660
-  _globals['_TOKENIDS']._serialized_start=662
-  _globals['_TOKENIDS']._serialized_end=685
-  _globals['_SAMPLINGPARAMS']._serialized_start=688
-  _globals['_SAMPLINGPARAMS']._serialized_end=1680
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1387
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1435
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1683
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1826
-  _globals['_CHOICES']._serialized_start=1828
-  _globals['_CHOICES']._serialized_end=1854
-  _globals['_GENERATEREQUEST']._serialized_start=1857
-  _globals['_GENERATEREQUEST']._serialized_end=2120
-  _globals['_USAGE']._serialized_start=2122
-  _globals['_USAGE']._serialized_end=2179
-  _globals['_TOKENLOGPROBS']._serialized_start=2181
-  _globals['_TOKENLOGPROBS']._serialized_end=2290
-  _globals['_PROMPTLOGPROBS']._serialized_start=2292
-  _globals['_PROMPTLOGPROBS']._serialized_end=2357
-  _globals['_GENERATERESPONSE']._serialized_start=2360
-  _globals['_GENERATERESPONSE']._serialized_end=2747
-  _globals['_GENERATION']._serialized_start=2902
-  _globals['_GENERATION']._serialized_end=2993
+  _globals['_CHATMESSAGE']._serialized_end=177
+  _globals['_CHATMESSAGES']._serialized_start=180
+  _globals['_CHATMESSAGES']._serialized_end=382
+  _globals['_TOOL']._serialized_start=384
+  _globals['_TOOL']._serialized_end=445
+  _globals['_TOOLCHOICE']._serialized_start=448
+  _globals['_TOOLCHOICE']._serialized_end=617
+  _globals['_TOOLCHOICE_MODE']._serialized_start=530
+  _globals['_TOOLCHOICE_MODE']._serialized_end=607
+  _globals['_TOOLCALL']._serialized_start=619
+  _globals['_TOOLCALL']._serialized_end=674
+  _globals['_TOKENIDS']._serialized_start=676
+  _globals['_TOKENIDS']._serialized_end=699
+  _globals['_SAMPLINGPARAMS']._serialized_start=702
+  _globals['_SAMPLINGPARAMS']._serialized_end=1694
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1401
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1449
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1697
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1840
+  _globals['_CHOICES']._serialized_start=1842
+  _globals['_CHOICES']._serialized_end=1868
+  _globals['_GENERATEREQUEST']._serialized_start=1871
+  _globals['_GENERATEREQUEST']._serialized_end=2134
+  _globals['_USAGE']._serialized_start=2136
+  _globals['_USAGE']._serialized_end=2193
+  _globals['_TOKENLOGPROBS']._serialized_start=2195
+  _globals['_TOKENLOGPROBS']._serialized_end=2304
+  _globals['_PROMPTLOGPROBS']._serialized_start=2306
+  _globals['_PROMPTLOGPROBS']._serialized_end=2371
+  _globals['_GENERATERESPONSE']._serialized_start=2374
+  _globals['_GENERATERESPONSE']._serialized_end=2761
+  _globals['_GENERATION']._serialized_start=2916
+  _globals['_GENERATION']._serialized_end=3007
 # @@protoc_insertion_point(module_scope)
