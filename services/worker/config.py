@@ -41,7 +41,7 @@ class WorkerConfig:
     speculative_config: SpeculativeConfig = nested(
         "speculative decoding (the worker drafts and verifies; its schedulers need the same method and k)",
         SpeculativeConfig())
-    num_threads: int = option("torch CPU threads; 0: torch's default", 0)
+    num_threads: int = option("torch CPU threads; 0: one per --cpu-affinity core, else torch's default", 0)
     rank_address: str = option(
         "with --local-ranks K < T*P: listen here for ranks K..T*P-1, started on other machines with `pagedserve "
         "worker-rank --rank R --rank-address HOST:PORT` and the cluster token; the gloo rendezvous is at PORT+1",

@@ -28,7 +28,9 @@ log = logging.getLogger("pagedserve.worker")
 
 def bind_to_cores(cores: tuple[int, ...]) -> None:
     """Runs every thread of this process on ``cores``: the threads it has (numpy's OpenBLAS pool,
-    started by imports) and, by inheritance, those it starts later (torch's OpenMP team, gRPC's).
+    started by imports) and, by inheritance, those it starts later (torch's OpenMP team, gRPC's;
+    the helper ranks of a tensor-parallel worker too). ``serve_worker`` sizes torch's team to the
+    cores unless ``--num-threads`` is given.
 
     OpenMP threads are not bound one per core: libgomp reads ``OMP_PROC_BIND``/``OMP_PLACES`` when
     torch loads, before this runs (setting them here did nothing, and a forkserver's helper ranks
@@ -39,11 +41,14 @@ def bind_to_cores(cores: tuple[int, ...]) -> None:
     Raises:
         OSError: a core is not one this process may run on.
     """
-    for thread_id in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(thread_id), cores)
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
+    pinned: set[str] = set()
+    while unpinned := set(os.listdir("/proc/self/task")) - pinned:  # again, for threads started meanwhile
+        for thread_id in unpinned:
+            try:
+                os.sched_setaffinity(int(thread_id), cores)
+            except ProcessLookupError:  # the thread ended meanwhile
+                pass
+        pinned |= unpinned
 
 
 def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
@@ -61,8 +66,9 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     from pagedserve.engine.runner_factory import build_configured_runner
 
     tracer = telemetry.setup_tracing("pagedserve-worker")
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    threads = config.num_threads or len(config.cpu_affinity)  # torch's default counts every core of the machine
+    if threads:
+        torch.set_num_threads(threads)
     ranks = config.runner.tensor_parallel_size * config.runner.pipeline_parallel_size
     engines = _build_engines(config) if ranks > 1 else {config.worker_id: build_configured_runner(
         config.model, config.runner, config.block_size, config.speculative_config)}
@@ -111,8 +117,10 @@ def _serve_engine(config: WorkerConfig, worker_id: str, runner, index: int, trac
     registrar = WorkerRegistrar(redis_client, registration, config.heartbeat_interval_s, config.cluster_token)
     registrar.start()
     set_serving(health, True)
-    log.info("worker %s serving %s at %s with %d KV blocks", worker_id, config.model.name,
-             registration.address, runner.num_blocks)
+    import torch
+
+    log.info("worker %s serving %s at %s with %d KV blocks on %d threads", worker_id, config.model.name,
+             registration.address, runner.num_blocks, torch.get_num_threads())
     return server, health, registrar
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -10,7 +9,7 @@ import pytest
 
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
-from tests.e2e.processes import scheduler_stats, thread_cores, wait_until
+from tests.e2e.processes import scheduler_stats, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -80,10 +79,3 @@ def test_sixteen_concurrent_streams_complete_correctly(stack, offline_outputs):
     assert len(stats.workers) == 2
     assert_all_blocks_free(stack)
 
-
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the session stack binds its workers to cores 0 and 1")
-def test_each_worker_runs_every_thread_on_its_own_core(stack):
-    """start_stack gives worker i ``--cpu-affinity i`` (one thread each): every thread of it runs there,
-    the ones its imports started before the binding (numpy's OpenBLAS pool) too."""
-    for i in range(2):
-        assert set(thread_cores(stack.processes[f"worker-{i}"].popen.pid)) == {str(i)}

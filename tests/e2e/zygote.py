@@ -10,12 +10,16 @@ file, exit status (the template reaps its children and reports each one's), ``at
 interpreter shutdown. :func:`start` hands back a :class:`ForkedProcess`, which has the
 ``subprocess.Popen`` methods the tests use.
 
-What a forked service does not repeat is the import: module-level code ran in the template, under its
-environment. So only a service whose environment matches the template's in everything but the
-variables read at run time (``RUN_TIME_PREFIXES``; the project reads its own only when a service
-starts) shares a template; libgomp, for one, reads ``OMP_*`` when torch loads. ``pagedserve up``, the
-CLI tests, run.sh and the compose check still start every service with exec, as a user does.
-``PAGEDSERVE_TESTS_EXEC_SERVICES=1`` starts every test service with exec too (to compare).
+What a forked service does not repeat is the import, and what imports do: module-level code ran
+in the template, under its environment, and threads that imports start (numpy's OpenBLAS pool) are
+not in the child until it starts them. So a service shares a template only when its environment
+matches the template's in everything but ``RUN_TIME_VARIABLES`` (read when a service starts; the
+project reads its own only then, libgomp reads ``OMP_*`` when torch loads, OpenTelemetry
+``OTEL_PROPAGATORS`` when imported); a test of what happens at import starts its service with
+exec: ``PAGEDSERVE_TESTS_EXEC_SERVICES=1`` in that service's environment (or in the test process's,
+for every service). Also different: ``/proc/PID/cmdline`` names the template's command, the string
+hash seed is the template's, stdout and stderr are line-buffered. ``pagedserve up``, the CLI tests,
+run.sh and the compose check still start every service with exec, as a user does.
 """
 
 from __future__ import annotations
@@ -31,26 +35,32 @@ import sys
 import threading
 from pathlib import Path
 
-RUN_TIME_PREFIXES = ("PAGEDSERVE_", "OTEL_", "PYTEST_")
-"""Environment variables that a service reads when it starts, not when its modules are imported:
-they may differ between a template and the services forked from it."""
+RUN_TIME_VARIABLES = ("PAGEDSERVE_", "PYTEST_", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_")
+"""Environment variables (names or prefixes) that a service reads when it starts, not when its
+modules are imported: they may differ between a template and the services forked from it."""
+
+EXEC_VARIABLE = "PAGEDSERVE_TESTS_EXEC_SERVICES"
+"""Set to 1 (in the test process's environment or one service's), services are started with exec."""
 
 PRELOADED = ("pagedserve.cli", "services.scheduler.server", "services.worker.server", "services.gateway.server")
 """The modules every service's start imports (torch with the worker's, grpc with all of them)."""
+
+UNKNOWN_STATUS = -255
+"""The exit status of a service whose template died before reporting it (it exited; how is lost)."""
 
 _templates: dict[frozenset, "Template"] = {}
 _templates_lock = threading.Lock()
 
 
 def start(argv: list[str], log_path: Path, env: dict[str, str] | None) -> "ForkedProcess | subprocess.Popen":
-    """``argv`` (``[sys.executable, "-m", "pagedserve", ...]``) forked from the template for ``env``,
-    its output appended to ``log_path`` (``env`` None: this process's); other commands, and every one under
-    ``PAGEDSERVE_TESTS_EXEC_SERVICES=1``, started with exec (``subprocess.Popen``)."""
-    if argv[:3] != [sys.executable, "-m", "pagedserve"] or os.environ.get("PAGEDSERVE_TESTS_EXEC_SERVICES") == "1":
+    """``argv`` (``[sys.executable, "-m", "pagedserve", ...]``) forked from the template for ``env``
+    (None: this process's), its output appended to ``log_path``; other commands, and services to be
+    started with exec (``EXEC_VARIABLE``), started with ``subprocess.Popen``."""
+    env = dict(os.environ) if env is None else env
+    if argv[:3] != [sys.executable, "-m", "pagedserve"] or "1" in (os.environ.get(EXEC_VARIABLE), env.get(EXEC_VARIABLE)):
         with open(log_path, "ab") as log:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    env = dict(os.environ) if env is None else env
-    load_time = frozenset((k, v) for k, v in env.items() if not k.startswith(RUN_TIME_PREFIXES))
+    load_time = frozenset((k, v) for k, v in env.items() if not k.startswith(RUN_TIME_VARIABLES))
     with _templates_lock:
         template = _templates.get(load_time)
         if template is None or not template.alive():
@@ -58,23 +68,34 @@ def start(argv: list[str], log_path: Path, env: dict[str, str] | None) -> "Forke
     return template.fork(argv, log_path, env)
 
 
+class _Child:
+    """One forked service's exit status, filled in by the template's reader thread."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.status: int | None = None
+        self.ended = threading.Event()
+
+
 class ForkedProcess:
     """A service forked by a :class:`Template`, with the ``subprocess.Popen`` API the tests use
     (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``). Signals go
-    through a pidfd, so none reaches another process that took the pid after the template reaped it."""
+    through a pidfd, so none reaches another process that took the pid after the template reaped it;
+    should the template die, the pidfd still tells when the service ends (status ``UNKNOWN_STATUS``)."""
 
-    def __init__(self, template: "Template", pid: int, args: list[str]) -> None:
-        self.pid = pid
+    def __init__(self, child: _Child, template: "Template", args: list[str]) -> None:
+        self.pid = child.pid
         self.args = args
+        self._child = child
         self._template = template
         try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except ProcessLookupError:  # exited and reaped already
+            self._pidfd: int | None = os.pidfd_open(child.pid)
+        except ProcessLookupError:  # exited and reaped already: its status is on its way
             self._pidfd = None
 
     @property
     def returncode(self) -> int | None:
-        return self._template.exit_status(self.pid, timeout_s=0)
+        return self._status(timeout_s=0)
 
     def poll(self) -> int | None:
         return self.returncode
@@ -85,13 +106,13 @@ class ForkedProcess:
         Raises:
             subprocess.TimeoutExpired: still running after ``timeout`` seconds.
         """
-        status = self._template.exit_status(self.pid, timeout_s=timeout)
+        status = self._status(timeout)
         if status is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return status
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None and self._pidfd is not None:
+        if self._pidfd is not None and not self._child.ended.is_set():
             try:
                 signal.pidfd_send_signal(self._pidfd, sig)
             except ProcessLookupError:  # exited and reaped, its status on its way
@@ -103,6 +124,18 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def _status(self, timeout_s: float | None) -> int | None:
+        step_s = 0.2  # how often a wait looks at the template's health
+        remaining = timeout_s
+        while not self._child.ended.wait(step_s if remaining is None else min(step_s, remaining)):
+            if not self._template.alive() and (self._pidfd is None or select.select([self._pidfd], [], [], 0)[0]):
+                return UNKNOWN_STATUS  # exited (the pidfd is readable), and its status died with the template
+            if remaining is not None:
+                remaining -= step_s
+                if remaining <= 0:
+                    return None
+        return self._child.status
+
     def __del__(self) -> None:
         if self._pidfd is not None:
             os.close(self._pidfd)
@@ -110,7 +143,7 @@ class ForkedProcess:
 
 class Template:
     """A process that has imported ``PRELOADED`` under ``env`` and forks services on request
-    (``python -m tests.e2e.zygote FD``: JSON lines over a socket pair, both ways).
+    (``python -m tests.e2e.zygote FD LOG``: JSON lines over a socket pair, both ways).
 
     Raises:
         RuntimeError: the template did not get ready within 300 s (its log is in the message).
@@ -120,15 +153,14 @@ class Template:
         ours, theirs = socket.socketpair()
         self._log = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedserve-test-template-{os.getpid()}-{id(self)}.log"
         with open(self._log, "wb") as log:
-            self._popen = subprocess.Popen([sys.executable, "-m", "tests.e2e.zygote", str(theirs.fileno())],
+            self._popen = subprocess.Popen([sys.executable, "-m", "tests.e2e.zygote", str(theirs.fileno()), str(self._log)],
                                            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, env=env)
         theirs.close()
         self._sock = ours
         self._lock = threading.Lock()
-        self._replies: queue.Queue[dict] = queue.Queue()
-        self._exits: dict[int, int] = {}
-        self._ended = threading.Condition()
+        self._replies: queue.Queue[_Child | str | None] = queue.Queue()
+        self._running: dict[int, _Child] = {}
         self._gone = False
         threading.Thread(target=self._read, name="template-reader", daemon=True).start()
         self._reply(300)
@@ -140,51 +172,50 @@ class Template:
         request = {"argv": argv[3:], "log": str(log_path), "env": env, "cwd": os.getcwd()}
         with self._lock:
             self._sock.sendall(json.dumps(request).encode() + b"\n")
-            return ForkedProcess(self, self._reply(60)["pid"], argv)
+            return ForkedProcess(self._reply(60), self, argv)
 
-    def exit_status(self, pid: int, timeout_s: float | None) -> int | None:
-        """``pid``'s exit status, waiting up to ``timeout_s`` (None: for ever); None while it runs.
+    def _reply(self, timeout_s: float) -> _Child | None:
+        """The next fork's child (None for the ready message).
 
         Raises:
-            RuntimeError: the template died, so the status will never come.
+            RuntimeError: no reply in time (the template is then taken as gone), or an error reply.
         """
-        with self._ended:
-            self._ended.wait_for(lambda: pid in self._exits or self._gone, timeout_s)
-            if pid not in self._exits and self._gone:
-                raise RuntimeError(f"the test services' template process died; its log: {self._log}")
-            return self._exits.get(pid)
-
-    def _reply(self, timeout_s: float) -> dict:
         try:
             reply = self._replies.get(timeout=timeout_s)
         except queue.Empty:
-            reply = {"error": f"no answer in {timeout_s} s"}
-        if "error" in reply:
-            raise RuntimeError(f"test services' template: {reply['error']}; its log:\n"
+            self._gone = True  # a late reply must not answer the next request
+            reply = f"no answer in {timeout_s} s"
+        if isinstance(reply, str):
+            raise RuntimeError(f"test services' template: {reply}; its log:\n"
                                f"{self._log.read_text(errors='replace')[-3000:]}")
         return reply
 
     def _read(self) -> None:
+        """Reads the template's messages in order: a child's exit always comes before the fork of a
+        later child that got its pid (the template reaps before it can fork into that pid)."""
         for line in self._sock.makefile("rb"):
             message = json.loads(line)
             if "exited" in message:
-                with self._ended:
-                    self._exits[message["exited"]] = message["status"]
-                    self._ended.notify_all()
+                child = self._running.pop(message["exited"], None)
+                if child is not None:
+                    child.status = message["status"]
+                    child.ended.set()
+            elif "pid" in message:
+                child = self._running[message["pid"]] = _Child(message["pid"])
+                self._replies.put(child)
             else:
-                self._replies.put(message)
-        with self._ended:
-            self._gone = True
-            self._ended.notify_all()
-        self._replies.put({"error": "the template process ended"})
+                self._replies.put(message["error"] if "error" in message else None)  # None: ready
+        self._gone = True
+        self._replies.put("the template process ended")
 
 
-def _serve(sock_fd: int) -> dict | None:
+def _serve(sock_fd: int, log_path: str) -> dict | None:
     """The template's loop: imports ``PRELOADED``, says ready, then forks one child per request and
     reports each child's exit status when it ends. Returns only in a forked child (the request it is
-    to run), or with None when the test process closes the socket."""
+    to run), or with None when the test process closes the socket (the log, then empty, is deleted)."""
     import importlib
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is for pytest; the services stop it
     for module in PRELOADED:
         importlib.import_module(module)
     from transformers import AutoTokenizer, TokenizersBackend  # noqa: F401 (the gateway's tokenizer classes)
@@ -208,15 +239,21 @@ def _serve(sock_fd: int) -> dict | None:
         if sock in readable:
             data = sock.recv(1 << 20)
             if not data:
+                Path(log_path).unlink(missing_ok=True)
                 return None
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    sock.sendall(json.dumps({"error": f"fork failed: {exc}"}).encode() + b"\n")
+                    continue
                 if pid == 0:
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
                     for fd in (wake_read, wake_write):
                         os.close(fd)
                     sock.close()
@@ -262,7 +299,7 @@ def _become(request: dict) -> None:
 
 
 if __name__ == "__main__":
-    job = _serve(int(sys.argv[1]))
+    job = _serve(int(sys.argv[1]), sys.argv[2])
     if job is not None:
         import runpy
 
