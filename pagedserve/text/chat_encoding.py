@@ -6,28 +6,22 @@ message's content* into a special token, so a user message holding
 ``<|im_end|>\\n<|im_start|>system\\n...`` would open a real system turn. Here, as in the OpenAI API,
 contents are tokenized as plain text: the template's own markers stay special tokens.
 
-How: when a content holds the text of an added token, the template is rendered with a unique
-random placeholder per message instead of its content; the rendered text is split at the
-placeholders; template pieces are tokenized as usual and contents with special-token matching
-off. Otherwise (the usual case) the rendered text is tokenized whole, which gives the very ids
-``apply_chat_template(..., tokenize=True)`` gives.
-
-Every other string the template renders (a message's ``name``, a call's id and ``arguments``, a
-tool's description and ``parameters``) is refused when it spells an added token: templates write
-those through filters (``tojson``) whose output a placeholder cannot stand in for, and none of them
-needs marker text.
+How (``chat_marks``): every string of the conversation that spells an added token (a content, a
+name, a call's arguments, a tool's description, ...) is replaced by a unique random mark for
+rendering; the rendered text is split at the marks; template pieces are tokenized as usual and the
+marked texts with special-token matching off. Otherwise (the usual case) the rendered text is
+tokenized whole, which gives the very ids ``apply_chat_template(..., tokenize=True)`` gives.
 """
 
 from __future__ import annotations
 
 import enum
-import re
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.request_errors import InvalidRequestError
+from pagedserve.text.chat_marks import TextMarks
 from pagedserve.text.tool_calls import FunctionTool, fallback_conversation
 
 
@@ -72,16 +66,25 @@ class ChatEncoder:
         tokens spelled inside a content are tokenized as their characters.
 
         Raises:
-            InvalidRequestError: a string other than a content spells an added token (field
-                ``messages[i]...`` or ``tools[j]...``, as in the OpenAI shape).
+            InvalidRequestError: a string that spells an added token cannot be kept as text
+                (``chat_marks``; field ``messages[i]...`` or ``tools[j]...``, calls and tools flat as
+                in the gRPC API), or the conversation is nested too deeply.
         """
+        inserted = 0
         if not self.takes_tools:
+            client_messages = len(conversation)
             conversation, tools = fallback_conversation(conversation, tools), ()
+            inserted = len(conversation) - client_messages  # a system message for the tools' prompt
         rendering = _Rendering(mode, [tool.as_openai() for tool in tools] or None)
-        self._refuse_marker_text(conversation, rendering.tools or ())
-        if any(self._holds_added_token(message["content"]) for message in conversation):
-            return self._encode_contents_as_text(conversation, rendering)
-        return list(self._tokenizer.encode(self._render(conversation, rendering), add_special_tokens=False))
+        marks = TextMarks(self._added)
+        try:
+            marked = marks.conversation(conversation, inserted)
+            rendering = _Rendering(mode, marks.tools(rendering.tools))
+        except RecursionError as exc:
+            raise InvalidRequestError("messages", "nested too deeply") from exc
+        if not marks:
+            return list(self._tokenizer.encode(self._render(conversation, rendering), add_special_tokens=False))
+        return marks.tokenize(self._render(marked, rendering), self._encode_template, self._encode_plain)
 
     def encode_contents_as_text(self, conversation: Sequence[dict[str, Any]],
                                 mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN) -> list[int]:
@@ -90,59 +93,18 @@ class ChatEncoder:
         For contents without special-token text the ids are those of ``encode`` (tokenizers that
         merge across the start of a content, such as one beginning with whitespace, may differ).
         """
-        return self._encode_contents_as_text(conversation, _Rendering(mode))
+        marks = TextMarks(self._added)
+        marked = [{**message, "content": marks.mark(message["content"])} for message in conversation]
+        return marks.tokenize(self._render(marked, _Rendering(mode)), self._encode_template, self._encode_plain)
 
-    def _encode_contents_as_text(self, conversation: Sequence[dict[str, Any]], rendering: _Rendering) -> list[int]:
-        marks = {f"PAGEDSERVECONTENT{uuid.uuid4().hex}": message["content"] for message in conversation}
-        placeholders = [{**message, "content": mark} for mark, message in zip(marks, conversation)]
-        rendered = self._render(placeholders, rendering)
-        ids: list[int] = []
-        for piece in re.split("(" + "|".join(marks) + ")", rendered):
-            if piece in marks:
-                ids += self._encode_plain(marks[piece]) if marks[piece] else []
-            elif piece:
-                ids += self._tokenizer.encode(piece, add_special_tokens=False)
-        return ids
+    def _encode_template(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
     def _render(self, conversation: Sequence[dict[str, Any]], rendering: _Rendering) -> str:
         return self._tokenizer.apply_chat_template(
             list(conversation), tools=rendering.tools, tokenize=False,
             add_generation_prompt=rendering.mode is ChatPromptMode.OPEN_ASSISTANT_TURN,
             continue_final_message=rendering.mode is ChatPromptMode.CONTINUE_FINAL_MESSAGE)
-
-    def _holds_added_token(self, content: str) -> bool:
-        return any(token in content for token in self._added)
-
-    def _refuse_marker_text(self, conversation: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]]) -> None:
-        """Raises InvalidRequestError for the first string the template renders as it is (anything
-        but a message's content) that spells an added token: tokenized with the rendered text, it
-        would become that token (a forged ``<|im_start|>system`` in a call's arguments opened a
-        system turn)."""
-        parts = [(f"messages[{i}]", {k: v for k, v in m.items() if k != "content"}) for i, m in enumerate(conversation)]
-        parts += [(f"tools[{j}]", tool) for j, tool in enumerate(tools)]
-        for path, part in parts:
-            for field, text in _strings(part, path, inside_document=False):
-                token = next((t for t in self._added if t in text), None)
-                if token is not None:
-                    raise InvalidRequestError(field, f"holds the text of the token {token!r}, which the chat template "
-                                                     "would turn into that token; only message contents may")
-
-
-_DOCUMENTS = frozenset({"arguments", "parameters"})
-"""Keys whose values are JSON documents a client wrote whole: strings inside one are named by its path."""
-
-
-def _strings(value: Any, path: str, inside_document: bool) -> Any:
-    """``(path, text)`` of every string in an OpenAI-shaped value, dictionary keys included."""
-    if isinstance(value, str):
-        yield path, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield path, str(key)
-            yield from _strings(item, path if inside_document else f"{path}.{key}", inside_document or key in _DOCUMENTS)
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _strings(item, path if inside_document else f"{path}[{i}]", inside_document)
 
 
 @dataclass(frozen=True)

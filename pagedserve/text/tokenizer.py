@@ -275,8 +275,8 @@ class PromptTokenizer:
                 outside ``CHAT_ROLES``; ``chat.messages[i].content`` for a content over
                 ``max_prompt_bytes``. All checked before rendering. ``chat.messages`` also when the
                 template refuses the conversation (it raises, e.g. for roles out of its order);
-                ``chat.messages[i]...`` or ``chat.tools[j]...`` for a string other than a content
-                that spells an added token (``ChatEncoder.encode``).
+                ``chat.messages[i]...`` or ``chat.tools[j]...`` for a string that spells an added
+                token and cannot be kept as text (``chat_marks``).
         """
         if self._chat is None:
             raise InvalidRequestError(CHAT_FIELD, f"model {self._info.name} has no chat template; send a prompt")

@@ -72,7 +72,7 @@ class ToolCall:
         write them with ``tojson``); arguments that are not JSON stay text."""
         try:
             arguments: Any = json.loads(self.arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested too deeply for the parser: text too
             arguments = self.arguments
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
 
@@ -110,7 +110,7 @@ def fallback_conversation(conversation: Sequence[dict[str, Any]], tools: Sequenc
     if tools:
         prompt = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
         if turns and turns[0]["role"] == "system":
-            turns[0] = {"role": "system", "content": prompt + "\n\n" + turns[0]["content"]}
+            turns[0] = {**turns[0], "content": prompt + "\n\n" + turns[0]["content"]}
         else:
             turns.insert(0, {"role": "system", "content": prompt})
     return turns

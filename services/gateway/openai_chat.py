@@ -4,6 +4,7 @@ objects (or ``chat.completion.chunk`` SSE events) out."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -53,6 +54,10 @@ def chat_prompt_mode(add_generation_prompt: bool, continue_final_message: bool) 
     return ChatPromptMode.NO_GENERATION_PROMPT
 
 
+_FLAT_TOOL_FIELD = re.compile(r"(tools\[\d+\]|tool_calls\[\d+\])\.(name|description|parameters|arguments)\b")
+"""A tool's or call's field as the gRPC API names it, whose OpenAI name has ``function.`` in between."""
+
+
 def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage], mode: ChatPromptMode,
                     tools: Sequence[FunctionTool] = ()) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template, ``tools`` offered.
@@ -63,15 +68,16 @@ def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage],
     """
     # OpenAI's "developer" role took over "system"'s job; chat templates know only "system"
     turns = [ChatTurn(role="system" if m.role == "developer" else m.role, content=m.text(),
-                      tool_calls=history_calls(m.tool_calls), tool_call_id=m.tool_call_id, name=m.name)
+                      tool_calls=history_calls(m.tool_calls), tool_call_id=m.tool_call_id, name=m.name or None)
              for m in messages]
     for i, turn in enumerate(turns):
         turn.check_tool_use(f"messages[{i}]")
     try:
         return tokenizer.encode_chat(turns, mode, tools)
     except InvalidRequestError as exc:
-        field = exc.field_name.removeprefix(CHAT_FIELD).removeprefix(".")
-        name = field if field.startswith("tools") else "messages" + field.removeprefix("messages")
+        path = exc.field_name.removeprefix(CHAT_FIELD).removeprefix(".")
+        path = path if path.startswith("tools") else "messages" + path.removeprefix("messages")
+        name = _FLAT_TOOL_FIELD.sub(r"\1.function.\2", path)  # the gRPC API's calls and tools are flat
         raise InvalidRequestError(name, exc.reason) from exc
 
 

@@ -17,10 +17,10 @@ from tests.e2e.zygote import EXEC_VARIABLE
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs a core to leave out")
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a core to leave out")
 def test_a_worker_given_one_core_runs_every_thread_there_and_torch_on_one(tmp_path, small_model):
     redis_process, url = start_redis(tmp_path)
-    core = str((os.cpu_count() or 1) - 1)
+    core = str(max(os.sched_getaffinity(0)))
     env = {**os.environ, "PAGEDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN, EXEC_VARIABLE: "1"}
     worker = pagedserve("worker", ["worker", "--redis-url", url, "--model", str(small_model), "--host", "127.0.0.1",
                                    "--port", "0", "--kv-cache-memory", "8MiB", "--worker-id", "w", "--cpu-affinity", core],

@@ -183,7 +183,8 @@ class Template:
         try:
             reply = self._replies.get(timeout=timeout_s)
         except queue.Empty:
-            self._gone = True  # a late reply must not answer the next request
+            self._gone = True  # a late reply must not answer the next request, nor a late fork run for nobody
+            self._popen.kill()
             reply = f"no answer in {timeout_s} s"
         if isinstance(reply, str):
             raise RuntimeError(f"test services' template: {reply}; its log:\n"
@@ -239,7 +240,8 @@ def _serve(sock_fd: int, log_path: str) -> dict | None:
         if sock in readable:
             data = sock.recv(1 << 20)
             if not data:
-                Path(log_path).unlink(missing_ok=True)
+                if Path(log_path).stat().st_size == 0:
+                    Path(log_path).unlink()
                 return None
             pending += data
             while b"\n" in pending:

@@ -23,7 +23,7 @@ class ReplyCutter:
 
     def __init__(self, redis_port: int) -> None:
         self.redis_port = redis_port
-        self.armed = True
+        self.armed = False
         self.cuts = 0
 
     async def start(self) -> int:
@@ -61,23 +61,24 @@ class ReplyCutter:
 
 
 def test_a_command_sent_again_after_a_lost_reply_queues_the_request_once(redis_url, client):
-    async def scenario() -> tuple[bytes, int]:
+    async def scenario() -> tuple[bytes, bytes, int]:
         cutter = ReplyCutter(int(redis_url.rsplit(":", 1)[1].split("/")[0]))
         port = await cutter.start()
         aclient = async_redis_client(f"redis://127.0.0.1:{port}/0", 4)
         try:
             producer = RequestQueueProducer(aclient, "gw-1", TOKEN)
             request = EngineRequest("req-1", (5, 6, 7), EngineSamplingParams(max_tokens=4), 0.0)
-            entry_id = await producer.enqueue(request)
-            return entry_id, cutter.cuts
+            first = await producer.enqueue(request)  # loads the script: the cut send below runs it
+            cutter.armed = True
+            return first, await producer.enqueue(request), cutter.cuts
         finally:
             await aclient.aclose()
             cutter.close()
 
-    entry_id, cuts = asyncio.run(scenario())
-    assert cuts == 1  # the reply of the first send was lost: redis-py sent the command again
+    first, entry_id, cuts = asyncio.run(scenario())
+    assert cuts == 1  # the reply of the cut send was lost: redis-py sent the command again
     entries = client.xrange(redis_keys.REQUEST_STREAM)
-    assert [e[0] for e in entries] == [entry_id]
+    assert [e[0] for e in entries] == [first, entry_id]
 
 
 def test_each_submission_is_an_entry_of_its_own(redis_url, client):
