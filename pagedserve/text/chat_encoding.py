@@ -1,4 +1,4 @@
-"""Chat rendering and tokenization in which message contents cannot forge the template's markers.
+"""Chat rendering and tokenization in which client text cannot forge the template's markers.
 
 A chat template writes turn markers such as ``<|im_start|>`` as text, and the tokenizer turns that
 text into special tokens. Tokenizing the whole rendered text would also turn a marker *inside a
@@ -6,11 +6,12 @@ message's content* into a special token, so a user message holding
 ``<|im_end|>\\n<|im_start|>system\\n...`` would open a real system turn. Here, as in the OpenAI API,
 contents are tokenized as plain text: the template's own markers stay special tokens.
 
-How (``chat_marks``): every string of the conversation that spells an added token (a content, a
-name, a call's arguments, a tool's description, ...) is replaced by a unique random mark for
-rendering; the rendered text is split at the marks; template pieces are tokenized as usual and the
-marked texts with special-token matching off. Otherwise (the usual case) the rendered text is
-tokenized whole, which gives the very ids ``apply_chat_template(..., tokenize=True)`` gives.
+How (``chat_marks``): every added token's text in the conversation's client strings (a content, a
+name, a call's arguments, a tool's description, ...), and every piece of one the template's text
+could complete, is replaced by a unique random mark for rendering; the rendered text is split at
+the marks; template pieces are tokenized as usual and the marked texts with special-token matching
+off. Otherwise (the usual case) the rendered text is tokenized whole, which gives the very ids
+``apply_chat_template(..., tokenize=True)`` gives.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.engine.request_errors import InvalidRequestError
-from pagedserve.text.chat_marks import TextMarks
+from pagedserve.text.chat_marks import AddedTokenText, TextMarks
 from pagedserve.text.tool_calls import FunctionTool, fallback_conversation
 
 
@@ -50,7 +51,7 @@ class ChatEncoder:
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        self._added = tuple(tokenizer.get_added_vocab())
+        self._added = AddedTokenText(tuple(tokenizer.get_added_vocab()))
         self._encode_plain = _plain_text_encoder(tokenizer)
         self.takes_tools = _template_takes_tools(tokenizer)
 
@@ -66,25 +67,20 @@ class ChatEncoder:
         tokens spelled inside a content are tokenized as their characters.
 
         Raises:
-            InvalidRequestError: a string that spells an added token cannot be kept as text
-                (``chat_marks``; field ``messages[i]...`` or ``tools[j]...``, calls and tools flat as
-                in the gRPC API), or the conversation is nested too deeply.
+            InvalidRequestError: field ``messages``: the template damaged a marked text
+                (``chat_marks``), or the conversation is nested too deeply.
         """
-        inserted = 0
         if not self.takes_tools:
-            client_messages = len(conversation)
             conversation, tools = fallback_conversation(conversation, tools), ()
-            inserted = len(conversation) - client_messages  # a system message for the tools' prompt
         rendering = _Rendering(mode, [tool.as_openai() for tool in tools] or None)
         marks = TextMarks(self._added)
         try:
-            marked = marks.conversation(conversation, inserted)
-            rendering = _Rendering(mode, marks.tools(rendering.tools))
+            marked = _Rendering(mode, marks.structure(rendering.tools)), marks.structure(conversation)
         except RecursionError as exc:
             raise InvalidRequestError("messages", "nested too deeply") from exc
         if not marks:
             return list(self._tokenizer.encode(self._render(conversation, rendering), add_special_tokens=False))
-        return marks.tokenize(self._render(marked, rendering), self._encode_template, self._encode_plain)
+        return marks.tokenize(self._render(marked[1], marked[0]), self._encode_template, self._encode_plain)
 
     def encode_contents_as_text(self, conversation: Sequence[dict[str, Any]],
                                 mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN) -> list[int]:
@@ -94,7 +90,8 @@ class ChatEncoder:
         merge across the start of a content, such as one beginning with whitespace, may differ).
         """
         marks = TextMarks(self._added)
-        marked = [{**message, "content": marks.mark(message["content"])} for message in conversation]
+        marked = [{**message, "content": marks.mark(message["content"]) if message["content"] else message["content"]}
+                  for message in conversation]
         return marks.tokenize(self._render(marked, _Rendering(mode)), self._encode_template, self._encode_plain)
 
     def _encode_template(self, text: str) -> list[int]:

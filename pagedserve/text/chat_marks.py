@@ -1,16 +1,19 @@
 """Client text in a chat, kept from forging the tokenizer's added tokens (``chat_encoding``).
 
-Every string of a conversation that spells an added token (``<|im_start|>``, ``</s>``, ...) is
-replaced by a unique random mark before the template renders it: a content, a message's name, a
-call's id, name or arguments, a tool's description or parameters, keys of JSON documents included.
-The rendered text is split at the marks; template pieces are tokenized as usual, and each mark's
-text with special-token matching off, so the client's text stays characters.
+Every added token's text that a client string of a conversation holds (in a content, a message's
+name, a call's id, name or arguments, a tool's description or parameters, keys of JSON documents
+included) is replaced by a unique random mark before the template renders it; so is a piece of one
+that could join the template's own text into a token: a string that is a piece of an added token
+(a JSON key ``|im_start|`` that a template writes as ``<{{ key }}>``), or that ends with a token's
+beginning or starts with its end (``<filename`` before a template's ``>``); pieces of at least 2
+characters, one of them not a letter, digit or ``_`` (words inside tokens, ``start`` or ``user``, stay).
+A message's role and the structure's own keys are not client text and stay. The rendered text is split at the marks; template pieces are tokenized as usual and each
+mark's text with special-token matching off, so the client's text stays characters.
 
-A content is written by templates as it is. Other strings may be written raw (``{{ message.name }}``)
-or through ``tojson`` (arguments, tools), which escapes quotes, backslashes and control characters;
-a string that spells an added token and holds such a character would need one text or the other,
-and which the template used cannot be told, so it is refused. A template that transforms a marked
-string (upper case, truncation) leaves a damaged mark; that chat is refused too.
+Only the marked substrings leave the text: a template writes the rest as it would have, raw or through
+``tojson``. Added tokens with characters JSON escapes (whitespace tokens) are not marked: the two
+writings would differ. A template that transforms a marked substring (upper case, truncation) leaves a
+damaged mark, and that chat is refused.
 """
 
 from __future__ import annotations
@@ -25,55 +28,80 @@ from pagedserve.engine.request_errors import InvalidRequestError
 
 MARK_PREFIX = "PAGEDSERVETEXT"
 
+MIN_PIECE_CHARS = 2
+"""The shortest piece of an added token that is marked at a string's edge or as a whole string."""
+
 _DOCUMENTS = frozenset({"arguments", "parameters"})
-"""Keys whose values are JSON documents a client wrote whole: strings inside one are named by its path."""
+"""Keys whose values are JSON documents a client wrote whole: their keys are client text too."""
 
-_UNNAMED = frozenset({"function"})
-"""OpenAI-shape levels the gRPC API does not have (its calls and tools are flat): left out of field names."""
+_NOT_TEXT = frozenset({"role"})
+"""Message keys whose values are not free text (a role is checked against the chat roles)."""
 
 
-class TextMarks:
-    """The marks of one rendering and the texts they stand for.
+def _is_piece(text: str) -> bool:
+    return len(text) >= MIN_PIECE_CHARS and not text.replace("_", "").isalnum()
+
+
+class AddedTokenText:
+    """The added tokens' texts a client string is searched for, built once per tokenizer.
 
     Args:
         added: the tokenizer's added tokens' texts.
     """
 
     def __init__(self, added: Sequence[str]) -> None:
-        ordered = sorted(added, key=len, reverse=True)
-        self._added = re.compile("|".join(map(re.escape, ordered))) if ordered else None
+        markers = sorted((t for t in added if t.strip() and json.dumps(t, ensure_ascii=False)[1:-1] == t),
+                         key=len, reverse=True)
+        self.whole = re.compile("|".join(map(re.escape, markers))) if markers else None
+        self.beginnings = {p for t in markers for n in range(MIN_PIECE_CHARS, len(t)) if _is_piece(p := t[:n])}
+        self.ends = {p for t in markers for n in range(1, len(t) - MIN_PIECE_CHARS + 1) if _is_piece(p := t[n:])}
+        self.inner = {p for t in markers for i in range(len(t)) for j in range(i + MIN_PIECE_CHARS, len(t) + 1)
+                      if (i, j) != (0, len(t)) and _is_piece(p := t[i:j])}
+        self.longest = max(map(len, markers), default=0)
+
+
+class TextMarks:
+    """The marks of one rendering and the texts they stand for (a fresh random prefix per rendering,
+    so that no client text can pass for a mark).
+
+    Args:
+        tokens: the tokenizer's ``AddedTokenText``.
+    """
+
+    def __init__(self, tokens: AddedTokenText) -> None:
+        self._tokens = tokens
+        self._prefix = f"{MARK_PREFIX}{uuid.uuid4().hex[:12]}"
         self._texts: dict[str, str] = {}
 
     def __bool__(self) -> bool:
         return bool(self._texts)
 
-    def spells_added_token(self, text: str) -> bool:
-        return self._added is not None and self._added.search(text) is not None
-
     def mark(self, text: str) -> str:
         """A new mark standing for ``text`` (tokenized as plain text where the template writes it)."""
-        mark = f"{MARK_PREFIX}{uuid.uuid4().hex}"
+        mark = f"{self._prefix}{uuid.uuid4().hex}"
         self._texts[mark] = text
         return mark
 
-    def conversation(self, conversation: Sequence[dict[str, Any]], inserted: int) -> list[dict[str, Any]]:
-        """The conversation with every string that spells an added token marked; ``inserted``
-        messages were put before the client's (fields are named by the client's indexes).
+    def structure(self, value: Any) -> Any:
+        """An OpenAI-shaped message or tool with its client text marked (``text``); its own keys and a
+        message's role stay, the JSON documents in it (``arguments``, ``parameters``) are marked whole."""
+        if isinstance(value, dict):
+            return {key: item if key in _NOT_TEXT else self.text(item) if key in _DOCUMENTS else self.structure(item)
+                    for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.structure(item) for item in value]
+        return self.text(value)
 
-        Raises:
-            InvalidRequestError: ``messages[i]...`` for a string that cannot be marked (module docstring).
-        """
-        return [{key: self._content(value) if key == "content" else
-                 self._leaves(value, f"messages[{max(i - inserted, 0)}].{key}", key in _DOCUMENTS)
-                 for key, value in message.items()} for i, message in enumerate(conversation)]
-
-    def tools(self, tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        """The tools (OpenAI's shape) with every string that spells an added token marked.
-
-        Raises:
-            InvalidRequestError: ``tools[j]...`` for a string that cannot be marked.
-        """
-        return None if tools is None else [self._leaves(tool, f"tools[{j}]", False) for j, tool in enumerate(tools)]
+    def text(self, value: Any) -> Any:
+        """``value`` (a string, or a JSON-like structure of them, keys included) with every added
+        token's text in it, and every piece of one at a string's edges or as a whole string, marked."""
+        if isinstance(value, str):
+            return self._string(value)
+        if isinstance(value, dict):
+            return {self.text(key): self.text(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.text(item) for item in value]
+        return value
 
     def tokenize(self, rendered: str, encode_template: Callable[[str], list[int]],
                  encode_plain: Callable[[str], list[int]]) -> list[int]:
@@ -83,34 +111,25 @@ class TextMarks:
             InvalidRequestError: ``messages``: the template changed a mark as it wrote it.
         """
         ids: list[int] = []
-        pieces = re.split("(" + "|".join(self._texts) + ")", rendered) if self._texts else [rendered]
-        for piece in pieces:
+        for piece in re.split(f"({re.escape(self._prefix)}[0-9a-f]{{32}})", rendered):
             if piece in self._texts:
-                ids += encode_plain(self._texts[piece]) if self._texts[piece] else []
-            elif MARK_PREFIX.lower() in piece.lower():
+                ids += encode_plain(self._texts[piece])
+            elif self._prefix.lower() in piece.lower():
                 raise InvalidRequestError("messages", "the chat template changed a text that spells a special token "
                                                       "as it wrote it (case, truncation), so it cannot be kept as text")
             elif piece:
                 ids += encode_template(piece)
         return ids
 
-    def _content(self, text: Any) -> Any:
-        return self.mark(text) if isinstance(text, str) and self.spells_added_token(text) else text
-
-    def _leaves(self, value: Any, path: str, inside_document: bool) -> Any:
-        if isinstance(value, str):
-            if not self.spells_added_token(value):
-                return value
-            if json.dumps(value, ensure_ascii=False)[1:-1] != value:
-                raise InvalidRequestError(path, "spells a special token and holds a character JSON escapes (a quote, "
-                                                "backslash or control character): the chat template may write it raw "
-                                                "or escaped, so it cannot be kept as text; send one or the other")
-            return self.mark(value)
-        if isinstance(value, dict):
-            return {self._leaves(key, path, True): self._leaves(
-                item, path if inside_document or key in _UNNAMED else f"{path}.{key}", inside_document or key in _DOCUMENTS)
-                for key, item in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self._leaves(item, path if inside_document else f"{path}[{i}]", inside_document)
-                    for i, item in enumerate(value)]
-        return value
+    def _string(self, text: str) -> str:
+        tokens = self._tokens
+        if tokens.whole is None or not text:
+            return text
+        if text in tokens.inner:
+            return self.mark(text)
+        head = next((n for n in range(min(len(text), tokens.longest), MIN_PIECE_CHARS - 1, -1)
+                     if text[:n] in tokens.ends), 0)
+        tail = next((n for n in range(min(len(text) - head, tokens.longest), MIN_PIECE_CHARS - 1, -1)
+                     if text[len(text) - n:] in tokens.beginnings), 0)
+        middle = tokens.whole.sub(lambda match: self.mark(match.group()), text[head:len(text) - tail])
+        return (self.mark(text[:head]) if head else "") + middle + (self.mark(text[len(text) - tail:]) if tail else "")

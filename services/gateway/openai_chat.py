@@ -4,7 +4,6 @@ objects (or ``chat.completion.chunk`` SSE events) out."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -54,10 +53,6 @@ def chat_prompt_mode(add_generation_prompt: bool, continue_final_message: bool) 
     return ChatPromptMode.NO_GENERATION_PROMPT
 
 
-_FLAT_TOOL_FIELD = re.compile(r"(tools\[\d+\]|tool_calls\[\d+\])\.(name|description|parameters|arguments)\b")
-"""A tool's or call's field as the gRPC API names it, whose OpenAI name has ``function.`` in between."""
-
-
 def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage], mode: ChatPromptMode,
                     tools: Sequence[FunctionTool] = ()) -> list[int]:
     """Token ids of ``messages`` rendered with the chat template, ``tools`` offered.
@@ -75,9 +70,7 @@ def encode_messages(tokenizer: PromptTokenizer, messages: Sequence[ChatMessage],
     try:
         return tokenizer.encode_chat(turns, mode, tools)
     except InvalidRequestError as exc:
-        path = exc.field_name.removeprefix(CHAT_FIELD).removeprefix(".")
-        path = path if path.startswith("tools") else "messages" + path.removeprefix("messages")
-        name = _FLAT_TOOL_FIELD.sub(r"\1.function.\2", path)  # the gRPC API's calls and tools are flat
+        name = "messages" + exc.field_name.removeprefix(CHAT_FIELD).removeprefix(".messages")
         raise InvalidRequestError(name, exc.reason) from exc
 
 
