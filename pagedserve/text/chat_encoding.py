@@ -75,12 +75,13 @@ class ChatEncoder:
         rendering = _Rendering(mode, [tool.as_openai() for tool in tools] or None)
         marks = TextMarks(self._added)
         try:
-            marked = _Rendering(mode, marks.structure(rendering.tools)), marks.structure(conversation)
+            marked_tools, marked = marks.structure(rendering.tools), marks.structure(conversation)
         except RecursionError as exc:
             raise InvalidRequestError("messages", "nested too deeply") from exc
         if not marks:
-            return list(self._tokenizer.encode(self._render(conversation, rendering), add_special_tokens=False))
-        return marks.tokenize(self._render(marked[1], marked[0]), self._encode_template, self._encode_plain)
+            return self._encode_template(self._render(conversation, rendering))
+        return marks.tokenize(self._render(marked, _Rendering(mode, marked_tools)), self._encode_template,
+                              self._encode_plain)
 
     def encode_contents_as_text(self, conversation: Sequence[dict[str, Any]],
                                 mode: ChatPromptMode = ChatPromptMode.OPEN_ASSISTANT_TURN) -> list[int]:
@@ -95,7 +96,7 @@ class ChatEncoder:
         return marks.tokenize(self._render(marked, _Rendering(mode)), self._encode_template, self._encode_plain)
 
     def _encode_template(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def _render(self, conversation: Sequence[dict[str, Any]], rendering: _Rendering) -> str:
         return self._tokenizer.apply_chat_template(

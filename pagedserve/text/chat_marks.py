@@ -7,8 +7,9 @@ that could join the template's own text into a token: a string that is a piece o
 (a JSON key ``|im_start|`` that a template writes as ``<{{ key }}>``), or that ends with a token's
 beginning or starts with its end (``<filename`` before a template's ``>``); pieces of at least 2
 characters, one of them not a letter, digit or ``_`` (words inside tokens, ``start`` or ``user``, stay).
-A message's role and the structure's own keys are not client text and stay. The rendered text is split at the marks; template pieces are tokenized as usual and each
-mark's text with special-token matching off, so the client's text stays characters.
+A message's role and the structure's own keys are not client text and stay. The rendered text is
+split at the marks; template pieces are tokenized as usual and each mark's text with special-token
+matching off, so the client's text stays characters.
 
 Only the marked substrings leave the text: a template writes the rest as it would have, raw or through
 ``tojson``. Added tokens with characters JSON escapes (whitespace tokens) are not marked: the two

@@ -274,16 +274,15 @@ class PromptTokenizer:
                 contents together exceed ``max_prompt_bytes``; ``chat.messages[i].role`` for a role
                 outside ``CHAT_ROLES``; ``chat.messages[i].content`` for a content over
                 ``max_prompt_bytes``. All checked before rendering. ``chat.messages`` also when the
-                template refuses the conversation (it raises, e.g. for roles out of its order);
-                ``chat.messages[i]...`` or ``chat.tools[j]...`` for a string that spells an added
-                token and cannot be kept as text (``chat_marks``).
+                template refuses the conversation (it raises, e.g. for roles out of its order), it
+                damaged a marked text, or the conversation is nested too deeply (``chat_marks``).
         """
         if self._chat is None:
             raise InvalidRequestError(CHAT_FIELD, f"model {self._info.name} has no chat template; send a prompt")
         self._check_chat(messages)
         try:
             return self._chat.encode([turn.as_openai() for turn in messages], mode, tools)
-        except InvalidRequestError as exc:  # named within the chat
+        except InvalidRequestError as exc:  # named within the chat (``messages``)
             raise exc.renamed(f"{CHAT_FIELD}.{exc.field_name}") from exc
         except (ValueError, jinja2.TemplateError) as exc:
             raise InvalidRequestError(CHAT_FIELD + ".messages", f"the chat template refused them: {exc}") from exc

@@ -96,7 +96,7 @@ def fallback_conversation(conversation: Sequence[dict[str, Any]], tools: Sequenc
     The tools' prompt (:data:`FALLBACK_PROMPT`) opens the system message (one is added first when
     there is none); an assistant message's ``tool_calls`` follow its content in the Hermes form; the
     content of a message answering a call (``tool_call_id``) is wrapped in ``<tool_response>`` tags. Each message keeps only
-    ``role``, ``content`` and its ``name``, so every other text the client sent stays a content (tokenized as plain text).
+    ``role``, ``content`` and its ``name``, so every other text the client sent stays a content.
     """
     turns = []
     for message in conversation:
@@ -106,7 +106,8 @@ def fallback_conversation(conversation: Sequence[dict[str, Any]], tools: Sequenc
             content = CALL_SEPARATOR.join(([content] if content else []) + [call_text(call) for call in calls])
         if message.get("tool_call_id") is not None:
             content = f"<tool_response>\n{content}\n</tool_response>"
-        turns.append({"role": message["role"], "content": content, **({"name": message["name"]} if "name" in message else {})})
+        name = {"name": message["name"]} if "name" in message else {}
+        turns.append({"role": message["role"], "content": content, **name})
     if tools:
         prompt = FALLBACK_PROMPT.format(tools="\n".join(json.dumps(t.as_openai()) for t in tools))
         if turns and turns[0]["role"] == "system":

@@ -20,7 +20,8 @@ from pagedserve.engine.sampling_params import InvalidRequestError
 from services.common.grpc_server import CLIENT_API_MAX_MESSAGE_BYTES
 from services.gateway.openai_chat import chat_prompt_mode, create_chat_completion, encode_messages
 from services.gateway.openai_completions import create_completion
-from services.gateway.openai_errors import add_error_handlers, error_response
+from services.gateway.generation_errors import StatusKind
+from services.gateway.openai_errors import add_error_handlers, error_response, http_status
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from services.gateway.openai_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse, now_s
 from services.gateway.openai_serving import OpenAIServing, invalid
@@ -124,7 +125,8 @@ class _RequireApiKey:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             values = [value for name, value in scope["headers"] if name == b"authorization"]
             if not (len(values) == 1 and hmac.compare_digest(values[0], self._expected)):
-                response = error_response(401, "missing or wrong API key (header Authorization: Bearer KEY)")
+                response = error_response(http_status(StatusKind.UNAUTHENTICATED),
+                                          "missing or wrong API key (header Authorization: Bearer KEY)")
                 await response(scope, receive, send)
                 return
         await self._app(scope, receive, send)

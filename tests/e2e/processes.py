@@ -195,11 +195,9 @@ def start_gateway(name: str, stack: "Stack", model: Path, log_dir: Path, args: t
 
 
 def thread_cores(pid: int) -> list[str]:
-    """Each thread's allowed CPUs in process ``pid`` (``Cpus_allowed_list`` of /proc, e.g. ``"0"``,
-    ``"0-1"``), main thread first."""
-    tasks = sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name) != pid)
-    return [next(line.split()[1] for line in (t / "status").read_text().splitlines()
-                 if line.startswith("Cpus_allowed_list:")) for t in tasks]
+    """Each thread's allowed CPUs in process ``pid`` (``Cpus_allowed_list`` of /proc, e.g. ``"0"``, ``"0-1"``)."""
+    return [next(line.split()[1] for line in (task / "status").read_text().splitlines()
+                 if line.startswith("Cpus_allowed_list:")) for task in Path(f"/proc/{pid}/task").iterdir()]
 
 
 def scheduler_stats(address: str, cluster_token: str = CLUSTER_TOKEN) -> pb.SchedulerStats:

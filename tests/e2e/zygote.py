@@ -57,7 +57,8 @@ def start(argv: list[str], log_path: Path, env: dict[str, str] | None) -> "Forke
     (None: this process's), its output appended to ``log_path``; other commands, and services to be
     started with exec (``EXEC_VARIABLE``), started with ``subprocess.Popen``."""
     env = dict(os.environ) if env is None else env
-    if argv[:3] != [sys.executable, "-m", "pagedserve"] or "1" in (os.environ.get(EXEC_VARIABLE), env.get(EXEC_VARIABLE)):
+    exec_wanted = "1" in (os.environ.get(EXEC_VARIABLE), env.get(EXEC_VARIABLE))
+    if argv[:3] != [sys.executable, "-m", "pagedserve"] or exec_wanted:
         with open(log_path, "ab") as log:
             return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
     load_time = frozenset((k, v) for k, v in env.items() if not k.startswith(RUN_TIME_VARIABLES))
@@ -153,8 +154,8 @@ class Template:
         ours, theirs = socket.socketpair()
         self._log = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedserve-test-template-{os.getpid()}-{id(self)}.log"
         with open(self._log, "wb") as log:
-            self._popen = subprocess.Popen([sys.executable, "-m", "tests.e2e.zygote", str(theirs.fileno()), str(self._log)],
-                                           pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log,
+            argv = [sys.executable, "-m", "tests.e2e.zygote", str(theirs.fileno()), str(self._log)]
+            self._popen = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, env=env)
         theirs.close()
         self._sock = ours
