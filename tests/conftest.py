@@ -61,25 +61,44 @@ def default_model():
 
 
 SMALL_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=True,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=8192, tie_word_embeddings=False,
                    bos_token_id=1, eos_token_id=2, pad_token_id=2)
-"""A 2-layer llama as wide as a toy: forward steps and loads ~20x cheaper than the default model's."""
+"""A 2-layer llama as wide as a toy: forward steps and loads ~20x cheaper than the default model's. Its LM head is
+its own random matrix (not the embedding's): with a tied head each token's own logit dominated and greedy outputs
+repeated one or two ids, where now nearly every generated id differs (8 chat streams of 48-62 tokens: 42-62
+distinct ids each), so a token lost, repeated or taken from another stream changes what follows."""
+SMALL_BLOCK_BYTES = (2 * SMALL_MODEL["num_hidden_layers"] * 16 * SMALL_MODEL["num_key_value_heads"]
+                     * SMALL_MODEL["head_dim"] * 4)
+"""K and V of one 16-token block of every layer of ``SMALL_MODEL``, float32."""
 
 
-@pytest.fixture(scope="session")
-def small_model(tmp_path_factory, default_model):
-    """A random-weight 2-layer llama (``SMALL_MODEL``) with the default model's tokenizer, chat
-    template and 49,152-id vocabulary, for tests of plumbing whose numbers do not matter (benchmark
-    reports): anything that runs the default model runs it, only faster."""
+def save_small_model(folder, default_model, seed: int = 11, **overrides):
+    """Writes a random-weight ``SMALL_MODEL`` (with ``overrides`` of its config; weights drawn with ``seed``)
+    with the default model's tokenizer, chat template and 49,152-id vocabulary to ``folder``; returns it."""
     import shutil
 
     from tests.worker.tiny_models import save_tiny_model
 
-    folder = tmp_path_factory.mktemp("small-model")
-    save_tiny_model(folder, "llama", seed=11, vocab_size=49152, **SMALL_MODEL)
+    save_tiny_model(folder, "llama", seed=seed, vocab_size=49152, **{**SMALL_MODEL, **overrides})
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         shutil.copy(default_model / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def small_model(tmp_path_factory, default_model):
+    """``SMALL_MODEL`` (``save_small_model``), for tests whose checks hold on any model (plumbing, faults, the
+    equality of two paths, benchmark reports): anything that runs the default model runs it, only faster."""
+    return save_small_model(tmp_path_factory.mktemp("small-model"), default_model)
+
+
+@pytest.fixture(scope="session")
+def small_llm(small_model):
+    """One in-process engine on ``small_model`` (64 MiB of KV cache): the reference of the tests that run
+    stacks or speculation on it (greedy; none asserts its stats)."""
+    from pagedserve.llm import LLM
+
+    return LLM(small_model, kv_cache_memory="64MiB")
 
 
 @pytest.fixture(scope="session")
@@ -99,15 +118,25 @@ def stack(tmp_path_factory, default_model):
     s.stop()
 
 
+@pytest.fixture(scope="session")
+def small_stack(tmp_path_factory, small_model):
+    """A stack like ``stack`` on ``small_model``, for the tests of how requests live through the services
+    (ids, aborts, faults), whose checks hold on any model: its steps cost a fraction of the default model's."""
+    s = start_stack(tmp_path_factory.mktemp("small-stack"), small_model)
+    yield s
+    s.stop()
+
+
 SLOWEST_FILES_FIRST = (
-    "tests/e2e/test_chaos.py", "tests/e2e/test_scheduler_migration.py", "tests/bench/test_offline_benches.py",
-    "tests/e2e/test_request_lifecycle.py", "tests/engine/test_features_exact.py", "tests/e2e/test_grpc_tool_calls.py",
+    "tests/e2e/test_chaos.py", "tests/e2e/test_request_lifecycle.py", "tests/e2e/test_cli_first_minutes.py",
     "tests/engine/test_speculative_decoding.py", "tests/engine/test_greedy_matches_hf.py", "tests/e2e/test_cli.py",
-    "tests/e2e/test_gemm_backend.py", "tests/worker/test_parallel_architectures.py", "tests/e2e/test_openai_http.py",
-    "tests/engine/test_tensor_parallel_default_model.py", "tests/engine/test_penalties_and_stops.py",
-    "tests/engine/test_kv_cache_dtype_logprobs.py", "tests/e2e/test_run_script.py",
+    "tests/bench/test_offline_benches.py", "tests/e2e/test_speculative_stack.py",
+    "tests/e2e/test_scheduler_migration.py", "tests/engine/test_kv_cache_dtype_logprobs.py",
+    "tests/engine/test_structured_outputs.py", "tests/worker/test_parallel_architectures.py",
+    "tests/e2e/test_run_script.py", "tests/worker/test_pipeline_parallel_llm.py", "tests/e2e/test_structured_outputs.py",
+    "tests/engine/test_tensor_parallel_default_model.py",
 )
-"""The test files that took longest in a full run (22:51, 2 cores), longest first. scripts/test.sh hands
+"""The test files that took longest in a full run (2026-12-06, 811 s, 2 cores), longest first. scripts/test.sh hands
 files to its xdist workers in collection order (``--no-loadscope-reorder``): these go first, so no
 long file starts last and leaves the other workers idle (the last 6 minutes of a run used one or two)."""
 

@@ -1,12 +1,15 @@
-"""Chaos suite (issue #9): one fault per test, injected while 8 greedy streams are in flight.
+"""Chaos suite (issue #9): one fault per test, injected while 8 greedy streams (2 long ones for the Redis pauses)
+are in flight.
 
 The faults that leave a whole stack behind (a process restarted on its port, a paused one resumed)
 take turns on one small stack with the services' default flags (``faults.SharedStack``: real
 redis-server on a free loopback port, a scheduler, one worker, a gateway; a turn starts once it has
 settled, a failed turn's stack is replaced); the three that need other flags or two workers start their
 own. Each test
-starts 8 greedy streams (temperature 0, ignore_eos, max_tokens 48..62, so each stream's tokens are
-known exactly; real gRPC clients), injects one fault once every stream is decoding, and then checks:
+starts 8 greedy streams (temperature 0, ignore_eos, max_tokens 100..114, so each stream's tokens are
+known exactly; real gRPC clients) on the small random-weight model (``small_model``: nearly every id it
+generates differs, so a token lost, repeated or mixed changes the rest), injects one fault once every
+stream is decoding, and then checks:
 
 - every stream ends within ``STREAM_BOUND_S`` (client deadline, threads joined with a timeout:
   a hang fails the test): either completed with exactly the reference token ids (computed by
@@ -20,7 +23,7 @@ known exactly; real gRPC clients), injects one fault once every stream is decodi
 
 What each fault is expected to do is stated in its test's docstring; what the services logged is
 read from the fault's own turn (``SharedStack.log_of_this_turn``). Run with
-``python -m pytest tests/e2e/test_chaos.py -s`` (about 2.5 minutes on 2 cores) to see the figures.
+``python -m pytest tests/e2e/test_chaos.py -s`` (about 1.5 minutes on 2 cores) to see the figures.
 """
 
 from __future__ import annotations
@@ -43,15 +46,24 @@ GATEWAY_ID = re.compile(r"gateway (\S+) listening")
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 NUM_STREAMS = 8
-MAX_TOKENS = [48 + 2 * i for i in range(NUM_STREAMS)]  # 48..62, exact lengths (ignore_eos): with 32..46 the first
-# stream ended before the last began decoding on a 2-core Xeon, so the fault missed it
+MAX_TOKENS = [100 + 2 * i for i in range(NUM_STREAMS)]  # exact lengths (ignore_eos): on the small model the streams
+# end ~1 s after the fault here (48..62 ended 0.4 s after a Redis kill, when Redis was just back; each token costs the
+# services ~3 ms of CPU, so 300..314 took the file from 50 to 113 CPU-s)
 GATEWAY_GRACE_S = 10.0
 """The scheduler's gateway_grace_s: the requests of a gateway gone this long are aborted."""
+LONG_STREAM_TOKENS = 4000
+"""Tokens of each stream of the gateway faults, which must still be running when the grace ends or the gateway is
+back: ~40 s of the small model's steps here (160 tokens ended within the 10 s grace on it, so nothing was aborted,
+and the orphans the restarted gateway saw had finished); they are aborted after 10 s at most."""
 LEAK_SLACK_S = 15.0
 REDIS_PAUSE_GAP_S = 3.0
 """Longest gap between two tokens of a stream while Redis is paused, seconds: a loop that waited on
 Redis would stall the whole pause (4 s or 12 s); 2 s was exceeded (2.17 s) by a 3-worker test run on
 2 cores."""
+PAUSE_STREAM_TOKENS = [1200] * 2
+"""The Redis pauses' streams, which must decode for longer than ``REDIS_PAUSE_GAP_S`` into the pause (a loop that
+waited on Redis would then show a longer gap): ~5.3 s of the small model's steps here (8 x 100..114 tokens ended
+0.7 s into it, 4 x 600 at 3.0 s). Two streams: each token costs the services ~3 ms of CPU."""
 
 RESULTS: dict[str, dict] = {}
 """Figures of every fault, printed at the end of the module."""
@@ -65,22 +77,34 @@ def summary():
         print(f"{fault}: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
 
 
-@pytest.fixture(scope="module")
-def reference_outputs(default_llm):
-    """An undisturbed greedy run of each stream, from the in-process engine."""
+def undisturbed_runs(llm, max_tokens: list[int]) -> list:
+    """An undisturbed greedy run of each stream (``QUESTIONS[i]``, ``max_tokens[i]`` tokens, ignore_eos), from
+    the in-process engine ``llm``."""
     from pagedserve.engine.sampling_params import SamplingParams
     from pagedserve.text.tokenizer import ChatTurn
 
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
-    outputs = default_llm.chat([[ChatTurn("user", q)] for q in QUESTIONS[:NUM_STREAMS]], params)
-    assert [len(o.token_ids) for o in outputs] == MAX_TOKENS
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+    outputs = llm.chat([[ChatTurn("user", q)] for q in QUESTIONS[:len(max_tokens)]], params)
+    assert [len(o.token_ids) for o in outputs] == max_tokens
     return outputs
+
+
+@pytest.fixture(scope="module")
+def reference_outputs(small_llm):
+    """An undisturbed greedy run of each stream."""
+    return undisturbed_runs(small_llm, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def reference(reference_outputs):
     """Token ids of each stream's undisturbed run."""
     return [list(o.token_ids) for o in reference_outputs]
+
+
+@pytest.fixture(scope="module")
+def pause_reference(small_llm):
+    """Token ids of each Redis-pause stream's undisturbed run (``PAUSE_STREAM_TOKENS``)."""
+    return [list(o.token_ids) for o in undisturbed_runs(small_llm, PAUSE_STREAM_TOKENS)]
 
 
 STEP_TIMEOUT_ARGS = ("--step-timeout", "4", "--max-num-batched-tokens", "32")
@@ -90,21 +114,21 @@ cores, timed out three times, and failed the requests)."""
 
 
 @pytest.fixture(scope="module")
-def shared(tmp_path_factory, default_model):
+def shared(tmp_path_factory, small_model):
     """The stack the faults that leave a whole stack take turns on (``SharedStack``, default flags)."""
-    holder = SharedStack(tmp_path_factory.mktemp("chaos"), default_model)
+    holder = SharedStack(tmp_path_factory.mktemp("chaos"), small_model)
     yield holder
     holder.stop()
 
 
 # ---- the faults --------------------------------------------------------------------------------
 
-def test_kill_one_of_two_workers(tmp_path, default_model, reference):
+def test_kill_one_of_two_workers(tmp_path, small_model, reference):
     """kill -9 the busier of two workers: its step fails, it is dropped (and dropped again if
     re-admitted before its heartbeat expires), its sequences are recomputed on the other worker.
     Expected: all 8 streams complete token-identical; the survivor serves new requests. (Placement by
     cached prefix can put all 8 on one worker: the idle one's death would move nothing.)"""
-    with own_stack(tmp_path, default_model, num_workers=2) as stack:
+    with own_stack(tmp_path, small_model, num_workers=2) as stack:
         calls = start_streams(stack.gateway, MAX_TOKENS)
         busier = max(scheduler_stats(stack.scheduler).workers, key=lambda w: w.num_running)
         assert busier.num_running > 0, "neither worker runs a stream"
@@ -117,7 +141,7 @@ def test_kill_one_of_two_workers(tmp_path, default_model, reference):
                                                 "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
-def test_kill_the_only_worker_and_start_another(shared, default_model, reference):
+def test_kill_the_only_worker_and_start_another(shared, small_model, reference):
     """kill -9 the only worker; 3 s later start a new one with the same --worker-id (a new
     instance). Expected: the gateway reports NOT_SERVING while no worker is up; the requests wait
     (--no-worker-timeout is 30 s) and all 8 complete token-identical on the new worker."""
@@ -128,7 +152,7 @@ def test_kill_the_only_worker_and_start_another(shared, default_model, reference
         wait_until(lambda: not healthy(stack.gateway), "gateway NOT_SERVING", 10)
         not_serving_after = round(time.monotonic() - fault_at, 2)
         time.sleep(max(0.0, fault_at + 3.0 - time.monotonic()))
-        start_worker(stack, default_model, "worker-0", shared.folder)
+        start_worker(stack, small_model, "worker-0", shared.folder)
         started_at = time.monotonic()
         recovery = probe(stack.gateway, fault_at)
         figures = finish_streams(calls, reference, fault_at, allowed=set())
@@ -139,12 +163,12 @@ def test_kill_the_only_worker_and_start_another(shared, default_model, reference
             "of_which_after_new_worker_start_s": round(recovery - (started_at - fault_at), 2), "blocks_leaked": 0}
 
 
-def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, default_model, reference):
+def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, small_model, reference):
     """kill -9 the only worker with --no-worker-timeout 3 and start none. Expected: the 8 requests
     go back to waiting and fail with UNAVAILABLE within the timeout + heartbeat expiry (3 s) +
     back-off (<= 2 s) + slack (15 s in all), a request sent then fails with UNAVAILABLE at once,
     and once a worker is started new requests succeed."""
-    with own_stack(tmp_path, default_model, num_workers=1, scheduler_args=("--no-worker-timeout", "3")) as stack:
+    with own_stack(tmp_path, small_model, num_workers=1, scheduler_args=("--no-worker-timeout", "3")) as stack:
         calls = start_streams(stack.gateway, MAX_TOKENS)
         fault_at = time.monotonic()
         kill(stack, "worker-0")
@@ -157,7 +181,7 @@ def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, de
             list(generate_pb2_grpc.GenerationStub(channel).Generate(chat_request(QUESTIONS[3], max_tokens=4), timeout=10))
         refused_after = round(time.monotonic() - sent_at, 2)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and refused_after < 3, (refused.value, refused_after)
-        start_worker(stack, default_model, "worker-0", tmp_path)
+        start_worker(stack, small_model, "worker-0", tmp_path)
         started_at = time.monotonic()
         recovery = probe(stack.gateway, started_at)
         assert_no_leak(stack, num_workers=1)
@@ -219,13 +243,12 @@ def end_of_dead_gateways_calls(stack, calls, reference, fault_at: float) -> tupl
     return figures, freed_after
 
 
-def test_kill_and_restart_the_gateway(shared, default_model, reference):
+def test_kill_and_restart_the_gateway(shared, small_model, reference):
     """kill -9 the gateway and restart it on the same port (a new gateway id). Expected: its 8
     client calls fail at once with UNAVAILABLE (the connection dropped; CANCELLED is accepted too);
     the scheduler aborts their requests when gateway_grace_s (10 s) has passed, so every block is
-    free within grace + slack of the kill; new requests through the restarted gateway succeed.
-    These streams are longer (160 tokens) so that they are still running when the grace ends."""
-    long_streams = [160] * NUM_STREAMS
+    free within grace + slack of the kill; new requests through the restarted gateway succeed."""
+    long_streams = [LONG_STREAM_TOKENS] * NUM_STREAMS
     with shared.turn() as stack:
         calls = start_streams(stack.gateway, long_streams)
         fault_at = time.monotonic()
@@ -233,21 +256,22 @@ def test_kill_and_restart_the_gateway(shared, default_model, reference):
         for call in calls:
             call.thread.join(10)
         running_after_kill = scheduler_stats(stack.scheduler).num_running
-        start_gateway(stack, default_model, shared.folder)
+        start_gateway(stack, small_model, shared.folder)
         recovery = probe(stack.gateway, fault_at)
         figures, freed_after = end_of_dead_gateways_calls(stack, calls, reference, fault_at)
         aborted = shared.log_of_this_turn("scheduler").count("its gateway")
+        assert aborted == NUM_STREAMS, f"the scheduler aborted {aborted} requests for their gone gateway"
         RESULTS["5 kill + restart gateway"] = {
             **figures, "running_in_scheduler_after_kill": running_after_kill, "aborted_for_gone_gateway": aborted,
             "all_blocks_free_after_s": freed_after, "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
-def test_kill_and_restart_the_gateway_with_the_same_id(shared, default_model, reference):
+def test_kill_and_restart_the_gateway_with_the_same_id(shared, small_model, reference):
     """As above, but the gateway comes back with the same --gateway-id, within the grace period.
     Expected: the scheduler keeps the dead gateway's requests (its stream came back in time) and
     sends their tokens to the new gateway, which has no call waiting for them and aborts each
     orphan: every block is free well before the grace period would have ended."""
-    long_streams = [160] * NUM_STREAMS
+    long_streams = [LONG_STREAM_TOKENS] * NUM_STREAMS
     with shared.turn() as stack:
         # the gateway serves before its log line reaches the file: wait for the line
         wait_until(lambda: re.search(GATEWAY_ID, stack.processes["gateway"].log_text()), "the gateway's id in its log", 10)
@@ -255,7 +279,7 @@ def test_kill_and_restart_the_gateway_with_the_same_id(shared, default_model, re
         calls = start_streams(stack.gateway, long_streams)
         fault_at = time.monotonic()
         kill(stack, "gateway")
-        start_gateway(stack, default_model, shared.folder, gateway_id)
+        start_gateway(stack, small_model, shared.folder, gateway_id)
         recovery = probe(stack.gateway, fault_at)
         figures, freed_after = end_of_dead_gateways_calls(stack, calls, reference, fault_at)
         orphans = shared.log_of_this_turn("gateway").count("no call waits for its tokens")
@@ -266,13 +290,13 @@ def test_kill_and_restart_the_gateway_with_the_same_id(shared, default_model, re
             "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
-def test_worker_step_times_out_without_dying(tmp_path, default_model, reference):
+def test_worker_step_times_out_without_dying(tmp_path, small_model, reference):
     """SIGSTOP the only worker for 8 s with --step-timeout 4, then SIGCONT. Expected: the step
     times out, the worker is reset (its heartbeat also lapses, so it registers again after
     SIGCONT) and re-admitted after the back-off; it drops its old state (new session id), the
     sequences are recomputed (in 32-token steps: ``STEP_TIMEOUT_ARGS``): all 8 complete
     token-identical."""
-    with own_stack(tmp_path, default_model, num_workers=1, scheduler_args=STEP_TIMEOUT_ARGS) as stack:
+    with own_stack(tmp_path, small_model, num_workers=1, scheduler_args=STEP_TIMEOUT_ARGS) as stack:
         calls = start_streams(stack.gateway, MAX_TOKENS)
         worker = stack.processes["worker-0"]
         fault_at = time.monotonic()
@@ -292,14 +316,15 @@ def test_worker_step_times_out_without_dying(tmp_path, default_model, reference)
 
 
 @pytest.mark.parametrize("pause_s,name", [(4, "7 Redis SIGSTOP 4 s"), (12, "7b Redis SIGSTOP 12 s")])
-def test_redis_paused(shared, reference, pause_s, name):
+def test_redis_paused(shared, pause_reference, pause_s, name):
     """SIGSTOP Redis for 4 s, and for 12 s (longer than the services' 10 s socket timeout), then
     SIGCONT. Expected: Redis calls wait or time out and are retried, no worker is dropped; the
     scheduler loop never waits on Redis, so tokens keep flowing (longest gap under
-    ``REDIS_PAUSE_GAP_S``, below the shorter pause); all 8 complete token-identical and new requests
+    ``REDIS_PAUSE_GAP_S``, below the shorter pause, while the streams decode past it); both complete
+    token-identical and new requests
     succeed after SIGCONT."""
     with shared.turn() as stack:
-        calls = start_streams(stack.gateway, MAX_TOKENS)
+        calls = start_streams(stack.gateway, PAUSE_STREAM_TOKENS)
         redis_proc = stack.processes["redis"]
         fault_at = time.monotonic()
         redis_proc.popen.send_signal(signal.SIGSTOP)
@@ -309,8 +334,9 @@ def test_redis_paused(shared, reference, pause_s, name):
             redis_proc.popen.send_signal(signal.SIGCONT)
         resumed_at = time.monotonic()
         recovery = probe(stack.gateway, fault_at)
-        figures = finish_streams(calls, reference, fault_at, allowed=set())
+        figures = finish_streams(calls, pause_reference, fault_at, allowed=set())
         assert_no_leak(stack, num_workers=1)
+        assert figures["last_stream_end_s"] > REDIS_PAUSE_GAP_S, f"the streams ended too early in the pause: {figures}"
         assert figures["longest_token_gap_s"] < REDIS_PAUSE_GAP_S, figures
         RESULTS[name] = {
             **figures, "new_request_ok_after_s": recovery,

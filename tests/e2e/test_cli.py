@@ -29,7 +29,7 @@ API_KEY = "cli-api-key-77e1"
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory, default_model):
+def up(tmp_path_factory, small_model):
     """`pagedserve up` with an API key given through the environment, starting its own Redis (which
     gets a password up makes, as it makes the cluster token)."""
     tmp = cache_dir(tmp_path_factory.mktemp("up"))  # the C++ op shared: not built again (25 s)
@@ -41,7 +41,7 @@ def up(tmp_path_factory, default_model):
     process = subprocess.Popen(
         [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--schedulers", "2", "--port", str(port),
          "--http-port", str(http_port),
-         "--scheduler-port", str(scheduler_port), "--model", str(default_model), "--kv-cache-memory", "64MiB",
+         "--scheduler-port", str(scheduler_port), "--model", str(small_model), "--kv-cache-memory", "64MiB",
          "--metrics-port", "0"],  # no fixed metrics ports: tests run side by side
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
     )
@@ -60,11 +60,24 @@ def up(tmp_path_factory, default_model):
             os.killpg(process.pid, signal.SIGKILL)
 
 
-def test_complete_streams_text_from_the_stack(up):
-    result = pagedserve("complete", "--target", up["target"], "--chat", "--prompt", "What is the capital of France?",
-                        "--temperature", "0", "--max-tokens", "24", env=up["env"])
+CAPITAL = ("complete", "--chat", "--prompt", "What is the capital of France?", "--temperature", "0",
+           "--max-tokens", "24")
+"""A greedy chat completion; up serves the small random-weight model (its answer is the offline engine's, not
+Paris: the default model's answer is checked by tests/e2e/test_cli_first_minutes.py and test_auth.py)."""
+
+
+@pytest.fixture(scope="module")
+def capital_offline(up, small_model) -> str:
+    """What `pagedserve complete --offline` prints for ``CAPITAL``: what up's stack must stream."""
+    result = pagedserve(*CAPITAL, "--offline", "--model", str(small_model), env=up["env"])
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr
+    return result.stdout
+
+
+def test_complete_streams_text_from_the_stack(up, capital_offline):
+    result = pagedserve(*CAPITAL, "--target", up["target"], env=up["env"])
     assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
+    assert result.stdout == capital_offline
 
 
 def test_up_runs_two_schedulers(up):
@@ -74,17 +87,17 @@ def test_up_runs_two_schedulers(up):
     assert check_health(f"127.0.0.1:{scheduler_port}") and check_health(f"127.0.0.1:{scheduler_port + 1}")
 
 
-def test_complete_json_matches_offline(up, default_model):
+def test_complete_json_matches_offline(up, small_model):
     args = ["complete", "--chat", "--prompt", "Name a planet.", "--temperature", "0", "--max-tokens", "12", "--json"]
     online = json.loads(pagedserve(*args, "--target", up["target"], env=up["env"]).stdout)
-    offline = json.loads(pagedserve(*args, "--offline", "--model", str(default_model), env=up["env"]).stdout)
+    offline = json.loads(pagedserve(*args, "--offline", "--model", str(small_model), env=up["env"]).stdout)
     assert set(online) == {"text", "token_ids", "finish_reason", "usage"}
     assert online == offline
     assert online["usage"]["completion_tokens"] == len(online["token_ids"]) > 0
     assert online["finish_reason"] in ("stop", "length")
 
 
-def test_complete_tool_calls_match_offline(up, default_model):
+def test_complete_tool_calls_match_offline(up, small_model):
     """`--tools` with a named `--tool-choice`: the call comes out (`--json`'s tool_calls, the text
     empty), validates, and the in-process engine parses the same call."""
     from tests.e2e.test_tool_calls import TIME, TOOLS
@@ -92,7 +105,7 @@ def test_complete_tool_calls_match_offline(up, default_model):
     args = ["complete", "--chat", "--prompt", "What time is it in Paris?", "--temperature", "0", "--max-tokens", "40",
             "--json", "--tools", json.dumps(TOOLS), "--tool-choice", "get_time"]
     online = json.loads(pagedserve(*args, "--target", up["target"], env=up["env"]).stdout)
-    offline = json.loads(pagedserve(*args, "--offline", "--model", str(default_model), env=up["env"]).stdout)
+    offline = json.loads(pagedserve(*args, "--offline", "--model", str(small_model), env=up["env"]).stdout)
     assert online["finish_reason"] == "tool_calls" and online["text"] == "", online
     (call,) = online["tool_calls"]
     assert call["name"] == "get_time" and call["id"].startswith("call_")
@@ -101,17 +114,17 @@ def test_complete_tool_calls_match_offline(up, default_model):
     assert offline == {key: value for key, value in online.items() if key != "tool_calls"}
 
 
-def test_up_prints_and_serves_the_openai_api(up, default_model):
+def test_up_prints_and_serves_the_openai_api(up, small_model):
     import httpx
 
     assert f"OpenAI API: {up['http']}/v1" in up["log"].read_text()
     headers = {"Authorization": f"Bearer {API_KEY}"}
     models = httpx.get(up["http"] + "/v1/models", headers=headers, timeout=30).json()
-    assert [m["id"] for m in models["data"]] == [default_model.name]
+    assert [m["id"] for m in models["data"]] == [small_model.name]
     assert httpx.get(up["http"] + "/v1/models", timeout=30).status_code == 401
 
 
-def test_the_openai_client_against_up_matches_grpc_and_hf(up, default_model):
+def test_the_openai_client_against_up_matches_grpc_and_hf(up, small_model):
     """The unmodified `openai` package against `pagedserve up`: greedy text streamed and whole
     equal, equal to the gRPC API's and to HF greedy; top-5 logprobs equal HF's log_softmax within
     1e-4; n=3; a stop string; the usage chunk."""
@@ -120,7 +133,7 @@ def test_the_openai_client_against_up_matches_grpc_and_hf(up, default_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     client = OpenAI(base_url=up["http"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
-    name, prompt, max_tokens = default_model.name, "The three primary colors are", 12
+    name, prompt, max_tokens = small_model.name, "The three primary colors are", 12
     greedy = dict(model=name, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True})
     whole = client.completions.create(**greedy, logprobs=5)
     chunks = list(client.completions.create(**greedy, stream=True, stream_options={"include_usage": True}))
@@ -130,8 +143,8 @@ def test_the_openai_client_against_up_matches_grpc_and_hf(up, default_model):
                                       "--max-tokens", str(max_tokens), "--ignore-eos", "--json", env=up["env"]).stdout)
     assert grpc_json["text"] == whole.choices[0].text
 
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model))
-    hf = AutoModelForCausalLM.from_pretrained(str(default_model), torch_dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(small_model))
+    hf = AutoModelForCausalLM.from_pretrained(str(small_model), torch_dtype=torch.float32).eval()
     ids = torch.tensor([tokenizer(prompt)["input_ids"]])
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
@@ -224,7 +237,7 @@ def test_complete_reports_server_errors_by_status_name(up):
     assert "INVALID_ARGUMENT" in result.stderr and "sampling_params.top_p" in result.stderr
 
 
-def test_up_starts_a_crashed_worker_again(up):
+def test_up_starts_a_crashed_worker_again(up, capital_offline):
     """A worker killed under `up` no longer takes the whole stack down (issue #9 review)."""
     children = subprocess.run(["pgrep", "-P", str(up["process"].pid)], capture_output=True, text=True).stdout.split()
     [worker] = [pid for pid in children if b"\0worker\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
@@ -242,9 +255,8 @@ def test_up_starts_a_crashed_worker_again(up):
     while "admitted with" not in up["log"].read_text().split(restarted, 1)[1]:
         assert time.monotonic() < deadline and up["process"].poll() is None, up["log"].read_text()[-3000:]
         time.sleep(0.5)
-    result = pagedserve("complete", "--target", up["target"], "--chat", "--prompt", "What is the capital of France?",
-                        "--temperature", "0", "--max-tokens", "24", env=up["env"])
-    assert result.returncode == 0 and "Paris" in result.stdout, result.stderr
+    result = pagedserve(*CAPITAL, "--target", up["target"], env=up["env"])
+    assert result.returncode == 0 and result.stdout == capital_offline, result.stderr
 
 
 def test_ctrl_c_stops_every_process(up):

@@ -132,17 +132,17 @@ def call(target: str, message: gen.GenerateRequest | bytes) -> grpc.StatusCode:
 @settings(max_examples=60, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
 @given(message=requests() | raw_messages(), twice=st.booleans())
-def test_fuzzed_requests_get_deliberate_statuses(stack, message, twice):
+def test_fuzzed_requests_get_deliberate_statuses(small_stack, message, twice):
     copies = 2 if twice else 1  # the same request (and request_id) twice at once
     with ThreadPoolExecutor(copies) as pool:
-        codes = list(pool.map(lambda m: call(stack.gateway, m), [message] * copies))
+        codes = list(pool.map(lambda m: call(small_stack.gateway, m), [message] * copies))
     for code in codes:  # nothing hangs: every answer within the 60 s deadline, and deliberate
         assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED), (
             code, message)
 
 
-def test_stack_serves_correctly_after_fuzzing(stack, offline_outputs):
+def test_stack_serves_correctly_after_fuzzing(small_stack, small_offline_outputs):
     question = QUESTIONS[0]
-    responses = stream(stack.gateway, chat_request(question))
-    assert "".join(r.text for r in responses) == offline_outputs[question].text
-    assert_all_blocks_free(stack)
+    responses = stream(small_stack.gateway, chat_request(question))
+    assert "".join(r.text for r in responses) == small_offline_outputs[question].text
+    assert_all_blocks_free(small_stack)

@@ -1,11 +1,16 @@
 """The kernels and precisions a worker can be started with, through the real services: a worker with
 --gemm-backend torch (the reference F.linear GEMMs), or the packed GEMM that is not this CPU's default
 (onednn where auto takes the panel GEMM, else panels), gives the in-process engine's default output
-(models/onednn.resolve_gemm_backend; ``offline_outputs``, shared with test_stack) on these questions; a worker with
+(models/onednn.resolve_gemm_backend) on these questions; a worker with
 --dtype bfloat16 gives exactly the in-process bfloat16 engine's, one question at a time (the same
 kernels on the same row counts: bfloat16 rows are not batch-invariant on CPUs with AMX, whose
 kernels oneDNN takes for larger batches: models/onednn.py); so does a worker with --kv-cache-dtype
-fp8_e5m2 the in-process engine with fp8_e5m2 KV."""
+fp8_e5m2 the in-process engine with fp8_e5m2 KV (the fp8 and bfloat16 answers are first checked to differ from
+float32's, so an ignored flag fails; the GEMM backends give float32's tokens whichever runs). The float32 and fp8
+stacks serve the small random-weight model: these check that a worker started with the flag serves what the
+in-process engine computes, and the kernels' results on the default model are checked in-process
+(tests/engine/test_greedy_matches_hf.py, test_kv_cache_dtype_logprobs.py); the bfloat16 stack serves the default
+model (CPUs with bfloat16 only)."""
 
 from __future__ import annotations
 
@@ -21,11 +26,11 @@ from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 
-def assert_stack_gives(tmp_path, default_model, worker_args: tuple[str, ...], want: dict, concurrency: int) -> None:
+def assert_stack_gives(tmp_path, model, worker_args: tuple[str, ...], want: dict, concurrency: int) -> None:
     """Starts a one-worker stack with ``worker_args`` and checks each of ``want``'s questions, asked
     ``concurrency`` at a time, streams exactly its ids and text."""
     questions = list(want)
-    stack = start_stack(tmp_path, default_model, num_workers=1, worker_threads=2, worker_args=worker_args)
+    stack = start_stack(tmp_path, model, num_workers=1, worker_threads=2, worker_args=worker_args)
     try:
         with ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(lambda q: stream(stack.gateway, chat_request(q)), questions))
@@ -40,14 +45,14 @@ def assert_stack_gives(tmp_path, default_model, worker_args: tuple[str, ...], wa
 # (inductor through the stack took 40 s of compiling in CI; compiled outputs are checked in-process in
 # tests/worker/test_compiled_forward.py, and up's commands carry --compile-mode: tests/test_launcher_commands.py)
 @pytest.mark.parametrize("gemm", ["torch", "onednn" if panels_preferred() else "panels"])
-def test_a_worker_with_other_gemms_matches_in_process_default(tmp_path, default_model, offline_outputs, gemm):
+def test_a_worker_with_other_gemms_matches_in_process_default(tmp_path, small_model, small_offline_outputs, gemm):
     if gemm == "panels" and not panels_available():
         pytest.skip("the panel GEMM needs an x86 CPU with AVX2 and FMA and a C++ compiler")
-    want = {q: offline_outputs[q] for q in QUESTIONS[:8]}
-    assert_stack_gives(tmp_path, default_model, ("--gemm-backend", gemm), want, concurrency=len(want))
+    want = {q: small_offline_outputs[q] for q in QUESTIONS[:8]}
+    assert_stack_gives(tmp_path, small_model, ("--gemm-backend", gemm), want, concurrency=len(want))
 
 
-def in_process_answers(default_model, questions: list[str], offline_outputs, **options) -> dict:
+def in_process_answers(model, questions: list[str], float32_outputs, **options) -> dict:
     """The in-process engine's greedy answers (24 tokens) with ``options``, one question at a time;
     checked to differ from the float32 default's on some question (else a worker that ignored the
     options would pass)."""
@@ -55,10 +60,10 @@ def in_process_answers(default_model, questions: list[str], offline_outputs, **o
     from pagedserve.llm import LLM
     from pagedserve.text.tokenizer import ChatTurn
 
-    llm = LLM(default_model, kv_cache_memory="64MiB", **options)
+    llm = LLM(model, kv_cache_memory="64MiB", **options)
     results = [llm.chat([[ChatTurn("user", q)]], SamplingParams(max_tokens=24, temperature=0.0))[0] for q in questions]
     del llm
-    assert any(r.token_ids != offline_outputs[q].token_ids for q, r in zip(questions, results)), \
+    assert any(r.token_ids != float32_outputs[q].token_ids for q, r in zip(questions, results)), \
         f"{options} gave float32's output on every question: the stack check would not see them ignored"
     return dict(zip(questions, results))
 
@@ -69,7 +74,7 @@ def test_bfloat16_worker_matches_in_process_bfloat16(tmp_path, default_model, of
     assert_stack_gives(tmp_path, default_model, ("--dtype", "bfloat16"), want, concurrency=1)
 
 
-def test_fp8_kv_cache_worker_matches_in_process_fp8_kv_cache(tmp_path, default_model, offline_outputs):
+def test_fp8_kv_cache_worker_matches_in_process_fp8_kv_cache(tmp_path, small_model, small_offline_outputs):
     """K/V stored as fp8_e5m2 in the worker round as in the in-process engine: the same answers."""
-    want = in_process_answers(default_model, QUESTIONS[:4], offline_outputs, kv_cache_dtype="fp8_e5m2")
-    assert_stack_gives(tmp_path, default_model, ("--kv-cache-dtype", "fp8_e5m2"), want, concurrency=1)
+    want = in_process_answers(small_model, QUESTIONS[:4], small_offline_outputs, kv_cache_dtype="fp8_e5m2")
+    assert_stack_gives(tmp_path, small_model, ("--kv-cache-dtype", "fp8_e5m2"), want, concurrency=1)

@@ -82,12 +82,12 @@ def assert_valid_calls(calls: list[tuple[str, str]]) -> None:
         jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
-def test_required_gives_a_valid_call_equal_to_http(stack, default_model):
-    answer = grpc_answer(stack, grpc_request(QUESTION, "required", parallel=False))
+def test_required_gives_a_valid_call_equal_to_http(small_stack, small_model):
+    answer = grpc_answer(small_stack, grpc_request(QUESTION, "required", parallel=False))
     content, calls, reason = answer
     assert reason == "tool_calls" and content is None and len(calls) == 1, answer
     assert_valid_calls(calls)
-    assert answer == http_answer(stack, default_model, QUESTION, tool_choice="required", parallel_tool_calls=False)
+    assert answer == http_answer(small_stack, small_model, QUESTION, tool_choice="required", parallel_tool_calls=False)
 
 
 def test_required_parallel_gives_valid_calls_equal_to_http(stack, default_model):
@@ -99,41 +99,41 @@ def test_required_parallel_gives_valid_calls_equal_to_http(stack, default_model)
     assert answer == http_answer(stack, default_model, QUESTION, tool_choice="required")
 
 
-def test_named_function_is_the_one_called_as_over_http(stack, default_model):
-    answer = grpc_answer(stack, grpc_request(QUESTION, "get_time"))
+def test_named_function_is_the_one_called_as_over_http(small_stack, small_model):
+    answer = grpc_answer(small_stack, grpc_request(QUESTION, "get_time"))
     assert answer[2] == "tool_calls" and [name for name, _ in answer[1]] == ["get_time"]
     assert_valid_calls(answer[1])
     named = {"type": "function", "function": {"name": "get_time"}}
-    assert answer == http_answer(stack, default_model, QUESTION, tool_choice=named)
+    assert answer == http_answer(small_stack, small_model, QUESTION, tool_choice=named)
 
 
 @pytest.mark.parametrize("forced", [False, True], ids=["free", "forced-call"])
-def test_auto_parses_as_http_does(stack, default_model, forced):
+def test_auto_parses_as_http_does(small_stack, small_model, forced):
     request = grpc_request(QUESTION, "auto")
     body: dict = {"tool_choice": "auto"}
     if forced:
         request.sampling_params.structured_output.choice.choices.append(FORCED_CALL)
         body["structured_outputs"] = {"choice": [FORCED_CALL]}
-    answer = grpc_answer(stack, request)
+    answer = grpc_answer(small_stack, request)
     if forced:
         assert answer == ("Checking.", [("get_time", '{"timezone": "Europe/Paris"}')], "tool_calls")
-    assert answer == http_answer(stack, default_model, QUESTION, **body)
+    assert answer == http_answer(small_stack, small_model, QUESTION, **body)
 
 
-def test_none_leaves_the_text_unparsed(stack):
+def test_none_leaves_the_text_unparsed(small_stack):
     request = grpc_request(QUESTION, "none", max_tokens=len(FORCED_CALL))
     request.sampling_params.structured_output.choice.choices.append(FORCED_CALL)
-    responses = stream(stack.gateway, request)
+    responses = stream(small_stack.gateway, request)
     assert not any(r.tool_calls for r in responses)
     assert "".join(r.text for r in responses) == FORCED_CALL
     assert responses[-1].finish_reason == gen.FinishReason.FINISH_REASON_STOP
 
 
-def test_conversation_with_a_tool_result_continues(stack, default_model):
+def test_conversation_with_a_tool_result_continues(small_stack, small_model):
     messages = QUESTION + TOOL_RESULT
-    content, calls, reason = answer = grpc_answer(stack, grpc_request(messages, max_tokens=24))
+    content, calls, reason = answer = grpc_answer(small_stack, grpc_request(messages, max_tokens=24))
     assert (content or calls) and reason in ("stop", "length", "tool_calls"), answer
-    assert answer == http_answer(stack, default_model, messages, max_tokens=24)
+    assert answer == http_answer(small_stack, small_model, messages, max_tokens=24)
 
 
 def _no_tool_call_id(request: gen.GenerateRequest) -> None:
@@ -166,11 +166,11 @@ BAD = {
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_tool_input_is_invalid_argument_naming_the_field(stack, case):
+def test_bad_tool_input_is_invalid_argument_naming_the_field(small_stack, case):
     choice, change, field = BAD[case]
     request = grpc_request(QUESTION + TOOL_RESULT, choice, max_tokens=4)
     change(request)
     with pytest.raises(grpc.RpcError) as info:
-        stream(stack.gateway, request)
+        stream(small_stack.gateway, request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert info.value.details().startswith(f"{field}:"), info.value.details()

@@ -14,20 +14,12 @@ import httpx
 import pytest
 
 from services.common.pb import generate_pb2_grpc
-from tests.e2e.processes import start_stack
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 STREAMS_PER_API = 500  # 1,000 at once: more than redis-py's default pool of 100 connections
 MAX_TOKENS = 4
-
-
-@pytest.fixture(scope="module")
-def small_stack(tmp_path_factory, small_model):
-    stack = start_stack(tmp_path_factory.mktemp("load"), small_model)
-    yield stack
-    stack.stop()
 
 
 @pytest.fixture(scope="module")

@@ -49,15 +49,16 @@ DISTINCT = 8
 """Stream i + 8 is the same request as stream i (question, constraint, length): identical requests in flight
 share their prompt blocks through adoption and hand-off. 16 streams, not 32 as until 2026-12-05: the same
 paths (both schedulers and workers busy, repeated requests, 4 constrained streams) in half the suite's time."""
-MAX_TOKENS = [60 + (i % DISTINCT) * 2 for i in range(NUM_STREAMS)]  # 60..74, exact lengths (ignore_eos): the first
-# streams must still decode when the last is admitted (32 prompts took 2.4-3.2 s to admit here; with 40..54
-# one ended first in a CI run once the panel GEMM made decodes faster)
+MAX_TOKENS = [150 + (i % DISTINCT) * 2 for i in range(NUM_STREAMS)]  # 150..164, exact lengths (ignore_eos): the
+# first streams must still decode when the last is admitted, the constrained ones after their grammar's build (32
+# prompts took 2.4-3.2 s to admit on the default model; with 40..54 one ended first in a CI run once the panel GEMM
+# made decodes faster; the small model decodes 60..74 in well under a second)
 MIN_RUNNING_AT_FAULT = NUM_STREAMS * 3 // 4
 """Streams that must still decode when the fault hits (the others finished; finish_streams checks them all
 the same): with all 32 required, a CI run on a loaded 2-core VM failed the precondition twice (a free
 stream ended while the structured ones still waited for their grammar's first build)."""
 NUMBERS = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999},
-                      "minItems": 60, "maxItems": 200})  # 60+ numbers: longer than any stream, never closed
+                      "minItems": 100, "maxItems": 400})  # 100+ numbers (2+ tokens each): longer than any stream
 STRUCTURED = frozenset(range(3, NUM_STREAMS, 4))  # 3, 7 and their repeats 11, 15
 """The streams whose output is constrained by ``NUMBERS``."""
 KV_CACHE = "256MiB"
@@ -81,7 +82,7 @@ def summary():
 
 
 @pytest.fixture(scope="module")
-def reference(default_llm):
+def reference(small_llm):
     """Token ids of an undisturbed greedy run of each stream, from the in-process engine: one run per
     (question, constrained or not) the streams use: ``DISTINCT`` runs for the ``NUM_STREAMS`` streams."""
     from pagedserve.engine.sampling_params import SamplingParams
@@ -92,7 +93,7 @@ def reference(default_llm):
     numbers = StructuredOutput(StructureKind.JSON, NUMBERS)
     runs = {(i % DISTINCT, i in STRUCTURED): MAX_TOKENS[i] for i in range(NUM_STREAMS)}
     assert len(runs) == DISTINCT and all(runs[i % DISTINCT, i in STRUCTURED] == m for i, m in enumerate(MAX_TOKENS))
-    outputs = default_llm.chat([[ChatTurn("user", QUESTIONS[q])] for q, _ in runs], [
+    outputs = small_llm.chat([[ChatTurn("user", QUESTIONS[q])] for q, _ in runs], [
         SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
                        structured_output=numbers if constrained else None) for (_, constrained), m in runs.items()])
     by_run = dict(zip(runs, outputs))
@@ -195,12 +196,12 @@ def steps(stack: Stack, worker: str) -> float:
     return metric(stack.metrics[worker], "pagedserve_worker_step_seconds_count")
 
 
-def test_kill_one_of_two_schedulers_mid_generation(tmp_path, default_model, reference):
+def test_kill_one_of_two_schedulers_mid_generation(tmp_path, small_model, reference):
     """kill -9 the busier scheduler while 16 streams decode. Expected: the survivor adopts its worker
     within ``ADOPTION_BOUND_S``, resumes its requests; all 16 streams complete token-identical; the
     survivor ends with both workers, nothing running, every block free, Redis clean; both workers serve
     new requests under it."""
-    with two_schedulers(tmp_path, default_model) as (stack, schedulers):
+    with two_schedulers(tmp_path, small_model) as (stack, schedulers):
         calls = start_calls(stack.gateway)
         victim, survivor, _ = busier_scheduler(schedulers)
         fault_at = time.monotonic()
@@ -224,12 +225,12 @@ def test_kill_one_of_two_schedulers_mid_generation(tmp_path, default_model, refe
             "tokens_computed_again": int(metric(stack.metrics[survivor], "pagedserve_resumed_tokens_total"))}
 
 
-def test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer(tmp_path, default_model, reference):
+def test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer(tmp_path, small_model, reference):
     """First, requests sharing a prompt prefix (``requests_sharing_a_prefix``); then kill -9 the busier
     scheduler's worker while 16 streams decode. Expected: the scheduler that owned it has no worker
     left, hands its requests off (after 2 s), the peer resumes them: all 16 complete token-identical."""
-    with two_schedulers(tmp_path, default_model) as (stack, schedulers):
-        prefix = requests_sharing_a_prefix(stack, schedulers, default_model)
+    with two_schedulers(tmp_path, small_model) as (stack, schedulers):
+        prefix = requests_sharing_a_prefix(stack, schedulers, small_model)
         a_burst_sharing_the_cached_prefix_is_balanced(stack, schedulers, prefix)
         calls = start_calls(stack.gateway)
         _, peer, worker = busier_scheduler(schedulers)
@@ -251,23 +252,31 @@ def requests_sharing_a_prefix(stack: Stack, schedulers: dict[str, str], model) -
     from its cache; the index holds the prefix's blocks keyed with the cluster token, never their
     plain SHA-256 hashes (issue #20, defect 5: a PIN in a cached prompt was recovered from them)."""
     prefix = " ".join(f"Rule {i}: answer briefly and politely." for i in range(40))
+    prompt = PromptTokenizer.from_folder(model).encode_prompt(f"{prefix}\nQuestion 0:")
+    plain = [h.digest for h in hash_full_blocks(prompt, SchedulerConfig().block_size)][:16]  # the shared prefix's
+    keyed = {BlockDigestKey(CLUSTER_TOKEN)(d) for d in plain}
+    client = redis.Redis.from_url(stack.redis_url)
+
+    def published_by(name: str) -> set[bytes]:
+        return client.smembers(redis_keys.scheduler_blocks_key(name))
+
     for i in range(6):
         call = Call(i, gen.GenerateRequest(prompt=f"{prefix}\nQuestion {i}:", sampling_params=gen.SamplingParams(
             max_tokens=2, temperature=0.0)))
         call.run(stack.gateway)
         assert call.code is None and call.finish_reason, (call.code, call.details)
-        time.sleep(0.7)  # the holder publishes its cached blocks every 0.5 s
+        # The holder publishes its cached blocks on its next tick: the next request must find them (a fixed
+        # 0.7 s wait was too short at times once a request took 50 ms, not a second, on the small model).
+        wait_until(lambda: any(keyed <= published_by(name) for name in schedulers), "the prefix's blocks published", 10)
     stats = {name: scheduler_stats(address) for name, address in schedulers.items()}
     ran = [name for name, s in stats.items() if s.prefix_cache_queries > 0]
     forwarded = {name: int(metric(stack.metrics[name], "pagedserve_requests_forwarded_total")) for name in stats}
     assert len(ran) == 1, f"requests ran on {ran}; forwarded {forwarded}"
     holder = stats[ran[0]]
     assert holder.prefix_cache_hits >= 5 * 16 * 16, (holder.prefix_cache_hits, holder.prefix_cache_queries)
-    published = redis.Redis.from_url(stack.redis_url).smembers(redis_keys.scheduler_blocks_key(ran[0]))
-    prompt = PromptTokenizer.from_folder(model).encode_prompt(f"{prefix}\nQuestion 0:")
-    plain = [h.digest for h in hash_full_blocks(prompt, SchedulerConfig().block_size)][:16]  # the shared prefix's
+    published = published_by(ran[0])
     assert len(plain) == 16 and not published & set(plain)
-    assert {BlockDigestKey(CLUSTER_TOKEN)(d) for d in plain} <= published
+    assert keyed <= published
     RESULTS["6 requests sharing a prefix, 2 schedulers"] = {
         "ran_on": ran[0], "forwarded": forwarded, "prefix_hit_tokens": holder.prefix_cache_hits,
         "prefix_queried_tokens": holder.prefix_cache_queries}
@@ -294,7 +303,7 @@ def a_burst_sharing_the_cached_prefix_is_balanced(stack: Stack, schedulers: dict
     RESULTS["16 requests at once sharing a cached prefix, 2 schedulers"] = {"split": split}
 
 
-def test_redis_restarted_empty_then_a_worker_killed_loses_no_stream(tmp_path, default_model, reference):
+def test_redis_restarted_empty_then_a_worker_killed_loses_no_stream(tmp_path, small_model, reference):
     """kill -9 Redis and restart it empty while 16 streams decode on two schedulers (every lease,
     registration, stream entry and the consumer group are gone), then kill -9 the busier scheduler's
     worker: that scheduler, left without a worker, hands its requests off, though Redis holds no entry of
@@ -303,7 +312,7 @@ def test_redis_restarted_empty_then_a_worker_killed_loses_no_stream(tmp_path, de
     ``REDIS_RESTART_BOUND_S`` of the fault, completed token-identical (never a hang until the
     client's deadline); the peer keeps its own worker, ends idle with every block free, and
     serves new requests."""
-    with two_schedulers(tmp_path, default_model) as (stack, schedulers):
+    with two_schedulers(tmp_path, small_model) as (stack, schedulers):
         calls = start_calls(stack.gateway)
         owner, peer, worker = busier_scheduler(schedulers)
         fault_at = time.monotonic()

@@ -13,7 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.llm import LLM
 from services.common.pb import generate_pb2 as gen
+from tests.conftest import save_small_model
 from tests.e2e.processes import start_stack
 from tests.e2e.test_metrics import scrape, total
 from tests.e2e.test_stack import assert_all_blocks_free, stream
@@ -36,25 +38,25 @@ def samples_by_index(responses: list[gen.GenerateResponse]) -> list[tuple[int, .
     return [tuple(by_index[i]) for i in sorted(by_index)]
 
 
-def greedy_requests(default_model, default_llm) -> tuple[list[gen.GenerateRequest], list[list[tuple[int, ...]]]]:
-    """The two prompts (greedy, n = 2) as requests, and the in-process engine's tokens for them."""
+def greedy_requests(model, llm) -> tuple[list[gen.GenerateRequest], list[list[tuple[int, ...]]]]:
+    """The two prompts (greedy, n = 2) as requests, and the in-process engine ``llm``'s tokens for them."""
     from pagedserve.text.tokenizer import PromptTokenizer
 
-    tokenizer = PromptTokenizer.from_folder(default_model)
+    tokenizer = PromptTokenizer.from_folder(model)
     prompts = [tokenizer.encode_prompt(p) for p in (COPY_PROMPT, BASE_PROMPTS[2])]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=2)
-    want = [[s.token_ids for s in out.samples] for out in default_llm.generate(prompts, params)]
+    want = [[s.token_ids for s in out.samples] for out in llm.generate(prompts, params)]
     requests = [gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=p), sampling_params=gen.SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, n=2)) for p in prompts]
     return requests, want
 
 
-def through_the_stack(tmp_path, default_model, flags: tuple[str, ...], requests: list[gen.GenerateRequest],
+def through_the_stack(tmp_path, model, flags: tuple[str, ...], requests: list[gen.GenerateRequest],
                       worker_args: tuple[str, ...] = ()) -> tuple[list[list[tuple[int, ...]]], dict, dict]:
     """Streams ``requests`` at once through a stack whose scheduler and worker take ``flags`` (and the
     worker ``worker_args``), asserts all blocks free; returns each request's samples, the scheduler's
     metrics and the gateway's HTTP ones."""
-    stack = start_stack(tmp_path, default_model, num_workers=1, worker_threads=2, scheduler_args=flags,
+    stack = start_stack(tmp_path, model, num_workers=1, worker_threads=2, scheduler_args=flags,
                         worker_args=flags + worker_args)
     try:
         with ThreadPoolExecutor(len(requests)) as pool:
@@ -81,28 +83,32 @@ def test_speculative_stack_gives_plain_greedy_output_and_counts_accepted_drafts(
                                          position=str(p)) for p in range(4)]
 
 
-def test_a_tensor_parallel_worker_speculates_with_plain_greedy_output(tmp_path, default_model, default_llm):
+def test_a_tensor_parallel_worker_speculates_with_plain_greedy_output(tmp_path, default_model):
     # 3 ranks (one KV head each): rank 0 drafts (the draft model whole, beside its shard), shares the
-    # drafts, verifies and shares the outcome (n-gram takes the same path: tests/worker/test_tensor_parallel_llm.py)
-    flags = ("--speculative-method", "draft_model", "--speculative-model", str(default_model),
-             "--num-speculative-tokens", "4")
-    requests, want = greedy_requests(default_model, default_llm)
-    got, metrics, _ = through_the_stack(tmp_path, default_model, flags, requests,
-                                        worker_args=("--tensor-parallel-size", "3"))
+    # drafts, verifies and shares the outcome (n-gram takes the same path: tests/worker/test_tensor_parallel_llm.py).
+    # The small model widened to 6 query heads over 3 KV heads drafts for itself (the default model, 9 over 3,
+    # took 36 s of the suite): every draft is kept, so accepted drafts' K/V are checked on every rank.
+    model = save_small_model(tmp_path / "small-3-kv-heads", default_model, hidden_size=96, intermediate_size=192,
+                             num_attention_heads=6, num_key_value_heads=3)
+    flags = ("--speculative-method", "draft_model", "--speculative-model", str(model), "--num-speculative-tokens", "4")
+    requests, want = greedy_requests(model, LLM(model, kv_cache_memory="64MiB"))
+    got, metrics, _ = through_the_stack(tmp_path, model, flags, requests, worker_args=("--tensor-parallel-size", "3"))
     assert got == want
-    assert total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
+    accepted = total(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    assert accepted == total(metrics, "vllm:spec_decode_num_draft_tokens_total") > 0
 
 
 def test_draft_model_stack_gives_plain_greedy_output_and_accepts_every_draft_of_the_target_itself(
-        tmp_path, default_model, default_llm):
+        tmp_path, small_model, small_llm):
     # and a seeded sampled request, twice: drafts drawn from the draft's q (here the target's p) are all
-    # kept too, where argmax drafts would keep p(argmax) of them
-    flags = ("--speculative-method", "draft_model", "--speculative-model", str(default_model),
+    # kept too, where argmax drafts would keep p(argmax) of them. The small model drafts for itself: what is checked
+    # holds for any model whose draft is itself (the default model's drafts cost 23 s of the suite).
+    flags = ("--speculative-method", "draft_model", "--speculative-model", str(small_model),
              "--num-speculative-tokens", "4")
-    requests, want = greedy_requests(default_model, default_llm)
+    requests, want = greedy_requests(small_model, small_llm)
     sampled = gen.GenerateRequest(prompt_token_ids=requests[1].prompt_token_ids, sampling_params=gen.SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.9, top_k=30, top_p=0.95, seed=17, frequency_penalty=0.3, ignore_eos=True))
-    got, metrics, _ = through_the_stack(tmp_path, default_model, flags, [*requests, sampled, sampled])
+    got, metrics, _ = through_the_stack(tmp_path, small_model, flags, [*requests, sampled, sampled])
     assert got[:2] == want
     assert got[2] == got[3] and len(got[2][0]) == MAX_TOKENS
     accepted = total(metrics, "vllm:spec_decode_num_accepted_tokens_total")

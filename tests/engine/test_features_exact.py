@@ -1,6 +1,9 @@
-"""Greedy outputs on the real model are the same with and without each KV-memory feature:
-prefix caching, chunked prefill, swap and recompute preemption, all together with staggered
-arrivals; and n=4 samples share their prompt's blocks."""
+"""Greedy outputs are the same with and without each KV-memory feature: prefix caching, chunked prefill,
+swap and recompute preemption, all together with staggered arrivals; and n=4 samples share their prompt's
+blocks. On the small random-weight model (``small_model``: nearly every id it generates differs, so a
+feature that moved one position's K/V changes what follows): these check that two paths of the engine agree,
+which holds for any model. The default model against transformers (batched, staggered, preempted under a small
+cache) is tests/engine/test_greedy_matches_hf.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from pagedserve.llm import LLM
 from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import BASE_PROMPTS
-from tests.engine.test_greedy_matches_hf import BLOCK_BYTES, run_staggered
+from tests.conftest import SMALL_BLOCK_BYTES
+from tests.engine.test_greedy_matches_hf import run_staggered
 
 pytestmark = pytest.mark.model
 
@@ -24,13 +28,13 @@ def prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(default_model, prompts) -> list[tuple[int, ...]]:
+def plain_outputs(small_model, prompts) -> list[tuple[int, ...]]:
     """No feature at all: whole prompts, no caching, a cache big enough for everyone."""
-    llm = LLM(default_model, kv_cache_memory="64MiB", enable_prefix_caching=False, enable_chunked_prefill=False)
+    llm = LLM(small_model, kv_cache_memory="64MiB", enable_prefix_caching=False, enable_chunked_prefill=False)
     return [r.token_ids for r in llm.generate(prompts, GREEDY)]
 
 
-def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, tokenizer):
+def test_shared_1000_token_system_prompt_with_prefix_caching(small_model, tokenizer):
     system = tokenizer.encode_prompt(" ".join(f"Rule {i}: be brief, exact and kind." for i in range(90)))[:1000]
     assert len(system) == 1000
     # Two questions (three took 16 s more and showed nothing a second hit does not): the uncached reference
@@ -38,7 +42,7 @@ def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, toke
     questions = [tokenizer.encode_prompt(f" Question {i}: what is {i} plus {i}?") for i in range(2)]
     prompts = [system + q for q in questions]
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    cached = LLM(default_model, kv_cache_memory="128MiB")
+    cached = LLM(small_model, kv_cache_memory="128MiB")
     with_cache = []
     for p in prompts:  # one after another, so each later request finds the system prompt cached
         with_cache.append(cached.generate(p, params)[0].token_ids)
@@ -47,23 +51,23 @@ def test_shared_1000_token_system_prompt_with_prefix_caching(default_model, toke
     stats = cached.stats()
     assert stats.prefix_cache_hits >= 992  # 62 full blocks of the system prompt, for the later request
     # The first request found nothing cached: only the later one needs an uncached reference.
-    uncached = LLM(default_model, kv_cache_memory="128MiB", enable_prefix_caching=False)
+    uncached = LLM(small_model, kv_cache_memory="128MiB", enable_prefix_caching=False)
     assert uncached.generate(prompts[1], params)[0].token_ids == with_cache[1]
     assert uncached.stats().prefix_cache_hits == 0
 
 
 @pytest.mark.parametrize("budget", [7, 16, 64])
-def test_chunked_prefill_budgets(default_model, prompts, plain_outputs, budget):
-    llm = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=budget, max_num_seqs=budget,
+def test_chunked_prefill_budgets(small_model, prompts, plain_outputs, budget):
+    llm = LLM(small_model, kv_cache_memory="64MiB", max_num_batched_tokens=budget, max_num_seqs=budget,
               enable_prefix_caching=False)
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == plain_outputs
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_modes_under_a_small_cache(default_model, prompts, plain_outputs, mode):
+def test_preemption_modes_under_a_small_cache(small_model, prompts, plain_outputs, mode):
     longest = max(len(p) for p in prompts) + GREEDY.max_tokens
     blocks = -(-longest // 16) + 3
-    llm = LLM(default_model, kv_cache_memory=blocks * BLOCK_BYTES, swap_space=64 * BLOCK_BYTES,
+    llm = LLM(small_model, kv_cache_memory=blocks * SMALL_BLOCK_BYTES, swap_space=64 * SMALL_BLOCK_BYTES,
               preemption_mode=mode, enable_prefix_caching=False)
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == plain_outputs
     stats = llm.stats()
@@ -71,10 +75,11 @@ def test_preemption_modes_under_a_small_cache(default_model, prompts, plain_outp
     assert (stats.num_swap_preemptions > 0) == (mode == "swap")
 
 
-def test_all_features_together_with_staggered_arrivals(default_model, default_llm, tokenizer, prompts, plain_outputs):
+def test_all_features_together_with_staggered_arrivals(small_model, small_llm, tokenizer, prompts, plain_outputs):
     long = tokenizer.encode_prompt(BASE_PROMPTS[15])  # ~130 tokens: 8 full blocks to share
-    long_alone = default_llm.generate(long, GREEDY)[0]  # alone in its batch
-    llm = LLM(default_model, kv_cache_memory=(-(-(len(long) + 12) // 16)) * BLOCK_BYTES, swap_space=64 * BLOCK_BYTES,
+    long_alone = small_llm.generate(long, GREEDY)[0]  # alone in its batch
+    llm = LLM(small_model, kv_cache_memory=(-(-(len(long) + 12) // 16)) * SMALL_BLOCK_BYTES,
+              swap_space=64 * SMALL_BLOCK_BYTES,
               preemption_mode="swap", max_num_batched_tokens=48, max_num_seqs=16, policy="priority")
     outputs = run_staggered(llm, [long, long, *prompts], every=1, params=GREEDY)
     assert [tuple(outputs[i + 2]) for i in range(len(prompts))] == plain_outputs
@@ -84,7 +89,7 @@ def test_all_features_together_with_staggered_arrivals(default_model, default_ll
 
 
 @pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only with AVX2 and no AVX-512")
-def test_chunked_and_cached_prefills_give_the_bits_of_a_whole_prefill(default_model):
+def test_chunked_and_cached_prefills_give_the_bits_of_a_whole_prefill(small_model):
     """With the prefill op a query row's attention sums run over the same key blocks in the same order
     however its prompt is split (tests/worker/test_prefill_attention_cpu.py), and the panel GEMMs are
     batch-invariant: 16-token chunks, or a prompt whose first 256 tokens are cached, give the logprobs of
@@ -92,16 +97,16 @@ def test_chunked_and_cached_prefills_give_the_bits_of_a_whole_prefill(default_mo
     shared = [(13 * j) % 40000 + 100 for j in range(256)]
     prompts = [shared + [(7 * i + 5 * j) % 30000 + 200 for j in range(40 + i)] for i in range(2)]
     params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
-    whole = LLM(default_model, kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=2048)
+    whole = LLM(small_model, kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=2048)
     want = [r.samples for r in whole.generate(prompts, params)]
-    chunked = LLM(default_model, kv_cache_memory="64MiB", max_num_batched_tokens=16)
+    chunked = LLM(small_model, kv_cache_memory="64MiB", max_num_batched_tokens=16)
     got = [chunked.generate(p, params)[0].samples for p in prompts]  # the second finds the first's blocks
     assert chunked.stats().prefix_cache_hits == 256
     assert got == want
 
 
-def test_four_seeded_samples_share_the_prompt_blocks(default_model, default_llm, tokenizer):
-    llm = LLM(default_model, kv_cache_memory="64MiB", enable_prefix_caching=False)
+def test_four_seeded_samples_share_the_prompt_blocks(small_model, small_llm, tokenizer):
+    llm = LLM(small_model, kv_cache_memory="64MiB", enable_prefix_caching=False)
     prompt = tokenizer.encode_prompt("A lighthouse keeper lives alone on a rock far out at sea. One night a storm "
                                      "comes, and a small boat appears in the beam. Write one line of what happens next:")
     assert len(prompt) > 32  # two full blocks to share, and a partial one to copy
@@ -122,5 +127,5 @@ def test_four_seeded_samples_share_the_prompt_blocks(default_model, default_llm,
     result = llm.generate(prompt, params)[0]
     samples = [s.token_ids for s in result.samples]
     assert len(samples) == 4 and len(set(samples)) == 4  # four different samples
-    again = default_llm.generate(prompt, params)[0]  # another engine, with a history of its own
+    again = small_llm.generate(prompt, params)[0]  # another engine, with a history of its own
     assert [s.token_ids for s in again.samples] == samples  # reproducible with the seed
