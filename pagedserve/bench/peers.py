@@ -213,14 +213,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.vllm_python:  # fail before the long engine run (and torch's import), not after it
+        check_vllm_python(args.vllm_python)
+    if args.llama_server_url:
+        llama_server_props(args.llama_server_url)
     from transformers import AutoTokenizer
 
     from pagedserve.model_files import resolve_model
 
-    if args.vllm_python:  # fail before the long engine run, not after it
-        check_vllm_python(args.vllm_python)
-    if args.llama_server_url:
-        llama_server_props(args.llama_server_url)
     model = resolve_model(args.model or None)
     tokenizer = AutoTokenizer.from_pretrained(model)
     requests = sample_requests(dataset_spec_from_args(args), tokenizer)

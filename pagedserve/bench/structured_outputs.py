@@ -179,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.vllm_python:  # fail before the long engine run (and torch's import), not after it
+        check_vllm_python(args.vllm_python)
     import gc
 
     from transformers import AutoTokenizer
@@ -187,8 +189,6 @@ def _run(args: argparse.Namespace) -> int:
     from pagedserve.engine.structured_output import StructuredOutput, StructureKind
     from pagedserve.model_files import resolve_model
 
-    if args.vllm_python:  # fail before the long engine run, not after it
-        check_vllm_python(args.vllm_python)
     model = resolve_model(args.model or None)
     tokenizer = AutoTokenizer.from_pretrained(model)
     requests = sample_requests(dataset_spec_from_args(args), tokenizer)

