@@ -24,6 +24,7 @@ from services.common.pb import engine_pb2_grpc
 from services.common.pb import generate_pb2 as gen
 from services.common.pb import generate_pb2_grpc
 from services.common.signed_records import sign_record
+from tests.e2e.faults import Call
 from tests.e2e.processes import (CLUSTER_TOKEN, healthy, pagedserve, scheduler_stats, start_stack, stranger_server,
                                  status_of, wait_until)
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
@@ -285,25 +286,11 @@ def _gateway_id(stack) -> str:
 def test_a_second_output_stream_for_a_gateway_does_not_wedge_it(small_stack):
     """Review finding: a second StreamOutputs under a live gateway's id split its events, and when
     it closed the gateway counted as gone: after the grace period nothing reached it any more."""
-    victim: list = []
-    decoding = threading.Event()
-
-    def client() -> None:
-        received = []
-        try:
-            # 2,000 tokens (~10 s on the small model here): still streaming while the intruder holds the stream
-            with grpc.insecure_channel(small_stack.gateway) as channel:
-                for response in generate_pb2_grpc.GenerationStub(channel).Generate(
-                        chat_request(QUESTIONS[5], max_tokens=2000, ignore_eos=True), timeout=300):
-                    received.append(response)
-                    decoding.set()
-            victim.append(received)
-        except grpc.RpcError as exc:
-            victim.append(exc.code())
-
-    thread = threading.Thread(target=client)
+    # 2,000 tokens (~10 s on the small model here): still streaming while the intruder holds the stream
+    victim = Call(0, chat_request(QUESTIONS[5], max_tokens=2000, ignore_eos=True))
+    thread = threading.Thread(target=victim.run, args=(small_stack.gateway,))
     thread.start()
-    assert decoding.wait(120), "the victim produced no tokens"
+    assert victim.decoding.wait(120), "the victim produced no tokens"
     assert thread.is_alive(), "the victim ended before the intruder came: nothing would be tested"
     with grpc.insecure_channel(small_stack.scheduler) as channel:
         intruder = engine_pb2_grpc.SchedulerStub(channel).StreamOutputs(
@@ -316,8 +303,8 @@ def test_a_second_output_stream_for_a_gateway_does_not_wedge_it(small_stack):
     thread.join(120)
     # The victim may lose tokens to the intruder (who holds the token): then it ends with ABORTED; had it lost its
     # last output, UNAVAILABLE within 60 s (services/gateway/held_check.py).
-    assert not thread.is_alive() and (isinstance(victim[0], list) or victim[0] in (
-        grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE)), victim
+    assert not thread.is_alive() and victim.code in (None, grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE), (
+        victim.code, victim.details)
     time.sleep(11.0)  # past the scheduler's 10 s grace for a gateway whose stream closed
     with grpc.insecure_channel(small_stack.gateway) as channel:  # within 30 s, not never
         responses = list(generate_pb2_grpc.GenerationStub(channel).Generate(
