@@ -76,12 +76,12 @@ def test_float32_layers_are_packed_into_panels_and_others_into_onednn():
     model.lm_head = Linear(64, 100, False, torch.float32, "cpu")
     bf16 = bool(cpu_flags() & set(ONEDNN_BF16_CPU_FLAGS))  # oneDNN packs bfloat16 weights only there
     if bf16:
-        model.half = Linear(64, 48, False, torch.bfloat16, "cpu")
+        model.bf16_proj = Linear(64, 48, False, torch.bfloat16, "cpu")  # not `half`: Module.half() is a method
     for p in model.parameters():
         p.data.normal_()
     assert pack_linear_layers(model, GemmBackend.PANELS) == 2 + bf16
     assert isinstance(model.proj, PanelLinear) and isinstance(model.lm_head, PanelLinear)
-    assert not bf16 or isinstance(model.half, OneDnnLinear)
+    assert not bf16 or isinstance(model.bf16_proj, OneDnnLinear)
     x = torch.randn(3, 64)
     assert model.proj.panels.shape == (3, 64, 16)  # 48 columns: 3 panels
     assert model.lm_head.panels.shape == (7, 64, 16)  # 100 columns: 6 panels and one of 4

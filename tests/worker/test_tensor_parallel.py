@@ -31,7 +31,10 @@ def test_tp2_logits_equal_tp1(tmp_path, case):
     ours = torch.load(out)
     for got, want in zip(ours, reference):
         assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # float32 sums in another order
+        # float32 sums in another order (each rank sums half of a dot product): every logit within 8
+        # float32 epsilons of the largest logit's magnitude (measured 3-5 with AVX-512 GEMMs, logits up to 38)
+        atol = 8 * torch.finfo(torch.float32).eps * want.abs().max().item()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=atol)
 
 
 def test_layout_splits_and_replicates_kv_heads(tmp_path):
