@@ -28,9 +28,10 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
 
 
 def own_avx2_kernels_preferred(flags: frozenset[str]) -> bool:
-    """Whether pagedserve's own 8-float-wide kernels (the panel GEMM, the prefill attention op) are preferred
-    to torch's and oneDNN's on a CPU with these flags (:func:`cpu_flags`): only without AVX-512, where those
-    have no 16-wide kernels (ours are measured on AVX2 CPUs alone)."""
+    """Whether pagedserve's own 8-float-wide kernel (the prefill attention op) is preferred to torch's on a
+    CPU with these flags (:func:`cpu_flags`): only without AVX-512, where torch has no 16-wide kernels (ours
+    is measured on AVX2 CPUs alone). The panel GEMM has a 16-wide build and is preferred on both
+    (``models/panel_gemm.py``)."""
     return "avx512f" not in flags
 
 

@@ -1,5 +1,5 @@
 """Linear layers on oneDNN with prepacked weights: the default GEMMs on CPU (``--gemm-backend auto``)
-but for float32 layers on x86 CPUs with AVX2 and no AVX-512, which take ``models/panel_gemm.py``.
+but for float32 layers on x86 CPUs with AVX2 and FMA, which take ``models/panel_gemm.py``.
 
 oneDNN reorders each weight matrix once into its blocked layout for the CPU's vector units (the
 ``torch.ops.mkldnn`` ops inductor uses for frozen CPU models). On the 2-core AMD EPYC of

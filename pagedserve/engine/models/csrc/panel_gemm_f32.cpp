@@ -1,15 +1,17 @@
-// y = x @ W^T + bias in float32 on CPUs with AVX2 and FMA, over a weight packed once into panels of
-// 16 output columns: a register-blocked GEMM in the manner of BLIS (Van Zee & van de Geijn, "BLIS: A
-// Framework for Rapidly Instantiating BLAS Functionality", ACM TOMS 2015; Goto & van de Geijn, "Anatomy
-// of High-Performance Matrix Multiplication", ACM TOMS 2008): a 6 x 16 block of sums in 12 vector
-// registers, one broadcast of x and two loads of the panel per 12 fused multiply-adds, a panel's
-// kKc x 16 slice kept in L1 while x's rows (up to kXBytes of them) pass over it.
+// y = x @ W^T + bias in float32 on CPUs with AVX2 and FMA (and AVX-512), over a weight packed once into
+// panels of 16 output columns: a register-blocked GEMM in the manner of BLIS (Van Zee & van de Geijn, "BLIS:
+// A Framework for Rapidly Instantiating BLAS Functionality", ACM TOMS 2015; Goto & van de Geijn, "Anatomy of
+// High-Performance Matrix Multiplication", ACM TOMS 2008). With AVX2, a 6 x 16 block of sums in 12 ymm
+// registers: one broadcast of x and two loads of the panel per 12 fused multiply-adds. With AVX-512, a 6 x 64
+// block (4 panels side by side) in 24 zmm registers: one broadcast per 4 and four loads per 24. A k slice of
+// kKc is summed while x's rows (up to kXBytes of them) pass over it.
 //
 // Each output element is sum_k x[m, k] * W[n, k] over k = 0, 1, ..., K - 1 in that order (one fused
 // multiply-add per k, from 0), then + bias[n]. The order depends on nothing but K: not on how many rows
-// the call has, which rows share a block, or how many threads split the columns. So a row's result is
-// the same bits alone as in a batch of any size (oneDNN pads one row to two for that; MKL's rows
-// change with the batch: scripts/gemm_batch_invariance.py).
+// the call has, which rows share a block, how many threads split the columns, or whether the build has
+// AVX-512. So a row's result is the same bits alone as in a batch of any size (oneDNN pads one row to
+// two for that; MKL's rows change with the batch: scripts/gemm_batch_invariance.py), and the same on an
+// AVX2 and an AVX-512 CPU.
 //
 // Layouts:
 //   weight  float32 [N, K]
@@ -28,8 +30,17 @@
 
 namespace {
 
-constexpr int64_t kCols = 16;   // output columns of a panel: two 8-float vectors
-constexpr int64_t kRows = 6;    // rows of a register block: 6 x 2 sums + 2 panel loads + 1 broadcast = 15 of 16 registers
+constexpr int64_t kCols = 16;   // output columns of a panel: one 16-float line per k
+constexpr int64_t kRows = 6;    // rows of a register block
+#if defined(__AVX512F__)
+// panels of a register block: 6 x 4 sums (a zmm each) + 4 panel lines + 1 broadcast = 29 of 32 registers.
+// One panel of 12 rows (12 + 1 registers) ran the default model's GEMMs at 0.82-0.88x oneDNN's speed from
+// 16 rows up (Zen 4, 2 threads); 2 x 8, 3 x 8, 3 x 6 and 4 x 6 ran at 0.93-1.04x (a broadcast of x now
+// feeds several fused multiply-adds).
+constexpr int64_t kPanels = 4;
+#else
+constexpr int64_t kPanels = 1;  // 6 x 2 sums (two ymm halves each) + 2 panel loads + 1 broadcast = 15 of 16
+#endif
 constexpr int64_t kKc = 256;    // k per pass: a panel's slice is 256 x 16 x 4 B = 16 KiB, half of L1D
 // x's rows per pass over the panels: up to 4 MiB of x, one pass for any decode batch of the default model.
 // Each pass streams every panel from memory again; with passes of x that fit L2 (256 KiB) the model's
@@ -94,72 +105,111 @@ void pack_panels(const at::Tensor& weight, at::Tensor& panels) {
 
 enum class Start { kZero, kLoad };  // sums start from 0 (the first k slice) or from out (the later ones)
 
-struct Sums {  // one row's 16 sums
+// One row's 16 sums of one panel, or one k's 16 panel values: a zmm with AVX-512, two ymm halves with
+// AVX2. Either way each sum gets one fused multiply-add per k, so both give the same bits.
+#if defined(__AVX512F__)
+struct Sums {
+  __m512 v;
+};
+using Broadcast = __m512;
+inline Broadcast broadcast(const float* x) { return _mm512_set1_ps(*x); }
+inline Sums load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(const Sums& s, float* out) { _mm512_storeu_ps(out, s.v); }
+inline Sums add(const Sums& a, const Sums& b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline void add_products(Sums& s, Broadcast x, const Sums& w) { s.v = _mm512_fmadd_ps(x, w.v, s.v); }
+#else
+struct Sums {
   __m256 lo, hi;
 };
-
-inline void load(Sums& s, const float* out) { s.lo = _mm256_loadu_ps(out), s.hi = _mm256_loadu_ps(out + 8); }
+using Broadcast = __m256;
+inline Broadcast broadcast(const float* x) { return _mm256_broadcast_ss(x); }
+inline Sums load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline void store(const Sums& s, float* out) { _mm256_storeu_ps(out, s.lo), _mm256_storeu_ps(out + 8, s.hi); }
-inline void add_products(Sums& s, const float* x, __m256 w_lo, __m256 w_hi) {
-  const __m256 xv = _mm256_broadcast_ss(x);
-  s.lo = _mm256_fmadd_ps(xv, w_lo, s.lo), s.hi = _mm256_fmadd_ps(xv, w_hi, s.hi);
+inline Sums add(const Sums& a, const Sums& b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline void add_products(Sums& s, Broadcast x, const Sums& w) {
+  s.lo = _mm256_fmadd_ps(x, w.lo, s.lo), s.hi = _mm256_fmadd_ps(x, w.hi, s.hi);
 }
+#endif
 
-// out[r, 0:16] for r < R (<= kRows) = (start) + sum over k < kc of x[r, k] * panel[k, 0:16], k in order:
-// the same instructions for a row whatever R. The sums are six named variables, not an array: GCC kept
-// an array of them in memory, a store per fused multiply-add (2.5x slower).
-template <int R, Start kStart>
-inline void block(const float* x, int64_t ldx, const float* panel, int64_t kc, float* out, int64_t ldo) {
-  Sums s0{}, s1{}, s2{}, s3{}, s4{}, s5{};
-  Sums* const rows[kRows] = {&s0, &s1, &s2, &s3, &s4, &s5};
-  if constexpr (kStart == Start::kLoad)
-    for (int r = 0; r < R; ++r) load(*rows[r], out + r * ldo);
+// out[r, 16p : 16p + 16] for r < R (<= kRows), p < NP (<= kPanels) = (start) + sum over k < kc of
+// x[r, k] * panel_p[k, 0:16], k in order, panel p at panel + p * panel_stride: the same instructions for a
+// sum whatever R and NP. The loops over r and p are unrolled, so the sums stay in registers (a loop that
+// GCC left rolled kept them in memory, a store per fused multiply-add: 2.5x slower).
+template <int R, int NP, Start kStart>
+inline void block(const float* x, int64_t ldx, const float* panel, int64_t panel_stride, int64_t kc, float* out,
+                  int64_t ldo) {
+  Sums s[R][NP];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) s[r][p] = kStart == Start::kLoad ? load(out + r * ldo + p * kCols) : Sums{};
   for (int64_t k = 0; k < kc; ++k) {
-    const __m256 w_lo = _mm256_loadu_ps(panel + k * kCols), w_hi = _mm256_loadu_ps(panel + k * kCols + 8);
-    if constexpr (R > 0) add_products(s0, x + k, w_lo, w_hi);
-    if constexpr (R > 1) add_products(s1, x + ldx + k, w_lo, w_hi);
-    if constexpr (R > 2) add_products(s2, x + 2 * ldx + k, w_lo, w_hi);
-    if constexpr (R > 3) add_products(s3, x + 3 * ldx + k, w_lo, w_hi);
-    if constexpr (R > 4) add_products(s4, x + 4 * ldx + k, w_lo, w_hi);
-    if constexpr (R > 5) add_products(s5, x + 5 * ldx + k, w_lo, w_hi);
+    Sums w[NP];
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) w[p] = load(panel + p * panel_stride + k * kCols);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const Broadcast xv = broadcast(x + r * ldx + k);
+#pragma GCC unroll 4
+      for (int p = 0; p < NP; ++p) add_products(s[r][p], xv, w[p]);
+    }
   }
-  for (int r = 0; r < R; ++r) store(*rows[r], out + r * ldo);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int p = 0; p < NP; ++p) store(s[r][p], out + r * ldo + p * kCols);
 }
 
-template <Start kStart>
-inline void rows_block(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t kc, float* out,
-                       int64_t ldo) {
+// block<rows, NP>: the instantiation with that many sums in registers (1 <= rows <= kRows).
+template <int NP, Start kStart>
+inline void rows_block(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t panel_stride,
+                       int64_t kc, float* out, int64_t ldo) {
+  static_assert(kRows == 6, "one case per row count below");
   switch (rows) {
-    case 1: block<1, kStart>(x, ldx, panel, kc, out, ldo); break;
-    case 2: block<2, kStart>(x, ldx, panel, kc, out, ldo); break;
-    case 3: block<3, kStart>(x, ldx, panel, kc, out, ldo); break;
-    case 4: block<4, kStart>(x, ldx, panel, kc, out, ldo); break;
-    case 5: block<5, kStart>(x, ldx, panel, kc, out, ldo); break;
-    default: block<6, kStart>(x, ldx, panel, kc, out, ldo); break;
+    case 1: block<1, NP, kStart>(x, ldx, panel, panel_stride, kc, out, ldo); break;
+    case 2: block<2, NP, kStart>(x, ldx, panel, panel_stride, kc, out, ldo); break;
+    case 3: block<3, NP, kStart>(x, ldx, panel, panel_stride, kc, out, ldo); break;
+    case 4: block<4, NP, kStart>(x, ldx, panel, panel_stride, kc, out, ldo); break;
+    case 5: block<5, NP, kStart>(x, ldx, panel, panel_stride, kc, out, ldo); break;
+    default: block<6, NP, kStart>(x, ldx, panel, panel_stride, kc, out, ldo); break;
   }
 }
 
-// Rows m0..m1 of one panel's 16 output columns (out, rows ldo apart): every k slice in order over the
-// rows, then the bias (16 values, or none).
-void panel_rows(const float* x, int64_t K, const float* panel, const float* bias, float* out, int64_t ldo,
-                int64_t m0, int64_t m1) {
+// rows_block<panels> (1 <= panels <= kPanels; the cases past kPanels are never taken, their clamped
+// instantiations only make the switch compile).
+template <Start kStart>
+inline void group_block(int64_t panels, int64_t rows, const float* x, int64_t ldx, const float* panel,
+                        int64_t panel_stride, int64_t kc, float* out, int64_t ldo) {
+  constexpr auto at_most = [](int p) { return static_cast<int>(std::min<int64_t>(p, kPanels)); };
+  static_assert(kPanels <= 4, "one case per panel count below");
+  switch (panels) {
+    case 1: rows_block<1, kStart>(rows, x, ldx, panel, panel_stride, kc, out, ldo); break;
+    case 2: rows_block<at_most(2), kStart>(rows, x, ldx, panel, panel_stride, kc, out, ldo); break;
+    case 3: rows_block<at_most(3), kStart>(rows, x, ldx, panel, panel_stride, kc, out, ldo); break;
+    default: rows_block<kPanels, kStart>(rows, x, ldx, panel, panel_stride, kc, out, ldo); break;
+  }
+}
+
+// Rows m0..m1 of `panels` (<= kPanels) consecutive panels' output columns (out, rows ldo apart): every k
+// slice in order over the rows, then the bias (16 values a panel, or none).
+void panel_rows(const float* x, int64_t K, const float* panel, int64_t panels, const float* bias, float* out,
+                int64_t ldo, int64_t m0, int64_t m1) {
   const int64_t slices = (K + kKc - 1) / kKc, slice = (K + slices - 1) / slices;  // K in equal slices of <= kKc
+  const int64_t stride = K * kCols;  // one panel to the next
   for (int64_t k0 = 0; k0 < K; k0 += slice) {
     const int64_t kc = std::min(slice, K - k0);
     for (int64_t m = m0; m < m1; m += kRows) {
       const int64_t rows = std::min(kRows, m1 - m);
       if (k0 == 0)
-        rows_block<Start::kZero>(rows, x + m * K, K, panel, kc, out + m * ldo, ldo);
+        group_block<Start::kZero>(panels, rows, x + m * K, K, panel, stride, kc, out + m * ldo, ldo);
       else
-        rows_block<Start::kLoad>(rows, x + m * K + k0, K, panel + k0 * kCols, kc, out + m * ldo, ldo);
+        group_block<Start::kLoad>(panels, rows, x + m * K + k0, K, panel + k0 * kCols, stride, kc, out + m * ldo, ldo);
     }
   }
   if (bias == nullptr) return;
-  const Sums b{_mm256_loadu_ps(bias), _mm256_loadu_ps(bias + 8)};
-  for (int64_t m = m0; m < m1; ++m) {
-    Sums s;
-    load(s, out + m * ldo);
-    store({_mm256_add_ps(s.lo, b.lo), _mm256_add_ps(s.hi, b.hi)}, out + m * ldo);
+  for (int64_t p = 0; p < panels; ++p) {
+    const Sums b = load(bias + p * kCols);
+    for (int64_t m = m0; m < m1; ++m) store(add(load(out + m * ldo + p * kCols), b), out + m * ldo + p * kCols);
   }
 }
 
@@ -191,13 +241,16 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10
     std::vector<float> scratch(tail > 0 && p1 > full ? mc * kCols : 0);  // the last, partial panel's rows
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
       const int64_t m1 = std::min(M, m0 + mc);
-      for (int64_t p = p0; p < std::min(p1, full); ++p)
-        panel_rows(xp, K, wp + p * K * kCols, b == nullptr ? nullptr : b + p * kCols, op + p * kCols, N, m0, m1);
+      for (int64_t p = p0; p < std::min(p1, full); p += kPanels) {  // groups of kPanels full panels
+        const int64_t panels = std::min(kPanels, std::min(p1, full) - p);
+        panel_rows(xp, K, wp + p * K * kCols, panels, b == nullptr ? nullptr : b + p * kCols, op + p * kCols, N, m0,
+                   m1);
+      }
       if (p1 <= full) continue;
       float tail_bias[kCols] = {};
       if (b != nullptr) std::copy(b + full * kCols, b + N, tail_bias);
-      panel_rows(xp + m0 * K, K, wp + full * K * kCols, b == nullptr ? nullptr : tail_bias, scratch.data(), kCols, 0,
-                 m1 - m0);
+      panel_rows(xp + m0 * K, K, wp + full * K * kCols, 1, b == nullptr ? nullptr : tail_bias, scratch.data(), kCols,
+                 0, m1 - m0);
       for (int64_t m = m0; m < m1; ++m)
         std::copy_n(scratch.data() + (m - m0) * kCols, tail, op + m * N + full * kCols);
     }

@@ -1,0 +1,106 @@
+"""Issue #23: the panel GEMM (``models/csrc/panel_gemm_f32.cpp``) at a git revision against the working
+tree's: the same bits? how fast? Both built for this CPU and alternated in one process (this machine's
+speed drifts up to 1.5x within minutes, so only a same-process A/B resolves a 10% change).
+
+    python scripts/panel_gemm_ab.py --base HEAD [--rows 1,8,16,64,256] [--rounds 5]
+
+The base revision's source is built into the op cache under another library name
+(``pagedserve_panels_base``), so both load side by side. First every output of both is compared bit for
+bit: weights of 7 shapes (the default model's, widths that are not a multiple of 16, a depth of 1), 1-257
+rows, with and without a bias; the count of cases that differ is printed (a change that should not touch
+the arithmetic, such as another register blocking or another instruction set, must print 0). Then the
+default model's layers (fused QKV, output, gate-up and down of 30 layers and the LM head, random weights,
+0.54 GB: each pass from DRAM) at each ``--rows``: each side's median milliseconds per pass over
+``--rounds`` alternating rounds, GFLOP/s, and the speed-up. Exit status 2 when any output differs. A
+measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedserve.engine.attention.cpu_op import load_cpu_library
+from pagedserve.engine.models.panel_gemm import SOURCE, panel_shape, panels_available
+
+ROOT = Path(__file__).resolve().parents[1]
+IDENTITY_SHAPES = ((960, 576), (576, 1536), (49, 64), (40, 601), (1, 300), (33, 1), (1536, 576))
+"""(out, in) of the weights whose outputs are compared."""
+IDENTITY_ROWS = (1, 2, 5, 6, 7, 11, 12, 13, 25, 64, 160, 257)
+MODEL_LAYERS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+"""The default model's linear layers, (out, in): QKV, output, gate-up, down of 30 layers; the LM head."""
+
+
+def base_ops(revision: str, folder: Path):
+    """``torch.ops.pagedserve_panels_base``: the GEMM built from ``revision``'s source."""
+    text = subprocess.run(["git", "show", f"{revision}:{SOURCE.relative_to(ROOT)}"], cwd=ROOT, check=True,
+                          capture_output=True, text=True).stdout
+    text = text.replace("TORCH_LIBRARY(pagedserve_panels,", "TORCH_LIBRARY(pagedserve_panels_base,")
+    text = text.replace("TORCH_LIBRARY_IMPL(pagedserve_panels,", "TORCH_LIBRARY_IMPL(pagedserve_panels_base,")
+    (folder / SOURCE.name).write_text(text)
+    if not load_cpu_library(folder / SOURCE.name, "panel_gemm_ab_base", f"the GEMM at {revision}", "nothing"):
+        raise SystemExit(f"the GEMM at {revision} could not be built (see the warning above)")
+    return torch.ops.pagedserve_panels_base
+
+
+def count_differences(old, new) -> int:
+    """Cases (shape, rows, bias or not) whose outputs differ in any bit."""
+    differ = 0
+    for n, k in IDENTITY_SHAPES:
+        weight, bias = torch.randn(n, k) * k ** -0.5, torch.randn(n)
+        panels = torch.empty(panel_shape(n, k))
+        new.pack_panels(weight, panels)
+        for m in IDENTITY_ROWS:
+            x = torch.randn(m, k)
+            for b in (None, bias):
+                if not torch.equal(old.panel_linear(x, panels, b, n), new.panel_linear(x, panels, b, n)):
+                    print(f"differ: weight [{n}, {k}], {m} rows, {'a' if b is not None else 'no'} bias")
+                    differ += 1
+    return differ
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base", required=True, help="the git revision to compare the working tree's GEMM with")
+    p.add_argument("--rows", default="1,8,16,64,256", help="comma-separated row counts (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds (default %(default)s)")
+    args = p.parse_args()
+    if not panels_available():
+        raise SystemExit("the working tree's GEMM cannot run here (needs AVX2, FMA and a C++ compiler)")
+    new = torch.ops.pagedserve_panels
+    with tempfile.TemporaryDirectory() as folder:
+        old = base_ops(args.base, Path(folder))
+    torch.manual_seed(0)
+    differ = count_differences(old, new)
+    print(f"cases whose outputs differ: {differ} of {len(IDENTITY_SHAPES) * len(IDENTITY_ROWS) * 2}")
+    packed = []
+    for n, k in MODEL_LAYERS:
+        panels = torch.empty(panel_shape(n, k))
+        new.pack_panels(torch.randn(n, k) * k ** -0.5, panels)
+        packed.append((panels, n, k))
+    print(f"{torch.get_num_threads()} threads, {time.strftime('%H:%M UTC', time.gmtime())}")
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(m, k) for k in {k for _, k in MODEL_LAYERS}}
+        times: dict[str, list[float]] = {"base": [], "tree": []}
+        for _ in range(args.rounds):
+            for name, ops in (("base", old), ("tree", new)):
+                start = time.perf_counter()
+                for panels, n, k in packed:
+                    ops.panel_linear(xs[k], panels, None, n)
+                times[name].append(time.perf_counter() - start)
+        base, tree = statistics.median(times["base"]), statistics.median(times["tree"])
+        flops = 2 * m * sum(n * k for n, k in MODEL_LAYERS)
+        print(f"{m:4d} rows: base {args.base} {base * 1e3:8.2f} ms ({flops / base / 1e9:6.1f} GFLOP/s)   working tree "
+              f"{tree * 1e3:8.2f} ms ({flops / tree / 1e9:6.1f} GFLOP/s)   speed-up {base / tree:.3f}x")
+    sys.exit(2 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
