@@ -2,17 +2,20 @@
 tree's: the same bits? how fast? Both built for this CPU and alternated in one process (this machine's
 speed drifts up to 1.5x within minutes, so only a same-process A/B resolves a 10% change).
 
-    python scripts/panel_gemm_ab.py --base HEAD [--rows 1,8,16,64,256] [--rounds 5]
+    python scripts/panel_gemm_ab.py --base HEAD [--tree-isa avx2] [--rows 1,8,16,64,256] [--rounds 5]
 
 The base revision's source is built into the op cache under another library name
-(``pagedserve_panels_base``), so both load side by side. First every output of both is compared bit for
-bit: weights of 7 shapes (the default model's, widths that are not a multiple of 16, a depth of 1), 1-257
+(``pagedserve_panels_base``), so both load side by side; with ``--tree-isa avx2`` the working tree's is
+built as it is for a CPU without AVX-512 (``__AVX512F__`` undefined: its AVX2 block) under the name
+``pagedserve_panels_tree``. First every output of both is compared bit for bit, each side packing its
+own panels (and the panels compared too): weights of 9 shapes (a layer shape of the default model, widths
+that are not a multiple of 16, 7 panels, a depth of 1, a depth whose 257 rows take three passes), 1-257
 rows, with and without a bias; the count of cases that differ is printed (a change that should not touch
 the arithmetic, such as another register blocking or another instruction set, must print 0). Then the
-default model's layers (fused QKV, output, gate-up and down of 30 layers and the LM head, random weights,
-0.54 GB: each pass from DRAM) at each ``--rows``: each side's median milliseconds per pass over
-``--rounds`` alternating rounds, GFLOP/s, and the speed-up. Exit status 2 when any output differs. A
-measurement, not a test.
+default model's layers (fused QKV, output, fused gate-up and down of 30 layers and the LM head, random
+weights, 0.54 GB: each pass from DRAM) at each ``--rows``: each side's median milliseconds per pass over
+``--rounds`` rounds (the order reversing each round), GFLOP/s, and the speed-up. Exit status 2 when any
+output differs. A measurement, not a test.
 """
 
 from __future__ import annotations
@@ -31,23 +34,24 @@ from pagedserve.engine.attention.cpu_op import load_cpu_library
 from pagedserve.engine.models.panel_gemm import SOURCE, panel_shape, panels_available
 
 ROOT = Path(__file__).resolve().parents[1]
-IDENTITY_SHAPES = ((960, 576), (576, 1536), (49, 64), (40, 601), (1, 300), (33, 1), (1536, 576))
+IDENTITY_SHAPES = ((960, 576), (576, 1536), (49, 64), (40, 601), (1, 300), (33, 1), (1536, 576), (112, 64),
+                   (40, 8192))
 """(out, in) of the weights whose outputs are compared."""
 IDENTITY_ROWS = (1, 2, 5, 6, 7, 11, 12, 13, 25, 64, 160, 257)
 MODEL_LAYERS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 """The default model's linear layers, (out, in): QKV, output, gate-up, down of 30 layers; the LM head."""
 
 
-def base_ops(revision: str, folder: Path):
-    """``torch.ops.pagedserve_panels_base``: the GEMM built from ``revision``'s source."""
-    text = subprocess.run(["git", "show", f"{revision}:{SOURCE.relative_to(ROOT)}"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout
-    text = text.replace("TORCH_LIBRARY(pagedserve_panels,", "TORCH_LIBRARY(pagedserve_panels_base,")
-    text = text.replace("TORCH_LIBRARY_IMPL(pagedserve_panels,", "TORCH_LIBRARY_IMPL(pagedserve_panels_base,")
-    (folder / SOURCE.name).write_text(text)
-    if not load_cpu_library(folder / SOURCE.name, "panel_gemm_ab_base", f"the GEMM at {revision}", "nothing"):
-        raise SystemExit(f"the GEMM at {revision} could not be built (see the warning above)")
-    return torch.ops.pagedserve_panels_base
+def renamed_ops(text: str, name: str, what: str, folder: Path, prefix: str = ""):
+    """``torch.ops.pagedserve_panels_<name>``: the GEMM built from the source ``text`` (after ``prefix``)."""
+    renamed = text.replace("TORCH_LIBRARY(pagedserve_panels,", f"TORCH_LIBRARY(pagedserve_panels_{name},")
+    renamed = renamed.replace("TORCH_LIBRARY_IMPL(pagedserve_panels,", f"TORCH_LIBRARY_IMPL(pagedserve_panels_{name},")
+    if renamed.count(f"pagedserve_panels_{name},") != 2:
+        raise SystemExit(f"{what}: its TORCH_LIBRARY lines are not the ones this script renames")
+    (folder / SOURCE.name).write_text(prefix + renamed)
+    if not load_cpu_library(folder / SOURCE.name, f"panel_gemm_ab_{name}", what, "nothing"):
+        raise SystemExit(f"{what} could not be built (see the warning above)")
+    return getattr(torch.ops, f"pagedserve_panels_{name}")
 
 
 def count_differences(old, new) -> int:
@@ -55,12 +59,16 @@ def count_differences(old, new) -> int:
     differ = 0
     for n, k in IDENTITY_SHAPES:
         weight, bias = torch.randn(n, k) * k ** -0.5, torch.randn(n)
-        panels = torch.empty(panel_shape(n, k))
-        new.pack_panels(weight, panels)
+        old_panels, new_panels = torch.empty(panel_shape(n, k)), torch.empty(panel_shape(n, k))
+        old.pack_panels(weight, old_panels)
+        new.pack_panels(weight, new_panels)
+        if not torch.equal(old_panels, new_panels):
+            print(f"differ: the panels of weight [{n}, {k}]")
+            differ += 1
         for m in IDENTITY_ROWS:
             x = torch.randn(m, k)
             for b in (None, bias):
-                if not torch.equal(old.panel_linear(x, panels, b, n), new.panel_linear(x, panels, b, n)):
+                if not torch.equal(old.panel_linear(x, old_panels, b, n), new.panel_linear(x, new_panels, b, n)):
                     print(f"differ: weight [{n}, {k}], {m} rows, {'a' if b is not None else 'no'} bias")
                     differ += 1
     return differ
@@ -71,12 +79,21 @@ def main() -> None:
     p.add_argument("--base", required=True, help="the git revision to compare the working tree's GEMM with")
     p.add_argument("--rows", default="1,8,16,64,256", help="comma-separated row counts (default %(default)s)")
     p.add_argument("--rounds", type=int, default=5, help="alternating timed rounds (default %(default)s)")
+    p.add_argument("--tree-isa", choices=("native", "avx2"), default="native",
+                   help="build the working tree's GEMM for this CPU, or without AVX-512 (default %(default)s)")
     args = p.parse_args()
     if not panels_available():
         raise SystemExit("the working tree's GEMM cannot run here (needs AVX2, FMA and a C++ compiler)")
     new = torch.ops.pagedserve_panels
+    base_path = SOURCE.resolve().relative_to(ROOT)
+    base_text = subprocess.run(["git", "show", f"{args.base}:{base_path}"], cwd=ROOT, check=True, capture_output=True,
+                               text=True).stdout
     with tempfile.TemporaryDirectory() as folder:
-        old = base_ops(args.base, Path(folder))
+        old = renamed_ops(base_text, "base", f"the GEMM at {args.base}", Path(folder))
+    if args.tree_isa == "avx2":
+        with tempfile.TemporaryDirectory() as folder:
+            new = renamed_ops(SOURCE.read_text(), "tree", "the working tree's GEMM without AVX-512", Path(folder),
+                              "#undef __AVX512F__  // panel_gemm_ab.py --tree-isa avx2\n")
     torch.manual_seed(0)
     differ = count_differences(old, new)
     print(f"cases whose outputs differ: {differ} of {len(IDENTITY_SHAPES) * len(IDENTITY_ROWS) * 2}")
@@ -89,8 +106,8 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k) for k in {k for _, k in MODEL_LAYERS}}
         times: dict[str, list[float]] = {"base": [], "tree": []}
-        for _ in range(args.rounds):
-            for name, ops in (("base", old), ("tree", new)):
+        for i in range(args.rounds):
+            for name, ops in (("base", old), ("tree", new))[::1 if i % 2 == 0 else -1]:
                 start = time.perf_counter()
                 for panels, n, k in packed:
                     ops.panel_linear(xs[k], panels, None, n)

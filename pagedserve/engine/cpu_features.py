@@ -13,25 +13,44 @@ ONEDNN_BF16_CPU_FLAGS = ("avx512bw", "avx_ne_convert")
 ``mkldnn_reorder_linear_weight`` raises: it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)."""
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The feature flags of the first CPU in ``cpuinfo`` (x86 ``flags``, Arm ``Features``); empty when
-    the file cannot be read (not Linux)."""
+def _first_cpu_field(cpuinfo: Path, keys: tuple[str, ...]) -> str | None:
+    """The value of the first line of ``cpuinfo`` whose key is one of ``keys`` (the first CPU's), ``None``
+    when there is none or the file cannot be read (not Linux)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return frozenset(value.split())
-    return frozenset()
+        if key.strip() in keys:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The feature flags of the first CPU in ``cpuinfo`` (x86 ``flags``, Arm ``Features``); empty when
+    the file cannot be read (not Linux)."""
+    return frozenset((_first_cpu_field(cpuinfo, ("flags", "Features")) or "").split())
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The first x86 CPU's ``vendor_id`` (``AuthenticAMD``, ``GenuineIntel``); ``None`` elsewhere."""
+    return _first_cpu_field(cpuinfo, ("vendor_id",))
+
+
+def panel_gemm_preferred(flags: frozenset[str], vendor: str | None) -> bool:
+    """Whether pagedserve's float32 panel GEMM is preferred to oneDNN's on a CPU with these flags and vendor
+    (:func:`cpu_flags`, :func:`cpu_vendor`), where it can run (AVX2 and FMA): where it was measured faster,
+    on CPUs without AVX-512 (a Zen 3 EPYC) and on AMD's with it (a Zen 4 EPYC, whose 512-bit fused
+    multiply-adds run on two 256-bit units). Intel's AVX-512 CPUs, with two 512-bit FMA units a core on
+    Xeons, were not measured and keep oneDNN (docs/benchmarks.md, "The panel GEMM on AVX-512")."""
+    return "avx512f" not in flags or vendor == "AuthenticAMD"
 
 
 def own_avx2_kernels_preferred(flags: frozenset[str]) -> bool:
-    """Whether pagedserve's own 8-float-wide kernel (the prefill attention op) is preferred to torch's on a
-    CPU with these flags (:func:`cpu_flags`): only without AVX-512, where torch has no 16-wide kernels (ours
-    is measured on AVX2 CPUs alone). The panel GEMM has a 16-wide build and is preferred on both
-    (``models/panel_gemm.py``)."""
+    """Whether pagedserve's own 8-float-wide prefill attention op is preferred to torch's kernel on a CPU
+    with these flags (:func:`cpu_flags`): only without AVX-512, where torch's has no wider vectors to use
+    (the op is measured on AVX2 CPUs alone)."""
     return "avx512f" not in flags
 
 

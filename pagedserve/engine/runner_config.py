@@ -47,12 +47,13 @@ class RunnerConfig:
         "paged attention: auto (Triton on CUDA; on CPU the compiled C++ op for decodes, or plain torch if it "
         "cannot be built), cpu, torch or triton", "auto", choices=ATTENTION_BACKENDS)
     gemm_backend: GemmBackend = option(
-        "linear layers: auto (on CPU panels where it is built (AVX2 and FMA), else onednn; torch where "
+        "linear layers: auto (on CPU panels where it is built and measured faster: AVX2 and FMA, not Intel's "
+        "AVX-512; else onednn; torch where "
         "torch has no oneDNN; logged), torch (F.linear, transformers' kernels: the reference path), onednn "
         "(weights prepacked for oneDNN: 2-3x faster matmuls on CPU, float32 sums in another order, a row's "
         "result independent of the batch's size) or panels (float32 layers on pagedserve's own AVX2/AVX-512 GEMM, "
-        "as fast as oneDNN or faster: docs/benchmarks.md; each row's sums in one order whatever the batch or "
-        "CPU; others on oneDNN)",
+        "faster than oneDNN at a few rows and level from 64: docs/benchmarks.md; each row's sums in one order "
+        "whatever the batch or CPU; others on oneDNN)",
         GemmBackend.AUTO)
     compile_mode: CompileMode = option(
         "eager: run the model op by op; inductor: torch.compile the layers' dense part (fused RMSNorm, rotary, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.cpu_features import BF16_CPU_FLAGS, check_cpu_dtype, cpu_flags
+from pagedserve.engine.cpu_features import BF16_CPU_FLAGS, check_cpu_dtype, cpu_flags, cpu_vendor
 from pagedserve.engine.runner_factory import resolve_dtype
 
 X86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f {extra}\nbugs\t\t: sysret_ss_attrs\n\n" \
@@ -25,6 +25,13 @@ def test_flags_of_the_first_cpu_decide(tmp_path, text, extra, native):
     else:
         with pytest.raises(ValueError, match="avx512_bf16 or amx_bf16.*its /proc/cpuinfo flags have none.*--dtype float32"):
             check_cpu_dtype("bfloat16", flags)
+
+
+def test_the_vendor_is_the_first_x86_cpus_and_none_elsewhere(tmp_path):
+    (tmp_path / "x86").write_text(X86.format(extra=""))
+    (tmp_path / "arm").write_text(ARM.format(extra=""))
+    assert cpu_vendor(tmp_path / "x86") == "AuthenticAMD"
+    assert cpu_vendor(tmp_path / "arm") is None and cpu_vendor(tmp_path / "missing") is None
 
 
 def test_unreadable_cpuinfo_refuses_bfloat16_saying_so(tmp_path):

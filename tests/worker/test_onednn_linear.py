@@ -1,5 +1,6 @@
-"""The oneDNN linear layers (the default GEMMs on CPU): same products as F.linear to float32
-rounding, on every layer; each row's result independent of the batch's size; ``auto`` resolved."""
+"""The oneDNN linear layers (the default GEMMs on CPU, but for float32 layers where the panel GEMM is
+preferred): same products as F.linear to float32 rounding, on every layer; each row's result independent
+of the batch's size; ``auto`` resolved."""
 
 from __future__ import annotations
 
@@ -101,13 +102,18 @@ def test_auto_is_panels_or_onednn_on_the_cpu_and_torch_elsewhere(caplog):
 
 
 @pytest.mark.skipif(not panels_available(), reason="needs an x86 CPU with AVX2 and FMA and a C++ compiler")
-def test_auto_takes_the_panel_gemm_where_it_runs_and_onednn_elsewhere(monkeypatch):
-    from pagedserve.engine.models import onednn
+@pytest.mark.parametrize("flags, vendor, want", [
+    ({"avx2", "fma"}, "GenuineIntel", GemmBackend.PANELS),               # no AVX-512: measured faster (Zen 3)
+    ({"avx2", "fma", "avx512f"}, "AuthenticAMD", GemmBackend.PANELS),    # AMD's AVX-512: measured (Zen 4)
+    ({"avx2", "fma", "avx512f"}, "GenuineIntel", GemmBackend.ONEDNN),    # Intel's AVX-512: not measured
+])
+def test_auto_takes_the_panel_gemm_where_it_was_measured_faster(monkeypatch, flags, vendor, want):
+    from pagedserve.engine.models import panel_gemm
 
-    assert resolve_gemm_backend("auto", "cpu") is GemmBackend.PANELS  # this CPU has AVX2 and FMA (the skip)
-    monkeypatch.setattr(onednn, "panels_preferred", lambda: False)
-    assert resolve_gemm_backend("auto", "cpu") is GemmBackend.ONEDNN
-    assert resolve_gemm_backend("panels", "cpu") is GemmBackend.PANELS  # chosen explicitly: still taken
+    monkeypatch.setattr(panel_gemm, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(panel_gemm, "cpu_vendor", lambda: vendor)
+    assert resolve_gemm_backend("auto", "cpu") is want
+    assert resolve_gemm_backend("panels", "cpu") is GemmBackend.PANELS  # chosen explicitly: always taken
 
 
 def test_panels_where_they_cannot_run_is_refused_with_what_to_use(monkeypatch):

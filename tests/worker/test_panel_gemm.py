@@ -19,8 +19,9 @@ pytestmark = pytest.mark.skipif(not panels_available(), reason="needs an x86 CPU
 
 EPS = 2.0 ** -24  # float32's unit roundoff
 # (out, in): the default model's q/k/v and down projections, a width of 3 panels + 1 column, a depth of 3
-# uneven k slices (601 = 201 + 201 + 199), a single output column, a depth of 1.
-SHAPES = [(960, 576), (576, 1536), (49, 64), (40, 601), (1, 300), (33, 1)]
+# uneven k slices (601 = 201 + 201 + 199), a single output column, a depth of 1, 7 panels (with AVX-512 a
+# block of 4 panels and one of 3 on one thread, 4 | 3 on two).
+SHAPES = [(960, 576), (576, 1536), (49, 64), (40, 601), (1, 300), (33, 1), (112, 64)]
 
 
 def _layer(out_features: int, in_features: int, bias: bool,

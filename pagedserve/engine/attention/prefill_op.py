@@ -4,9 +4,9 @@ order). torch's ``scaled_dot_product_attention`` runs the same products through 
 18 GFLOP/s on one AVX2 core for a 1000-token prompt (11 at 128 tokens); docs/benchmarks.md has both.
 
 Built on first use like the paged op (:func:`~pagedserve.engine.attention.cpu_op.load_cpu_library`),
-only on x86 CPUs with AVX2 and FMA, and used only where they lack AVX-512 (as the panel GEMM: measured
-on AVX2 alone, where torch's kernel has no wider vectors to use); elsewhere, or where it cannot be built,
-prefills keep torch's kernel.
+only on x86 CPUs with AVX2 and FMA, and used only where they lack AVX-512 (measured on AVX2 alone, where
+torch's kernel has no wider vectors to use); elsewhere, or where it cannot be built, prefills keep torch's
+kernel.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """Float32 linear layers on pagedserve's own GEMM (``csrc/panel_gemm_f32.cpp``): ``--gemm-backend panels``,
-the default on x86 CPUs with AVX2 and FMA (with or without AVX-512).
+the default on x86 CPUs with AVX2 and FMA but for Intel's with AVX-512 (unmeasured there:
+``cpu_features.panel_gemm_preferred``).
 
 The weight is packed once into panels of 16 output columns; a block of 6 rows x 16 columns (AVX2) or 6 x
 64 (AVX-512: 4 panels) of sums stays in registers (the BLIS scheme). Each output is summed over k in
 order, one fused multiply-add per k, whatever the batch: a row's result is the same bits alone, in a
 batch of any size, on any number of threads and with either instruction set, so one row is not padded
-to two as oneDNN's are (:data:`~pagedserve.engine.models.onednn.MIN_ROWS`). On the 2-core AVX2 EPYC of
-docs/benchmarks.md it runs the default model's layers faster than oneDNN's packed kernels at every row
-count measured, most at a few rows; on the AVX-512 EPYC as fast from 64 rows up and faster below
-(`pagedserve bench gemm-rows --dtype float32`; the figures: "pagedserve's float32 GEMM on AVX2" and
-"The panel GEMM on AVX-512" there).
+to two as oneDNN's are (:data:`~pagedserve.engine.models.onednn.MIN_ROWS`). How it compares with
+oneDNN's packed kernels per row count and end to end: docs/benchmarks.md, "pagedserve's float32 GEMM
+on AVX2" and "The panel GEMM on AVX-512" (`pagedserve bench gemm-rows --dtype float32`).
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.engine.cpu_features import cpu_flags
+from pagedserve.engine.cpu_features import cpu_flags, cpu_vendor, panel_gemm_preferred
 from pagedserve.engine.models.huge_pages import HugePageArena
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_f32.cpp"
@@ -56,11 +55,9 @@ def _register_fake() -> None:
 
 
 def panels_preferred() -> bool:
-    """Whether ``--gemm-backend auto`` takes these GEMMs: wherever they are available (AVX2 and FMA, with or
-    without AVX-512). Measured against oneDNN's packed kernels on the default model's layers: on the AVX2
-    EPYC (Zen 3) 1.04-1.42x as fast at 1-512 rows, on the AVX-512 EPYC (Zen 4) 0.97-1.67x; end to end on
-    64 ShareGPT requests there 1.15x (docs/benchmarks.md)."""
-    return panels_available()
+    """Whether ``--gemm-backend auto`` takes these GEMMs: where :func:`panel_gemm_preferred` says they were
+    measured faster than oneDNN's, and available."""
+    return panel_gemm_preferred(cpu_flags(), cpu_vendor()) and panels_available()
 
 
 class PanelLinear(nn.Module):

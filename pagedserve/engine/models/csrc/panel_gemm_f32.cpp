@@ -2,9 +2,9 @@
 // panels of 16 output columns: a register-blocked GEMM in the manner of BLIS (Van Zee & van de Geijn, "BLIS:
 // A Framework for Rapidly Instantiating BLAS Functionality", ACM TOMS 2015; Goto & van de Geijn, "Anatomy of
 // High-Performance Matrix Multiplication", ACM TOMS 2008). With AVX2, a 6 x 16 block of sums in 12 ymm
-// registers: one broadcast of x and two loads of the panel per 12 fused multiply-adds. With AVX-512, a 6 x 64
-// block (4 panels side by side) in 24 zmm registers: one broadcast per 4 and four loads per 24. A k slice of
-// kKc is summed while x's rows (up to kXBytes of them) pass over it.
+// registers: per k, two loads of the panel and 6 broadcasts of x for 12 fused multiply-adds. With AVX-512, a
+// 6 x 64 block (4 panels side by side) in 24 zmm registers: per k, four loads and 6 broadcasts for 24. A k
+// slice of up to kKc is summed while x's rows (up to kXBytes of them) pass over it.
 //
 // Each output element is sum_k x[m, k] * W[n, k] over k = 0, 1, ..., K - 1 in that order (one fused
 // multiply-add per k, from 0), then + bias[n]. The order depends on nothing but K: not on how many rows
@@ -33,15 +33,17 @@ namespace {
 constexpr int64_t kCols = 16;   // output columns of a panel: one 16-float line per k
 constexpr int64_t kRows = 6;    // rows of a register block
 #if defined(__AVX512F__)
-// panels of a register block: 6 x 4 sums (a zmm each) + 4 panel lines + 1 broadcast = 29 of 32 registers.
-// One panel of 12 rows (12 + 1 registers) ran the default model's GEMMs at 0.82-0.88x oneDNN's speed from
-// 16 rows up (Zen 4, 2 threads); 2 x 8, 3 x 8, 3 x 6 and 4 x 6 ran at 0.93-1.04x (a broadcast of x now
-// feeds several fused multiply-adds).
+// panels of a register block: 6 x 4 sums (a zmm each) + 4 panel lines + 1 broadcast = 29 of 32 registers,
+// each broadcast of x feeding 4 fused multiply-adds (the blockings tried: docs/benchmarks.md, "The panel
+// GEMM on AVX-512").
 constexpr int64_t kPanels = 4;
 #else
 constexpr int64_t kPanels = 1;  // 6 x 2 sums (two ymm halves each) + 2 panel loads + 1 broadcast = 15 of 16
 #endif
-constexpr int64_t kKc = 256;    // k per pass: a panel's slice is 256 x 16 x 4 B = 16 KiB, half of L1D
+// k per pass: a panel's slice is up to 256 x 16 x 4 B = 16 KiB, half of L1D (AVX2); a block's 4 slices with
+// AVX-512, up to 64 KiB, are read from L2 (slices of 128 and 192 k, which fit Zen 4's 32 KiB L1D better, ran
+// 0.96-1.00x as fast).
+constexpr int64_t kKc = 256;
 // x's rows per pass over the panels: up to 4 MiB of x, one pass for any decode batch of the default model.
 // Each pass streams every panel from memory again; with passes of x that fit L2 (256 KiB) the model's
 // GEMMs were 1.07x / 1.16x slower at 160 / 256 rows (the weights, 0.5 GB, come from DRAM in a step).
@@ -105,60 +107,85 @@ void pack_panels(const at::Tensor& weight, at::Tensor& panels) {
 
 enum class Start { kZero, kLoad };  // sums start from 0 (the first k slice) or from out (the later ones)
 
-// One row's 16 sums of one panel, or one k's 16 panel values: a zmm with AVX-512, two ymm halves with
-// AVX2. Either way each sum gets one fused multiply-add per k, so both give the same bits.
+// The register block: out[r, 16p : 16p + 16] for r < R (<= kRows), p < NP (<= kPanels) = (start) + sum over
+// k < kc of x[r, k] * panel_p[k, 0:16], k in order, panel p at panel + p * panel_stride: the same
+// instructions for a sum whatever R and NP, one fused multiply-add per k, so the AVX-512 and AVX2 blocks
+// give the same bits.
 #if defined(__AVX512F__)
-struct Sums {
-  __m512 v;
-};
-using Broadcast = __m512;
-inline Broadcast broadcast(const float* x) { return _mm512_set1_ps(*x); }
-inline Sums load(const float* p) { return {_mm512_loadu_ps(p)}; }
-inline void store(const Sums& s, float* out) { _mm512_storeu_ps(out, s.v); }
-inline Sums add(const Sums& a, const Sums& b) { return {_mm512_add_ps(a.v, b.v)}; }
-inline void add_products(Sums& s, Broadcast x, const Sums& w) { s.v = _mm512_fmadd_ps(x, w.v, s.v); }
-#else
-struct Sums {
-  __m256 lo, hi;
-};
-using Broadcast = __m256;
-inline Broadcast broadcast(const float* x) { return _mm256_broadcast_ss(x); }
-inline Sums load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void store(const Sums& s, float* out) { _mm256_storeu_ps(out, s.lo), _mm256_storeu_ps(out + 8, s.hi); }
-inline Sums add(const Sums& a, const Sums& b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
-inline void add_products(Sums& s, Broadcast x, const Sums& w) {
-  s.lo = _mm256_fmadd_ps(x, w.lo, s.lo), s.hi = _mm256_fmadd_ps(x, w.hi, s.hi);
-}
-#endif
-
-// out[r, 16p : 16p + 16] for r < R (<= kRows), p < NP (<= kPanels) = (start) + sum over k < kc of
-// x[r, k] * panel_p[k, 0:16], k in order, panel p at panel + p * panel_stride: the same instructions for a
-// sum whatever R and NP. The loops over r and p are unrolled, so the sums stay in registers (a loop that
-// GCC left rolled kept them in memory, a store per fused multiply-add: 2.5x slower).
+// Each row's 16 sums of a panel and each panel's 16 values of a k in a zmm. The loops over r and p are
+// unrolled, so the sums stay in registers. (GCC reloads each panel value as a memory operand of each row's
+// fused multiply-add; holding them in registers, with an empty asm, measured 0.92-1.05x: not kept.)
 template <int R, int NP, Start kStart>
 inline void block(const float* x, int64_t ldx, const float* panel, int64_t panel_stride, int64_t kc, float* out,
                   int64_t ldo) {
-  Sums s[R][NP];
+  __m512 s[R][NP];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) s[r][p] = kStart == Start::kLoad ? load(out + r * ldo + p * kCols) : Sums{};
+    for (int p = 0; p < NP; ++p)
+      s[r][p] = kStart == Start::kLoad ? _mm512_loadu_ps(out + r * ldo + p * kCols) : _mm512_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
-    Sums w[NP];
+    __m512 w[NP];
 #pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) w[p] = load(panel + p * panel_stride + k * kCols);
+    for (int p = 0; p < NP; ++p) w[p] = _mm512_loadu_ps(panel + p * panel_stride + k * kCols);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const Broadcast xv = broadcast(x + r * ldx + k);
+      const __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
 #pragma GCC unroll 4
-      for (int p = 0; p < NP; ++p) add_products(s[r][p], xv, w[p]);
+      for (int p = 0; p < NP; ++p) s[r][p] = _mm512_fmadd_ps(xv, w[p], s[r][p]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p) store(s[r][p], out + r * ldo + p * kCols);
+    for (int p = 0; p < NP; ++p) _mm512_storeu_ps(out + r * ldo + p * kCols, s[r][p]);
 }
+#else
+struct Sums {  // one row's 16 sums
+  __m256 lo, hi;
+};
+
+inline void load(Sums& s, const float* out) { s.lo = _mm256_loadu_ps(out), s.hi = _mm256_loadu_ps(out + 8); }
+inline void store(const Sums& s, float* out) { _mm256_storeu_ps(out, s.lo), _mm256_storeu_ps(out + 8, s.hi); }
+inline void add_products(Sums& s, const float* x, __m256 w_lo, __m256 w_hi) {
+  const __m256 xv = _mm256_broadcast_ss(x);
+  s.lo = _mm256_fmadd_ps(xv, w_lo, s.lo), s.hi = _mm256_fmadd_ps(xv, w_hi, s.hi);
+}
+
+// One panel (NP = 1). The sums are six named variables, never address-taken: GCC kept an array of them in
+// memory, a store per fused multiply-add (2.5x slower); with a table of their addresses for the loads and
+// stores it kept some of them there in the blocks it did not inline (the AVX2 build here was 1.10-1.13x
+// faster from 16 rows up without it, scripts/panel_gemm_ab.py --tree-isa avx2).
+template <int R, int NP, Start kStart>
+inline void block(const float* x, int64_t ldx, const float* panel, int64_t /*panel_stride*/, int64_t kc,
+                  float* out, int64_t ldo) {
+  static_assert(NP == 1, "an AVX2 block is one panel");
+  Sums s0{}, s1{}, s2{}, s3{}, s4{}, s5{};
+  if constexpr (kStart == Start::kLoad) {
+    if constexpr (R > 0) load(s0, out);
+    if constexpr (R > 1) load(s1, out + ldo);
+    if constexpr (R > 2) load(s2, out + 2 * ldo);
+    if constexpr (R > 3) load(s3, out + 3 * ldo);
+    if constexpr (R > 4) load(s4, out + 4 * ldo);
+    if constexpr (R > 5) load(s5, out + 5 * ldo);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 w_lo = _mm256_loadu_ps(panel + k * kCols), w_hi = _mm256_loadu_ps(panel + k * kCols + 8);
+    if constexpr (R > 0) add_products(s0, x + k, w_lo, w_hi);
+    if constexpr (R > 1) add_products(s1, x + ldx + k, w_lo, w_hi);
+    if constexpr (R > 2) add_products(s2, x + 2 * ldx + k, w_lo, w_hi);
+    if constexpr (R > 3) add_products(s3, x + 3 * ldx + k, w_lo, w_hi);
+    if constexpr (R > 4) add_products(s4, x + 4 * ldx + k, w_lo, w_hi);
+    if constexpr (R > 5) add_products(s5, x + 5 * ldx + k, w_lo, w_hi);
+  }
+  if constexpr (R > 0) store(s0, out);
+  if constexpr (R > 1) store(s1, out + ldo);
+  if constexpr (R > 2) store(s2, out + 2 * ldo);
+  if constexpr (R > 3) store(s3, out + 3 * ldo);
+  if constexpr (R > 4) store(s4, out + 4 * ldo);
+  if constexpr (R > 5) store(s5, out + 5 * ldo);
+}
+#endif
 
 // block<rows, NP>: the instantiation with that many sums in registers (1 <= rows <= kRows).
 template <int NP, Start kStart>
@@ -182,6 +209,7 @@ inline void group_block(int64_t panels, int64_t rows, const float* x, int64_t ld
                         int64_t panel_stride, int64_t kc, float* out, int64_t ldo) {
   constexpr auto at_most = [](int p) { return static_cast<int>(std::min<int64_t>(p, kPanels)); };
   static_assert(kPanels <= 4, "one case per panel count below");
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(panels >= 1 && panels <= kPanels);
   switch (panels) {
     case 1: rows_block<1, kStart>(rows, x, ldx, panel, panel_stride, kc, out, ldo); break;
     case 2: rows_block<at_most(2), kStart>(rows, x, ldx, panel, panel_stride, kc, out, ldo); break;
@@ -207,10 +235,8 @@ void panel_rows(const float* x, int64_t K, const float* panel, int64_t panels, c
     }
   }
   if (bias == nullptr) return;
-  for (int64_t p = 0; p < panels; ++p) {
-    const Sums b = load(bias + p * kCols);
-    for (int64_t m = m0; m < m1; ++m) store(add(load(out + m * ldo + p * kCols), b), out + m * ldo + p * kCols);
-  }
+  for (int64_t m = m0; m < m1; ++m)  // one add per output (vectorised by the compiler)
+    for (int64_t c = 0; c < panels * kCols; ++c) out[m * ldo + c] += bias[c];
 }
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
