@@ -60,10 +60,11 @@ REDIS_PAUSE_GAP_S = 3.0
 """Longest gap between two tokens of a stream while Redis is paused, seconds: a loop that waited on
 Redis would stall the whole pause (4 s or 12 s); 2 s was exceeded (2.17 s) by a 3-worker test run on
 2 cores."""
-PAUSE_STREAM_TOKENS = [1200] * 2
+PAUSE_STREAM_TOKENS = [3600] * 2
 """The Redis pauses' streams, which must decode for longer than ``REDIS_PAUSE_GAP_S`` into the pause (a loop that
-waited on Redis would then show a longer gap): ~5.3 s of the small model's steps here (8 x 100..114 tokens ended
-0.7 s into it, 4 x 600 at 3.0 s). Two streams: each token costs the services ~3 ms of CPU."""
+waited on Redis would then show a longer gap): 1,200 tokens took ~5.3 s on the AVX2 EPYC (8 x 100..114 tokens ended
+0.7 s into it, 4 x 600 at 3.0 s) but 2.68 s on a Zen 4 with AVX-512, too short (2,400 ended 3.7-3.8 s in there).
+Two streams: each token costs the services ~3 ms of CPU."""
 
 RESULTS: dict[str, dict] = {}
 """Figures of every fault, printed at the end of the module."""
