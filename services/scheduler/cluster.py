@@ -28,7 +28,7 @@ from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
 from services.common.scheduler_directory import live_only, scheduler_registrations
 from services.common.signed_records import RecordCheck
-from services.scheduler.leases import Leases
+from services.scheduler.leases import Leases, OwnLeaseLost
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.queue_consumer import Delivery, QueueEntry, decode_entries
 from services.scheduler.worker_registry import WorkerRegistry
@@ -225,7 +225,11 @@ class ClusterWatch:
         if now < self._take_after:  # Redis forgot every lease: a worker unowned now may be a live peer's
             return owners
         for worker_id in self._mine(owners, workers, schedulers):
-            epoch = self._leases.acquire_worker(worker_id)
+            try:
+                epoch = self._leases.acquire_worker(worker_id)
+            except OwnLeaseLost:  # Redis restarted empty since this tick renewed it: the next tick retakes it
+                log.warning("this scheduler's lease was gone when taking worker %s; taking none this tick", worker_id)
+                break
             if epoch:
                 self._owned[worker_id] = epoch
                 self._unowned_since.pop(worker_id, None)

@@ -26,6 +26,9 @@ from services.common import redis_keys
 from services.scheduler.queue_consumer import QueueEntry
 
 _ACQUIRE_WORKER = """
+if redis.call('GET', KEYS[3]) ~= ARGV[4] then
+  return -1  -- this scheduler's own lease is gone (Redis restarted empty, or it was cut off)
+end
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return 0
 end
@@ -134,6 +137,10 @@ from Redis's clock, so a worker that returns after its key expired still gets a 
 _EPOCH_TTL_MS = int(EPOCH_TTL_S * 1000)
 
 
+class OwnLeaseLost(Exception):
+    """This scheduler's own lease was gone when a step that needs it ran."""
+
+
 class Leases:
     """The lease operations of one scheduler.
 
@@ -175,9 +182,21 @@ class Leases:
 
     # ---- workers ----------------------------------------------------------------------
     def acquire_worker(self, worker_id: str) -> int:
-        """Takes an unowned worker. Returns its new epoch (> 0), or 0 when it has an owner."""
-        keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id)]
-        return int(self._acquire_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms, _EPOCH_TTL_MS]))
+        """Takes an unowned worker, atomically with the check that this scheduler still holds its own
+        lease. Returns the worker's new epoch (> 0), or 0 when it has an owner.
+
+        Raises:
+            OwnLeaseLost: this scheduler's lease key is gone or holds another instance: Redis may
+                have restarted empty since the lease was last renewed, and an unowned worker may
+                then be a live peer's whose lease Redis forgot.
+        """
+        keys = [redis_keys.worker_owner_key(worker_id), redis_keys.worker_epoch_key(worker_id),
+                redis_keys.scheduler_lease_key(self.scheduler_id)]
+        epoch = int(self._acquire_worker(keys=keys, args=[self.scheduler_id, self._ttl_ms, _EPOCH_TTL_MS,
+                                                            self.instance_id]))
+        if epoch < 0:
+            raise OwnLeaseLost(f"scheduler {self.scheduler_id}'s lease is gone; no worker taken")
+        return epoch
 
     def renew_worker(self, worker_id: str, epoch: int) -> bool:
         """Extends the lease this scheduler holds on a worker under ``epoch``. When the lease is

@@ -83,7 +83,9 @@ def test_a_garbage_epoch_key_never_makes_an_epoch_a_plan_cannot_carry(client, ga
     does the same. A non-number makes the script fail, which aborts every cluster tick (no
     ClusterView, no claims) of every scheduler that tries to take the worker."""
     client.set(redis_keys.worker_epoch_key("w"), garbage)
-    epoch = Leases(client, "s0", "i0", TTL_S).acquire_worker("w")
+    leases = Leases(client, "s0", "i0", TTL_S)
+    assert leases.take_own()
+    epoch = leases.acquire_worker("w")
     assert 0 <= epoch < 2**64
     pb.BatchPlan(lease_epoch=epoch)  # what GrpcExecutor.submit does with it
 

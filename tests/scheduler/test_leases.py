@@ -13,7 +13,7 @@ from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
 from services.common.signed_records import RecordCheck, RecordKind, sign_record
 from services.scheduler.cluster import ClaimedEntries, ClusterView, ClusterWatch
-from services.scheduler.leases import Leases
+from services.scheduler.leases import Leases, OwnLeaseLost
 from services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
 from services.scheduler.worker_registry import WorkerRegistry
 from services.worker.service import LeaseFence, PlanOutOfOrder
@@ -64,6 +64,7 @@ def two_schedulers_with_a_worker_each(client: redis.Redis) -> tuple[Watcher, Wat
 
 def test_worker_lease_acquire_renew_release_and_epochs_grow_even_after_redis_restarts_empty(client):
     a, b = Leases(client, "a", "ia", TTL_S), Leases(client, "b", "ib", TTL_S)
+    assert a.take_own() and b.take_own()
     first = a.acquire_worker("w")
     assert first > 0 and b.acquire_worker("w") == 0
     assert a.renew_worker("w", first) and not b.renew_worker("w", first)
@@ -75,13 +76,27 @@ def test_worker_lease_acquire_renew_release_and_epochs_grow_even_after_redis_res
     assert second > first
     assert not a.renew_worker("w", first)  # b owns it now
     client.flushall()  # Redis restarted empty: b keeps it under the same epoch, nobody else having taken it
-    assert b.renew_worker("w", second) and a.owners(["w"]) == ["b"] and a.acquire_worker("w") == 0
+    assert b.renew_worker("w", second) and a.owners(["w"]) == ["b"]
+    with pytest.raises(OwnLeaseLost):  # a's lease went with Redis: it takes no worker until it retakes it
+        a.acquire_worker("w")
+    assert a.take_own() and a.acquire_worker("w") == 0
     client.flushall()  # and epochs of new owners still grow
-    assert a.acquire_worker("w") > second
+    assert a.take_own() and a.acquire_worker("w") > second
+
+
+def test_a_scheduler_takes_no_worker_under_a_lease_another_instance_holds(client):
+    """The lease key holds another instance id (a process restarted under the same name took it):
+    this one may not take workers."""
+    old, new = Leases(client, "s", "old", TTL_S), Leases(client, "s", "new", TTL_S)
+    assert new.take_own()
+    with pytest.raises(OwnLeaseLost):
+        old.acquire_worker("w")
+    assert new.owners(["w"]) == [None] and new.acquire_worker("w") > 0
 
 
 def test_two_schedulers_racing_for_the_same_workers_never_both_win(client):
     contenders = [Leases(client, f"s{i}", f"i{i}", TTL_S) for i in range(4)]
+    assert all(c.take_own() for c in contenders)
     for round_ in range(30):
         worker_id = f"w{round_}"
         results: list[int] = [0] * len(contenders)

@@ -39,6 +39,28 @@ def test_after_redis_restarts_empty_no_scheduler_takes_the_worker_a_live_peer_ru
     assert (s0.owned(), s1.owned()) == before
 
 
+def test_redis_restarting_empty_within_a_schedulers_tick_does_not_let_it_take_a_peers_worker(client):
+    """s0's tick renewed its lease, then Redis restarted empty, and the same tick read the new Redis:
+    s1's worker had registered again (its heartbeat) with no owner key, and s0 took it before it
+    noticed its own lease was gone (seen once in CI, in test_redis_restarted_empty_then_a_worker_killed_
+    loses_no_stream: s1 was left without a worker and handed its 7 requests to s0)."""
+    s0, s1 = two_schedulers_with_a_worker_each(client)
+    before = (s0.owned(), s1.owned())
+    live_workers = s0.watch._registry.live_workers
+
+    def restart_then_read():  # Redis restarts between this tick's lease renewal and its read of the workers
+        restart_redis_empty(client)
+        return live_workers()
+
+    s0.watch._registry.live_workers = restart_then_read
+    s0.watch.tick()
+    s0.watch._registry.live_workers = live_workers
+    for _ in range(3):
+        s1.watch.tick()
+        s0.watch.tick()
+    assert (s0.owned(), s1.owned()) == before
+
+
 def test_a_worker_whose_scheduler_died_with_redis_down_is_still_taken_after_the_ttl(client):
     s0, s1 = two_schedulers_with_a_worker_each(client)
     (orphan,) = s1.owned()
