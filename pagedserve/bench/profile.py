@@ -182,8 +182,14 @@ def profile_case(llm, timers: StepTimers, batch: int, context_len: int, decode: 
     params = SamplingParams(max_tokens=steps + 2 * context_len + 64, temperature=0.0, ignore_eos=True)
     ids = [llm.add_request([100 + (i * 7 + j) % 40000 for j in range(context_len)], params) for i in range(batch)]
     if decode:
-        while llm.stats().workers[0].num_running < batch or llm.engine.scheduler.waiting_requests():
+        limit = 2 * ramp_up_steps(llm, batch, context_len) + 8
+        for _ in range(limit):
+            if llm.stats().workers[0].num_running == batch and not llm.engine.scheduler.waiting_requests():
+                break
             llm.step()
+        else:
+            raise RuntimeError(f"{batch} sequences were not all decoding after {limit} steps (preempted in turn?): "
+                               "give more --kv-cache-memory")
         llm.step()  # the first decode step of everyone, untimed
     timers.take()
     per_step: list[dict[str, float]] = []
@@ -202,6 +208,12 @@ def profile_case(llm, timers: StepTimers, batch: int, context_len: int, decode: 
     return {k: statistics.median(s.get(k, 0.0) for s in per_step) for k in keys}
 
 
+def ramp_up_steps(llm, batch: int, context_len: int) -> int:
+    """Steps that prefill ``batch`` prompts of ``context_len`` tokens; the first sequences decode
+    (and grow by a token) in each of them."""
+    return math.ceil(batch * context_len / llm.config.scheduler.max_num_batched_tokens) + 1
+
+
 def run(args: argparse.Namespace) -> dict:
     """Profiles every case and returns the figures (printed as a table by ``main``)."""
     import torch
@@ -212,6 +224,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model or None, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batches),
               max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False, max_plans_in_flight=1,
+              admission_headroom=0.0,  # every case's batch decodes at once (the check below says it fits)
               dtype=args.dtype,
               **kernel_options(args), attention_backend=args.attention_backend)
     runner = llm.engine.executor.runners["worker-0"]
@@ -220,9 +233,12 @@ def run(args: argparse.Namespace) -> dict:
     cases = [(f"decode x{b}", b, args.context_len, True) for b in args.batches]
     cases.append((f"prefill {args.prefill_len}", 1, args.prefill_len, False))
     for name, batch, context, _ in cases:
-        check_cache_holds(llm, name, batch, context + args.steps + 2, args.kv_cache_memory)
+        growth = ramp_up_steps(llm, batch, context) + args.steps + 2
+        check_cache_holds(llm, name, batch, context + growth, args.kv_cache_memory)
     results = {}
     for name, batch, context, decode in cases:
+        print(f"  {name}: prefilling {batch} prompt(s) of {context} tokens, then {args.steps if decode else 1} timed "
+              "step(s)", flush=True)
         pieces = profile_case(llm, timers, batch, context, decode, args.steps)
         rows = batch if decode else context
         pieces["gemm_floor"] = gemm_floor_ms(runner.model.config, rows, batch, args.dtype)

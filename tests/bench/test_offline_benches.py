@@ -102,8 +102,19 @@ def test_profile_refuses_batches_the_kv_cache_cannot_hold_at_once_instead_of_wai
                              "--batches", "1,64", "--context-len", "200", "--kv-cache-memory", "4MiB"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
-    assert "decode x64: 64 sequences of up to 207 tokens need 832 KV blocks" in result.stderr
+    assert "decode x64: 64 sequences of up to 215 tokens need 896 KV blocks" in result.stderr
     assert "give --kv-cache-memory" in result.stderr and "decode x1" not in result.stdout  # before any case ran
+
+
+def test_profile_decodes_a_batch_that_fits_though_admission_headroom_would_hold_some_back(tmp_path, small_model):
+    """16 sequences of 120 tokens fit in 160 blocks (8 KiB each on the small model) as they decode, but not
+    with room for 0.7 of the ~300 tokens each may yet generate: under the engine's default admission
+    headroom only some ran at once, and the case waited for all of them for ever (seen: 256 x 300 tokens,
+    4 GiB, over 10 minutes without output)."""
+    out = tmp_path / "p.json"
+    bench("profile", "--model", str(small_model), "--batches", "16", "--context-len", "120", "--prefill-len", "32",
+          "--steps", "2", "--kv-cache-memory", "1280KiB", "--result-json", str(out))
+    assert json.loads(out.read_text())["cases"]["decode x16"]["step"] > 0
 
 
 def test_profile_workload_accounts_for_a_dataset_run(tmp_path, small_model):
