@@ -3,8 +3,9 @@ alternated in one process (this machine's speed drifts up to 1.5x within minutes
 A/B resolves a few percent).
 
     PYTHONPATH=. python scripts/prefill_op_ab.py [--prompt-lens 128,512,1000] [--max-num-batched-tokens 256]
+        [--dtype float32|bfloat16]
 
-One offline engine (float32, the CPU's default token budget of 256 unless given: a longer prompt is
+One offline engine (float32 unless ``--dtype``, the CPU's default token budget of 256 unless given: a longer prompt is
 prefilled in chunks over its cached start), two prompts of each length, one output token; the baseline
 rounds route prefills to the torch backend's path by replacing ``prefill_op_applies`` in the CPU backend
 for that round (a measurement, not a test). Printed per length: milliseconds per prompt token of each
@@ -27,9 +28,10 @@ def main() -> None:
     p.add_argument("--prompt-lens", default="128,512,1000")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args()
     llm = LLM(prepare_default_model(), kv_cache_memory="256MiB", enable_prefix_caching=False,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     with_op = cpu_backend.prefill_op_applies
     for n in map(int, args.prompt_lens.split(",")):

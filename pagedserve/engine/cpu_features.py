@@ -38,20 +38,16 @@ def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
     return _first_cpu_field(cpuinfo, ("vendor_id",))
 
 
-def panel_gemm_preferred(flags: frozenset[str], vendor: str | None) -> bool:
-    """Whether pagedserve's float32 panel GEMM is preferred to oneDNN's on a CPU with these flags and vendor
-    (:func:`cpu_flags`, :func:`cpu_vendor`), where it can run (AVX2 and FMA): where it was measured faster,
-    on CPUs without AVX-512 (a Zen 3 EPYC) and on AMD's with it (a Zen 4 EPYC, whose 512-bit fused
-    multiply-adds run on two 256-bit units). Intel's AVX-512 CPUs, with two 512-bit FMA units a core on
-    Xeons, were not measured and keep oneDNN (docs/benchmarks.md, "The panel GEMM on AVX-512")."""
+def own_kernels_preferred(flags: frozenset[str], vendor: str | None) -> bool:
+    """Whether pagedserve's own float32 CPU kernels, the panel GEMM (``models/csrc/panel_gemm_f32.cpp``)
+    and the prefill attention op (``attention/csrc/prefill_attention_cpu.cpp``), are preferred to oneDNN's
+    GEMMs and torch's attention on a CPU with these flags and vendor (:func:`cpu_flags`,
+    :func:`cpu_vendor`), where they can run (AVX2 and FMA): where they were measured faster, on CPUs
+    without AVX-512 (a Zen 3 EPYC) and on AMD's with it (a Zen 4 EPYC, whose 512-bit fused multiply-adds
+    run on two 256-bit units: the panels 1.3-1.7x oneDNN at 1-8 rows, the prefill op 1.4-2.1x torch's).
+    Intel's AVX-512 CPUs, with two 512-bit FMA units a core on Xeons, were not measured and keep oneDNN
+    and torch (docs/benchmarks.md, "The panel GEMM on AVX-512")."""
     return "avx512f" not in flags or vendor == "AuthenticAMD"
-
-
-def own_avx2_kernels_preferred(flags: frozenset[str]) -> bool:
-    """Whether pagedserve's own 8-float-wide prefill attention op is preferred to torch's kernel on a CPU
-    with these flags (:func:`cpu_flags`): only without AVX-512, where torch's has no wider vectors to use
-    (the op is measured on AVX2 CPUs alone)."""
-    return "avx512f" not in flags
 
 
 def check_cpu_dtype(dtype: str, flags: frozenset[str]) -> None:

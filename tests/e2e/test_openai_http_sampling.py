@@ -42,7 +42,7 @@ def test_completion_logprobs_equal_grpc(stack, client, model_name):  # noqa: F81
             assert abs(top[token] - max(top.values())) < TOL
 
 
-@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only with AVX2 and no AVX-512")
+@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
 def test_a_prefix_cache_hit_gives_the_logprobs_of_the_whole_prompt_bit_for_bit(stack):
     """The workers' prefill op sums each query row in the same order however the prompt is split
     (tests/engine/test_features_exact.py shows it in-process): a request whose first blocks are cached

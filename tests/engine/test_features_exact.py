@@ -88,7 +88,7 @@ def test_all_features_together_with_staggered_arrivals(small_model, small_llm, t
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
-@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only with AVX2 and no AVX-512")
+@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
 def test_chunked_and_cached_prefills_give_the_bits_of_a_whole_prefill(small_model):
     """With the prefill op a query row's attention sums run over the same key blocks in the same order
     however its prompt is split (tests/worker/test_prefill_attention_cpu.py), and the panel GEMMs are

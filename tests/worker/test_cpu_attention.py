@@ -119,7 +119,7 @@ def test_op_in_bfloat16_matches_a_float64_reference(heads, kv_heads, dim, seqs, 
 
 
 @needs_op
-@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only with AVX2 and no AVX-512")
+@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
 def test_backend_uses_the_paged_op_for_decodes_and_the_prefill_op_for_prefills():
     seqs = [(40, 1), (17, 1), (3, 1), (0, 12), (16, 16), (13, 9)]
     md, q, k, v, k_cache, v_cache = _batch(9, seqs, 8, 9, 3, 64)
@@ -137,7 +137,33 @@ def test_backend_uses_the_paged_op_for_decodes_and_the_prefill_op_for_prefills()
 
 
 @needs_op
-@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only with AVX2 and no AVX-512")
+@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
+def test_bfloat16_prefills_run_the_op_on_widened_rows_and_round_once(kv_dtype):
+    """A bfloat16 model's prefills (fresh, over cached context in a gathered copy): the float32 op over
+    the rows widened as the cache stores them, rounded to bfloat16 once; near torch's bfloat16 SDPA (which
+    rounds its probabilities to bfloat16 before P V: within 2 of its units, 2^-7)."""
+    seqs = [(7, 1), (0, 12), (16, 16), (5, IN_PLACE_MAX_TOKENS + 2)]
+    md, q, k, v, k_cache, v_cache = _batch(5, seqs, 8, 9, 3, 64, dtype=torch.bfloat16)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    got = make_attention_backend("cpu", "cpu").attend(q, k, v, k_cache, v_cache, md, 0.125)
+    assert got.dtype == torch.bfloat16
+    widen = torch.float32
+    stored = [(x.to(kv_dtype).to(widen)) for x in (k, v)]
+    assert torch.equal(got[1:13], prefill_attention(q[1:13].to(widen), stored[0][1:13], stored[1][1:13],
+                                                    0.125).to(torch.bfloat16))
+    for row, (start, end, context) in enumerate([(13, 29, 16), (29, 29 + IN_PLACE_MAX_TOKENS + 2, 5)], start=2):
+        blocks = md.block_tables[row, :-(-(context + end - start) // 8)].tolist()
+        keys, values = (torch.cat([cache[b] for b in blocks])[:context + end - start].to(widen)
+                        for cache in (k_cache, v_cache))
+        assert torch.equal(got[start:end], prefill_attention(q[start:end].to(widen), keys, values,
+                                                             0.125).to(torch.bfloat16))
+    want = TorchAttentionBackend().attend(q, k, v, k_cache, v_cache, md, 0.125)
+    torch.testing.assert_close(got[1:].float(), want[1:].float(), rtol=0, atol=2 ** -6)
+
+
+@needs_op
+@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
 def test_short_context_prefills_read_a_float32_cache_in_place_and_long_ones_a_gathered_copy(monkeypatch):
     """16 new tokens over 20 cached: in place; IN_PLACE_MAX_TOKENS + 2 over 20: gathered; the same bits as
     the op over gathered copies either way."""

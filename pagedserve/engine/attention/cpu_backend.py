@@ -69,17 +69,19 @@ def _attend_prefills_with_op(out: torch.Tensor, query: torch.Tensor, key: torch.
     """``attend_prefills`` through the prefill op: a fresh prefill reads its new K/V ``[q, Hkv, D]`` as the
     cache stores them; one with cached context reads its first ``context_len + q`` positions from the
     cache's blocks ``[NB, BS, Hkv, D]``: in place when the cache is float32 and the new tokens at most
-    ``IN_PLACE_MAX_TOKENS``, else gathered (and widened). The same bits either way."""
+    ``IN_PLACE_MAX_TOKENS``, else gathered (and widened). The same bits either way. The op computes in
+    float32: a bfloat16 model's query and K/V are widened (exact), and ``out`` rounds the result once."""
+    wide = torch.float32
     for seq in metadata.fresh_prefills:
         s, e = seq.query_start, seq.query_end
-        out[s:e] = prefill_attention(query[s:e], as_stored(key[s:e], key_cache.dtype),
-                                     as_stored(value[s:e], value_cache.dtype), scale)
+        out[s:e] = prefill_attention(query[s:e].to(wide), as_stored(key[s:e], key_cache.dtype).to(wide),
+                                     as_stored(value[s:e], value_cache.dtype).to(wide), scale)
     for seq in metadata.context_prefills:
         s, e = seq.query_start, seq.query_end
-        if key_cache.dtype == value_cache.dtype == torch.float32 and e - s <= IN_PLACE_MAX_TOKENS:
-            out[s:e] = prefill_attention_paged(query[s:e], key_cache, value_cache, seq.block_indices, seq.context_len,
-                                               scale)
+        if key_cache.dtype == value_cache.dtype == wide and e - s <= IN_PLACE_MAX_TOKENS:
+            out[s:e] = prefill_attention_paged(query[s:e].to(wide), key_cache, value_cache, seq.block_indices,
+                                               seq.context_len, scale)
             continue
         length = seq.context_len + e - s
-        k, v = (gathered_context(cache, seq, query.dtype)[:length] for cache in (key_cache, value_cache))  # (L, Hkv, D)
-        out[s:e] = prefill_attention(query[s:e], k, v, scale)
+        k, v = (gathered_context(cache, seq, wide)[:length] for cache in (key_cache, value_cache))  # (L, Hkv, D)
+        out[s:e] = prefill_attention(query[s:e].to(wide), k, v, scale)

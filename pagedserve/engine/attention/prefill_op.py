@@ -4,9 +4,10 @@ order). torch's ``scaled_dot_product_attention`` runs the same products through 
 18 GFLOP/s on one AVX2 core for a 1000-token prompt (11 at 128 tokens); docs/benchmarks.md has both.
 
 Built on first use like the paged op (:func:`~pagedserve.engine.attention.cpu_op.load_cpu_library`),
-only on x86 CPUs with AVX2 and FMA, and used only where they lack AVX-512 (measured on AVX2 alone, where
-torch's kernel has no wider vectors to use); elsewhere, or where it cannot be built, prefills keep torch's
-kernel.
+only on x86 CPUs with AVX2 and FMA, and used where ``cpu_features.own_kernels_preferred`` says it was
+measured faster than torch's kernel (no AVX-512, or an AMD CPU); elsewhere, or where it cannot be built,
+prefills keep torch's kernel. A bfloat16 model's prefills run it too, on their rows widened to float32
+(exact) and the output rounded to bfloat16 once, as the decode op does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.engine.cpu_features import cpu_flags, own_avx2_kernels_preferred
+from pagedserve.engine.cpu_features import cpu_flags, cpu_vendor, own_kernels_preferred
 
 SOURCE = Path(__file__).parent / "csrc" / "prefill_attention_cpu.cpp"
 HEAD_DIM_MULTIPLE = 16
@@ -42,15 +43,15 @@ def prefill_op_available() -> bool:
 
 @functools.cache
 def prefill_op_preferred() -> bool:
-    """Whether the CPU backend sends prefills to the op: ``own_avx2_kernels_preferred`` (no AVX-512), and
-    available (once a process: every attention call asks, and reading /proc/cpuinfo takes ~90 us)."""
-    return own_avx2_kernels_preferred(cpu_flags()) and prefill_op_available()
+    """Whether the CPU backend sends prefills to the op: where ``own_kernels_preferred`` (no AVX-512, or an
+    AMD CPU), and available (once a process: every attention call asks, and reading /proc/cpuinfo takes ~90 us)."""
+    return own_kernels_preferred(cpu_flags(), cpu_vendor()) and prefill_op_available()
 
 
 def prefill_op_applies(query: torch.Tensor) -> bool:
-    """Whether the CPU backend sends the prefills of this query ``[q, H, D]`` to the op: float32 on the
-    CPU, ``D`` a multiple of 16, and :func:`prefill_op_preferred`."""
-    return (query.dtype == torch.float32 and query.device.type == "cpu"
+    """Whether the CPU backend sends the prefills of this query ``[q, H, D]`` to the op: float32 or
+    bfloat16 (widened) on the CPU, ``D`` a multiple of 16, and :func:`prefill_op_preferred`."""
+    return (query.dtype in (torch.float32, torch.bfloat16) and query.device.type == "cpu"
             and query.shape[-1] % HEAD_DIM_MULTIPLE == 0 and prefill_op_preferred())
 
 

@@ -1,6 +1,6 @@
 """Float32 linear layers on pagedserve's own GEMM (``csrc/panel_gemm_f32.cpp``): ``--gemm-backend panels``,
 the default on x86 CPUs with AVX2 and FMA but for Intel's with AVX-512 (unmeasured there:
-``cpu_features.panel_gemm_preferred``).
+``cpu_features.own_kernels_preferred``).
 
 The weight is packed once into panels of 16 output columns; a block of 6 rows x 16 columns (AVX2) or 6 x
 64 (AVX-512: 4 panels) of sums stays in registers (the BLIS scheme). Each output is summed over k in
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedserve.engine.cpu_features import cpu_flags, cpu_vendor, panel_gemm_preferred
+from pagedserve.engine.cpu_features import cpu_flags, cpu_vendor, own_kernels_preferred
 from pagedserve.engine.models.huge_pages import HugePageArena
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_gemm_f32.cpp"
@@ -55,9 +55,9 @@ def _register_fake() -> None:
 
 
 def panels_preferred() -> bool:
-    """Whether ``--gemm-backend auto`` takes these GEMMs: where :func:`panel_gemm_preferred` says they were
+    """Whether ``--gemm-backend auto`` takes these GEMMs: where :func:`own_kernels_preferred` says they were
     measured faster than oneDNN's, and available."""
-    return panel_gemm_preferred(cpu_flags(), cpu_vendor()) and panels_available()
+    return own_kernels_preferred(cpu_flags(), cpu_vendor()) and panels_available()
 
 
 class PanelLinear(nn.Module):
