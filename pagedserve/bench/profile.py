@@ -282,6 +282,13 @@ def format_table(report: dict) -> str:
     return header + "\n".join(rows) + "\n"
 
 
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    """``--dtype`` of the profiles: float32 or bfloat16, both on the CPU."""
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the model's weights and activations, and the GEMM floor's (default %(default)s); bfloat16 "
+                        "needs a CPU with native bfloat16 (AVX512_BF16 or AMX)")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="per-step time breakdown of the engine beside the GEMM floor",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -291,9 +298,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-len", type=int, default=64, help="tokens of each decoding sequence (default %(default)s)")
     p.add_argument("--prefill-len", type=int, default=512, help="tokens of the prefill case (default %(default)s)")
     p.add_argument("--steps", type=int, default=5, help="timed decode steps per case (default %(default)s)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="the model's weights and activations, and the GEMM floor's (default %(default)s); bfloat16 "
-                        "needs a CPU with native bfloat16 (AVX512_BF16 or AMX)")
+    add_dtype_argument(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--kv-cache-memory", default="2GiB", help="KV-cache memory (default %(default)s)")
     add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))

@@ -17,7 +17,7 @@ from pagedserve.config_flags import add_config_arguments, fields_except
 from pagedserve.engine.runner_config import KERNELS, RunnerConfig
 from pagedserve.bench.datasets import add_dataset_arguments, dataset_spec_from_args, sample_requests
 from pagedserve.bench.machine import machine_info, machine_line
-from pagedserve.bench.profile import StepTimers, instrument
+from pagedserve.bench.profile import StepTimers, add_dtype_argument, instrument
 from pagedserve.bench.report import format_table
 from pagedserve.bench.throughput import add_engine_arguments, build_engine, time_engine
 
@@ -29,8 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_dataset_arguments(p)
     add_engine_arguments(p)
     add_config_arguments(p, RunnerConfig, exclude=fields_except(RunnerConfig, KERNELS))
+    add_dtype_argument(p)
     p.add_argument("--result-json", type=Path, help="write every figure to this file")
-    p.set_defaults(func=main, dtype="float32", device="cpu")
+    p.set_defaults(func=main, device="cpu")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -49,13 +50,14 @@ def main(args: argparse.Namespace) -> int:
     seconds = {k: v / 1000 for k, v in sorted(timers.take().ms.items(), key=lambda kv: -kv[1])}
     steps = seconds.get("step", 0.0)
     print(f"\n{len(requests)} requests, {run.output_tokens} output tokens in {run.elapsed_s:.1f} s "
-          f"({run.output_tokens_per_s:.1f} output tok/s), gemm backend {args.gemm_backend}, {args.compile_mode} "
+          f"({run.output_tokens_per_s:.1f} output tok/s), {args.dtype}, gemm backend {args.gemm_backend}, "
+          f"{args.compile_mode} "
           f"({machine_line(machine_info())})")
     print(format_table(["piece", "seconds", "share of steps"],
                        [[k, v, f"{100 * v / steps:.1f}%" if steps else "-"] for k, v in seconds.items()]))
     if args.result_json:
         args.result_json.write_text(json.dumps({"elapsed_s": run.elapsed_s, "output_tokens": run.output_tokens,
                                                 "seconds": seconds, "machine": machine_info(),
-                                                "gemm_backend": args.gemm_backend,
+                                                "dtype": args.dtype, "gemm_backend": args.gemm_backend,
                                                 "compile_mode": args.compile_mode}, indent=2))
     return 0

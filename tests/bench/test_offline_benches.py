@@ -123,7 +123,7 @@ def test_profile_workload_accounts_for_a_dataset_run(tmp_path, small_model):
                    "--input-len", "20", "--output-len", "6", "--kv-cache-memory", "64MiB", "--result-json", str(out))
     report = json.loads(out.read_text())
     seconds = report["seconds"]
-    assert report["output_tokens"] == 18
+    assert report["output_tokens"] == 18 and report["dtype"] == "float32"
     assert 0 < seconds["attention"] < seconds["forward"] <= seconds["step"] <= report["elapsed_s"]
     assert "share of steps" in stdout and "gate_up_proj" in stdout
 
