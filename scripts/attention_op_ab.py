@@ -27,7 +27,7 @@ import torch
 
 from pagedserve.bench.attention_op import median_ms
 from pagedserve.engine.attention import build_attention_metadata, compute_positions
-from pagedserve.engine.attention.cpu_op import SOURCE, load_cpu_attention_op, load_cpu_library
+from pagedserve.engine.attention.cpu_op import SOURCE, attention_op_defines, load_cpu_attention_op, load_cpu_library
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +44,8 @@ def base_op(revision: str, folder: Path):
             text = text.replace("TORCH_LIBRARY(pagedserve_cpu,", "TORCH_LIBRARY(pagedserve_cpu_base,")
             text = text.replace("TORCH_LIBRARY_IMPL(pagedserve_cpu,", "TORCH_LIBRARY_IMPL(pagedserve_cpu_base,")
         (folder / name).write_text(text)
-    if not load_cpu_library(folder / SOURCE.name, "attention_op_ab_base", f"the op at {revision}", "nothing"):
+    if not load_cpu_library(folder / SOURCE.name, "attention_op_ab_base", f"the op at {revision}", "nothing",
+                            defines=attention_op_defines()):
         raise SystemExit(f"the op at {revision} could not be built (see the warning above)")
     return torch.ops.pagedserve_cpu_base.paged_attention
 

@@ -50,6 +50,15 @@ def own_kernels_preferred(flags: frozenset[str], vendor: str | None) -> bool:
     return "avx512f" not in flags or vendor == "AuthenticAMD"
 
 
+def keys_prefetched_to_l2(flags: frozenset[str], vendor: str | None) -> bool:
+    """Whether the decode attention op prefetches the next key tile's K lines into L2 (as it does V's)
+    rather than into L1, on a CPU with these flags and vendor: on AMD's AVX-512 CPUs, where it was measured
+    1.3-1.6x faster (a Zen 4 EPYC, float32 and bfloat16 K/V from DRAM; docs/benchmarks.md, "Key prefetches
+    into L2 on Zen 4"); not on AMD's without AVX-512 (a Zen 3 EPYC: every line into L2 was 0.98x for float32,
+    0.84x for fp8_e5m2) nor Intel's (not measured)."""
+    return "avx512f" in flags and vendor == "AuthenticAMD"
+
+
 def check_cpu_dtype(dtype: str, flags: frozenset[str]) -> None:
     """Refuses ``bfloat16`` on a CPU whose ``flags`` (:func:`cpu_flags`) hold none of ``BF16_CPU_FLAGS``.
 

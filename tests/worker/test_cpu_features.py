@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.cpu_features import BF16_CPU_FLAGS, check_cpu_dtype, cpu_flags, cpu_vendor
+from pagedserve.engine.cpu_features import (BF16_CPU_FLAGS, check_cpu_dtype, cpu_flags, cpu_vendor,
+                                            keys_prefetched_to_l2, own_kernels_preferred)
 from pagedserve.engine.runner_factory import resolve_dtype
 
 X86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f {extra}\nbugs\t\t: sysret_ss_attrs\n\n" \
@@ -49,3 +50,14 @@ def test_resolve_dtype_checks_this_cpu():
     else:
         with pytest.raises(ValueError, match="--dtype bfloat16 needs a CPU with native bfloat16"):
             resolve_dtype("bfloat16", "cpu")
+
+
+@pytest.mark.parametrize("flags, vendor, own_kernels, keys_to_l2", [
+    ({"avx2", "fma"}, "AuthenticAMD", True, False),               # Zen 3: measured
+    ({"avx2", "fma", "avx512f"}, "AuthenticAMD", True, True),     # Zen 4: measured
+    ({"avx2", "fma", "avx512f"}, "GenuineIntel", False, False),   # Intel's AVX-512: not measured
+    ({"avx2", "fma"}, "GenuineIntel", True, False),
+])
+def test_own_kernels_and_key_prefetches_follow_what_was_measured_per_cpu(flags, vendor, own_kernels, keys_to_l2):
+    assert own_kernels_preferred(frozenset(flags), vendor) == own_kernels
+    assert keys_prefetched_to_l2(frozenset(flags), vendor) == keys_to_l2

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.engine.cpu_features import cpu_flags, cpu_vendor, keys_prefetched_to_l2
 from pagedserve.model_files import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,19 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
 
 
-def _source_digest(source: Path) -> str:
-    """A short hash of the C++ file and the headers next to it (``vec16.h``): a change to either
-    makes a new build folder, so the op is rebuilt."""
-    h = hashlib.sha256(source.read_bytes())
+def _source_digest(source: Path, defines: tuple[str, ...] = ()) -> str:
+    """A short hash of the C++ file, the headers next to it (``vec16.h``) and the build's ``defines``: a
+    change to any makes a new build folder, so the op is rebuilt."""
+    h = hashlib.sha256(source.read_bytes() + " ".join(defines).encode())
     for header in sorted(source.parent.glob("*.h")):
         h.update(header.name.encode() + header.read_bytes())
     return h.hexdigest()[:10]
+
+
+def attention_op_defines() -> tuple[str, ...]:
+    """The decode op's build choices for this CPU: ``PAGEDSERVE_KEYS_TO_L2`` where
+    :func:`~pagedserve.engine.cpu_features.keys_prefetched_to_l2`."""
+    return ("PAGEDSERVE_KEYS_TO_L2",) if keys_prefetched_to_l2(cpu_flags(), cpu_vendor()) else ()
 
 
 def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = None) -> PagedAttentionOp | None:
@@ -76,19 +83,22 @@ def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = N
         created, e.g. on a read-only volume: nothing is raised).
     """
     if load_cpu_library(source or SOURCE, "pagedserve_cpu_attention", "the C++ paged-attention op for CPU",
-                        "the torch attention backend", build_dir):
+                        "the torch attention backend", build_dir, attention_op_defines()):
         return torch.ops.pagedserve_cpu.paged_attention
     return None
 
 
-def load_cpu_library(source: Path, prefix: str, what: str, fallback: str, build_dir: Path | None = None) -> bool:
-    """Builds (on first use, once per source version and CPU) and loads the torch op library of ``source``.
+def load_cpu_library(source: Path, prefix: str, what: str, fallback: str, build_dir: Path | None = None,
+                     defines: tuple[str, ...] = ()) -> bool:
+    """Builds (on first use, once per source version, CPU and ``defines``) and loads the torch op library of
+    ``source``.
 
     Args:
         source: the C++ file; every header next to it is part of the build's version.
         prefix: the build folder's and library's name before the version.
         what, fallback: the op and what runs instead, for the warning when it cannot be built.
         build_dir: where builds are cached (default :func:`default_build_dir`).
+        defines: preprocessor macros the build defines (``-D``): choices the source makes per CPU.
 
     Returns:
         Whether the library is loaded; ``False`` after logging a warning that says what failed and
@@ -97,7 +107,7 @@ def load_cpu_library(source: Path, prefix: str, what: str, fallback: str, build_
     """
     if source in _loaded:
         return _loaded[source]
-    name = f"{prefix}_{_source_digest(source)}_{_cpu_fingerprint()}"
+    name = f"{prefix}_{_source_digest(source, defines)}_{_cpu_fingerprint()}"
     folder = (build_dir or default_build_dir()) / name
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -112,7 +122,7 @@ def load_cpu_library(source: Path, prefix: str, what: str, fallback: str, build_
         if built.exists():  # built before: load it without taking the build lock
             torch.ops.load_library(str(built))
         else:
-            _build(name, source, folder)
+            _build(name, source, folder, defines)
         _loaded[source] = True
     except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the fallback
         log.warning("%s could not be built (%s: %s); using %s instead. Install a C++ compiler (g++) and ninja "
@@ -126,7 +136,7 @@ STALE_LOCK_S = 300.0
 takes about 10 s on two cores), so that the next start does not wait for it forever."""
 
 
-def _build(name: str, source: Path, folder: Path) -> None:
+def _build(name: str, source: Path, folder: Path, defines: tuple[str, ...]) -> None:
     """Compiles and loads the op with ``torch.utils.cpp_extension`` (which holds ``folder/lock``
     while building). Raises whatever the build raises."""
     from torch.utils import cpp_extension
@@ -139,6 +149,7 @@ def _build(name: str, source: Path, folder: Path) -> None:
     except FileNotFoundError:
         pass
     cpp_extension.load(name=name, sources=[str(source)], build_directory=str(folder),
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp", *(f"-D{d}" for d in defines)],
+                       extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
 

@@ -26,6 +26,12 @@ inline void for_each_slot(const int32_t* block_table, const Geometry& g, int64_t
 // bandwidth instead of 65-76% (Intel Xeon with AMX, 2 threads; docs/benchmarks.md). The tile keeps its
 // slots' addresses and walks their lines with two counters: a list of every line's address, written
 // per tile, cost a tenth of the op's time (float32 1.10-1.12x faster without it, same outputs).
+#if defined(PAGEDSERVE_KEYS_TO_L2)
+constexpr int kKeyLocality = 2;  // prefetcht1: into L2
+#else
+constexpr int kKeyLocality = 3;  // prefetcht0: into L1
+#endif
+
 struct NextTile {
   const char* key_slots[kKeyTile];
   const char* value_slots[kKeyTile];
@@ -49,9 +55,12 @@ struct NextTile {
   }
 
   // Prefetches up to the share `done / rows` of the lines, slot by slot, each line of K then of V: K
-  // into L1, V into L2 (a float32 tile's K and V, 24 KiB for 3 KV heads of 64, and the next tile's
-  // would not fit Zen 3's 32 KiB L1D; float32 1.05-1.06x at 256 x 270 on the AVX2 EPYC, 1.02x at
-  // 64 x 270, bfloat16 and fp8 1.01x; every line into L2 was 0.98x / 0.84x for float32 / fp8). The share
+  // into L1 (kKeyLocality), V into L2 (a float32 tile's K and V, 24 KiB for 3 KV heads of 64, and the
+  // next tile's would not fit Zen 3's 32 KiB L1D; float32 1.05-1.06x at 256 x 270 on the AVX2 EPYC, 1.02x
+  // at 64 x 270, bfloat16 and fp8 1.01x; every line into L2 was 0.98x / 0.84x for float32 / fp8). Built
+  // with PAGEDSERVE_KEYS_TO_L2 (cpu_features.keys_prefetched_to_l2: AMD with AVX-512), K goes into L2
+  // too: on a Zen 4 EPYC 1.3-1.6x for float32 and bfloat16 K/V from DRAM (into L1 the prefetches held
+  // the op at half the streaming read; `scripts/attention_op_ab.py`, docs/benchmarks.md). The share
   // is a multiplication by lines_per_row, the counters are locals in the loop: a 64-bit division per
   // call (48 per float32 tile) and counters kept in memory were 1.01-1.06x slower (AVX2 EPYC, float32).
   void issue(int64_t done) {
@@ -66,7 +75,7 @@ struct NextTile {
         __builtin_prefetch(value_slots[s] + l * 64, 0, 2);
         if (++l == lines_per_slot) l = 0, ++s;
       } else {
-        __builtin_prefetch(key_slots[s] + l * 64);
+        __builtin_prefetch(key_slots[s] + l * 64, 0, kKeyLocality);
       }
     }
     issued = i, slot = s, line = l;
