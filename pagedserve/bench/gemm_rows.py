@@ -7,7 +7,7 @@ row count of ``--rows``, the default model's linear layers (fused QKV, output pr
 down of each of ``--layers`` layers, then the LM head; random weights of ``--dtype``) run through
 oneDNN's packed GEMM (``--gemm-backend onednn``, one row padded to ``MIN_ROWS``) and through
 pagedserve's kernel for that dtype, in alternating rounds: bfloat16, the few-row kernel
-(``models/csrc/few_rows_bf16.cpp``, which the layers take up to ``FEW_ROWS`` rows; needs AVX512_BF16);
+(``models/csrc/few_rows_bf16.cpp``, which the layers take up to ``onednn.few_rows()`` rows; needs AVX512_BF16);
 float32, the panel GEMM (``models/csrc/panel_gemm_f32.cpp``, ``--gemm-backend panels``; needs AVX2 and
 FMA). Beside them, in the same run, a streaming read (``torch.sum`` over a 512 MiB float32 buffer).
 Medians of ``--rounds`` rounds.
@@ -125,12 +125,12 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from pagedserve.engine.models.onednn import FEW_ROWS
+    from pagedserve.engine.models.onednn import few_rows
 
     stream_gbps, timings = measure(args)
     name = KERNELS[args.dtype]
     title = (f"{args.dtype} GEMMs of {args.layers} default-model layers + LM head, {torch.get_num_threads()} threads"
-             + (f" (the layers take the few-row kernel up to {FEW_ROWS} rows)" if args.dtype == "bfloat16" else ""))
+             + (f" (the layers take the few-row kernel up to {few_rows()} rows)" if args.dtype == "bfloat16" else ""))
     rows = [(t.rows, t.onednn_ms, t.onednn_gbps, t.onednn_gflops, t.kernel_ms, t.kernel_gbps, t.kernel_gflops,
              t.onednn_ms / t.kernel_ms) for t in timings]
     print(format_table(("rows", "oneDNN ms", "oneDNN GB/s", "oneDNN GFLOP/s", f"{name} ms", f"{name} GB/s",
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     print(machine_line(info))
     if args.result_json:
         args.result_json.write_text(json.dumps({"stream_gbps": stream_gbps, "timings": [asdict(t) for t in timings],
-                                                "kernel": name, "few_rows": FEW_ROWS, "threads": torch.get_num_threads(),
+                                                "kernel": name, "few_rows": few_rows(), "threads": torch.get_num_threads(),
                                                 "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
                                                 "machine": info}, indent=2) + "\n")
     return 0

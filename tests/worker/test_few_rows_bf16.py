@@ -1,5 +1,5 @@
 """The few-row bfloat16 GEMM (models/csrc/few_rows_bf16.cpp): products within bfloat16 rounding of
-float64, a row's result independent of the other rows up to FEW_ROWS, the layer's choice of kernel
+float64, a row's result independent of the other rows up to few_rows(), the layer's choice of kernel
 by row count, and shapes it cannot take left to oneDNN."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.models.onednn import FEW_ROWS, OneDnnLinear, few_rows_available
+from pagedserve.engine.models.onednn import (FEW_ROWS, FEW_ROWS_WITHOUT_AMX, OneDnnLinear, few_rows,
+                                             few_rows_available, few_rows_limit)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not few_rows_available(),
                                 reason="needs AVX512_BF16, a C++ compiler and torch with oneDNN")
@@ -39,19 +40,27 @@ def test_few_rows_are_within_bfloat16_rounding_of_float64(out_features, in_featu
 
 @pytest.mark.parametrize("out_features, in_features", SHAPES[:2])
 def test_a_rows_result_does_not_depend_on_the_other_rows_up_to_few_rows(out_features, in_features):
+    limit = few_rows()
     layer, _, _ = _layer(out_features, in_features, bias=True, seed=1)
-    x = torch.randn(FEW_ROWS, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+    x = torch.randn(limit, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
     together = layer(x)
-    for size in range(1, FEW_ROWS):
-        for start in range(FEW_ROWS - size + 1):
+    for size in sorted({1, 2, 3, 5, 7, min(33, limit - 1), limit - 1}):  # every start of small ones, 3 of others
+        starts = range(limit - size + 1) if size < FEW_ROWS else (0, (limit - size) // 2, limit - size)
+        for start in starts:
             assert torch.equal(layer(x[start:start + size]), together[start:start + size]), (size, start)
 
 
+def test_few_rows_is_eight_with_amx_and_whole_decode_batches_without():
+    assert few_rows_limit(frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})) == FEW_ROWS == 8
+    assert few_rows_limit(frozenset({"avx512_bf16"})) == FEW_ROWS_WITHOUT_AMX == 256
+
+
 def test_the_layer_runs_few_rows_itself_and_more_rows_through_onednn():
+    limit = few_rows()
     layer, weight, _ = _layer(96, 64, bias=False)
-    x = torch.randn(FEW_ROWS + 1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
-    few = torch.ops.pagedserve_gemm.few_rows_linear(x[:FEW_ROWS].contiguous(), layer.pairs, None)
-    assert torch.equal(layer(x[:FEW_ROWS]), few)
+    x = torch.randn(limit + 1, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    few = torch.ops.pagedserve_gemm.few_rows_linear(x[:limit].contiguous(), layer.pairs, None)
+    assert torch.equal(layer(x[:limit]), few)
     onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, None, "none", [], "")
     assert torch.equal(layer(x), onednn)
 

@@ -107,5 +107,5 @@ class DecodeLayers:
             x, cos, sin, self.norms, self.packed, self.bias, self.pairs, self.pair_bias, self.panels,
             self.out_features, cache.key_caches, cache.value_caches, metadata.slot_mapping, metadata.block_tables,
             metadata.seq_lens, metadata.query_start_loc, self.num_heads, self.num_kv_heads, self.head_dim,
-            self.scale, self.eps, onednn.FEW_ROWS, onednn.MIN_ROWS)
+            self.scale, self.eps, onednn.few_rows(), onednn.MIN_ROWS)
         return x

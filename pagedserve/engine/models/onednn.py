@@ -16,10 +16,10 @@ on most of the default model's shapes), so there a bfloat16 token's logits may c
 step's size.
 
 bfloat16 layers on a CPU with AVX512_BF16 also keep their weight packed for
-``csrc/few_rows_bf16.cpp``, which runs steps of up to :data:`FEW_ROWS` rows (decodes of a few
-sequences, batch-1 TPOT) near the memory bandwidth, 1.8-2.0x oneDNN's speed at 1-4 rows; the cost is a
-second copy of the bfloat16 weights. Its rows do not depend on the row count up to
-:data:`FEW_ROWS`, so one row is not padded; past it oneDNN's kernels take over.
+``csrc/few_rows_bf16.cpp``, which runs steps of up to :func:`few_rows` rows (decodes of a few
+sequences, batch-1 TPOT; on CPUs without AMX whole decode batches) near the memory bandwidth, 1.7-2.0x
+oneDNN's speed at 1-4 rows; the cost is a second copy of the bfloat16 weights. Its rows do not depend on
+the row count up to :func:`few_rows`, so one row is not padded; past it oneDNN's kernels take over.
 ``--gemm-backend torch`` keeps ``F.linear`` as the reference path.
 """
 
@@ -50,10 +50,15 @@ cost the same time as one (the weights dominate: scripts/gemm_batch_invariance.p
 Asserted for the default model's shapes in tests/worker/test_onednn_linear.py."""
 
 FEW_ROWS = 8
-"""Rows up to which a bfloat16 layer runs the few-row kernel (``csrc/few_rows_bf16.cpp``): on the
-2-core Xeon it read the default model's weights at 15-17 GB/s for 1-4 rows (oneDNN 8.4-8.5), 1.1x
-oneDNN's speed at 8 rows, 0.8x at 12 (`pagedserve bench gemm-rows`; docs/benchmarks.md, "The
-attention op regrouped, and few-row bfloat16 GEMMs")."""
+"""Rows up to which a bfloat16 layer runs the few-row kernel (``csrc/few_rows_bf16.cpp``) on a CPU with
+AMX, where oneDNN's bfloat16 kernels use it: on the 2-core Xeon it read the default model's weights at
+15-17 GB/s for 1-4 rows (oneDNN 8.4-8.5), 1.1x oneDNN's speed at 8 rows, 0.8x at 12 (`pagedserve bench
+gemm-rows`; docs/benchmarks.md, "The attention op regrouped, and few-row bfloat16 GEMMs")."""
+FEW_ROWS_WITHOUT_AMX = 256
+"""The same limit on a CPU with AVX512_BF16 and no AMX, where both run the same dot-product instruction: on
+the Zen 4 EPYC the kernel was 1.67x oneDNN's speed at 1 row, 1.15x at 16, 1.08x at 64, 1.03x at 128 and
+256, and even (0.98-1.00x) at 512-2048 rows (docs/benchmarks.md, "Few-row bfloat16 GEMMs for whole
+decode batches on Zen 4")."""
 FEW_ROWS_SOURCE = Path(__file__).parent / "csrc" / "few_rows_bf16.cpp"
 
 _layers: weakref.WeakValueDictionary[int, OneDnnLinear] = weakref.WeakValueDictionary()
@@ -71,11 +76,24 @@ def few_rows_available() -> bool:
                             "oneDNN for every row count")
 
 
+def few_rows_limit(flags: frozenset[str]) -> int:
+    """Rows up to which bfloat16 layers run the few-row kernel on a CPU with these flags
+    (:func:`~pagedserve.engine.cpu_features.cpu_flags`): :data:`FEW_ROWS` with AMX, else
+    :data:`FEW_ROWS_WITHOUT_AMX`."""
+    return FEW_ROWS if "amx_bf16" in flags else FEW_ROWS_WITHOUT_AMX
+
+
+@functools.cache
+def few_rows() -> int:
+    """:func:`few_rows_limit` of this CPU (read once a process: every layer call asks)."""
+    return few_rows_limit(cpu_flags())
+
+
 def packed_linear(x: torch.Tensor, layer: OneDnnLinear) -> torch.Tensor:
-    """``x`` ``[T, in]`` through ``layer``'s packed weight: ``[T, out]`` (up to :data:`FEW_ROWS` rows of
+    """``x`` ``[T, in]`` through ``layer``'s packed weight: ``[T, out]`` (up to :func:`few_rows` rows of
     a bfloat16 layer through the few-row kernel; else a single row run as :data:`MIN_ROWS`)."""
     rows = x.shape[0]
-    if layer.pairs is not None and rows <= FEW_ROWS:
+    if layer.pairs is not None and rows <= few_rows():
         return torch.ops.pagedserve_gemm.few_rows_linear(x.contiguous(), layer.pairs, layer.float_bias)
     if rows < MIN_ROWS:
         x = torch.cat([x, x.new_zeros(MIN_ROWS - rows, x.shape[1])])
