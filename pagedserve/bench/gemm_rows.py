@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     print(machine_line(info))
     if args.result_json:
         args.result_json.write_text(json.dumps({"stream_gbps": stream_gbps, "timings": [asdict(t) for t in timings],
-                                                "kernel": name, "few_rows": few_rows(), "threads": torch.get_num_threads(),
+                                                "kernel": name, "few_rows": few_rows(),
+                                                "threads": torch.get_num_threads(),
                                                 "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
                                                 "machine": info}, indent=2) + "\n")
     return 0

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, fields_except
 from pagedserve.engine.runner_config import KERNELS, RunnerConfig, kernel_options
+from pagedserve.bench.gemm_floor import gemm_floor_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.engine.config import ATTENTION_BACKENDS
 
@@ -128,54 +129,14 @@ def _instrument_layers(model, timers: StepTimers) -> None:
             linear.forward = timers.wrap(name, linear.forward)
 
 
-def gemm_floor_ms(config, num_tokens: int, num_logit_rows: int, dtype: str,
-                  repeats: int = 5) -> dict[str, float]:
-    """The step's GEMMs alone for ``num_tokens`` rows (and ``num_logit_rows`` of logits) with weights
-    and inputs in ``dtype`` (a torch dtype's name), ms per step: ``torch.mm`` (what ``F.linear`` runs),
-    oneDNN with prepacked weights (what ``--gemm-backend onednn`` runs) and, for float32 where it is
-    built, the panel GEMM (``--gemm-backend panels``).
-
-    Every layer gets weights of its own, as in the model, so a small batch pays for streaming all
-    of them from memory (one shared matrix would stay in cache and flatter the floor).
-    """
-    import torch
-
-    from pagedserve.engine.models.onednn import OneDnnLinear
-    from pagedserve.engine.models.huge_pages import HugePageArena
-    from pagedserve.engine.models.panel_gemm import PanelLinear, panels_available
-
-    hidden, inter = config.hidden_size, config.intermediate_size
-    shapes = [(config.q_size + 2 * config.kv_size, hidden), (hidden, config.q_size), (2 * inter, hidden),
-              (hidden, inter)] * config.num_layers + [(config.vocab_size, hidden)]  # [out, in]; lm_head last
-    kind = getattr(torch, dtype)
-    weights = [torch.randn(n, k, dtype=kind) for n, k in shapes]
-    inputs = [torch.randn(num_logit_rows if i == len(shapes) - 1 else num_tokens, k, dtype=kind)
-              for i, (_, k) in enumerate(shapes)]
-    transposed = [w.t().contiguous() for w in weights]                    # [in, out] for torch.mm
-    packed = [OneDnnLinear(w, None) for w in weights]
-    floors = {"torch.mm": _best_ms(lambda: [torch.mm(x, w) for x, w in zip(inputs, transposed)], repeats),
-              "onednn": _best_ms(lambda: [f(x) for x, f in zip(inputs, packed)], repeats)}
-    del packed
-    if kind == torch.float32 and panels_available():
-        arena = HugePageArena()  # as pack_linear_layers packs a model's
-        panels = [PanelLinear(w, None, arena) for w in weights]
-        floors["panels"] = _best_ms(lambda: [f(x) for x, f in zip(inputs, panels)], repeats)
-    return floors
-
-
-def _best_ms(fn: Callable, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, (time.perf_counter() - start) * 1000)
-    return best
-
-
 def profile_case(llm, timers: StepTimers, batch: int, context_len: int, decode: bool, steps: int) -> dict:
     """Runs ``batch`` sequences to their decode phase (untimed), then times ``steps`` steps; for a
-    prefill case, times the step that prefills one ``context_len``-token prompt."""
+    prefill case, times the step that prefills one ``context_len``-token prompt.
+
+    Raises:
+        RuntimeError: the sequences were not all decoding after twice the ramp-up's steps and 8 more
+            (preempted in turn: the KV cache holds too few blocks), or a step ran more than one plan.
+    """
     from pagedserve.engine.sampling_params import SamplingParams
 
     # Long enough that no sequence finishes before every one is decoding; aborted afterwards.
@@ -209,8 +170,8 @@ def profile_case(llm, timers: StepTimers, batch: int, context_len: int, decode: 
 
 
 def ramp_up_steps(llm, batch: int, context_len: int) -> int:
-    """Steps that prefill ``batch`` prompts of ``context_len`` tokens; the first sequences decode
-    (and grow by a token) in each of them."""
+    """About the steps that prefill ``batch`` prompts of ``context_len`` tokens (the decodes of those
+    admitted first share the token budget, so a few more); the first sequences grow by a token in each."""
     return math.ceil(batch * context_len / llm.config.scheduler.max_num_batched_tokens) + 1
 
 

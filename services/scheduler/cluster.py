@@ -152,6 +152,17 @@ class ClusterWatch:
         only registers, so that schedulers started together see each other before sharing workers."""
         if not self._hold_own_lease():
             return
+        try:
+            self._round()
+        except OwnLeaseLost:  # Redis restarted empty since the renewal above: take nothing more this tick
+            self._lease_lost()
+
+    def _round(self) -> None:
+        """Steps 2-4 of the module docstring, under the lease.
+
+        Raises:
+            OwnLeaseLost: a take of a worker or of requests found this scheduler's lease gone.
+        """
         workers = self._registry.live_workers()
         registered = self._schedulers.verified(self._client.hgetall(redis_keys.SCHEDULERS_HASH))
         schedulers = self._live_only(registered)
@@ -176,10 +187,7 @@ class ClusterWatch:
         if self.lease_held.is_set() and self._leases.renew_own():
             return True
         if self.lease_held.is_set():
-            log.warning("this scheduler's lease had expired (Redis restarted, or it was cut off); taking it again, "
-                        "and taking no unowned worker for %g s while live peers renew theirs", self._ttl_s)
-            self.lease_held.clear()
-            self._take_after = time.monotonic() + self._ttl_s
+            self._lease_lost()
         if not self._leases.take_own():
             if not self._waiting_logged:
                 log.error("another live scheduler uses the id %r; waiting for its lease to expire (give each "
@@ -188,6 +196,15 @@ class ClusterWatch:
             return False
         self.lease_held.set()
         return True
+
+    def _lease_lost(self) -> None:
+        """This scheduler's lease was found gone: the request reader waits until it is taken again, and no
+        unowned worker or peer's request is taken for a TTL (after Redis restarted empty every lease is gone,
+        live peers' too, until their next ticks)."""
+        log.warning("this scheduler's lease had expired (Redis restarted, or it was cut off); taking it again, and "
+                    "taking no unowned worker or peer's request for %g s while live peers renew theirs", self._ttl_s)
+        self.lease_held.clear()
+        self._take_after = time.monotonic() + self._ttl_s
 
     def _live_only(self, registrations: Mapping[str, pb.SchedulerRegistration]) -> dict[str, pb.SchedulerRegistration]:
         """The signed registrations whose lease key holds their instance id."""
@@ -225,11 +242,7 @@ class ClusterWatch:
         if now < self._take_after:  # Redis forgot every lease: a worker unowned now may be a live peer's
             return owners
         for worker_id in self._mine(owners, workers, schedulers):
-            try:
-                epoch = self._leases.acquire_worker(worker_id)
-            except OwnLeaseLost:  # Redis restarted empty since this tick renewed it: the next tick retakes it
-                log.warning("this scheduler's lease was gone when taking worker %s; taking none this tick", worker_id)
-                break
+            epoch = self._leases.acquire_worker(worker_id)
             if epoch:
                 self._owned[worker_id] = epoch
                 self._unowned_since.pop(worker_id, None)
@@ -256,8 +269,10 @@ class ClusterWatch:
     def _claim_orphans(self, schedulers: Mapping[str, pb.SchedulerRegistration],
                        registered: Mapping[str, pb.SchedulerRegistration]) -> None:
         """Claims the pending entries of consumers without a lease (dead schedulers and their
-        inboxes, the hand-off consumer); forgets dead consumers with nothing pending."""
+        inboxes, the hand-off consumer); forgets dead consumers with nothing pending. Within a TTL of
+        retaking a lost lease only the hand-off consumer's (a peer without a lease may be alive then)."""
         consumers = self._client.xinfo_consumers(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)
+        held_off = time.monotonic() < self._take_after
         for consumer in consumers:
             try:
                 name = consumer["name"].decode()
@@ -265,6 +280,8 @@ class ClusterWatch:
                 continue
             owner = name.removeprefix(redis_keys.INBOX_PREFIX)  # an inbox lives as long as its scheduler
             if owner == self._leases.scheduler_id or owner in schedulers:
+                continue
+            if held_off and name != redis_keys.HANDOFF_CONSUMER:
                 continue
             lease_key = redis_keys.scheduler_lease_key(owner)
             reg = registered.get(owner)

@@ -89,6 +89,9 @@ return 0
 """
 
 _CLAIM_PENDING = """
+if redis.call('GET', KEYS[3]) ~= ARGV[6] then
+  return -1  -- the claiming scheduler's own lease is gone (Redis restarted empty, or it was cut off)
+end
 local lease = redis.call('GET', KEYS[2])
 if lease and (ARGV[5] == '' or lease == ARGV[5]) then
   return {}
@@ -147,7 +150,7 @@ class Leases:
     Args:
         client: a Redis client (bytes responses).
         scheduler_id: this scheduler's id (its consumer name).
-        instance_id: new at each start (and after a lost lease).
+        instance_id: new at each start of the process (kept when the lease is lost and taken again).
         ttl_s: lease time to live, seconds; renew well within it.
     """
 
@@ -224,10 +227,17 @@ class Leases:
         someone without the cluster token: its owner cannot hold its lease, and its entries would
         otherwise wait for ever. Returns Redis's clock at the claim (microseconds; 0 when nothing
         was claimed) and the entries as ``XCLAIM`` does: a list of ``(entry id, fields)``; entries
-        deleted from the stream meanwhile are dropped by Redis."""
-        keys = [redis_keys.REQUEST_STREAM, lease_key]
-        args = [redis_keys.SCHEDULER_GROUP, consumer, self.scheduler_id, count, owner_instance]
+        deleted from the stream meanwhile are dropped by Redis.
+
+        Raises:
+            OwnLeaseLost: this scheduler's own lease is gone (checked in the same script), so that
+                one that has not noticed a restart of Redis takes no live peer's requests.
+        """
+        keys = [redis_keys.REQUEST_STREAM, lease_key, redis_keys.scheduler_lease_key(self.scheduler_id)]
+        args = [redis_keys.SCHEDULER_GROUP, consumer, self.scheduler_id, count, owner_instance, self.instance_id]
         reply = self._claim(keys=keys, args=args)
+        if reply == -1:
+            raise OwnLeaseLost(f"scheduler {self.scheduler_id}'s lease is gone; nothing claimed")
         if not reply:
             return 0, []
         seconds, micros, claimed = reply

@@ -12,7 +12,7 @@ import redis
 
 from services.scheduler.cluster import ClusterWatch
 from services.scheduler.commands import NewEntries
-from services.scheduler.leases import Leases
+from services.scheduler.leases import Leases, OwnLeaseLost
 from services.scheduler.load_balance import BALANCE_SLACK, PeerLoads
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.prefix_index import PrefixIndex
@@ -93,6 +93,10 @@ class RequestReader:
                 log.warning("reading the request stream failed: %s", exc)
                 self._consumer.reread_backlog()
                 stop.wait(1.0)
+                continue
+            except OwnLeaseLost:  # Redis restarted empty (or we were cut off): the watch takes the lease again
+                self._consumer.reread_backlog()  # entries read just before are in our pending list
+                stop.wait(0.1)
                 continue
             if entries:
                 self._loop.submit(NewEntries(tuple(entries)))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pagedserve.engine.attention.prefill_op import prefill_op_preferred
 from services.common.pb import generate_pb2 as gen
 from tests.e2e.processes import scheduler_stats
 from tests.e2e.test_openai_http import PROMPTS, client, model_name  # noqa: F401 (module fixtures)
 from tests.e2e.test_stack import QUESTIONS, chat_request, stream
+from tests.markers import needs_prefill_op
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 TOL = 1e-5
@@ -42,7 +42,7 @@ def test_completion_logprobs_equal_grpc(stack, client, model_name):  # noqa: F81
             assert abs(top[token] - max(top.values())) < TOL
 
 
-@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
+@needs_prefill_op
 def test_a_prefix_cache_hit_gives_the_logprobs_of_the_whole_prompt_bit_for_bit(stack):
     """The workers' prefill op sums each query row in the same order however the prompt is split
     (tests/engine/test_features_exact.py shows it in-process): a request whose first blocks are cached

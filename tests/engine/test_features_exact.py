@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.engine.attention.prefill_op import prefill_op_preferred
 from pagedserve.llm import LLM
 from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sampling_params import SamplingParams
 from tests.engine.conftest import BASE_PROMPTS
 from tests.conftest import SMALL_BLOCK_BYTES
 from tests.engine.test_greedy_matches_hf import run_staggered
+from tests.markers import needs_prefill_op
 
 pytestmark = pytest.mark.model
 
@@ -88,7 +88,7 @@ def test_all_features_together_with_staggered_arrivals(small_model, small_llm, t
     assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
 
 
-@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
+@needs_prefill_op
 def test_chunked_and_cached_prefills_give_the_bits_of_a_whole_prefill(small_model):
     """With the prefill op a query row's attention sums run over the same key blocks in the same order
     however its prompt is split (tests/worker/test_prefill_attention_cpu.py), and the panel GEMMs are

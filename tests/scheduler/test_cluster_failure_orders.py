@@ -67,6 +67,7 @@ def test_a_scheduler_that_lost_its_lease_cannot_acknowledge_an_entry_a_survivor_
     s0 = RequestQueueConsumer(client, "s0", RECORDS)
     assert len(s0.read(count=10, block_ms=10)) == 1
     s1 = Leases(client, "s1", "i1", TTL_S)
+    assert s1.take_own()
     assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)[1]) == 1  # s0's lease is gone
     assert pending(client) == {entry_id: b"s1"}
     s0.ack(entry_id)  # s0's route for r closes (aborted by the gateway, or finished)
@@ -204,6 +205,7 @@ def test_a_scheduler_that_lost_its_lease_cannot_hand_off_an_entry_a_survivor_too
     entry_id = queue_request(client, "r")
     taken = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     s0, s1 = Leases(client, "s0", "i0", TTL_S), Leases(client, "s1", "i1", TTL_S)
+    assert s1.take_own()
     assert len(s1.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10)[1]) == 1
     s0.hand_off(taken)
     assert pending(client) == {entry_id: b"s1"}

@@ -92,6 +92,8 @@ def test_a_scheduler_takes_no_worker_under_a_lease_another_instance_holds(client
     with pytest.raises(OwnLeaseLost):
         old.acquire_worker("w")
     assert new.owners(["w"]) == [None] and new.acquire_worker("w") > 0
+    with pytest.raises(OwnLeaseLost):
+        old.claim_pending("dead", redis_keys.scheduler_lease_key("dead"), 10)
 
 
 def test_two_schedulers_racing_for_the_same_workers_never_both_win(client):
@@ -124,6 +126,7 @@ def test_a_dead_schedulers_requests_are_claimed_once_and_only_after_its_lease_is
     lease_key = redis_keys.scheduler_lease_key("dead")
     client.set(lease_key, b"alive", px=60_000)
     survivors = [Leases(client, f"s{i}", f"i{i}", TTL_S) for i in range(2)]
+    assert all(s.take_own() for s in survivors)
     assert survivors[0].claim_pending("dead", lease_key, 10) == (0, [])  # still alive
     client.delete(lease_key)
     stamped = [s.claim_pending("dead", lease_key, 10) for s in survivors]
@@ -141,7 +144,7 @@ def test_a_scheduler_restarting_under_its_name_reads_its_backlog_only_while_hold
     client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: RECORDS.sign(pb.QueuedRequest(request_id="a"))})
     assert len(old.read(count=10, block_ms=10)) == 1
     restarted, survivor = Leases(client, "s0", "new", TTL_S), Leases(client, "s1", "i1", TTL_S)
-    assert restarted.take_own()
+    assert restarted.take_own() and survivor.take_own()
     assert survivor.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 10) == (0, [])
     backlog = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     assert [e.request.request_id for e in backlog] == ["a"] and backlog[0].delivery is Delivery.REDELIVERED

@@ -74,6 +74,7 @@ def test_a_forwarded_entry_is_claimed_from_the_inbox_once_and_only_by_its_target
     client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: RECORDS.sign(request())})
     entry = reader.read(count=10, block_ms=10)[0]
     s0, s1 = Leases(client, "s0", "i0", 3.0), Leases(client, "s1", "i1", 3.0)
+    assert s0.take_own() and s1.take_own()
     assert not s1.forward(entry.entry_id, "s0")  # s1 does not hold it
     assert s0.forward(entry.entry_id, "s1")
     assert s0.claim_inbox(10) == []

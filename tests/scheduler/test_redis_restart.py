@@ -61,6 +61,31 @@ def test_redis_restarting_empty_within_a_schedulers_tick_does_not_let_it_take_a_
     assert (s0.owned(), s1.owned()) == before
 
 
+def test_redis_restarting_empty_within_a_schedulers_tick_does_not_let_it_claim_a_peers_requests(client):
+    """As above, and s1 read a new request from the new Redis before noticing its own lease was gone: the
+    entry is pending under s1, whose lease key Redis forgot. s0 must not claim it, in that tick or in the
+    ticks before s1 renews (it would move to s0, and the gateway would fence s1 off a request it runs)."""
+    s0, s1 = two_schedulers_with_a_worker_each(client)
+    live_workers = s0.watch._registry.live_workers
+    entry_id = None
+
+    def restart_then_read():
+        nonlocal entry_id
+        restart_redis_empty(client)
+        entry_id = queue_request(client, "r")
+        assert len(RequestQueueConsumer(client, "s1", RECORDS).read(count=10, block_ms=10)) == 1
+        return live_workers()
+
+    s0.watch._registry.live_workers = restart_then_read
+    s0.watch.tick()
+    s0.watch._registry.live_workers = live_workers
+    s0.watch.tick()  # s0 takes its lease again; s1 has not ticked yet
+    s0.watch.tick()
+    assert s0.claimed == [] and pending(client) == {entry_id: b"s1"}
+    s1.watch.tick()
+    assert pending(client) == {entry_id: b"s1"}
+
+
 def test_a_worker_whose_scheduler_died_with_redis_down_is_still_taken_after_the_ttl(client):
     s0, s1 = two_schedulers_with_a_worker_each(client)
     (orphan,) = s1.owned()
@@ -95,6 +120,7 @@ def test_a_hand_off_moves_an_entry_redis_still_holds_and_leaves_one_a_peer_took(
     first, second = queue_request(client, "r1"), queue_request(client, "r2")
     entries = RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)
     s0, s1 = Watcher(client, "s0"), Watcher(client, "s1")
+    assert s1.leases.take_own()
     s1.leases.claim_pending("s0", redis_keys.scheduler_lease_key("s0"), 1)  # s1 took r1 over (s0 was cut off)
     s0.leases.hand_off(entries)
     assert pending(client) == {first: b"s1", second: redis_keys.HANDOFF_CONSUMER.encode()}

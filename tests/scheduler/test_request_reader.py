@@ -74,6 +74,7 @@ def handed_over(client: redis.Redis, leases: Leases, before: Callable[[Loop], No
 
 def test_an_entry_read_before_a_redis_error_is_handed_over_again_to_be_resumed(client):
     leases = Leases(client, "scheduler-0", "instance", 3.0)
+    assert leases.take_own()
     claim_inbox, failures = leases.claim_inbox, [redis.ConnectionError("connection reset by peer")]
 
     def claim_failing_once_after_a_read(count: int) -> list:
@@ -99,4 +100,21 @@ def test_an_entry_whose_read_reply_was_lost_is_found_by_the_periodic_reread(clie
         loop.accepting.set()
 
     leases = Leases(client, "scheduler-0", "instance", 3.0)
+    assert leases.take_own()
     assert handed_over(client, leases, read_with_its_reply_lost) == [("r1", Delivery.REDELIVERED)]
+
+
+def test_the_reader_outlives_a_lost_lease_and_hands_over_what_it_read_once_the_lease_is_back(client):
+    """Its lease gone (Redis restarted empty before the watch noticed), the reader's claim of its inbox
+    raises OwnLeaseLost after the read took a new entry; the thread must go on, and the entry, in its
+    pending list, reaches the loop once the lease is taken again (it used to end the reader: the
+    scheduler read nothing more)."""
+    leases = Leases(client, "scheduler-0", "instance", 3.0)  # the lease not taken: every inbox claim raises
+
+    def put_then_take_the_lease(loop: Loop) -> None:
+        put(client, "r1")
+        loop.accepting.set()
+        time.sleep(0.5)
+        assert leases.take_own()
+
+    assert handed_over(client, leases, put_then_take_the_lease) == [("r1", Delivery.REDELIVERED)]

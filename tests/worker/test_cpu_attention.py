@@ -16,8 +16,8 @@ from pagedserve.engine.attention import (CpuAttentionBackend, TorchAttentionBack
                                          compute_positions, make_attention_backend)
 from pagedserve.engine.attention import cpu_op
 from pagedserve.engine.attention import cpu_backend
-from pagedserve.engine.attention.prefill_op import (IN_PLACE_MAX_TOKENS, prefill_attention, prefill_attention_paged,
-                                                    prefill_op_preferred)
+from pagedserve.engine.attention.prefill_op import IN_PLACE_MAX_TOKENS, prefill_attention, prefill_attention_paged
+from tests.markers import needs_prefill_op
 
 OP = cpu_op.load_cpu_attention_op()
 needs_op = pytest.mark.skipif(OP is None, reason="the C++ op could not be built here (see the warning)")
@@ -119,7 +119,7 @@ def test_op_in_bfloat16_matches_a_float64_reference(heads, kv_heads, dim, seqs, 
 
 
 @needs_op
-@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
+@needs_prefill_op
 def test_backend_uses_the_paged_op_for_decodes_and_the_prefill_op_for_prefills():
     seqs = [(40, 1), (17, 1), (3, 1), (0, 12), (16, 16), (13, 9)]
     md, q, k, v, k_cache, v_cache = _batch(9, seqs, 8, 9, 3, 64)
@@ -137,7 +137,7 @@ def test_backend_uses_the_paged_op_for_decodes_and_the_prefill_op_for_prefills()
 
 
 @needs_op
-@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
+@needs_prefill_op
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e5m2])
 def test_bfloat16_prefills_run_the_op_on_widened_rows_and_round_once(kv_dtype):
     """A bfloat16 model's prefills (fresh, over cached context in a gathered copy): the float32 op over
@@ -163,7 +163,7 @@ def test_bfloat16_prefills_run_the_op_on_widened_rows_and_round_once(kv_dtype):
 
 
 @needs_op
-@pytest.mark.skipif(not prefill_op_preferred(), reason="prefills use the CPU prefill op only where own_kernels_preferred")
+@needs_prefill_op
 def test_short_context_prefills_read_a_float32_cache_in_place_and_long_ones_a_gathered_copy(monkeypatch):
     """16 new tokens over 20 cached: in place; IN_PLACE_MAX_TOKENS + 2 over 20: gathered; the same bits as
     the op over gathered copies either way."""
@@ -277,8 +277,8 @@ def test_a_builds_defines_reach_the_compiler_and_name_a_build_of_their_own(tmp_p
     calls = []
     monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs))
-    for defines in ((), ("PAGEDSERVE_KEYS_TO_L2",)):
-        monkeypatch.setattr(cpu_op, "_loaded", {})
+    monkeypatch.setattr(cpu_op, "_loaded", {})
+    for defines in ((), ("PAGEDSERVE_KEYS_TO_L2",)):  # loaded once per source and defines
         assert cpu_op.load_cpu_library(cpu_op.SOURCE, "t", "the op", "nothing", tmp_path, defines)
     assert [c["extra_cflags"][3:] for c in calls] == [[], ["-DPAGEDSERVE_KEYS_TO_L2"]]
     assert calls[0]["name"] != calls[1]["name"] and len(list(tmp_path.iterdir())) == 2

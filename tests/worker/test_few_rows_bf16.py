@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.engine.models.onednn import (FEW_ROWS, FEW_ROWS_WITHOUT_AMX, OneDnnLinear, few_rows,
-                                             few_rows_available, few_rows_limit)
+from pagedserve.engine.models.onednn import FEW_ROWS, OneDnnLinear, few_rows, few_rows_available
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available() or not few_rows_available(),
                                 reason="needs AVX512_BF16, a C++ compiler and torch with oneDNN")
@@ -48,11 +47,6 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_up_to_few_rows(out_feat
         starts = range(limit - size + 1) if size < FEW_ROWS else (0, (limit - size) // 2, limit - size)
         for start in starts:
             assert torch.equal(layer(x[start:start + size]), together[start:start + size]), (size, start)
-
-
-def test_few_rows_is_eight_with_amx_and_whole_decode_batches_without():
-    assert few_rows_limit(frozenset({"avx512_bf16", "amx_bf16", "amx_tile"})) == FEW_ROWS == 8
-    assert few_rows_limit(frozenset({"avx512_bf16"})) == FEW_ROWS_WITHOUT_AMX == 256
 
 
 def test_the_layer_runs_few_rows_itself_and_more_rows_through_onednn():

@@ -13,7 +13,8 @@ import logging
 from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.cpu_features import ONEDNN_BF16_CPU_FLAGS, cpu_flags
 from pagedserve.engine.models.layers import Linear
-from pagedserve.engine.models.onednn import MIN_ROWS, OneDnnLinear, pack_linear_layers, resolve_gemm_backend
+from pagedserve.engine.models.onednn import (FEW_ROWS, FEW_ROWS_AMD, MIN_ROWS, OneDnnLinear, few_rows_limit,
+                                             pack_linear_layers, resolve_gemm_backend)
 from pagedserve.engine.models.panel_gemm import panels_available, panels_preferred
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
@@ -73,7 +74,7 @@ MODEL_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576))
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     "amx_bf16" in cpu_flags() or "avx512_bf16" in cpu_flags() or not cpu_flags() & set(ONEDNN_BF16_CPU_FLAGS),
-    reason="bfloat16 rows change at 33 rows on CPUs with AMX (oneDNN) and past FEW_ROWS with AVX512_BF16 "
+    reason="bfloat16 rows change at 33 rows on CPUs with AMX (oneDNN) and past few_rows() with AVX512_BF16 "
            "(models/onednn.py); oneDNN has no bfloat16 GEMM on CPUs without ONEDNN_BF16_CPU_FLAGS"))])
 @pytest.mark.parametrize("out_features, in_features", MODEL_SHAPES)
 def test_a_rows_result_does_not_depend_on_the_batch_size(out_features, in_features, dtype):
@@ -137,3 +138,12 @@ def test_parallel_ranks_take_auto_as_torch_and_refuse_onednn(caplog):
                        (GemmBackend.AUTO, CompileMode.INDUCTOR)):
         with pytest.raises(ValueError, match="use gemm_backend 'auto' or 'torch' and compile_mode 'eager'"):
             check_rank_kernels(gemm, mode)
+
+
+@pytest.mark.parametrize("flags, vendor, limit", [
+    ({"avx512_bf16", "amx_bf16", "amx_tile"}, "GenuineIntel", FEW_ROWS),  # the Xeon: measured
+    ({"avx512_bf16"}, "AuthenticAMD", FEW_ROWS_AMD),                       # Zen 4: measured
+    ({"avx512_bf16"}, "GenuineIntel", FEW_ROWS),                           # Cooper Lake: not measured
+])
+def test_bfloat16_layers_take_the_few_row_kernel_up_to_what_was_measured_per_cpu(flags, vendor, limit):
+    assert few_rows_limit(frozenset(flags), vendor) == limit and (FEW_ROWS, FEW_ROWS_AMD) == (8, 256)

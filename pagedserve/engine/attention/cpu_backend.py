@@ -3,7 +3,8 @@
 Decodes (one new token per sequence) read K/V in place through the block table: no gathered copy,
 no padding to the longest context in a chunk. Prefills, with or without cached context, go to the
 prefill op (``csrc/prefill_attention_cpu.cpp``, register-blocked products: with many query rows per key
-a GEMM-like kernel beats the paged op's vector loops) in float32 without ALiBi, else to the torch
+a GEMM-like kernel beats the paged op's vector loops) without ALiBi where ``prefill_op_applies`` (float32,
+or bfloat16 rows widened; on CPUs where ``cpu_features.own_kernels_preferred``), else to the torch
 backend's paths (fused ``scaled_dot_product_attention``); docs/benchmarks.md measures all three.
 ALiBi slopes (Press et al., 2022, §3) go to the paged op, which adds the bias in its own instantiation
 of the score loop, and to the torch prefill paths.

@@ -28,7 +28,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
 LANES = 16  # the op's vector width in floats: head_dim must be a multiple (kLanes in the source)
 
 PagedAttentionOp = Callable[..., None]
-_loaded: dict[Path, bool] = {}  # source -> whether its library is loaded
+_loaded: dict[tuple[Path, tuple[str, ...]], bool] = {}  # (source, defines) -> whether its library is loaded
 
 
 def default_build_dir() -> Path:
@@ -105,8 +105,9 @@ def load_cpu_library(source: Path, prefix: str, what: str, fallback: str, build_
         that ``fallback`` is used instead (also when the build folder cannot be created, e.g. on a
         read-only volume: nothing is raised).
     """
-    if source in _loaded:
-        return _loaded[source]
+    key = (source, defines)
+    if key in _loaded:
+        return _loaded[key]
     name = f"{prefix}_{_source_digest(source, defines)}_{_cpu_fingerprint()}"
     folder = (build_dir or default_build_dir()) / name
     try:
@@ -115,7 +116,7 @@ def load_cpu_library(source: Path, prefix: str, what: str, fallback: str, build_
         log.warning("%s has no build in %s and that folder cannot be created (%s); using %s instead. Build the "
                     "op ahead where the folder is writable (scripts/setup.sh; the Dockerfile builds it into the "
                     "image) or point PAGEDSERVE_CACHE_DIR at a writable folder.", what, folder, exc, fallback)
-        _loaded[source] = False
+        _loaded[key] = False
         return False
     try:
         built = folder / f"{name}.so"
@@ -123,12 +124,12 @@ def load_cpu_library(source: Path, prefix: str, what: str, fallback: str, build_
             torch.ops.load_library(str(built))
         else:
             _build(name, source, folder, defines)
-        _loaded[source] = True
+        _loaded[key] = True
     except Exception as exc:  # noqa: BLE001 - any build or load failure means: use the fallback
         log.warning("%s could not be built (%s: %s); using %s instead. Install a C++ compiler (g++) and ninja "
                     "to get it.", what, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "", fallback)
-        _loaded[source] = False
-    return _loaded[source]
+        _loaded[key] = False
+    return _loaded[key]
 
 
 STALE_LOCK_S = 300.0

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.config import GemmBackend
-from pagedserve.engine.cpu_features import cpu_flags
+from pagedserve.engine.cpu_features import cpu_flags, cpu_vendor
 from pagedserve.engine.models.layers import Linear
 from pagedserve.engine.models.huge_pages import HugePageArena
 from pagedserve.engine.models.panel_gemm import UNAVAILABLE, PanelLinear, panels_available, panels_preferred
@@ -54,11 +54,11 @@ FEW_ROWS = 8
 AMX, where oneDNN's bfloat16 kernels use it: on the 2-core Xeon it read the default model's weights at
 15-17 GB/s for 1-4 rows (oneDNN 8.4-8.5), 1.1x oneDNN's speed at 8 rows, 0.8x at 12 (`pagedserve bench
 gemm-rows`; docs/benchmarks.md, "The attention op regrouped, and few-row bfloat16 GEMMs")."""
-FEW_ROWS_WITHOUT_AMX = 256
-"""The same limit on a CPU with AVX512_BF16 and no AMX, where both run the same dot-product instruction: on
-the Zen 4 EPYC the kernel was 1.67x oneDNN's speed at 1 row, 1.15x at 16, 1.08x at 64, 1.03x at 128 and
-256, and even (0.98-1.00x) at 512-2048 rows (docs/benchmarks.md, "Few-row bfloat16 GEMMs for whole
-decode batches on Zen 4")."""
+FEW_ROWS_AMD = 256
+"""The same limit on AMD's CPUs with AVX512_BF16 (no AMX: both kernels run the same dot-product
+instruction): on the Zen 4 EPYC the kernel was 1.67x oneDNN's speed at 1 row, 1.15x at 16, 1.08x at 64,
+1.03x at 128 and 256, and even (0.98-1.00x) at 512-2048 rows (docs/benchmarks.md, "Few-row bfloat16 GEMMs
+for whole decode batches on Zen 4"). Intel's CPUs without AMX keep :data:`FEW_ROWS` (not measured)."""
 FEW_ROWS_SOURCE = Path(__file__).parent / "csrc" / "few_rows_bf16.cpp"
 
 _layers: weakref.WeakValueDictionary[int, OneDnnLinear] = weakref.WeakValueDictionary()
@@ -76,17 +76,17 @@ def few_rows_available() -> bool:
                             "oneDNN for every row count")
 
 
-def few_rows_limit(flags: frozenset[str]) -> int:
-    """Rows up to which bfloat16 layers run the few-row kernel on a CPU with these flags
-    (:func:`~pagedserve.engine.cpu_features.cpu_flags`): :data:`FEW_ROWS` with AMX, else
-    :data:`FEW_ROWS_WITHOUT_AMX`."""
-    return FEW_ROWS if "amx_bf16" in flags else FEW_ROWS_WITHOUT_AMX
+def few_rows_limit(flags: frozenset[str], vendor: str | None) -> int:
+    """Rows up to which bfloat16 layers run the few-row kernel on a CPU with these flags and vendor
+    (:func:`~pagedserve.engine.cpu_features.cpu_flags`, ``cpu_vendor``): where measured, :data:`FEW_ROWS`
+    with AMX, :data:`FEW_ROWS_AMD` on AMD's CPUs (none has AMX); :data:`FEW_ROWS` elsewhere."""
+    return FEW_ROWS_AMD if vendor == "AuthenticAMD" and "amx_bf16" not in flags else FEW_ROWS
 
 
 @functools.cache
 def few_rows() -> int:
     """:func:`few_rows_limit` of this CPU (read once a process: every layer call asks)."""
-    return few_rows_limit(cpu_flags())
+    return few_rows_limit(cpu_flags(), cpu_vendor())
 
 
 def packed_linear(x: torch.Tensor, layer: OneDnnLinear) -> torch.Tensor:
@@ -133,10 +133,10 @@ class OneDnnLinear(nn.Module):
         self.out_features = weight.shape[0]
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)  # opaque
         self.bias = None if bias is None else bias.detach().clone()
-        few_rows = (weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0
-                    and few_rows_available())
-        self.pairs = torch.ops.pagedserve_gemm.pack_pairs(weight.detach()) if few_rows else None  # [out/16, in/2, 16, 2]
-        self.float_bias = None if bias is None or not few_rows else bias.detach().float()
+        has_pairs = (weight.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0
+                     and few_rows_available())
+        self.pairs = torch.ops.pagedserve_gemm.pack_pairs(weight.detach()) if has_pairs else None  # [out/16, in/2, 16, 2]
+        self.float_bias = None if bias is None or not has_pairs else bias.detach().float()
         self.layer_id = next(_ids)
         _layers[self.layer_id] = self
 

@@ -20,18 +20,19 @@ inline void for_each_slot(const int32_t* block_table, const Geometry& g, int64_t
   }
 }
 
-// The cache lines of the next key tile's K/V slots, prefetched a share at a time while the current
-// tile's rows are updated: one burst of all of them (384 lines for a float32 tile of 3 KV heads of
-// 64) stalled on the CPU's few fill buffers, and the op read float32 K/V at 47-51% of the streaming
-// bandwidth instead of 65-76% (Intel Xeon with AMX, 2 threads; docs/benchmarks.md). The tile keeps its
-// slots' addresses and walks their lines with two counters: a list of every line's address, written
-// per tile, cost a tenth of the op's time (float32 1.10-1.12x faster without it, same outputs).
+// Where NextTile prefetches K lines: L1, or L2 with PAGEDSERVE_KEYS_TO_L2 (see NextTile::issue).
 #if defined(PAGEDSERVE_KEYS_TO_L2)
 constexpr int kKeyLocality = 2;  // prefetcht1: into L2
 #else
 constexpr int kKeyLocality = 3;  // prefetcht0: into L1
 #endif
 
+// The cache lines of the next key tile's K/V slots, prefetched a share at a time while the current
+// tile's rows are updated: one burst of all of them (384 lines for a float32 tile of 3 KV heads of
+// 64) stalled on the CPU's few fill buffers, and the op read float32 K/V at 47-51% of the streaming
+// bandwidth instead of 65-76% (Intel Xeon with AMX, 2 threads; docs/benchmarks.md). The tile keeps its
+// slots' addresses and walks their lines with two counters: a list of every line's address, written
+// per tile, cost a tenth of the op's time (float32 1.10-1.12x faster without it, same outputs).
 struct NextTile {
   const char* key_slots[kKeyTile];
   const char* value_slots[kKeyTile];
