@@ -4,7 +4,9 @@ which workers it owns, and the requests it takes over from schedulers that died 
 Every ``interval_s`` the watcher:
 
 1. renews this scheduler's lease (takes it again if it was lost) and publishes its registration
-   (address, KV blocks of the workers it owns and runs) for gateways and peers;
+   (address, KV blocks of the workers it owns and runs) for gateways and peers; the takes of steps
+   2-3 check the lease again in the same Redis step (Redis may restart empty within a tick), and
+   none is made for a TTL after a lost lease (nor a claim after any take of the lease);
 2. renews the leases of the workers it owns and takes unowned workers: each unowned worker goes to
    the live scheduler with the fewest blocks (every scheduler computes the same assignment from
    the same registrations); one unowned for longer than twice the TTL goes to whoever sees it;
@@ -32,6 +34,7 @@ from services.scheduler.leases import Leases, OwnLeaseLost
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.queue_consumer import Delivery, QueueEntry, decode_entries
 from services.scheduler.worker_registry import WorkerRegistry
+from services.scheduler.worker_shares import workers_to_take
 
 log = logging.getLogger("pagedserve.scheduler")
 
@@ -134,6 +137,7 @@ class ClusterWatch:
         self._waiting_logged = False
         self._settled = False
         self._take_after = 0.0  # monotonic time before which no unowned worker is taken (after a lost lease)
+        self._claim_after = 0.0  # ... and no peer's request claimed (after any take of the lease: see tick)
 
     def run(self, interval_s: float, stop: threading.Event) -> None:
         """Ticks every ``interval_s`` seconds until ``stop``; gives the leases up when stopping."""
@@ -195,12 +199,15 @@ class ClusterWatch:
                 self._waiting_logged = True
             return False
         self.lease_held.set()
+        # Taken afresh (at start, or again after a loss): if Redis restarted empty just now, peers' leases are
+        # gone until their next ticks, so a peer without one may be alive; its requests wait a TTL.
+        self._claim_after = time.monotonic() + self._ttl_s
         return True
 
     def _lease_lost(self) -> None:
-        """This scheduler's lease was found gone: the request reader waits until it is taken again, and no
-        unowned worker or peer's request is taken for a TTL (after Redis restarted empty every lease is gone,
-        live peers' too, until their next ticks)."""
+        """This scheduler's lease was found gone: the request reader stops until it is taken again (it
+        retries every 0.1 s until this clears ``lease_held``), and no unowned worker is taken for a TTL
+        (after Redis restarted empty every lease is gone, live peers' too, until their next ticks)."""
         log.warning("this scheduler's lease had expired (Redis restarted, or it was cut off); taking it again, and "
                     "taking no unowned worker or peer's request for %g s while live peers renew theirs", self._ttl_s)
         self.lease_held.clear()
@@ -241,7 +248,9 @@ class ClusterWatch:
         self._unowned_since = {w: self._unowned_since.get(w, now) for w, owner in owners.items() if owner is None}
         if now < self._take_after:  # Redis forgot every lease: a worker unowned now may be a live peer's
             return owners
-        for worker_id in self._mine(owners, workers, schedulers):
+        stale_before = now - 2 * self._ttl_s
+        for worker_id in workers_to_take(self._leases.scheduler_id, owners, workers, schedulers, self._unowned_since,
+                                         stale_before):
             epoch = self._leases.acquire_worker(worker_id)
             if epoch:
                 self._owned[worker_id] = epoch
@@ -249,30 +258,13 @@ class ClusterWatch:
                 log.info("took worker %s (lease epoch %d)", worker_id, epoch)
         return owners
 
-    def _mine(self, owners: Mapping[str, str | None], workers: Mapping[str, pb.WorkerRegistration],
-              schedulers: Mapping[str, pb.SchedulerRegistration]) -> list[str]:
-        """The unowned workers this scheduler should take: greedily, in id order, each to the live
-        scheduler owning the fewest blocks (ties by id); and any left unowned longer than twice the TTL."""
-        loads = dict.fromkeys([*schedulers, self._leases.scheduler_id], 0)
-        for worker_id, owner in owners.items():
-            if owner in loads:
-                loads[owner] += workers[worker_id].num_blocks
-        stale_before = time.monotonic() - 2 * self._ttl_s
-        mine = []
-        for worker_id in self._unowned_since:
-            target = min(loads, key=lambda sid: (loads[sid], sid))
-            loads[target] += workers[worker_id].num_blocks
-            if target == self._leases.scheduler_id or self._unowned_since[worker_id] < stale_before:
-                mine.append(worker_id)
-        return mine
-
     def _claim_orphans(self, schedulers: Mapping[str, pb.SchedulerRegistration],
                        registered: Mapping[str, pb.SchedulerRegistration]) -> None:
         """Claims the pending entries of consumers without a lease (dead schedulers and their
         inboxes, the hand-off consumer); forgets dead consumers with nothing pending. Within a TTL of
-        retaking a lost lease only the hand-off consumer's (a peer without a lease may be alive then)."""
+        taking the lease only the hand-off consumer's (a peer without a lease may be alive then)."""
         consumers = self._client.xinfo_consumers(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)
-        held_off = time.monotonic() < self._take_after
+        held_off = time.monotonic() < self._claim_after
         for consumer in consumers:
             try:
                 name = consumer["name"].decode()

@@ -224,8 +224,9 @@ def test_a_consumer_name_that_is_not_text_does_not_stop_the_claims(client):
     queue_request(client, "r")
     assert len(dead.read(count=10, block_ms=10)) == 1
     s1 = Watcher(client, "s1")
-    for _ in range(2):
-        s1.watch.tick()
+    s1.watch.tick()  # takes its lease; claims a TTL later (a peer without a lease may be alive until then)
+    s1.watch._claim_after = 0.0
+    s1.watch.tick()
     assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
 
 
@@ -254,8 +255,9 @@ def test_forged_requests_claimed_from_a_dead_consumer_are_dropped(client):
     queue_request(client, "r")
     client.xreadgroup(redis_keys.SCHEDULER_GROUP, "zz-dead", {redis_keys.REQUEST_STREAM: ">"})  # an intruder's
     s1 = Watcher(client, "s1")
-    for _ in range(2):
-        s1.watch.tick()
+    s1.watch.tick()  # takes its lease; claims a TTL later (a peer without a lease may be alive until then)
+    s1.watch._claim_after = 0.0
+    s1.watch.tick()
     assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
     assert s1.refused == [RecordKind.QUEUED_REQUEST] and s1.acked == [forged]
 
@@ -298,6 +300,7 @@ def test_requests_of_a_scheduler_whose_lease_key_was_overwritten_are_claimed_by_
     entry_id = queue_request(client, "r")
     assert len(RequestQueueConsumer(client, "s0", RECORDS).read(count=10, block_ms=10)) == 1
     client.set(redis_keys.scheduler_lease_key("s0"), b"garbage-instance", px=60_000)
+    s1.watch._claim_after = 0.0  # a TTL after s1 took its lease
     s1.watch.tick()
     assert [e.request.request_id for c in s1.claimed for e in c.entries] == ["r"]
     assert pending(client) == {entry_id: b"s1"}

@@ -178,6 +178,7 @@ def test_a_dead_schedulers_requests_go_to_a_survivor_with_workers(client):
     client.xadd(redis_keys.REQUEST_STREAM, {redis_keys.REQUEST_FIELD: RECORDS.sign(pb.QueuedRequest(request_id="a"))})
     assert len(dead.read(count=10, block_ms=10)) == 1
     survivor.watch.tick()  # takes its lease and registers
+    survivor.watch._claim_after = 0.0  # a TTL later (a peer without a lease may be alive until then)
     survivor.watch.tick()  # takes the worker, then claims (s0 has no lease)
     assert survivor.owned() == {"w0"}
     entries = [e for c in survivor.claimed for e in c.entries]

@@ -62,28 +62,50 @@ def test_redis_restarting_empty_within_a_schedulers_tick_does_not_let_it_take_a_
 
 
 def test_redis_restarting_empty_within_a_schedulers_tick_does_not_let_it_claim_a_peers_requests(client):
-    """As above, and s1 read a new request from the new Redis before noticing its own lease was gone: the
-    entry is pending under s1, whose lease key Redis forgot. s0 must not claim it, in that tick or in the
-    ticks before s1 renews (it would move to s0, and the gateway would fence s1 off a request it runs)."""
+    """As above, before the workers registered again (so s0 takes none and goes on to its claims); s1 read a
+    new request from the new Redis before noticing its own lease was gone: the entry is pending under s1,
+    whose lease key and registration Redis forgot. s0 must not claim it, in that tick (its own lease is
+    gone: the claim checks it) nor in the ticks before s1 renews (the hold-off): it would move to s0, and
+    the gateway would fence s1 off a request it runs."""
     s0, s1 = two_schedulers_with_a_worker_each(client)
-    live_workers = s0.watch._registry.live_workers
-    entry_id = None
+    live_workers, entry_id = s0.watch._registry.live_workers, None
 
     def restart_then_read():
         nonlocal entry_id
-        restart_redis_empty(client)
+        client.flushall()
+        RequestQueueConsumer(client, "setup", RECORDS).ensure_group()
         entry_id = queue_request(client, "r")
         assert len(RequestQueueConsumer(client, "s1", RECORDS).read(count=10, block_ms=10)) == 1
         return live_workers()
 
+    s0.watch._claim_after = 0.0  # a TTL after s0 took its lease: only the claim's own check keeps it off
     s0.watch._registry.live_workers = restart_then_read
     s0.watch.tick()
     s0.watch._registry.live_workers = live_workers
+    assert s0.claimed == [] and pending(client) == {entry_id: b"s1"}
+    register_worker(client, "w0", 10)  # the workers' heartbeats
+    register_worker(client, "w1", 10)
     s0.watch.tick()  # s0 takes its lease again; s1 has not ticked yet
     s0.watch.tick()
     assert s0.claimed == [] and pending(client) == {entry_id: b"s1"}
     s1.watch.tick()
     assert pending(client) == {entry_id: b"s1"}
+
+
+def test_a_fresh_scheduler_claims_no_peers_requests_within_a_ttl_of_taking_its_lease(client):
+    """A scheduler started while Redis was down, meeting a Redis just restarted empty: s1's entry is pending
+    under s1, whose lease Redis forgot. The newcomer's lease is valid, so only the hold-off keeps it off."""
+    s0, s1 = two_schedulers_with_a_worker_each(client)
+    restart_redis_empty(client)
+    entry_id = queue_request(client, "r")
+    assert len(RequestQueueConsumer(client, "s1", RECORDS).read(count=10, block_ms=10)) == 1
+    fresh = Watcher(client, "s2")
+    for _ in range(3):
+        fresh.watch.tick()
+    assert fresh.claimed == [] and pending(client) == {entry_id: b"s1"}
+    fresh.watch._claim_after = 0.0  # a TTL later, s1 still silent: it is dead, and its request is taken
+    fresh.watch.tick()
+    assert [e.request.request_id for c in fresh.claimed for e in c.entries] == ["r"]
 
 
 def test_a_worker_whose_scheduler_died_with_redis_down_is_still_taken_after_the_ttl(client):

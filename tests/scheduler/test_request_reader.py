@@ -114,7 +114,11 @@ def test_the_reader_outlives_a_lost_lease_and_hands_over_what_it_read_once_the_l
     def put_then_take_the_lease(loop: Loop) -> None:
         put(client, "r1")
         loop.accepting.set()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while not client.xpending(redis_keys.REQUEST_STREAM, redis_keys.SCHEDULER_GROUP)["pending"]:
+            assert time.monotonic() < deadline, "the reader did not read r1"
+            time.sleep(0.05)
+        time.sleep(0.3)  # its inbox claim raised in the same round
         assert leases.take_own()
 
     assert handed_over(client, leases, put_then_take_the_lease) == [("r1", Delivery.REDELIVERED)]
