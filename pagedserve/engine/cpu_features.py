@@ -46,7 +46,8 @@ def own_kernels_preferred(flags: frozenset[str], vendor: str | None) -> bool:
     without AVX-512 (a Zen 3 EPYC) and on AMD's with it (a Zen 4 EPYC, whose 512-bit fused multiply-adds
     run on two 256-bit units: the panels 1.3-1.7x oneDNN at 1-8 rows, the prefill op 1.4-2.1x torch's).
     Intel's AVX-512 CPUs, with two 512-bit FMA units a core on Xeons, were not measured and keep oneDNN
-    and torch (docs/benchmarks.md, "The panel GEMM on AVX-512")."""
+    and torch (docs/benchmarks.md, "The panel GEMM on AVX-512" and "The prefill op on AVX-512, and for
+    bfloat16 models")."""
     return "avx512f" not in flags or vendor == "AuthenticAMD"
 
 
