@@ -81,6 +81,18 @@ redis.call('HDEL', KEYS[3], ARGV[2])
 return 1
 """
 
+_TAKE_SCHEDULER = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+if holder then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 _RENEW_SCHEDULER = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -162,6 +174,7 @@ class Leases:
         self._acquire_worker = client.register_script(_ACQUIRE_WORKER)
         self._renew_worker = client.register_script(_RENEW_WORKER)
         self._release = client.register_script(_RELEASE)
+        self._take_scheduler = client.register_script(_TAKE_SCHEDULER)
         self._renew_scheduler = client.register_script(_RENEW_SCHEDULER)
         self._claim = client.register_script(_CLAIM_PENDING)
         self._forget = client.register_script(_FORGET_CONSUMER)
@@ -170,9 +183,11 @@ class Leases:
 
     # ---- this scheduler ---------------------------------------------------------------
     def take_own(self) -> bool:
-        """Takes this scheduler's lease; False while another live process holds the same id."""
+        """Takes this scheduler's lease; False while another live process holds the same id. Taking it
+        when it already holds this instance id renews it: a take whose reply was lost (redis-py retries
+        it) must not read as someone else's lease, which kept the scheduler waiting a TTL."""
         key = redis_keys.scheduler_lease_key(self.scheduler_id)
-        return bool(self._client.set(key, self.instance_id, nx=True, px=self._ttl_ms))
+        return bool(self._take_scheduler(keys=[key], args=[self.instance_id, self._ttl_ms]))
 
     def renew_own(self) -> bool:
         """Extends this scheduler's lease; False when it was lost (expired, or taken by another)."""

@@ -84,6 +84,16 @@ def test_worker_lease_acquire_renew_release_and_epochs_grow_even_after_redis_res
     assert a.take_own() and a.acquire_worker("w") > second
 
 
+def test_taking_the_own_lease_again_renews_it_and_another_instances_lease_is_refused(client):
+    """A take whose reply was lost is retried by redis-py: the retry finds the key holding this instance id
+    (a plain SET NX answered no, and the scheduler waited a TTL believing another process used its id)."""
+    mine, other = Leases(client, "s", "mine", TTL_S), Leases(client, "s", "other", TTL_S)
+    assert mine.take_own()
+    client.pexpire(redis_keys.scheduler_lease_key("s"), 100)
+    assert mine.take_own() and client.pttl(redis_keys.scheduler_lease_key("s")) > 500  # renewed to the TTL
+    assert not other.take_own() and client.get(redis_keys.scheduler_lease_key("s")) == b"mine"
+
+
 def test_a_scheduler_takes_no_worker_under_a_lease_another_instance_holds(client):
     """The lease key holds another instance id (a process restarted under the same name took it):
     this one may not take workers."""
