@@ -8,6 +8,9 @@ BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 """/proc/cpuinfo flags of native bfloat16 dot products: x86 AVX512_BF16 and AMX-BF16, Arm's BF16.
 Without one, oneDNN emulates bfloat16 GEMMs in float32 and they run several times slower."""
 
+AMD = "AuthenticAMD"
+"""The ``vendor_id`` of AMD's x86 CPUs (:func:`cpu_vendor`), on which the per-CPU choices below were measured."""
+
 ONEDNN_BF16_CPU_FLAGS = ("avx512bw", "avx_ne_convert")
 """/proc/cpuinfo flags without one of which oneDNN has no bfloat16 GEMM at all (torch's
 ``mkldnn_reorder_linear_weight`` raises: it needs AVX512BW/VL/DQ or AVX-NE-CONVERT)."""
@@ -48,7 +51,7 @@ def own_kernels_preferred(flags: frozenset[str], vendor: str | None) -> bool:
     Intel's AVX-512 CPUs, with two 512-bit FMA units a core on Xeons, were not measured and keep oneDNN
     and torch (docs/benchmarks.md, "The panel GEMM on AVX-512" and "The prefill op on AVX-512, and for
     bfloat16 models")."""
-    return "avx512f" not in flags or vendor == "AuthenticAMD"
+    return "avx512f" not in flags or vendor == AMD
 
 
 def keys_prefetched_to_l2(flags: frozenset[str], vendor: str | None) -> bool:
@@ -57,7 +60,7 @@ def keys_prefetched_to_l2(flags: frozenset[str], vendor: str | None) -> bool:
     1.3-1.6x faster (a Zen 4 EPYC, float32 and bfloat16 K/V from DRAM; docs/benchmarks.md, "Key prefetches
     into L2 on Zen 4"); not on AMD's without AVX-512 (a Zen 3 EPYC: every line into L2 was 0.98x for float32,
     0.84x for fp8_e5m2) nor Intel's (not measured)."""
-    return "avx512f" in flags and vendor == "AuthenticAMD"
+    return "avx512f" in flags and vendor == AMD
 
 
 def check_cpu_dtype(dtype: str, flags: frozenset[str]) -> None:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from pagedserve.engine.config import GemmBackend
-from pagedserve.engine.cpu_features import cpu_flags, cpu_vendor
+from pagedserve.engine.cpu_features import AMD, cpu_flags, cpu_vendor
 from pagedserve.engine.models.layers import Linear
 from pagedserve.engine.models.huge_pages import HugePageArena
 from pagedserve.engine.models.panel_gemm import UNAVAILABLE, PanelLinear, panels_available, panels_preferred
@@ -80,7 +80,7 @@ def few_rows_limit(flags: frozenset[str], vendor: str | None) -> int:
     """Rows up to which bfloat16 layers run the few-row kernel on a CPU with these flags and vendor
     (:func:`~pagedserve.engine.cpu_features.cpu_flags`, ``cpu_vendor``): where measured, :data:`FEW_ROWS`
     with AMX, :data:`FEW_ROWS_AMD` on AMD's CPUs (none has AMX); :data:`FEW_ROWS` elsewhere."""
-    return FEW_ROWS_AMD if vendor == "AuthenticAMD" and "amx_bf16" not in flags else FEW_ROWS
+    return FEW_ROWS_AMD if vendor == AMD and "amx_bf16" not in flags else FEW_ROWS
 
 
 @functools.cache
