@@ -7,7 +7,8 @@ figure of merit is GB/s = bytes of K/V read / time. Each KV dtype (--kv-cache-dt
 and 3 KV heads of 64, shuffled block tables), over ``--layers`` caches in turn so that the K/V come
 from DRAM as in the model, not from the last-level cache; the caches are allocated as a worker's are
 (``KVCache``: 2 MiB pages where Linux gives them). Beside them, in the same run and rounds, a
-streaming read: ``torch.sum`` over a 512 MiB float32 buffer. Medians of ``--rounds`` rounds.
+streaming read: ``torch.sum`` over a 512 MiB float32 buffer. Each round times the read and every KV dtype in
+turn; the figures are medians of ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -82,19 +83,42 @@ def _decode_batch(args: argparse.Namespace):
         sum(blocks)
 
 
+def _mean_ms(call, repeats: int) -> float:
+    """The mean time of ``repeats`` calls ``call(0) .. call(repeats - 1)``, milliseconds."""
+    start = time.perf_counter()
+    for i in range(repeats):
+        call(i)
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
 def median_ms(call, repeats: int, rounds: int) -> float:
     """Median over ``rounds`` of the mean time of ``repeats`` calls, milliseconds (one warm-up round)."""
-    times = []
+    return interleaved_median_ms([(call, repeats)], rounds)[0]
+
+
+def interleaved_median_ms(calls: list[tuple], rounds: int) -> list[float]:
+    """Each ``(call, repeats)``'s median over ``rounds`` rounds, every round timing each in turn (milliseconds).
+
+    Timing the calls in turns within each round, not one after the other, gives each the same drift of the
+    machine (this VM's streaming read moved 29-47 GB/s between runs). One warm-up round is not counted.
+    """
+    times: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds + 1):
-        start = time.perf_counter()
-        for i in range(repeats):
-            call(i)
-        times.append((time.perf_counter() - start) / repeats * 1e3)
-    return statistics.median(times[1:])
+        for t, (call, repeats) in zip(times, calls):
+            t.append(_mean_ms(call, repeats))
+    return [statistics.median(t[1:]) for t in times]
+
+
+def _layer_caller(op, md, query, out, caches, head_dim: int):
+    """``call(i)``: the op over layer ``i % len(caches)``'s K/V."""
+    def call(i: int) -> None:
+        k, v = caches[i % len(caches)]
+        op(out, query, k, v, md.block_tables, md.seq_lens, md.query_start_loc, head_dim ** -0.5)
+    return call
 
 
 def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
-    """The streaming read's GB/s and each KV dtype's :class:`OpTiming`, measured in turns.
+    """The streaming read's GB/s and each KV dtype's :class:`OpTiming`, timed in turns within each round.
 
     Raises:
         RuntimeError: the C++ op cannot be built here.
@@ -114,9 +138,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
     out = torch.empty_like(query)
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
     buffer = torch.ones(STREAM_BYTES // 4)
-    stream_ms = median_ms(lambda i: buffer.sum(), 5, args.rounds)
-    stream_gbps = STREAM_BYTES / stream_ms / 1e6
-    timings = []
+    calls, dtypes = [(lambda i: buffer.sum(), 5)], []
     for choice in KVCacheDtype:
         dtype = cache_dtype(choice, model_dtype)
         kv_cache = KVCache(KVCacheSpec(args.layers, args.num_kv_heads, args.head_dim, args.block_size, dtype),
@@ -124,12 +146,12 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
         for layer in kv_cache.key_caches + kv_cache.value_caches:
             layer.copy_(to_cache_dtype(torch.randn(shape, generator=g), dtype))
         caches = [kv_cache.layer(i) for i in range(args.layers)]
-
-        def call(i: int) -> None:
-            k, v = caches[i % args.layers]
-            op(out, query, k, v, md.block_tables, md.seq_lens, md.query_start_loc, args.head_dim ** -0.5)
-
-        ms = median_ms(call, 4 * args.layers, args.rounds)
+        calls.append((_layer_caller(op, md, query, out, caches, args.head_dim), 4 * args.layers))
+        dtypes.append((choice, dtype))
+    stream_ms, *op_ms = interleaved_median_ms(calls, args.rounds)
+    stream_gbps = STREAM_BYTES / stream_ms / 1e6
+    timings = []
+    for (choice, dtype), ms in zip(dtypes, op_ms):
         kv_bytes = 2 * int(md.seq_lens.sum()) * args.num_kv_heads * args.head_dim * dtype.itemsize
         timings.append(OpTiming(choice.value, str(dtype).removeprefix("torch."), ms, kv_bytes, kv_bytes / ms / 1e6,
                                 kv_bytes / ms / 1e6 / stream_gbps))
