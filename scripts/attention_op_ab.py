@@ -27,7 +27,7 @@ import torch
 
 from pagedserve.bench.attention_op import median_ms
 from pagedserve.engine.attention import build_attention_metadata, compute_positions
-from pagedserve.engine.attention.cpu_op import SOURCE, attention_op_defines, load_cpu_attention_op, load_cpu_library
+from pagedserve.engine.attention.cpu_op import SOURCE, kernel_defines, load_cpu_attention_op, load_cpu_library
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,8 +44,11 @@ def base_op(revision: str, folder: Path):
             text = text.replace("TORCH_LIBRARY(pagedserve_cpu,", "TORCH_LIBRARY(pagedserve_cpu_base,")
             text = text.replace("TORCH_LIBRARY_IMPL(pagedserve_cpu,", "TORCH_LIBRARY_IMPL(pagedserve_cpu_base,")
         (folder / name).write_text(text)
+    defines = kernel_defines()
+    if "PAGEDSERVE_PREFETCH_TO_L2" in defines:  # revisions before 2026-12-06 21:00 UTC read it by its old name
+        defines += ("PAGEDSERVE_KEYS_TO_L2",)
     if not load_cpu_library(folder / SOURCE.name, "attention_op_ab_base", f"the op at {revision}", "nothing",
-                            defines=attention_op_defines()):
+                            defines=defines):
         raise SystemExit(f"the op at {revision} could not be built (see the warning above)")
     return torch.ops.pagedserve_cpu_base.paged_attention
 

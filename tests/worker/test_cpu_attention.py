@@ -214,7 +214,7 @@ def test_a_built_op_loads_without_the_build_lock_and_a_stale_lock_is_removed(tmp
 
     from torch.utils import cpp_extension
 
-    digest = cpu_op._source_digest(cpu_op.SOURCE, cpu_op.attention_op_defines())
+    digest = cpu_op._source_digest(cpu_op.SOURCE, cpu_op.kernel_defines())
     name = f"pagedserve_cpu_attention_{digest}_{cpu_op._cpu_fingerprint()}"
     folder = tmp_path / name
     folder.mkdir()
@@ -270,7 +270,7 @@ def test_a_read_only_cache_folder_falls_back_to_torch_instead_of_killing_the_wor
 
 
 def test_a_builds_defines_reach_the_compiler_and_name_a_build_of_their_own(tmp_path, monkeypatch):
-    """The decode op's per-CPU choice (``PAGEDSERVE_KEYS_TO_L2``) is a -D flag: a build with it must not be
+    """The decode op's per-CPU choice (``PAGEDSERVE_PREFETCH_TO_L2``) is a -D flag: a build with it must not be
     loaded where the choice differs, so the defines are part of the build folder's name."""
     from torch.utils import cpp_extension
 
@@ -278,7 +278,7 @@ def test_a_builds_defines_reach_the_compiler_and_name_a_build_of_their_own(tmp_p
     monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(cpu_op, "_loaded", {})
-    for defines in ((), ("PAGEDSERVE_KEYS_TO_L2",)):  # loaded once per source and defines
+    for defines in ((), ("PAGEDSERVE_PREFETCH_TO_L2",)):  # loaded once per source and defines
         assert cpu_op.load_cpu_library(cpu_op.SOURCE, "t", "the op", "nothing", tmp_path, defines)
-    assert [c["extra_cflags"][3:] for c in calls] == [[], ["-DPAGEDSERVE_KEYS_TO_L2"]]
+    assert [c["extra_cflags"][3:] for c in calls] == [[], ["-DPAGEDSERVE_PREFETCH_TO_L2"]]
     assert calls[0]["name"] != calls[1]["name"] and len(list(tmp_path.iterdir())) == 2

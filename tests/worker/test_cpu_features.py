@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.engine.cpu_features import (BF16_CPU_FLAGS, check_cpu_dtype, cpu_flags, cpu_vendor,
-                                            keys_prefetched_to_l2, own_kernels_preferred)
+                                            l2_prefetches_preferred, own_kernels_preferred)
 from pagedserve.engine.runner_factory import resolve_dtype
 
 X86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx2 avx512f {extra}\nbugs\t\t: sysret_ss_attrs\n\n" \
@@ -52,12 +52,32 @@ def test_resolve_dtype_checks_this_cpu():
             resolve_dtype("bfloat16", "cpu")
 
 
-@pytest.mark.parametrize("flags, vendor, own_kernels, keys_to_l2", [
+@pytest.mark.parametrize("flags, vendor, own_kernels, l2_prefetches", [
     ({"avx2", "fma"}, "AuthenticAMD", True, False),               # Zen 3: measured
     ({"avx2", "fma", "avx512f"}, "AuthenticAMD", True, True),     # Zen 4: measured
     ({"avx2", "fma", "avx512f"}, "GenuineIntel", False, False),   # Intel's AVX-512: not measured
     ({"avx2", "fma"}, "GenuineIntel", True, False),
 ])
-def test_own_kernels_and_key_prefetches_follow_what_was_measured_per_cpu(flags, vendor, own_kernels, keys_to_l2):
+def test_own_kernels_and_l2_prefetches_follow_what_was_measured_per_cpu(flags, vendor, own_kernels, l2_prefetches):
     assert own_kernels_preferred(frozenset(flags), vendor) == own_kernels
-    assert keys_prefetched_to_l2(frozenset(flags), vendor) == keys_to_l2
+    assert l2_prefetches_preferred(frozenset(flags), vendor) == l2_prefetches
+
+
+def test_the_attention_op_and_the_few_row_gemm_are_built_with_this_cpus_kernel_defines(monkeypatch):
+    """Both kernels read ``PAGEDSERVE_PREFETCH_TO_L2``: each is loaded with ``kernel_defines()``."""
+    from pagedserve.engine.attention import cpu_op
+    from pagedserve.engine.models import onednn
+
+    loads = []
+
+    def load_cpu_library(source, prefix, what, fallback, build_dir=None, defines=()):
+        loads.append((source.name, defines))
+        return False
+
+    monkeypatch.setattr(cpu_op, "load_cpu_library", load_cpu_library)
+    monkeypatch.setattr(cpu_op, "kernel_defines", lambda: ("PAGEDSERVE_PREFETCH_TO_L2",))
+    monkeypatch.setattr(onednn, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    cpu_op.load_cpu_attention_op()
+    onednn.few_rows_available.__wrapped__()
+    assert loads == [("paged_attention_cpu.cpp", ("PAGEDSERVE_PREFETCH_TO_L2",)),
+                     ("few_rows_bf16.cpp", ("PAGEDSERVE_PREFETCH_TO_L2",))]

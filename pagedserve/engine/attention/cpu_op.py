@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.engine.cpu_features import cpu_flags, cpu_vendor, keys_prefetched_to_l2
+from pagedserve.engine.cpu_features import cpu_flags, cpu_vendor, l2_prefetches_preferred
 from pagedserve.model_files import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -60,10 +60,10 @@ def _source_digest(source: Path, defines: tuple[str, ...] = ()) -> str:
     return h.hexdigest()[:10]
 
 
-def attention_op_defines() -> tuple[str, ...]:
-    """The decode op's build choices for this CPU: ``PAGEDSERVE_KEYS_TO_L2`` where
-    :func:`~pagedserve.engine.cpu_features.keys_prefetched_to_l2`."""
-    return ("PAGEDSERVE_KEYS_TO_L2",) if keys_prefetched_to_l2(cpu_flags(), cpu_vendor()) else ()
+def kernel_defines() -> tuple[str, ...]:
+    """The build choices of pagedserve's C++ kernels for this CPU (the decode attention op's, the few-row
+    GEMM's): ``PAGEDSERVE_PREFETCH_TO_L2`` where :func:`~pagedserve.engine.cpu_features.l2_prefetches_preferred`."""
+    return ("PAGEDSERVE_PREFETCH_TO_L2",) if l2_prefetches_preferred(cpu_flags(), cpu_vendor()) else ()
 
 
 def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = None) -> PagedAttentionOp | None:
@@ -83,7 +83,7 @@ def load_cpu_attention_op(source: Path | None = None, build_dir: Path | None = N
         created, e.g. on a read-only volume: nothing is raised).
     """
     if load_cpu_library(source or SOURCE, "pagedserve_cpu_attention", "the C++ paged-attention op for CPU",
-                        "the torch attention backend", build_dir, attention_op_defines()):
+                        "the torch attention backend", build_dir, kernel_defines()):
         return torch.ops.pagedserve_cpu.paged_attention
     return None
 

@@ -70,10 +70,10 @@ def few_rows_available() -> bool:
     """Whether this CPU has AVX512_BF16 and the few-row kernel is built (on first use, as the attention op)."""
     if "avx512_bf16" not in cpu_flags():
         return False
-    from pagedserve.engine.attention.cpu_op import load_cpu_library
+    from pagedserve.engine.attention.cpu_op import kernel_defines, load_cpu_library
 
     return load_cpu_library(FEW_ROWS_SOURCE, "pagedserve_few_rows_bf16", "the few-row bfloat16 GEMM for CPU",
-                            "oneDNN for every row count")
+                            "oneDNN for every row count", defines=kernel_defines())
 
 
 def few_rows_limit(flags: frozenset[str], vendor: str | None) -> int:

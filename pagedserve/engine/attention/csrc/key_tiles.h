@@ -20,8 +20,8 @@ inline void for_each_slot(const int32_t* block_table, const Geometry& g, int64_t
   }
 }
 
-// Where NextTile prefetches K lines: L1, or L2 with PAGEDSERVE_KEYS_TO_L2 (see NextTile::issue).
-#if defined(PAGEDSERVE_KEYS_TO_L2)
+// Where NextTile prefetches K lines: L1, or L2 with PAGEDSERVE_PREFETCH_TO_L2 (see NextTile::issue).
+#if defined(PAGEDSERVE_PREFETCH_TO_L2)
 constexpr int kKeyLocality = 2;  // prefetcht1: into L2
 #else
 constexpr int kKeyLocality = 3;  // prefetcht0: into L1
@@ -40,18 +40,20 @@ struct NextTile {
   int64_t slot = 0, line = 0;  // the next line to prefetch: K's, then V's (issued odd)
   uint64_t lines_per_row = 0;  // total / rows in 32.32 fixed point, rounded up (one division per tile)
 
-  // Positions begin..end-1, all KV heads, to be issued over `rows` (row, key) steps (issue's `done`).
+  // Positions begin..end-1, KV heads kv_begin..kv_end-1 (the lines holding their rows), to be issued over
+  // `rows` (row, key) steps (issue's `done`).
   template <typename kv_t>
   void fill(const kv_t* key_cache, const kv_t* value_cache, const int32_t* block_table, const Geometry& g,
-            int64_t begin, int64_t end, int64_t rows) {
-    const int64_t slot_bytes = g.num_kv_heads * g.head_dim * static_cast<int64_t>(sizeof(kv_t));
-    lines_per_slot = (slot_bytes + 63) / 64;
+            int64_t begin, int64_t end, int64_t kv_begin, int64_t kv_end, int64_t rows) {
+    const int64_t head_bytes = g.head_dim * static_cast<int64_t>(sizeof(kv_t));
+    const int64_t slot_bytes = g.num_kv_heads * head_bytes, offset = kv_begin * head_bytes;
+    lines_per_slot = ((kv_end - kv_begin) * head_bytes + 63) / 64;
     total = 2 * std::max<int64_t>(end - begin, 0) * lines_per_slot;
     issued = slot = line = 0;
     lines_per_row = (static_cast<uint64_t>(total) << 32) / static_cast<uint64_t>(rows) + 1;
     for_each_slot(block_table, g, begin, end, [&](int64_t j, int64_t slot) {
-      key_slots[j] = reinterpret_cast<const char*>(key_cache) + slot * slot_bytes;
-      value_slots[j] = reinterpret_cast<const char*>(value_cache) + slot * slot_bytes;
+      key_slots[j] = reinterpret_cast<const char*>(key_cache) + slot * slot_bytes + offset;
+      value_slots[j] = reinterpret_cast<const char*>(value_cache) + slot * slot_bytes + offset;
     });
   }
 
@@ -59,7 +61,7 @@ struct NextTile {
   // into L1 (kKeyLocality), V into L2 (a float32 tile's K and V, 24 KiB for 3 KV heads of 64, and the
   // next tile's would not fit Zen 3's 32 KiB L1D; float32 1.05-1.06x at 256 x 270 on the AVX2 EPYC, 1.02x
   // at 64 x 270, bfloat16 and fp8 1.01x; every line into L2 was 0.98x / 0.84x for float32 / fp8). Built
-  // with PAGEDSERVE_KEYS_TO_L2 (cpu_features.keys_prefetched_to_l2: AMD with AVX-512), K goes into L2
+  // with PAGEDSERVE_PREFETCH_TO_L2 (cpu_features.l2_prefetches_preferred: AMD with AVX-512), K goes into L2
   // too: on a Zen 4 EPYC 1.3-1.6x for float32 and bfloat16 K/V from DRAM (into L1 the prefetches held
   // the op at half the streaming read; `scripts/attention_op_ab.py`, docs/benchmarks.md). The share
   // is a multiplication by lines_per_row, the counters are locals in the loop: a 64-bit division per

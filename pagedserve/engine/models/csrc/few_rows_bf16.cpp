@@ -31,6 +31,21 @@ constexpr int64_t kCols = 16;      // output columns of one packed block (one ve
 constexpr int64_t kRowTile = 4;    // rows of x per pass over a weight block
 constexpr int64_t kBlockTile = 4;  // weight blocks per pass: kRowTile x kBlockTile sums in registers
 
+// Built with PAGEDSERVE_PREFETCH_TO_L2 (cpu_features.l2_prefetches_preferred: AMD with AVX-512), each
+// pass prefetches every block's line kPrefetchLines ahead into L2 as it loads the current one: on a Zen 4
+// EPYC 1.05-1.14x at 1 row, 1.03-1.08x at 4-8, 1.01-1.02x at 64-256 (scripts/few_rows_ab.py; 8 or 32 lines ahead
+// and into L1 were slower, into L3 gained nothing; docs/benchmarks.md, "Weight prefetches in the
+// few-row bfloat16 GEMM"). Elsewhere the hardware's prefetchers alone (Intel's not measured).
+constexpr int64_t kPrefetchLines = 16;
+
+inline void prefetch_weight_line(const uint16_t* line) {
+#if defined(PAGEDSERVE_PREFETCH_TO_L2)
+  _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchLines * 2 * kCols), _MM_HINT_T1);
+#else
+  (void)line;
+#endif
+}
+
 at::Tensor pack_pairs(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
               "weight must be bfloat16 [N, K] on the CPU");
@@ -47,7 +62,10 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t block_
     for (int b = 0; b < kBlocks; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     __m512i wv[kBlocks];
-    for (int b = 0; b < kBlocks; ++b) wv[b] = _mm512_loadu_si512(w + b * block_stride + kp * 2 * kCols);
+    for (int b = 0; b < kBlocks; ++b) {
+      prefetch_weight_line(w + b * block_stride + kp * 2 * kCols);
+      wv[b] = _mm512_loadu_si512(w + b * block_stride + kp * 2 * kCols);
+    }
     for (int r = 0; r < kRows; ++r) {
       int32_t pair;
       __builtin_memcpy(&pair, x + r * K + 2 * kp, sizeof pair);
