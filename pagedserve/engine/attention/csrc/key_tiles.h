@@ -40,20 +40,18 @@ struct NextTile {
   int64_t slot = 0, line = 0;  // the next line to prefetch: K's, then V's (issued odd)
   uint64_t lines_per_row = 0;  // total / rows in 32.32 fixed point, rounded up (one division per tile)
 
-  // Positions begin..end-1, KV heads kv_begin..kv_end-1 (the lines holding their rows), to be issued over
-  // `rows` (row, key) steps (issue's `done`).
+  // Positions begin..end-1, all KV heads, to be issued over `rows` (row, key) steps (issue's `done`).
   template <typename kv_t>
   void fill(const kv_t* key_cache, const kv_t* value_cache, const int32_t* block_table, const Geometry& g,
-            int64_t begin, int64_t end, int64_t kv_begin, int64_t kv_end, int64_t rows) {
-    const int64_t head_bytes = g.head_dim * static_cast<int64_t>(sizeof(kv_t));
-    const int64_t slot_bytes = g.num_kv_heads * head_bytes, offset = kv_begin * head_bytes;
-    lines_per_slot = ((kv_end - kv_begin) * head_bytes + 63) / 64;
+            int64_t begin, int64_t end, int64_t rows) {
+    const int64_t slot_bytes = g.num_kv_heads * g.head_dim * static_cast<int64_t>(sizeof(kv_t));
+    lines_per_slot = (slot_bytes + 63) / 64;
     total = 2 * std::max<int64_t>(end - begin, 0) * lines_per_slot;
     issued = slot = line = 0;
     lines_per_row = (static_cast<uint64_t>(total) << 32) / static_cast<uint64_t>(rows) + 1;
     for_each_slot(block_table, g, begin, end, [&](int64_t j, int64_t slot) {
-      key_slots[j] = reinterpret_cast<const char*>(key_cache) + slot * slot_bytes + offset;
-      value_slots[j] = reinterpret_cast<const char*>(value_cache) + slot * slot_bytes + offset;
+      key_slots[j] = reinterpret_cast<const char*>(key_cache) + slot * slot_bytes;
+      value_slots[j] = reinterpret_cast<const char*>(value_cache) + slot * slot_bytes;
     });
   }
 

@@ -155,20 +155,19 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
               int64_t context_len, int64_t seq_token_begin, const float* slopes, q_t* out,
               const Upcoming& upcoming) {
   const int64_t D = g.head_dim, H = g.num_heads, chunks = D / kLanes;
-  const int64_t h_begin = w.kv_begin * g.group, h_end = w.kv_end * g.group, Hw = h_end - h_begin;  // the item's heads
-  rows.reset((w.token_end - w.token_begin) * Hw, chunks);
-  for (int64_t t = w.token_begin; t < w.token_end; ++t)  // rows: token-major, then the item's query heads
-    for (int64_t h = h_begin; h < h_end; ++h)
+  rows.reset((w.token_end - w.token_begin) * H, chunks);
+  for (int64_t t = w.token_begin; t < w.token_end; ++t)  // rows: token-major, then query head
+    for (int64_t h = 0; h < H; ++h)
       for (int64_t c = 0; c < chunks; ++c) {  // in the key chunks' channel order
         float channels[kLanes];
         for (int64_t i = 0; i < kLanes; ++i)
           channels[i] = static_cast<float>(query[(t * H + h) * D + chunk_channel<kv_t>(c, i, chunks)]);
-        rows.q[((t - w.token_begin) * Hw + h - h_begin) * chunks + c] = load16(channels) * g.scale;
+        rows.q[((t - w.token_begin) * H + h) * chunks + c] = load16(channels) * g.scale;
       }
   // The token at flat index t reads positions 0..context_len + (t - seq_token_begin).
   const int64_t num_keys = context_len + (w.token_end - seq_token_begin);
   const int64_t slot_stride = g.num_kv_heads * D;
-  const int64_t num_rows = (w.token_end - w.token_begin) * Hw;
+  const int64_t num_rows = (w.token_end - w.token_begin) * H;
   KeyTile<kv_t> tile;
   for (int64_t p0 = 0; p0 < num_keys; p0 += kKeyTile) {
     const int64_t n_tile = std::min(kKeyTile, num_keys - p0);
@@ -178,19 +177,18 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
     });
     if (p0 + kKeyTile < num_keys)
       rows.next.fill(key_cache, value_cache, block_table, g, p0 + kKeyTile, std::min(p0 + 2 * kKeyTile, num_keys),
-                     w.kv_begin, w.kv_end, num_rows * kKeyTile);
+                     num_rows * kKeyTile);
     else  // the last tile: the first keys of the item this thread will likely take next
-      upcoming.first_keys([&](const WorkItem& next, const int32_t* table, int64_t keys) {
-        rows.next.fill(key_cache, value_cache, table, g, 0, std::min(kKeyTile, keys), next.kv_begin, next.kv_end,
-                       num_rows * kKeyTile);
+      upcoming.first_keys([&](const int32_t* table, int64_t keys) {
+        rows.next.fill(key_cache, value_cache, table, g, 0, std::min(kKeyTile, keys), num_rows * kKeyTile);
       });
     for (int64_t t = w.token_begin; t < w.token_end; ++t) {
       tile.n_valid = std::min(n_tile, context_len + (t - seq_token_begin) + 1 - p0);
       if (tile.n_valid <= 0) continue;
       tile.pos0 = static_cast<float>(kAlibi == kRelative ? p0 - (context_len + (t - seq_token_begin)) : p0);
-      for (int64_t h = h_begin; h < h_end;) {  // groups of up to kMaxGroup heads sharing one KV head
+      for (int64_t h = 0; h < H;) {  // groups of up to kMaxGroup heads sharing one KV head
         const int64_t n = std::min(kMaxGroup, g.group - h % g.group);
-        const int64_t row = (t - w.token_begin) * Hw + h - h_begin;
+        const int64_t row = (t - w.token_begin) * H + h;
         update_head_group<kAlibi>(n, rows, row, tile, h / g.group * D, chunks, kAlibi ? slopes + h : nullptr,
                                   g.scale, num_rows);
         h += n;
@@ -199,8 +197,8 @@ void run_item(const WorkItem& w, Rows& rows, const Geometry& g, const q_t* query
     rows.next.issue_all();  // the rest, when the tile's last tokens were past their keys
   }
   for (int64_t t = w.token_begin; t < w.token_end; ++t) {
-    for (int64_t h = h_begin; h < h_end; ++h) {
-      const int64_t row = (t - w.token_begin) * Hw + h - h_begin;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t row = (t - w.token_begin) * H + h;
       const float inv = 1.0f / rows.sum[row];
       q_t* dst = out + (t * H + h) * D;
       for (int64_t c = 0; c < chunks; ++c) {
@@ -291,7 +289,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                     a.device().is_cpu(), "alibi_slopes must be contiguous float32 [num_heads] on the CPU");
     slopes = a.data_ptr<float>();
   }
-  const std::vector<WorkItem> work = make_work(seq_lens, query_start_loc, g.num_kv_heads, at::get_num_threads());
+  const std::vector<WorkItem> work = make_work(seq_lens, query_start_loc);
   const Args args{query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out, slopes};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention_cpu", [&] {
     dispatch_cache<scalar_t>(work, g, args, alibi_bf16);

@@ -1,14 +1,13 @@
 // The CPU paged-attention op's work items: one sequence's tile of up to kQueryTile new tokens with all
-// its heads (or, when there are fewer tiles than threads, a share of its KV heads), handed to threads
-// costliest first (paged_attention_cpu.cpp includes this inside its anonymous namespace, after
-// kQueryTile). Part of the op's build: cpu_op.py hashes every header in this folder with the source.
+// its heads, handed to threads costliest first (paged_attention_cpu.cpp includes this inside its
+// anonymous namespace, after kQueryTile). Part of the op's build: cpu_op.py hashes every header in this
+// folder with the source.
 #pragma once
 
-struct WorkItem {  // the query heads of KV heads kv_begin..kv_end-1 of up to kQueryTile new tokens of one sequence
+struct WorkItem {  // all heads of up to kQueryTile new tokens of one sequence
   int64_t seq;
   int64_t token_begin;  // first token of the tile in the flat batch
   int64_t token_end;
-  int64_t kv_begin, kv_end;
   int64_t cost;         // query rows x keys read, for longest-first scheduling
 };
 
@@ -21,9 +20,9 @@ struct Upcoming {
   const int32_t *tables, *lens;
   int64_t max_blocks;
   template <typename Use>
-  void first_keys(Use use) const {  // use(its item, block table, context length), if an item is left
+  void first_keys(Use use) const {  // use(block table, context length), if an item is left
     const int64_t next = claimed->load(std::memory_order_relaxed);
-    if (next < n) use(work[next], tables + work[next].seq * max_blocks, lens[work[next].seq]);
+    if (next < n) use(tables + work[next].seq * max_blocks, lens[work[next].seq]);
   }
 };
 
@@ -47,26 +46,16 @@ void check_metadata(const at::Tensor& block_tables, const at::Tensor& seq_lens,
   }
 }
 
-// The tiles of every sequence, each with all KV heads; when there are fewer tiles than `threads` (a batch
-// of one decode on two threads), each tile's KV heads split into up to threads / tiles shares, so that no
-// thread idles: a head's scores and outputs do not depend on the others', so the bits are the same.
-std::vector<WorkItem> make_work(const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t num_kv_heads,
-                                int64_t threads) {
+std::vector<WorkItem> make_work(const at::Tensor& seq_lens, const at::Tensor& query_start_loc) {
   const int64_t S = seq_lens.size(0);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  int64_t tiles = 0;
-  for (int64_t i = 0; i < S; ++i) tiles += (qsl[i + 1] - qsl[i] + kQueryTile - 1) / kQueryTile;
-  const int64_t shares = tiles == 0 ? 1 : std::clamp<int64_t>((threads + tiles - 1) / tiles, 1, num_kv_heads);
   std::vector<WorkItem> work;
   for (int64_t i = 0; i < S; ++i) {
     for (int64_t t = qsl[i]; t < qsl[i + 1]; t += kQueryTile) {
       const int64_t end = std::min<int64_t>(t + kQueryTile, qsl[i + 1]);
       const int64_t keys = lens[i] - (qsl[i + 1] - end);  // keys read by the tile's last token
-      for (int64_t s = 0; s < shares; ++s) {
-        const int64_t kv_begin = s * num_kv_heads / shares, kv_end = (s + 1) * num_kv_heads / shares;
-        work.push_back({i, t, end, kv_begin, kv_end, (end - t) * keys * (kv_end - kv_begin)});
-      }
+      work.push_back({i, t, end, (end - t) * keys});
     }
   }
   std::stable_sort(work.begin(), work.end(),
