@@ -45,7 +45,7 @@ def base_op(revision: str, folder: Path):
             text = text.replace("TORCH_LIBRARY_IMPL(pagedserve_cpu,", "TORCH_LIBRARY_IMPL(pagedserve_cpu_base,")
         (folder / name).write_text(text)
     defines = kernel_defines()
-    if "PAGEDSERVE_PREFETCH_TO_L2" in defines:  # revisions before 2026-12-06 21:00 UTC read it by its old name
+    if "PAGEDSERVE_PREFETCH_TO_L2" in defines:  # revisions before d87aad1 read it by its old name
         defines += ("PAGEDSERVE_KEYS_TO_L2",)
     if not load_cpu_library(folder / SOURCE.name, "attention_op_ab_base", f"the op at {revision}", "nothing",
                             defines=defines):

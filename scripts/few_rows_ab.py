@@ -7,8 +7,8 @@ within minutes, so only a same-process A/B resolves a 10% change).
 
 The base revision's source is built under another library name (``pagedserve_gemm_base``), so both load
 side by side. The default model's layers (fused QKV, output, fused gate-up and down of 30 layers and the LM
-head, random bfloat16 weights, 0.27 GB: each pass from DRAM) run at each ``--rows``: first the outputs
-of both are compared bit for bit, then each side's median milliseconds per pass over ``--rounds`` rounds
+head, random bfloat16 weights, 0.27 GB: each pass from DRAM) run at each ``--rows``: first every layer's
+outputs of both are compared bit for bit, then each side's median milliseconds per pass over ``--rounds`` rounds
 (the order reversing each round), its GB/s of weights read, and the speed-up. Exit status 2 when any
 output differs. A measurement, not a test.
 """
@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.bench.gemm_rows import MODEL_GEMMS as MODEL_LAYERS
 from pagedserve.engine.attention.cpu_op import kernel_defines, load_cpu_library
 from pagedserve.engine.models.onednn import FEW_ROWS_SOURCE, few_rows_available
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_LAYERS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
-"""The default model's linear layers, (out, in): QKV, output, gate-up, down of 30 layers; the LM head."""
 
 
 def base_ops(revision: str):
@@ -66,7 +65,7 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {k for _, k in MODEL_LAYERS}}
         differ += sum(not torch.equal(old.few_rows_linear(xs[w.shape[1] * 2], w, None),
-                                      new.few_rows_linear(xs[w.shape[1] * 2], w, None)) for w in layers[:5])
+                                      new.few_rows_linear(xs[w.shape[1] * 2], w, None)) for w in layers)
         times: dict[str, list[float]] = {"base": [], "tree": []}
         for i in range(args.rounds):
             for name, ops in (("base", old), ("tree", new))[::1 if i % 2 == 0 else -1]:

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.engine.attention.cpu_op import load_cpu_library
+from pagedserve.bench.gemm_rows import MODEL_GEMMS as MODEL_LAYERS
+from pagedserve.engine.attention.cpu_op import kernel_defines, load_cpu_library
 from pagedserve.engine.models.panel_gemm import SOURCE, panel_shape, panels_available
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +39,6 @@ IDENTITY_SHAPES = ((960, 576), (576, 1536), (49, 64), (40, 601), (1, 300), (33, 
                    (40, 8192))
 """(out, in) of the weights whose outputs are compared."""
 IDENTITY_ROWS = (1, 2, 5, 6, 7, 11, 12, 13, 25, 64, 160, 257)
-MODEL_LAYERS = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
-"""The default model's linear layers, (out, in): QKV, output, gate-up, down of 30 layers; the LM head."""
 
 
 def renamed_ops(text: str, name: str, what: str, folder: Path, prefix: str = ""):
@@ -49,7 +48,7 @@ def renamed_ops(text: str, name: str, what: str, folder: Path, prefix: str = "")
     if renamed.count(f"pagedserve_panels_{name},") != 2:
         raise SystemExit(f"{what}: its TORCH_LIBRARY lines are not the ones this script renames")
     (folder / SOURCE.name).write_text(prefix + renamed)
-    if not load_cpu_library(folder / SOURCE.name, f"panel_gemm_ab_{name}", what, "nothing"):
+    if not load_cpu_library(folder / SOURCE.name, f"panel_gemm_ab_{name}", what, "nothing", defines=kernel_defines()):
         raise SystemExit(f"{what} could not be built (see the warning above)")
     return getattr(torch.ops, f"pagedserve_panels_{name}")
 
@@ -102,7 +101,7 @@ def main() -> None:
         panels = torch.empty(panel_shape(n, k))
         new.pack_panels(torch.randn(n, k) * k ** -0.5, panels)
         packed.append((panels, n, k))
-    print(f"{torch.get_num_threads()} threads, {time.strftime('%H:%M UTC', time.gmtime())}")
+    print(f"{torch.get_num_threads()} threads, defines {kernel_defines()}, {time.strftime('%H:%M UTC', time.gmtime())}")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k) for k in {k for _, k in MODEL_LAYERS}}
         times: dict[str, list[float]] = {"base": [], "tree": []}

@@ -26,9 +26,9 @@ import torch
 
 from pagedserve.engine.models.huge_pages import HugePageArena
 from pagedserve.bench.attention_op import STREAM_BYTES
+from pagedserve.bench.gemm_rows import MODEL_GEMMS as SHAPES  # [out, in], LM head last
 from pagedserve.engine.models.panel_gemm import panel_shape, panels_available
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]  # [out, in], LM head last
 STREAM_ELEMENTS = STREAM_BYTES // 4  # float32, as the benches' streaming read
 
 

@@ -29,6 +29,9 @@ from pagedserve.bench.report import format_table
 
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # [out, in] of one default-model layer
 LM_HEAD = (49152, 576)
+NUM_LAYERS = 30
+MODEL_GEMMS = (*LAYER_SHAPES * NUM_LAYERS, LM_HEAD)
+"""The default model's linear layers, [out, in]: fused QKV, output, fused gate-up and down of each layer; the LM head."""
 KERNELS = {"bfloat16": "few-row", "float32": "panels"}  # --dtype -> pagedserve's kernel for it
 
 
@@ -59,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=KERNELS, default="bfloat16",
                    help="weights and activations: bfloat16 (the few-row kernel) or float32 (the panel GEMM) "
                         "(default %(default)s)")
-    p.add_argument("--layers", type=int, default=30, help="decoder layers of the default model's shapes (default %(default)s)")
+    p.add_argument("--layers", type=int, default=NUM_LAYERS, help="decoder layers of the default model's shapes (default %(default)s)")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per kernel and row count (default %(default)s)")
     p.add_argument("--result-json", type=Path, help="write every figure here")
     p.set_defaults(func=run)

@@ -56,12 +56,12 @@ def own_kernels_preferred(flags: frozenset[str], vendor: str | None) -> bool:
 
 def l2_prefetches_preferred(flags: frozenset[str], vendor: str | None) -> bool:
     """Whether pagedserve's C++ kernels prefetch what they stream into L2 (built with
-    ``PAGEDSERVE_PREFETCH_TO_L2``) on a CPU with these flags and vendor: on AMD's AVX-512 CPUs, where both
-    were measured faster on a Zen 4 EPYC: the decode attention op's next key tile into L2 rather than L1
-    (as V's), 1.3-1.6x for float32 and bfloat16 K/V from DRAM (docs/benchmarks.md, "Key prefetches into L2
-    on Zen 4"), and the few-row bfloat16 GEMM's weight lines 16 lines ahead, 1.05-1.14x at 1 row ("Weight
-    prefetches in the few-row bfloat16 GEMM"); not on AMD's without AVX-512 (a Zen 3 EPYC: every attention
-    line into L2 was 0.98x for float32, 0.84x for fp8_e5m2) nor Intel's (not measured)."""
+    ``PAGEDSERVE_PREFETCH_TO_L2``, :func:`~pagedserve.engine.attention.cpu_op.kernel_defines`) on a CPU with these
+    flags and vendor: on AMD's AVX-512 CPUs, where each was measured faster on a Zen 4 EPYC (the decode attention
+    op's next key tile into L2 rather than L1, as V's: docs/benchmarks.md, "Key prefetches into L2 on Zen 4"; the
+    few-row bfloat16 and the float32 panel GEMMs' weights 16 lines ahead: "Batch 1 on Zen 4: weight prefetches
+    in the GEMMs"); not on AMD's without AVX-512 (a Zen 3 EPYC: every attention line into L2 was 0.98x for
+    float32, 0.84x for fp8_e5m2) nor Intel's (not measured)."""
     return "avx512f" in flags and vendor == AMD
 
 

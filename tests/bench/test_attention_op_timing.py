@@ -14,9 +14,9 @@ def test_calls_are_timed_in_turns_each_round_and_the_warm_up_round_is_dropped():
 
 def test_the_median_is_of_the_timed_rounds_only():
     import time
-    rounds = iter([0.05, 0.0, 0.0, 0.0])  # only the warm-up round is slow
+    rounds = iter([0.05, 0.0])  # only the warm-up round is slow: with it counted the median would be 25 ms
 
     def call(i):
         time.sleep(next(rounds))
 
-    assert interleaved_median_ms([(call, 1)], rounds=3)[0] < 20
+    assert interleaved_median_ms([(call, 1)], rounds=1)[0] < 20

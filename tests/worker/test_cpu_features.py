@@ -1,4 +1,5 @@
-"""bfloat16 on a CPU only with native bfloat16 dot products: flags read from /proc/cpuinfo's format."""
+"""The per-CPU choices read from /proc/cpuinfo's format: bfloat16 only with native bfloat16 dot products, which
+own kernels run, and the kernels built with this CPU's defines."""
 
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ def test_own_kernels_and_l2_prefetches_follow_what_was_measured_per_cpu(flags, v
     assert l2_prefetches_preferred(frozenset(flags), vendor) == l2_prefetches
 
 
-def test_the_attention_op_and_the_few_row_gemm_are_built_with_this_cpus_kernel_defines(monkeypatch):
-    """Both kernels read ``PAGEDSERVE_PREFETCH_TO_L2``: each is loaded with ``kernel_defines()``."""
+def test_the_attention_op_and_the_gemms_are_built_with_this_cpus_kernel_defines(monkeypatch):
+    """The kernels that read ``PAGEDSERVE_PREFETCH_TO_L2`` are each loaded with ``kernel_defines()``."""
     from pagedserve.engine.attention import cpu_op
-    from pagedserve.engine.models import onednn
+    from pagedserve.engine.models import onednn, panel_gemm
 
     loads = []
 
@@ -77,7 +78,14 @@ def test_the_attention_op_and_the_few_row_gemm_are_built_with_this_cpus_kernel_d
     monkeypatch.setattr(cpu_op, "load_cpu_library", load_cpu_library)
     monkeypatch.setattr(cpu_op, "kernel_defines", lambda: ("PAGEDSERVE_PREFETCH_TO_L2",))
     monkeypatch.setattr(onednn, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(panel_gemm, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     cpu_op.load_cpu_attention_op()
     onednn.few_rows_available.__wrapped__()
-    assert loads == [("paged_attention_cpu.cpp", ("PAGEDSERVE_PREFETCH_TO_L2",)),
-                     ("few_rows_bf16.cpp", ("PAGEDSERVE_PREFETCH_TO_L2",))]
+    panel_gemm.panels_available.__wrapped__()
+    assert loads == [(name, ("PAGEDSERVE_PREFETCH_TO_L2",)) for name in
+                     ("paged_attention_cpu.cpp", "few_rows_bf16.cpp", "panel_gemm_f32.cpp")]
+    from pathlib import Path
+
+    sources = Path(cpu_op.__file__).parents[1].glob("**/csrc/*")  # a kernel that reads the flag must be listed above
+    readers = {p.name for p in sources if p.suffix in (".cpp", ".h") and "PAGEDSERVE_PREFETCH_TO_L2" in p.read_text()}
+    assert readers == {"key_tiles.h", "few_rows_bf16.cpp", "panel_gemm_f32.cpp"}  # key_tiles.h: the attention op's

@@ -61,8 +61,9 @@ def _source_digest(source: Path, defines: tuple[str, ...] = ()) -> str:
 
 
 def kernel_defines() -> tuple[str, ...]:
-    """The build choices of pagedserve's C++ kernels for this CPU (the decode attention op's, the few-row
-    GEMM's): ``PAGEDSERVE_PREFETCH_TO_L2`` where :func:`~pagedserve.engine.cpu_features.l2_prefetches_preferred`."""
+    """The build choices of pagedserve's C++ kernels for this CPU (the decode attention op's, the few-row and
+    panel GEMMs'): ``PAGEDSERVE_PREFETCH_TO_L2`` where
+    :func:`~pagedserve.engine.cpu_features.l2_prefetches_preferred`."""
     return ("PAGEDSERVE_PREFETCH_TO_L2",) if l2_prefetches_preferred(cpu_flags(), cpu_vendor()) else ()
 
 

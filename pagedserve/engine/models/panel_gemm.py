@@ -39,9 +39,10 @@ def panels_available() -> bool:
     """Whether this CPU has AVX2 and FMA and the GEMM's library is built and loaded (on first use)."""
     if not {"avx2", "fma"} <= cpu_flags():
         return False
-    from pagedserve.engine.attention.cpu_op import load_cpu_library
+    from pagedserve.engine.attention.cpu_op import kernel_defines, load_cpu_library
 
-    if not load_cpu_library(SOURCE, "pagedserve_panel_gemm", "pagedserve's float32 GEMM", "oneDNN's GEMMs"):
+    if not load_cpu_library(SOURCE, "pagedserve_panel_gemm", "pagedserve's float32 GEMM", "oneDNN's GEMMs",
+                            defines=kernel_defines()):
         return False
     _register_fake()
     return True

@@ -33,17 +33,17 @@ constexpr int64_t kBlockTile = 4;  // weight blocks per pass: kRowTile x kBlockT
 
 // Built with PAGEDSERVE_PREFETCH_TO_L2 (cpu_features.l2_prefetches_preferred: AMD with AVX-512), each
 // pass prefetches every block's line kPrefetchLines ahead into L2 as it loads the current one: on a Zen 4
-// EPYC 1.05-1.14x at 1 row, 1.03-1.08x at 4-8, 1.01-1.02x at 64-256 (scripts/few_rows_ab.py; 8 or 32 lines ahead
-// and into L1 were slower, into L3 gained nothing; docs/benchmarks.md, "Weight prefetches in the
-// few-row bfloat16 GEMM"). Elsewhere the hardware's prefetchers alone (Intel's not measured).
+// EPYC 1.05-1.14x at 1 row, 1.03-1.08x at 4-8, 1.01-1.02x at 64-256 (scripts/few_rows_ab.py; 8 or 32 lines
+// ahead and into L1 were slower, into L3 gained nothing; docs/benchmarks.md, "Batch 1 on Zen 4: weight
+// prefetches in the GEMMs"). Elsewhere the hardware's prefetchers alone (Intel's not measured).
 constexpr int64_t kPrefetchLines = 16;
 
 inline void prefetch_weight_line(const uint16_t* line) {
-#if defined(PAGEDSERVE_PREFETCH_TO_L2)
-  _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchLines * 2 * kCols), _MM_HINT_T1);
-#else
-  (void)line;
+#if defined(PAGEDSERVE_PREFETCH_TO_L2)  // an address, not a pointer: past the weight's end it is only a hint
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(line) + kPrefetchLines * 64;
+  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
 #endif
+  (void)line;
 }
 
 at::Tensor pack_pairs(const at::Tensor& weight) {
