@@ -68,7 +68,8 @@ class SchedulerLoop:
         self.accepting.set()
         self.has_workers = threading.Event()  # a worker is admitted (as of the latest ClusterView): claims may run
         self._peers_have_workers = False
-        self._no_workers_since: float | None = time.monotonic()
+        self._no_workers_since: float | None = time.monotonic()  # none of its own (hand-offs)
+        self._none_in_cluster_since: float | None = time.monotonic()  # none of its own and no peer with one (failing)
         table = RequestTable(scheduler, self.streams, redis_writes.put, self.metrics, tracer)
         self.requests = RequestIntake(config, self.engine, table, self.streams, redis_writes, self.metrics)
         self._deliver = table.deliver
@@ -175,21 +176,28 @@ class SchedulerLoop:
             self.requests.gateway_back(command.gateway_id)
 
     def _note_workers(self) -> None:
-        """Notes whether a worker is admitted (readiness, claims) and since when none is, at every
-        turn: a worker dropped for a failed step leaves none without a ClusterView (and a scheduler
-        waiting for its lease publishes none)."""
+        """Notes whether a worker is admitted (readiness, claims), since when none is here, and since when
+        none is in the cluster (none here, and no peer announces one), at every turn: a worker dropped for a
+        failed step leaves none without a ClusterView (and a scheduler waiting for its lease publishes none)."""
         has_workers = bool(self.scheduler.worker_ids)
         if has_workers != self.has_workers.is_set():
             self.has_workers.set() if has_workers else self.has_workers.clear()
             self._set_ready(has_workers)
+        now = time.monotonic()
         if has_workers:
             self._no_workers_since = None
         elif self._no_workers_since is None:
-            self._no_workers_since = time.monotonic()
+            self._no_workers_since = now
+        if has_workers or self._peers_have_workers:
+            self._none_in_cluster_since = None
+        elif self._none_in_cluster_since is None:
+            self._none_in_cluster_since = now
 
     def _fail_without_workers(self) -> None:
-        """Fails every waiting request with UNAVAILABLE once no worker has been up for the timeout."""
-        since = self._no_workers_since
+        """Fails every waiting request with UNAVAILABLE once no worker has been up in the cluster for the timeout.
+        (A scheduler that never had a worker of its own, beside a peer that has one, must not fail the request it
+        reads in the second before it learns that the peer's restarted worker is back: it hands it off.)"""
+        since = self._none_in_cluster_since
         if since is None or time.monotonic() - since < self.config.no_worker_timeout_s:
             return
         error = RequestError(ErrorKind.UNAVAILABLE, f"no worker has been available for {self.config.no_worker_timeout_s:g} s; "

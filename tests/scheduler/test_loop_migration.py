@@ -262,3 +262,30 @@ def test_waiting_requests_fail_when_the_last_worker_fails_and_no_cluster_view_fo
                 break
         assert final and final[0].finish_reason == pb.FINISH_REASON_ABORT
         assert final[0].error.kind == pb.ERROR_KIND_UNAVAILABLE
+
+
+def test_a_scheduler_without_workers_beside_a_peer_with_one_does_not_fail_a_request_when_the_peer_restarts_it(
+        monkeypatch):
+    """CI, 2026-12-06 (`pagedserve up --schedulers 2 --workers 1`, the worker killed and started again): the
+    scheduler that never had the worker read a request 0.7 s after the peer admitted the new worker, before its
+    next ClusterView said so, and failed it at once with "no worker has been available for 30 s": its clock
+    counted its own workers, not the cluster's (the worker had been gone 7 s). Expected: no failure while the
+    cluster has been without workers for less than the timeout; the request is handed off once the peer
+    announces its worker."""
+    from services.scheduler import loop as loop_module
+    from services.scheduler.cluster import ClusterView
+
+    monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
+    with Loop(no_worker_timeout_s=1.0) as sched:
+        _, events = sched.connect("gw")
+        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))  # the peer runs the only worker
+        threading.Event().wait(1.5)  # longer than the timeout: no worker of its own all along
+        sched.loop.submit(ClusterView({}, {}, peers_have_workers=False))  # the worker killed
+        sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))  # read before the peer's news
+        batches = list(iter(lambda: next_batch(events, 0.5), None))
+        failed = [e for b in batches for e in b.events if e.finish_reason]
+        assert not failed, "failed though the cluster lost its worker 0.5 s ago"
+        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))  # the restarted worker, admitted by the peer
+        while not sched.handed_off:
+            threading.Event().wait(0.05)
+        assert sched.handed_off == [b"r-0"]
