@@ -69,7 +69,9 @@ else
 fi
 
 assets_stamp=.venv/.pagedserve-assets
-assets_key="$(cat pagedserve/engine/attention/csrc/* pagedserve/engine/models/csrc/* pagedserve/model_files.py | sha256sum | cut -d' ' -f1) \
+# the kernels' sources, the per-CPU rules that pick their build flags (cpu_features, cpu_op) and the model's files
+assets_key="$(cat pagedserve/engine/attention/csrc/* pagedserve/engine/models/csrc/* pagedserve/engine/cpu_features.py \
+pagedserve/engine/attention/cpu_op.py pagedserve/model_files.py | sha256sum | cut -d' ' -f1) \
 ${PAGEDSERVE_CACHE_DIR:-$HOME/.cache/pagedserve}"
 if stamp_matches "$assets_stamp" "$assets_key"; then
   say "C++ attention op and default model: built (delete $assets_stamp to check again)"
