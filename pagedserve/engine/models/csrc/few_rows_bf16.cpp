@@ -22,6 +22,8 @@
 
 #include <immintrin.h>
 
+#include "l2_prefetch.h"  // prefetch_ahead_to_l2
+
 #include <algorithm>
 #include <cstdint>
 
@@ -31,20 +33,6 @@ constexpr int64_t kCols = 16;      // output columns of one packed block (one ve
 constexpr int64_t kRowTile = 4;    // rows of x per pass over a weight block
 constexpr int64_t kBlockTile = 4;  // weight blocks per pass: kRowTile x kBlockTile sums in registers
 
-// Built with PAGEDSERVE_PREFETCH_TO_L2 (cpu_features.l2_prefetches_preferred: AMD with AVX-512), each
-// pass prefetches every block's line kPrefetchLines ahead into L2 as it loads the current one: on a Zen 4
-// EPYC 1.05-1.14x at 1 row, 1.03-1.08x at 4-8, 1.01-1.02x at 64-256 (scripts/few_rows_ab.py; 8 or 32 lines
-// ahead and into L1 were slower, into L3 gained nothing; docs/benchmarks.md, "Batch 1 on Zen 4: weight
-// prefetches in the GEMMs"). Elsewhere the hardware's prefetchers alone (Intel's not measured).
-constexpr int64_t kPrefetchLines = 16;
-
-inline void prefetch_weight_line(const uint16_t* line) {
-#if defined(PAGEDSERVE_PREFETCH_TO_L2)  // an address, not a pointer: past the weight's end it is only a hint
-  const uintptr_t ahead = reinterpret_cast<uintptr_t>(line) + kPrefetchLines * 64;
-  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
-#endif
-  (void)line;
-}
 
 at::Tensor pack_pairs(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.device().is_cpu(),
@@ -63,7 +51,9 @@ inline void tile(const uint16_t* x, int64_t K, const uint16_t* w, int64_t block_
   for (int64_t kp = 0; kp < K / 2; ++kp) {
     __m512i wv[kBlocks];
     for (int b = 0; b < kBlocks; ++b) {
-      prefetch_weight_line(w + b * block_stride + kp * 2 * kCols);
+#if defined(PAGEDSERVE_PREFETCH_TO_L2)  // Zen 4: 1.05-1.14x at 1 row (scripts/few_rows_ab.py)
+      prefetch_ahead_to_l2(w + b * block_stride + kp * 2 * kCols);
+#endif
       wv[b] = _mm512_loadu_si512(w + b * block_stride + kp * 2 * kCols);
     }
     for (int r = 0; r < kRows; ++r) {

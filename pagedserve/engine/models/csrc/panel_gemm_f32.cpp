@@ -24,6 +24,8 @@
 
 #include <immintrin.h>
 
+#include "l2_prefetch.h"  // prefetch_ahead_to_l2 (the AVX-512 block's panels)
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -48,16 +50,6 @@ constexpr int64_t kKc = 256;
 // Each pass streams every panel from memory again; with passes of x that fit L2 (256 KiB) the model's
 // GEMMs were 1.07x / 1.16x slower at 160 / 256 rows (the weights, 0.5 GB, come from DRAM in a step).
 constexpr int64_t kXBytes = 4 << 20;
-
-// With PAGEDSERVE_PREFETCH_TO_L2 (cpu_features.l2_prefetches_preferred) the AVX-512 block prefetches each panel
-// 16 k (16 lines, 1 KiB) ahead into L2: the few-row GEMM's distance (few_rows_bf16.cpp), not tuned here.
-inline void prefetch_panel_line(const float* line) {
-#if defined(PAGEDSERVE_PREFETCH_TO_L2)  // an address, not a pointer: past the panels' end it is only a hint
-  const uintptr_t ahead = reinterpret_cast<uintptr_t>(line) + 16 * sizeof(float) * kCols;
-  _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T1);
-#endif
-  (void)line;
-}
 
 // The 8 x 8 transpose of rows r[0..7] (8 floats each): r[i] becomes column i.
 inline void transpose8(__m256 r[8]) {
@@ -138,7 +130,9 @@ inline void block(const float* x, int64_t ldx, const float* panel, int64_t panel
     __m512 w[NP];
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) {
-      prefetch_panel_line(panel + p * panel_stride + k * kCols);
+#if defined(PAGEDSERVE_PREFETCH_TO_L2)  // Zen 4: 1.03-1.10x at 1 row (scripts/panel_gemm_ab.py)
+      prefetch_ahead_to_l2(panel + p * panel_stride + k * kCols);
+#endif
       w[p] = _mm512_loadu_ps(panel + p * panel_stride + k * kCols);
     }
 #pragma GCC unroll 8
