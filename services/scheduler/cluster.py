@@ -30,6 +30,7 @@ from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
 from services.common.scheduler_directory import live_only, scheduler_registrations
 from services.common.signed_records import RecordCheck
+from services.scheduler.commands import ClaimedEntries, ClusterView
 from services.scheduler.leases import Leases, OwnLeaseLost
 from services.scheduler.prefix_index import PrefixIndex
 from services.scheduler.queue_consumer import Delivery, QueueEntry, decode_entries
@@ -47,23 +48,6 @@ the loop's ``worker_gone_after_s``: a gap from a Redis restart keeps the worker 
 
 
 @dataclass(frozen=True)
-class ClusterView:
-    """What the loop needs to know of the cluster, as just read from Redis.
-
-    Attributes:
-        workers: registrations of the workers this scheduler owns, by worker id.
-        epochs: the lease epoch of every worker this scheduler owns (sent in every plan to it),
-            also of those whose registration is missing now: a worker not here lost its lease.
-        peers_have_workers: another live scheduler runs at least one worker (its registration
-            announces blocks): requests this one cannot run may be handed off.
-    """
-
-    workers: Mapping[str, pb.WorkerRegistration]
-    epochs: Mapping[str, int]
-    peers_have_workers: bool
-
-
-@dataclass(frozen=True)
 class LoadSnapshot:
     """A scheduler's load, published with its registration.
 
@@ -76,13 +60,6 @@ class LoadSnapshot:
     num_waiting: int = 0
     num_running: int = 0
     digests: frozenset[bytes] = frozenset()
-
-
-@dataclass(frozen=True)
-class ClaimedEntries:
-    """Requests taken over from another consumer of the group."""
-
-    entries: tuple[QueueEntry, ...]
 
 
 class ClusterWatch:
@@ -167,6 +144,7 @@ class ClusterWatch:
         Raises:
             OwnLeaseLost: a take of a worker or of requests found this scheduler's lease gone.
         """
+        read_at = time.monotonic()
         workers = self._registry.live_workers()
         registered = self._schedulers.verified(self._client.hgetall(redis_keys.SCHEDULERS_HASH))
         schedulers = self._live_only(registered)
@@ -183,7 +161,7 @@ class ClusterWatch:
         self.peer_loads = {sid: reg.num_waiting + reg.num_running for sid, reg in schedulers.items()
                            if sid != me and reg.num_blocks}
         peers = bool(self.peer_loads)  # a live peer runs a worker
-        self._publish(ClusterView(live, dict(self._owned), peers))
+        self._publish(ClusterView(live, dict(self._owned), peers, read_at))
         if runs or not peers:  # never take back what was handed off for want of a worker; when none runs, any may
             self._claim_orphans(schedulers, registered)
 

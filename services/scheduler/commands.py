@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from pagedserve.engine.engine import SentPlan
 from pagedserve.engine.messages import SequenceId
 from services.common.pb import engine_pb2 as pb
-from services.scheduler.cluster import ClaimedEntries, ClusterView
 from services.scheduler.queue_consumer import QueueEntry
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    """What the loop needs to know of the cluster, as just read from Redis.
+
+    Attributes:
+        workers: registrations of the workers this scheduler owns, by worker id.
+        epochs: the lease epoch of every worker this scheduler owns (sent in every plan to it),
+            also of those whose registration is missing now: a worker not here lost its lease.
+        peers_have_workers: another live scheduler runs at least one worker (its registration
+            announces blocks): requests this one cannot run may be handed off.
+        read_at: when the read began, ``time.monotonic()`` seconds: the view holds every heartbeat
+            a worker wrote before then (``WorkerMembership`` tells a dead worker's last beat from a
+            live one's next by it).
+    """
+
+    workers: Mapping[str, pb.WorkerRegistration]
+    epochs: Mapping[str, int]
+    peers_have_workers: bool
+    read_at: float
+
+
+@dataclass(frozen=True)
+class ClaimedEntries:
+    """Requests taken over from another consumer of the group."""
+
+    entries: tuple[QueueEntry, ...]
 
 
 @dataclass(frozen=True)

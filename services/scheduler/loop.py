@@ -21,9 +21,9 @@ from pagedserve.engine.engine import Engine, SentPlan, StepFailed
 from pagedserve.engine.messages import RequestError
 from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.scheduler import Scheduler
-from services.scheduler.cluster import ClaimedEntries, ClusterView, LoadSnapshot
-from services.scheduler.commands import (Abort, AbortSample, Command, GatewayGone, HeldRequests, NewEntries, Resume,
-                                         StepDone)
+from services.scheduler.cluster import LoadSnapshot
+from services.scheduler.commands import (Abort, AbortSample, ClaimedEntries, ClusterView, Command, GatewayGone,
+                                         HeldRequests, NewEntries, Resume, StepDone)
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.gateway_streams import GatewayStreams
 from services.scheduler.grpc_executor import GrpcExecutor
@@ -222,7 +222,7 @@ class SchedulerLoop:
     def _update_workers(self, view: ClusterView) -> None:
         self.model_name = next((r.model for r in view.workers.values()), self.model_name)
         self._peers_have_workers = view.peers_have_workers
-        self._deliver(self.membership.sync(view.workers, view.epochs))
+        self._deliver(self.membership.sync(view))
         self._note_workers()
         if self.scheduler.worker_ids or not view.peers_have_workers:
             self.accepting.set()

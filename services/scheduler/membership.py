@@ -6,11 +6,12 @@ process). Every change of membership is logged.
 - A registered worker is admitted: a connection, and a fresh block manager in the scheduler.
 - A worker whose step failed (gRPC error, ``--step-timeout``, a plan it refused) is reset: its
   sequences go back to the queue to be recomputed, and it is admitted again after a back-off
-  (1 s, doubling up to 30 s while it keeps failing) once its registration shows a newer heartbeat
-  than the last one seen before the failure: a worker that hangs (stopped, swapping) is not sent
-  plans that can only time out again, each costing its requests one of their ``MAX_WORKER_LOSSES``.
-  Its new session id makes it drop everything it held. (A hung worker's last beat is seen before
-  its step times out as long as ``--step-timeout`` exceeds the heartbeat and poll intervals.)
+  (1 s, doubling up to 30 s while it keeps failing) once it beats again: its registration shows a
+  heartbeat newer than the one in the first view read after the failure. A worker that hangs
+  (stopped, swapping) or died is not sent plans that can only fail again, each costing its requests
+  one of their ``MAX_WORKER_LOSSES``. The baseline is read after the failure because a beat written
+  between the last view and a kill -9 would look newer than anything seen before it.
+  Its new session id makes it drop everything it held.
 - A worker that registers with another instance id (it restarted), or that this scheduler owns
   under a new lease epoch (it was another scheduler's meanwhile), is reset at once.
 - A worker whose registration is missing longer than ``gone_after_s`` is dropped; a shorter gap
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common.pb import engine_pb2 as pb
+from services.scheduler.commands import ClusterView
 from services.scheduler.grpc_executor import GrpcExecutor
 
 log = logging.getLogger("pagedserve.scheduler")
@@ -42,16 +44,27 @@ class _Member:
     instance_id: str
     address: str
     lease_epoch: int
-    heartbeat: int  # the newest beat seen in its registration
     missing_since: float | None = None
 
 
 @dataclass(frozen=True)
 class _Backoff:
+    """A reset worker waiting to be admitted again.
+
+    Attributes:
+        failed_at: when the step failure was seen, clock seconds.
+        until: not admitted before then, clock seconds.
+        delay_s: this back-off's length (the next failure doubles it).
+        instance_id: the failed instance (another one, a restart, need not beat again).
+        beat_after_failure: the failed instance's heartbeat in the first view read after
+            ``failed_at`` (``None`` until such a view lists it): admitted only after a newer one.
+    """
+
+    failed_at: float
     until: float
     delay_s: float
     instance_id: str
-    heartbeat: int  # the newest beat seen before the failure: admitted again only after a newer one
+    beat_after_failure: int | None = None
 
 
 class WorkerMembership:
@@ -78,17 +91,19 @@ class WorkerMembership:
     def worker_ids(self) -> list[str]:
         return list(self._members)
 
-    def sync(self, live: Mapping[str, pb.WorkerRegistration], epochs: Mapping[str, int]) -> list[RequestOutput]:
+    def sync(self, view: ClusterView) -> list[RequestOutput]:
         """Admits new and restarted workers, drops those whose registration stayed missing.
 
         Args:
-            live: registrations of the live workers this scheduler owns, by worker id.
-            epochs: the lease epoch of every worker this scheduler owns (sent in every plan: the
-                worker's fence), registered or not; a member not here lost its lease.
+            view: the registrations of the live workers this scheduler owns and the lease epoch of
+                every worker it owns (sent in every plan: the worker's fence), registered or not;
+                a member without an epoch lost its lease. ``view.read_at`` is on this
+                membership's clock.
 
         Returns:
             Final outputs of requests ended because their workers kept failing (``Scheduler.remove_worker``).
         """
+        live, epochs = view.workers, view.epochs
         now, outputs = self._clock(), []
         for worker_id, member in list(self._members.items()):
             reg = live.get(worker_id)
@@ -103,7 +118,8 @@ class WorkerMembership:
             elif epochs[worker_id] != member.lease_epoch:
                 outputs += self._drop(worker_id, f"its lease changed hands (epoch {epochs[worker_id]})")
             else:
-                member.missing_since, member.heartbeat = None, reg.heartbeat
+                member.missing_since = None
+        self._note_beats_after_failures(view)
         for worker_id, reg in live.items():
             if worker_id not in self._members and self._may_admit(worker_id, reg, now):
                 self._admit(reg, epochs[worker_id])
@@ -115,8 +131,8 @@ class WorkerMembership:
         if worker_id not in self._members:
             return []
         delay = min(self._backoff[worker_id].delay_s * 2, MAX_BACKOFF_S) if worker_id in self._backoff else FIRST_BACKOFF_S
-        member = self._members[worker_id]
-        self._backoff[worker_id] = _Backoff(self._clock() + delay, delay, member.instance_id, member.heartbeat)
+        now = self._clock()
+        self._backoff[worker_id] = _Backoff(now, now + delay, delay, self._members[worker_id].instance_id)
         return self._drop(worker_id, f"a step failed ({error}); admitting it again in {delay:g} s if it is registered "
                                      "and beats again")
 
@@ -126,8 +142,8 @@ class WorkerMembership:
 
     def _may_admit(self, worker_id: str, reg: pb.WorkerRegistration, now: float) -> bool:
         backoff = self._backoff.get(worker_id)
-        if backoff is not None and (now < backoff.until or (reg.instance_id == backoff.instance_id
-                                                            and reg.heartbeat <= backoff.heartbeat)):
+        if backoff is not None and (now < backoff.until or (reg.instance_id == backoff.instance_id and (
+                backoff.beat_after_failure is None or reg.heartbeat <= backoff.beat_after_failure))):
             return False
         mismatch = self._mismatch(reg)
         if mismatch is not None:
@@ -136,6 +152,14 @@ class WorkerMembership:
                 log.error("worker %s %s: not admitted", worker_id, mismatch)
             return False
         return True
+
+    def _note_beats_after_failures(self, view: ClusterView) -> None:
+        """Keeps each failed instance's heartbeat from the first view read after its failure."""
+        for worker_id, backoff in list(self._backoff.items()):
+            reg = view.workers.get(worker_id)
+            if (backoff.beat_after_failure is None and reg is not None and reg.instance_id == backoff.instance_id
+                    and view.read_at >= backoff.failed_at):
+                self._backoff[worker_id] = replace(backoff, beat_after_failure=reg.heartbeat)
 
     def _mismatch(self, reg: pb.WorkerRegistration) -> str | None:
         """How the worker's settings contradict the scheduler's (``None``: they agree).
@@ -160,7 +184,7 @@ class WorkerMembership:
     def _admit(self, reg: pb.WorkerRegistration, lease_epoch: int) -> None:
         self._executor.add_worker(reg.worker_id, reg.address, lease_epoch)
         self._scheduler.add_worker(reg.worker_id, reg.num_blocks, reg.num_cpu_blocks)
-        self._members[reg.worker_id] = _Member(reg.instance_id, reg.address, lease_epoch, reg.heartbeat)
+        self._members[reg.worker_id] = _Member(reg.instance_id, reg.address, lease_epoch)
         log.info("worker %s (instance %s, lease epoch %d) at %s admitted with %d blocks (%d CPU blocks); %d worker(s) "
                  "now", reg.worker_id, reg.instance_id, lease_epoch, reg.address, reg.num_blocks, reg.num_cpu_blocks,
                  len(self._members))

@@ -277,13 +277,13 @@ def test_a_worker_whose_lease_was_lost_is_dropped_as_such_not_as_missing(client,
     assert s0.owned() == {"w0"}
     clock = Clock()
     members = WorkerMembership(Scheduler(SchedulerConfig()), Connections(), gone_after_s=5.0, clock=clock)
-    members.sync(s0.views[-1].workers, s0.views[-1].epochs)
+    members.sync(s0.views[-1])
     client.set(redis_keys.worker_owner_key("w0"), "s1")  # s0 was cut off; s1 owns w0 now
     client.set(redis_keys.worker_epoch_key("w0"), s0.views[-1].epochs["w0"] + 1)
     s0.watch.tick()
     with caplog.at_level(logging.INFO, logger="pagedserve"):
         for _ in range(3):
-            members.sync(s0.views[-1].workers, s0.views[-1].epochs)
+            members.sync(s0.views[-1])
             clock.now += 5.0
     dropped = [r.getMessage() for r in caplog.records if "worker w0 dropped" in r.getMessage()]
     assert len(dropped) == 1 and "lease" in dropped[0] and "missing" not in dropped[0], dropped

@@ -12,7 +12,8 @@ import redis
 from services.common import redis_keys
 from services.common.pb import engine_pb2 as pb
 from services.common.signed_records import RecordCheck, RecordKind, sign_record
-from services.scheduler.cluster import ClaimedEntries, ClusterView, ClusterWatch
+from services.scheduler.cluster import ClusterWatch
+from services.scheduler.commands import ClaimedEntries, ClusterView
 from services.scheduler.leases import Leases, OwnLeaseLost
 from services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
 from services.scheduler.worker_registry import WorkerRegistry

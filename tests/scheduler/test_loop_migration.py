@@ -16,7 +16,7 @@ from pagedserve.engine.scheduler import Scheduler
 from services.common.convert import request_to_pb
 from services.common.pb import engine_pb2 as pb
 from services.scheduler import request_table
-from services.scheduler.commands import GatewayBack, GatewayGone, NewEntries
+from services.scheduler.commands import ClaimedEntries, ClusterView, GatewayBack, GatewayGone, NewEntries
 from services.scheduler.config import SchedulerServiceConfig
 from services.scheduler.loop import SchedulerLoop
 from services.scheduler.queue_consumer import Delivery, QueueEntry
@@ -70,6 +70,10 @@ def next_batch(events: queue.SimpleQueue, timeout_s: float) -> pb.TokenEventBatc
         return events.get(timeout=timeout_s)
     except queue.Empty:
         return None
+
+
+def view_without_workers(peers_have_workers: bool) -> ClusterView:
+    return ClusterView({}, {}, peers_have_workers, read_at=time.monotonic())
 
 
 def test_a_request_dropped_for_an_unanswered_resume_query_ends_at_its_gateway(monkeypatch):
@@ -172,7 +176,6 @@ def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_l
     from concurrent.futures import Future
 
     from services.scheduler import loop as loop_module
-    from services.scheduler.cluster import ClaimedEntries, ClusterView
     from pagedserve.engine.messages import SequenceId
     from services.scheduler.commands import AbortSample, Resume
 
@@ -191,7 +194,7 @@ def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_l
         sched.loop.submit(Resume(pb.ResumeRequest(request_id="r", gateway_id="gw", num_migrations=1, samples=samples),
                                  resumed))
         assert resumed.result(5) is True
-        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))  # no worker here, a peer has one
+        sched.loop.submit(view_without_workers(peers_have_workers=True))  # no worker here, a peer has one
         while not sched.handed_off:
             threading.Event().wait(0.05)
         assert sched.handed_off == [b"r-0"]
@@ -209,14 +212,13 @@ def test_a_resume_query_withdrawn_while_its_gateway_was_away_is_not_delivered_wh
     (this scheduler answers the Resume with found=False). Queries of requests still waiting are
     sent again on every reconnect anyway (GatewayBack), so the queued ones need not be carried over."""
     from services.scheduler import loop as loop_module
-    from services.scheduler.cluster import ClusterView
 
     monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
     with Loop() as sched:
         generation, _ = sched.connect("gw")
         sched.loop.submit(NewEntries((entry("r", "gw", Delivery.REDELIVERED),)))
         sched.loop.submit(GatewayGone("gw", generation))  # the stream breaks before the query went out
-        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))
+        sched.loop.submit(view_without_workers(peers_have_workers=True))
         while not sched.handed_off:
             threading.Event().wait(0.05)
         _, events = sched.connect("gw")  # ... and comes back after the hand-off
@@ -247,13 +249,12 @@ def test_waiting_requests_fail_when_the_last_worker_fails_and_no_cluster_view_fo
     the request then waited for a worker for ever, and its client hung to its own deadline (5 of 16
     in the re-attack of issue #20). Without a worker for ``no_worker_timeout_s``, it must fail with
     UNAVAILABLE."""
-    from services.scheduler.cluster import ClusterView
 
     with Loop(no_worker_timeout_s=1.0) as sched:
         _, events = sched.connect("gw")
         dead = pb.WorkerRegistration(worker_id="w", address="127.0.0.1:1", num_blocks=64, block_size=16,
                                      instance_id="i")  # nothing listens there: its first step fails
-        sched.loop.submit(ClusterView({"w": dead}, {"w": 1}, False))
+        sched.loop.submit(ClusterView({"w": dead}, {"w": 1}, False, time.monotonic()))
         sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
         final = []
         for batch in iter(lambda: next_batch(events, 15), None):
@@ -273,19 +274,18 @@ def test_a_scheduler_without_workers_beside_a_peer_with_one_does_not_fail_a_requ
     cluster has been without workers for less than the timeout; the request is handed off once the peer
     announces its worker."""
     from services.scheduler import loop as loop_module
-    from services.scheduler.cluster import ClusterView
 
     monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
     with Loop(no_worker_timeout_s=1.0) as sched:
         _, events = sched.connect("gw")
-        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))  # the peer runs the only worker
+        sched.loop.submit(view_without_workers(peers_have_workers=True))  # the peer runs the only worker
         threading.Event().wait(1.5)  # longer than the timeout: no worker of its own all along
-        sched.loop.submit(ClusterView({}, {}, peers_have_workers=False))  # the worker killed
+        sched.loop.submit(view_without_workers(peers_have_workers=False))  # the worker killed
         sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))  # read before the peer's news
         batches = list(iter(lambda: next_batch(events, 0.5), None))
         failed = [e for b in batches for e in b.events if e.finish_reason]
         assert not failed, "failed though the cluster lost its worker 0.5 s ago"
-        sched.loop.submit(ClusterView({}, {}, peers_have_workers=True))  # the restarted worker, admitted by the peer
+        sched.loop.submit(view_without_workers(peers_have_workers=True))  # the restarted worker, admitted by the peer
         while not sched.handed_off:
             threading.Event().wait(0.05)
         assert sched.handed_off == [b"r-0"]
