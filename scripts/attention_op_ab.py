@@ -1,16 +1,16 @@
-"""Issue #23: the CPU decode attention op (``pagedserve/engine/attention/csrc``) at a git revision against
-the working tree's, alternated in one process (this machine's speed drifts up to 1.5x within minutes,
-so only a same-process A/B resolves a 10% change).
+"""Issue #23: the CPU decode attention op (``pagedserve/engine/attention/csrc``) at a git revision against the
+working tree's, alternated in one process (this machine's speed drifts up to 1.5x within minutes, so only a
+same-process A/B resolves a 10% change).
 
     python scripts/attention_op_ab.py --base fa39466 --num-seqs 256 --context-len 270 [--dtype bfloat16] [--kv-dtype bfloat16]
 
-The base revision's sources are built into the op cache under another library name
-(``pagedserve_cpu_base``), so both ops load side by side. A decode batch like `pagedserve bench
+The base revision's sources are built into the op cache under another library name (``pagedserve_cpu_base``,
+by ``pagedserve.bench.kernel_ab``), so both ops load side by side. A decode batch like `pagedserve bench
 attention-op`'s (``--num-seqs`` sequences of ``--context-len`` +-25% tokens, 9 query and 3 KV heads of 64,
 or ``--num-heads``/``--num-kv-heads``/``--head-dim``, shuffled blocks of 16, ``--layers`` caches called in
-turn so K/V come from DRAM) runs through each, three alternated rounds of ``--rounds``; printed: the
-largest difference between their outputs, each one's median milliseconds per call and K/V GB/s, and the
-ratio. A measurement, not a test.
+turn so K/V come from DRAM) runs through each, three alternated rounds of ``--rounds``; printed: the largest
+difference between their outputs, each one's median milliseconds per call and K/V GB/s, and the ratio. A
+measurement, not a test.
 """
 
 from __future__ import annotations
@@ -18,48 +18,22 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from pagedserve.bench.attention_op import median_ms
 from pagedserve.engine.attention import build_attention_metadata, compute_positions
-from pagedserve.engine.attention.cpu_op import SOURCE, kernel_defines, load_cpu_attention_op, load_cpu_library
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def base_op(revision: str, folder: Path):
-    """The op built from ``revision``'s ``attention/csrc`` files, registered as ``pagedserve_cpu_base``."""
-    csrc = SOURCE.parent.relative_to(ROOT)
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{revision}:{csrc}"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
-    for name in names:
-        text = subprocess.run(["git", "show", f"{revision}:{csrc}/{name}"], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout
-        if name == SOURCE.name:
-            text = text.replace("TORCH_LIBRARY(pagedserve_cpu,", "TORCH_LIBRARY(pagedserve_cpu_base,")
-            text = text.replace("TORCH_LIBRARY_IMPL(pagedserve_cpu,", "TORCH_LIBRARY_IMPL(pagedserve_cpu_base,")
-        (folder / name).write_text(text)
-    defines = kernel_defines()
-    if "PAGEDSERVE_PREFETCH_TO_L2" in defines:  # revisions before d87aad1 read it by its old name
-        defines += ("PAGEDSERVE_KEYS_TO_L2",)
-    if not load_cpu_library(folder / SOURCE.name, "attention_op_ab_base", f"the op at {revision}", "nothing",
-                            defines=defines):
-        raise SystemExit(f"the op at {revision} could not be built (see the warning above)")
-    return torch.ops.pagedserve_cpu_base.paged_attention
-
+from pagedserve.bench.kernel_ab import files_at, renamed_library
+from pagedserve.engine.attention.cpu_op import SOURCE, load_cpu_attention_op
 
 def both_ops(revision: str):
     """(the op at ``revision``, the working tree's op). Raises SystemExit when the tree's cannot be built."""
     new = load_cpu_attention_op()
     if new is None:
         raise SystemExit("the working tree's op could not be built (see the warning above)")
-    with tempfile.TemporaryDirectory() as folder:
-        return base_op(revision, Path(folder)), new
+    old = renamed_library(files_at(revision, SOURCE.parent), SOURCE, "pagedserve_cpu", "base", f"the op at {revision}")
+    return old.paged_attention, new
 
 
 def main() -> None:

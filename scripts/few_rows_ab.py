@@ -5,48 +5,27 @@ within minutes, so only a same-process A/B resolves a 10% change).
 
     python scripts/few_rows_ab.py --base HEAD [--rows 1,4,8,64,256] [--rounds 9]
 
-The base revision's source is built under another library name (``pagedserve_gemm_base``), so both load
-side by side. The default model's layers (fused QKV, output, fused gate-up and down of 30 layers and the LM
-head, random bfloat16 weights, 0.27 GB: each pass from DRAM) run at each ``--rows``: first every layer's
-outputs of both are compared bit for bit, then each side's median milliseconds per pass over ``--rounds`` rounds
-(the order reversing each round), its GB/s of weights read, and the speed-up. Exit status 2 when any
-output differs. A measurement, not a test.
+The base revision's source and headers are built under another library name (``pagedserve_gemm_base``, by
+``pagedserve.bench.kernel_ab``), so both load side by side. The default model's layers (fused QKV, output,
+fused gate-up and down of 30 layers and the LM head, random bfloat16 weights, 0.27 GB: each pass from DRAM)
+run at each ``--rows``: first every layer's outputs of both are compared bit for bit, then each side's median
+milliseconds per pass over ``--rounds`` rounds (the order reversing each round), its GB/s of weights read,
+and the speed-up. Exit status 2 when any output differs. A measurement, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from pagedserve.bench.gemm_rows import MODEL_GEMMS as MODEL_LAYERS
-from pagedserve.engine.attention.cpu_op import kernel_defines, load_cpu_library
+from pagedserve.bench.kernel_ab import files_at, renamed_library
+from pagedserve.engine.attention.cpu_op import kernel_defines
 from pagedserve.engine.models.onednn import FEW_ROWS_SOURCE, few_rows_available
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def base_ops(revision: str):
-    """``torch.ops.pagedserve_gemm_base``: the kernel built from ``revision``'s source."""
-    path = FEW_ROWS_SOURCE.resolve().relative_to(ROOT)
-    text = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, check=True, capture_output=True,
-                          text=True).stdout
-    renamed = text.replace("(pagedserve_gemm,", "(pagedserve_gemm_base,")
-    if renamed.count("(pagedserve_gemm_base,") != 2:
-        raise SystemExit(f"the kernel at {revision}: its TORCH_LIBRARY lines are not the ones this script renames")
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / FEW_ROWS_SOURCE.name).write_text(renamed)
-        if not load_cpu_library(Path(folder) / FEW_ROWS_SOURCE.name, "few_rows_ab_base", f"the kernel at {revision}",
-                                "nothing", defines=kernel_defines()):
-            raise SystemExit(f"the kernel at {revision} could not be built (see the warning above)")
-    return torch.ops.pagedserve_gemm_base
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +35,9 @@ def main() -> None:
     args = p.parse_args()
     if not few_rows_available():
         raise SystemExit("the working tree's kernel cannot run here (needs AVX512_BF16 and a C++ compiler)")
-    new, old = torch.ops.pagedserve_gemm, base_ops(args.base)
+    new = torch.ops.pagedserve_gemm
+    old = renamed_library(files_at(args.base, FEW_ROWS_SOURCE.parent), FEW_ROWS_SOURCE, "pagedserve_gemm", "base",
+                          f"the kernel at {args.base}")
     torch.manual_seed(0)
     layers = [new.pack_pairs((torch.randn(n, k) * k ** -0.5).to(torch.bfloat16)) for n, k in MODEL_LAYERS]
     weight_bytes = sum(n * k * 2 for n, k in MODEL_LAYERS)

@@ -1,56 +1,41 @@
-"""Issue #23: the panel GEMM (``models/csrc/panel_gemm_f32.cpp``) at a git revision against the working
-tree's: the same bits? how fast? Both built for this CPU and alternated in one process (this machine's
-speed drifts up to 1.5x within minutes, so only a same-process A/B resolves a 10% change).
+"""Issue #23: the panel GEMM (``models/csrc/panel_gemm_f32.cpp``) at a git revision against the working tree's:
+the same bits? how fast? Both built for this CPU and alternated in one process (this machine's speed drifts
+up to 1.5x within minutes, so only a same-process A/B resolves a 10% change).
 
     python scripts/panel_gemm_ab.py --base HEAD [--tree-isa avx2] [--rows 1,8,16,64,256] [--rounds 5]
 
-The base revision's source is built into the op cache under another library name
-(``pagedserve_panels_base``), so both load side by side; with ``--tree-isa avx2`` the working tree's is
-built as it is for a CPU without AVX-512 (``__AVX512F__`` undefined: its AVX2 block) under the name
-``pagedserve_panels_tree``. First every output of both is compared bit for bit, each side packing its
-own panels (and the panels compared too): weights of 9 shapes (a layer shape of the default model, widths
-that are not a multiple of 16, 7 panels, a depth of 1, a depth whose 257 rows take three passes), 1-257
-rows, with and without a bias; the count of cases that differ is printed (a change that should not touch
-the arithmetic, such as another register blocking or another instruction set, must print 0). Then the
-default model's layers (fused QKV, output, fused gate-up and down of 30 layers and the LM head, random
-weights, 0.54 GB: each pass from DRAM) at each ``--rows``: each side's median milliseconds per pass over
-``--rounds`` rounds (the order reversing each round), GFLOP/s, and the speed-up. Exit status 2 when any
-output differs. A measurement, not a test.
+The base revision's source and headers are built into the op cache under another library name
+(``pagedserve_panels_base``, by ``pagedserve.bench.kernel_ab``), so both load side by side; with
+``--tree-isa avx2`` the working tree's is built as it is for a CPU without AVX-512 (``__AVX512F__``
+undefined: its AVX2 block) under the name ``pagedserve_panels_tree``. First every output of both is compared
+bit for bit, each side packing its own panels (and the panels compared too): weights of 9 shapes (a layer
+shape of the default model, widths that are not a multiple of 16, 7 panels, a depth of 1, a depth whose 257
+rows take three passes), 1-257 rows, with and without a bias; the count of cases that differ is printed (a
+change that should not touch the arithmetic, such as another register blocking or another instruction set,
+must print 0). Then the default model's layers (fused QKV, output, fused gate-up and down of 30 layers and
+the LM head, random weights, 0.54 GB: each pass from DRAM) at each ``--rows``: each side's median
+milliseconds per pass over ``--rounds`` rounds (the order reversing each round), GFLOP/s, and the speed-up.
+Exit status 2 when any output differs. A measurement, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from pagedserve.bench.gemm_rows import MODEL_GEMMS as MODEL_LAYERS
-from pagedserve.engine.attention.cpu_op import kernel_defines, load_cpu_library
+from pagedserve.bench.kernel_ab import files_at, files_in_tree, renamed_library
+from pagedserve.engine.attention.cpu_op import kernel_defines
 from pagedserve.engine.models.panel_gemm import SOURCE, panel_shape, panels_available
 
-ROOT = Path(__file__).resolve().parents[1]
 IDENTITY_SHAPES = ((960, 576), (576, 1536), (49, 64), (40, 601), (1, 300), (33, 1), (1536, 576), (112, 64),
                    (40, 8192))
 """(out, in) of the weights whose outputs are compared."""
 IDENTITY_ROWS = (1, 2, 5, 6, 7, 11, 12, 13, 25, 64, 160, 257)
-
-
-def renamed_ops(text: str, name: str, what: str, folder: Path, prefix: str = ""):
-    """``torch.ops.pagedserve_panels_<name>``: the GEMM built from the source ``text`` (after ``prefix``)."""
-    renamed = text.replace("TORCH_LIBRARY(pagedserve_panels,", f"TORCH_LIBRARY(pagedserve_panels_{name},")
-    renamed = renamed.replace("TORCH_LIBRARY_IMPL(pagedserve_panels,", f"TORCH_LIBRARY_IMPL(pagedserve_panels_{name},")
-    if renamed.count(f"pagedserve_panels_{name},") != 2:
-        raise SystemExit(f"{what}: its TORCH_LIBRARY lines are not the ones this script renames")
-    (folder / SOURCE.name).write_text(prefix + renamed)
-    if not load_cpu_library(folder / SOURCE.name, f"panel_gemm_ab_{name}", what, "nothing", defines=kernel_defines()):
-        raise SystemExit(f"{what} could not be built (see the warning above)")
-    return getattr(torch.ops, f"pagedserve_panels_{name}")
 
 
 def count_differences(old, new) -> int:
@@ -84,14 +69,11 @@ def main() -> None:
     if not panels_available():
         raise SystemExit("the working tree's GEMM cannot run here (needs AVX2, FMA and a C++ compiler)")
     new = torch.ops.pagedserve_panels
-    base_path = SOURCE.resolve().relative_to(ROOT)
-    base_text = subprocess.run(["git", "show", f"{args.base}:{base_path}"], cwd=ROOT, check=True, capture_output=True,
-                               text=True).stdout
-    with tempfile.TemporaryDirectory() as folder:
-        old = renamed_ops(base_text, "base", f"the GEMM at {args.base}", Path(folder))
+    old = renamed_library(files_at(args.base, SOURCE.parent), SOURCE, "pagedserve_panels", "base",
+                          f"the GEMM at {args.base}")
     if args.tree_isa == "avx2":
-        with tempfile.TemporaryDirectory() as folder:
-            new = renamed_ops(SOURCE.read_text(), "tree", "the working tree's GEMM without AVX-512", Path(folder),
+        new = renamed_library(files_in_tree(SOURCE.parent), SOURCE, "pagedserve_panels", "tree",
+                              "the working tree's GEMM without AVX-512",
                               "#undef __AVX512F__  // panel_gemm_ab.py --tree-isa avx2\n")
     torch.manual_seed(0)
     differ = count_differences(old, new)
