@@ -154,6 +154,8 @@ first_tokens() {
   grep -q '^data: {' "$WORK/http.txt" && grep -q '^data: \[DONE\]' "$WORK/http.txt" \
     || { echo "the HTTP stream is not a complete server-sent event stream"; exit 1; }
   timed "first token, HTTP (8 tokens)" "$t"
+  # a kernel the image could not build leaves the worker on a slower fallback with only a warning
+  ! dc logs worker 2>&1 | grep "could not be built" || { echo "a kernel did not build in the image"; exit 1; }
 }
 
 requests_per_scheduler() {  # requests each scheduler has seen go through its waiting phase

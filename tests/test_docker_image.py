@@ -83,6 +83,22 @@ def test_the_run_time_stage_has_no_compiler_and_the_op_is_built_outside_the_mode
                for op, arg in build if op == "RUN")
 
 
+def test_every_kernel_source_and_header_is_package_data():
+    """The image installs the project (`pip install .`, not editable): a header missing from the package data
+    (models/csrc/l2_prefetch.h was, after a99da5e) fails its kernels' builds there, and the worker falls back
+    to slower GEMMs with only a warning."""
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    tracked = subprocess.run(["git", "ls-files", "pagedserve", "services", "pagedserve_kernels"], cwd=ROOT,
+                             check=True, capture_output=True, text=True).stdout.split()
+    runtime_files = [Path(f) for f in tracked if Path(f).suffix not in (".py", ".pyi")]
+    assert any(f.suffix == ".h" for f in runtime_files)
+    folders = {Path(*package.split(".")): patterns for package, patterns in package_data.items()}
+    unpackaged = [str(f) for f in runtime_files
+                  if not any(f.relative_to(folder).match(pattern) for folder, patterns in folders.items()
+                             if f.is_relative_to(folder) for pattern in patterns)]
+    assert unpackaged == []
+
+
 def test_the_cpu_image_leaves_triton_out():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not any(dep.startswith("triton") for dep in project["dependencies"])
