@@ -8,9 +8,9 @@ The base revision's sources are built into the op cache under another library na
 by ``pagedserve.bench.kernel_ab``), so both ops load side by side. A decode batch like `pagedserve bench
 attention-op`'s (``--num-seqs`` sequences of ``--context-len`` +-25% tokens, 9 query and 3 KV heads of 64,
 or ``--num-heads``/``--num-kv-heads``/``--head-dim``, shuffled blocks of 16, ``--layers`` caches called in
-turn so K/V come from DRAM) runs through each, three alternated rounds of ``--rounds``; printed: the largest
-difference between their outputs, each one's median milliseconds per call and K/V GB/s, and the ratio. A
-measurement, not a test.
+turn so K/V come from DRAM, allocated as a worker's are) runs through each, three alternated rounds of
+``--rounds``; printed: the largest difference between their outputs, each one's median milliseconds per call
+and K/V GB/s, and the ratio. A measurement, not a test.
 """
 
 from __future__ import annotations
@@ -23,9 +23,11 @@ import time
 import torch
 
 from pagedserve.bench.attention_op import median_ms
-from pagedserve.engine.attention import build_attention_metadata, compute_positions
 from pagedserve.bench.kernel_ab import files_at, renamed_library
+from pagedserve.engine.attention import build_attention_metadata, compute_positions
 from pagedserve.engine.attention.cpu_op import SOURCE, load_cpu_attention_op
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, to_cache_dtype
+
 
 def both_ops(revision: str):
     """(the op at ``revision``, the working tree's op). Raises SystemExit when the tree's cannot be built."""
@@ -63,8 +65,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     query = torch.randn(args.num_seqs, args.num_heads, args.head_dim, generator=g).to(q_dtype)
     shape = (sum(blocks), 16, args.num_kv_heads, args.head_dim)
-    caches = [(torch.randn(shape, generator=g).to(kv_dtype), torch.randn(shape, generator=g).to(kv_dtype))
-              for _ in range(args.layers)]
+    kv_cache = KVCache(KVCacheSpec(args.layers, args.num_kv_heads, args.head_dim, 16, kv_dtype), sum(blocks))
+    for layer in kv_cache.key_caches + kv_cache.value_caches:  # a worker's memory: 2 MiB pages where Linux gives them
+        layer.copy_(to_cache_dtype(torch.randn(shape, generator=g), kv_dtype))
+    caches = [kv_cache.layer(i) for i in range(args.layers)]
     outs = {}
     for name, op in (("base", old), ("tree", new)):
         out = torch.empty_like(query)

@@ -27,6 +27,7 @@ from pagedserve.bench.kernel_ab import files_at, renamed_library
 from pagedserve.engine.attention.cpu_op import kernel_defines
 from pagedserve.engine.models.onednn import FEW_ROWS_SOURCE, few_rows_available
 
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the git revision to compare the working tree's kernel with")
