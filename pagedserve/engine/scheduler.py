@@ -2,32 +2,32 @@
 
 Each iteration, per worker: decodes first, then the next chunks of chunked prefills (sized so the
 step stays within ``max_decode_slowdown`` times the decodes' own time: ``step_cost``); when blocks
-run out, the last running sequence in the policy's order is preempted (recompute, or swap to CPU).
-Then swapped-out sequences come back, and waiting ones are admitted in the policy's order onto the
-worker that holds most of their prompt's prefix, balanced against its load (``worker_pool``),
-under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
+run out, the last running sequence in the policy's order is preempted (recompute, or swap to CPU):
+``running_schedule``. Then swapped-out sequences come back, and waiting ones are admitted in the
+policy's order onto the worker that holds most of their prompt's prefix, balanced against its load
+(``worker_pool``), under ``max_num_seqs`` and the ``max_num_batched_tokens`` budget.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Collection, Mapping, Sequence as Seq
 
 from pagedserve.engine.admission import AdmissionHeadroom
 from pagedserve.engine.block_manager import NO_PREFIX
-from pagedserve.engine.config import PreemptionMode, SchedulerConfig, SchedulerStats
-from pagedserve.engine.messages import (CachedRequestData, EngineRequest, FinishReason, RequestError, ResumedSample,
-                                        SampledToken, SequenceId, StepResult)
+from pagedserve.engine.config import SchedulerConfig, SchedulerStats
+from pagedserve.engine.messages import (EngineRequest, FinishReason, RequestError, ResumedSample, SampledToken,
+                                        SequenceId, StepResult)
 from pagedserve.engine.outputs import RequestOutput, SchedulerOutput
 from pagedserve.engine.limits import LOST_TOKEN_ERROR, grammar_failure, num_new_tokens, worker_loss_error
 from pagedserve.engine.policy import POLICIES
 from pagedserve.engine.requests_in_flight import RequestsInFlight
+from pagedserve.engine.running_schedule import RunningSchedule
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
-from pagedserve.engine.spec_decode.lookahead import lookahead_slots, settle_drafts, waits_for_answer
+from pagedserve.engine.spec_decode.lookahead import settle_drafts
 from pagedserve.engine.worker_pool import WorkerPool
-from pagedserve.engine.worker_state import PlanDraft, WorkerState
+from pagedserve.engine.worker_state import PlanDraft
 
 
 class Scheduler:
@@ -47,13 +47,12 @@ class Scheduler:
         # drafts verified and accepted so far (None: this scheduler does not speculate)
         k = speculative.num_lookahead_tokens
         self.spec_decode = SpecDecodeCounters.zero(k) if k else None
-        self._policy = POLICIES[config.policy]
+        policy = POLICIES[config.policy]
         self._workers = WorkerPool(config)
-        self._requests = RequestsInFlight(self._policy)
+        self._requests = RequestsInFlight(policy)
         self._outputs: list[RequestOutput] = []  # made while scheduling, returned by schedule()
         self._step_id = 0
-        self._num_preemptions = 0
-        self._num_swap_preemptions = 0
+        self._running = RunningSchedule(config, k, policy, self._workers, self._requests)
         self._headroom = AdmissionHeadroom(config.admission_headroom)
 
     # ---- workers -------------------------------------------------------------------------
@@ -73,7 +72,7 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         for seq in lost:
             seq.num_worker_losses += 1
-            self._requeue(seq)
+            self._running.requeue(seq)
             if (error := worker_loss_error(seq)) is not None:
                 outputs += self.abort_sample(seq.seq_id, error)
         return outputs
@@ -154,14 +153,15 @@ class Scheduler:
         """Decides what runs next on each of ``worker_ids`` (unknown ids are ignored), with which
         blocks; waiting requests are admitted onto these workers only."""
         self._step_id += 1
-        num_preemptions = self._num_preemptions
+        num_preemptions = self._running.num_preemptions
         drafts = self._workers.new_drafts(worker_ids)
         for worker_id, draft in drafts.items():
             worker = self._workers[worker_id]
-            self._schedule_running(worker, draft)
+            if (fills_cache := self._running.schedule(worker, draft)) is not None:
+                self._out_of_memory(fills_cache)  # alone, and the whole cache is its: like the end of the context
             worker.swap_in(draft, self.config.max_num_seqs)
         self._schedule_waiting(drafts)
-        self._headroom.end_iteration(self._num_preemptions - num_preemptions)
+        self._headroom.end_iteration(self._running.num_preemptions - num_preemptions)
         plans = self._workers.take_plans(drafts)
         outputs, self._outputs = tuple(self._outputs), []
         return SchedulerOutput(plans, outputs)
@@ -203,43 +203,10 @@ class Scheduler:
         return self._workers.cached_digests()
 
     def stats(self) -> SchedulerStats:
-        return self._workers.stats(self._requests.num_waiting, self._step_id, self._num_preemptions,
-                                   self._num_swap_preemptions, self.spec_decode)
+        return self._workers.stats(self._requests.num_waiting, self._step_id, self._running.num_preemptions,
+                                   self._running.num_swap_preemptions, self.spec_decode)
 
     # ---- policy pieces -------------------------------------------------------------------
-    def _schedule_running(self, worker: WorkerState, draft: PlanDraft) -> None:
-        """Decodes first, then prefill chunks, each in the policy's order; preempts from the back.
-        A sequence whose tokens in flight must be known first (``Sequence.can_run_ahead``, or to
-        speculate: ``lookahead.waits_for_answer``) waits."""
-        k = self.speculative.num_lookahead_tokens
-        ordered = [s for s in self._policy.running_order(worker.running)
-                   if s.can_run_ahead() and not waits_for_answer(s, k)]
-        queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] +
-                      [s for s in ordered if s.num_uncomputed_tokens > 1])
-        while queue and draft.token_budget > 0:
-            seq = queue.popleft()
-            num_new = num_new_tokens(seq, draft, self.config)
-            if num_new == 0:
-                continue
-            lookahead = lookahead_slots(seq, num_new, k, worker.blocks, draft.token_budget)
-            total = seq.num_computed_tokens + num_new + lookahead
-            needed = worker.blocks.num_new_blocks(seq.seq_id, total)
-            while needed > worker.blocks.num_free_blocks:
-                if not queue and len(worker.running) == 1:
-                    if not seq.num_tokens_in_flight:  # else its last token may still end it: ask again then
-                        self._out_of_memory(seq)  # alone, and the whole cache is its: like the end of the context
-                    break
-                victim = queue.pop() if queue else seq
-                self._preempt(worker, victim, draft)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING or needed > worker.blocks.num_free_blocks:
-                continue
-            new_block_ids = worker.blocks.allocate_blocks(seq.seq_id, needed) if needed else ()
-            draft.cached_requests.append(
-                CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new, lookahead))
-            worker.advance(seq, num_new, draft, lookahead)
-
     def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
         """Admits waiting sequences in the policy's order until one does not fit, with room left for the
         running sequences' growth (``admission``)."""
@@ -304,22 +271,6 @@ class Scheduler:
         self._finish(seq, FinishReason.LENGTH)
         self._outputs.append(RequestOutput(request_id=seq.request_id, first_output_index=seq.num_output_tokens,
                                            finish_reason=FinishReason.LENGTH, sample_index=seq.sample_index))
-
-    def _preempt(self, worker: WorkerState, seq: Sequence, draft: PlanDraft) -> None:
-        """Takes a running sequence's blocks back: swap when asked and possible, else recompute."""
-        self._num_preemptions += 1
-        seq.num_preemptions += 1
-        draft.preempted = True  # no admissions on this worker in this iteration
-        if self.config.preemption_mode is PreemptionMode.SWAP and worker.blocks.can_swap_out(seq.seq_id):
-            self._num_swap_preemptions += 1
-            worker.swap_out(seq, draft)
-            return
-        self._requeue(seq)
-
-    def _requeue(self, seq: Sequence) -> None:
-        """Recompute preemption: frees the blocks; the sequence waits ahead of later arrivals."""
-        self._workers.release(seq)
-        self._requests.requeue(seq)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """Marks a sequence finished and frees its blocks in this iteration."""

@@ -57,8 +57,9 @@ def test_a_sequence_preempted_with_a_token_in_flight_gets_it_and_resumes_exactly
     for r in reqs:
         engine.add_request(r)
     in_flight_when_preempted = []
-    requeue = engine.scheduler._requeue
-    engine.scheduler._requeue = lambda seq: (in_flight_when_preempted.append(seq.num_tokens_in_flight), requeue(seq))
+    running = engine.scheduler._running
+    requeue = running.requeue
+    running.requeue = lambda seq: (in_flight_when_preempted.append(seq.num_tokens_in_flight), requeue(seq))
     got = run(engine)
     assert in_flight_when_preempted and max(in_flight_when_preempted) == 1
     for r in reqs:

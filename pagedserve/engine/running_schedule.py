@@ -1,0 +1,110 @@
+"""The running sequences' share of one worker's iteration, and preemption.
+
+Decodes first, then the next chunks of chunked prefills, each group in the policy's order, under the
+step's token budget (Sarathi-Serve's stall-free batching). When the worker's blocks run out, the last
+running sequence in that order is preempted (vLLM, Kwon et al. 2023, §4.5): by recompute (its blocks are
+freed; it waits ahead of later arrivals and is prefilled again) or by swap (``--preemption-mode swap``:
+its blocks go to the worker's CPU blocks and come back later; recompute when they run out).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pagedserve.engine.config import PreemptionMode, SchedulerConfig
+from pagedserve.engine.limits import num_new_tokens
+from pagedserve.engine.messages import CachedRequestData
+from pagedserve.engine.policy import Policy
+from pagedserve.engine.requests_in_flight import RequestsInFlight
+from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.spec_decode.lookahead import lookahead_slots, waits_for_answer
+from pagedserve.engine.worker_pool import WorkerPool
+from pagedserve.engine.worker_state import PlanDraft, WorkerState
+
+
+class RunningSchedule:
+    """Schedules the running sequences of the workers in ``workers`` (requeueing preempted ones into
+    ``requests``); ``num_lookahead_tokens`` is speculative decoding's k (0: no speculation).
+
+    Attributes:
+        num_preemptions: sequences preempted so far, either way.
+        num_swap_preemptions: those of them swapped out.
+    """
+
+    def __init__(self, config: SchedulerConfig, num_lookahead_tokens: int, policy: Policy, workers: WorkerPool,
+                 requests: RequestsInFlight) -> None:
+        self.config = config
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self._policy = policy
+        self._workers = workers
+        self._requests = requests
+        self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+
+    def schedule(self, worker: WorkerState, draft: PlanDraft) -> Sequence | None:
+        """Decodes first, then prefill chunks, each in the policy's order; preempts from the back.
+        A sequence whose tokens in flight must be known first (``Sequence.can_run_ahead``, or to
+        speculate: ``lookahead.waits_for_answer``) waits.
+
+        Returns:
+            The sequence alone on the worker whose blocks fill its whole cache, with no token in flight:
+            it is to end with reason ``length``, as at the end of the context. None if there is none.
+        """
+        k = self.num_lookahead_tokens
+        ordered = [s for s in self._policy.running_order(worker.running)
+                   if s.can_run_ahead() and not waits_for_answer(s, k)]
+        queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] +
+                      [s for s in ordered if s.num_uncomputed_tokens > 1])
+        while queue and draft.token_budget > 0:
+            seq = queue.popleft()
+            num_new = num_new_tokens(seq, draft, self.config)
+            if num_new == 0:
+                continue
+            lookahead = lookahead_slots(seq, num_new, k, worker.blocks, draft.token_budget)
+            total = seq.num_computed_tokens + num_new + lookahead
+            needed = worker.blocks.num_new_blocks(seq.seq_id, total)
+            if not self._make_room(worker, seq, needed, queue, draft):
+                # alone, and nothing left to preempt (the queue is empty: this is the pass's last sequence)
+                return None if seq.num_tokens_in_flight else seq  # its last token in flight may still end it
+            if seq.status is not SequenceStatus.RUNNING or needed > worker.blocks.num_free_blocks:
+                continue
+            new_block_ids = worker.blocks.allocate_blocks(seq.seq_id, needed) if needed else ()
+            draft.cached_requests.append(
+                CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new, lookahead))
+            worker.advance(seq, num_new, draft, lookahead)
+        return None
+
+    def _make_room(self, worker: WorkerState, seq: Sequence, needed: int, queue: deque[Sequence],
+                   draft: PlanDraft) -> bool:
+        """Preempts for ``seq`` until ``needed`` of ``worker``'s blocks are free: the sequences still to
+        be scheduled after it (``queue``), last first, then ``seq`` itself.
+
+        Returns:
+            False if ``seq`` is alone on the worker and still does not fit; else True: it fits, or it
+            was preempted itself (its status says so).
+        """
+        while needed > worker.blocks.num_free_blocks:
+            if not queue and len(worker.running) == 1:
+                return False
+            victim = queue.pop() if queue else seq
+            self._preempt(worker, victim, draft)
+            if victim is seq:
+                break
+        return True
+
+    def _preempt(self, worker: WorkerState, seq: Sequence, draft: PlanDraft) -> None:
+        """Takes a running sequence's blocks back: swap when asked and possible, else recompute."""
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        draft.preempted = True  # no admissions on this worker in this iteration
+        if self.config.preemption_mode is PreemptionMode.SWAP and worker.blocks.can_swap_out(seq.seq_id):
+            self.num_swap_preemptions += 1
+            worker.swap_out(seq, draft)
+            return
+        self.requeue(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """Recompute preemption (also of a lost worker's sequences): frees the blocks; the sequence
+        waits ahead of later arrivals."""
+        self._workers.release(seq)
+        self._requests.requeue(seq)
