@@ -6,21 +6,20 @@ Every validation error is an ``InvalidRequestError`` whose field name is spelled
 
 from __future__ import annotations
 
-import json
-
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
 
-from pagedserve.engine.model_info import ModelInfo, load_model_info
+from pagedserve.engine.model_info import ModelInfo
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.chat_encoding import ChatEncoder, ChatPromptMode
 from pagedserve.text.request_limits import RequestLimits, check_count, check_text_bytes
 from pagedserve.text.token_text import TokenBytes, text_offsets
+from pagedserve.text.tokenizer_loading import file_stamps, load_prompt_tokenizer
 from pagedserve.text.tool_calls import FunctionTool, ToolCall
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -73,46 +72,6 @@ class ChatTurn:
             raise InvalidRequestError(f"{field}.tool_call_id", "a tool message must give the id of the call it answers")
         if self.tool_call_id and self.role != "tool":
             raise InvalidRequestError(f"{field}.tool_call_id", f"only a tool message answers a call, not {self.role!r}")
-
-
-PLAIN_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
-"""``tokenizer_class`` values of a folder whose tokenizer is its ``tokenizer.json`` as it stands."""
-
-
-def _tokenizer_loader(folder: Path) -> Any:
-    """The transformers class that loads ``folder``'s tokenizer: ``TokenizersBackend`` when its
-    ``tokenizer_config.json`` names a plain ``tokenizer.json`` tokenizer (what AutoTokenizer would
-    pick, without importing the model configuration code and torch: about 1 s of CPU instead of
-    4 s in every gateway start), else ``AutoTokenizer``."""
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        config = {}
-    if isinstance(config, dict) and config.get("tokenizer_class") in PLAIN_TOKENIZER_CLASSES \
-            and (folder / "tokenizer.json").is_file():
-        from transformers import TokenizersBackend  # heavy imports, kept off module import
-
-        return TokenizersBackend
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer
-
-
-def _file_stamps(folder: Path) -> tuple[tuple[str, int, int], ...]:
-    """(name, mtime ns, size) of the folder's files a tokenizer or model facts are read from."""
-    files = sorted(p for p in folder.iterdir() if p.suffix in {".json", ".jinja", ".txt", ".model"}) \
-        if folder.is_dir() else []
-    return tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)
-
-
-@lru_cache(maxsize=8)  # a few folders a process (tests make many tiny models: the oldest are let go)
-def _load_prompt_tokenizer(cls: type[PromptTokenizer], folder: Path, limits: RequestLimits,
-                           stamps: tuple[tuple[str, int, int], ...]) -> PromptTokenizer:
-    """:meth:`PromptTokenizer.from_folder`'s load, memoized by folder, limits and file stamps (a
-    failed load raises and is not kept)."""
-    info = load_model_info(folder)
-    tokenizer = _tokenizer_loader(folder).from_pretrained(str(folder), local_files_only=True)
-    return cls(tokenizer, info, limits)
 
 
 def _rust_decoder(tokenizer: Any) -> Any | None:
@@ -175,7 +134,7 @@ class PromptTokenizer:
             OSError: the folder has no tokenizer files.
         """
         folder = Path(path).resolve()
-        return _load_prompt_tokenizer(cls, folder, limits, _file_stamps(folder))
+        return load_prompt_tokenizer(cls, folder, limits, file_stamps(folder))
 
     @property
     def hf_tokenizer(self) -> Any:
