@@ -45,7 +45,7 @@ def _stop_on_signals() -> threading.Event:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """`pagedserve up`: the whole stack as child processes."""
-    from pagedserve.launcher import StackConfig
+    from pagedserve.stack_config import StackConfig
     from pagedserve.stack_ports import apply_port_offset
     from pagedserve.up import run_stack
 
@@ -116,7 +116,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 def _add_up(sub) -> None:
     """``up``, its flags made from ``StackConfig``."""
-    from pagedserve.launcher import StackConfig
+    from pagedserve.stack_config import StackConfig
     from pagedserve.stack_ports import PORT_OFFSET_HELP
 
     up = sub.add_parser("up", help="start Redis (if needed), the scheduler, workers and the gateway",

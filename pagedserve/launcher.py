@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -11,27 +10,18 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from urllib.parse import urlparse
 
 import grpc
 
-from services.common.auth import api_key_option, cluster_channel, cluster_token_option
+from services.common.auth import cluster_channel
 from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc
 from pagedserve.config_flags import config_to_argv
-from pagedserve.engine.config import CPU_TOKEN_BUDGET, SchedulerConfig
-from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
-from pagedserve.engine.spec_decode.config import SpeculativeConfig
-from pagedserve.model_files import default_cache_dir
 from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
-from pagedserve.options import nested, option
-from pagedserve.stack_ports import Port
-from services.common.service_args import (
-    DEFAULT_HTTP_PORT, DEFAULT_PORT, model_option, redact_url, redis_url_option,
-)
+from pagedserve.stack_config import StackConfig
+from services.common.service_args import redact_url
 
 
 STOP_TIMEOUT_S = 15.0
@@ -48,86 +38,6 @@ class LaunchError(RuntimeError):
 
 class StartStopped(LaunchError):
     """A stop was requested (Ctrl-C) before the stack was up."""
-
-
-@dataclass(frozen=True)
-class StackConfig:
-    """What `pagedserve up` starts: the services' configs composed (the option fields are its flags,
-    documented by their help; ``redis_url``, ``cluster_token`` and ``api_key`` reach the children
-    through the environment, so `ps` does not show them).
-
-    Attributes:
-        data_dir: where a Redis started by us keeps its append-only file; None: ``redis-<port>`` in
-            ``pagedserve.model_files.default_cache_dir()``.
-        startup_timeout_s: how long to wait for everything to be healthy, seconds.
-        redis_password: password of a Redis started by us when ``redis_url`` has none (default: a
-            new random one); written to ``redis_password_file`` for other clients.
-    """
-
-    model: Path = model_option()
-    redis_url: str = redis_url_option()
-    cluster_token: str = cluster_token_option("default: a new random one")
-    api_key: str = api_key_option()
-    workers: int = option("number of worker processes", 1)
-    schedulers: int = option("number of scheduler processes: each owns some workers, and the others take over "
-                             "the requests and workers of one that dies", 1)
-    host: str = option("gateway listen address; 0.0.0.0 serves other machines too", "127.0.0.1")
-    port: int = option("gateway gRPC port", DEFAULT_PORT)
-    http_port: int = option("gateway OpenAI-compatible HTTP API port", DEFAULT_HTTP_PORT)
-    scheduler_port: int = option("port of the first scheduler; scheduler i listens on PORT+i", 50052)
-    metrics_port: int = option("Prometheus /metrics of the gateway at PORT (on --host), scheduler i at PORT+1+i and "
-                               "worker i after them, on 127.0.0.1 (with one scheduler: PORT+2+i); 0: none", 9450,
-                               metavar="PORT")
-    threads_per_worker: int = option("torch threads per worker; each worker gets its own cores when they fit", 0,
-                                     default_help="CPU cores / workers")
-    policy: SchedulerConfig = nested("scheduling (per worker and iteration)",
-                                     SchedulerConfig(max_num_batched_tokens=CPU_TOKEN_BUDGET))  # CPU workers
-    runner: RunnerConfig = nested("the workers' model runners", RunnerConfig(kv_cache_memory=DEFAULT_KV_CACHE_MEMORY),
-                                  exclude=("dtype", "device", "attention_backend", "gpu_memory_utilization"))
-    speculative_config: SpeculativeConfig = nested("speculative decoding (passed to the schedulers and the workers)",
-                                                   SpeculativeConfig())
-    data_dir: Path | None = None
-    startup_timeout_s: float = 600.0
-    redis_password: str = field(default_factory=lambda: secrets.token_hex(24), repr=False)
-
-    def __post_init__(self) -> None:
-        if self.workers < 1 or self.schedulers < 1:
-            raise ValueError(f"--workers and --schedulers must be at least 1, got {self.workers}, {self.schedulers}")
-        if not self.cluster_token:
-            object.__setattr__(self, "cluster_token", secrets.token_hex(32))
-        if self.data_dir is None:
-            port = urlparse(self.redis_url).port or 6379
-            object.__setattr__(self, "data_dir", default_cache_dir() / f"redis-{port}")
-        if not self.threads_per_worker:
-            object.__setattr__(self, "threads_per_worker", default_threads_per_worker(self.workers))
-        if not 0 <= self.scheduler_port <= 65535 - self.schedulers:
-            raise ValueError(f"--scheduler-port must leave room for {self.schedulers} ports, got {self.scheduler_port}")
-        if not 0 <= self.metrics_port <= 65535 - 1 - self.schedulers - self.workers:
-            raise ValueError(f"--metrics-port must leave room for {self.workers + self.schedulers + 1} ports, "
-                             f"got {self.metrics_port}")
-
-    def scheduler_addresses(self) -> dict[str, str]:
-        """Scheduler name (also its --consumer-name) -> host:port."""
-        return {f"scheduler-{i}": f"127.0.0.1:{self.scheduler_port + i}" for i in range(self.schedulers)}
-
-    @property
-    def redis_password_file(self) -> Path:
-        """Where a Redis started by us with ``redis_password`` has it written (readable by this user only)."""
-        return self.data_dir / "redis-password"
-
-    def listen_ports(self) -> list[Port]:
-        """Every port the stack's services listen on (Redis aside)."""
-        ports = [Port("gateway gRPC", self.host, self.port), Port("gateway HTTP", self.host, self.http_port)]
-        ports += [Port(f"scheduler-{i}", "127.0.0.1", self.scheduler_port + i) for i in range(self.schedulers)]
-        return ports + [Port(f"{name} metrics", self.host if name == "gateway" else "127.0.0.1", port)
-                        for name, port in self.metrics_ports().items()]
-
-    def metrics_ports(self) -> dict[str, int]:
-        """Service name -> its ``/metrics`` port (empty when metrics are off)."""
-        if not self.metrics_port:
-            return {}
-        names = ["gateway", *self.scheduler_addresses(), *(f"worker-{i}" for i in range(self.workers))]
-        return {name: self.metrics_port + i for i, name in enumerate(names)}
 
 
 class Stack:
@@ -302,8 +212,3 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def default_threads_per_worker(workers: int) -> int:
-    """Torch threads of each of ``workers`` workers on this machine: its cores shared out, at least 1."""
-    return max(1, (os.cpu_count() or 1) // workers)

@@ -7,7 +7,8 @@ import sys
 import threading
 from urllib.parse import urlparse
 
-from pagedserve.launcher import LaunchError, Stack, StackConfig, StartStopped
+from pagedserve.launcher import LaunchError, Stack, StartStopped
+from pagedserve.stack_config import StackConfig
 from pagedserve.stack_ports import check_ports
 
 

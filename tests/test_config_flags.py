@@ -53,7 +53,7 @@ def test_a_command_line_builds_only_its_commands_flags():
     import subprocess
     import sys
 
-    others = ("pagedserve.launcher", "pagedserve.bench.cli", "services.gateway.config")
+    others = ("pagedserve.launcher", "pagedserve.stack_config", "pagedserve.bench.cli", "services.gateway.config")
     code = ("import sys; from pagedserve.cli import build_parser; build_parser('worker').parse_args(['worker']); "
             f"print([m for m in {others!r} if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

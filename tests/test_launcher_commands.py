@@ -10,7 +10,8 @@ from pagedserve.config_flags import config_from_args
 from pagedserve.engine.config import CompileMode, GemmBackend, SchedulerConfig
 from pagedserve.engine.runner_config import EngineConfig, RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
-from pagedserve.launcher import STOP_TIMEOUT_S, Stack, StackConfig
+from pagedserve.launcher import STOP_TIMEOUT_S, Stack
+from pagedserve.stack_config import StackConfig
 from pagedserve.llm import offline_config
 from services.gateway.config import SHUTDOWN_CLOSE_S
 

@@ -9,7 +9,8 @@ from urllib.parse import urlparse
 import pytest
 
 from pagedserve.cli import build_parser
-from pagedserve.launcher import LaunchError, Stack, StackConfig
+from pagedserve.launcher import LaunchError, Stack
+from pagedserve.stack_config import StackConfig
 from pagedserve.local_redis import redis_settings
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.runner_config import RunnerConfig

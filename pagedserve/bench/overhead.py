@@ -148,7 +148,8 @@ def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Name
                  plans_in_flight: list[int]) -> dict:
     """Starts a stack (Redis, scheduler, one worker, gateway) and an in-process engine per value of
     ``plans_in_flight``; measures them all in turns. Sides are named ``stack/N`` and ``engine/N``."""
-    from pagedserve.launcher import Stack, StackConfig, free_port
+    from pagedserve.launcher import Stack, free_port
+    from pagedserve.stack_config import StackConfig
 
     stacks, sides = [], {}
     with tempfile.TemporaryDirectory() as data_dir:
@@ -173,7 +174,7 @@ def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Name
 
 
 def _threads(args: argparse.Namespace) -> int:
-    from pagedserve.launcher import default_threads_per_worker
+    from pagedserve.stack_config import default_threads_per_worker
 
     cores = os.cpu_count() or 1
     if args.threads_per_worker > cores:

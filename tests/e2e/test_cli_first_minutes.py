@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve.cli import build_parser
-from pagedserve.launcher import StackConfig
+from pagedserve.stack_config import StackConfig
 from tests.e2e.processes import free_port, cache_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedserve.cli import build_parser
 from pagedserve.engine.messages import FinishReason
-from pagedserve.launcher import StackConfig
+from pagedserve.stack_config import StackConfig
 from pagedserve.engine.config import SchedulerConfig, SchedulerStats, WorkerStats
 from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from pagedserve.engine.runner_config import RunnerConfig
