@@ -17,7 +17,8 @@ from services.common.grpc_server import check_health
 from services.common.pb import engine_pb2 as pb
 from services.common.pb import engine_pb2_grpc, generate_pb2_grpc
 from services.common.redis_keys import WORKERS_HASH
-from tests.e2e.processes import free_port, pagedserve, scheduler_stats, status_of, wait_until
+from tests.e2e.ports import free_port
+from tests.e2e.processes import pagedserve, scheduler_stats, status_of, wait_until
 from tests.e2e.test_stack import QUESTIONS, chat_request, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from services.common.grpc_server import check_health
-from tests.e2e.processes import free_port, cache_dir
+from tests.e2e.ports import free_port
+from tests.e2e.processes import cache_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

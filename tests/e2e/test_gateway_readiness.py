@@ -10,7 +10,8 @@ import time
 import pytest
 
 from services.common.grpc_server import check_health
-from tests.e2e.processes import free_port, http_health, pagedserve, start_redis, stop_all
+from tests.e2e.ports import free_port
+from tests.e2e.processes import http_health, pagedserve, start_redis, stop_all
 
 pytestmark = [pytest.mark.e2e]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.processes import free_port
+from tests.e2e.ports import free_port
 
 from pagedserve.model_files import default_cache_dir
 from services.common.grpc_server import check_health

@@ -36,7 +36,8 @@ from pagedserve.engine.config import SchedulerConfig
 from pagedserve.text.tokenizer import PromptTokenizer
 from services.common import redis_keys
 from services.common.signed_records import BlockDigestKey
-from tests.e2e.processes import (free_port, CLUSTER_TOKEN, Stack, healthy, num_workers_known, pagedserve, scheduler_stats,
+from tests.e2e.ports import free_port
+from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, num_workers_known, pagedserve, scheduler_stats,
                                  start_redis, stop_all, wait_until)
 from services.common.pb import generate_pb2 as gen
 from tests.e2e.faults import Call, finish_streams, kill, redis_clean, start_redis_on

@@ -14,7 +14,7 @@ import pytest
 from pagedserve.engine.parallel.group import CollectiveError
 from pagedserve.engine.parallel.rank_link import RankPlacement
 from pagedserve.llm import LLM
-from tests.e2e.processes import free_port
+from tests.e2e.ports import free_port
 from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK, NUM_BLOCKS, assert_a_dead_or_stuck_rank_fails_the_step,
                                      generated_tokens, tiny_model_and_prompts)
 
