@@ -3,12 +3,12 @@
 A service started as ``python -m pagedserve <service> ...`` spends most of its start importing: of a
 stack's ~12 CPU-s (2026-12-06, AVX2 EPYC), a worker's ~4.2 (3 of them torch), a gateway's 2.7 (2.4 of
 them its modules and transformers), a scheduler's 0.8 (0.6); the suite starts ~35 stacks. A
-:class:`Template` imports those modules once (one template per pytest process and load-time
-environment, started at its first use); each service is then forked from it and runs pagedserve's
-``__main__`` as ``python -m pagedserve`` would: the same argv, environment, working directory, log
-file, exit status (the template reaps its children and reports each one's), ``atexit`` handlers and
-interpreter shutdown. :func:`start` hands back a :class:`ForkedProcess`, which has the
-``subprocess.Popen`` methods the tests use.
+:class:`Template` imports those modules once (one template process, ``zygote_server``, per pytest
+process and load-time environment, started at its first use); each service is then forked from it
+and runs pagedserve's ``__main__`` as ``python -m pagedserve`` would: the same argv, environment,
+working directory, log file, exit status (the template reaps its children and reports each one's),
+``atexit`` handlers and interpreter shutdown. :func:`start` hands back a :class:`ForkedProcess`,
+which has the ``subprocess.Popen`` methods the tests use.
 
 What a forked service does not repeat is the import, and what imports do: module-level code ran
 in the template, under its environment, and threads that imports start (numpy's OpenBLAS pool) are
@@ -35,15 +35,14 @@ import sys
 import threading
 from pathlib import Path
 
+from tests.e2e import zygote_server
+
 RUN_TIME_VARIABLES = ("PAGEDSERVE_", "PYTEST_", "OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_")
 """Environment variables (names or prefixes) that a service reads when it starts, not when its
 modules are imported: they may differ between a template and the services forked from it."""
 
 EXEC_VARIABLE = "PAGEDSERVE_TESTS_EXEC_SERVICES"
 """Set to 1 (in the test process's environment or one service's), services are started with exec."""
-
-PRELOADED = ("pagedserve.cli", "services.scheduler.server", "services.worker.server", "services.gateway.server")
-"""The modules every service's start imports (torch with the worker's, grpc with all of them)."""
 
 UNKNOWN_STATUS = -255
 """The exit status of a service whose template died before reporting it (it exited; how is lost)."""
@@ -143,8 +142,8 @@ class ForkedProcess:
 
 
 class Template:
-    """A process that has imported ``PRELOADED`` under ``env`` and forks services on request
-    (``python -m tests.e2e.zygote FD LOG``: JSON lines over a socket pair, both ways).
+    """A process that has imported ``zygote_server.PRELOADED`` under ``env`` and forks services on
+    request (``python -m tests.e2e.zygote_server FD LOG``: JSON lines over a socket pair, both ways).
 
     Raises:
         RuntimeError: the template did not get ready within 300 s (its log is in the message).
@@ -154,7 +153,7 @@ class Template:
         ours, theirs = socket.socketpair()
         self._log = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedserve-test-template-{os.getpid()}-{id(self)}.log"
         with open(self._log, "wb") as log:
-            argv = [sys.executable, "-m", "tests.e2e.zygote", str(theirs.fileno()), str(self._log)]
+            argv = [sys.executable, "-m", zygote_server.__name__, str(theirs.fileno()), str(self._log)]
             self._popen = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log,
                                            stderr=subprocess.STDOUT, env=env)
         theirs.close()
@@ -209,102 +208,3 @@ class Template:
                 self._replies.put(message["error"] if "error" in message else None)  # None: ready
         self._gone = True
         self._replies.put("the template process ended")
-
-
-def _serve(sock_fd: int, log_path: str) -> dict | None:
-    """The template's loop: imports ``PRELOADED``, says ready, then forks one child per request and
-    reports each child's exit status when it ends. Returns only in a forked child (the request it is
-    to run), or with None when the test process closes the socket (the log, then empty, is deleted)."""
-    import importlib
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the terminal is for pytest; the services stop it
-    for module in PRELOADED:
-        importlib.import_module(module)
-    from transformers import AutoTokenizer, TokenizersBackend  # noqa: F401 (the gateway's tokenizer classes)
-
-    if threading.active_count() != 1:
-        raise RuntimeError(f"the template started threads {threading.enumerate()}: forking would lose them")
-    sock = socket.socket(fileno=sock_fd)
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_read, False)
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    sock.sendall(b'{"ready": true}\n')
-    pending = b""
-    while True:
-        readable, _, _ = select.select([sock, wake_read], [], [])
-        if wake_read in readable:
-            while _drained(wake_read):
-                pass
-            _report_exits(sock)
-        if sock in readable:
-            data = sock.recv(1 << 20)
-            if not data:
-                if Path(log_path).stat().st_size == 0:
-                    Path(log_path).unlink()
-                return None
-            pending += data
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
-                try:
-                    pid = os.fork()
-                except OSError as exc:
-                    sock.sendall(json.dumps({"error": f"fork failed: {exc}"}).encode() + b"\n")
-                    continue
-                if pid == 0:
-                    signal.set_wakeup_fd(-1)
-                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
-                    for fd in (wake_read, wake_write):
-                        os.close(fd)
-                    sock.close()
-                    return request
-                sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-
-
-def _drained(fd: int) -> bool:
-    try:
-        return bool(os.read(fd, 4096))
-    except BlockingIOError:
-        return False
-
-
-def _report_exits(sock: socket.socket) -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        sock.sendall(json.dumps({"exited": pid, "status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-
-
-def _become(request: dict) -> None:
-    """Turns a forked child into ``python -m pagedserve ARGV`` started in ``cwd`` with ``env``, its
-    stdin /dev/null and its stdout and stderr appended to ``log`` (line-buffered)."""
-    null = os.open(os.devnull, os.O_RDONLY)
-    log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(null)
-    os.close(log)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    sys.stdin = sys.__stdin__ = open(0, closefd=False)
-    sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")
-    sys.argv = ["-m", *request["argv"]]
-
-
-if __name__ == "__main__":
-    job = _serve(int(sys.argv[1]), sys.argv[2])
-    if job is not None:
-        import runpy
-
-        _become(job)
-        runpy.run_module("pagedserve", run_name="__main__", alter_sys=True)
