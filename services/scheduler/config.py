@@ -55,8 +55,8 @@ class SchedulerServiceConfig:
         "seconds a worker may take for one iteration before the step counts as failed; the worker is then reset "
         "and admitted again, its sequences recomputed", 120.0, flag="step-timeout")
     no_worker_timeout_s: float = option(
-        "seconds requests wait while no worker is up in the cluster (here or at a peer scheduler) before failing "
-        "with UNAVAILABLE (new ones at once)", 30.0,
+        "seconds a request waits while no worker is up in the cluster (here or at a peer scheduler) before it "
+        "fails with UNAVAILABLE", 30.0,
         flag="no-worker-timeout")
     worker_poll_interval_s: float = 0.5
     worker_gone_after_s: float = 5.0

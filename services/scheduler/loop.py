@@ -194,15 +194,17 @@ class SchedulerLoop:
             self._none_in_cluster_since = now
 
     def _fail_without_workers(self) -> None:
-        """Fails every waiting request with UNAVAILABLE once no worker has been up in the cluster for the timeout.
-        (A scheduler that never had a worker of its own, beside a peer that has one, must not fail the request it
-        reads in the second before it learns that the peer's restarted worker is back: it hands it off.)"""
-        since = self._none_in_cluster_since
-        if since is None or time.monotonic() - since < self.config.no_worker_timeout_s:
+        """Fails with UNAVAILABLE each waiting request that has waited the timeout while no worker was up in the
+        cluster. (A scheduler that never had a worker of its own, beside a peer that has one, must not fail the
+        request it reads in the second before it learns that the peer's restarted worker is back: it hands it
+        off. Nor may a scheduler whose first worker took longer than the timeout to load fail the request it
+        reads just before its ClusterView brings that worker: each request gets the whole timeout.)"""
+        since, timeout = self._none_in_cluster_since, self.config.no_worker_timeout_s
+        if since is None or time.monotonic() - since < timeout:
             return
-        error = RequestError(ErrorKind.UNAVAILABLE, f"no worker has been available for {self.config.no_worker_timeout_s:g} s; "
-                                          "start a worker (pagedserve worker) and retry")
-        for request_id in self.scheduler.waiting_requests():
+        error = RequestError(ErrorKind.UNAVAILABLE, f"no worker has been available for {timeout:g} s; "
+                                                    "start a worker (pagedserve worker) and retry")
+        for request_id in self.requests.table.running_longer_than(self.scheduler.waiting_requests(), timeout):
             log.warning("failing %s: no worker is up", request_id)
             self._deliver(self.scheduler.abort_request(request_id, error=error))
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from opentelemetry import trace
@@ -105,6 +105,12 @@ class RequestTable:
         """The stream entry this scheduler holds for the request (None: it holds none)."""
         row = self._rows.get(request_id)
         return None if row is None or row.entry is None else row.entry.entry_id
+
+    def running_longer_than(self, request_ids: Iterable[str], seconds: float) -> list[str]:
+        """Those of ``request_ids`` that have been running here (held by the engine) for more than ``seconds``."""
+        deadline = self._clock() - seconds
+        return [r for r in request_ids
+                if (row := self._rows.get(r)) is not None and row.phase is Phase.RUNNING and row.since < deadline]
 
     def of_gateway(self, gateway_id: str, phase: Phase) -> list[str]:
         """Ids of the requests of ``gateway_id`` in ``phase``."""

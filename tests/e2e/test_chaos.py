@@ -167,8 +167,9 @@ def test_kill_the_only_worker_and_start_another(shared, small_model, reference):
 def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, small_model, reference):
     """kill -9 the only worker with --no-worker-timeout 3 and start none. Expected: the 8 requests
     go back to waiting and fail with UNAVAILABLE within the timeout + heartbeat expiry (3 s) +
-    back-off (<= 2 s) + slack (15 s in all), a request sent then fails with UNAVAILABLE at once,
-    and once a worker is started new requests succeed."""
+    back-off (<= 2 s) + slack (15 s in all), a request sent then fails with UNAVAILABLE once it has
+    waited the timeout itself (not at once: a worker may come within it), and once a worker is started
+    new requests succeed."""
     with own_stack(tmp_path, small_model, num_workers=1, scheduler_args=("--no-worker-timeout", "3")) as stack:
         calls = start_streams(stack.gateway, MAX_TOKENS)
         fault_at = time.monotonic()
@@ -181,7 +182,8 @@ def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, sm
         with pytest.raises(grpc.RpcError) as refused, grpc.insecure_channel(stack.gateway) as channel:
             list(generate_pb2_grpc.GenerationStub(channel).Generate(chat_request(QUESTIONS[3], max_tokens=4), timeout=10))
         refused_after = round(time.monotonic() - sent_at, 2)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and refused_after < 3, (refused.value, refused_after)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and 2.9 < refused_after < 8, (refused.value,
+                                                                                                 refused_after)
         start_worker(stack, small_model, "worker-0", tmp_path)
         started_at = time.monotonic()
         recovery = probe(stack.gateway, started_at)
