@@ -40,6 +40,12 @@ class RequestLimits:
         max_tool_description_chars: longest tool description, in characters.
         max_tool_arguments_chars: longest arguments text of a call in the history, in characters.
         max_tool_call_id_chars: longest call id (of a call in the history, or a tool message's).
+        max_repeated_prompt_logprobs: most prompt logprob entries (the token and its alternatives) an
+            OpenAI completions response carries: with ``echo`` or ``prompt_logprobs`` every choice
+            repeats its prompt's, n choices x prompt tokens x (alternatives + 1) over all prompts. A
+            full 8,192-token context with 20 alternatives fits once (172,032); a 41 KB request for 8
+            prompts of 1,000 ids, n 32 and 20 alternatives (5.4 million) made a 491 MB response whose
+            building held the gateway's event loop for 39 s. gRPC sends a prompt's logprobs once.
 
     Prompt token ids are bounded by the context itself: fewer than ``max_model_len`` of them,
     counted before any id is looked at.
@@ -64,6 +70,7 @@ class RequestLimits:
     max_tool_description_chars: int = 16 << 10
     max_tool_arguments_chars: int = 1 << 20
     max_tool_call_id_chars: int = 256
+    max_repeated_prompt_logprobs: int = 1 << 18
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -65,9 +65,25 @@ def parse_completion(body: CompletionRequest, tokenizer: PromptTokenizer) -> lis
         prompts, fields = [prompt], ["prompt"]
     else:
         prompts, fields = list(prompt), [f"prompt[{i}]" for i in range(len(prompt))]
-    return [parse_request(tokenizer, ids, field, params)
-            for ids, field in ((_prompt_ids(tokenizer, p, f, body.add_special_tokens), f)
-                               for p, f in zip(prompts, fields))]
+    parsed = [parse_request(tokenizer, ids, field, params)
+              for ids, field in ((_prompt_ids(tokenizer, p, f, body.add_special_tokens), f)
+                                 for p, f in zip(prompts, fields))]
+    _check_repeated_prompt_logprobs(body, parsed, tokenizer.limits.max_repeated_prompt_logprobs)
+    return parsed
+
+
+def _check_repeated_prompt_logprobs(body: CompletionRequest, parsed: list[ParsedRequest], limit: int) -> None:
+    """Raises InvalidRequestError (``echo``, or ``prompt_logprobs``) when the response would repeat more
+    than ``limit`` prompt logprob entries (``RequestLimits.max_repeated_prompt_logprobs``)."""
+    alternatives = parsed[0].engine_params.prompt_logprobs if parsed else None
+    if alternatives is None:
+        return
+    entries = body.n * sum(len(p.prompt_token_ids) for p in parsed) * (alternatives + 1)
+    if entries > limit:
+        field = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
+        raise InvalidRequestError(field, f"each of the n = {body.n} choices repeats its prompt's logprobs: {entries} "
+                                         f"entries (choices x prompt tokens x (alternatives + 1)), more than {limit}; "
+                                         "ask for fewer choices, alternatives or prompt tokens")
 
 
 async def create_completion(serving: OpenAIServing, body: CompletionRequest, request: Request) -> Response:
@@ -157,13 +173,17 @@ def _whole_choice(index: int, sample: SampleOutput, prompt: EchoPrompt | None, n
 async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseMeta, shape: ChoiceShape,
                  parsed: list[ParsedRequest]) -> Response:
     results, usages = await collect_samples(events, parsed)
-    choices = []
-    for prompt_index, result in enumerate(results):
-        prompt = None if shape.echo is None else shape.echo[prompt_index]
-        for j, sample in enumerate(result.best()):
-            choices.append(_whole_choice(prompt_index * shape.n + j, sample, prompt, shape.names, result.prompt_logprobs))
-    body = CompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages))
-    return Response(body.model_dump_json(), media_type="application/json")
+
+    def body() -> str:  # CPU work (up to RequestLimits.max_repeated_prompt_logprobs entries): off the event loop
+        choices = []
+        for prompt_index, result in enumerate(results):
+            prompt = None if shape.echo is None else shape.echo[prompt_index]
+            for j, sample in enumerate(result.best()):
+                choices.append(_whole_choice(prompt_index * shape.n + j, sample, prompt, shape.names,
+                                             result.prompt_logprobs))
+        return CompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages)).model_dump_json()
+
+    return Response(await asyncio.to_thread(body), media_type="application/json")
 
 
 @dataclass
