@@ -115,8 +115,26 @@ def check_sampling_params(params: Any) -> None:
         raise InvalidRequestError("best_of", f"must be in [n={params.n}, {MAX_N}], got {params.best_of}")
     if any(not s for s in params.stop):
         raise InvalidRequestError("stop", "stop strings must not be empty")
+    if any(not w for w in params.bad_words):
+        raise InvalidRequestError("bad_words", "bad words must not be empty")
     check_count("logit_bias", len(params.logit_bias), MAX_LOGIT_BIAS, "entries")
     for token_id, bias in params.logit_bias.items():
         if not isinstance(token_id, int) or isinstance(token_id, bool):
             raise InvalidRequestError("logit_bias", f"keys must be token ids (int), got {token_id!r}")
         check_bound(f"logit_bias[{token_id}]", bias, BIAS_BOUND)
+
+
+def check_an_allowed_id_stays(allowed_token_ids: tuple[int, ...] | None,
+                              bad_words_token_ids: tuple[tuple[int, ...], ...], stop_ids: tuple[int, ...],
+                              min_tokens: int) -> None:
+    """Raises ``InvalidRequestError("allowed_token_ids", ...)`` when every allowed id may be masked at once: a
+    stop id while ``min_tokens`` holds the output back, or the last token of a bad word. The sampler would then
+    choose among ids of probability 0, outside the allowed ones (attack of 2026-12-07: ``allowed_token_ids [2]``
+    with ``min_tokens 5`` gave token 0). An allowed id that is neither can always be chosen."""
+    if allowed_token_ids is None:
+        return
+    maskable = {word[-1] for word in bad_words_token_ids} | (set(stop_ids) if min_tokens else set())
+    if maskable.issuperset(allowed_token_ids):
+        raise InvalidRequestError("allowed_token_ids", "every allowed id may be masked (a stop id while min_tokens "
+                                                       "holds the output back, or the last token of a bad word): "
+                                                       "allow an id that is neither")

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.engine.request_errors import InvalidRequestError  # noqa: F401 (the API's name for it lives here too)
-from pagedserve.engine.sampling_checks import MAX_ALLOWED_IDS_IN_ALL, check_sampling_params
+from pagedserve.engine.sampling_checks import MAX_ALLOWED_IDS_IN_ALL, check_an_allowed_id_stays, check_sampling_params
 from pagedserve.engine.structured_output import StructuredOutput, check_structured_output
 
 CONFLICTS_WITH_STRUCTURE = ("allowed_token_ids", "bad_words", "min_tokens")
@@ -238,7 +238,8 @@ class SamplingParams:
         Raises:
             InvalidRequestError: ``max_tokens`` beyond the context, a token id outside the
                 vocabulary (``stop_token_ids[i]``, ``logit_bias[id]``), or more distinct ``allowed_token_ids``
-                times samples than ``MAX_ALLOWED_IDS_IN_ALL`` (the list is carried deduplicated and sorted).
+                times samples than ``MAX_ALLOWED_IDS_IN_ALL`` (the list is carried deduplicated and sorted), or
+                ``allowed_token_ids`` that may all be masked (``check_an_allowed_id_stays``).
         """
         room = max_model_len - num_prompt_tokens
         max_tokens = room if self.max_tokens is None else self.max_tokens
@@ -261,7 +262,7 @@ class SamplingParams:
         # best_of > n ranks samples by their cumulative logprob: the engine must compute it
         logprobs = 0 if self.logprobs is None and self.num_samples > self.n else self.logprobs
         same = {f.name: getattr(self, f.name) for f in dataclasses.fields(EngineSamplingParams) if hasattr(self, f.name)}
-        return EngineSamplingParams(**same | dict(
+        engine = EngineSamplingParams(**same | dict(
             max_tokens=max_tokens,
             temperature=0.0 if self.temperature < GREEDY_BELOW else self.temperature,
             min_tokens=min(self.min_tokens, max_tokens),
@@ -273,6 +274,8 @@ class SamplingParams:
             allowed_token_ids=allowed,
             bad_words_token_ids=bad_words_token_ids,
         ))
+        check_an_allowed_id_stays(allowed, bad_words_token_ids, engine.stop_ids, engine.min_tokens)
+        return engine
 
 
 def _check_token_ids(field_name: str, token_ids: Iterable[int], vocab_size: int) -> None:

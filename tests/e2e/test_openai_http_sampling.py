@@ -3,6 +3,7 @@ stop_reason, best_of) against the session stack, compared with its gRPC API."""
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import pytest
 
@@ -139,6 +140,28 @@ def test_allowed_token_ids_and_bad_words_as_grpc_does(stack, client, model_name)
         "model": model_name, "prompt": "Hi", "max_tokens": 2, "n": 64, "allowed_token_ids": list(range(49152))})
     assert every_id.status_code == 400 and every_id.json()["error"]["param"] == "allowed_token_ids", every_id.text
     assert "49152 distinct ids x 64 samples" in every_id.json()["error"]["message"]
+
+
+def test_allowed_token_ids_that_may_all_be_masked_are_refused_in_both_apis(stack, model_name):  # noqa: F811
+    """Attack (2026-12-07): when every allowed id is also masked (EOS held back by min_tokens, or a bad word),
+    the worker chose a token of probability 0 outside the allowed ones (token 0 greedy, 49151 sampled).
+    Expected: 400 / INVALID_ARGUMENT naming allowed_token_ids; an empty bad word is refused too."""
+    eos = httpx.post(stack.http + "/tokenize", json={"prompt": "<|im_end|>"}, timeout=60).json()["tokens"][-1]
+    yes = httpx.post(stack.http + "/tokenize", json={"prompt": "yes"}, timeout=60).json()["tokens"]
+    assert len(yes) == 1
+    base = {"model": model_name, "prompt": "Hi", "max_tokens": 4, "temperature": 0}
+    for extra, param in (({"allowed_token_ids": [eos], "min_tokens": 2}, "allowed_token_ids"),
+                         ({"allowed_token_ids": yes, "bad_words": ["yes"]}, "allowed_token_ids"),
+                         ({"bad_words": [""]}, "bad_words")):
+        refused = httpx.post(stack.http + "/v1/completions", json={**base, **extra}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, (extra, refused.text)
+    with pytest.raises(grpc.RpcError) as refused:
+        stream(stack.gateway, gen.GenerateRequest(prompt="Hi", sampling_params=gen.SamplingParams(
+            max_tokens=4, min_tokens=2, allowed_token_ids=[eos])))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "allowed_token_ids" in refused.value.details()
+    served = httpx.post(stack.http + "/v1/completions", json={**base, "allowed_token_ids": [eos, *yes],
+                                                             "min_tokens": 2}, timeout=60)
+    assert served.status_code == 200 and served.json()["choices"][0]["text"].startswith("yesyes"), served.text
 
 
 def test_stop_reason_names_the_stop_string(stack, client, model_name):  # noqa: F811
