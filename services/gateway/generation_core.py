@@ -35,6 +35,12 @@ log = logging.getLogger("pagedserve.gateway")
 LOST_CHECK_S = 5
 """How often a request no scheduler has taken yet checks that its stream entry still exists, seconds."""
 
+ENQUEUE_TIMEOUT_S = 10.0
+"""Longest wait for Redis to take a new request, seconds (one socket timeout of ``redis_pool``): a hung Redis
+(SIGSTOP, swapping) otherwise held a request through every retry of every timeout, 1 min 55 s in an attack,
+while the gateway's health already said NOT_SERVING. The request then fails with ``UNAVAILABLE``; its entry,
+should Redis queue it later, is deleted."""
+
 MAX_REQUEUES = 3
 """How often a request whose stream entry vanished before any scheduler took it (Redis restarted
 empty) is queued again before it fails with ``UNAVAILABLE``."""
@@ -199,10 +205,14 @@ class GenerationCore:
                                 dict(submission.trace_context), parsed.priority, parsed.cache_salt)
         queued = asyncio.ensure_future(self._producer.enqueue(request))
         try:
-            return await asyncio.shield(queued)
+            return await asyncio.wait_for(asyncio.shield(queued), ENQUEUE_TIMEOUT_S)
         except asyncio.CancelledError:
             self._router.background.start(self._forget_when_queued(queued))
             raise
+        except asyncio.TimeoutError as exc:
+            self._router.background.start(self._forget_when_queued(queued))
+            raise GenerationError(StatusKind.UNAVAILABLE, f"Redis did not take the request within "
+                                  f"{ENQUEUE_TIMEOUT_S:g} s (is it overloaded or stopped?); retry later") from exc
         except redis.RedisError as exc:
             raise GenerationError(StatusKind.UNAVAILABLE,
                                   f"cannot queue the request (Redis: {exc}); retry later") from exc

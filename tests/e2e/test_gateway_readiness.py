@@ -9,9 +9,16 @@ import time
 
 import pytest
 
+import grpc
+
 from services.common.grpc_server import check_health
+from services.common.pb import generate_pb2 as gen
+from services.common.pb import generate_pb2_grpc
+from services.gateway.generation_core import ENQUEUE_TIMEOUT_S
+from tests.e2e.faults import blocks_free
 from tests.e2e.ports import free_port
-from tests.e2e.processes import http_health, pagedserve, start_redis, stop_all
+from tests.e2e.processes import http_health, pagedserve, start_redis, start_stack, stop_all, wait_until
+from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 pytestmark = [pytest.mark.e2e]
 
@@ -64,3 +71,28 @@ def test_serving_means_listening_logged_and_http_answering(stack, default_model,
         assert http_health(f"http://127.0.0.1:{http_port}") == 200
     finally:
         gateway.stop()
+
+
+def test_a_request_sent_while_redis_hangs_fails_with_unavailable_after_the_enqueue_timeout(tmp_path):
+    """Attack (2026-12-07): with Redis stopped (SIGSTOP), a new request waited 1 min 55 s for its 503 (every retry
+    of every 10 s socket timeout) though the gateway's health already said NOT_SERVING. Expected: UNAVAILABLE
+    after ``ENQUEUE_TIMEOUT_S`` saying Redis did not take it; once Redis answers, nothing runs for it."""
+    tiny = save_tiny_tokenizer(save_tiny_model(tmp_path / "tiny", "llama", seed=7))
+    stack = start_stack(tmp_path, tiny, num_workers=1, kv_cache_memory="4MiB")
+    redis_pid = stack.processes["redis"].popen.pid
+    try:
+        os.kill(redis_pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed, grpc.insecure_channel(stack.gateway) as channel:
+            list(generate_pb2_grpc.GenerationStub(channel).Generate(
+                gen.GenerateRequest(prompt="t5 t9 t33", sampling_params=gen.SamplingParams(max_tokens=2)), timeout=90))
+        waited = time.monotonic() - started
+        os.kill(redis_pid, signal.SIGCONT)
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value
+        assert f"Redis did not take the request within {ENQUEUE_TIMEOUT_S:g} s" in failed.value.details()
+        assert ENQUEUE_TIMEOUT_S - 0.5 < waited < ENQUEUE_TIMEOUT_S + 8, waited
+        wait_until(lambda: blocks_free(stack), "nothing running or waiting once Redis answers", 30)
+    finally:
+        os.kill(redis_pid, signal.SIGCONT)
+        stop_all(stack.processes)
+
