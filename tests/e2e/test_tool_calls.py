@@ -5,6 +5,7 @@ a conversation with a tool result continues, and bad tool requests are 400 namin
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -110,3 +111,17 @@ def test_bad_tool_request_is_400_naming_the_field(stack, default_model, body, pa
                           json={"model": default_model.name, "messages": QUESTION, "max_tokens": 4, **body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param, response.text
+
+
+def test_tool_calls_in_the_history_count_toward_the_chats_byte_bound(stack, default_model):
+    """Attack (2026-12-07): calls counted by their arguments alone (``{}``: 2 bytes, ~24 tokens rendered) let 64
+    messages x 1,024 calls (5.4 MB) past the 256 KiB bound: 1.57 million tokens, 13.5 s of gateway CPU before the
+    400. Expected: 400 saying the chat's bytes are over the bound, at once."""
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(1024)]
+    messages = [{"role": "user", "content": "x"}] + [{"role": "assistant", "tool_calls": calls}] * 64
+    started = time.monotonic()
+    response = httpx.post(stack.http + "/v1/chat/completions", timeout=60,
+                          json={"model": default_model.name, "messages": messages, "max_tokens": 2})
+    assert response.status_code == 400 and "UTF-8 bytes together" in response.json()["error"]["message"], response.text
+    assert time.monotonic() - started < 5
+
