@@ -25,6 +25,9 @@ class GrammarError(RuntimeError):
 
 MAX_SPEC_BYTES = 64 * 1024
 """Largest spec accepted (UTF-8 bytes of the schema, regex or grammar text, or of the choices together)."""
+MAX_CHOICES = 1024
+"""Most choices of a ``CHOICE`` structure: llguidance's grammar takes at most 2,000 items in a row (one per
+choice and one more), and 2,000-4,096 choices failed there with a message that did not say to send fewer."""
 GRAMMAR_BUILD_TIMEOUT_S = 30.0
 """Longest a worker may take to build a request's grammar before the request fails (seconds)."""
 LONE_SURROGATE = "holds a lone UTF-16 surrogate (U+D800-U+DFFF, e.g. the JSON escape \\ud800 unpaired), which is not text"
@@ -68,7 +71,15 @@ class StructuredOutput:
 
     @classmethod
     def of(cls, kind: StructureKind, value: str | bool | tuple[str, ...]) -> StructuredOutput:
-        """The inverse of :attr:`value`."""
+        """The inverse of :attr:`value`.
+
+        Raises:
+            InvalidRequestError: ``JSON_OBJECT`` with ``False``, which would ask for nothing (and was taken as
+                ``True``: a JSON object forced on a gRPC client that set ``json_object: false``).
+        """
+        if kind is StructureKind.JSON_OBJECT and value is not True:
+            raise InvalidRequestError(_field(kind), "must be true (false asks for no structure: leave "
+                                                    "structured_output unset)")
         if kind is StructureKind.CHOICE:
             return cls(kind, choices=tuple(value))
         return cls(kind) if kind is StructureKind.JSON_OBJECT else cls(kind, spec=str(value))
@@ -128,6 +139,8 @@ def check_structured_output(structure: StructuredOutput) -> None:
         raise InvalidRequestError(name, f"is {size} bytes; at most {MAX_SPEC_BYTES} are allowed")
     if structure.kind is StructureKind.CHOICE and (not structure.choices or not all(structure.choices)):
         raise InvalidRequestError(name, "must hold at least one choice, none of them empty")
+    if len(structure.choices) > MAX_CHOICES:
+        raise InvalidRequestError(name, f"holds {len(structure.choices)} choices; at most {MAX_CHOICES} are allowed")
     if structure.kind in (StructureKind.REGEX, StructureKind.GRAMMAR, StructureKind.JSON) and not structure.spec:
         raise InvalidRequestError(name, "must not be empty")
     if structure.kind is StructureKind.JSON:

@@ -15,13 +15,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from pagedserve.engine.request_errors import InvalidRequestError
-from pagedserve.engine.structured_output import StructuredOutput, StructureKind
+from pagedserve.engine.structured_output import MAX_CHOICES, StructuredOutput, StructureKind
 from pagedserve.text.request_limits import RequestLimits
 
 Spec = Annotated[StrictStr, Field(max_length=RequestLimits().max_text_chars)]
 """A spec string as the body carries it (its size is checked against ``MAX_SPEC_BYTES`` later,
 with a message that names the field; this bound only stops absurd bodies)."""
-Choices = Annotated[list[Spec], Field(max_length=4096)]
+Choices = Annotated[list[Spec], Field(max_length=MAX_CHOICES)]
 
 
 class JsonSchemaFormat(BaseModel):

@@ -105,11 +105,15 @@ def test_grpc_json_schema_gives_the_same_output(stack, client, default_model):
 
 
 @pytest.mark.parametrize("member, value", [
-    ("regex", "a(b"), ("grammar", "root ::= ("), ("json", '{"type": "nonsense"}'), ("json", "x" * (1 << 20))],
-    ids=["bad-regex", "bad-grammar", "invalid-schema", "1MB-schema"])
+    ("regex", "a(b"), ("grammar", "root ::= ("), ("json", '{"type": "nonsense"}'), ("json", "x" * (1 << 20)),
+    ("json_object", False), ("choice", [f"c{i}" for i in range(2048)])],  # attack of 2026-12-07: false taken as
+    ids=["bad-regex", "bad-grammar", "invalid-schema", "1MB-schema", "json-object-false", "2048-choices"])  # true
 def test_grpc_bad_spec_is_invalid_argument_naming_the_field(stack, member, value):
     request = chat_request("Hi", max_tokens=4)
-    setattr(request.sampling_params.structured_output, member, value)
+    if member == "choice":
+        request.sampling_params.structured_output.choice.choices.extend(value)
+    else:
+        setattr(request.sampling_params.structured_output, member, value)
     with pytest.raises(grpc.RpcError) as info:
         stream(stack.gateway, request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -124,7 +128,8 @@ def test_grpc_bad_spec_is_invalid_argument_naming_the_field(stack, member, value
         "name": "big", "schema": {"type": "object", "description": "x" * (1 << 20)}}}},
      "response_format.json_schema.schema"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
-], ids=["bad-regex", "invalid-schema", "1MB-schema", "two-forms"])
+    ({"guided_choice": [f"c{i}" for i in range(1025)]}, "guided_choice"),  # llguidance failed at 2,000
+], ids=["bad-regex", "invalid-schema", "1MB-schema", "two-forms", "1025-choices"])
 def test_http_bad_spec_is_400_naming_the_field(stack, default_model, body, param):
     with httpx.Client(base_url=stack.http, timeout=60) as http:
         response = http.post("/v1/chat/completions", json={"model": default_model.name, "messages": QUESTION,
