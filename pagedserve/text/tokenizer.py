@@ -285,8 +285,13 @@ class PromptTokenizer:
         if not ids:
             raise InvalidRequestError(TOKEN_IDS_FIELD, "must hold at least one token id")
         check_prompt_length(len(ids), self._info.max_model_len, TOKEN_IDS_FIELD)
+        return self.check_vocabulary(ids, TOKEN_IDS_FIELD)
+
+    def check_vocabulary(self, ids: Sequence[int], field: str) -> list[int]:
+        """The ids as a list of ``int``; raises InvalidRequestError naming ``field[i]`` for the first id outside
+        ``[0, vocab_size)``."""
         vocab_size = self._info.vocab_size
         for i, token_id in enumerate(ids):
             if not 0 <= token_id < vocab_size:
-                raise InvalidRequestError(f"{TOKEN_IDS_FIELD}[{i}]", f"{token_id} is not in [0, {vocab_size})")
+                raise InvalidRequestError(f"{field}[{i}]", f"{token_id} is not in [0, {vocab_size})")
         return [int(token_id) for token_id in ids]

@@ -140,9 +140,11 @@ class GenerationCore:
         if num_requests > self._max_concurrent:
             raise GenerationError(StatusKind.INVALID_ARGUMENT, f"prompt: {num_requests} prompts, where this gateway "
                                   f"takes at most {self._max_concurrent} requests at once; send fewer", "prompt")
-        if self._router.num_in_flight + num_requests > self._max_concurrent:
+        in_flight = self._router.num_in_flight
+        if in_flight + num_requests > self._max_concurrent:
             raise GenerationError(StatusKind.RESOURCE_EXHAUSTED,
-                                  f"the gateway has {self._max_concurrent} requests in flight; retry later")
+                                  f"the gateway has {in_flight} requests in flight; {num_requests} more would pass its "
+                                  f"limit of {self._max_concurrent}; retry later")
 
     def check_scheduler(self) -> None:
         """Raises ``GenerationError(UNAVAILABLE)`` when no scheduler stream has been open for

@@ -25,6 +25,7 @@ from services.gateway.openai_errors import add_error_handlers, error_response, h
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from services.gateway.openai_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse, now_s
 from services.gateway.openai_serving import OpenAIServing, invalid
+from pagedserve.text.request_limits import check_count
 from pagedserve.text.tokenizer import PromptTokenizer
 
 
@@ -181,10 +182,8 @@ def _api_routes(serving: OpenAIServing) -> APIRouter:
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         if body.model is not None:
             serving.check_model(body.model)
-        try:
-            ids = tokenizer.check_token_ids(body.tokens)
-        except InvalidRequestError as exc:
-            raise InvalidRequestError("tokens" + exc.field_name.removeprefix("prompt_token_ids.ids"), exc.reason)
+        check_count("tokens", len(body.tokens), tokenizer.info.max_model_len, "token ids")  # a context at most
+        ids = tokenizer.check_vocabulary(body.tokens, "tokens")
         return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, ids, False))
 
     return router

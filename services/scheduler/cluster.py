@@ -172,8 +172,10 @@ class ClusterWatch:
             self._lease_lost()
         if not self._leases.take_own():
             if not self._waiting_logged:
-                log.error("another live scheduler uses the id %r; waiting for its lease to expire (give each "
-                          "scheduler its own --consumer-name)", self._leases.scheduler_id)
+                log.warning("the id %r is leased by another instance: this scheduler's previous run, killed less "
+                            "than %g s ago, or a scheduler running with the same id; waiting for the lease to "
+                            "expire (if two run with one id, give each its own --consumer-name)",
+                            self._leases.scheduler_id, self._ttl_s)
                 self._waiting_logged = True
             return False
         self.lease_held.set()

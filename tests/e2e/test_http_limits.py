@@ -54,6 +54,7 @@ def test_api_key_is_required_and_a_full_gateway_answers_429(stack, keyed_gateway
             refused = http.post("/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 2})
             assert refused.status_code == 429, refused.text
             assert refused.json()["error"]["type"] == "rate_limit_error"
+            assert "has 1 requests in flight; 1 more would pass its limit of 1" in refused.json()["error"]["message"]
     two = httpx.post(keyed_gateway + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
                      json={"model": "smol", "prompt": ["Hi", "Ho"], "max_tokens": 2})
     assert two.status_code == 400 and two.json()["error"]["param"] == "prompt", two.text  # retrying cannot help

@@ -58,6 +58,10 @@ def test_models_health_tokenize_detokenize(stack, model_name, default_model):
         text = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
         assert text == PROMPTS[0]
         assert http.post("/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == "tokens[0]"
+        context = tokenizer.info.max_model_len  # a whole context detokenizes; more is refused, without the prompt's
+        assert http.post("/detokenize", json={"tokens": [100] * context}).status_code == 200  # advice (attack)
+        over = http.post("/detokenize", json={"tokens": [100] * (context + 1)}).json()["error"]
+        assert over["param"] == "tokens" and "generated" not in over["message"], over
 
 
 def test_completion_greedy_equals_grpc_and_streams_the_same_text(stack, client, model_name):
