@@ -107,7 +107,13 @@ async def _on_client_disconnected(request: Request, exc: ClientDisconnected) -> 
 
 
 async def _on_http_exception(request: Request, exc: HTTPException) -> JSONResponse:
-    return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+    """FastAPI's own errors; a body it could not parse for another reason than bad JSON syntax (bytes that
+    are not UTF-8, an integer of over 4,300 digits, nesting too deep) gets that reason after FastAPI's
+    "There was an error parsing the body"."""
+    detail = str(exc.detail)
+    if exc.status_code == 400 and exc.__cause__ is not None:
+        detail += f" ({type(exc.__cause__).__name__}: {str(exc.__cause__)[:200]}); send UTF-8 JSON"
+    return error_response(exc.status_code, detail, headers=getattr(exc, "headers", None))
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -206,6 +206,10 @@ def test_unknown_model_is_404_and_bad_json_is_400(stack, client):
                           headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["param"] is None
     assert "not valid JSON" in response.json()["error"]["message"]
+    for body, reason in ((b'{"prompt": "\xff"}', "UnicodeDecodeError"), (b'{"n": ' + b"9" * 5000 + b"}", "ValueError")):
+        response = httpx.post(stack.http + "/v1/completions", content=body, timeout=60,
+                              headers={"content-type": "application/json"})  # the reason, not only "an error"
+        assert response.status_code == 400 and reason in response.json()["error"]["message"], response.text
     assert httpx.get(stack.http + "/v1/nothing-here", timeout=60).json()["error"]["code"] == 404
     wrong_method = httpx.get(stack.http + "/v1/completions", timeout=60).json()["error"]
     assert (wrong_method["code"], wrong_method["type"]) == (405, "invalid_request_error")
