@@ -18,6 +18,11 @@ class ErrorKind(enum.Enum):
     UNAVAILABLE = "unavailable"  # no worker can run it now; retrying later may succeed
 
 
+LONE_SURROGATE = ("holds a lone UTF-16 surrogate (U+D800-U+DFFF, e.g. the JSON escape \\ud800 unpaired), which is "
+                  "not text")
+"""Why a text that is not Unicode text (a prompt, a chat content, a spec or a string of its JSON) is refused."""
+
+
 class InvalidRequestError(ValueError):
     """A request field holds a value the server cannot serve (kind ``INVALID_ARGUMENT``).
 

@@ -128,12 +128,15 @@ def check_an_allowed_id_stays(allowed_token_ids: tuple[int, ...] | None,
                               bad_words_token_ids: tuple[tuple[int, ...], ...], stop_ids: tuple[int, ...],
                               min_tokens: int) -> None:
     """Raises ``InvalidRequestError("allowed_token_ids", ...)`` when every allowed id may be masked at once: a
-    stop id while ``min_tokens`` holds the output back, or the last token of a bad word. The sampler would then
-    choose among ids of probability 0, outside the allowed ones (attack of 2026-12-07: ``allowed_token_ids [2]``
-    with ``min_tokens 5`` gave token 0). An allowed id that is neither can always be chosen."""
+    stop id while ``min_tokens`` holds the output back, or the last token of a bad word whose other tokens are
+    allowed (only those can precede it in the output). The sampler would then choose among ids of probability
+    0, outside the allowed ones (attack of 2026-12-07: ``allowed_token_ids [2]`` with ``min_tokens 5`` gave
+    token 0). An allowed id that is neither can always be chosen."""
     if allowed_token_ids is None:
         return
-    maskable = {word[-1] for word in bad_words_token_ids} | (set(stop_ids) if min_tokens else set())
+    allowed = set(allowed_token_ids)  # a bad word whose other tokens are not all allowed can never be completed
+    maskable = {word[-1] for word in bad_words_token_ids if allowed.issuperset(word[:-1])}
+    maskable |= set(stop_ids) if min_tokens else set()
     if maskable.issuperset(allowed_token_ids):
         raise InvalidRequestError("allowed_token_ids", "every allowed id may be masked (a stop id while min_tokens "
                                                        "holds the output back, or the last token of a bad word): "

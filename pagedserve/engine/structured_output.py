@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from pagedserve.engine.request_errors import InvalidRequestError
+from pagedserve.engine.request_errors import LONE_SURROGATE, InvalidRequestError
 
 
 class GrammarError(RuntimeError):
@@ -30,8 +30,6 @@ MAX_CHOICES = 1024
 choice and one more), and 2,000-4,096 choices failed there with a message that did not say to send fewer."""
 GRAMMAR_BUILD_TIMEOUT_S = 30.0
 """Longest a worker may take to build a request's grammar before the request fails (seconds)."""
-LONE_SURROGATE = "holds a lone UTF-16 surrogate (U+D800-U+DFFF, e.g. the JSON escape \\ud800 unpaired), which is not text"
-"""Why a spec whose text (or a string of its JSON) is not Unicode text is refused."""
 JSON_OPTIONS = {"whitespace_flexible": False}
 """llguidance's JSON compile options: compact JSON (``,`` and ``:``, no free whitespace), so that a
 small model cannot fill its output with newlines between keys."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.engine.request_errors import InvalidRequestError
+from pagedserve.engine.request_errors import LONE_SURROGATE, InvalidRequestError
 from pagedserve.engine.sampling_checks import check_count  # noqa: F401 (re-exported for the text checks)
 
 
@@ -40,11 +40,12 @@ class RequestLimits:
         max_tool_description_chars: longest tool description, in characters.
         max_tool_arguments_chars: longest arguments text of a call in the history, in characters.
         max_tool_call_id_chars: longest call id (of a call in the history, or a tool message's).
-        max_repeated_prompt_logprobs: most prompt logprob entries (the token and its alternatives) an
-            OpenAI completions response carries: with ``echo`` or ``prompt_logprobs`` every choice
-            repeats its prompt's, n choices x prompt tokens x (alternatives + 1) over all prompts. A
-            full 8,192-token context with 20 alternatives fits once (172,032); a 41 KB request for 8
-            prompts of 1,000 ids, n 32 and 20 alternatives (5.4 million) made a 491 MB response whose
+        prompt_logprobs_per_context_token: an OpenAI completions response may carry at most
+            ``max_model_len * prompt_logprobs_per_context_token`` prompt logprob entries (a token or an
+            alternative; 8192 * 64 = 524,288 for the default model): every choice repeats its prompt's,
+            in ``prompt_logprobs`` and, with ``echo`` and ``logprobs``, in ``logprobs`` again. A full
+            context echoed with 20 alternatives fits (2 x 21 entries a token); a 41 KB request for 8
+            prompts of 1,000 ids, n 32 and 20 alternatives (10.8 million) made a 491 MB response whose
             building held the gateway's event loop for 39 s. gRPC sends a prompt's logprobs once.
 
     Prompt token ids are bounded by the context itself: fewer than ``max_model_len`` of them,
@@ -70,7 +71,7 @@ class RequestLimits:
     max_tool_description_chars: int = 16 << 10
     max_tool_arguments_chars: int = 1 << 20
     max_tool_call_id_chars: int = 256
-    max_repeated_prompt_logprobs: int = 1 << 18
+    prompt_logprobs_per_context_token: int = 64
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -81,17 +82,25 @@ class RequestLimits:
         """Most UTF-8 bytes of prompt text for a model whose context is ``max_model_len`` tokens."""
         return max_model_len * self.prompt_bytes_per_context_token
 
+    def max_prompt_logprob_entries(self, max_model_len: int) -> int:
+        """Most prompt logprob entries in one completions response, for a context of ``max_model_len`` tokens."""
+        return max_model_len * self.prompt_logprobs_per_context_token
+
 
 def check_text_bytes(field: str, text: str, limit: int) -> int:
     """Returns the UTF-8 size of ``text`` in bytes.
 
     Raises:
-        InvalidRequestError: more than ``limit`` bytes; a text with more characters than ``limit``
-            is refused without being encoded (every character takes at least one byte).
+        InvalidRequestError: more than ``limit`` bytes (a text with more characters than ``limit``
+            is refused without being encoded: every character takes at least one byte), or a lone
+            surrogate, which is not text (``LONE_SURROGATE``).
     """
     if len(text) > limit:
         raise InvalidRequestError(field, f"holds {len(text)} characters, more than the {limit} UTF-8 bytes allowed")
-    size = len(text.encode("utf-8", "surrogatepass"))
+    try:
+        size = len(text.encode())
+    except UnicodeEncodeError:
+        raise InvalidRequestError(field, LONE_SURROGATE) from None
     if size > limit:
         raise InvalidRequestError(field, f"holds {size} UTF-8 bytes; at most {limit} are allowed")
     return size

@@ -266,8 +266,10 @@ class PromptTokenizer:
             if turn.role not in CHAT_ROLES:
                 raise InvalidRequestError(f"{field}[{i}].role", f"{turn.role!r} is not one of {', '.join(CHAT_ROLES)}")
             total += check_text_bytes(f"{field}[{i}].content", turn.content, budget)
-            total += sum(TOOL_CALL_TEXT_BYTES + len(f"{call.id}{call.name}{call.arguments}".encode())
-                         for call in turn.tool_calls) + len((turn.tool_call_id or "").encode())
+            total += sum(TOOL_CALL_TEXT_BYTES + check_text_bytes(f"{field}[{i}].tool_calls[{j}]",
+                                                                 f"{call.id}{call.name}{call.arguments}", budget)
+                         for j, call in enumerate(turn.tool_calls))
+            total += check_text_bytes(f"{field}[{i}].tool_call_id", turn.tool_call_id or "", budget)
             if total > budget:
                 raise InvalidRequestError(field, f"the contents hold more than {budget} UTF-8 bytes together")
 

@@ -19,6 +19,9 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+SOCKET_TIMEOUT_S = 10.0
+"""Longest wait for one Redis reply, seconds (a command that times out is retried, ``_connection_options``)."""
+
 POOL_WAIT_S = 10.0
 """Longest wait for a free pooled connection before a command fails, seconds."""
 
@@ -46,7 +49,7 @@ def _check_size(max_connections: int) -> None:
 def _connection_options(retry_class: type) -> dict:
     """Timeouts, health checks and retries of every pooled connection. The retries reconnect after a
     Redis restart (a pooled connection to the old server is dead)."""
-    return dict(socket_connect_timeout=2, socket_timeout=10, health_check_interval=5,
+    return dict(socket_connect_timeout=2, socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=5,
                 retry=retry_class(ExponentialBackoff(cap=1.0, base=0.05), retries=5),
                 retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 

@@ -25,6 +25,7 @@ from pagedserve.engine.outputs import OutputKind, RequestOutput
 from pagedserve.text.output_processor import TextDelta
 from pagedserve.text.request_samples import ParsedRequest, RequestSamples
 from pagedserve.text.tokenizer import PromptTokenizer
+from services.common.redis_pool import SOCKET_TIMEOUT_S
 from services.gateway.generation_errors import STATUS_OF_ERROR, GenerationError, StatusKind
 from services.gateway.metrics import GatewayMetrics, RequestMetrics
 from services.gateway.queue_producer import RequestQueueProducer
@@ -35,8 +36,8 @@ log = logging.getLogger("pagedserve.gateway")
 LOST_CHECK_S = 5
 """How often a request no scheduler has taken yet checks that its stream entry still exists, seconds."""
 
-ENQUEUE_TIMEOUT_S = 10.0
-"""Longest wait for Redis to take a new request, seconds (one socket timeout of ``redis_pool``): a hung Redis
+ENQUEUE_TIMEOUT_S = SOCKET_TIMEOUT_S
+"""Longest wait for Redis to take a new request, seconds (one Redis reply's timeout): a hung Redis
 (SIGSTOP, swapping) otherwise held a request through every retry of every timeout, 1 min 55 s in an attack,
 while the gateway's health already said NOT_SERVING. The request then fails with ``UNAVAILABLE``; its entry,
 should Redis queue it later, is deleted."""
@@ -201,17 +202,23 @@ class GenerationCore:
 
     async def _enqueue(self, submission: Submission) -> bytes:
         """Queues the request and returns its stream entry's id. Cancelled while Redis has it (the
-        client went away before the reply was read), the entry is deleted once queued."""
+        client went away before the reply was read), the entry is deleted once queued.
+
+        Raises:
+            GenerationError: ``UNAVAILABLE`` when Redis fails or does not take the request within
+                ``ENQUEUE_TIMEOUT_S`` (the entry, should Redis queue it later, is deleted then too).
+        """
         parsed = submission.parsed
         request = EngineRequest(submission.key, parsed.prompt_token_ids, parsed.engine_params, time.time(),
                                 dict(submission.trace_context), parsed.priority, parsed.cache_salt)
         queued = asyncio.ensure_future(self._producer.enqueue(request))
         try:
-            return await asyncio.wait_for(asyncio.shield(queued), ENQUEUE_TIMEOUT_S)
+            async with asyncio.timeout(ENQUEUE_TIMEOUT_S):  # not wait_for, which can lose a cancel (see redis_pool)
+                return await asyncio.shield(queued)
         except asyncio.CancelledError:
             self._router.background.start(self._forget_when_queued(queued))
             raise
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             self._router.background.start(self._forget_when_queued(queued))
             raise GenerationError(StatusKind.UNAVAILABLE, f"Redis did not take the request within "
                                   f"{ENQUEUE_TIMEOUT_S:g} s (is it overloaded or stopped?); retry later") from exc

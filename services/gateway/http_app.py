@@ -17,6 +17,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.engine.sampling_params import InvalidRequestError
+from pagedserve.text.request_limits import check_count
 from services.common.grpc_server import CLIENT_API_MAX_MESSAGE_BYTES
 from services.gateway.openai_chat import chat_prompt_mode, create_chat_completion, encode_messages
 from services.gateway.openai_completions import create_completion
@@ -25,7 +26,6 @@ from services.gateway.openai_errors import add_error_handlers, error_response, h
 from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from services.gateway.openai_responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse, now_s
 from services.gateway.openai_serving import OpenAIServing, invalid
-from pagedserve.text.request_limits import check_count
 from pagedserve.text.tokenizer import PromptTokenizer
 
 

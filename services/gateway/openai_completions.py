@@ -68,22 +68,25 @@ def parse_completion(body: CompletionRequest, tokenizer: PromptTokenizer) -> lis
     parsed = [parse_request(tokenizer, ids, field, params)
               for ids, field in ((_prompt_ids(tokenizer, p, f, body.add_special_tokens), f)
                                  for p, f in zip(prompts, fields))]
-    _check_repeated_prompt_logprobs(body, parsed, tokenizer.limits.max_repeated_prompt_logprobs)
+    _check_repeated_prompt_logprobs(body, parsed,
+                                    tokenizer.limits.max_prompt_logprob_entries(tokenizer.info.max_model_len))
     return parsed
 
 
 def _check_repeated_prompt_logprobs(body: CompletionRequest, parsed: list[ParsedRequest], limit: int) -> None:
-    """Raises InvalidRequestError (``echo``, or ``prompt_logprobs``) when the response would repeat more
-    than ``limit`` prompt logprob entries (``RequestLimits.max_repeated_prompt_logprobs``)."""
+    """Raises InvalidRequestError (``echo``, or ``prompt_logprobs``) when the response would carry more than
+    ``limit`` prompt logprob entries (``RequestLimits.prompt_logprobs_per_context_token``): each choice holds
+    its prompt's in ``prompt_logprobs`` and, echoed with ``logprobs``, in ``logprobs`` again."""
     alternatives = parsed[0].engine_params.prompt_logprobs if parsed else None
     if alternatives is None:
         return
-    entries = body.n * sum(len(p.prompt_token_ids) for p in parsed) * (alternatives + 1)
+    copies = 1 + (body.echo and body.logprobs is not None)
+    entries = copies * body.n * sum(len(p.prompt_token_ids) for p in parsed) * (alternatives + 1)
     if entries > limit:
         field = "prompt_logprobs" if body.prompt_logprobs is not None else "echo"
         raise InvalidRequestError(field, f"each of the n = {body.n} choices repeats its prompt's logprobs: {entries} "
-                                         f"entries (choices x prompt tokens x (alternatives + 1)), more than {limit}; "
-                                         "ask for fewer choices, alternatives or prompt tokens")
+                                         f"entries ({copies} x choices x prompt tokens x (alternatives + 1)), more "
+                                         f"than {limit}; ask for fewer choices, alternatives or prompt tokens")
 
 
 async def create_completion(serving: OpenAIServing, body: CompletionRequest, request: Request) -> Response:
@@ -174,7 +177,7 @@ async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseM
                  parsed: list[ParsedRequest]) -> Response:
     results, usages = await collect_samples(events, parsed)
 
-    def body() -> str:  # CPU work (up to RequestLimits.max_repeated_prompt_logprobs entries): off the event loop
+    def body() -> str:  # CPU work (RequestLimits.prompt_logprobs_per_context_token): off the loop
         choices = []
         for prompt_index, result in enumerate(results):
             prompt = None if shape.echo is None else shape.echo[prompt_index]

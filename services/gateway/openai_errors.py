@@ -111,8 +111,10 @@ async def _on_http_exception(request: Request, exc: HTTPException) -> JSONRespon
     are not UTF-8, an integer of over 4,300 digits, nesting too deep) gets that reason after FastAPI's
     "There was an error parsing the body"."""
     detail = str(exc.detail)
-    if exc.status_code == 400 and exc.__cause__ is not None:
-        detail += f" ({type(exc.__cause__).__name__}: {str(exc.__cause__)[:200]}); send UTF-8 JSON"
+    cause = exc.__cause__
+    if exc.status_code == 400 and cause is not None:
+        detail += f" ({type(cause).__name__}: {str(cause)[:200]})"
+        detail += "; send the body as UTF-8" if isinstance(cause, UnicodeDecodeError) else ""
     return error_response(exc.status_code, detail, headers=getattr(exc, "headers", None))
 
 

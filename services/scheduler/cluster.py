@@ -33,7 +33,7 @@ from services.common.signed_records import RecordCheck
 from services.scheduler.commands import ClaimedEntries, ClusterView
 from services.scheduler.leases import Leases, OwnLeaseLost
 from services.scheduler.prefix_index import PrefixIndex
-from services.scheduler.queue_consumer import Delivery, QueueEntry, decode_entries
+from services.scheduler.queue_consumer import Delivery, decode_entries
 from services.scheduler.worker_registry import WorkerRegistry
 from services.scheduler.worker_shares import workers_to_take
 

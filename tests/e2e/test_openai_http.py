@@ -60,6 +60,7 @@ def test_models_health_tokenize_detokenize(stack, model_name, default_model):
         assert http.post("/detokenize", json={"tokens": [10**9]}).json()["error"]["param"] == "tokens[0]"
         context = tokenizer.info.max_model_len  # a whole context detokenizes; more is refused, without the prompt's
         assert http.post("/detokenize", json={"tokens": [100] * context}).status_code == 200  # advice (attack)
+        assert http.post("/detokenize", json={"tokens": []}).json()["prompt"] == ""  # no ids: no text
         over = http.post("/detokenize", json={"tokens": [100] * (context + 1)}).json()["error"]
         assert over["param"] == "tokens" and "generated" not in over["message"], over
 
@@ -184,6 +185,12 @@ def test_chat_sse_wire_format(stack, model_name):
      "tools[0].function.parameters"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "audio": {"id": "a"}}]},
      "messages[0].audio"),
+    # and in a prompt, a content or a tool message's call id
+    ("/v1/completions", {"prompt": "Hi \ud800"}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "\ud800", "content": "x"}]}, "messages[2].tool_call_id"),
 ])
 def test_invalid_input_is_a_400_naming_the_parameter(stack, model_name, path, body, param):
     content = json.dumps({"model": model_name, **body})  # ASCII: a lone surrogate travels as its escape

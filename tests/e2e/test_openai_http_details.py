@@ -95,17 +95,18 @@ def test_max_tokens_0_with_echo_scores_the_prompt(stack, model_name):  # noqa: F
 def test_echoed_prompt_logprobs_repeated_past_the_bound_are_refused_before_any_work(stack, model_name):  # noqa: F811
     """Attack (2026-12-07): each of n choices repeats its prompt's logprobs; 8 prompts of 1,000 ids with n 32 and
     20 alternatives (a 41 KB body) made a 491 MB response and held the gateway's event loop for 39 s. Expected: 400
-    naming ``echo`` (``prompt_logprobs`` when that asked), at once; one such prompt with n 1 is served."""
+    naming ``echo`` (``prompt_logprobs`` when that asked), at once, past 64 entries per context token (524,288);
+    one such prompt with n 1 is served."""
     ids = [100 + i for i in range(1000)]
     body = {"model": model_name, "prompt": [ids] * 8, "n": 32, "echo": True, "logprobs": 20, "max_tokens": 1}
     started = time.monotonic()
     refused = httpx.post(stack.http + "/v1/completions", json=body, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo", refused.text
-    assert "5376000 entries" in refused.json()["error"]["message"] and time.monotonic() - started < 10
+    assert "10752000 entries" in refused.json()["error"]["message"] and time.monotonic() - started < 10
     scored = httpx.post(stack.http + "/v1/completions", timeout=60, json={
-        "model": model_name, "prompt": ids, "n": 13, "max_tokens": 1, "prompt_logprobs": 20})  # 273,000 entries
+        "model": model_name, "prompt": ids, "n": 25, "max_tokens": 1, "prompt_logprobs": 20})  # 525,000 entries
     assert scored.status_code == 400 and scored.json()["error"]["param"] == "prompt_logprobs", scored.text
-    assert "n = 13 choices" in scored.json()["error"]["message"]
+    assert "n = 25 choices" in scored.json()["error"]["message"]
     one = httpx.post(stack.http + "/v1/completions", json={**body, "prompt": ids, "n": 1}, timeout=60)
     assert one.status_code == 200 and len(one.json()["choices"][0]["logprobs"]["top_logprobs"]) == 1001
 

@@ -30,3 +30,20 @@ def test_values_that_would_not_survive_the_wire_are_refused(field, value):
 
 def test_the_extremes_that_survive_the_wire_are_accepted():
     SamplingParams(seed=2**64 - 1, top_k=2**31 - 1, temperature=1e38, top_p=1e-40, repetition_penalty=1e-3)
+
+
+def test_allowed_ids_that_may_all_be_masked_are_refused_and_a_bad_word_that_cannot_complete_is_not():
+    """An allowed id survives every mask unless it is a stop id held back by min_tokens or the last token of a
+    bad word whose other tokens are allowed (the output holds allowed ids only)."""
+    from pagedserve.engine.sampling_params import InvalidRequestError
+
+    def resolve(params: SamplingParams, bad_words=()):
+        return params.to_engine(3, 100, 50, eos_token_ids=(0,), bad_words_token_ids=bad_words)
+
+    with pytest.raises(InvalidRequestError, match="^allowed_token_ids: every allowed id may be masked"):
+        resolve(SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=[0]))
+    with pytest.raises(InvalidRequestError, match="^allowed_token_ids"):
+        resolve(SamplingParams(max_tokens=4, allowed_token_ids=[7]), bad_words=((7, 7),))
+    assert resolve(SamplingParams(max_tokens=4, allowed_token_ids=[7]), bad_words=((9, 7),)).allowed_token_ids == (7,)
+    assert resolve(SamplingParams(max_tokens=4, allowed_token_ids=[0])).allowed_token_ids == (0,)  # no min_tokens
+    assert resolve(SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=[0, 7])).allowed_token_ids == (0, 7)
