@@ -112,7 +112,7 @@ def sampling_params_from_openai(request: SamplingFields) -> SamplingParams:
     """The validated ``SamplingParams`` of an OpenAI completions or chat request: each field of the
     same name, by name; then the fields OpenAI spells its own way (``max_completion_tokens``, a
     single ``stop`` string, ``logit_bias`` keys as strings, the logprobs forms). Unset fields take
-    ``SamplingParams``' defaults (``openai_protocol.IGNORED_FIELDS`` never get here).
+    ``SamplingParams``' defaults (``openai_protocol.IgnoredFields`` are not read).
 
     Raises:
         InvalidRequestError: a value out of range or a field not supported, named as the OpenAI

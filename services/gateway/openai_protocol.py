@@ -4,7 +4,7 @@ Field names, types and defaults follow OpenAI's API and vLLM's extensions. Sizes
 the model (prompt bytes and tokens against the context) are checked later, by the tokenizer;
 the bounds here stop oversized bodies before any work is spent on them. Nothing is silently
 ignored: a field pagedserve does not implement is refused (400 naming it), except the few listed in
-``IGNORED_FIELDS`` and ``IGNORED_MESSAGE_FIELDS``, which change nothing it serves. Responses are in
+``IgnoredFields`` and ``IGNORED_MESSAGE_FIELDS``, which change nothing it serves. Responses are in
 ``openai_responses``.
 """
 
@@ -25,9 +25,6 @@ MAX_PROMPTS = 64
 MAX_NAME_CHARS = 256
 """Longest model name or user."""
 
-IGNORED_FIELDS = ("user", "store", "metadata", "service_tier")
-"""Request fields accepted and deliberately ignored: an end-user label, OpenAI's stored completions
-and their tags, and OpenAI's processing tier (pagedserve stores nothing and has one tier)."""
 IGNORED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
 """Message fields accepted when null or empty (the openai client sends them back in an assistant
 message of the history); with a value they are refused."""
@@ -57,6 +54,22 @@ class StrictRequest(BaseModel):
                 if key not in cls._ignored and not (key in cls._ignored_when_empty and not value)}
 
 
+class IgnoredFields(BaseModel):
+    """Request fields accepted within bounds and deliberately ignored: an end-user label, OpenAI's stored
+    completions and their tags (OpenAI's bounds: 16 pairs, keys of 64 characters, values of 512), and OpenAI's
+    processing tier (pagedserve stores nothing and has one tier). They were dropped unread, so a 10 MB ``user``
+    or a ``metadata`` of 100,000 keys was accepted (attack of 2026-12-07)."""
+
+    user: Name | None = Field(None, exclude=True)
+    store: StrictBool | None = Field(None, exclude=True)
+    metadata: Annotated[dict[Annotated[StrictStr, Field(max_length=64)], Annotated[StrictStr, Field(max_length=512)]],
+                        Field(max_length=16)] | None = Field(None, exclude=True)
+    service_tier: Name | None = Field(None, exclude=True)
+
+
+IGNORED_FIELDS = tuple(IgnoredFields.model_fields)
+
+
 class StreamOptions(StrictRequest):
     """``stream_options`` (only with ``stream: true``): ``include_usage`` adds a last chunk with the
     usage and no choices; vLLM's ``continuous_usage_stats`` puts on every chunk the usage so far of
@@ -67,7 +80,7 @@ class StreamOptions(StrictRequest):
     continuous_usage_stats: StrictBool = False
 
 
-class SamplingFields(StrictRequest, StructuredFields):
+class SamplingFields(StrictRequest, StructuredFields, IgnoredFields):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extensions; the
     structured-output forms are ``StructuredFields``).
 
@@ -75,8 +88,6 @@ class SamplingFields(StrictRequest, StructuredFields):
     keys are token ids as decimal strings (OpenAI's JSON form). ``best_of > n`` returns the ``n``
     samples of highest cumulative logprob and cannot be streamed.
     """
-
-    _ignored = IGNORED_FIELDS
 
     model: Name = Field(description="must be the served model name (GET /v1/models)")
     max_tokens: StrictInt | None = Field(None, description="most tokens to generate per choice")

@@ -120,9 +120,16 @@ def test_unimplemented_fields_are_refused_and_the_listed_ones_ignored():
 
     history = [{"role": "user", "content": "Hi"},
                {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None}]
-    body = ChatCompletionRequest.model_validate({"model": "m", "messages": history, "user": "u", "store": True,
-                                                 "metadata": {"k": "v"}, "service_tier": "auto"})
-    assert not any(hasattr(body, name) for name in IGNORED_FIELDS)
+    ignored = {"user": "u", "store": True, "metadata": {"k": "v"}, "service_tier": "auto"}
+    assert set(ignored) == set(IGNORED_FIELDS)
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": history, **ignored})
+    plain = ChatCompletionRequest.model_validate({"model": "m", "messages": history})
+    assert sampling_params_from_openai(body) == sampling_params_from_openai(plain)
+    assert not any(name in body.model_dump() for name in IGNORED_FIELDS)
+    for name, value in (("user", "u" * 257), ("metadata", {f"k{i}": "v" for i in range(17)}),
+                        ("metadata", {"k": "v" * 513}), ("store", "yes")):  # bounded though ignored (attack)
+        with pytest.raises(pydantic.ValidationError, match=name):
+            ChatCompletionRequest.model_validate({"model": "m", "messages": history, name: value})
     for extra in ({"use_beam_search": True}, {"stream_options": {"include_obfuscation": True}},
                   {"response_format": {"type": "json_object", "unknown": 1}}):
         with pytest.raises(pydantic.ValidationError, match="Extra inputs are not permitted"):
