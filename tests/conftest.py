@@ -135,6 +135,7 @@ SLOWEST_FILES_FIRST = (
     "tests/engine/test_structured_outputs.py", "tests/worker/test_parallel_architectures.py",
     "tests/e2e/test_run_script.py", "tests/worker/test_pipeline_parallel_llm.py", "tests/e2e/test_structured_outputs.py",
     "tests/engine/test_tensor_parallel_default_model.py", "tests/e2e/test_requests_across_restarts.py",
+    "tests/e2e/test_chaos_own_stacks.py",
 )
 """The test files that took longest in a full run (2026-12-06, 811 s, 2 cores), longest first. scripts/test.sh hands
 files to its xdist workers in collection order (``--no-loadscope-reorder``): these go first, so no

@@ -5,7 +5,7 @@ The faults that leave a whole stack behind (a process restarted on its port, a p
 take turns on one small stack with the services' default flags (``faults.SharedStack``: real
 redis-server on a free loopback port, a scheduler, one worker, a gateway; a turn starts once it has
 settled, a failed turn's stack is replaced); the three that need other flags or two workers start their
-own. Each test
+own (``test_chaos_own_stacks.py``). Each test
 starts 8 greedy streams (temperature 0, ignore_eos, max_tokens 100..114, so each stream's tokens are
 known exactly; real gRPC clients) on the small random-weight model (``small_model``: nearly every id it
 generates differs, so a token lost, repeated or mixed changes the rest), injects one fault once every
@@ -35,11 +35,10 @@ import time
 import grpc
 import pytest
 
-from services.common.pb import generate_pb2_grpc
-from tests.e2e.faults import (SharedStack, assert_no_leak, blocks_free, finish_streams, kill, own_stack,
-                              probe, start_gateway, start_redis_on, start_scheduler, start_streams, start_worker)
-from tests.e2e.processes import healthy, scheduler_stats, wait_until
-from tests.e2e.test_stack import QUESTIONS, chat_request
+from tests.e2e.faults import (SharedStack, assert_no_leak, blocks_free, finish_streams, kill, probe, start_gateway,
+                              start_redis_on, start_scheduler, start_streams, start_worker)
+from tests.e2e.processes import Process, healthy, scheduler_stats, wait_until
+from tests.e2e.test_stack import QUESTIONS
 
 GATEWAY_ID = re.compile(r"gateway (\S+) listening")
 
@@ -108,10 +107,15 @@ def pause_reference(small_llm):
     return [list(o.token_ids) for o in undisturbed_runs(small_llm, PAUSE_STREAM_TOKENS)]
 
 
-STEP_TIMEOUT_ARGS = ("--step-timeout", "4", "--max-num-batched-tokens", "32")
-"""The step-timeout fault's scheduler: a step times out after 4 s, and the recompute runs in 32-token steps
-(one step prefilling all 8 sequences again took over 4 s on a busy CI machine, three test workers on two
-cores, timed out three times, and failed the requests)."""
+def pause(process: Process, seconds: float) -> float:
+    """SIGSTOP ``process`` for ``seconds``, then SIGCONT (also when interrupted); returns when it resumed
+    (``time.monotonic()``)."""
+    process.popen.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        process.popen.send_signal(signal.SIGCONT)
+    return time.monotonic()
 
 
 @pytest.fixture(scope="module")
@@ -123,24 +127,6 @@ def shared(tmp_path_factory, small_model):
 
 
 # ---- the faults --------------------------------------------------------------------------------
-
-def test_kill_one_of_two_workers(tmp_path, small_model, reference):
-    """kill -9 the busier of two workers: its step fails, it is dropped (and dropped again if
-    re-admitted before its heartbeat expires), its sequences are recomputed on the other worker.
-    Expected: all 8 streams complete token-identical; the survivor serves new requests. (Placement by
-    cached prefix can put all 8 on one worker: the idle one's death would move nothing.)"""
-    with own_stack(tmp_path, small_model, num_workers=2) as stack:
-        calls = start_streams(stack.gateway, MAX_TOKENS)
-        busier = max(scheduler_stats(stack.scheduler).workers, key=lambda w: w.num_running)
-        assert busier.num_running > 0, "neither worker runs a stream"
-        fault_at = time.monotonic()
-        kill(stack, busier.worker_id)
-        recovery = probe(stack.gateway, fault_at)
-        figures = finish_streams(calls, reference, fault_at, allowed=set())
-        assert_no_leak(stack, num_workers=1)
-        RESULTS["1 kill one of two workers"] = {**figures, "running_on_killed_worker": busier.num_running,
-                                                "new_request_ok_after_s": recovery, "blocks_leaked": 0}
-
 
 def test_kill_the_only_worker_and_start_another(shared, small_model, reference):
     """kill -9 the only worker; 3 s later start a new one with the same --worker-id (a new
@@ -162,35 +148,6 @@ def test_kill_the_only_worker_and_start_another(shared, small_model, reference):
         RESULTS["2 kill only worker, new one after 3 s"] = {
             **figures, "gateway_not_serving_after_s": not_serving_after, "new_request_ok_after_s": recovery,
             "of_which_after_new_worker_start_s": round(recovery - (started_at - fault_at), 2), "blocks_leaked": 0}
-
-
-def test_no_worker_for_too_long_fails_the_requests_with_unavailable(tmp_path, small_model, reference):
-    """kill -9 the only worker with --no-worker-timeout 3 and start none. Expected: the 8 requests
-    go back to waiting and fail with UNAVAILABLE within the timeout + heartbeat expiry (3 s) +
-    back-off (<= 2 s) + slack (15 s in all), a request sent then fails with UNAVAILABLE once it has
-    waited the timeout itself (not at once: a worker may come within it), and once a worker is started
-    new requests succeed."""
-    with own_stack(tmp_path, small_model, num_workers=1, scheduler_args=("--no-worker-timeout", "3")) as stack:
-        calls = start_streams(stack.gateway, MAX_TOKENS)
-        fault_at = time.monotonic()
-        kill(stack, "worker-0")
-        for call in calls:
-            call.thread.join(max(0.0, fault_at + 15 - time.monotonic()))
-        figures = finish_streams(calls, reference, fault_at, allowed={grpc.StatusCode.UNAVAILABLE})
-        assert figures["completed_identical"] == 0 and figures["last_stream_end_s"] < 15, figures
-        sent_at = time.monotonic()
-        with pytest.raises(grpc.RpcError) as refused, grpc.insecure_channel(stack.gateway) as channel:
-            list(generate_pb2_grpc.GenerationStub(channel).Generate(chat_request(QUESTIONS[3], max_tokens=4), timeout=10))
-        refused_after = round(time.monotonic() - sent_at, 2)
-        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and 2.9 < refused_after < 8, (refused.value,
-                                                                                                 refused_after)
-        start_worker(stack, small_model, "worker-0", tmp_path)
-        started_at = time.monotonic()
-        recovery = probe(stack.gateway, started_at)
-        assert_no_leak(stack, num_workers=1)
-        RESULTS["2b kill only worker, none started (--no-worker-timeout 3)"] = {
-            **figures, "new_request_refused_after_s": refused_after,
-            "new_request_ok_after_worker_start_s": recovery, "blocks_leaked": 0}
 
 
 def test_kill_and_restart_the_scheduler(shared, reference, reference_outputs):
@@ -293,31 +250,6 @@ def test_kill_and_restart_the_gateway_with_the_same_id(shared, small_model, refe
             "new_request_ok_after_s": recovery, "blocks_leaked": 0}
 
 
-def test_worker_step_times_out_without_dying(tmp_path, small_model, reference):
-    """SIGSTOP the only worker for 8 s with --step-timeout 4, then SIGCONT. Expected: the step
-    times out, the worker is reset (its heartbeat also lapses, so it registers again after
-    SIGCONT) and re-admitted after the back-off; it drops its old state (new session id), the
-    sequences are recomputed (in 32-token steps: ``STEP_TIMEOUT_ARGS``): all 8 complete
-    token-identical."""
-    with own_stack(tmp_path, small_model, num_workers=1, scheduler_args=STEP_TIMEOUT_ARGS) as stack:
-        calls = start_streams(stack.gateway, MAX_TOKENS)
-        worker = stack.processes["worker-0"]
-        fault_at = time.monotonic()
-        worker.popen.send_signal(signal.SIGSTOP)
-        try:
-            time.sleep(8)
-        finally:
-            worker.popen.send_signal(signal.SIGCONT)
-        resumed_at = time.monotonic()
-        recovery = probe(stack.gateway, fault_at)
-        figures = finish_streams(calls, reference, fault_at, allowed=set())
-        assert_no_leak(stack, num_workers=1)
-        assert "a step failed" in stack.processes["scheduler"].log_text(), "the step did not time out"
-        RESULTS["6 worker SIGSTOP 8 s (step timeout 4 s)"] = {
-            **figures, "new_request_ok_after_s": recovery,
-            "of_which_after_SIGCONT_s": round(recovery - (resumed_at - fault_at), 2), "blocks_leaked": 0}
-
-
 @pytest.mark.parametrize("pause_s,name", [(4, "7 Redis SIGSTOP 4 s"), (12, "7b Redis SIGSTOP 12 s")])
 def test_redis_paused(shared, pause_reference, pause_s, name):
     """SIGSTOP Redis for 4 s, and for 12 s (longer than the services' 10 s socket timeout), then
@@ -328,14 +260,8 @@ def test_redis_paused(shared, pause_reference, pause_s, name):
     succeed after SIGCONT."""
     with shared.turn() as stack:
         calls = start_streams(stack.gateway, PAUSE_STREAM_TOKENS)
-        redis_proc = stack.processes["redis"]
         fault_at = time.monotonic()
-        redis_proc.popen.send_signal(signal.SIGSTOP)
-        try:
-            time.sleep(pause_s)
-        finally:
-            redis_proc.popen.send_signal(signal.SIGCONT)
-        resumed_at = time.monotonic()
+        resumed_at = pause(stack.processes["redis"], pause_s)
         recovery = probe(stack.gateway, fault_at)
         figures = finish_streams(calls, pause_reference, fault_at, allowed=set())
         assert_no_leak(stack, num_workers=1)
