@@ -178,15 +178,20 @@ refused (``jsonschema_rs`` would try to download it, llguidance refuses it)."""
 
 
 def _check_schema(text: str, name: str) -> None:
-    """Raises ``InvalidRequestError(name)`` unless ``text`` is a JSON schema (an object or a boolean)
-    that validates against its draft's meta-schema (``jsonschema_rs``: 0.3-0.6 ms for a 500-property
-    schema where the ``jsonschema`` package takes 100-300 ms of the gateway's CPU)."""
+    """Raises ``InvalidRequestError(name)`` unless ``text`` is a JSON schema object that validates against its
+    draft's meta-schema (``jsonschema_rs``: 0.3-0.6 ms for a 500-property schema where the ``jsonschema``
+    package takes 100-300 ms of the gateway's CPU). The boolean schemas ``true`` and ``false`` are valid JSON
+    schemas, but llguidance builds no grammar from them (a ValueError, which reached clients as UNKNOWN / 500:
+    attack of 2026-12-07): refused, saying what to send instead."""
     import jsonschema_rs
 
     schema = _load_json(text, name)
-    if not isinstance(schema, (dict, bool)):
+    if isinstance(schema, bool):
+        raise InvalidRequestError(name, f"the boolean schema {str(schema).lower()} is not supported: send an object "
+                                        "schema (any JSON object: the json_object form)")
+    if not isinstance(schema, dict):
         raise InvalidRequestError(name, f"must be a JSON object, got {type(schema).__name__}")
-    if isinstance(schema, dict) and not _known_metaschema(schema.get("$schema")):
+    if not _known_metaschema(schema.get("$schema")):
         raise InvalidRequestError(name, f"names $schema {str(schema['$schema'])[:100]!r}, which is not supported: "
                                   "omit it, or name draft-04, -06, -07, 2019-09 or 2020-12")
     try:

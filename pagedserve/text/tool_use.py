@@ -101,6 +101,9 @@ def _checked_tool(tool: FunctionTool, field: str) -> FunctionTool:
     Raises:
         InvalidRequestError: ``field`` naming the reason.
     """
+    if tool.parameters.get("type", "object") != "object":  # as OpenAI: the call's arguments are an object
+        raise InvalidRequestError(field, f"must be the schema of a JSON object (type \"object\"), not of type "
+                                         f"{json.dumps(tool.parameters['type'])[:100]}")
     if tool.parameters:
         try:
             check_structured_output(StructuredOutput(StructureKind.JSON, json.dumps(tool.parameters)))

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from pagedserve.engine.config import PreemptionMode
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.scheduler import Scheduler
 from services.common.pb import engine_pb2 as pb
@@ -188,6 +189,9 @@ class WorkerMembership:
         log.info("worker %s (instance %s, lease epoch %d) at %s admitted with %d blocks (%d CPU blocks); %d worker(s) "
                  "now", reg.worker_id, reg.instance_id, lease_epoch, reg.address, reg.num_blocks, reg.num_cpu_blocks,
                  len(self._members))
+        if self._scheduler.config.preemption_mode is PreemptionMode.SWAP and not reg.num_cpu_blocks:
+            log.warning("worker %s has no CPU blocks: --preemption-mode swap recomputes its preempted sequences "
+                        "instead; start it with --swap-space (e.g. 4GiB)", reg.worker_id)
 
     def _drop(self, worker_id: str, why: str) -> list[RequestOutput]:
         del self._members[worker_id]

@@ -106,8 +106,9 @@ def test_grpc_json_schema_gives_the_same_output(stack, client, default_model):
 
 @pytest.mark.parametrize("member, value", [
     ("regex", "a(b"), ("grammar", "root ::= ("), ("json", '{"type": "nonsense"}'), ("json", "x" * (1 << 20)),
-    ("json_object", False), ("choice", [f"c{i}" for i in range(2048)])],  # attack of 2026-12-07: false taken as
-    ids=["bad-regex", "bad-grammar", "invalid-schema", "1MB-schema", "json-object-false", "2048-choices"])  # true
+    ("json_object", False), ("choice", [f"c{i}" for i in range(2048)]), ("json", "true")],  # attacks of 2026-12-07:
+    ids=["bad-regex", "bad-grammar", "invalid-schema", "1MB-schema", "json-object-false", "2048-choices",
+         "boolean-schema"])  # json_object false was taken as true, a boolean schema was UNKNOWN
 def test_grpc_bad_spec_is_invalid_argument_naming_the_field(stack, member, value):
     request = chat_request("Hi", max_tokens=4)
     if member == "choice":

@@ -105,7 +105,9 @@ def test_conversation_with_a_tool_result_continues(client, default_model, stack)
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
      "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-], ids=["unknown-function", "no-tools", "bad-parameters", "with-response-format"])
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),  # arguments came back as a JSON string (attack of 2026-12-07)
+], ids=["unknown-function", "no-tools", "bad-parameters", "with-response-format", "not-an-object"])
 def test_bad_tool_request_is_400_naming_the_field(stack, default_model, body, param):
     response = httpx.post(stack.http + "/v1/chat/completions", timeout=60,
                           json={"model": default_model.name, "messages": QUESTION, "max_tokens": 4, **body})

@@ -219,3 +219,14 @@ def test_a_worker_owned_under_a_new_lease_epoch_is_reset_and_its_plans_carry_the
     assert connections.epochs == {"w": 9}
     again = scheduler.schedule(["w"]).plans["w"]
     assert again.session_id != first.session_id and again.new_requests[0].num_computed_tokens == 0
+
+
+def test_a_worker_without_cpu_blocks_under_swap_preemption_is_admitted_with_a_warning(caplog):
+    """Attack (2026-12-07): `pagedserve up --preemption-mode swap` without --swap-space preempted by recompute
+    and said nothing."""
+    from pagedserve.engine.config import PreemptionMode
+
+    scheduler, clock = Scheduler(SchedulerConfig(preemption_mode=PreemptionMode.SWAP)), Clock()
+    members = WorkerMembership(scheduler, Connections(), gone_after_s=5.0, clock=clock)
+    members.sync(view(clock, {"w": reg("w")}))
+    assert scheduler.worker_ids == ["w"] and "worker w has no CPU blocks" in caplog.text
