@@ -161,7 +161,8 @@ class ClusterWatch:
         self.peer_loads = {sid: reg.num_waiting + reg.num_running for sid, reg in schedulers.items()
                            if sid != me and reg.num_blocks}
         peers = bool(self.peer_loads)  # a live peer runs a worker
-        self._publish(ClusterView(live, dict(self._owned), peers, read_at))
+        model_name = next((w.model for w in workers.values()), "")  # any live worker's: the cluster's model
+        self._publish(ClusterView(live, dict(self._owned), peers, read_at, model_name))
         if runs or not peers:  # never take back what was handed off for want of a worker; when none runs, any may
             self._claim_orphans(schedulers, registered)
 

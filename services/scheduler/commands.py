@@ -25,12 +25,16 @@ class ClusterView:
         read_at: when the read began, ``time.monotonic()`` seconds: the view holds every heartbeat
             a worker wrote before then (``WorkerMembership`` tells a dead worker's last beat from a
             live one's next by it).
+        model_name: the model of the cluster's live workers, this scheduler's or a peer's ("" while
+            none is registered): the label of its metrics before it owns a worker (a restarted
+            scheduler resuming its requests counted them under "").
     """
 
     workers: Mapping[str, pb.WorkerRegistration]
     epochs: Mapping[str, int]
     peers_have_workers: bool
     read_at: float
+    model_name: str
 
 
 @dataclass(frozen=True)

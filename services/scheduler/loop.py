@@ -222,7 +222,7 @@ class SchedulerLoop:
 
     # ---- workers -------------------------------------------------------------------------
     def _update_workers(self, view: ClusterView) -> None:
-        self.model_name = next((r.model for r in view.workers.values()), self.model_name)
+        self.model_name = view.model_name or self.model_name
         self._peers_have_workers = view.peers_have_workers
         self._deliver(self.membership.sync(view))
         self._note_workers()

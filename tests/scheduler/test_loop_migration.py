@@ -73,7 +73,7 @@ def next_batch(events: queue.SimpleQueue, timeout_s: float) -> pb.TokenEventBatc
 
 
 def view_without_workers(peers_have_workers: bool) -> ClusterView:
-    return ClusterView({}, {}, peers_have_workers, read_at=time.monotonic())
+    return ClusterView({}, {}, peers_have_workers, read_at=time.monotonic(), model_name="")
 
 
 def test_a_request_dropped_for_an_unanswered_resume_query_ends_at_its_gateway(monkeypatch):

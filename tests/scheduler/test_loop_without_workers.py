@@ -28,7 +28,7 @@ def test_waiting_requests_fail_when_the_last_worker_fails_and_no_cluster_view_fo
         _, events = sched.connect("gw")
         dead = pb.WorkerRegistration(worker_id="w", address="127.0.0.1:1", num_blocks=64, block_size=16,
                                      instance_id="i")  # nothing listens there: its first step fails
-        sched.loop.submit(ClusterView({"w": dead}, {"w": 1}, False, time.monotonic()))
+        sched.loop.submit(ClusterView({"w": dead}, {"w": 1}, False, time.monotonic(), "m"))
         sched.loop.submit(NewEntries((entry("r", "gw", Delivery.FIRST),)))
         final = []
         for batch in iter(lambda: next_batch(events, 15), None):
@@ -85,3 +85,17 @@ def test_a_request_read_just_before_the_first_worker_is_admitted_gets_the_whole_
         waited = time.monotonic() - started
         assert final and final[0].error.kind == pb.ERROR_KIND_UNAVAILABLE
         assert 0.9 < waited < 5.0, f"failed after {waited:.2f} s; the timeout is 1 s"
+
+
+def test_a_scheduler_without_workers_labels_its_metrics_with_the_clusters_model():
+    """Attack (2026-12-07): a scheduler restarted after kill -9 resumed its requests before owning a worker and
+    counted them under model_name="" (the model came from its own workers' registrations only)."""
+    with Loop() as sched:
+        sched.loop.submit(ClusterView({}, {}, True, time.monotonic(), "smol"))  # a peer's worker serves "smol"
+        deadline = time.monotonic() + 5
+        while sched.loop.model_name != "smol" and time.monotonic() < deadline:
+            threading.Event().wait(0.02)
+        assert sched.loop.model_name == "smol"
+        sched.loop.submit(ClusterView({}, {}, False, time.monotonic(), ""))  # none registered a moment: kept
+        threading.Event().wait(0.3)
+        assert sched.loop.model_name == "smol"

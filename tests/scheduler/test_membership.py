@@ -59,7 +59,7 @@ def reg(worker_id: str, instance: str = "i1", blocks: int = 8, block_size: int =
 
 def view(clock: Clock, live: dict[str, pb.WorkerRegistration], epochs=EPOCH_1) -> ClusterView:
     """What the cluster thread hands the loop, read now."""
-    return ClusterView(live, epochs, peers_have_workers=False, read_at=clock.now)
+    return ClusterView(live, epochs, peers_have_workers=False, read_at=clock.now, model_name="m")
 
 
 def make(speculative: SpeculativeConfig = SpeculativeConfig()):
