@@ -108,9 +108,7 @@ class RequestTable:
 
     def running_longer_than(self, request_ids: Iterable[str], seconds: float) -> list[str]:
         """Those of ``request_ids`` that have been running here (held by the engine) for more than ``seconds``."""
-        deadline = self._clock() - seconds
-        return [r for r in request_ids
-                if (row := self._rows.get(r)) is not None and row.phase is Phase.RUNNING and row.since < deadline]
+        return self._in_phase_longer_than(Phase.RUNNING, seconds, request_ids)
 
     def of_gateway(self, gateway_id: str, phase: Phase) -> list[str]:
         """Ids of the requests of ``gateway_id`` in ``phase``."""
@@ -223,6 +221,11 @@ class RequestTable:
         self._expire(Phase.ABORTED_UNREAD, older_than_s)
 
     def _expire(self, phase: Phase, after_s: float) -> list[QueueEntry]:
-        deadline = self._clock() - after_s
-        ids = [r for r, row in self._rows.items() if row.phase is phase and row.since < deadline]
+        ids = self._in_phase_longer_than(phase, after_s, list(self._rows))
         return [row.entry for row in (self._rows.pop(r) for r in ids) if row.entry is not None]
+
+    def _in_phase_longer_than(self, phase: Phase, seconds: float, request_ids: Iterable[str]) -> list[str]:
+        """Those of ``request_ids`` held here in ``phase`` for more than ``seconds``."""
+        deadline = self._clock() - seconds
+        return [r for r in request_ids
+                if (row := self._rows.get(r)) is not None and row.phase is phase and row.since < deadline]
