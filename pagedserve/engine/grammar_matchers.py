@@ -93,14 +93,18 @@ class GrammarCompiler:
             if key in self._pristine:
                 return built()
             if key not in self._building:
-                build = self._compile_thread.submit(self._build, structure)
-                self._building[key] = build
-                build.add_done_callback(lambda _: self._forget_build(key))
+                self._building[key] = self._compile_thread.submit(self._build_then_forget, structure)
             return self._building[key]
 
-    def _forget_build(self, key: str) -> None:
-        with self._lock:
-            self._building.pop(key, None)
+    def _build_then_forget(self, structure: StructuredOutput):
+        """:meth:`_build` on the compile thread, then no longer under way whatever its outcome. (Not a
+        done-callback: one added to a build that had already failed ran at once, in the thread that
+        held the lock it takes, and deadlocked the compiler and the worker's steps.)"""
+        try:
+            return self._build(structure)
+        finally:
+            with self._lock:
+                self._building.pop(structure.cache_key, None)
 
     def matcher(self, structure: StructuredOutput, output_token_ids: Sequence[int] = ()):
         """A matcher for ``structure`` that has consumed ``output_token_ids`` (a replay). Copies the

@@ -66,10 +66,13 @@ INTERNAL_SERVER_OPTIONS = server_options(INTERNAL_MAX_MESSAGE_BYTES)
 """The scheduler's and the workers' servers."""
 RECONNECT_BACKOFF_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-"""A restarted service is reached again within a second (gRPC's default back-off grows to 120 s)."""
+"""A restarted service is reached again within a second (gRPC's default back-off grows to 120 s).
+``grpc.min_reconnect_backoff_ms`` stays unset: gRPC takes it as the time a connection attempt may
+take (its default 20 s), and at 100 ms a server busy for a tenth of a second while a channel
+connects failed the call UNAVAILABLE ("timed out before receiving SETTINGS frame", "tcp handshaker
+shutdown") although its deadline was seconds away."""
 
 INTERNAL_CHANNEL_OPTIONS = message_size_options(INTERNAL_MAX_MESSAGE_BYTES) + RECONNECT_BACKOFF_OPTIONS
 """Channels between services (gateway to scheduler, scheduler to workers, GetStats callers)."""

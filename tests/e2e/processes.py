@@ -160,8 +160,8 @@ def scheduler_stats(address: str, cluster_token: str = CLUSTER_TOKEN) -> pb.Sche
 
 
 def num_workers_known(address: str) -> int:
-    """Workers the scheduler at ``address`` knows; -1 while it does not answer (a call that fails
-    while the machine is busy, e.g. UNAVAILABLE "tcp handshaker shutdown", is retried by the caller)."""
+    """Workers the scheduler at ``address`` knows; -1 while it does not answer (it is starting or
+    gone; the caller asks again)."""
     import grpc
 
     try:

@@ -98,3 +98,23 @@ def test_the_vocabulary_is_built_once_per_process_for_a_tokenizer(default_model)
     assert GrammarCompiler(path, 49152, [2])._llg_tokenizer() is first
     assert llguidance_tokenizer(path, 49152, (2,)) is first
     assert llguidance_tokenizer(path, 49160, (2,)) is not first
+
+
+def test_grammars_that_fail_at_once_never_deadlock_the_compiler(default_model):
+    """A build that failed before :meth:`GrammarCompiler.prepare` let go of its lock once ran the
+    build's clean-up in the preparing thread, which took the lock again and hung for ever (a fresh
+    compiler's first failing grammar hung within 4 tries). 100 such prepares each end with the error."""
+    path = str(default_model / "tokenizer.json")
+    errors: list[str] = []
+
+    def prepare_failing_grammars() -> None:
+        for i in range(100):
+            build = GrammarCompiler(path, 49152, [2]).prepare(
+                StructuredOutput(StructureKind.GRAMMAR, f"start: <|no_such_token_{i}|>"))
+            errors.append(str(build.exception(timeout=30)))
+
+    thread = threading.Thread(target=prepare_failing_grammars, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), f"the compiler hung after {len(errors)} failing grammars"
+    assert len(errors) == 100 and all("does not build" in e for e in errors), errors[:3]
