@@ -32,13 +32,14 @@ class ForwardBatch:
     @classmethod
     def build(cls, token_ids: Sequence[int], query_lens: Sequence[int], context_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]], block_size: int, dtype: torch.dtype,
-              device: torch.device) -> ForwardBatch:
+              device: torch.device, num_decode_seqs: int | None = None) -> ForwardBatch:
         """The batch of ``token_ids`` (``sum(query_lens)``, sequence after sequence), sequence ``i``
         having ``context_lens[i]`` tokens cached in the blocks ``block_tables[i]``; ``dtype`` is the
-        models' activation dtype (of the masks). Raises ValueError as ``build_attention_metadata``."""
+        models' activation dtype (of the masks); ``num_decode_seqs`` as ``build_attention_metadata``
+        takes it. Raises ValueError as ``build_attention_metadata``."""
         positions = compute_positions(query_lens, context_lens)           # (T,) int64
         metadata = build_attention_metadata(query_lens, context_lens, block_tables, positions, block_size, dtype,
-                                            device)
+                                            device, num_decode_seqs=num_decode_seqs)
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)  # (T,)
         return cls(input_ids, positions.to(device), metadata)
 

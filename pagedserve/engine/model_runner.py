@@ -28,6 +28,7 @@ from pagedserve.engine.logprobs import prompt_logprobs
 from pagedserve.engine.penalties import TokenHistory
 from pagedserve.engine.structured_output import StructuredOutput
 from pagedserve.engine.sampler import Sampler
+from pagedserve.engine.attention_layout import attention_layout
 from pagedserve.engine.worker_requests import (PlanMismatchError, RequestState, ScheduledRequest, batch_order,
                                                check_schedulable, expand_samples, prompt_chunk)
 from pagedserve.engine.spec_decode.lookahead import kept_blocks
@@ -238,28 +239,25 @@ class ModelRunner:
 
     def _forward(self, batch: Sequence[ScheduledRequest]) -> torch.Tensor:
         """Builds the flat token batch and its metadata (index tensors made once, from lists) and runs
-        the model: hidden states ``[T, hidden]``, rows in ``batch`` order. A verification's rows (the
-        last token and each draft) attend as one-token sequences over the context before each: the
-        decode path, as plain decoding computes each position (their K/V are all written first)."""
-        token_ids: list[int] = []
-        query_lens: list[int] = []
-        context_lens: list[int] = []
-        tables: list[list[int]] = []
-        for s in batch:
-            start, ids = s.state.num_computed_tokens, s.state.block_ids
-            token_ids += s.state.token_ids[start:start + s.num_scheduled_tokens] + list(s.draft_token_ids)
-            rows = s.num_query_tokens if s.draft_token_ids else 1  # sequences in the metadata
-            query_lens += [1] * rows if s.draft_token_ids else [s.num_query_tokens]
-            context_lens += range(start, start + rows)
-            tables += [ids] * rows
-        return self._forward_tokens(token_ids, query_lens, context_lens, tables)
+        the model: hidden states ``[T, hidden]``, rows in ``batch`` order. Rows at generated positions
+        (decodes, a verification's last token and drafts, outputs recomputed) attend as one-token
+        sequences, the decode path, as plain decoding computes each position; prompt rows as one
+        sequence each (``attention_layout``; all K/V are written first)."""
+        layout = attention_layout(batch)
+        hidden = self._forward_tokens(layout.token_ids, layout.query_lens, layout.context_lens, layout.block_tables,
+                                      layout.num_decode_seqs)                # (T, hidden), attention order
+        if layout.in_batch_order:
+            return hidden
+        order = torch.argsort(torch.tensor(layout.batch_rows))             # (T,) flat row of each batch row
+        return hidden[order.to(hidden.device)]
 
     def _forward_tokens(self, token_ids: list[int], query_lens: list[int], context_lens: list[int],
-                        block_tables: list[list[int]]) -> torch.Tensor:
-        """The model over a flat token batch, each sequence's new tokens after its computed ones:
-        hidden states ``[T, hidden]``. The proposer sees the batch after the model ran it."""
+                        block_tables: list[list[int]], num_decode_seqs: int) -> torch.Tensor:
+        """The model over a flat token batch, each sequence's new tokens after its computed ones, the
+        first ``num_decode_seqs`` sequences decodes: hidden states ``[T, hidden]``. The proposer sees
+        the batch after the model ran it."""
         batch = ForwardBatch.build(token_ids, query_lens, context_lens, block_tables, self.block_size,
-                                   self.model.dtype, self.device)
+                                   self.model.dtype, self.device, num_decode_seqs)
         hidden = batch.run(self.forward, self.kv_cache, self.attention_backend)  # (T, hidden)
         if self.proposer is not None:
             self.proposer.observe(batch)
@@ -270,4 +268,4 @@ class ModelRunner:
         that a compiled forward compiles its graphs now rather than in the first requests' steps."""
         with torch.inference_mode():  # as in execute: guards check the inputs are inference tensors
             for num_tokens in (2, 1):
-                self._forward_tokens([0] * num_tokens, [num_tokens], [0], [[0]])
+                self._forward_tokens([0] * num_tokens, [num_tokens], [0], [[0]], int(num_tokens == 1))

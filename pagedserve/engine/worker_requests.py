@@ -87,8 +87,8 @@ def check_schedulable(state: RequestState, num_scheduled: int, num_blocks: int, 
 def batch_order(s: ScheduledRequest) -> tuple[bool, int]:
     """The order a step runs its sequences in (also a pipeline stage's): decodes (with their drafts'
     rows, which attend as decodes) first, longest context first (so decode chunks pad little);
-    prefills keep plan order."""
-    is_decode = s.num_scheduled_tokens == 1
+    prefills keep plan order, a prompt's one-token remainder among them (``attention_layout``)."""
+    is_decode = s.num_scheduled_tokens == 1 and s.state.num_computed_tokens >= s.state.num_prompt_tokens
     return (not is_decode, -s.state.num_computed_tokens if is_decode else 0)
 
 

@@ -105,6 +105,38 @@ def test_chunked_and_cached_prefills_give_the_bits_of_a_whole_prefill(small_mode
     assert got == want
 
 
+@needs_prefill_op
+def test_a_prompts_last_token_after_a_prefix_hit_gives_the_bits_of_the_whole_prompt(small_model):
+    """A prompt of 257 tokens whose first 256 are cached computes one token: a prompt row, so the prefill
+    op's (as in the whole prompt), not the decode op's (``attention_layout``)."""
+    shared = [(13 * j) % 40000 + 100 for j in range(256)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3)
+    whole = LLM(small_model, kv_cache_memory="64MiB", enable_prefix_caching=False, max_num_batched_tokens=2048)
+    want = whole.generate(shared + [777], params)[0].samples  # in one chunk
+    cached = LLM(small_model, kv_cache_memory="64MiB")
+    cached.generate(shared + [555, 556], SamplingParams(max_tokens=1, temperature=0.0))
+    got = cached.generate(shared + [777], params)[0].samples
+    assert cached.stats().prefix_cache_hits == 256
+    assert got == want
+
+
+@needs_prefill_op
+def test_outputs_recomputed_after_preemption_keep_the_bits_of_an_uninterrupted_run(small_model, prompts):
+    """A recompute preemption computes a sequence's prompt and outputs again in one prefill: the outputs'
+    rows go to the decode op as one-token sequences (``attention_layout``), as plain decoding computed
+    them, so every logprob after the preemption is the uninterrupted run's, bit for bit. Through the
+    prefill op the recomputed outputs moved the logprobs that follow by up to ~1.5e-5."""
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=3, ignore_eos=True)
+    roomy = LLM(small_model, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    want = [r.samples for r in roomy.generate(prompts, params)]
+    longest = max(len(p) for p in prompts) + params.max_tokens
+    tight = LLM(small_model, kv_cache_memory=(-(-longest // 16) + 3) * SMALL_BLOCK_BYTES, preemption_mode="recompute",
+                enable_prefix_caching=False)
+    got = [r.samples for r in tight.generate(prompts, params)]
+    assert tight.stats().num_preemptions > 0
+    assert got == want
+
+
 def test_four_seeded_samples_share_the_prompt_blocks(small_model, small_llm, tokenizer):
     llm = LLM(small_model, kv_cache_memory="64MiB", enable_prefix_caching=False)
     prompt = tokenizer.encode_prompt("A lighthouse keeper lives alone on a rock far out at sea. One night a storm "

@@ -243,6 +243,7 @@ def build_attention_metadata(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     decode_chunk_tokens: int = 4096,
+    num_decode_seqs: int | None = None,
 ) -> AttentionMetadata:
     """Builds the step's metadata from per-sequence Python lists (a loop over sequences, none over tokens).
 
@@ -256,9 +257,13 @@ def build_attention_metadata(
         dtype: dtype of the additive masks (the model's activation dtype).
         device: where the tensors go.
         decode_chunk_tokens: most padded context positions gathered at once on the decode path.
+        num_decode_seqs: the leading one-token sequences that attend as decodes (the model runner's
+            ``attention_layout`` says; a one-token prompt remainder after them is not one); default:
+            every leading one-token sequence.
 
     Raises:
-        ValueError: empty batch, a query length < 1, or a block table too short for its sequence.
+        ValueError: empty batch, a query length < 1, a block table too short for its sequence, or
+            ``num_decode_seqs`` counting a sequence of more than one token.
     """
     if not query_lens or min(query_lens) < 1:
         raise ValueError(f"every sequence needs >= 1 new token, got query_lens={list(query_lens)}")
@@ -270,7 +275,10 @@ def build_attention_metadata(
     slot_mapping = blocks * block_size + positions % block_size           # (T,) int64
     query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(q, 0)                              # (S+1,)
-    num_decode = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    leading = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    num_decode = leading if num_decode_seqs is None else num_decode_seqs
+    if not 0 <= num_decode <= leading:
+        raise ValueError(f"num_decode_seqs={num_decode_seqs}, but only the first {leading} sequences have one token")
     return AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         block_tables=table.to(device),
