@@ -59,10 +59,10 @@ class GatewayConfig:
         "seconds an HTTP connection has to send a request's complete headers (from opening, or from its first "
         "byte after a previous request) before it is closed; idle keep-alive connections close after "
         "http_server.KEEP_ALIVE_S", 10.0)
-    http_send_timeout_s: float = option(
-        "seconds a streamed HTTP response may wait for its client to read (the connection's buffers full) "
-        "before the stream is cut and its requests aborted, which frees their places among "
-        "--max-concurrent-requests", 30.0)
+    send_timeout_s: float = option(
+        "seconds a streamed response (gRPC Generate, or HTTP) may wait for its client to read (flow control or "
+        "the connection's buffers full) before the stream is cut and its requests aborted, which frees their "
+        "places among --max-concurrent-requests", 30.0)
     http_port: int = option(
         "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
         "/tokenize, /detokenize) on the same --host; 0 picks a free one (logged)", DEFAULT_HTTP_PORT)
@@ -90,8 +90,8 @@ class GatewayConfig:
             raise ValueError(f"--shutdown-grace-s must be in [0, 3600], got {self.shutdown_grace_s}")
         if not 0 < self.http_header_timeout_s <= 3600:
             raise ValueError(f"--http-header-timeout-s must be in (0, 3600], got {self.http_header_timeout_s}")
-        if not 0 < self.http_send_timeout_s <= 3600:
-            raise ValueError(f"--http-send-timeout-s must be in (0, 3600], got {self.http_send_timeout_s}")
+        if not 0 < self.send_timeout_s <= 3600:
+            raise ValueError(f"--send-timeout-s must be in (0, 3600], got {self.send_timeout_s}")
         if not self.cluster_token:
             raise ValueError(MISSING_CLUSTER_TOKEN)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -7,8 +7,6 @@ names an internal exception. Here the method takes the raw bytes and decodes the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import grpc
 from google.protobuf.message import DecodeError
 
@@ -34,15 +32,13 @@ def add_generation_service(servicer, server: grpc.aio.Server) -> None:
     """Adds the Generation service, ``servicer.Generate`` behind a decoder that cannot fail the call.
 
     Args:
-        servicer: has ``Generate(request, context)``, an async iterator of ``GenerateResponse``
-            (``services.gateway.service.GenerationServicer``).
+        servicer: has ``Generate(request, context)``, a coroutine that writes each ``GenerateResponse``
+            with ``context.write`` (``services.gateway.service.GenerationServicer``).
         server: the asyncio gRPC server, not yet started.
     """
 
-    async def generate(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
-        request = await _decode(raw, context)
-        async for response in servicer.Generate(request, context):
-            yield response
+    async def generate(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        await servicer.Generate(await _decode(raw, context), context)
 
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(

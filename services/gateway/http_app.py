@@ -59,6 +59,12 @@ class HttpSettings:
     body_timeout_s: float = 30.0
 
 
+CLOSE = {"Connection": "close"}
+"""Headers of an answer given before the body was read: the connection closes after it (a client still
+trickling its body kept the connection open for as long as it sent, and its unread bytes would be
+taken for the next request)."""
+
+
 class _BodyLimit:
     """ASGI middleware: reads each request body before the app does, answering 413 when it is over
     ``max_bytes`` (announced or counted: a chunked body has no length header) and 408 when it does
@@ -79,7 +85,8 @@ class _BodyLimit:
             async with asyncio.timeout(self._timeout_s):
                 body = await self._read_body(receive)
         except TimeoutError:
-            response = error_response(408, f"the request body did not arrive within {self._timeout_s:g} s")
+            response = error_response(408, f"the request body did not arrive within {self._timeout_s:g} s",
+                                      headers=CLOSE)
             return await response(scope, receive, send)
         if body is None:
             return await self._too_large(scope, receive, send)
@@ -109,7 +116,8 @@ class _BodyLimit:
                 return b"".join(chunks)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(413, f"the request body exceeds {self._max} bytes (or its length is invalid)")
+        response = error_response(413, f"the request body exceeds {self._max} bytes (or its length is invalid)",
+                                  headers=CLOSE)
         await response(scope, receive, send)
 
 

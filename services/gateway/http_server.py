@@ -39,7 +39,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     Args:
         header_timeout_s: the first bound, seconds (positive).
-        send_timeout_s: the second bound, seconds (positive; ``--http-send-timeout-s``).
+        send_timeout_s: the second bound, seconds (positive; ``--send-timeout-s``).
         *args, **kwargs: those of ``H11Protocol`` (uvicorn passes them).
     """
 

@@ -35,6 +35,8 @@ def _max_tokens(request: SamplingFields) -> int | None:
         return request.max_completion_tokens
     if isinstance(request, CompletionRequest) and request.scores_prompt:
         return 1  # the engine generates at least one token; the response leaves it out (openai_samples.prompt_only)
+    if isinstance(request, CompletionRequest) and request.max_tokens == 0:
+        raise InvalidRequestError("max_tokens", "must be at least 1, got 0 (0 scores the prompt only with echo: true)")
     return request.max_tokens
 
 

@@ -45,7 +45,7 @@ class OpenAIServing:
         model_name: the served model name (``model`` must equal it).
         tracer: makes one server span per HTTP request.
         tool_call_parser: how chat answers write tool calls (``--tool-call-parser``).
-        send_timeout_s: how long a streamed response waits for its client to read (``--http-send-timeout-s``).
+        send_timeout_s: how long a streamed response waits for its client to read (``--send-timeout-s``).
     """
 
     core: GenerationCore

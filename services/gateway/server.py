@@ -106,7 +106,7 @@ def _http_server(config: GatewayConfig, serving: OpenAIServing, http_health: Hea
     add_metrics_route(app, render)
     # TLS: the same certificate as the gRPC port.
     tls = dict(ssl_certfile=str(config.tls_cert_file), ssl_keyfile=str(config.tls_key_file)) if config.tls_cert_file else {}
-    return new_http_server(app, config.http_header_timeout_s, config.http_send_timeout_s, SHUTDOWN_CLOSE_S / 2, tls)
+    return new_http_server(app, config.http_header_timeout_s, config.send_timeout_s, SHUTDOWN_CLOSE_S / 2, tls)
 
 
 async def _close(server: grpc.aio.Server, http_task: asyncio.Task, router: OutputRouter, tasks: list[asyncio.Task],
@@ -187,7 +187,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
 
     server = _new_server(config)
     core = DrainingCore(tokenizer, producer, router, config.max_concurrent_requests, metrics)
-    servicer = GenerationServicer(core, tracer, config.tool_call_parser)
+    servicer = GenerationServicer(core, tracer, config.tool_call_parser, config.send_timeout_s)
     add_generation_service(servicer, server)  # undecodable bytes: INVALID_ARGUMENT
     health_servicer = await _add_health_and_reflection(server)
     port = bind(server, config.host, config.port, credentials)
@@ -195,7 +195,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     http_health = HealthState()
     http_socket = listening_socket(config.host, config.http_port)
     http_port = http_socket.getsockname()[1]
-    serving = OpenAIServing(core, config.model_name, tracer, config.tool_call_parser, config.http_send_timeout_s)
+    serving = OpenAIServing(core, config.model_name, tracer, config.tool_call_parser, config.send_timeout_s)
     http_server = _http_server(config, serving, http_health, metrics, router)
     await server.start()
     if not await producer.ping():

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 from opentelemetry import trace
@@ -21,6 +22,8 @@ from services.gateway.generation_core import GenerationCore, SampleDelta, Submis
 from services.gateway.generation_errors import STATUS_OF_ERROR, GenerationError, StatusKind, naming_failures
 from services.gateway.grpc_tools import SampleCalls
 from services.gateway.request_parser import parse_generate_request
+
+log = logging.getLogger("pagedserve.gateway")
 
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 
@@ -53,14 +56,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         core: the transport-neutral generation core (shared with the HTTP API).
         tracer: makes the call's server span.
         tool_call_parser: how chat answers write tool calls (``--tool-call-parser``).
+        send_timeout_s: how long a response may wait for its client to read (``--send-timeout-s``): past
+            it the call ends RESOURCE_EXHAUSTED and its requests are aborted (a client that stops
+            reading, its HTTP/2 flow-control window closed, would otherwise hold its places among the
+            gateway's requests in flight for as long as it kept the connection).
     """
 
-    def __init__(self, core: GenerationCore, tracer: trace.Tracer, tool_call_parser: ToolCallParserKind) -> None:
+    def __init__(self, core: GenerationCore, tracer: trace.Tracer, tool_call_parser: ToolCallParserKind,
+                 send_timeout_s: float) -> None:
         self._core = core
         self._tracer = tracer
         self._tool_call_parser = tool_call_parser
+        self._send_timeout_s = send_timeout_s
 
-    async def Generate(self, request: gen.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[gen.GenerateResponse]:
+    async def Generate(self, request: gen.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         """Validates, queues and streams one request (see proto/generate.proto for the statuses)."""
         arrived_s = time.monotonic()
         try:
@@ -75,20 +84,43 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         parent = telemetry.extract(telemetry.metadata_to_carrier(context.invocation_metadata()))
         submission = Submission(given.parsed, arrived_s=arrived_s)
         label = request.request_id or submission.key
-        # Not made the current span: an async generator that yields must not attach contexts.
+        # Not made the current span: the handler awaits between writes and must not attach contexts.
         span = self._tracer.start_span("gateway.Generate", context=parent, kind=trace.SpanKind.SERVER,
                                        attributes={"request_id": submission.key, "client_request_id": label,
                                                    "prompt_tokens": len(submission.parsed.prompt_token_ids)})
         submission = dataclasses.replace(submission, trace_context=telemetry.inject(trace.set_span_in_context(span)))
         calls = SampleCalls(given.tool_use, self._tool_call_parser)
+        stalled = None
         try:
             named = naming_failures(self._core.generate(submission), _structure_field(request, given.tool_use))
-            async for sample in named:
-                yield self._response(label, sample, calls)
+            async with contextlib.aclosing(named):  # a cut stream's requests end now (aborted in the scheduler)
+                async for sample in named:
+                    stalled = await self._write(context, self._response(label, sample, calls))
+                    if stalled is not None:
+                        break
+            if stalled is not None:
+                await stalled  # its place is free; the call ends when the client reads or goes
         except GenerationError as exc:
             await context.abort(grpc_status(exc.kind), exc.message)
         finally:
             span.end()
+
+    async def _write(self, context: grpc.aio.ServicerContext, response: gen.GenerateResponse) -> asyncio.Future | None:
+        """Writes ``response``; returns the write, still waiting, when the client has not taken it within
+        ``send_timeout_s`` (its flow-control window closed), else ``None``. (Cancelled, the write would stay
+        queued in gRPC's core, and ending the call then fails to send its status.)"""
+        write = asyncio.ensure_future(context.write(response))
+        try:
+            done, _ = await asyncio.wait({write}, timeout=self._send_timeout_s)
+        except asyncio.CancelledError:  # the client went away
+            write.cancel()
+            raise
+        if done:
+            write.result()
+            return None
+        log.warning("a gRPC client read nothing for %g s: its requests are aborted and its place freed",
+                    self._send_timeout_s)
+        return write
 
     @staticmethod
     def _response(request_id: str, sample: SampleDelta, calls: SampleCalls) -> gen.GenerateResponse:

@@ -1,11 +1,16 @@
-"""The HTTP API's body limits, on the ASGI middleware itself: size (announced or counted) and time."""
+"""The HTTP API's body limits, on the ASGI middleware itself: size (announced or counted) and time; and
+through the gateway's uvicorn server on a real socket, that the connection closes after a 408."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
+import time
 
 from services.gateway.http_app import _BodyLimit
+from services.gateway.http_server import listening_socket, new_http_server
 
 
 async def _echo(scope, receive, send) -> None:
@@ -16,6 +21,10 @@ async def _echo(scope, receive, send) -> None:
 
 
 def _run(messages, headers=(), max_bytes=10, timeout_s=1.0, delay_s=0.0) -> tuple[int, bytes]:
+    return _run_with_headers(messages, headers, max_bytes, timeout_s, delay_s)[:2]
+
+
+def _run_with_headers(messages, headers=(), max_bytes=10, timeout_s=1.0, delay_s=0.0) -> tuple[int, bytes, dict]:
     sent = []
 
     async def receive():
@@ -28,9 +37,9 @@ def _run(messages, headers=(), max_bytes=10, timeout_s=1.0, delay_s=0.0) -> tupl
 
     scope = {"type": "http", "method": "POST", "path": "/", "headers": list(headers)}
     asyncio.run(_BodyLimit(_echo, max_bytes, timeout_s)(scope, receive, send))
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    start = next(m for m in sent if m["type"] == "http.response.start")
     body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, body
+    return start["status"], body, dict(start["headers"])
 
 
 def _chunk(data: bytes, more: bool) -> dict:
@@ -54,3 +63,40 @@ def test_a_body_that_arrives_too_slowly_is_408():
     """Review finding: 300 connections sending a few bytes of their body stayed open for good."""
     status, body = _run([_chunk(b"ab", True), _chunk(b"cd", False)], timeout_s=0.1, delay_s=0.08)
     assert status == 408 and "did not arrive" in json.loads(body)["error"]["message"]
+
+
+def test_answers_before_the_body_was_read_close_the_connection():
+    assert _run_with_headers([], headers=[(b"content-length", b"11")])[2][b"connection"] == b"close"
+    late = _run_with_headers([_chunk(b"ab", True), _chunk(b"cd", False)], timeout_s=0.1, delay_s=0.08)
+    assert late[0] == 408 and late[2][b"connection"] == b"close"
+
+
+def test_a_client_still_trickling_its_body_after_the_408_is_disconnected():
+    """Attack pass 3: the 408 came at 30 s, and the connection stayed open for as long as the client sent
+    one byte a second (a 16 MiB body: weeks)."""
+    sock = listening_socket("127.0.0.1", 0)
+    server = new_http_server(_BodyLimit(_echo, 1000, 0.5), header_timeout_s=5, send_timeout_s=5, close_s=1, tls={})
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(sockets=[sock]),), daemon=True)
+    thread.start()
+    client = socket.create_connection(sock.getsockname()[:2])
+    try:
+        client.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 400\r\n\r\n")
+        client.settimeout(0.2)
+        received, closed_at, start = b"", None, time.monotonic()
+        while closed_at is None and time.monotonic() - start < 10:
+            try:
+                client.sendall(b"x")
+                chunk = client.recv(1 << 16)
+                received += chunk
+                closed_at = time.monotonic() if not chunk else None
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed_at = time.monotonic()
+    finally:
+        client.close()
+        server.should_exit = True
+        thread.join(10)
+    assert received.startswith(b"HTTP/1.1 408"), received[:200]
+    assert closed_at is not None and closed_at - start < 3, "the connection stayed open after the 408"

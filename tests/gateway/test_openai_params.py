@@ -79,6 +79,13 @@ def test_bad_or_unsupported_values_name_the_openai_field(fields, param):
     assert info.value.field_name == param
 
 
+def test_max_tokens_0_says_it_needs_echo():
+    """Attack pass 3: the message said "must be in [1, ...]" while echo with 0 is documented."""
+    with pytest.raises(InvalidRequestError, match="0 scores the prompt only with echo: true"):
+        sampling_params_from_openai(completion(max_tokens=0))
+    assert sampling_params_from_openai(completion(max_tokens=0, echo=True)).max_tokens == 1
+
+
 def test_defaults_are_accepted_and_best_of_n_may_stream():
     assert sampling_params_from_openai(completion(best_of=1, logit_bias={}, presence_penalty=0, repetition_penalty=1,
                                                   stream=True, suffix="")) == SamplingParams(max_tokens=16, best_of=1)
