@@ -10,9 +10,11 @@ prefill op moved the logprobs that follow by up to ~1.5e-5 (a seeded draw at a b
 a near-tie, could then change; docs/benchmarks.md "Recompute through the decode op"), and a prompt's
 one-token remainder after a prefix-cache hit took the decode op where the whole prompt took the prefill op.
 
-The decode rows come first (``num_decode_seqs``, the leading sequences the backends read as
-decodes); the model's hidden rows are put back in the batch's order afterwards when a sequence's
-rows were split (:attr:`AttentionLayout.batch_rows`).
+The decode rows come first (``num_decode_seqs``, the leading sequences the CPU backends read as decodes;
+the Triton backend sends a batch with any longer sequence through its prefill kernel, one-token
+sequences included); the model's hidden rows are put back in the batch's order afterwards when a
+sequence's rows were split (:attr:`AttentionLayout.batch_rows`). A step with a prompt's one-token
+remainder runs the Python layers, not the C++ decode-layer loop (it takes steps of decodes only).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def attention_layout(batch: Sequence[ScheduledRequest]) -> AttentionLayout:
     for s in batch:
         state, start = s.state, s.state.num_computed_tokens
         tokens = state.token_ids[start:start + s.num_scheduled_tokens] + list(s.draft_token_ids)
-        num_prompt = min(max(state.num_prompt_tokens - start, 0), len(tokens))
+        num_prompt = min(max(state.num_prompt_tokens - start, 0), s.num_scheduled_tokens)  # drafts: never prompt
         if num_prompt:
             prompts.token_ids += tokens[:num_prompt]
             prompts.query_lens.append(num_prompt)

@@ -11,13 +11,10 @@ cumulative probability exceeds ``u`` (one random number per row instead of one p
 entry, as an exponential race would need). A seeded request's ``u`` for its output token ``i``
 comes from a generator seeded by ``derive_seed(seed, i)`` alone, so the draw does not depend on
 the other rows of the batch, nor on the worker, nor on a recompute after preemption; the token is the
-same as long as the row's logits are. In float32 on a CPU with the panel GEMMs and the C++ attention
-ops they are, whatever the batch, the chunking, a prefix-cache hit or a recompute (``attention_layout``;
-docs/benchmarks.md "Recompute through the decode op"). Elsewhere (other GEMM or attention backends), or
-when a prompt's blocks are found in the cache holding another request's output, they can differ in
-their last bits (~2e-5 in logprobs), and a draw that lands on the boundary between two tokens then
-picks the neighbour (1 request in 40 at temperature 1 under a busy 16 MiB cache, before the recompute
-went through the decode op).
+same as long as the row's logits are: in float32 on a CPU with the panel GEMMs and the C++ attention
+ops whatever the batch, chunking, prefix-cache hit or recompute (``attention_layout``). Elsewhere, or
+when a prompt's cached blocks hold another request's output, their last bits (~2e-5 in logprobs) can
+move a draw that lands on the boundary between two tokens to the neighbour.
 """
 
 from __future__ import annotations

@@ -7,12 +7,29 @@ names an internal exception. Here the method takes the raw bytes and decodes the
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 from google.protobuf.message import DecodeError
 
 from services.common.pb import generate_pb2 as gen
 
 SERVICE_NAME = gen.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class StalledCallErrors(logging.Filter):
+    """Drops gRPC's ERROR traceback for a ``Generate`` call that ended without being able to send its
+    status (a message its client left unread is still queued, or the client is gone): the servicer
+    logs its own WARNING when it cuts such a call (``--send-timeout-s``), and a client that left needs
+    no traceback. Installed on gRPC's ``grpc._cython.cygrpc`` logger by :func:`add_generation_service`."""
+
+    PREFIX = f"ExecuteBatchError raised in core by servicer method [/{SERVICE_NAME}/Generate]"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.PREFIX)
+
+
+_STALLED_CALL_ERRORS = StalledCallErrors()
 
 
 async def _decode(raw: bytes, context: grpc.aio.ServicerContext) -> gen.GenerateRequest:
@@ -40,6 +57,7 @@ def add_generation_service(servicer, server: grpc.aio.Server) -> None:
     async def generate(raw: bytes, context: grpc.aio.ServicerContext) -> None:
         await servicer.Generate(await _decode(raw, context), context)
 
+    logging.getLogger("grpc._cython.cygrpc").addFilter(_STALLED_CALL_ERRORS)  # once: the same filter object
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             generate, request_deserializer=None, response_serializer=gen.GenerateResponse.SerializeToString

@@ -135,7 +135,7 @@ class _RequireApiKey:
             values = [value for name, value in scope["headers"] if name == b"authorization"]
             if not (len(values) == 1 and hmac.compare_digest(values[0], self._expected)):
                 response = error_response(http_status(StatusKind.UNAUTHENTICATED),
-                                          "missing or wrong API key (header Authorization: Bearer KEY)")
+                                          "missing or wrong API key (header Authorization: Bearer KEY)", headers=CLOSE)
                 await response(scope, receive, send)
                 return
         await self._app(scope, receive, send)

@@ -48,6 +48,16 @@ def _structure_field(request: gen.GenerateRequest, tool_use: ToolUse) -> str:
     return "chat.tools" if tool_use.structure is not None else ""
 
 
+async def _finished(write: asyncio.Future, timeout_s: float) -> bool:
+    """Whether ``write`` finished within ``timeout_s`` seconds; cancelled with the caller."""
+    try:
+        done, _ = await asyncio.wait({write}, timeout=timeout_s)
+    except asyncio.CancelledError:  # the client went away
+        write.cancel()
+        raise
+    return bool(done)
+
+
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     """Serves Generate over ``core``: validation errors are INVALID_ARGUMENT, a full gateway is
     RESOURCE_EXHAUSTED, and a core ``GenerationError`` ends the call with its kind's status.
@@ -57,7 +67,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         tracer: makes the call's server span.
         tool_call_parser: how chat answers write tool calls (``--tool-call-parser``).
         send_timeout_s: how long a response may wait for its client to read (``--send-timeout-s``): past
-            it the call ends RESOURCE_EXHAUSTED and its requests are aborted (a client that stops
+            it the call's requests are aborted and it ends RESOURCE_EXHAUSTED (a client that stops
             reading, its HTTP/2 flow-control window closed, would otherwise hold its places among the
             gateway's requests in flight for as long as it kept the connection).
     """
@@ -99,7 +109,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     if stalled is not None:
                         break
             if stalled is not None:
-                await stalled  # its place is free; the call ends when the client reads or goes
+                await self._end_stalled(context, stalled)
         except GenerationError as exc:
             await context.abort(grpc_status(exc.kind), exc.message)
         finally:
@@ -110,17 +120,26 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         ``send_timeout_s`` (its flow-control window closed), else ``None``. (Cancelled, the write would stay
         queued in gRPC's core, and ending the call then fails to send its status.)"""
         write = asyncio.ensure_future(context.write(response))
-        try:
-            done, _ = await asyncio.wait({write}, timeout=self._send_timeout_s)
-        except asyncio.CancelledError:  # the client went away
-            write.cancel()
-            raise
-        if done:
+        write.add_done_callback(lambda w: w.cancelled() or w.exception())  # retrieved whatever happens next
+        if await _finished(write, self._send_timeout_s):
             write.result()
             return None
         log.warning("a gRPC client read nothing for %g s: its requests are aborted and its place freed",
                     self._send_timeout_s)
         return write
+
+    async def _end_stalled(self, context: grpc.aio.ServicerContext, write: asyncio.Future) -> None:
+        """Ends a call whose requests were aborted while ``write`` waited: RESOURCE_EXHAUSTED once the
+        client takes the message (so that it cannot pass for a short answer); if it has not within another
+        ``send_timeout_s``, the write is cancelled and the call left to end with its connection (gRPC
+        cannot send a status behind a queued message: ``generation_handler.StalledCallErrors`` drops its
+        traceback)."""
+        if not await _finished(write, self._send_timeout_s):
+            write.cancel()
+            return
+        write.result()
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the client read nothing for {self._send_timeout_s:g} "
+                            "s (--send-timeout-s): the stream was cut and its requests aborted")
 
     @staticmethod
     def _response(request_id: str, sample: SampleDelta, calls: SampleCalls) -> gen.GenerateResponse:

@@ -126,8 +126,10 @@ def test_a_stream_whose_client_stops_reading_is_cut_and_frees_its_place(stack, k
 
 def test_a_grpc_call_whose_client_stops_reading_is_cut_and_frees_its_place(stack, keyed_gateway):
     """A client that closed its HTTP/2 window (and answers PINGs) held its place among the gateway's
-    requests in flight for as long as it kept the connection: 1,024 of them locked every user out."""
-    request = gen.GenerateRequest(prompt="Stalled", sampling_params=gen.SamplingParams(max_tokens=1, temperature=0))
+    requests in flight for as long as it kept the connection: 1,024 of them locked every user out. Now
+    its request is aborted (every block free) and its place freed after ``--send-timeout-s``."""
+    request = gen.GenerateRequest(prompt="Stalled", sampling_params=gen.SamplingParams(
+        max_tokens=400, temperature=0, ignore_eos=True))  # still generating when it is cut: aborted
     host, port = keyed_gateway.address.rsplit(":", 1)
     stalled = StalledCall(host, int(port), "/pagedserve.v1.Generation/Generate", request.SerializeToString(),
                           {"authorization": f"Bearer {API_KEY}"})

@@ -11,7 +11,8 @@ from pagedserve.engine.worker_requests import RequestState, ScheduledRequest, ba
 
 def scheduled(request_id: str, token_ids: list[int], num_prompt: int, computed: int, num_scheduled: int,
               blocks: list[int], drafts: tuple[int, ...] = ()) -> ScheduledRequest:
-    state = RequestState(SequenceId(request_id), token_ids, num_prompt, blocks, computed, EngineSamplingParams(max_tokens=4))
+    state = RequestState(SequenceId(request_id), token_ids, num_prompt, blocks, computed,
+                         EngineSamplingParams(max_tokens=4))
     return ScheduledRequest(state, num_scheduled, len(drafts), drafts)
 
 

@@ -53,3 +53,20 @@ def test_probes_and_scrapers_need_no_key(path):
 
 def test_unknown_paths_are_behind_the_key_too():
     assert _run("/v1/embeddings", [])[0] == 401
+
+
+def test_a_401_closes_the_connection():
+    """Review finding: answered before the body was read, a 401 kept the connection open for as long as
+    a client without the key trickled its body (as the 408 did)."""
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": True}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    asyncio.run(_RequireApiKey(None, KEY)(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 401 and dict(start["headers"])[b"connection"] == b"close"

@@ -6,8 +6,8 @@ tokens ``query_start_loc[i] : query_start_loc[i+1]``, which are the last ``query
 its ``seq_lens[i]`` context positions; the query at position ``p`` attends to keys at positions ``<= p``.
 
 The metadata is built once per step and shared by every layer. Besides the kernel inputs it carries
-CPU-side helpers the torch backend uses: the leading run of one-token sequences (decodes) batched
-into padded gathers, and the remaining sequences described one by one.
+CPU-side helpers the torch backend uses: the leading ``num_decode_seqs`` one-token sequences (decodes)
+batched into padded gathers, and the remaining sequences described one by one.
 """
 
 from __future__ import annotations
@@ -106,8 +106,9 @@ class AttentionMetadata:
         max_query_len: longest new-token run of a sequence.
         max_seq_len: longest context.
         block_size: token slots per block.
-        num_decode_seqs: the leading sequences with one new token each (decodes); the batch's first
-            ``num_decode_seqs`` tokens are theirs.
+        num_decode_seqs: the leading sequences that attend as decodes (one new token each; a one-token
+            prompt remainder after them does not); the batch's first ``num_decode_seqs`` tokens are theirs.
+            The CPU backends read it (the Triton backend dispatches on ``max_query_len``).
         torch_helper_inputs: what the torch backend's helpers below are built from, on first use.
 
     The torch backend's helpers, built when first read (once per step: every layer shares them; the C++
