@@ -43,6 +43,8 @@ class AttentionLayout:
         query_lens, context_lens, block_tables: per metadata sequence, as ``ForwardBatch.build`` takes them.
         num_decode_seqs: the leading one-token sequences that attend as decodes.
         batch_rows: per flat row, its row in the batch's order (each request's rows together, in order).
+        in_batch_order: whether ``batch_rows`` is ``0, 1, ..., T - 1`` (a step without recomputed outputs
+            or prompt remainders among its decodes): the hidden rows need no reordering.
     """
 
     token_ids: list[int]
@@ -51,10 +53,7 @@ class AttentionLayout:
     block_tables: list[list[int]]
     num_decode_seqs: int
     batch_rows: list[int]
-
-    @property
-    def in_batch_order(self) -> bool:
-        return all(row == i for i, row in enumerate(self.batch_rows))
+    in_batch_order: bool
 
 
 def attention_layout(batch: Sequence[ScheduledRequest]) -> AttentionLayout:
@@ -78,6 +77,8 @@ def attention_layout(batch: Sequence[ScheduledRequest]) -> AttentionLayout:
         decodes.block_tables += [state.block_ids] * rest
         decodes.batch_rows += range(row + num_prompt, row + len(tokens))
         row += len(tokens)
+    # each part's rows rise, and together they are 0..T-1: in order when every decode row comes first
+    in_order = not (decodes.batch_rows and prompts.batch_rows) or decodes.batch_rows[-1] < prompts.batch_rows[0]
     return AttentionLayout(decodes.token_ids + prompts.token_ids, decodes.query_lens + prompts.query_lens,
                            decodes.context_lens + prompts.context_lens, decodes.block_tables + prompts.block_tables,
-                           len(decodes.query_lens), decodes.batch_rows + prompts.batch_rows)
+                           len(decodes.query_lens), decodes.batch_rows + prompts.batch_rows, in_order)
