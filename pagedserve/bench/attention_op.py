@@ -6,9 +6,10 @@ figure of merit is GB/s = bytes of K/V read / time. Each KV dtype (--kv-cache-dt
 (a ShareGPT-like shape by default: 64 sequences of ~500 context tokens, the default model's 9 query
 and 3 KV heads of 64, shuffled block tables), over ``--layers`` caches in turn so that the K/V come
 from DRAM as in the model, not from the last-level cache; the caches are allocated as a worker's are
-(``KVCache``: 2 MiB pages where Linux gives them). Beside them, in the same run and rounds, a
-streaming read: ``torch.sum`` over a 512 MiB float32 buffer. Each round times the read and every KV dtype in
-turn; the figures are medians of ``--rounds`` rounds.
+(``KVCache``: 2 MiB pages where Linux gives them). Beside them, in the same run and rounds, the streaming
+read (``streaming_read``: ``torch.sum`` over 512 MiB on 2 MiB pages, as the caches; the share is of it) and
+the same read on 4 KiB pages (the yardstick before 2026-12-07, for comparison with older figures). Each
+round times the reads and every KV dtype in turn; the figures are medians of ``--rounds`` rounds.
 """
 
 from __future__ import annotations
@@ -23,9 +24,8 @@ from pathlib import Path
 
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.report import format_table
+from pagedserve.bench.streaming_read import STREAM_BYTES, Pages, read_buffer
 from pagedserve.engine.config import KVCacheDtype
-
-STREAM_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class OpTiming:
         ms: median time of one call (one layer of the batch), milliseconds.
         kv_bytes: K and V bytes one call reads.
         gbps: ``kv_bytes / ms``, 10^9 bytes per second.
-        stream_share: ``gbps`` over the streaming read's GB/s.
+        stream_share: ``gbps`` over the streaming read's GB/s (on 2 MiB pages, as the caches).
     """
 
     kv_cache_dtype: str
@@ -119,8 +119,9 @@ def _layer_caller(op, md, query, out, caches, head_dim: int):
     return call
 
 
-def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
-    """The streaming read's GB/s and each KV dtype's :class:`OpTiming`, timed in turns within each round.
+def measure(args: argparse.Namespace) -> tuple[dict[Pages, float], list[OpTiming]]:
+    """The streaming read's GB/s on each kind of :class:`Pages` and each KV dtype's :class:`OpTiming`, timed in
+    turns within each round.
 
     Raises:
         RuntimeError: the C++ op cannot be built here.
@@ -139,8 +140,8 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
     query = torch.randn(args.num_seqs, args.num_heads, args.head_dim, generator=g).to(model_dtype)  # (S, H, D)
     out = torch.empty_like(query)
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-    buffer = torch.ones(STREAM_BYTES // 4)
-    calls, dtypes = [(lambda i: buffer.sum(), 5)], []
+    buffers = [read_buffer(pages) for pages in Pages]
+    calls, dtypes = [(lambda i, b=b: b.sum(), 5) for b in buffers], []
     for choice in KVCacheDtype:
         dtype = cache_dtype(choice, model_dtype)
         kv_cache = KVCache(KVCacheSpec(args.layers, args.num_kv_heads, args.head_dim, args.block_size, dtype),
@@ -150,32 +151,35 @@ def measure(args: argparse.Namespace) -> tuple[float, list[OpTiming]]:
         caches = [kv_cache.layer(i) for i in range(args.layers)]
         calls.append((_layer_caller(op, md, query, out, caches, args.head_dim), 4 * args.layers))
         dtypes.append((choice, dtype))
-    stream_ms, *op_ms = interleaved_median_ms(calls, args.rounds)
-    stream_gbps = STREAM_BYTES / stream_ms / 1e6
+    medians = interleaved_median_ms(calls, args.rounds)
+    streams = {pages: STREAM_BYTES / ms / 1e6 for pages, ms in zip(Pages, medians)}
+    op_ms, stream_gbps = medians[len(Pages):], streams[Pages.HUGE]
     timings = []
     for (choice, dtype), ms in zip(dtypes, op_ms):
         kv_bytes = 2 * int(md.seq_lens.sum()) * args.num_kv_heads * args.head_dim * dtype.itemsize
         timings.append(OpTiming(choice.value, str(dtype).removeprefix("torch."), ms, kv_bytes, kv_bytes / ms / 1e6,
                                 kv_bytes / ms / 1e6 / stream_gbps))
-    return stream_gbps, timings
+    return streams, timings
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    stream_gbps, timings = measure(args)
+    streams, timings = measure(args)
     title = (f"decode attention op, {args.dtype} query, {args.num_seqs} seqs x ~{args.context_len} tokens, H{args.num_heads}/"
              f"{args.num_kv_heads} D{args.head_dim} bs{args.block_size}, {torch.get_num_threads()} threads")
     rows = [(t.kv_cache_dtype, t.cache_dtype, t.ms, t.kv_bytes / 1e6, t.gbps, 100 * t.stream_share,
              timings[0].ms / t.ms) for t in timings]
-    rows.append(("streaming read", "float32 sum", STREAM_BYTES / stream_gbps / 1e6, STREAM_BYTES / 1e6, stream_gbps,
-                 100.0, None))
+    rows += [(f"streaming read, {pages.value}", "float32 sum", STREAM_BYTES / gbps / 1e6, STREAM_BYTES / 1e6, gbps,
+              100 * gbps / streams[Pages.HUGE], None) for pages, gbps in streams.items()]
     print(format_table(("--kv-cache-dtype", "stored as", "ms/layer", "MB read", "GB/s", "% of stream",
                         "x auto's speed"), rows, title))
     info = machine_info()
     print(machine_line(info))
     if args.result_json:
-        args.result_json.write_text(json.dumps({"stream_gbps": stream_gbps, "ops": [asdict(t) for t in timings],
+        args.result_json.write_text(json.dumps({"stream_gbps": streams[Pages.HUGE],
+                                                "stream_gbps_4k_pages": streams[Pages.SMALL],
+                                                "ops": [asdict(t) for t in timings],
                                                 "settings": {k: str(v) for k, v in vars(args).items() if k != "func"},
                                                 "threads": torch.get_num_threads(), "machine": info}, indent=2) + "\n")
     return 0

@@ -9,7 +9,8 @@ oneDNN's packed GEMM (``--gemm-backend onednn``, one row padded to ``MIN_ROWS``)
 pagedserve's kernel for that dtype, in alternating rounds: bfloat16, the few-row kernel
 (``models/csrc/few_rows_bf16.cpp``, which the layers take up to ``onednn.few_rows()`` rows; needs AVX512_BF16);
 float32, the panel GEMM (``models/csrc/panel_gemm_f32.cpp``, ``--gemm-backend panels``; needs AVX2 and
-FMA). Beside them, in the same run, a streaming read (``torch.sum`` over a 512 MiB float32 buffer).
+FMA). Beside them, in the same run, the streaming read (``streaming_read``: ``torch.sum`` over 512 MiB on 2
+MiB pages, as the packed weights).
 Medians of ``--rounds`` rounds.
 """
 
@@ -23,7 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pagedserve.bench.attention_op import STREAM_BYTES, median_ms
+from pagedserve.bench.attention_op import median_ms
+from pagedserve.bench.streaming_read import STREAM_BYTES, Pages, read_buffer
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.report import format_table
 
@@ -99,7 +101,7 @@ def measure(args: argparse.Namespace) -> tuple[float, list[RowsTiming]]:
     weight_bytes = elements * weights[0].element_size()
     inputs = {i: torch.randn(max(map(int, args.rows.split(","))) + MIN_ROWS, i, generator=g).to(dtype)
               for i in {s[1] for s in shapes}}
-    buffer = torch.ones(STREAM_BYTES // 4)
+    buffer = read_buffer(Pages.HUGE)  # as the packed weights
     stream_gbps = STREAM_BYTES / median_ms(lambda i: buffer.sum(), 1, args.rounds) / 1e6
 
     def onednn(rows: int) -> None:
@@ -138,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
              t.onednn_ms / t.kernel_ms) for t in timings]
     print(format_table(("rows", "oneDNN ms", "oneDNN GB/s", "oneDNN GFLOP/s", f"{name} ms", f"{name} GB/s",
                         f"{name} GFLOP/s", f"oneDNN / {name} time"), rows, title))
-    print(f"streaming read (float32 sum): {stream_gbps:.1f} GB/s")
+    print(f"streaming read (float32 sum, 2 MiB pages): {stream_gbps:.1f} GB/s")
     info = machine_info()
     print(machine_line(info))
     if args.result_json:

@@ -199,8 +199,9 @@ def test_attention_op_report(tmp_path):
     assert [o["kv_bytes"] for o in report["ops"]] == [float32_bytes, float32_bytes // 2, float32_bytes // 4]
     for o in report["ops"]:
         assert o["gbps"] == pytest.approx(o["kv_bytes"] / o["ms"] / 1e6)
-        assert o["stream_share"] == pytest.approx(o["gbps"] / report["stream_gbps"])
-    assert "streaming read" in stdout and "% of stream" in stdout
+        assert o["stream_share"] == pytest.approx(o["gbps"] / report["stream_gbps"])  # the read on 2 MiB pages
+    assert report["stream_gbps_4k_pages"] > 0 and "% of stream" in stdout
+    assert "streaming read, 2 MiB pages" in stdout and "streaming read, 4 KiB pages" in stdout
 
 
 def test_attention_op_report_for_a_bfloat16_model(tmp_path):
