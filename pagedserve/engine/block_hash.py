@@ -42,11 +42,22 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
 
 def hash_full_blocks(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
                      hash_fn: HashFunction = sha256, start: BlockHash | None = None,
-                     first_block: int = 0) -> list[BlockHash]:
-    """Hashes of the full blocks of ``token_ids`` from block ``first_block`` on, chained from ``start``."""
+                     first_block: int = 0, num_prompt_tokens: int | None = None) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` from block ``first_block`` on, chained from ``start``.
+
+    A block holding a position at or past ``num_prompt_tokens`` (a generated token; by default every token is
+    the prompt's) has that number among its keys: generated positions' K/V come from the decode attention op
+    and a prompt's from the prefill op (``attention_layout``), whose sums differ in their last bits, so such
+    a block is found only by a sequence that generated the same tokens after the same prompt (the request
+    resumed or recomputed after a preemption), never by a prompt that holds them (a chat's next turn), which
+    would otherwise get other logprobs from a hit than from a fresh prefill.
+    """
     hashes: list[BlockHash] = []
     parent = start
+    prompt_end = len(token_ids) if num_prompt_tokens is None else num_prompt_tokens
+    generated = extra + b"|generated from %d" % prompt_end
     for begin in range(first_block * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[begin:begin + block_size], extra, hash_fn)
+        keys = generated if begin + block_size > prompt_end else extra
+        parent = hash_block(parent, token_ids[begin:begin + block_size], keys, hash_fn)
         hashes.append(parent)
     return hashes

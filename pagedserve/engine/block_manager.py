@@ -93,7 +93,8 @@ class BlockManager:
         return self._pool.cached_digests()
 
     # ---- allocation ----------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:
+    def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"",
+                           num_prompt_tokens: int | None = None) -> CachedPrefix:
         """Cached blocks holding the start of ``token_ids``; none without prefix caching."""
         return NO_PREFIX
 
@@ -148,10 +149,11 @@ class BlockManager:
             self._pool.release(tail[::-1])
 
     def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
-                          extra: bytes = b"") -> None:
+                          extra: bytes = b"", num_prompt_tokens: int | None = None) -> None:
         """Makes the request's full blocks among its first ``num_tokens`` slots findable (no-op here)."""
 
-    def cached_prefix_length(self, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    def cached_prefix_length(self, token_ids: Sequence[int], extra: bytes = b"",
+                             num_prompt_tokens: int | None = None) -> int:
         """Tokens of ``token_ids`` whose blocks are cached here (none without prefix caching)."""
         return 0
 

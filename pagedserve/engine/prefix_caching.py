@@ -26,21 +26,25 @@ class PrefixCachingBlockManager(BlockManager):
         self._hash_fn = hash_fn
         self._hashes: dict[str, list[BlockHash]] = {}  # per request: hashes of its cached blocks
 
-    def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"") -> CachedPrefix:
-        """The longest cached prefix of ``token_ids``, short of the whole: at least one token
+    def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"",
+                           num_prompt_tokens: int | None = None) -> CachedPrefix:
+        """The longest cached prefix of ``token_ids`` (the first ``num_prompt_tokens`` the prompt, by default
+        all; past it generated tokens, see ``hash_full_blocks``), short of the whole: at least one token
         must be computed to get the next token's logits, so a full hit drops its last block.
         Counted in ``num_queried_tokens`` and ``num_hit_tokens``."""
-        hits = self._lookup(token_ids, extra)
+        hits = self._lookup(token_ids, extra, num_prompt_tokens)
         self.num_queried_tokens += len(token_ids)
         self.num_hit_tokens += len(hits) * self.block_size
         return CachedPrefix(tuple(hits), len(hits) * self.block_size)
 
-    def cached_prefix_length(self, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    def cached_prefix_length(self, token_ids: Sequence[int], extra: bytes = b"",
+                             num_prompt_tokens: int | None = None) -> int:
         """Tokens ``find_cached_prefix`` would hit now (not counted: for placement)."""
-        return len(self._lookup(token_ids, extra)) * self.block_size
+        return len(self._lookup(token_ids, extra, num_prompt_tokens)) * self.block_size
 
-    def _lookup(self, token_ids: Sequence[int], extra: bytes) -> list:
-        hits = self._pool.lookup(hash_full_blocks(token_ids, self.block_size, extra, self._hash_fn))
+    def _lookup(self, token_ids: Sequence[int], extra: bytes, num_prompt_tokens: int | None) -> list:
+        hashes = hash_full_blocks(token_ids, self.block_size, extra, self._hash_fn, num_prompt_tokens=num_prompt_tokens)
+        hits = self._pool.lookup(hashes)
         return hits[:-1] if len(hits) * self.block_size >= len(token_ids) else hits
 
     def allocate_slots(self, request_id: str, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> tuple[int, ...]:
@@ -50,8 +54,9 @@ class PrefixCachingBlockManager(BlockManager):
         return new_block_ids
 
     def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
-                          extra: bytes = b"") -> None:
-        """Caches the request's blocks that ``num_tokens`` computed (or scheduled) slots fill."""
+                          extra: bytes = b"", num_prompt_tokens: int | None = None) -> None:
+        """Caches the request's blocks that ``num_tokens`` computed (or scheduled) slots fill (the first
+        ``num_prompt_tokens`` tokens its prompt, by default all: see ``hash_full_blocks``)."""
         table = self._tables.get(request_id, [])
         hashes = self._hashes.setdefault(request_id, [])
         num_full = min(num_tokens // self.block_size, len(table))
@@ -60,7 +65,7 @@ class PrefixCachingBlockManager(BlockManager):
         tokens = token_ids()
         start = hashes[-1] if hashes else None
         new = hash_full_blocks(tokens[:num_full * self.block_size], self.block_size, extra, self._hash_fn,
-                               start=start, first_block=len(hashes))
+                               start=start, first_block=len(hashes), num_prompt_tokens=num_prompt_tokens)
         for index, block_hash in enumerate(new, start=len(hashes)):
             self._pool.cache(table[index], block_hash, table[index - 1] if index else None)
         hashes.extend(new)

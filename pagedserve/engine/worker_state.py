@@ -203,16 +203,19 @@ class WorkerState:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Makes ``seq``'s blocks findable by prefix once their slots are computed (or scheduled)
-        and their token ids known: a block that ends in a token still in flight waits for it."""
+        and their token ids known: a block that ends in a token still in flight waits for it. Blocks
+        past its prompt are keyed by its prompt's length too (``block_hash.hash_full_blocks``): only the
+        same sequence resumed or recomputed finds them, not a prompt holding its outputs."""
         if self.config.enable_prefix_caching:
             self.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, min(seq.num_computed_tokens, seq.num_tokens),
-                                          seq.request.cache_salt.encode())
+                                          seq.request.cache_salt.encode(), num_prompt_tokens=seq.num_prompt_tokens)
 
     def cached_prefix(self, seq: Sequence) -> CachedPrefix:
         """The longest cached start of ``seq``'s tokens here (none when prefix caching is off)."""
         if not self.config.enable_prefix_caching:
             return NO_PREFIX
-        return self.blocks.find_cached_prefix(seq.all_token_ids(), seq.request.cache_salt.encode())
+        return self.blocks.find_cached_prefix(seq.all_token_ids(), seq.request.cache_salt.encode(),
+                                              num_prompt_tokens=seq.num_prompt_tokens)
 
     def swap_in(self, draft: PlanDraft, max_num_seqs: int) -> None:
         """Brings swapped-out sequences back and starts them (oldest first) while blocks, budget

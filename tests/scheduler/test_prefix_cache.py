@@ -66,6 +66,24 @@ def test_cache_salt_separates_prefixes():
     assert bm.find_cached_prefix(prompt, extra=b"tenant-1").num_tokens == 8
 
 
+def test_blocks_past_the_prompt_are_found_only_by_the_same_prompt_s_continuation():
+    """A prompt of 6 and 7 generated tokens: its 3 full blocks are cached, the last two keyed as generated
+    after 6 prompt tokens. The same sequence resumed (prompt 6) finds all 3 (its first 12 tokens alone: a full
+    hit keeps its last block to compute, 8); the same tokens as a prompt (a chat's next turn) find only
+    block 0, the one of prompt positions alone; so does the sequence after another prompt length."""
+    bm = PrefixCachingBlockManager(num_blocks=10, block_size=4)
+    sequence = tokens(13)
+    bm.allocate_slots("a", 13)
+    bm.cache_full_blocks("a", lambda: sequence, 13, num_prompt_tokens=6)
+    assert bm.block_table("a") == (0, 1, 2, 3) and bm.num_cached_blocks == 3
+    assert bm.find_cached_prefix(sequence + [5], num_prompt_tokens=6).num_tokens == 12
+    assert bm.find_cached_prefix(sequence[:12], num_prompt_tokens=6).num_tokens == 8
+    assert bm.find_cached_prefix(sequence + [5]).num_tokens == 4
+    assert bm.find_cached_prefix(sequence[:8] + [5], num_prompt_tokens=9).num_tokens == 4
+    assert bm.cached_prefix_length(sequence + [5], num_prompt_tokens=6) == 12
+    assert bm.cached_prefix_length(sequence + [5], num_prompt_tokens=7) == 4  # another prompt's outputs
+
+
 def test_colliding_hashes_never_return_blocks_of_other_tokens():
     bm = PrefixCachingBlockManager(num_blocks=8, block_size=4, hash_fn=lambda data: b"same")
     admit(bm, "a", tokens(9))
