@@ -54,13 +54,22 @@ class ArgumentsPiece:
 
 @dataclass(frozen=True)
 class CallEnd:
-    """Call ``index`` is complete: its arguments pieces are all given (at its ``</tool_call>``, or
-    at the answer's end for a call cut short)."""
+    """Call ``index`` is complete: its arguments pieces are all given (at its ``</tool_call>``)."""
 
     index: int
 
 
-ToolEvent = ContentPiece | CallStart | ArgumentsPiece | CallEnd
+@dataclass(frozen=True)
+class CallCut:
+    """Call ``index`` was cut short at the answer's end (by ``max_tokens``, a stop string or an EOS): it is
+    not a call (its arguments may not parse); ``text`` is what was written of it, from its ``<tool_call>``
+    on, for the answer's content. A stream that already sent the call's pieces cannot take them back."""
+
+    index: int
+    text: str
+
+
+ToolEvent = ContentPiece | CallStart | ArgumentsPiece | CallEnd | CallCut
 
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 """A call's JSON up to its arguments' value (Hermes writes ``name`` first)."""
@@ -104,6 +113,7 @@ class HermesToolParser:
         self._calls = 0
         self._sent_arguments = 0
         self._after_call = False
+        self._call_text = ""  # the current call's text as written, for a CallCut
 
     def feed(self, text: str) -> list[ToolEvent]:
         """The events that ``text`` (the answer's next piece) completes; text that may still turn
@@ -124,8 +134,7 @@ class HermesToolParser:
         elif self._state is _State.CALL_HEAD:
             events = [ContentPiece(TOOL_CALL_OPEN + self._pending)]
         else:
-            rest = _arguments_so_far(self._pending)[self._sent_arguments:]
-            events = ([ArgumentsPiece(self._calls - 1, rest)] if rest else []) + [CallEnd(self._calls - 1)]
+            events = [CallCut(self._calls - 1, self._call_text + self._pending)]
         self._pending = ""
         return events
 
@@ -154,6 +163,7 @@ class HermesToolParser:
     def _call_head(self) -> list[ToolEvent]:
         head = _CALL_HEAD.match(self._pending)
         if head is not None:
+            self._call_text = TOOL_CALL_OPEN + self._pending[:head.end()]
             self._pending = self._pending[head.end():]
             self._state, self._sent_arguments = _State.ARGUMENTS, 0
             self._calls += 1
@@ -176,7 +186,9 @@ class HermesToolParser:
 
     def _arguments(self) -> list[ToolEvent]:
         if not self._sent_arguments:  # the whitespace before the value may come after the head matched
-            self._pending = self._pending.lstrip()
+            value = self._pending.lstrip()
+            self._call_text += self._pending[:len(self._pending) - len(value)]
+            self._pending = value
         end = self._pending.find(TOOL_CALL_CLOSE)
         body = self._pending if end < 0 else self._pending[:end]
         sure = _arguments_so_far(body)
@@ -195,12 +207,14 @@ class ParsedAnswer:
     """A whole answer split into its content and calls.
 
     Attributes:
-        content: the text outside the calls (``None`` when there is none).
-        calls: (function name, arguments JSON text) of each call, in order.
+        content: the text outside the calls (``None`` when there is none), a call cut short's included.
+        calls: (function name, arguments JSON text) of each complete call, in order.
+        cut_short: whether the answer ended inside a call (then not among ``calls``).
     """
 
     content: str | None
     calls: tuple[tuple[str, str], ...]
+    cut_short: bool = False
 
 
 PARSERS: dict[ToolCallParserKind, type[HermesToolParser]] = {ToolCallParserKind.HERMES: HermesToolParser}
@@ -213,6 +227,7 @@ def parse_tool_calls(text: str, kind: ToolCallParserKind) -> ParsedAnswer:
     content: list[str] = []
     names: list[str] = []
     arguments: list[str] = []
+    cut_short = False
     for event in parser.feed(text) + parser.finish():
         if isinstance(event, ContentPiece):
             content.append(event.text)
@@ -221,4 +236,8 @@ def parse_tool_calls(text: str, kind: ToolCallParserKind) -> ParsedAnswer:
             arguments.append("")
         elif isinstance(event, ArgumentsPiece):
             arguments[event.index] += event.text
-    return ParsedAnswer("".join(content) or None, tuple(zip(names, arguments)))
+        elif isinstance(event, CallCut):
+            del names[event.index], arguments[event.index]
+            content.append(event.text)
+            cut_short = True
+    return ParsedAnswer("".join(content) or None, tuple(zip(names, arguments)), cut_short)

@@ -23,7 +23,9 @@ from pagedserve.engine.request_errors import InvalidRequestError
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output import StructuredOutput, StructureKind, check_structured_output
 from pagedserve.text.tool_calls import FunctionTool, ToolCall, calls_grammar
-from pagedserve.text.tool_parsers import PARSERS, ArgumentsPiece, CallEnd, CallStart, ContentPiece, ToolCallParserKind
+from pagedserve.text.tool_parsers import (
+    PARSERS, ArgumentsPiece, CallCut, CallEnd, CallStart, ContentPiece, ToolCallParserKind,
+)
 
 FUNCTION_NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 """The characters a function name may hold (OpenAI's rule; its length bound is
@@ -160,8 +162,9 @@ def new_call_id() -> str:
 
 
 def ended_by_calls(reason: FinishReason | None, called: bool) -> bool:
-    """Whether a sample is reported as ending for its tool calls: it made calls and ended by itself
-    (``STOP``; one cut by ``LENGTH`` or aborted keeps that reason)."""
+    """Whether a sample is reported as ending for its tool calls: it made calls, none cut short (the
+    streams' and parsed answers' ``called``), and ended by itself (``STOP``; one cut by ``LENGTH`` or
+    aborted keeps that reason)."""
     return called and reason is FinishReason.STOP
 
 
@@ -177,12 +180,20 @@ class WholeCallStream:
         self._name = ""
         self._arguments: list[str] = []
         self.calls = 0
+        self.cut_short = False  # the answer ended inside a call: its text came as content, not as a call
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer made calls and none was cut short (see :func:`ended_by_calls`)."""
+        return self.calls > 0 and not self.cut_short
 
     def pieces(self, text: str, last: bool) -> tuple[str, list[ToolCall]]:
         """The content and the whole calls that ``text`` (the sample's next text; ``last``: its
-        end) completes; each call gets its id here. A call's text never shows in the content."""
+        end) completes; each call gets its id here. A call's text never shows in the content, but for a
+        call cut short at the end: only its text, never a call whose arguments may not parse."""
         events = self._parser.feed(text) + (self._parser.finish() if last else [])
         calls: list[ToolCall] = []
+        content: list[str] = []
         for event in events:
             if isinstance(event, CallStart):
                 self._name, self._arguments = event.name, []
@@ -191,4 +202,7 @@ class WholeCallStream:
             elif isinstance(event, CallEnd):
                 self.calls += 1
                 calls.append(ToolCall(new_call_id(), self._name, "".join(self._arguments)))
-        return "".join(event.text for event in events if isinstance(event, ContentPiece)), calls
+            elif isinstance(event, CallCut):
+                self.cut_short = True
+            content.append(event.text if isinstance(event, ContentPiece | CallCut) else "")
+        return "".join(content), calls

@@ -149,14 +149,15 @@ class SampleCalls:
     def fill(self, response: gen.GenerateResponse, finish_reason: FinishReason | None) -> None:
         """Moves the calls out of ``response.text`` (sample ``response.index``'s next text) into
         ``response.tool_calls``, and sets ``response.finish_reason`` from ``finish_reason`` (None:
-        the sample goes on): ``TOOL_CALLS`` for a sample that made calls and ended by itself."""
+        the sample goes on): ``TOOL_CALLS`` for a sample that made calls, none cut short, and ended by
+        itself."""
         called = False
         if self._parses:
             stream = self._streams.setdefault(response.index, WholeCallStream(self._parser))
             text, calls = stream.pieces(response.text, finish_reason is not None)
             response.text = text
             response.tool_calls.extend(gen.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls)
-            called = stream.calls > 0
+            called = stream.called
         if finish_reason is None:
             return
         if ended_by_calls(finish_reason, called):

@@ -137,10 +137,10 @@ async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseM
     results, usages = await collect_samples(events, [parsed])
     choices = []
     for i, sample in enumerate(results[0].best()):
-        message = answer_message(sample.text, answers.tool_use, answers.parser)
+        message, called = answer_message(sample.text, answers.tool_use, answers.parser)
         choices.append(ChatChoice(index=i, message=message,
                                   logprobs=None if names is None else chat_logprobs(names, sample.logprobs or ()),
-                                  finish_reason=finish_reason_of(sample.finish_reason, bool(message.tool_calls)),
+                                  finish_reason=finish_reason_of(sample.finish_reason, called),
                                   stop_reason=sample.stop_reason))
     body = ChatCompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages))
     return Response(body.model_dump_json(), media_type="application/json")
@@ -191,7 +191,7 @@ async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[in
                                          finish_reason=None)
                 yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice], usage=so_far))
             if sample.delta.finish_reason is not None:
-                called = state.calls is not None and state.calls.calls > 0
+                called = state.calls is not None and state.calls.called
                 choice = ChatChunkChoice(index=sample.sample_index, delta=DeltaMessage(),
                                          logprobs=state.take_logprobs(names),
                                          finish_reason=finish_reason_of(sample.delta.finish_reason, called),

@@ -19,7 +19,7 @@ from pagedserve.text.tool_use import (
     new_call_id,
 )
 from pagedserve.text.tool_parsers import (
-    PARSERS, ArgumentsPiece, CallStart, ContentPiece, ToolCallParserKind, parse_tool_calls,
+    PARSERS, ArgumentsPiece, CallCut, CallStart, ContentPiece, ToolCallParserKind, parse_tool_calls,
 )
 from services.gateway.openai_responses import (
     ChatMessageOut, DeltaFunction, DeltaToolCall, FunctionCallOut, ToolCallOut, finish_reason_name,
@@ -125,14 +125,23 @@ class ToolCallStream:
     def __init__(self, kind: ToolCallParserKind) -> None:
         self._parser = PARSERS[kind]()
         self.calls = 0
+        self.cut_short = False  # the answer ended inside a call, whose pieces were sent
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer made calls and none was cut short (``tool_use.ended_by_calls``)."""
+        return self.calls > 0 and not self.cut_short
 
     def pieces(self, text: str, last: bool) -> tuple[str, list[DeltaToolCall]]:
         """The content and call pieces that ``text`` (the choice's next text; ``last``: its end)
-        completes; each new call gets its id here."""
+        completes; each new call gets its id here. A call cut short at the end was streamed as far as
+        it went: it only keeps the finish reason from ``tool_calls``."""
         events = self._parser.feed(text) + (self._parser.finish() if last else [])
         calls: list[DeltaToolCall] = []
         for event in events:
-            if isinstance(event, CallStart):
+            if isinstance(event, CallCut):
+                self.cut_short = True
+            elif isinstance(event, CallStart):
                 self.calls += 1
                 calls.append(DeltaToolCall(index=event.index, id=new_call_id(), type="function",
                                            function=DeltaFunction(name=event.name, arguments="")))
@@ -143,18 +152,21 @@ class ToolCallStream:
         return "".join(event.text for event in events if isinstance(event, ContentPiece)), calls
 
 
-def answer_message(text: str, tool_use: ToolUse, kind: ToolCallParserKind) -> ChatMessageOut:
-    """A whole answer as the chat message: with its calls split out when the request parses calls."""
+def answer_message(text: str, tool_use: ToolUse, kind: ToolCallParserKind) -> tuple[ChatMessageOut, bool]:
+    """A whole answer as the chat message, with its complete calls split out when the request parses
+    calls (a call cut short stays in the content as written), and whether it made calls, none cut short
+    (``tool_use.ended_by_calls``)."""
     if not tool_use.parses_calls:
-        return ChatMessageOut(content=text)
+        return ChatMessageOut(content=text), False
     answer = parse_tool_calls(text, kind)
     if not answer.calls:
-        return ChatMessageOut(content=text)
+        return ChatMessageOut(content=text), False
     calls = [ToolCallOut(id=new_call_id(), function=FunctionCallOut(name=name, arguments=arguments))
              for name, arguments in answer.calls]
-    return ChatMessageOut(content=answer.content, tool_calls=calls)
+    return ChatMessageOut(content=answer.content, tool_calls=calls), not answer.cut_short
 
 
 def finish_reason_of(reason: FinishReason | None, called: bool) -> str | None:
-    """OpenAI's ``finish_reason``: ``tool_calls`` for an answer that made calls and ended by itself."""
+    """OpenAI's ``finish_reason``: ``tool_calls`` for an answer that made calls, none cut short, and ended by
+    itself."""
     return "tool_calls" if ended_by_calls(reason, called) else finish_reason_name(reason)

@@ -53,15 +53,15 @@ def grpc_request(messages: list[dict], choice: str | None = None, parallel: bool
 
 def grpc_answer(stack, request: gen.GenerateRequest) -> tuple[str | None, list[tuple[str, str]], str]:
     """(content or None, [(name, arguments)], finish reason as HTTP names it) of sample 0, checking
-    that each call came whole in one message and no call's text came as text (but the head of a
-    call cut by max_tokens, which the parser cannot tell from text)."""
+    that each call came whole in one message and no call's text came as text (but a call cut short, by
+    max_tokens or a stop string, which is no call: its text comes as text)."""
     responses = stream(stack.gateway, request)
     text = "".join(r.text for r in responses)
     calls = [call for r in responses for call in r.tool_calls]
     assert all(call.id.startswith("call_") for call in calls) and len({c.id for c in calls}) == len(calls)
     assert all(not r.finish_reason for r in responses[:-1]) and responses[-1].finish_reason
     reason = gen.FinishReason.Name(responses[-1].finish_reason).removeprefix("FINISH_REASON_").lower()
-    if reason != "length":
+    if reason != "length" and not responses[-1].HasField("stop_reason"):
         assert "<tool_call>" not in text and "</tool_call>" not in text, text
     return text or None, [(c.name, c.arguments) for c in calls], reason
 
@@ -91,12 +91,36 @@ def test_required_gives_a_valid_call_equal_to_http(small_stack, small_model):
 
 
 def test_required_parallel_gives_valid_calls_equal_to_http(stack, default_model):
-    """The default model repeats calls until max_tokens cuts one: the whole ones validate, and the
-    answer (cut call included) is HTTP's."""
+    """The default model repeats calls until max_tokens cuts one: every call given validates, the cut
+    one is text (no call), and the answer is HTTP's."""
     answer = grpc_answer(stack, grpc_request(QUESTION, "required"))
-    assert len(answer[1]) > 1, answer
-    assert_valid_calls(answer[1][:-1] if answer[2] == "length" else answer[1])
+    assert len(answer[1]) > 1 and answer[2] == "length", answer
+    assert_valid_calls(answer[1])
+    assert answer[0].startswith("<tool_call>")
     assert answer == http_answer(stack, default_model, QUESTION, tool_choice="required")
+
+
+STOP_AT_FIRST_KEY = ["city", "timezone"]
+
+
+def test_a_call_cut_by_a_stop_string_is_no_call_and_the_answer_stopped(small_stack, small_model):
+    """A stop string inside a required call cuts its JSON (the stop strings are the first keys of the two
+    functions' arguments, which the grammar writes first, whichever function the model calls): the answer
+    gives no call, its text as written is the content, and the finish reason is stop (before: a call with
+    arguments '{"', and tool_calls), over gRPC as over HTTP, and HTTP's stream says stop too."""
+    request = grpc_request(QUESTION, "required", parallel=False)
+    request.sampling_params.stop.extend(STOP_AT_FIRST_KEY)
+    answer = grpc_answer(small_stack, request)
+    content, calls, reason = answer
+    assert calls == [] and reason == "stop" and content.startswith("<tool_call>"), answer
+    assert content.endswith('"arguments":{"'), answer
+    body = dict(tool_choice="required", parallel_tool_calls=False, stop=STOP_AT_FIRST_KEY)
+    assert answer == http_answer(small_stack, small_model, QUESTION, **body)
+    chunks = httpx.post(small_stack.http + "/v1/chat/completions", timeout=300, json={
+        "model": small_model.name, "messages": QUESTION, "tools": TOOLS, "temperature": 0, "max_tokens": MAX_TOKENS,
+        "stream": True, **body}).text.split("\n\n")
+    finals = [json.loads(c[6:])["choices"][0] for c in chunks if c.startswith("data: {") and '"finish_reason":"' in c]
+    assert [f["finish_reason"] for f in finals] == ["stop"] and finals[0]["stop_reason"] in STOP_AT_FIRST_KEY
 
 
 def test_named_function_is_the_one_called_as_over_http(small_stack, small_model):

@@ -8,7 +8,8 @@ import pytest
 
 from pagedserve.text.detokenizer import IncrementalDetokenizer
 from pagedserve.text.tool_parsers import (
-    ArgumentsPiece, CallStart, ContentPiece, HermesToolParser, ParsedAnswer, ToolCallParserKind, parse_tool_calls,
+    ArgumentsPiece, CallCut, CallStart, ContentPiece, HermesToolParser, ParsedAnswer, ToolCallParserKind,
+    parse_tool_calls,
 )
 from pagedserve.text.tool_use import WholeCallStream
 
@@ -21,11 +22,12 @@ def streamed(pieces: list[str]) -> ParsedAnswer:
     """The answer the parser gives from ``pieces`` fed one by one (the events folded as a client would)."""
     parser = HermesToolParser()
     events = [event for piece in pieces for event in parser.feed(piece)] + parser.finish()
-    names = [e.name for e in events if isinstance(e, CallStart)]
+    cut = {e.index for e in events if isinstance(e, CallCut)}
+    names = [e.name for e in events if isinstance(e, CallStart) and e.index not in cut]
     arguments = ["".join(e.text for e in events if isinstance(e, ArgumentsPiece) and e.index == i)
                  for i in range(len(names))]
-    content = "".join(e.text for e in events if isinstance(e, ContentPiece)) or None
-    return ParsedAnswer(content, tuple(zip(names, arguments)))
+    content = "".join(e.text for e in events if isinstance(e, ContentPiece | CallCut)) or None
+    return ParsedAnswer(content, tuple(zip(names, arguments)), bool(cut))
 
 
 def replayed_pieces(prompt_tokenizer, text: str) -> list[str]:
@@ -68,7 +70,21 @@ def test_call_pieces_are_never_content():
 def test_text_that_is_not_a_call_stays_content():
     assert parse_tool_calls("<tool_call>not json</tool_call> then", HERMES) == \
         ParsedAnswer("<tool_call>not json</tool_call> then", ())
-    assert parse_tool_calls('<tool_call>\n{"name": "cut", "arguments": {"q": 1', HERMES).calls == (("cut", '{"q": 1'),)
+
+
+@pytest.mark.parametrize("cut", ['{"city": "', '{"city": "Paris", "days": 3}', '  {"q": 1'])
+def test_a_call_cut_short_is_no_call_but_its_text(cut):
+    """An answer that ends inside a call (max_tokens, a stop string, an EOS) gives the complete calls only;
+    the cut one's text, as written from its tag on, is content (its arguments may not parse)."""
+    text = TWO_CALLS + 'Then:\n<tool_call>\n{"name": "get_weather", "arguments": ' + cut
+    answer = parse_tool_calls(text, HERMES)
+    assert answer.calls == parse_tool_calls(TWO_CALLS, HERMES).calls and answer.cut_short
+    assert answer.content == 'Let me look.Then:<tool_call>\n{"name": "get_weather", "arguments": ' + cut
+    assert streamed(list(text)) == answer == whole_calls(list(text))[0]
+    parser = HermesToolParser()
+    events = parser.feed(text)
+    assert CallStart(2, "get_weather") in events and not any(isinstance(e, CallCut) for e in events)
+    assert parser.finish() == [CallCut(2, '<tool_call>\n{"name": "get_weather", "arguments": ' + cut)]
 
 
 def whole_calls(pieces: list[str]) -> tuple[ParsedAnswer, list[int]]:
@@ -82,7 +98,9 @@ def whole_calls(pieces: list[str]) -> tuple[ParsedAnswer, list[int]]:
         calls += done
         at += [i] * len(done)
     assert all(call.id.startswith("call_") for call in calls) and len({call.id for call in calls}) == len(calls)
-    return ParsedAnswer(content or None, tuple((call.name, call.arguments) for call in calls)), at
+    answer = ParsedAnswer(content or None, tuple((call.name, call.arguments) for call in calls), stream.cut_short)
+    assert stream.called == (bool(calls) and not stream.cut_short)
+    return answer, at
 
 
 @pytest.mark.parametrize("text", [
