@@ -6,6 +6,7 @@ Only rows that ask for them pay for the log-softmax over the vocabulary; a greed
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +25,10 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
 
     Returns:
         ``R`` entries in row order; ``rank`` is the number of tokens whose logprob is >= the
-        chosen one's (1 for the most likely, as vLLM counts), alternatives most likely first.
+        chosen one's (1 for the most likely, as vLLM counts), alternatives most likely first: at most
+        ``num_top``, none at ``-inf`` (a token the request's grammar or ``min_tokens`` rules out is no
+        alternative; where fewer tokens than asked are possible, which of the impossible ones tied at
+        ``-inf`` a top-k listed changed with the batch).
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)                    # (R, V) float32
     chosen = logprobs.gather(1, token_ids[:, None])                         # (R, 1)
@@ -33,11 +37,12 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], token_ids[:, None][:, :0])  # (R, k)
     chosen_list, rank_list = chosen[:, 0].tolist(), ranks.tolist()
     values_list, ids_list = top_values.tolist(), top_ids.tolist()
-    return [
-        TokenLogprobs(int(t), chosen_list[i], rank_list[i], tuple(ids_list[i][:num_top[i]]),
-                      tuple(values_list[i][:num_top[i]]))
-        for i, t in enumerate(token_ids.tolist())
-    ]
+    entries = []
+    for i, t in enumerate(token_ids.tolist()):
+        possible = [n for n, value in enumerate(values_list[i][:num_top[i]]) if value != -math.inf]
+        entries.append(TokenLogprobs(int(t), chosen_list[i], rank_list[i], tuple(ids_list[i][n] for n in possible),
+                                     tuple(values_list[i][n] for n in possible)))
+    return entries
 
 
 @dataclass(frozen=True)

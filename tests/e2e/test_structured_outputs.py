@@ -92,6 +92,20 @@ def test_json_object_gives_an_object_streamed_and_not(client, default_model):
     assert streamed == whole.message.content
 
 
+def test_top_logprobs_list_only_tokens_the_grammar_allows(client, default_model):
+    """A choice of two answers with five alternatives asked for at each position: where fewer than five
+    tokens are possible, fewer are listed, never a token the grammar rules out at -9999 (before: those
+    were listed too, and which of them changed with the batch)."""
+    kwargs = dict(model=default_model.name, messages=[{"role": "user", "content": "Is the sky blue?"}], temperature=0,
+                  max_tokens=8, logprobs=True, top_logprobs=5,
+                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.message.content in ("yes", "no")
+    tops = [entry.top_logprobs for entry in choice.logprobs.content]
+    assert tops and all(t.logprob > -9999 for top in tops for t in top), tops
+    assert len(tops[-1]) < 5  # the answer's last token: few tokens can follow it
+
+
 def test_grpc_json_schema_gives_the_same_output(stack, client, default_model):
     schema = json.dumps(strict_schema())
     request = chat_request(QUESTION[0]["content"], max_tokens=120)
