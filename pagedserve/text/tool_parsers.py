@@ -104,7 +104,7 @@ class HermesToolParser:
     newlines between calls); a ``<tool_call>`` whose JSON does not begin with ``name`` and then
     ``arguments`` is read whole at its ``</tool_call>``: a JSON object with a string ``name`` is a
     call (its ``arguments`` re-serialized), anything else is content, tags included. A call cut
-    short (by ``max_tokens``) keeps the arguments it got.
+    short (the answer ends inside it) ends in a :class:`CallCut` carrying its text, not a :class:`CallEnd`.
     """
 
     def __init__(self) -> None:
