@@ -45,6 +45,13 @@ class PreemptionMode(enum.Enum):
     SWAP = "swap"  # copy them to the worker's CPU blocks and back later
 
 
+class PrefixCacheOutputs(enum.Enum):
+    """Which later sequences find a cached block that holds generated tokens (``block_hash.hash_full_blocks``)."""
+
+    SHARED = "shared"  # any prompt that holds those tokens: a chat's next turn hits its last answer
+    OWN = "own"  # only the sequence that generated them, resumed or recomputed: prompts get a fresh prefill's bits
+
+
 class SchedulingPolicy(enum.Enum):
     """The waiting queue's order and whom to preempt (``pagedserve/engine/policy.py``)."""
 
@@ -98,6 +105,13 @@ class SchedulerConfig:
         "(off: each prompt whole in one iteration, and one longer than the budget is refused)", True)
     enable_prefix_caching: bool = option("automatic prefix caching: cached full prompt blocks are shared "
                                          "between requests with the same prefix", True)
+    prefix_cache_outputs: PrefixCacheOutputs = option(
+        "who finds cached blocks that hold generated tokens: shared, any later prompt holding them (a chat's next "
+        "turn hits its last answer; those K/V came from the decode attention op, whose sums differ from a fresh "
+        "prefill's in the last bits, so the turn's logprobs move by ~1e-5 with the cache's state), or own, only "
+        "the same sequence resumed or recomputed (every prompt gets the bits of a fresh prefill; a chat's next "
+        "turn prefills its last answer again: 5.5-6x the time to first token after a 256-token answer on a "
+        "2-core CPU)", PrefixCacheOutputs.SHARED)
     preemption_mode: PreemptionMode = option(
         "how to take blocks back from a running sequence when they run out: recompute (free them, prefill "
         "again later) or swap (copy them to the worker's CPU blocks and back; needs workers with --swap-space)",
@@ -135,6 +149,7 @@ class SchedulerConfig:
         if not 0 <= self.admission_headroom <= 1:  # NaN too
             raise ValueError(f"admission_headroom must be between 0 and 1, got {self.admission_headroom}")
         # The enums' values are accepted too (flags, ``LLM(policy="priority")``).
+        object.__setattr__(self, "prefix_cache_outputs", PrefixCacheOutputs(self.prefix_cache_outputs))
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
         object.__setattr__(self, "placement", Placement(self.placement))

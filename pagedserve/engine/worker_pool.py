@@ -135,7 +135,7 @@ def placement_score(worker: WorkerState, seq: Sequence, max_num_seqs: int) -> fl
     """
     blocks = worker.blocks
     cached = blocks.cached_prefix_length(seq.all_token_ids(), seq.request.cache_salt.encode(),
-                                         num_prompt_tokens=seq.num_prompt_tokens)
+                                         num_prompt_tokens=worker.prompt_end(seq))
     overlap = cached / max(1, seq.num_tokens)
     kv_usage = 1 - blocks.num_free_blocks / max(1, blocks.num_blocks)
     return 2 * overlap - kv_usage - len(worker.running) / max_num_seqs

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId
 from pagedserve.engine.block_manager import NO_PREFIX, BlockManager, CachedPrefix, blocks_for_tokens
 from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
-from pagedserve.engine.config import SchedulerConfig, WorkerStats
+from pagedserve.engine.config import PrefixCacheOutputs, SchedulerConfig, WorkerStats
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.step_cost import StepCost, StepCostModel, StepShape, attention_pairs, prefill_chunk_tokens
 
@@ -203,19 +203,25 @@ class WorkerState:
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Makes ``seq``'s blocks findable by prefix once their slots are computed (or scheduled)
-        and their token ids known: a block that ends in a token still in flight waits for it. Blocks
-        past its prompt are keyed by its prompt's length too (``block_hash.hash_full_blocks``): only the
-        same sequence resumed or recomputed finds them, not a prompt holding its outputs."""
+        and their token ids known: a block that ends in a token still in flight waits for it. With
+        ``--prefix-cache-outputs own``, blocks past its prompt are keyed by its prompt's length too
+        (:meth:`prompt_end`): only the same sequence resumed or recomputed finds them."""
         if self.config.enable_prefix_caching:
             self.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, min(seq.num_computed_tokens, seq.num_tokens),
-                                          seq.request.cache_salt.encode(), num_prompt_tokens=seq.num_prompt_tokens)
+                                          seq.request.cache_salt.encode(), num_prompt_tokens=self.prompt_end(seq))
 
     def cached_prefix(self, seq: Sequence) -> CachedPrefix:
         """The longest cached start of ``seq``'s tokens here (none when prefix caching is off)."""
         if not self.config.enable_prefix_caching:
             return NO_PREFIX
         return self.blocks.find_cached_prefix(seq.all_token_ids(), seq.request.cache_salt.encode(),
-                                              num_prompt_tokens=seq.num_prompt_tokens)
+                                              num_prompt_tokens=self.prompt_end(seq))
+
+    def prompt_end(self, seq: Sequence) -> int | None:
+        """Where ``seq``'s blocks are keyed as generated in the prefix cache (``block_hash.hash_full_blocks``):
+        its prompt's end with ``--prefix-cache-outputs own``; None (every block keyed as a prompt's) with
+        ``shared``."""
+        return seq.num_prompt_tokens if self.config.prefix_cache_outputs is PrefixCacheOutputs.OWN else None
 
     def swap_in(self, draft: PlanDraft, max_num_seqs: int) -> None:
         """Brings swapped-out sequences back and starts them (oldest first) while blocks, budget

@@ -138,22 +138,24 @@ def test_outputs_recomputed_after_preemption_keep_the_bits_of_an_uninterrupted_r
 
 
 @needs_prefill_op
-def test_a_next_turn_holding_an_earlier_answer_gets_the_bits_of_a_fresh_prefill(small_model):
+def test_a_next_turn_holding_an_earlier_answer_gets_the_bits_of_a_fresh_prefill_with_own_outputs(small_model):
     """A chat's next turn is the last prompt, its answer and a new message. The answer's K/V were computed by
-    the decode op and a fresh prompt's are by the prefill op (sums ~1e-5 apart): were the answer's blocks
-    shared, the turn's logprobs would depend on whether they were still cached. Blocks past a prompt are
-    keyed by its length too (``block_hash.hash_full_blocks``): the turn finds the first prompt's blocks,
-    prefills the answer again, and gets the bits of an engine without prefix caching (on the code before, it
-    found 96 tokens and its logprobs differed)."""
+    the decode op and a fresh prompt's are by the prefill op (sums ~1e-5 apart). Shared (the default), the
+    turn hits the answer's blocks: its logprobs depend on whether they are still cached. With
+    ``prefix_cache_outputs="own"`` blocks past a prompt are keyed by its length too
+    (``block_hash.hash_full_blocks``): the turn finds the first prompt's blocks only, prefills the answer
+    again, and gets the bits of an engine without prefix caching."""
     first = [(13 * j) % 40000 + 100 for j in range(64)]
-    cached = LLM(small_model, kv_cache_memory="64MiB")
-    answer = cached.generate(first, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0].samples[0]
-    turn = first + list(answer.token_ids) + [(7 * j) % 30000 + 200 for j in range(20)]
     params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
-    got = cached.generate(turn, params)[0].samples
-    assert cached.stats().prefix_cache_hits == 64  # the first prompt's 4 blocks, none of the answer's
-    fresh = LLM(small_model, kv_cache_memory="64MiB", enable_prefix_caching=False)
-    assert got == fresh.generate(turn, params)[0].samples
+    got, hits = {}, {}
+    for outputs in ("shared", "own"):
+        cached = LLM(small_model, kv_cache_memory="64MiB", prefix_cache_outputs=outputs)
+        answer = cached.generate(first, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))[0].samples[0]
+        turn = first + list(answer.token_ids) + [(7 * j) % 30000 + 200 for j in range(20)]
+        got[outputs], hits[outputs] = cached.generate(turn, params)[0].samples, cached.stats().prefix_cache_hits
+    assert hits == {"shared": 96, "own": 64}  # the prompt's 4 blocks and the answer's 2 full ones; the prompt's
+    fresh = LLM(small_model, kv_cache_memory="64MiB", enable_prefix_caching=False).generate(turn, params)[0].samples
+    assert got["own"] == fresh and got["shared"] != fresh
 
 
 def test_four_seeded_samples_share_the_prompt_blocks(small_model, small_llm, tokenizer):

@@ -84,6 +84,18 @@ def test_blocks_past_the_prompt_are_found_only_by_the_same_prompt_s_continuation
     assert bm.cached_prefix_length(sequence + [5], num_prompt_tokens=7) == 4  # another prompt's outputs
 
 
+@pytest.mark.parametrize("salt", [b"|generated from 6", b"0||6", b"|6", b"6"])
+def test_no_cache_salt_reads_as_another_salt_or_as_generated_tokens(salt):
+    """A salt that spells an unsalted sequence's generated-block keys (the format of an earlier encoding,
+    the separators of this one) finds nothing of it: a salt's length is in the hash."""
+    bm = PrefixCachingBlockManager(num_blocks=10, block_size=4)
+    sequence = tokens(13)
+    bm.allocate_slots("a", 13)
+    bm.cache_full_blocks("a", lambda: sequence, 13, num_prompt_tokens=6)
+    assert bm.find_cached_prefix(sequence + [5], extra=salt).num_tokens == 0
+    assert bm.find_cached_prefix(sequence + [5]).num_tokens == 4
+
+
 def test_colliding_hashes_never_return_blocks_of_other_tokens():
     bm = PrefixCachingBlockManager(num_blocks=8, block_size=4, hash_fn=lambda data: b"same")
     admit(bm, "a", tokens(9))
