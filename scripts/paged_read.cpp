@@ -87,8 +87,10 @@ int main() {
   const size_t bytes = num_blocks * kBlockFloats * 4;
   std::vector<const float*> keys, values;
   for (int i = 0; i < 2 * layers; ++i) {
-    auto* p = static_cast<float*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
-    madvise(p, bytes, MADV_HUGEPAGE);
+    void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (mapped == MAP_FAILED) return std::perror("mmap"), 1;
+    auto* p = static_cast<float*>(mapped);
+    madvise(p, bytes, MADV_HUGEPAGE);  // Linux's THP places huge pages where the range allows
     std::fill(p, p + num_blocks * kBlockFloats, 1.0f);
     (i % 2 ? values : keys).push_back(p);
   }

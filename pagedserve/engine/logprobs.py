@@ -24,11 +24,11 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: Seque
         num_top: ``R`` counts of alternatives to report, each in [0, V].
 
     Returns:
-        ``R`` entries in row order; ``rank`` is the number of tokens whose logprob is >= the
-        chosen one's (1 for the most likely, as vLLM counts), alternatives most likely first: at most
-        ``num_top``, none at ``-inf`` (a token the request's grammar or ``min_tokens`` rules out is no
-        alternative; where fewer tokens than asked are possible, which of the impossible ones tied at
-        ``-inf`` a top-k listed changed with the batch).
+        ``R`` entries in row order; ``rank`` is the number of tokens whose logprob is >= the chosen one's (1 for
+        the most likely, as vLLM counts), alternatives most likely first: at most ``num_top``, none at ``-inf``
+        (a token the request's grammar, ``min_tokens``, ``bad_words`` or ``allowed_token_ids`` rules out is no
+        alternative; where fewer tokens than asked are possible, which of the impossible ones tied at ``-inf`` a
+        top-k listed changed with the batch).
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)                    # (R, V) float32
     chosen = logprobs.gather(1, token_ids[:, None])                         # (R, 1)

@@ -194,7 +194,8 @@ class TokenLogprobs:
         rank: its 1-based rank: how many tokens have a logprob >= its own (1 = most likely), as vLLM counts.
         top_token_ids: the ``k`` most likely tokens (``k`` = the request's ``logprobs`` or
             ``prompt_logprobs``), most likely first; may include ``token_id``; fewer where fewer than
-            ``k`` tokens are possible (none at ``-inf``: ruled out by a grammar or ``min_tokens``).
+            ``k`` tokens are possible (none at ``-inf``: ruled out by a grammar, ``min_tokens``, ``bad_words``
+            or ``allowed_token_ids``).
         top_logprobs: their log-probabilities, parallel to ``top_token_ids``.
     """
 

@@ -61,12 +61,15 @@ class CallEnd:
 
 @dataclass(frozen=True)
 class CallCut:
-    """Call ``index`` was cut short at the answer's end (by ``max_tokens``, a stop string or an EOS): it is
-    not a call (its arguments may not parse); ``text`` is what was written of it, from its ``<tool_call>``
-    on, for the answer's content. A stream that already sent the call's pieces cannot take them back."""
+    """Call ``index`` was cut short at the answer's end (by ``max_tokens``, a stop string or an EOS) before its
+    JSON was whole: it is no call. ``text``: what was written of it, from the whitespace before its
+    ``<tool_call>`` on, for the answer's content; ``rest``: its arguments' text not yet given as pieces, for a
+    stream that gave the call's start (``index`` below the calls started; a call cut inside its head never
+    started, and its text is all there is)."""
 
     index: int
     text: str
+    rest: str
 
 
 ToolEvent = ContentPiece | CallStart | ArgumentsPiece | CallEnd | CallCut
@@ -97,6 +100,15 @@ def _arguments_so_far(body: str) -> str:
     return text[:-1].rstrip() if text.endswith("}") else text
 
 
+def _call_of(text: str) -> dict | None:
+    """``text`` read as a call's JSON: an object with a string ``name``; None when it is not one."""
+    try:
+        call = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return call if isinstance(call, dict) and isinstance(call.get("name"), str) else None
+
+
 class HermesToolParser:
     """Reads Hermes-form calls from text given in pieces.
 
@@ -113,7 +125,8 @@ class HermesToolParser:
         self._calls = 0
         self._sent_arguments = 0
         self._after_call = False
-        self._call_text = ""  # the current call's text as written, for a CallCut
+        self._call_text = ""  # the current call's text as written, whitespace before its tag included
+        self._call_json = ""  # its JSON up to the arguments' value (the head)
 
     def feed(self, text: str) -> list[ToolEvent]:
         """The events that ``text`` (the answer's next piece) completes; text that may still turn
@@ -127,16 +140,29 @@ class HermesToolParser:
                 return events
 
     def finish(self) -> list[ToolEvent]:
-        """The events of the text still held, at the answer's end."""
+        """The events of the text still held, at the answer's end. A call whose JSON is whole though its
+        ``</tool_call>`` never came (a stop string on the tag, an EOS) is a call; any other begun is cut short."""
+        pending, self._pending = self._pending, ""
         if self._state is _State.CONTENT:
-            text = self._pending.lstrip() if self._after_call else self._pending
-            events: list[ToolEvent] = [ContentPiece(text)] if text else []
-        elif self._state is _State.CALL_HEAD:
-            events = [ContentPiece(TOOL_CALL_OPEN + self._pending)]
-        else:
-            events = [CallCut(self._calls - 1, self._call_text + self._pending)]
-        self._pending = ""
-        return events
+            text = pending.lstrip() if self._after_call else pending
+            return [ContentPiece(text)] if text else []
+        body = pending[:len(pending) - _partial_tag_length(pending, TOOL_CALL_CLOSE)]
+        if self._state is _State.CALL_HEAD:
+            return self._whole_call(body) or [CallCut(self._calls, self._call_text + pending, "")]
+        rest = _arguments_so_far(body)[self._sent_arguments:]
+        if _call_of(self._call_json + body) is None:
+            return [CallCut(self._calls - 1, self._call_text + pending, rest)]
+        return ([ArgumentsPiece(self._calls - 1, rest)] if rest else []) + [CallEnd(self._calls - 1)]
+
+    def _whole_call(self, body: str) -> list[ToolEvent]:
+        """The events of a call read whole (``body``: its JSON), or none when it is not one."""
+        call = _call_of(body)
+        if call is None:
+            return []
+        self._calls, self._after_call = self._calls + 1, True
+        return [CallStart(self._calls - 1, call["name"]),
+                ArgumentsPiece(self._calls - 1, json.dumps(call.get("arguments", {}), ensure_ascii=False)),
+                CallEnd(self._calls - 1)]
 
     def _step(self) -> list[ToolEvent]:
         if self._state is _State.CONTENT:
@@ -151,7 +177,9 @@ class HermesToolParser:
             self._after_call = not self._pending
         start = self._pending.find(TOOL_CALL_OPEN)
         if start >= 0:
-            text, self._pending = self._pending[:start].rstrip(), self._pending[start + len(TOOL_CALL_OPEN):]
+            text = self._pending[:start].rstrip()
+            self._call_text = self._pending[len(text):start] + TOOL_CALL_OPEN
+            self._pending = self._pending[start + len(TOOL_CALL_OPEN):]
             self._state = _State.CALL_HEAD
             return [ContentPiece(text)] if text else []
         held = _partial_tag_length(self._pending, TOOL_CALL_OPEN)
@@ -163,7 +191,8 @@ class HermesToolParser:
     def _call_head(self) -> list[ToolEvent]:
         head = _CALL_HEAD.match(self._pending)
         if head is not None:
-            self._call_text = TOOL_CALL_OPEN + self._pending[:head.end()]
+            self._call_json = self._pending[:head.end()]
+            self._call_text += self._call_json
             self._pending = self._pending[head.end():]
             self._state, self._sent_arguments = _State.ARGUMENTS, 0
             self._calls += 1
@@ -173,16 +202,7 @@ class HermesToolParser:
             return []
         body, self._pending = self._pending[:end], self._pending[end + len(TOOL_CALL_CLOSE):]
         self._state = _State.CONTENT
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError:
-            call = None
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            return [ContentPiece(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)]
-        self._calls, self._after_call = self._calls + 1, True
-        return [CallStart(self._calls - 1, call["name"]),
-                ArgumentsPiece(self._calls - 1, json.dumps(call.get("arguments", {}), ensure_ascii=False)),
-                CallEnd(self._calls - 1)]
+        return self._whole_call(body) or [ContentPiece(TOOL_CALL_OPEN + body + TOOL_CALL_CLOSE)]
 
     def _arguments(self) -> list[ToolEvent]:
         if not self._sent_arguments:  # the whitespace before the value may come after the head matched
@@ -225,19 +245,18 @@ def parse_tool_calls(text: str, kind: ToolCallParserKind) -> ParsedAnswer:
     """The calls and content of a whole answer (the streaming parser fed ``text`` in one piece)."""
     parser = PARSERS[kind]()
     content: list[str] = []
-    names: list[str] = []
-    arguments: list[str] = []
+    calls: dict[int, list[str]] = {}  # index -> [name, arguments]
     cut_short = False
     for event in parser.feed(text) + parser.finish():
         if isinstance(event, ContentPiece):
             content.append(event.text)
         elif isinstance(event, CallStart):
-            names.append(event.name)
-            arguments.append("")
+            calls[event.index] = [event.name, ""]
         elif isinstance(event, ArgumentsPiece):
-            arguments[event.index] += event.text
+            calls[event.index][1] += event.text
         elif isinstance(event, CallCut):
-            del names[event.index], arguments[event.index]
+            calls.pop(event.index, None)
             content.append(event.text)
             cut_short = True
-    return ParsedAnswer("".join(content) or None, tuple(zip(names, arguments)), cut_short)
+    return ParsedAnswer("".join(content) or None, tuple((name, arguments) for name, arguments in calls.values()),
+                        cut_short)

@@ -1,9 +1,10 @@
 """Log-probabilities in the OpenAI API's shapes (and vLLM's ``prompt_logprobs`` extension).
 
 All values are natural logs (``pagedserve.engine.messages.TokenLogprobs``); ``-inf`` is sent as
-``-9999.0``, as OpenAI and vLLM do (JSON has no infinity). Token strings are the decode of the
-single token id with special tokens kept (vLLM's ``decoded_token``); a token that is only part
-of a UTF-8 character decodes to U+FFFD.
+``-9999.0``, as OpenAI and vLLM do (JSON has no infinity); only a chosen token's can be (no token at
+``-inf`` is an alternative, so ``top_logprobs`` has fewer than ``k`` where fewer tokens are possible).
+Token strings are the decode of the single token id with special tokens kept (vLLM's ``decoded_token``);
+a token that is only part of a UTF-8 character decodes to U+FFFD.
 
 - completions: ``{"tokens": [str], "token_logprobs": [float | null], "top_logprobs":
   [{token: logprob} | null], "text_offset": [int]}``. ``top_logprobs[i]`` holds the ``k`` most

@@ -125,7 +125,7 @@ class ToolCallStream:
     def __init__(self, kind: ToolCallParserKind) -> None:
         self._parser = PARSERS[kind]()
         self.calls = 0
-        self.cut_short = False  # the answer ended inside a call, whose pieces were sent
+        self.cut_short = False  # the answer ended inside a call
 
     @property
     def called(self) -> bool:
@@ -134,13 +134,21 @@ class ToolCallStream:
 
     def pieces(self, text: str, last: bool) -> tuple[str, list[DeltaToolCall]]:
         """The content and call pieces that ``text`` (the choice's next text; ``last``: its end)
-        completes; each new call gets its id here. A call cut short at the end was streamed as far as
-        it went: it only keeps the finish reason from ``tool_calls``."""
+        completes; each new call gets its id here. A call cut short at the end after its start was sent
+        gets the rest of its arguments (it cannot be taken back: only the finish reason says it was cut);
+        one cut inside its head was never sent, and its text is content."""
         events = self._parser.feed(text) + (self._parser.finish() if last else [])
         calls: list[DeltaToolCall] = []
+        content: list[str] = []
         for event in events:
             if isinstance(event, CallCut):
                 self.cut_short = True
+                if event.index >= self.calls:
+                    content.append(event.text)
+                elif event.rest:
+                    calls.append(DeltaToolCall(index=event.index, function=DeltaFunction(arguments=event.rest)))
+            elif isinstance(event, ContentPiece):
+                content.append(event.text)
             elif isinstance(event, CallStart):
                 self.calls += 1
                 calls.append(DeltaToolCall(index=event.index, id=new_call_id(), type="function",
@@ -149,7 +157,7 @@ class ToolCallStream:
                 calls[-1].function.arguments = (calls[-1].function.arguments or "") + event.text
             elif isinstance(event, ArgumentsPiece):
                 calls.append(DeltaToolCall(index=event.index, function=DeltaFunction(arguments=event.text)))
-        return "".join(event.text for event in events if isinstance(event, ContentPiece)), calls
+        return "".join(content), calls
 
 
 def answer_message(text: str, tool_use: ToolUse, kind: ToolCallParserKind) -> tuple[ChatMessageOut, bool]:

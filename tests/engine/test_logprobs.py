@@ -11,7 +11,7 @@ from pagedserve.engine.logprobs import token_logprobs
 
 
 def test_alternatives_are_the_most_likely_with_the_chosen_tokens_rank():
-    logits = torch.tensor([[2.0, 0.5, 3.0, -1.0], [0.0, 0.0, 1.0, 4.0]])
+    logits = torch.tensor([[2.0, 0.5, 3.0, -1.0], [0.5, 0.0, 1.0, 4.0]])  # no ties: topk's order among them is free
     got = token_logprobs(logits, torch.tensor([1, 3]), [2, 3])
     want = torch.log_softmax(logits.double(), dim=-1)
     assert [e.rank for e in got] == [3, 1]

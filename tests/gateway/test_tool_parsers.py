@@ -23,11 +23,10 @@ def streamed(pieces: list[str]) -> ParsedAnswer:
     parser = HermesToolParser()
     events = [event for piece in pieces for event in parser.feed(piece)] + parser.finish()
     cut = {e.index for e in events if isinstance(e, CallCut)}
-    names = [e.name for e in events if isinstance(e, CallStart) and e.index not in cut]
-    arguments = ["".join(e.text for e in events if isinstance(e, ArgumentsPiece) and e.index == i)
-                 for i in range(len(names))]
+    names = {e.index: e.name for e in events if isinstance(e, CallStart) and e.index not in cut}
+    arguments = ["".join(e.text for e in events if isinstance(e, ArgumentsPiece) and e.index == i) for i in names]
     content = "".join(e.text for e in events if isinstance(e, ContentPiece | CallCut)) or None
-    return ParsedAnswer(content, tuple(zip(names, arguments)), bool(cut))
+    return ParsedAnswer(content, tuple(zip(names.values(), arguments)), bool(cut))
 
 
 def replayed_pieces(prompt_tokenizer, text: str) -> list[str]:
@@ -72,19 +71,38 @@ def test_text_that_is_not_a_call_stays_content():
         ParsedAnswer("<tool_call>not json</tool_call> then", ())
 
 
-@pytest.mark.parametrize("cut", ['{"city": "', '{"city": "Paris", "days": 3}', '  {"q": 1'])
+@pytest.mark.parametrize("cut", ['{"city": "', '{"city": "Paris", "days": 3', '  {"q": 1'])
 def test_a_call_cut_short_is_no_call_but_its_text(cut):
     """An answer that ends inside a call (max_tokens, a stop string, an EOS) gives the complete calls only;
-    the cut one's text, as written from its tag on, is content (its arguments may not parse)."""
+    the cut one's text, as written from the whitespace before its tag on, is content."""
     text = TWO_CALLS + 'Then:\n<tool_call>\n{"name": "get_weather", "arguments": ' + cut
     answer = parse_tool_calls(text, HERMES)
     assert answer.calls == parse_tool_calls(TWO_CALLS, HERMES).calls and answer.cut_short
-    assert answer.content == 'Let me look.Then:<tool_call>\n{"name": "get_weather", "arguments": ' + cut
+    assert answer.content == 'Let me look.Then:\n<tool_call>\n{"name": "get_weather", "arguments": ' + cut
     assert streamed(list(text)) == answer == whole_calls(list(text))[0]
     parser = HermesToolParser()
     events = parser.feed(text)
     assert CallStart(2, "get_weather") in events and not any(isinstance(e, CallCut) for e in events)
-    assert parser.finish() == [CallCut(2, '<tool_call>\n{"name": "get_weather", "arguments": ' + cut)]
+    (end,) = parser.finish()
+    assert isinstance(end, CallCut) and end.text == '\n<tool_call>\n{"name": "get_weather", "arguments": ' + cut
+
+
+def test_a_call_cut_inside_its_head_is_cut_short_too():
+    text = TWO_CALLS + '<tool_call>\n{"na'
+    answer = parse_tool_calls(text, HERMES)
+    assert answer == ParsedAnswer('Let me look.<tool_call>\n{"na', parse_tool_calls(TWO_CALLS, HERMES).calls, True)
+    assert streamed(list(text)) == answer == whole_calls(list(text))[0]
+
+
+@pytest.mark.parametrize("tail", ["\n", "\n</tool_", ""])
+def test_a_whole_call_whose_closing_tag_never_came_is_a_call(tail):
+    """A stop string on ``</tool_call>`` (a common client setting) or an EOS after a call's whole JSON: the
+    call stands, as vLLM's Hermes parser reads it."""
+    for head in ('{"name": "w", "arguments": ', '{"arguments": {"c": [1, 2]}, "name": "w"'):
+        text = 'Ok.\n<tool_call>\n' + head + ('{"c": [1, 2]}}' if "name\": \"w\", " in head else "}") + tail
+        answer = parse_tool_calls(text, HERMES)
+        assert answer.calls == (("w", '{"c": [1, 2]}'),) and not answer.cut_short and answer.content == "Ok.", text
+        assert streamed(list(text)) == answer == whole_calls(list(text))[0]
 
 
 def whole_calls(pieces: list[str]) -> tuple[ParsedAnswer, list[int]]:
@@ -98,9 +116,7 @@ def whole_calls(pieces: list[str]) -> tuple[ParsedAnswer, list[int]]:
         calls += done
         at += [i] * len(done)
     assert all(call.id.startswith("call_") for call in calls) and len({call.id for call in calls}) == len(calls)
-    answer = ParsedAnswer(content or None, tuple((call.name, call.arguments) for call in calls), stream.cut_short)
-    assert stream.called == (bool(calls) and not stream.cut_short)
-    return answer, at
+    return ParsedAnswer(content or None, tuple((call.name, call.arguments) for call in calls), stream.cut_short), at
 
 
 @pytest.mark.parametrize("text", [
