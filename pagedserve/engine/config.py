@@ -111,7 +111,7 @@ class SchedulerConfig:
         "prefill's in the last bits, so the turn's logprobs move by ~1e-5 with the cache's state), or own, only "
         "the same sequence resumed or recomputed (every prompt gets the bits of a fresh prefill; a chat's next "
         "turn prefills its last answer again: 5.5-6x the time to first token after a 256-token answer on a "
-        "2-core CPU)", PrefixCacheOutputs.SHARED)
+        "2-core CPU, scripts/next_turn_ttft.py)", PrefixCacheOutputs.SHARED)
     preemption_mode: PreemptionMode = option(
         "how to take blocks back from a running sequence when they run out: recompute (free them, prefill "
         "again later) or swap (copy them to the worker's CPU blocks and back; needs workers with --swap-space)",
