@@ -149,9 +149,9 @@ class HermesToolParser:
         body = pending[:len(pending) - _partial_tag_length(pending, TOOL_CALL_CLOSE)]
         if self._state is _State.CALL_HEAD:
             return self._whole_call(body) or [CallCut(self._calls, self._call_text + pending, "")]
+        if _call_of(self._call_json + body) is None:  # its arguments' text as written, the brace held back too
+            return [CallCut(self._calls - 1, self._call_text + pending, body[self._sent_arguments:])]
         rest = _arguments_so_far(body)[self._sent_arguments:]
-        if _call_of(self._call_json + body) is None:
-            return [CallCut(self._calls - 1, self._call_text + pending, rest)]
         return ([ArgumentsPiece(self._calls - 1, rest)] if rest else []) + [CallEnd(self._calls - 1)]
 
     def _whole_call(self, body: str) -> list[ToolEvent]:

@@ -161,11 +161,12 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex}"
 
 
-def ended_by_calls(reason: FinishReason | None, called: bool) -> bool:
+def ended_by_calls(reason: FinishReason | None, stop_reason: str | int | None, called: bool) -> bool:
     """Whether a sample is reported as ending for its tool calls: it made calls, none cut short (the
-    streams' and parsed answers' ``called``), and ended by itself (``STOP``; one cut by ``LENGTH`` or
-    aborted keeps that reason)."""
-    return called and reason is FinishReason.STOP
+    streams' and parsed answers' ``called``), and ended by itself: ``STOP`` at an EOS or a stop token id.
+    One a stop string cut (``stop_reason`` a string: the client's cut, wherever it fell, whether or not
+    its text is in the output), one cut by ``LENGTH`` or aborted keeps that reason."""
+    return called and reason is FinishReason.STOP and not isinstance(stop_reason, str)
 
 
 class WholeCallStream:

@@ -149,8 +149,8 @@ class SampleCalls:
     def fill(self, response: gen.GenerateResponse, finish_reason: FinishReason | None) -> None:
         """Moves the calls out of ``response.text`` (sample ``response.index``'s next text) into
         ``response.tool_calls``, and sets ``response.finish_reason`` from ``finish_reason`` (None:
-        the sample goes on): ``TOOL_CALLS`` for a sample that made calls, none cut short, and ended by
-        itself."""
+        the sample goes on; ``response``'s stop reason already set): ``TOOL_CALLS`` for a sample that made
+        calls, none cut short, and ended by itself (``tool_use.ended_by_calls``)."""
         called = False
         if self._parses:
             stream = self._streams.setdefault(response.index, WholeCallStream(self._parser))
@@ -160,7 +160,8 @@ class SampleCalls:
             called = stream.called
         if finish_reason is None:
             return
-        if ended_by_calls(finish_reason, called):
+        stop_string = response.stop_string if response.HasField("stop_string") else None
+        if ended_by_calls(finish_reason, stop_string, called):
             response.finish_reason = gen.FinishReason.FINISH_REASON_TOOL_CALLS
         else:
             response.finish_reason = enum_to_pb(finish_reason, gen.FinishReason.DESCRIPTOR)

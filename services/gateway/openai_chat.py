@@ -140,7 +140,7 @@ async def _whole(events: AsyncIterator[tuple[int, SampleDelta]], meta: ResponseM
         message, called = answer_message(sample.text, answers.tool_use, answers.parser)
         choices.append(ChatChoice(index=i, message=message,
                                   logprobs=None if names is None else chat_logprobs(names, sample.logprobs or ()),
-                                  finish_reason=finish_reason_of(sample.finish_reason, called),
+                                  finish_reason=finish_reason_of(sample.finish_reason, sample.stop_reason, called),
                                   stop_reason=sample.stop_reason))
     body = ChatCompletionResponse(**meta.fields(), choices=choices, usage=UsageInfo.of(usages))
     return Response(body.model_dump_json(), media_type="application/json")
@@ -194,7 +194,8 @@ async def _stream(first: tuple[int, SampleDelta], events: AsyncIterator[tuple[in
                 called = state.calls is not None and state.calls.called
                 choice = ChatChunkChoice(index=sample.sample_index, delta=DeltaMessage(),
                                          logprobs=state.take_logprobs(names),
-                                         finish_reason=finish_reason_of(sample.delta.finish_reason, called),
+                                         finish_reason=finish_reason_of(sample.delta.finish_reason,
+                                                                        sample.delta.stop_reason, called),
                                          stop_reason=sample.delta.stop_reason)
                 yield sse_event(ChatCompletionChunk(**meta.fields(), choices=[choice], usage=so_far))
         if usage.options.include_usage:

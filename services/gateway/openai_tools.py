@@ -174,7 +174,7 @@ def answer_message(text: str, tool_use: ToolUse, kind: ToolCallParserKind) -> tu
     return ChatMessageOut(content=answer.content, tool_calls=calls), not answer.cut_short
 
 
-def finish_reason_of(reason: FinishReason | None, called: bool) -> str | None:
+def finish_reason_of(reason: FinishReason | None, stop_reason: str | int | None, called: bool) -> str | None:
     """OpenAI's ``finish_reason``: ``tool_calls`` for an answer that made calls, none cut short, and ended by
-    itself."""
-    return "tool_calls" if ended_by_calls(reason, called) else finish_reason_name(reason)
+    itself (``tool_use.ended_by_calls``)."""
+    return "tool_calls" if ended_by_calls(reason, stop_reason, called) else finish_reason_name(reason)
