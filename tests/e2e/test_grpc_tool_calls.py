@@ -160,6 +160,21 @@ def test_conversation_with_a_tool_result_continues(small_stack, small_model):
     assert answer == http_answer(small_stack, small_model, messages, max_tokens=24)
 
 
+def test_a_whole_call_stopped_at_its_closing_tag_is_a_call_and_the_answer_stopped(small_stack, small_model):
+    """``stop: ["</tool_call>"]`` ends the answer after a call's whole JSON: the call stands (as vLLM reads
+    it), and the finish reason is stop, not tool_calls (a stop string is the client's cut, not the answer
+    ending by itself; attack 58 saw tool_calls here and stop with include_stop_str_in_output)."""
+    for include in (False, True):
+        request = grpc_request(QUESTION, "required", parallel=False)
+        request.sampling_params.stop.append("</tool_call>")
+        request.sampling_params.include_stop_str_in_output = include
+        answer = grpc_answer(small_stack, request)
+        assert len(answer[1]) == 1 and answer[2] == "stop", answer
+        body = dict(tool_choice="required", parallel_tool_calls=False, stop=["</tool_call>"],
+                    include_stop_str_in_output=include)
+        assert answer == http_answer(small_stack, small_model, QUESTION, **body)
+
+
 def _no_tool_call_id(request: gen.GenerateRequest) -> None:
     request.chat.messages[2].tool_call_id = ""
 
