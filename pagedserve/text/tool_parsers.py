@@ -127,6 +127,24 @@ class HermesToolParser:
         self._after_call = False
         self._call_text = ""  # the current call's text as written, whitespace before its tag included
         self._call_json = ""  # its JSON up to the arguments' value (the head)
+        self.complete_calls = 0  # CallEnd events given
+        self.cut_short = False  # a CallCut given: the answer ended inside a call
+
+    @property
+    def calls_started(self) -> int:
+        """Calls whose :class:`CallStart` was given (a call cut inside its head never started)."""
+        return self._calls
+
+    @property
+    def called(self) -> bool:
+        """Whether the answer made calls and none was cut short (``tool_use.ended_by_calls``)."""
+        return self.complete_calls > 0 and not self.cut_short
+
+    def _tally(self, events: list[ToolEvent]) -> list[ToolEvent]:
+        """``events``, counted into :attr:`complete_calls` and :attr:`cut_short`."""
+        self.complete_calls += sum(isinstance(event, CallEnd) for event in events)
+        self.cut_short = self.cut_short or any(isinstance(event, CallCut) for event in events)
+        return events
 
     def feed(self, text: str) -> list[ToolEvent]:
         """The events that ``text`` (the answer's next piece) completes; text that may still turn
@@ -137,11 +155,14 @@ class HermesToolParser:
             before = (self._state, len(self._pending))
             events += self._step()
             if (self._state, len(self._pending)) == before:
-                return events
+                return self._tally(events)
 
     def finish(self) -> list[ToolEvent]:
         """The events of the text still held, at the answer's end. A call whose JSON is whole though its
         ``</tool_call>`` never came (a stop string on the tag, an EOS) is a call; any other begun is cut short."""
+        return self._tally(self._finish())
+
+    def _finish(self) -> list[ToolEvent]:
         pending, self._pending = self._pending, ""
         if self._state is _State.CONTENT:
             text = pending.lstrip() if self._after_call else pending
@@ -246,7 +267,6 @@ def parse_tool_calls(text: str, kind: ToolCallParserKind) -> ParsedAnswer:
     parser = PARSERS[kind]()
     content: list[str] = []
     calls: dict[int, list[str]] = {}  # index -> [name, arguments]
-    cut_short = False
     for event in parser.feed(text) + parser.finish():
         if isinstance(event, ContentPiece):
             content.append(event.text)
@@ -257,6 +277,5 @@ def parse_tool_calls(text: str, kind: ToolCallParserKind) -> ParsedAnswer:
         elif isinstance(event, CallCut):
             calls.pop(event.index, None)
             content.append(event.text)
-            cut_short = True
     return ParsedAnswer("".join(content) or None, tuple((name, arguments) for name, arguments in calls.values()),
-                        cut_short)
+                        parser.cut_short)

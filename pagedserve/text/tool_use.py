@@ -180,13 +180,16 @@ class WholeCallStream:
         self._parser = PARSERS[kind]()
         self._name = ""
         self._arguments: list[str] = []
-        self.calls = 0
-        self.cut_short = False  # the answer ended inside a call: its text came as content, not as a call
+
+    @property
+    def cut_short(self) -> bool:
+        """Whether the answer ended inside a call (its text came as content, not as a call)."""
+        return self._parser.cut_short
 
     @property
     def called(self) -> bool:
         """Whether the answer made calls and none was cut short (see :func:`ended_by_calls`)."""
-        return self.calls > 0 and not self.cut_short
+        return self._parser.called
 
     def pieces(self, text: str, last: bool) -> tuple[str, list[ToolCall]]:
         """The content and the whole calls that ``text`` (the sample's next text; ``last``: its
@@ -201,9 +204,6 @@ class WholeCallStream:
             elif isinstance(event, ArgumentsPiece):
                 self._arguments.append(event.text)
             elif isinstance(event, CallEnd):
-                self.calls += 1
                 calls.append(ToolCall(new_call_id(), self._name, "".join(self._arguments)))
-            elif isinstance(event, CallCut):
-                self.cut_short = True
             content.append(event.text if isinstance(event, ContentPiece | CallCut) else "")
         return "".join(content), calls

@@ -124,13 +124,16 @@ class ToolCallStream:
 
     def __init__(self, kind: ToolCallParserKind) -> None:
         self._parser = PARSERS[kind]()
-        self.calls = 0
-        self.cut_short = False  # the answer ended inside a call
+
+    @property
+    def cut_short(self) -> bool:
+        """Whether the answer ended inside a call."""
+        return self._parser.cut_short
 
     @property
     def called(self) -> bool:
         """Whether the answer made calls and none was cut short (``tool_use.ended_by_calls``)."""
-        return self.calls > 0 and not self.cut_short
+        return self._parser.called
 
     def pieces(self, text: str, last: bool) -> tuple[str, list[DeltaToolCall]]:
         """The content and call pieces that ``text`` (the choice's next text; ``last``: its end)
@@ -142,15 +145,13 @@ class ToolCallStream:
         content: list[str] = []
         for event in events:
             if isinstance(event, CallCut):
-                self.cut_short = True
-                if event.index >= self.calls:
+                if event.index >= self._parser.calls_started:
                     content.append(event.text)
                 elif event.rest:
                     calls.append(DeltaToolCall(index=event.index, function=DeltaFunction(arguments=event.rest)))
             elif isinstance(event, ContentPiece):
                 content.append(event.text)
             elif isinstance(event, CallStart):
-                self.calls += 1
                 calls.append(DeltaToolCall(index=event.index, id=new_call_id(), type="function",
                                            function=DeltaFunction(name=event.name, arguments="")))
             elif isinstance(event, ArgumentsPiece) and calls and calls[-1].index == event.index:
