@@ -72,7 +72,8 @@ def test_prefill_chunk_sizing_defaults_agree_in_the_scheduler_and_up_and_the_off
 
 def test_up_gives_the_schedulers_and_the_workers_the_same_speculative_config(tmp_path, monkeypatch):
     """The schedulers reserve the slots the workers draft into: one config, passed to both."""
-    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=5)
+    speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=3, control="fixed", prompt_lookup_min=2,
+                                    prompt_lookup_max=5)
     parsed = up_commands(tmp_path, monkeypatch, SchedulerConfig(), RunnerConfig(), speculative)
     services = [p for p in parsed if p.command in ("scheduler", "worker")]
     assert len(services) == 4

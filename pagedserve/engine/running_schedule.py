@@ -17,24 +17,26 @@ from pagedserve.engine.messages import CachedRequestData
 from pagedserve.engine.policy import Policy
 from pagedserve.engine.requests_in_flight import RequestsInFlight
 from pagedserve.engine.sequence import Sequence, SequenceStatus
-from pagedserve.engine.spec_decode.lookahead import lookahead_slots, waits_for_answer
+from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeControl
+from pagedserve.engine.spec_decode.goodput import best_lookahead
+from pagedserve.engine.spec_decode.lookahead import lookahead_slots, sequence_lookahead, speculates, waits_for_answer
 from pagedserve.engine.worker_pool import WorkerPool
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
 
 
 class RunningSchedule:
     """Schedules the running sequences of the workers in ``workers`` (requeueing preempted ones into
-    ``requests``); ``num_lookahead_tokens`` is speculative decoding's k (0: no speculation).
+    ``requests``), with ``speculative``'s lookahead (``SpeculativeControl``).
 
     Attributes:
         num_preemptions: sequences preempted so far, either way.
         num_swap_preemptions: those of them swapped out.
     """
 
-    def __init__(self, config: SchedulerConfig, num_lookahead_tokens: int, policy: Policy, workers: WorkerPool,
+    def __init__(self, config: SchedulerConfig, speculative: SpeculativeConfig, policy: Policy, workers: WorkerPool,
                  requests: RequestsInFlight) -> None:
         self.config = config
-        self.num_lookahead_tokens = num_lookahead_tokens
+        self.speculative = speculative
         self._policy = policy
         self._workers = workers
         self._requests = requests
@@ -50,9 +52,9 @@ class RunningSchedule:
             The sequence alone on the worker whose blocks fill its whole cache, with no token in flight:
             it is to end with reason ``length``, as at the end of the context. None if there is none.
         """
-        k = self.num_lookahead_tokens
-        ordered = [s for s in self._policy.running_order(worker.running)
-                   if s.can_run_ahead() and not waits_for_answer(s, k)]
+        schedulable = [s for s in self._policy.running_order(worker.running) if s.can_run_ahead()]
+        step_k, most = self._lookahead(worker, schedulable), self.speculative.num_lookahead_tokens
+        ordered = [s for s in schedulable if not waits_for_answer(s, sequence_lookahead(s, step_k, most))]
         queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] +
                       [s for s in ordered if s.num_uncomputed_tokens > 1])
         while queue and draft.token_budget > 0:
@@ -60,6 +62,7 @@ class RunningSchedule:
             num_new = num_new_tokens(seq, draft, self.config)
             if num_new == 0:
                 continue
+            k = sequence_lookahead(seq, step_k, most)
             lookahead = lookahead_slots(seq, num_new, k, worker.blocks, draft.token_budget)
             total = seq.num_computed_tokens + num_new + lookahead
             needed = worker.blocks.num_new_blocks(seq.seq_id, total)
@@ -73,6 +76,20 @@ class RunningSchedule:
                 CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new, lookahead))
             worker.advance(seq, num_new, draft, lookahead)
         return None
+
+    def _lookahead(self, worker: WorkerState, schedulable: list[Sequence]) -> int:
+        """The step's most draft slots per decode: ``num_speculative_tokens`` (fixed), or what
+        ``goodput.best_lookahead`` picks for the worker's decodes, counting every schedulable one (a
+        speculating sequence with a token in flight waits for it only when the step drafts; seeded
+        sampled ones draft whatever the step does: ``lookahead.sequence_lookahead``)."""
+        k = self.speculative.num_lookahead_tokens
+        if k == 0 or self.speculative.control is SpeculativeControl.FIXED:
+            return k
+        decodes = [s for s in schedulable if s.num_uncomputed_tokens == 1]
+        speculating = [s.num_computed_tokens for s in decodes if s.num_output_tokens + s.num_tokens_in_flight > 0
+                       and speculates(s.sampling) and sequence_lookahead(s, 0, k) == 0]
+        return best_lookahead(worker.drafts, worker.step_cost.cost() if speculating else None,
+                              [s.num_computed_tokens for s in decodes], speculating, k)
 
     def _make_room(self, worker: WorkerState, seq: Sequence, needed: int, queue: deque[Sequence],
                    draft: PlanDraft) -> bool:

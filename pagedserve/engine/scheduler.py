@@ -52,7 +52,7 @@ class Scheduler:
         self._requests = RequestsInFlight(policy)
         self._outputs: list[RequestOutput] = []  # made while scheduling, returned by schedule()
         self._step_id = 0
-        self._running = RunningSchedule(config, k, policy, self._workers, self._requests)
+        self._running = RunningSchedule(config, speculative, policy, self._workers, self._requests)
         self._headroom = AdmissionHeadroom(config.admission_headroom)
 
     # ---- workers -------------------------------------------------------------------------

@@ -9,11 +9,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SequenceId
+from pagedserve.engine.messages import BatchPlan, CachedRequestData, NewRequestData, SampledToken, SequenceId
 from pagedserve.engine.block_manager import NO_PREFIX, BlockManager, CachedPrefix, blocks_for_tokens
 from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
 from pagedserve.engine.config import PrefixCacheOutputs, SchedulerConfig, WorkerStats
 from pagedserve.engine.sequence import Sequence, SequenceStatus
+from pagedserve.engine.spec_decode.goodput import DraftStats
 from pagedserve.engine.step_cost import StepCost, StepCostModel, StepShape, attention_pairs, prefill_chunk_tokens
 
 
@@ -68,7 +69,7 @@ class PlanDraft:
         cost = self.cost()
         if cost is None:
             return limit
-        decodes_s = cost.step_seconds(self.decode_tokens, self.decode_pairs)
+        decodes_s = cost.step_seconds(self.decode_tokens, self.decode_pairs, self.decode_tokens)
         prefill_s = sum(cost.chunk_seconds(c, n) for c, n in self.chunks)
         allowance_s = (self.max_decode_slowdown - 1) * decodes_s - prefill_s
         tokens = prefill_chunk_tokens(cost, allowance_s, context, limit)
@@ -91,7 +92,7 @@ class PlanDraft:
         """What the drafted step computes (for the worker's cost model), every lookahead slot counted
         as a verified draft (``StepShape.with_drafts`` corrects it from the answer)."""
         rows = sum(self.scheduled.values()) + sum(slots for _, slots in self.lookahead.values())
-        return StepShape(rows, self.pairs, any(n > 1 for n in self.scheduled.values()))
+        return StepShape(rows, self.pairs, self.decode_tokens)
 
 
 @dataclass(frozen=True)
@@ -110,15 +111,24 @@ class SentStep:
     sampling: tuple[Sequence, ...]
     lookahead: tuple[tuple[SequenceId, int, int], ...] = ()
 
-    def computed(self, num_drafts: Mapping[SequenceId, int]) -> StepShape:
-        """What the step computed, given the drafts the worker verified per sequence (its answer's
-        ``SampledToken.num_draft_tokens``): lookahead slots it left empty computed nothing."""
-        tokens, pairs = self.shape.tokens, self.shape.pairs
+    def computed(self, sampled: Mapping[SequenceId, SampledToken]) -> StepShape:
+        """What the step computed, given its answer's tokens per sequence (the drafts the worker
+        verified: ``SampledToken.num_draft_tokens``): lookahead slots it left empty computed nothing."""
+        empty, pairs = 0, self.shape.pairs
         for seq_id, context, slots in self.lookahead:
-            drafts = min(num_drafts.get(seq_id, 0), slots)
-            tokens -= slots - drafts
+            drafts = self._drafts(sampled, seq_id, slots)
+            empty += slots - drafts
             pairs -= attention_pairs(context, 1 + slots) - attention_pairs(context, 1 + drafts)
-        return StepShape(tokens, pairs, self.shape.has_prefill)
+        return StepShape(self.shape.tokens - empty, pairs, self.shape.decode_rows - empty)
+
+    def draft_outcomes(self, sampled: Mapping[SequenceId, SampledToken]) -> list[tuple[int, int, int]]:
+        """Per speculative decode of the step: (slots reserved, drafts verified, drafts accepted)."""
+        return [(slots, self._drafts(sampled, seq_id, slots), len(sampled[seq_id].accepted) if seq_id in sampled else 0)
+                for seq_id, _, slots in self.lookahead]
+
+    @staticmethod
+    def _drafts(sampled: Mapping[SequenceId, SampledToken], seq_id: SequenceId, slots: int) -> int:
+        return min(sampled[seq_id].num_draft_tokens, slots) if seq_id in sampled else 0
 
 
 class WorkerState:
@@ -141,6 +151,7 @@ class WorkerState:
         self.dropped_ids: list[SequenceId] = []
         self.num_steps = 0
         self.step_cost = StepCostModel()
+        self.drafts = DraftStats()  # how often its drafts were filled and accepted (``goodput``)
         self._sent: dict[int, SentStep] = {}  # by step id
         self._last_answer = 0.0  # monotonic seconds of the latest answer
 
@@ -148,10 +159,11 @@ class WorkerState:
         """An empty plan for this iteration, with the worker's fitted step cost."""
         return PlanDraft(self.config.max_num_batched_tokens, self.step_cost.cost, self.config.max_decode_slowdown)
 
-    def step_answered(self, step_id: int, num_drafts: Mapping[SequenceId, int]) -> tuple[Sequence, ...]:
+    def step_answered(self, step_id: int, sampled: Mapping[SequenceId, SampledToken]) -> tuple[Sequence, ...]:
         """Feeds the cost model the step's time: from when it was made, or from the previous
         answer if the worker was still busy with that one (plans queue up on a worker), to now;
-        and what it computed (``num_drafts``: the drafts the worker verified per sequence).
+        and what it computed (``sampled``: the answer's tokens per sequence, with the drafts the
+        worker verified); feeds :attr:`drafts` the step's draft outcomes.
 
         Returns:
             The sequences whose token the step sampled (none for a step unknown here).
@@ -159,7 +171,8 @@ class WorkerState:
         now = time.monotonic()
         sent = self._sent.pop(step_id, None)
         if sent is not None:
-            self.step_cost.observe(sent.computed(num_drafts), now - max(sent.made, self._last_answer))
+            self.step_cost.observe(sent.computed(sampled), now - max(sent.made, self._last_answer))
+            self.drafts.observe(sent.draft_outcomes(sampled))
         self._last_answer = now
         return sent.sampling if sent is not None else ()
 

@@ -22,7 +22,8 @@ from tests.e2e.test_tensor_parallel_worker import kill_a_rank_and_expect_the_dro
 from tests.worker.tiny_models import save_tiny_model, save_tiny_tokenizer
 
 PROMPTS = ["t5 t9 t33 t2", "t40 t41 t42 t43 t44 t45 t46 t47 t48", "t90"]
-NGRAM = ("--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-max", "2")
+NGRAM = ("--speculative-method", "ngram", "--speculative-control", "fixed", "--num-speculative-tokens", "3",
+         "--prompt-lookup-max", "2")
 """Speculation over the stages: the first stage drafts, the last stage verifies."""
 LAYER_BLOCK_BYTES = 2 * 16 * 2 * 16 * 4
 """K and V of one 16-token block of one layer of the tiny model (2 KV heads of 16), float32."""
@@ -48,8 +49,9 @@ def tiny(tmp_path_factory):
 def test_pp2_worker_in_the_stack(tmp_path, tiny, method):
     reference = LLM(tiny, kv_cache_memory="4MiB").generate(
         PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    speculative = NGRAM if method == "ngram" else ("--speculative-method", "draft_model", "--num-speculative-tokens",
-                                                   "3", "--speculative-model", str(tiny))
+    speculative = NGRAM if method == "ngram" else ("--speculative-method", "draft_model", "--speculative-control",
+                                                   "fixed", "--num-speculative-tokens", "3", "--speculative-model",
+                                                   str(tiny))
     stack = start_stack(tmp_path, tiny, num_workers=1, kv_cache_memory="4MiB",
                         worker_args=("--pipeline-parallel-size", "2", *speculative),
                         scheduler_args=("--step-timeout", "30", *speculative), workers_per_process=2)

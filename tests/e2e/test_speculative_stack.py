@@ -24,7 +24,8 @@ from tests.engine.test_speculative_decoding import COPY_PROMPT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-SPECULATIVE = ("--speculative-method", "ngram", "--num-speculative-tokens", "4", "--prompt-lookup-max", "3")
+SPECULATIVE = ("--speculative-method", "ngram", "--speculative-control", "fixed", "--num-speculative-tokens", "4",
+               "--prompt-lookup-max", "3")
 """The same flags for the scheduler (which reserves the slots) and the worker (which drafts into them)."""
 
 MAX_TOKENS = 32
@@ -68,9 +69,13 @@ def through_the_stack(tmp_path, model, flags: tuple[str, ...], requests: list[ge
         stack.stop()
 
 
-def test_speculative_stack_gives_plain_greedy_output_and_counts_accepted_drafts(tmp_path, default_model, default_llm):
+@pytest.mark.parametrize("control", ["fixed", "goodput"])
+def test_speculative_stack_gives_plain_greedy_output_and_counts_accepted_drafts(tmp_path, default_model, default_llm,
+                                                                               control):
+    # goodput: 4 sequences at once draft while the drafts pay for their rows (at first every slot does)
+    flags = tuple(control if f == "fixed" else f for f in SPECULATIVE)
     requests, want = greedy_requests(default_model, default_llm)
-    got, metrics, cluster = through_the_stack(tmp_path, default_model, SPECULATIVE, requests)
+    got, metrics, cluster = through_the_stack(tmp_path, default_model, flags, requests)
     assert got == want
     assert total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
     assert total(metrics, "vllm:spec_decode_num_draft_tokens_total") >= total(
@@ -90,7 +95,8 @@ def test_a_tensor_parallel_worker_speculates_with_plain_greedy_output(tmp_path, 
     # took 36 s of the suite): every draft is kept, so accepted drafts' K/V are checked on every rank.
     model = save_small_model(tmp_path / "small-3-kv-heads", default_model, hidden_size=96, intermediate_size=192,
                              num_attention_heads=6, num_key_value_heads=3)
-    flags = ("--speculative-method", "draft_model", "--speculative-model", str(model), "--num-speculative-tokens", "4")
+    flags = ("--speculative-method", "draft_model", "--speculative-control", "fixed", "--speculative-model", str(model),
+             "--num-speculative-tokens", "4")
     requests, want = greedy_requests(model, LLM(model, kv_cache_memory="64MiB"))
     got, metrics, _ = through_the_stack(tmp_path, model, flags, requests, worker_args=("--tensor-parallel-size", "3"))
     assert got == want
@@ -103,8 +109,8 @@ def test_draft_model_stack_gives_plain_greedy_output_and_accepts_every_draft_of_
     # and a seeded sampled request, twice: drafts drawn from the draft's q (here the target's p) are all
     # kept too, where argmax drafts would keep p(argmax) of them. The small model drafts for itself: what is checked
     # holds for any model whose draft is itself (the default model's drafts cost 23 s of the suite).
-    flags = ("--speculative-method", "draft_model", "--speculative-model", str(small_model),
-             "--num-speculative-tokens", "4")
+    flags = ("--speculative-method", "draft_model", "--speculative-control", "fixed", "--speculative-model",
+             str(small_model), "--num-speculative-tokens", "4")
     requests, want = greedy_requests(small_model, small_llm)
     sampled = gen.GenerateRequest(prompt_token_ids=requests[1].prompt_token_ids, sampling_params=gen.SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.9, top_k=30, top_p=0.95, seed=17, frequency_penalty=0.3, ignore_eos=True))

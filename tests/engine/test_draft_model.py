@@ -29,7 +29,7 @@ pytestmark = pytest.mark.model
 
 
 def draft_model(folder) -> dict:
-    return {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 4}
+    return {"method": "draft_model", "control": "fixed", "model": str(folder), "num_speculative_tokens": 4}
 
 
 def assert_every_draft_accepted(before: SpecDecodeCounters, after: SpecDecodeCounters) -> None:

@@ -21,7 +21,7 @@ A = SequenceId("a")
 def make_scheduler(k: int = 4, max_plans_in_flight: int = 1) -> Scheduler:
     config = SchedulerConfig(block_size=BLOCK_SIZE, max_num_batched_tokens=64, max_plans_in_flight=max_plans_in_flight,
                              enable_prefix_caching=False)
-    scheduler = Scheduler(config, SpeculativeConfig(method="ngram", num_speculative_tokens=k))
+    scheduler = Scheduler(config, SpeculativeConfig(method="ngram", num_speculative_tokens=k, control="fixed"))
     scheduler.add_worker("w0", BLOCKS)
     return scheduler
 
@@ -96,7 +96,7 @@ def test_a_lookahead_that_does_not_fit_is_dropped_not_preempting():
 @pytest.mark.parametrize("k, runs_ahead", [(0, True), (4, False)])
 def test_a_speculating_sequence_waits_for_its_answer(k, runs_ahead):
     scheduler = Scheduler(SchedulerConfig(block_size=BLOCK_SIZE, max_plans_in_flight=2, enable_prefix_caching=False),
-                          SpeculativeConfig(method="ngram" if k else "none"))
+                          SpeculativeConfig(method="ngram" if k else "none", control="fixed"))
     scheduler.add_worker("w0", BLOCKS)
     add(scheduler)
     scheduler.schedule(["w0"])  # the prefill, its token in flight
@@ -121,14 +121,14 @@ def test_the_step_cost_model_sees_a_speculative_decode_as_the_rows_it_verified(m
     add(scheduler)
     prefill = scheduler.schedule(["w0"]).plans["w0"]
     answer(scheduler, prefill.step_id, 50)
-    assert observed == [StepShape(6, attention_pairs(0, 6), True)]
+    assert observed == [StepShape(6, attention_pairs(0, 6), 0)]
     decode = scheduler.schedule(["w0"]).plans["w0"]
     assert decode.cached_requests[0].num_lookahead_tokens == 4
     answer(scheduler, decode.step_id, 53, accepted=(51,), drafts=2)  # 2 of the 4 slots held drafts
-    assert observed[1] == StepShape(3, attention_pairs(6, 3), False)
+    assert observed[1] == StepShape(3, attention_pairs(6, 3), 3)
     decode = scheduler.schedule(["w0"]).plans["w0"]
     answer(scheduler, decode.step_id, 54)  # the worker found nothing to draft: a plain decode's row
-    assert observed[2] == StepShape(1, attention_pairs(8, 1), False)
+    assert observed[2] == StepShape(1, attention_pairs(8, 1), 1)
 
 
 def test_counters_since_an_earlier_reading_are_the_difference_of_the_totals():

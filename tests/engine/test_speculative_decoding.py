@@ -16,7 +16,8 @@ from tests.engine.test_greedy_matches_hf import BLOCK_BYTES
 pytestmark = pytest.mark.model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "control": "fixed", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
 TEXT = ("The lighthouse keeper climbed the stairs every evening, lit the great lamp, and watched the ships pass "
         "safely through the narrow channel between the rocks.")
 COPY_PROMPT = f"Repeat this text word for word.\nText: {TEXT}\nRepeated text: {TEXT[:40]}"

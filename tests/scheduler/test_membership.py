@@ -180,7 +180,8 @@ def test_a_worker_with_another_block_size_is_not_admitted():
 
 def test_a_worker_that_speculates_otherwise_than_the_scheduler_is_not_admitted(caplog):
     """The scheduler reserves slots for k drafts; a worker must draft with the same k (0: neither speculates)."""
-    scheduler, connections, clock, members = make(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
+    scheduler, connections, clock, members = make(SpeculativeConfig(method="ngram", num_speculative_tokens=3,
+                                                                    control="fixed"))
     members.sync(view(clock, {"w": reg("w"), "v": reg("v", num_speculative_tokens=4)}))
     assert scheduler.worker_ids == [] and connections.open == {}
     assert "worker w verifies 0 draft tokens per step, the scheduler reserves slots for 3" in caplog.text

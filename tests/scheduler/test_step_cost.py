@@ -72,9 +72,9 @@ def test_the_first_chunk_beside_decodes_gets_at_least_one_token():
 def test_the_fit_recovers_the_cost_of_noiseless_steps():
     truth = StepCost(fixed_s=0.3, per_token_s=4.7e-3, per_pair_s=8e-7, largest_step_tokens=256)
     chunks = [(248, 0), (120, 2000), (64, 7000), (30, 500)]  # (tokens, context) beside 8 decodes
-    shapes = [StepShape(8, 8 * 300, False)] * 5 + [
-        StepShape(8 + n, 8 * 300 + attention_pairs(c, n), True) for n, c in chunks]
-    fitted = fit_step_cost([(s, truth.step_seconds(s.tokens, s.pairs)) for s in shapes])
+    shapes = [StepShape(8, 8 * 300, 8)] * 5 + [
+        StepShape(8 + n, 8 * 300 + attention_pairs(c, n), 8) for n, c in chunks]
+    fitted = fit_step_cost([(s, truth.step_seconds(s.tokens, s.pairs, s.decode_rows)) for s in shapes])
     assert fitted.fixed_s == pytest.approx(0.3, rel=1e-6)
     assert fitted.per_token_s == pytest.approx(4.7e-3, rel=1e-6)
     assert fitted.per_pair_s == pytest.approx(8e-7, rel=1e-6)
@@ -83,7 +83,7 @@ def test_the_fit_recovers_the_cost_of_noiseless_steps():
 
 def test_the_fit_keeps_every_coefficient_non_negative():
     # Faster steps with more context than without: an unconstrained fit would make per_pair negative.
-    steps = [(StepShape(100, 1000, True), 0.5), (StepShape(100, 50_000, True), 0.45), (StepShape(8, 800, False), 0.1)]
+    steps = [(StepShape(100, 1000, 8), 0.5), (StepShape(100, 50_000, 8), 0.45), (StepShape(8, 800, 8), 0.1)]
     fitted = fit_step_cost(steps)
     assert min(fitted.fixed_s, fitted.per_token_s, fitted.per_pair_s) >= 0
 
@@ -91,9 +91,9 @@ def test_the_fit_keeps_every_coefficient_non_negative():
 def test_before_any_prefill_every_second_counts_as_per_token():
     model = StepCostModel()
     assert model.cost() is None
-    model.observe(StepShape(8, 800, False), 0.4)
-    model.observe(StepShape(4, 400, False), 0.3)
-    model.observe(StepShape(0, 0, False), 0.01)  # a plan that only dropped sequences: ignored
+    model.observe(StepShape(8, 800, 8), 0.4)
+    model.observe(StepShape(4, 400, 4), 0.3)
+    model.observe(StepShape(0, 0, 0), 0.01)  # a plan that only dropped sequences: ignored
     assert model.cost() == StepCost(0.0, 0.3 / 4, 0.0, largest_step_tokens=8)
 
 
@@ -107,12 +107,12 @@ def test_decode_steps_keep_the_fit_right_while_a_long_prefill_fills_the_window(s
     truth = StepCost(fixed_s=0.4, per_token_s=3e-3, per_pair_s=1e-6, largest_step_tokens=4096)
     model = StepCostModel()
     for _ in range(16):
-        model.observe(StepShape(8, 800, False), truth.step_seconds(8, 800) * rng.uniform(0.85, 1.15))
+        model.observe(StepShape(8, 800, 8), truth.step_seconds(8, 800, 8) * rng.uniform(0.85, 1.15))
     context = 0
     for _ in range(100):  # more than the window of steps with prefill
         chunk = prefill_chunk_tokens(truth, 0.4, context, 4096)
-        shape = StepShape(8 + chunk, 800 + attention_pairs(context, chunk), True)
-        model.observe(shape, truth.step_seconds(shape.tokens, shape.pairs) * rng.uniform(0.85, 1.15))
+        shape = StepShape(8 + chunk, 800 + attention_pairs(context, chunk), 8)
+        model.observe(shape, truth.step_seconds(shape.tokens, shape.pairs, shape.decode_rows) * rng.uniform(0.85, 1.15))
         context += chunk
     assert prefill_chunk_tokens(truth, 0.4, 8000, 4096) == 36
     assert 27 <= prefill_chunk_tokens(model.cost(), 0.4, 8000, 4096) <= 45

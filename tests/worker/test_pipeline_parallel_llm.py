@@ -125,7 +125,8 @@ def test_a_plan_that_does_not_apply_is_refused_and_the_worker_goes_on(tiny, refe
         assert _tokens(llm, prompts[3:6]) == reference[0][3:6]
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "control": "fixed", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
 
 
 @pytest.fixture(scope="module")

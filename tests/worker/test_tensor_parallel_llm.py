@@ -50,7 +50,8 @@ def test_tp2_seeded_sampling_n2_and_logprobs_equal_tp1(tiny):
     assert_seeded_sampling_equal_one_rank(folder, prompts[:4], tensor_parallel_size=2)
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "control": "fixed", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

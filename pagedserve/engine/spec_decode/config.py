@@ -17,6 +17,13 @@ class SpeculativeMethod(enum.Enum):
     DRAFT_MODEL = "draft_model"  # a smaller model's tokens (``draft_model``), beside the target on the worker
 
 
+class SpeculativeControl(enum.Enum):
+    """How many drafts a step verifies."""
+
+    FIXED = "fixed"  # every decode that may speculate gets num_speculative_tokens slots (vLLM)
+    GOODPUT = "goodput"  # each step's k, 0..num_speculative_tokens, maximizes expected tokens per second (``goodput``)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding of the engine (fields documented by their ``help``; vLLM's names).
@@ -41,6 +48,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int = option("most draft tokens verified per sequence and step (k)", 4)
     prompt_lookup_min: int = option("ngram: shortest suffix of the sequence that may match earlier", 1)
     prompt_lookup_max: int = option("ngram: longest suffix of the sequence tried first", 4)
+    control: SpeculativeControl = option(
+        "how many drafts a step verifies: fixed (every decode that may speculate, num_speculative_tokens) or goodput "
+        "(each step's number, 0 up to num_speculative_tokens, maximizes the worker's expected output tokens per "
+        "second from its fitted step time and the acceptance seen so far: drafts cost rows, which a big batch on a "
+        "CPU pays for in full)", SpeculativeControl.GOODPUT, flag="speculative-control")
     model: str | None = option(
         "draft_model: the draft model's Hugging Face folder (on the workers), loaded with the target's dtype, device "
         "and GEMM backend, with its own KV cache of the target's blocks (--kv-cache-memory holds both); its "
@@ -48,6 +60,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "method", SpeculativeMethod(self.method))
+        object.__setattr__(self, "control", SpeculativeControl(self.control))
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -34,9 +34,22 @@ def speculates(sampling: EngineSamplingParams) -> bool:
     return sampling.structured_output is None
 
 
-def waits_for_answer(seq: Sequence, num_speculative_tokens: int) -> bool:
-    """Whether ``seq``'s next step waits until its tokens in flight are known, to speculate."""
-    return num_speculative_tokens > 0 and seq.num_tokens_in_flight > 0 and speculates(seq.sampling)
+def sequence_lookahead(seq: Sequence, step_lookahead: int, num_speculative_tokens: int) -> int:
+    """The most draft slots ``seq`` gets in a step whose decodes get ``step_lookahead``: every one of
+    ``num_speculative_tokens`` for a seeded sampled sequence (which draw decides a token follows where
+    drafts were verified, so its tokens repeat only if that does not follow the batch's step times:
+    as with ``--speculative-control fixed``), else ``step_lookahead``."""
+    repeats_draws = seq.sampling.seed is not None and not seq.sampling.is_greedy
+    return num_speculative_tokens if repeats_draws else step_lookahead
+
+
+def waits_for_answer(seq: Sequence, num_lookahead: int) -> bool:
+    """Whether ``seq``'s next step waits until its tokens in flight are known: always after a step that
+    reserved draft slots (how many tokens it yields is in its answer only), and to speculate in a step
+    whose decodes get ``num_lookahead`` > 0 slots."""
+    if seq.num_tokens_in_flight == 0:
+        return False
+    return seq.num_lookahead_slots > 0 or (num_lookahead > 0 and speculates(seq.sampling))
 
 
 def lookahead_slots(seq: Sequence, num_new: int, num_speculative_tokens: int, blocks: BlockManager,
