@@ -53,7 +53,7 @@ class RunningSchedule:
             it is to end with reason ``length``, as at the end of the context. None if there is none.
         """
         schedulable = [s for s in self._policy.running_order(worker.running) if s.can_run_ahead()]
-        step_k, most = self._lookahead(worker, schedulable), self.speculative.num_lookahead_tokens
+        step_k, most = self._lookahead(worker, schedulable, draft.token_budget), self.speculative.num_lookahead_tokens
         ordered = [s for s in schedulable if not waits_for_answer(s, sequence_lookahead(s, step_k, most))]
         queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] +
                       [s for s in ordered if s.num_uncomputed_tokens > 1])
@@ -77,19 +77,24 @@ class RunningSchedule:
             worker.advance(seq, num_new, draft, lookahead)
         return None
 
-    def _lookahead(self, worker: WorkerState, schedulable: list[Sequence]) -> int:
+    def _lookahead(self, worker: WorkerState, schedulable: list[Sequence], token_budget: int) -> int:
         """The step's most draft slots per decode: ``num_speculative_tokens`` (fixed), or what
         ``goodput.best_lookahead`` picks for the worker's decodes, counting every schedulable one (a
-        speculating sequence with a token in flight waits for it only when the step drafts; seeded
-        sampled ones draft whatever the step does: ``lookahead.sequence_lookahead``)."""
+        speculating sequence with a token in flight waits for it only when the step drafts), at most
+        what ``token_budget`` leaves once every decode and the slots of the seeded sampled ones fit
+        (those draft whatever the step does, ``lookahead.sequence_lookahead``, and their slots must
+        not depend on the others')."""
         k = self.speculative.num_lookahead_tokens
         if k == 0 or self.speculative.control is SpeculativeControl.FIXED:
             return k
         decodes = [s for s in schedulable if s.num_uncomputed_tokens == 1]
         speculating = [s.num_computed_tokens for s in decodes if s.num_output_tokens + s.num_tokens_in_flight > 0
                        and speculates(s.sampling) and sequence_lookahead(s, 0, k) == 0]
-        return best_lookahead(worker.drafts, worker.step_cost.cost() if speculating else None,
-                              [s.num_computed_tokens for s in decodes], speculating, k)
+        if not speculating:
+            return 0
+        room = token_budget - len(decodes) - k * sum(sequence_lookahead(s, 0, k) > 0 for s in decodes)
+        return best_lookahead(worker.drafts, worker.step_cost.cost(), [s.num_computed_tokens for s in decodes],
+                              speculating, min(k, max(0, room) // len(speculating)))
 
     def _make_room(self, worker: WorkerState, seq: Sequence, needed: int, queue: deque[Sequence],
                    draft: PlanDraft) -> bool:

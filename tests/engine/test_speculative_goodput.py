@@ -52,6 +52,9 @@ def test_slots_the_proposer_leaves_empty_cost_nothing_and_yield_nothing():
 
 def test_without_a_fitted_cost_every_slot_is_reserved_and_without_speculating_decodes_none():
     assert best_lookahead(DraftStats(), None, [100], [100], 4) == 4
+    # steps all alike (a worker that only ever saw one-token prompts: no prefill) fit no fixed cost, and then
+    # no draft could ever pay, nor be seen paying: it drafts, which gives the fit steps of other sizes
+    assert best_lookahead(stats_with(1.0, (0.9,) * 4), StepCost(0.0, 0.003, 0.0, 256), [100], [100], 4) == 4
     assert best_lookahead(DraftStats(), CPU, [100, 200], [], 4) == 0  # none may draft (structured outputs)
 
 
@@ -69,9 +72,12 @@ def test_draft_stats_count_per_position_and_decay_towards_every_draft_accepted()
     assert stats.accept_rate(1) > 0.99  # a workload that stopped drafting is tried again
 
 
-def make_scheduler(sampling: EngineSamplingParams = EngineSamplingParams(max_tokens=20, temperature=0.0)) -> Scheduler:
-    config = SchedulerConfig(block_size=4, max_num_batched_tokens=64, max_plans_in_flight=2,
-                             enable_prefix_caching=False)
+GREEDY = EngineSamplingParams(max_tokens=20, temperature=0.0)
+
+
+def make_scheduler(sampling: EngineSamplingParams = GREEDY, budget: int = 64) -> Scheduler:
+    config = SchedulerConfig(block_size=4, max_num_batched_tokens=budget, max_plans_in_flight=2,
+                             enable_prefix_caching=False, admission_headroom=0.0)
     scheduler = Scheduler(config, SpeculativeConfig(method="ngram", num_speculative_tokens=4, control="goodput"))
     scheduler.add_worker("w0", 16)
     scheduler.add_request(EngineRequest("a", tuple(range(10, 16)), sampling, 0.0))
@@ -87,7 +93,7 @@ def test_a_sequence_whose_step_in_flight_drafts_waits_for_its_answer_even_when_t
     scheduler.update_from_output({"w0": StepResult(prefill.step_id, (SampledToken(a, 50, 0.0),))})
     drafting = scheduler.schedule(["w0"]).plans["w0"]  # batch 1 on the CPU's cost: every slot pays
     assert drafting.cached_requests[0].num_lookahead_tokens == 4
-    cost["now"] = StepCost(fixed_s=0.0, per_token_s=0.010, per_pair_s=0.0, largest_step_tokens=256)  # rows cost all
+    cost["now"] = StepCost(fixed_s=0.001, per_token_s=0.010, per_pair_s=0.0, largest_step_tokens=256)  # rows: all
     assert "w0" not in scheduler.schedule(["w0"]).plans  # how many tokens its step yields is in the answer only
     scheduler.update_from_output({"w0": StepResult(drafting.step_id, (SampledToken(a, 51, 0.0, num_draft_tokens=4),))})
     plain = scheduler.schedule(["w0"]).plans["w0"]
@@ -98,9 +104,24 @@ def test_a_sequence_whose_step_in_flight_drafts_waits_for_its_answer_even_when_t
 
 def test_a_seeded_sampled_sequence_drafts_at_every_step_so_its_draws_repeat(monkeypatch):
     # which uniform draws decide its tokens follows where drafts were verified: not the step times
-    monkeypatch.setattr(StepCostModel, "cost", lambda self: StepCost(0.0, 0.010, 0.0, 256))  # rows cost all
+    monkeypatch.setattr(StepCostModel, "cost", lambda self: StepCost(0.001, 0.010, 0.0, 256))  # rows cost all
     scheduler = make_scheduler(EngineSamplingParams(max_tokens=20, temperature=0.8, seed=7))
     a = SequenceId("a")
     prefill = scheduler.schedule(["w0"]).plans["w0"]
     scheduler.update_from_output({"w0": StepResult(prefill.step_id, (SampledToken(a, 50, 0.0),))})
     assert scheduler.schedule(["w0"]).plans["w0"].cached_requests[0].num_lookahead_tokens == 4
+
+
+def test_the_others_drafts_leave_a_seeded_sequence_its_slots_in_a_tight_token_budget(monkeypatch):
+    # 3 greedy decodes and a seeded one, last in line, in a budget of 16: the seeded one's 1 + 4 rows come
+    # first, the greedy ones share the 7 rows left (2 slots each), whatever their drafts would be worth
+    monkeypatch.setattr(StepCostModel, "cost", lambda self: CPU)  # at batch 4 every slot pays
+    scheduler = make_scheduler(budget=16)
+    for request_id in "bcd":
+        sampling = EngineSamplingParams(max_tokens=20, temperature=0.8, seed=3) if request_id == "d" else GREEDY
+        scheduler.add_request(EngineRequest(request_id, (20, 21, 22), sampling, 0.0))
+    scheduler.schedule(["w0"])  # the prompt of a (6 tokens) and b, c, d (3 each): 15 of the 16
+    scheduler.update_from_output({"w0": StepResult(1, tuple(SampledToken(SequenceId(r), 50, 0.0) for r in "abcd"))})
+    plan = scheduler.schedule(["w0"]).plans["w0"]
+    assert [(d.seq_id.request_id, d.num_lookahead_tokens) for d in plan.cached_requests] == [
+        ("a", 2), ("b", 2), ("c", 2), ("d", 4)]

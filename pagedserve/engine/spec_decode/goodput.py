@@ -19,7 +19,7 @@ of its decodes plus the expected draft rows ``n * filled_i`` and their attention
 ``accepted_i`` how often a draft at position ``i`` was accepted. Both are counted over the worker's
 answers (:class:`DraftStats`), decaying by :data:`DECAY` per answered step towards a prior of every
 slot filled and every draft accepted: estimates of a workload that no longer drafts become hopeful
-again after a few hundred steps, and one step with drafts measures them afresh.
+again after tens to a few hundred steps, and one step with drafts measures them afresh.
 
 Greedy outputs do not depend on ``k`` (drafts only decide how many tokens a step yields); sampled
 outputs keep their distribution, their draws depend on where drafts were verified.
@@ -81,10 +81,12 @@ def best_lookahead(stats: DraftStats, cost: StepCost | None, decode_contexts: Se
     """The lookahead ``k`` in ``0..max_lookahead`` of highest expected goodput (module docstring) for
     a step of one-token decodes after ``decode_contexts`` computed tokens each, of which those after
     ``speculating`` may draft; ``max_lookahead`` when nothing is known of the step's cost yet (no
-    step answered), 0 when none may draft. Ties go to the smaller ``k``."""
+    step answered) or the fit has no fixed cost (its steps were all alike, or none had a prefill: it
+    cannot tell whether drafts pay, and steps with drafts give it other sizes), 0 when none may draft.
+    Ties go to the smaller ``k``."""
     if not speculating or max_lookahead == 0:
         return 0
-    if cost is None:
+    if cost is None or cost.fixed_s <= 0:
         return max_lookahead
     tokens, pairs = float(len(decode_contexts)), float(sum(decode_contexts) + len(decode_contexts))
     emitted = tokens

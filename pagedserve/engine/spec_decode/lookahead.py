@@ -17,9 +17,10 @@ scheduler appends the emitted tokens one by one and stops at the first that ends
 (EOS, stop ids, ``max_tokens``), and the text side looks for stop strings token by token. A
 lookahead that does not fit in the free blocks or the token budget is dropped, never preempting.
 
-With speculation on, a sequence that may speculate does not run ahead of its answers (overlap
-scheduling, ``Sequence.can_run_ahead``): how many tokens a speculative step yields is known from
-its answer only, and a step scheduled before the last token is known could not draft.
+A sequence does not run ahead of the answer of a step that verified drafts (overlap scheduling,
+``Sequence.can_run_ahead``): how many tokens that step yields is known from its answer only; nor,
+to draft, of any answer when its next step would draft (a step scheduled before the last token is
+known could not draft). How many slots a step gives: ``goodput``.
 """
 
 from __future__ import annotations
