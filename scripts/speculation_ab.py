@@ -3,11 +3,13 @@ vLLM's behaviour), n-gram drafts, k = 4: three in-process engines loaded once an
 (this VM's speed drifts within minutes), output tokens/s. A measurement, not a test.
 
 Workloads: `busy`, the ShareGPT requests all at once, each its own output length with EOS ignored (as `bench
-throughput`); `copy`, requests one at a time that repeat a ShareGPT answer word for word (128 tokens, EOS
+throughput`); `mixed`, the same with a quarter of them replaced by copy requests (each as long as the answer it
+repeats); `copy`, requests one at a time that repeat a ShareGPT answer word for word (128 tokens, EOS
 respected); `chat`, ShareGPT first turns one at a time (128 tokens, EOS respected). Greedy ids are compared
 with plain decoding's (they must be equal).
 
     python scripts/speculation_ab.py --dataset-path $D [--num-prompts 64] [--rounds 2] [--one-at-a-time 4]
+        [--workloads busy,mixed,copy,chat] [--engines none,fixed,goodput] [--max-plans-in-flight 2]
 """
 
 from __future__ import annotations
@@ -48,17 +50,25 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=64, help="requests of the busy workload (default %(default)s)")
     p.add_argument("--one-at-a-time", type=int, default=4, help="requests of copy and chat (default %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="rounds over the engines (default %(default)s)")
-    p.add_argument("--workloads", default="busy,copy,chat", help="comma-separated (default %(default)s)")
+    p.add_argument("--max-plans-in-flight", type=int, default=2, help="1: no overlap scheduling (default %(default)s)")
+    p.add_argument("--engines", default="none,fixed,goodput", help="comma-separated, none first (default %(default)s)")
+    p.add_argument("--workloads", default="busy,mixed,copy,chat", help="comma-separated (default %(default)s)")
     args = p.parse_args()
     model = resolve_model(args.model)
-    engines = {name: LLM(model, speculative_config={**spec, "num_speculative_tokens": 4}) for name, spec in ENGINES.items()}
+    engines = {name: LLM(model, speculative_config={**ENGINES[name], "num_speculative_tokens": 4},
+                         max_plans_in_flight=args.max_plans_in_flight) for name in args.engines.split(",")}
     tokenizer = AutoTokenizer.from_pretrained(model)
     requests = sample_requests(DatasetSpec("sharegpt", args.dataset_path, args.num_prompts), tokenizer)
     answers = [c["conversations"][1]["value"] for c in json.loads(args.dataset_path.read_text())
                if len(c.get("conversations", [])) > 1 and 300 <= len(c["conversations"][1]["value"]) <= 1500]
+    copied = [tokenizer.encode(a) for a in answers[:max(1, args.num_prompts // 4)]]
+    copies = [tokenizer.encode(f"Repeat the following text exactly, word for word:\n{a}\n\nRepeated text:\n")
+              for a in answers[:len(copied)]]
     workloads = {
         "busy": lambda llm: busy(llm, [tokenizer.encode(r.prompt) for r in requests],
                                  [r.expected_output_len for r in requests]),
+        "mixed": lambda llm: busy(llm, [tokenizer.encode(r.prompt) for r in requests[:-len(copies)]] + copies,
+                                  [r.expected_output_len for r in requests[:-len(copies)]] + [len(c) for c in copied]),
         "copy": lambda llm: one_at_a_time(llm, [tokenizer.encode(f"Repeat the following text exactly, word for word:\n"
                                                                  f"{a}\n\nRepeated text:\n") for a in answers[:args.one_at_a_time]]),
         "chat": lambda llm: one_at_a_time(llm, [tokenizer.encode(r.prompt) for r in requests[:args.one_at_a_time]]),
@@ -68,9 +78,9 @@ def main() -> None:
             results = {engine: workloads[name](llm) for engine, llm in engines.items()}
             rates = {e: sum(map(len, ids)) / seconds for e, (seconds, ids) in results.items()}
             same = all(ids == results["none"][1] for _, ids in results.values())
-            print(f"{name} round {round_}: " + ", ".join(f"{e} {r:.1f} tok/s" for e, r in rates.items())
-                  + f"; goodput / none {rates['goodput'] / rates['none']:.3f}, fixed / none "
-                  f"{rates['fixed'] / rates['none']:.3f}; greedy ids equal: {same}", flush=True)
+            print(f"{name} round {round_}: " + ", ".join(f"{e} {r:.1f} tok/s" for e, r in rates.items()) + "; "
+                  + ", ".join(f"{e} / none {r / rates['none']:.3f}" for e, r in rates.items() if e != "none")
+                  + f"; greedy ids equal: {same}", flush=True)
 
 
 if __name__ == "__main__":
