@@ -19,7 +19,8 @@ from pagedserve.engine.requests_in_flight import RequestsInFlight
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeControl
 from pagedserve.engine.spec_decode.goodput import best_lookahead
-from pagedserve.engine.spec_decode.lookahead import lookahead_slots, sequence_lookahead, speculates, waits_for_answer
+from pagedserve.engine.spec_decode.lookahead import (lookahead_slots, repeats_draws, sequence_lookahead, speculates,
+                                                    waits_for_answer)
 from pagedserve.engine.worker_pool import WorkerPool
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
 
@@ -89,10 +90,10 @@ class RunningSchedule:
             return k
         decodes = [s for s in schedulable if s.num_uncomputed_tokens == 1]
         speculating = [s.num_computed_tokens for s in decodes if s.num_output_tokens + s.num_tokens_in_flight > 0
-                       and speculates(s.sampling) and sequence_lookahead(s, 0, k) == 0]
+                       and speculates(s.sampling) and not repeats_draws(s)]
         if not speculating:
             return 0
-        room = token_budget - len(decodes) - k * sum(sequence_lookahead(s, 0, k) > 0 for s in decodes)
+        room = token_budget - len(decodes) - k * sum(repeats_draws(s) for s in decodes)
         return best_lookahead(worker.drafts, worker.step_cost.cost(), [s.num_computed_tokens for s in decodes],
                               speculating, min(k, max(0, room) // len(speculating)))
 

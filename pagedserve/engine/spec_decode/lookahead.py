@@ -35,13 +35,17 @@ def speculates(sampling: EngineSamplingParams) -> bool:
     return sampling.structured_output is None
 
 
+def repeats_draws(seq: Sequence) -> bool:
+    """Whether ``seq`` is a seeded sampled sequence: which draw decides its token follows where drafts
+    were verified, so its tokens repeat only if that does not follow the batch's step times."""
+    return seq.sampling.seed is not None and not seq.sampling.is_greedy
+
+
 def sequence_lookahead(seq: Sequence, step_lookahead: int, num_speculative_tokens: int) -> int:
     """The most draft slots ``seq`` gets in a step whose decodes get ``step_lookahead``: every one of
-    ``num_speculative_tokens`` for a seeded sampled sequence (which draw decides a token follows where
-    drafts were verified, so its tokens repeat only if that does not follow the batch's step times:
-    as with ``--speculative-control fixed``), else ``step_lookahead``."""
-    repeats_draws = seq.sampling.seed is not None and not seq.sampling.is_greedy
-    return num_speculative_tokens if repeats_draws else step_lookahead
+    ``num_speculative_tokens`` for a seeded sampled sequence (:func:`repeats_draws`; as with
+    ``--speculative-control fixed``), else ``step_lookahead``."""
+    return num_speculative_tokens if repeats_draws(seq) else step_lookahead
 
 
 def waits_for_answer(seq: Sequence, num_lookahead: int) -> bool:
