@@ -13,8 +13,9 @@ time, not tokens:
   coefficients are fitted, non-negative, to the worker's last :data:`WINDOW` observed steps with a
   prefill chunk and its last :data:`DECODE_WINDOW` without (:class:`StepCostModel`). A decode row
   costs more than a prefill token on a CPU (it reads its whole context's K/V alone, where a chunk's
-  rows share theirs, and small GEMMs run slower per row): 2.6 ms against 1.2 ms on 2 Zen 4 cores
-  for the 135M model; priced as a prefill token, drafts looked half as dear as they are;
+  rows share theirs, and small GEMMs run slower per row): fitted to decode steps alone, 1.57 ms a
+  row plus 0.96 us a context token against 1.2 ms a prefill token, on 2 Zen 4 cores for the 135M
+  model; priced as a prefill token, drafts looked half as dear as they are;
 * a step that runs decodes may take at most ``max_decode_slowdown`` times as long as its decodes
   alone would: the prefill chunks in it get the rest of that time, each sized from the model for
   the context it starts at (:func:`prefill_chunk_tokens`); a step without decodes is capped by

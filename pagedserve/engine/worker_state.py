@@ -90,7 +90,7 @@ class PlanDraft:
 
     def shape(self) -> StepShape:
         """What the drafted step computes (for the worker's cost model), every lookahead slot counted
-        as a verified draft (``StepShape.with_drafts`` corrects it from the answer)."""
+        as a verified draft (``SentStep.computed`` corrects it from the answer)."""
         rows = sum(self.scheduled.values()) + sum(slots for _, slots in self.lookahead.values())
         return StepShape(rows, self.pairs, self.decode_tokens)
 
