@@ -33,18 +33,20 @@ Prompt = str | Sequence[int]
 
 def offline_config(**options: Any) -> EngineConfig:
     """The offline engine's config: :meth:`EngineConfig.of` with ``options``, where
-    ``max_decode_slowdown`` defaults to ``inf``: prefill chunks fill the token budget.
+    ``max_decode_slowdown`` defaults to ``inf`` (prefill chunks fill the token budget) and
+    ``short_prompt_share`` to 0 (prompts are prefilled first come, first served).
 
-    The services keep ``SchedulerConfig``'s 2: there a running stream's inter-token latency is what
-    the pacing guards. An offline run has every request in hand and no stream to pace, and the pacing
-    costs it throughput (256 ShareGPT requests in bfloat16: 0.91-0.92x of full chunks, docs/benchmarks.md);
-    vLLM's offline ``LLM`` likewise takes larger prefill chunks than its server by default. A caller
-    streaming through :meth:`LLM.step` beside long prompts can pass ``max_decode_slowdown=2``.
+    The services keep ``SchedulerConfig``'s 2 and 0.5: there a running stream's inter-token latency and
+    a short request's time to first token are what they guard. An offline run has every request in hand,
+    no stream to pace and no first token to hurry, and the pacing costs it throughput (256 ShareGPT
+    requests in bfloat16: 0.91-0.92x of full chunks, docs/benchmarks.md); vLLM's offline ``LLM`` likewise
+    takes larger prefill chunks than its server by default. A caller streaming through :meth:`LLM.step`
+    beside long prompts can pass ``max_decode_slowdown=2`` and ``short_prompt_share=0.5``.
 
     Raises:
         TypeError, ValueError: as :meth:`EngineConfig.of`.
     """
-    return EngineConfig.of(**{"max_decode_slowdown": math.inf, **options})
+    return EngineConfig.of(**{"max_decode_slowdown": math.inf, "short_prompt_share": 0.0, **options})
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,10 @@ def test_prefill_chunk_sizing_defaults_agree_in_the_scheduler_and_up_and_the_off
     assert offline_config().scheduler.max_decode_slowdown == math.inf  # what LLM(...) runs with
     assert offline_config(max_decode_slowdown=3.0).scheduler.max_decode_slowdown == 3.0
     assert offline_config(block_size=8).scheduler.block_size == 8
+    # no first token to hurry either: prompts first come, first served offline, half the room for a shorter one in
+    # the services
+    assert (offline_config().scheduler.short_prompt_share, SchedulerConfig().short_prompt_share) == (0.0, 0.5)
+    assert offline_config(short_prompt_share=0.5).scheduler.short_prompt_share == 0.5
     standalone = build_parser().parse_args(["scheduler", "--redis-url", "redis://127.0.0.1:3/0"])
     assert standalone.max_decode_slowdown == default
     up_policy = policy_from_args(build_parser().parse_args(["up"]))

@@ -91,7 +91,8 @@ class SchedulerConfig:
 
     Raises:
         ValueError: a non-positive limit, more than ``MAX_PLANS_IN_FLIGHT`` plans in flight,
-            a decode slowdown below 1, an admission headroom outside [0, 1], an unknown mode or policy.
+            a decode slowdown below 1, a short-prompt share outside [0, 1), an admission
+            headroom outside [0, 1], an unknown mode or policy.
     """
 
     block_size: int = option("token slots per KV block; workers must use the same", 16)
@@ -132,6 +133,11 @@ class SchedulerConfig:
         "decodes alone (predicted from the worker's step times, pagedserve/engine/step_cost.py); prefill "
         "chunks beside them are sized to fit, so a long prompt does not stall running streams; inf: chunks "
         "fill the token budget", 2.0)
+    short_prompt_share: float = option(
+        "with chunked prefill, the share of a step's prefill room (the token budget and time the decodes leave) "
+        "that the chunks of prompts already being prefilled leave to a waiting prompt shorter than what one of "
+        "them has left, so that a short request is not queued behind a long prompt's chunks (shortest remaining "
+        "first, with the long prompt kept at 1 - this share of the room); 0: first come, first served", 0.5)
     admission_headroom: float = option(
         "a waiting request is admitted only if the free KV blocks then still hold this fraction of the tokens each "
         "running request may yet generate (max_tokens left), so that fewer are preempted and prefilled again; "
@@ -146,6 +152,8 @@ class SchedulerConfig:
             raise ValueError(f"max_plans_in_flight must be at most {MAX_PLANS_IN_FLIGHT}, got {self.max_plans_in_flight}")
         if not self.max_decode_slowdown >= 1:  # NaN too
             raise ValueError(f"max_decode_slowdown must be at least 1, got {self.max_decode_slowdown}")
+        if not 0 <= self.short_prompt_share < 1:  # NaN too
+            raise ValueError(f"short_prompt_share must be at least 0 and below 1, got {self.short_prompt_share}")
         if not 0 <= self.admission_headroom <= 1:  # NaN too
             raise ValueError(f"admission_headroom must be between 0 and 1, got {self.admission_headroom}")
         # The enums' values are accepted too (flags, ``LLM(policy="priority")``).

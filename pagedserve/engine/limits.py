@@ -25,15 +25,16 @@ def grammar_failure(reason: str) -> RequestError:
     return RequestError(ErrorKind.INVALID_ARGUMENT, reason)
 
 
-def num_new_tokens(seq: Sequence, draft: PlanDraft, config: SchedulerConfig, num_computed: int | None = None) -> int:
+def num_new_tokens(seq: Sequence, draft: PlanDraft, config: SchedulerConfig, num_computed: int | None = None,
+                   share: float = 1.0) -> int:
     """Tokens to compute now: with chunked prefill, ``PlanDraft.chunk_tokens`` (a decode, or a
-    chunk sized by the token budget and the step's time); without, all that remain, or 0 when they
-    do not fit in what is left of the budget."""
+    chunk sized by ``share`` of the step's prefill room: token budget and time); without, all that
+    remain, or 0 when they do not fit in what is left of the budget."""
     computed = seq.num_computed_tokens if num_computed is None else num_computed
     remaining = seq.num_tokens + seq.num_tokens_in_flight - computed
     if not config.enable_chunked_prefill:
         return remaining if remaining <= draft.token_budget else 0
-    return draft.chunk_tokens(computed, remaining)
+    return draft.chunk_tokens(computed, remaining, share)
 
 
 def rejection_reason(seq: Sequence, worker_blocks: Seq[int], config: SchedulerConfig) -> str | None:

@@ -9,7 +9,9 @@ its blocks go to the worker's CPU blocks and come back later; recompute when the
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from collections.abc import Callable
 
 from pagedserve.engine.config import PreemptionMode, SchedulerConfig
 from pagedserve.engine.limits import num_new_tokens
@@ -44,10 +46,13 @@ class RunningSchedule:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
 
-    def schedule(self, worker: WorkerState, draft: PlanDraft) -> Sequence | None:
+    def schedule(self, worker: WorkerState, draft: PlanDraft,
+                 admissible_waiting: Callable[[], Sequence | None]) -> Sequence | None:
         """Decodes first, then prefill chunks, each in the policy's order; preempts from the back.
         A sequence whose tokens in flight must be known first (``Sequence.can_run_ahead``, or to
-        speculate: ``lookahead.waits_for_answer``) waits.
+        speculate: ``lookahead.waits_for_answer``) waits. ``admissible_waiting``: the first waiting
+        sequence if it could be admitted on this worker after them, else None (``_prefill_share``;
+        asked only when a prompt is being prefilled here).
 
         Returns:
             The sequence alone on the worker whose blocks fill its whole cache, with no token in flight:
@@ -56,11 +61,13 @@ class RunningSchedule:
         schedulable = [s for s in self._policy.running_order(worker.running) if s.can_run_ahead()]
         step_k, most = self._lookahead(worker, schedulable, draft.token_budget), self.speculative.num_lookahead_tokens
         ordered = [s for s in schedulable if not waits_for_answer(s, sequence_lookahead(s, step_k, most))]
-        queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] +
-                      [s for s in ordered if s.num_uncomputed_tokens > 1])
+        prefills = [s for s in ordered if s.num_uncomputed_tokens > 1]
+        queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] + prefills)
+        shortest = min((s.num_uncomputed_tokens for s in prefills), default=math.inf)
+        waiting = admissible_waiting() if prefills and self.config.short_prompt_share > 0 else None
         while queue and draft.token_budget > 0:
             seq = queue.popleft()
-            num_new = num_new_tokens(seq, draft, self.config)
+            num_new = num_new_tokens(seq, draft, self.config, share=self._prefill_share(seq, draft, shortest, waiting))
             if num_new == 0:
                 continue
             k = sequence_lookahead(seq, step_k, most)
@@ -77,6 +84,17 @@ class RunningSchedule:
                 CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new, lookahead))
             worker.advance(seq, num_new, draft, lookahead)
         return None
+
+    def _prefill_share(self, seq: Sequence, draft: PlanDraft, shortest: float, waiting: Sequence | None) -> float:
+        """The share of the step's prefill room that ``seq``'s next chunk may take with the chunks before
+        it (``PlanDraft.chunk_tokens``): all of it, unless a running prompt (the ``shortest`` has that
+        many tokens left) or ``waiting`` (a prompt that could be admitted here; ``Scheduler._schedule_waiting``
+        admits after the running sequences) has fewer tokens left than ``seq``: then ``1 - short_prompt_share``,
+        and the rest is left to them. Shortest remaining prefill first, as SRPT orders jobs, without starving
+        the long prompt: a short request's first token is not queued behind every chunk of a long one."""
+        left = seq.num_uncomputed_tokens
+        waiting_shorter = waiting is not None and not draft.preempted and waiting.num_tokens < left
+        return 1.0 - self.config.short_prompt_share if shortest < left or waiting_shorter else 1.0
 
     def _lookahead(self, worker: WorkerState, schedulable: list[Sequence], token_budget: int) -> int:
         """The step's most draft slots per decode: ``num_speculative_tokens`` (fixed), or what

@@ -11,6 +11,7 @@ policy's order onto the worker that holds most of their prompt's prefix, balance
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence as Seq
+from functools import partial
 
 from pagedserve.engine.admission import AdmissionHeadroom
 from pagedserve.engine.block_manager import NO_PREFIX
@@ -27,7 +28,7 @@ from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from pagedserve.engine.spec_decode.lookahead import settle_drafts
 from pagedserve.engine.worker_pool import WorkerPool
-from pagedserve.engine.worker_state import PlanDraft
+from pagedserve.engine.worker_state import PlanDraft, WorkerState
 
 
 class Scheduler:
@@ -157,7 +158,8 @@ class Scheduler:
         drafts = self._workers.new_drafts(worker_ids)
         for worker_id, draft in drafts.items():
             worker = self._workers[worker_id]
-            if (fills_cache := self._running.schedule(worker, draft)) is not None:
+            fills_cache = self._running.schedule(worker, draft, partial(self._admissible_head, worker))
+            if fills_cache is not None:
                 self._out_of_memory(fills_cache)  # alone, and the whole cache is its: like the end of the context
             worker.swap_in(draft, self.config.max_num_seqs)
         self._schedule_waiting(drafts)
@@ -207,6 +209,17 @@ class Scheduler:
                                    self._running.num_swap_preemptions, self.spec_decode)
 
     # ---- policy pieces -------------------------------------------------------------------
+    def _admissible_head(self, worker: WorkerState) -> Sequence | None:
+        """The first waiting sequence if ``worker``'s free blocks could take it whole now, with room kept for
+        its running sequences' growth (``admission``); else None. The chunks of the prompts running there
+        leave a shorter one a share of the step (``RunningSchedule``)."""
+        waiting = self._requests.waiting
+        if not len(waiting) or (head := waiting.peek()).num_tokens_in_flight:
+            return None
+        kept = self._headroom.kept_blocks(worker.blocks, worker.running.values())
+        return head if self._headroom.admits(worker.blocks, head, head.num_tokens, NO_PREFIX, kept,
+                                             len(worker.running)) else None
+
     def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
         """Admits waiting sequences in the policy's order until one does not fit, with room left for the
         running sequences' growth (``admission``)."""

@@ -57,13 +57,15 @@ class PlanDraft:
     chunks: list[tuple[int, int]] = field(default_factory=list)
     sampling: list[Sequence] = field(default_factory=list)
 
-    def chunk_tokens(self, context: int, remaining: int) -> int:
+    def chunk_tokens(self, context: int, remaining: int, share: float = 1.0) -> int:
         """Tokens to compute now for a sequence with ``remaining`` tokens after ``context`` computed
         ones: a decode (``remaining`` 1) while the token budget lasts; a prefill chunk as long as
-        the budget allows and, when the step runs decodes, as ``prefill_chunk_tokens`` sizes it in
-        the time the decodes leave (``step_cost``). The step's first chunk gets at least one
-        token, so a prompt never starves behind decodes."""
-        limit = min(remaining, self.token_budget)
+        ``share`` of the step's prefill room allows, less the chunks scheduled before it: the room is
+        the token budget the decodes leave and, when the step runs decodes, the time they leave
+        (``prefill_chunk_tokens``, ``step_cost``). The step's first chunk gets at least one token, so
+        a prompt never starves behind decodes."""
+        chunked = sum(n for _, n in self.chunks)
+        limit = max(0, min(remaining, math.floor(share * (self.token_budget + chunked)) - chunked))
         if remaining == 1 or limit == 0 or not self.decode_tokens or math.isinf(self.max_decode_slowdown):
             return limit
         cost = self.cost()
@@ -71,7 +73,7 @@ class PlanDraft:
             return limit
         decodes_s = cost.step_seconds(self.decode_tokens, self.decode_pairs, self.decode_tokens)
         prefill_s = sum(cost.chunk_seconds(c, n) for c, n in self.chunks)
-        allowance_s = (self.max_decode_slowdown - 1) * decodes_s - prefill_s
+        allowance_s = share * (self.max_decode_slowdown - 1) * decodes_s - prefill_s
         tokens = prefill_chunk_tokens(cost, allowance_s, context, limit)
         return max(tokens, 1) if prefill_s == 0 else tokens
 

@@ -14,6 +14,7 @@ from pagedserve.engine.config import SchedulerConfig
                     enable_prefix_caching=False, preemption_mode="swap", policy="priority"),
     SchedulerConfig(max_decode_slowdown=float("inf")),
     SchedulerConfig(max_decode_slowdown=1.25),
+    SchedulerConfig(short_prompt_share=0.0),
 ])
 def test_policy_flags_round_trip(config):
     parser = argparse.ArgumentParser()
@@ -23,7 +24,8 @@ def test_policy_flags_round_trip(config):
 
 @pytest.mark.parametrize("bad", [dict(block_size=0), dict(max_num_seqs=0), dict(preemption_mode="drop"),
                                  dict(policy="lifo"), dict(max_decode_slowdown=0.5),
-                                 dict(max_decode_slowdown=float("nan"))])
+                                 dict(max_decode_slowdown=float("nan")), dict(short_prompt_share=1.0),
+                                 dict(short_prompt_share=-0.1), dict(short_prompt_share=float("nan"))])
 def test_invalid_values_raise(bad):
     with pytest.raises(ValueError):
         SchedulerConfig(**bad)

@@ -4,6 +4,7 @@ swap preemption and parallel sampling (fork + copy-on-write), checked with the s
 from __future__ import annotations
 
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -98,6 +99,69 @@ def test_decodes_are_served_before_prefill_chunks():
     assert outputs[("a", 0)] == reference_output(prompt(4, 5), 12)
     assert outputs[("b", 0)] == reference_output(prompt(30, 60), 2)
     assert all_free(engine)
+
+
+def chunks_per_plan(runners, worker: str = "w") -> list[dict[str, int]]:
+    """Per plan sent to ``worker``, the tokens it scheduled per request."""
+    return [{r.request_id: r.num_scheduled_tokens for r in p.new_requests + p.cached_requests}
+            for p in runners[worker].plans]
+
+
+@pytest.mark.parametrize("short_len, share, first_plans", [
+    # half the room is left to the shorter waiting prompt: prefilled at once, it decodes beside the rest
+    (3, 0.5, [{"long": 8}, {"long": 4, "short": 3}, {"short": 1, "long": 7}, {"long": 8}, {"long": 3}]),
+    # more than half the room: it finishes its prefill in the next step, before the long prompt's
+    (6, 0.5, [{"long": 8}, {"long": 4, "short": 4}, {"long": 4, "short": 2}, {"short": 1, "long": 7}, {"long": 7}]),
+    # first come, first served: it waits for every chunk of the long prompt
+    (3, 0.0, [{"long": 8}, {"long": 8}, {"long": 8}, {"long": 6, "short": 2}, {"long": 1, "short": 1}]),
+])
+def test_a_short_prompt_is_not_queued_behind_a_long_prompts_chunks(short_len, share, first_plans):
+    engine, runners = make({"w": 64}, max_num_batched_tokens=8, max_plans_in_flight=1, short_prompt_share=share)
+    outputs: dict = {}
+    engine.add_request(req("long", prompt(30, 60), 2))
+    collect(engine, outputs)  # long: 8 of 30
+    engine.add_request(req("short", prompt(short_len, 5), 2))
+    run(engine, outputs)
+    assert chunks_per_plan(runners)[:5] == first_plans
+    assert outputs[("short", 0)] == reference_output(prompt(short_len, 5), 2)
+    assert outputs[("long", 0)] == reference_output(prompt(30, 60), 2)
+    assert all_free(engine)
+
+
+def test_a_long_prompt_keeps_its_share_while_short_prompts_keep_arriving():
+    engine, runners = make({"w": 64}, max_num_batched_tokens=8, max_plans_in_flight=1, max_num_seqs=16)
+    outputs: dict = {}
+    engine.add_request(req("long", prompt(30, 60), 1))
+    for i in range(6):
+        engine.add_request(req(f"short{i}", prompt(2, 5 + 10 * i), 1))
+        collect(engine, outputs)
+    # admitted first, it takes the whole room; then half of it each step, whoever waits
+    assert [plan.get("long", 0) for plan in chunks_per_plan(runners)] == [8, 4, 4, 4, 4, 4]
+    run(engine, outputs)
+    assert outputs[("long", 0)] == reference_output(prompt(30, 60), 1)
+    assert all_free(engine)
+
+
+def test_a_waiting_prompt_longer_than_what_is_left_waits_for_its_turn():
+    engine, runners = make({"w": 64}, max_num_batched_tokens=8, max_plans_in_flight=1)
+    outputs: dict = {}
+    engine.add_request(req("first", prompt(12, 60), 1))
+    collect(engine, outputs)  # first: 8 of 12; 4 left
+    engine.add_request(req("second", prompt(6, 5), 1))
+    collect(engine, outputs)
+    assert chunks_per_plan(runners)[1] == {"first": 4, "second": 4}  # first takes the whole room it needs
+
+
+def test_no_room_is_held_for_a_waiting_prompt_that_could_not_be_admitted():
+    engine, runners = make({"w": 9}, max_num_batched_tokens=8, max_plans_in_flight=1)  # 9 blocks of 4 slots
+    outputs: dict = {}
+    engine.add_request(req("long", prompt(30, 60), 1))
+    collect(engine, outputs)  # long holds 2 blocks and keeps 6 free for the rest of its prompt and its token
+    engine.add_request(req("short", prompt(6, 5), 1))  # 2 blocks: 8 of the 7 free ones with long's
+    collect(engine, outputs)
+    assert chunks_per_plan(runners)[1] == {"long": 8}
+    run(engine, outputs)
+    assert outputs[("short", 0)] == reference_output(prompt(6, 5), 1)
 
 
 def test_without_chunking_a_prompt_runs_whole_or_is_refused():

@@ -60,6 +60,20 @@ def test_prefill_without_decodes_or_without_a_slowdown_fills_the_token_budget():
     assert draft_with_decodes(cost, 2.0, decodes=0).chunk_tokens(context=0, remaining=40) == 40
 
 
+def test_a_share_of_the_prefill_room_caps_the_chunks_of_running_prompts_and_leaves_the_rest():
+    cost = StepCost(fixed_s=0.1005, per_token_s=1e-3, per_pair_s=0.0, largest_step_tokens=256)
+    draft = draft_with_decodes(cost, 2.0, decodes=8)  # 0.1085 s of prefill time, 248 tokens of budget
+    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5) == 54  # 0.054 s of the 0.05425 s share
+    draft.add(context=0, num_new=54)
+    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5) == 0  # the running prompts' share is spent
+    assert draft.chunk_tokens(context=0, remaining=5000) == 54  # what is left is a waiting prompt's
+    no_decodes = draft_with_decodes(cost, 2.0, decodes=0)  # the token budget is the room
+    assert no_decodes.chunk_tokens(context=0, remaining=5000, share=0.5) == 128
+    no_decodes.add(context=0, num_new=128)
+    assert no_decodes.chunk_tokens(context=0, remaining=5000, share=0.5) == 0
+    assert no_decodes.chunk_tokens(context=0, remaining=5000) == 128
+
+
 def test_the_first_chunk_beside_decodes_gets_at_least_one_token():
     cost = StepCost(fixed_s=0.1005, per_token_s=1e-3, per_pair_s=0.0, largest_step_tokens=256)
     draft = draft_with_decodes(cost, 1.0, decodes=8)  # no time at all for prefill
