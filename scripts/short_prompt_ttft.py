@@ -29,28 +29,30 @@ def one_round(llm: LLM, args: argparse.Namespace, rng: random.Random) -> dict[st
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1000, 20000) for _ in range(n)]
 
-    streams = [llm.add_request(prompt(32), SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True))
+    streams = [llm.add_request(prompt(32), SamplingParams(max_tokens=1024, temperature=0.0, ignore_eos=True))
                for _ in range(args.streams)]
     for _ in range(args.warm_steps):
         llm.step()
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     long_id = llm.add_request(prompt(args.long_prompt), one)
-    arrived, first, last_token, gaps, step = {long_id: time.perf_counter()}, {}, {}, [], 0
+    arrived, first, last_token, gaps, step = {long_id: (time.perf_counter(), 0)}, {}, {}, [], 0
     while len(first) < len(arrived) or len(arrived) <= args.shorts:
         step += 1
         if step % args.every == 0 and len(arrived) <= args.shorts:
-            arrived[llm.add_request(prompt(args.short_prompt), one)] = time.perf_counter()
+            arrived[llm.add_request(prompt(args.short_prompt), one)] = (time.perf_counter(), step)
         outputs, now = llm.step(), time.perf_counter()
         for out in outputs:
             if out.request_id in arrived and out.request_id not in first and out.delta.token_ids:
-                first[out.request_id] = now
+                first[out.request_id] = (now, step)
             elif out.request_id in streams and long_id not in first:
                 gaps += [now - last_token[out.request_id]] if out.request_id in last_token else []
                 last_token[out.request_id] = now
     for request_id in streams:
         llm.abort(request_id)
-    ttft = {r: first[r] - t for r, t in arrived.items()}
-    return {"short": [t for r, t in ttft.items() if r != long_id], "long": [ttft[long_id]], "gaps": gaps}
+    ttft = {r: first[r][0] - t for r, (t, _) in arrived.items()}
+    steps = [first[r][1] - s + 1 for r, (_, s) in arrived.items() if r != long_id]
+    return {"short": [t for r, t in ttft.items() if r != long_id], "long": [ttft[long_id]], "gaps": gaps,
+            "short steps": steps, "long steps": [first[long_id][1]]}
 
 
 def main() -> None:
@@ -67,15 +69,17 @@ def main() -> None:
     args = p.parse_args()
     model = resolve_model(args.model)
     engines = {share: LLM(model, kv_cache_memory="1GiB", short_prompt_share=share) for share in (0.0, args.share)}
-    results: dict[float, dict[str, list[float]]] = {share: {"short": [], "long": [], "gaps": []} for share in engines}
+    results: dict[float, dict[str, list[float]]] = {
+        share: {key: [] for key in ("short", "long", "gaps", "short steps", "long steps")} for share in engines}
     for i in range(args.rounds):
         for share, llm in engines.items():
             for key, values in one_round(llm, args, random.Random(i)).items():
                 results[share][key] += values
     for share, r in results.items():
         gaps = sorted(r["gaps"])
-        print(f"share {share}: short TTFT s median {statistics.median(r['short']):.2f}, largest {max(r['short']):.2f}; "
-              f"long TTFT s {[round(t, 2) for t in r['long']]}; streams' gap p99 {gaps[int(0.99 * (len(gaps) - 1))]:.3f} s")
+        print(f"share {share}: short TTFT s median {statistics.median(r['short']):.2f}, largest {max(r['short']):.2f} "
+              f"(steps {r['short steps']}); long TTFT s {[round(t, 2) for t in r['long']]} (steps {r['long steps']}); "
+              f"streams' gap p99 {gaps[int(0.99 * (len(gaps) - 1))]:.3f} s")
 
 
 if __name__ == "__main__":
