@@ -135,9 +135,9 @@ class SchedulerConfig:
         "fill the token budget", 2.0)
     short_prompt_share: float = option(
         "with chunked prefill, the share of a step's prefill room (the token budget and time the decodes leave) "
-        "that the chunks of prompts already being prefilled leave to a waiting prompt shorter than what one of "
-        "them has left, so that a short request is not queued behind a long prompt's chunks (shortest remaining "
-        "first, with the long prompt kept at 1 - this share of the room); 0: first come, first served", 0.5)
+        "that a prompt being prefilled leaves to prompts with fewer tokens left (running, or waiting and admissible "
+        "on its worker now), so that a short request is not queued behind a long prompt's chunks (shortest "
+        "remaining first; the long prompt keeps 1 - this share of the room); 0: first come, first served", 0.5)
     admission_headroom: float = option(
         "a waiting request is admitted only if the free KV blocks then still hold this fraction of the tokens each "
         "running request may yet generate (max_tokens left), so that fewer are preempted and prefilled again; "
