@@ -1,6 +1,6 @@
 """What `--short-prompt-share` gives short requests that arrive while a long prompt is prefilled: two in-process
-engines (the share given, and 0: first come, first served) alternated round by round (this VM's speed drifts
-within minutes). A measurement, not a test.
+engines (the share given, and 0: first come, first served; both with the services' `max_decode_slowdown` of 2)
+alternated round by round (this VM's speed drifts within minutes). A measurement, not a test.
 
 Each round: ``--streams`` greedy streams decode (random 32-token prompts, EOS ignored); once the engine has run
 ``--warm-steps`` steps (so that prefill chunks beside decodes are sized by its fitted step cost), one
@@ -68,7 +68,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="rounds per engine (default %(default)s)")
     args = p.parse_args()
     model = resolve_model(args.model)
-    engines = {share: LLM(model, kv_cache_memory="1GiB", short_prompt_share=share) for share in (0.0, args.share)}
+    engines = {share: LLM(model, kv_cache_memory="1GiB", short_prompt_share=share, max_decode_slowdown=2.0)
+               for share in (0.0, args.share)}  # the services' pacing: chunks beside decodes sized by time
     results: dict[float, dict[str, list[float]]] = {
         share: {key: [] for key in ("short", "long", "gaps", "short steps", "long steps")} for share in engines}
     for i in range(args.rounds):

@@ -120,13 +120,17 @@ class Policy:
     Running sequences are served in ``running_order``; when blocks run out, the last of that
     order not yet served is preempted, so the victim is the newest (FCFS) or the lowest-priority,
     latest-arrived (priority) sequence, and never one already served in the iteration.
+    ``precedence``: the class a sequence is served in, lower first (all alike under FCFS; the
+    request's priority under priority): a shorter prompt may take prefill room from a longer one of
+    its class or a later one, never from an earlier one (``RunningSchedule._prefill_share``).
     """
 
     name: SchedulingPolicy
     make_queue: Callable[[], WaitingQueue]
     running_order: Callable[[OrderedDict[SequenceId, Sequence]], list[Sequence]]
+    precedence: Callable[[Sequence], int]
 
 
-FCFS = Policy(SchedulingPolicy.FCFS, FcfsQueue, admission_order)
-PRIORITY = Policy(SchedulingPolicy.PRIORITY, PriorityQueue, priority_order)
+FCFS = Policy(SchedulingPolicy.FCFS, FcfsQueue, admission_order, lambda seq: 0)
+PRIORITY = Policy(SchedulingPolicy.PRIORITY, PriorityQueue, priority_order, lambda seq: seq.request.priority)
 POLICIES = {policy.name: policy for policy in (FCFS, PRIORITY)}

@@ -158,7 +158,7 @@ class Scheduler:
         drafts = self._workers.new_drafts(worker_ids)
         for worker_id, draft in drafts.items():
             worker = self._workers[worker_id]
-            fills_cache = self._running.schedule(worker, draft, partial(self._admissible_head, worker))
+            fills_cache = self._running.schedule(worker, draft, partial(self._admissible_head, worker, drafts))
             if fills_cache is not None:
                 self._out_of_memory(fills_cache)  # alone, and the whole cache is its: like the end of the context
             worker.swap_in(draft, self.config.max_num_seqs)
@@ -209,12 +209,15 @@ class Scheduler:
                                    self._running.num_swap_preemptions, self.spec_decode)
 
     # ---- policy pieces -------------------------------------------------------------------
-    def _admissible_head(self, worker: WorkerState) -> Sequence | None:
-        """The first waiting sequence if ``worker``'s free blocks could take it whole now, with room kept for
-        its running sequences' growth (``admission``); else None. The chunks of the prompts running there
-        leave a shorter one a share of the step (``RunningSchedule``)."""
+    def _admissible_head(self, worker: WorkerState, drafts: dict[str, PlanDraft]) -> Sequence | None:
+        """The first waiting sequence if it would be admitted on ``worker`` now: placed there (``WorkerPool.place``:
+        not a worker at ``max_num_seqs``, a fork's parent's), its prompt in its free blocks with room kept for the
+        running sequences' growth (``admission``); else None. The chunks of the prompts running there leave a
+        shorter one a share of the step (``RunningSchedule``). A fork, which takes one token, gets none."""
         waiting = self._requests.waiting
-        if not len(waiting) or (head := waiting.peek()).num_tokens_in_flight:
+        if not len(waiting) or (head := waiting.peek()).num_tokens_in_flight or head.fork_parent is not None:
+            return None
+        if self._workers.place(head, drafts) is not worker:
             return None
         kept = self._headroom.kept_blocks(worker.blocks, worker.running.values())
         return head if self._headroom.admits(worker.blocks, head, head.num_tokens, NO_PREFIX, kept,

@@ -62,10 +62,11 @@ class PlanDraft:
         ones: a decode (``remaining`` 1) while the token budget lasts; a prefill chunk as long as
         ``share`` of the step's prefill room allows, less the chunks scheduled before it: the room is
         the token budget the decodes leave and, when the step runs decodes, the time they leave
-        (``prefill_chunk_tokens``, ``step_cost``). The step's first chunk gets at least one token, so
-        a prompt never starves behind decodes."""
+        (``prefill_chunk_tokens``, ``step_cost``). The step's first chunk gets at least one token
+        whatever its share, so a prompt never starves behind decodes."""
         chunked = sum(n for _, n in self.chunks)
-        limit = max(0, min(remaining, math.floor(share * (self.token_budget + chunked)) - chunked))
+        held = math.floor(share * (self.token_budget + chunked)) - chunked
+        limit = max(0, min(remaining, self.token_budget, held if self.chunks else max(held, 1)))
         if remaining == 1 or limit == 0 or not self.decode_tokens or math.isinf(self.max_decode_slowdown):
             return limit
         cost = self.cost()

@@ -164,6 +164,31 @@ def test_no_room_is_held_for_a_waiting_prompt_that_could_not_be_admitted():
     assert outputs[("short", 0)] == reference_output(prompt(6, 5), 1)
 
 
+def test_no_room_is_held_for_a_waiting_prompt_that_max_num_seqs_keeps_out():
+    engine, runners = make({"w": 64}, max_num_batched_tokens=8, max_plans_in_flight=1, max_num_seqs=2)
+    outputs: dict = {}
+    engine.add_request(req("decoding", prompt(2, 5), 12))
+    engine.add_request(req("long", prompt(30, 60), 1))
+    collect(engine, outputs)
+    engine.add_request(req("short", prompt(2, 15), 1))  # waits for a free place
+    collect(engine, outputs)
+    assert chunks_per_plan(runners)[1] == {"decoding": 1, "long": 7}
+
+
+def test_a_lower_priority_short_prompt_takes_no_room_from_a_higher_priority_long_one():
+    engine, runners = make({"w": 64}, max_num_batched_tokens=8, max_plans_in_flight=1, policy="priority")
+    outputs: dict = {}
+    engine.add_request(req("long", prompt(30, 60), 1, priority=0))
+    collect(engine, outputs)
+    engine.add_request(req("low", prompt(3, 5), 1, t=1, priority=5))
+    engine.add_request(req("high", prompt(3, 15), 1, t=2, priority=0))
+    collect(engine, outputs)
+    # the high one is given half the room; the low one gets what is left over, and then waits its turn
+    assert chunks_per_plan(runners)[1] == {"long": 4, "high": 3, "low": 1}
+    collect(engine, outputs)
+    assert chunks_per_plan(runners)[2] == {"long": 8}
+
+
 def test_without_chunking_a_prompt_runs_whole_or_is_refused():
     engine, runners = make({"w": 64}, max_num_batched_tokens=8, enable_chunked_prefill=False)
     engine.add_request(req("too-long", prompt(9), 2))

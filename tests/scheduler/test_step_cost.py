@@ -74,6 +74,14 @@ def test_a_share_of_the_prefill_room_caps_the_chunks_of_running_prompts_and_leav
     assert no_decodes.chunk_tokens(context=0, remaining=5000) == 128
 
 
+def test_the_first_chunk_gets_a_token_whatever_its_share():
+    cost = StepCost(fixed_s=0.1005, per_token_s=1e-3, per_pair_s=0.0, largest_step_tokens=256)
+    draft = draft_with_decodes(cost, 2.0, decodes=8, budget=9)  # one token of room: half of it rounds to 0
+    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5) == 1
+    draft.add(context=0, num_new=1)
+    assert draft.chunk_tokens(context=0, remaining=5000) == 0  # the budget is spent
+
+
 def test_the_first_chunk_beside_decodes_gets_at_least_one_token():
     cost = StepCost(fixed_s=0.1005, per_token_s=1e-3, per_pair_s=0.0, largest_step_tokens=256)
     draft = draft_with_decodes(cost, 1.0, decodes=8)  # no time at all for prefill
