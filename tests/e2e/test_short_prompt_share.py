@@ -17,22 +17,20 @@ from tests.e2e.timed_streams import token_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-BUDGET = 32  # tokens a step: the long prompt takes ~63 steps, ~3 s on the default model's one-thread worker
-LONG_PROMPT_TOKENS = 2000
-KV_CACHE = "128MiB"  # the default model: 46 KiB a token
+BUDGET = 16  # tokens a step: the long prompt takes ~75 steps, a few seconds on the default model's one-thread worker
+LONG_PROMPT_TOKENS = 1200  # with the short one, fits the 64 MiB KV cache of a stack worker (46 KiB a token)
 SHORT_PROMPT_TOKENS = 20
 
 
-def test_a_short_request_is_answered_while_a_long_prompt_is_still_prefilled(tmp_path, default_model):
+def test_a_short_request_is_answered_while_a_long_prompt_is_still_prefilled(tmp_path, default_model, default_llm):
     from pagedserve.engine.sampling_params import SamplingParams
-    from pagedserve.llm import LLM
 
     rng = random.Random(23)
     long_prompt = [rng.randrange(1000, 20000) for _ in range(LONG_PROMPT_TOKENS)]
     short_prompt = [rng.randrange(1000, 20000) for _ in range(SHORT_PROMPT_TOKENS)]
-    expected = [list(o.token_ids) for o in LLM(default_model, kv_cache_memory=KV_CACHE).generate(
+    expected = [list(o.token_ids) for o in default_llm.generate(
         [long_prompt, short_prompt], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))]
-    stack = start_stack(tmp_path, default_model, num_workers=1, kv_cache_memory=KV_CACHE,
+    stack = start_stack(tmp_path, default_model, num_workers=1,
                         scheduler_args=("--max-num-batched-tokens", str(BUDGET)))
     try:
         answers: dict[str, list[int]] = {}
