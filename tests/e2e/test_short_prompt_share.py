@@ -17,8 +17,8 @@ from tests.e2e.timed_streams import token_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-BUDGET = 16  # tokens a step: the long prompt takes ~75 steps, a few seconds on the default model's one-thread worker
-LONG_PROMPT_TOKENS = 1200  # with the short one, fits the 64 MiB KV cache of a stack worker (46 KiB a token)
+BUDGET = 8  # tokens a step: the long prompt takes ~100 steps, a few seconds on the default model's one-thread worker
+LONG_PROMPT_TOKENS = 800
 SHORT_PROMPT_TOKENS = 20
 
 
