@@ -30,6 +30,11 @@ ENGINES = {"none": {"method": "none"}, "fixed": {"method": "ngram", "control": "
            "goodput": {"method": "ngram", "control": "goodput"}}
 
 
+def copy_prompt(answer: str) -> str:
+    """A request to repeat ``answer`` word for word (the copy and mixed workloads' prompt)."""
+    return f"Repeat the following text exactly, word for word:\n{answer}\n\nRepeated text:\n"
+
+
 def busy(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths])
@@ -62,15 +67,14 @@ def main() -> None:
     answers = [c["conversations"][1]["value"] for c in json.loads(args.dataset_path.read_text())
                if len(c.get("conversations", [])) > 1 and 300 <= len(c["conversations"][1]["value"]) <= 1500]
     copied = [tokenizer.encode(a) for a in answers[:max(1, args.num_prompts // 4)]]
-    copies = [tokenizer.encode(f"Repeat the following text exactly, word for word:\n{a}\n\nRepeated text:\n")
-              for a in answers[:len(copied)]]
+    copies = [tokenizer.encode(copy_prompt(a)) for a in answers[:len(copied)]]
     workloads = {
         "busy": lambda llm: busy(llm, [tokenizer.encode(r.prompt) for r in requests],
                                  [r.expected_output_len for r in requests]),
         "mixed": lambda llm: busy(llm, [tokenizer.encode(r.prompt) for r in requests[:-len(copies)]] + copies,
                                   [r.expected_output_len for r in requests[:-len(copies)]] + [len(c) for c in copied]),
-        "copy": lambda llm: one_at_a_time(llm, [tokenizer.encode(f"Repeat the following text exactly, word for word:\n"
-                                                                 f"{a}\n\nRepeated text:\n") for a in answers[:args.one_at_a_time]]),
+        "copy": lambda llm: one_at_a_time(llm, [tokenizer.encode(copy_prompt(a))
+                                                for a in answers[:args.one_at_a_time]]),
         "chat": lambda llm: one_at_a_time(llm, [tokenizer.encode(r.prompt) for r in requests[:args.one_at_a_time]]),
     }
     for name in args.workloads.split(","):

@@ -64,9 +64,9 @@ class PlanDraft:
         the token budget the decodes leave and, when the step runs decodes, the time they leave
         (``prefill_chunk_tokens``, ``step_cost``). The step's first chunk gets at least one token
         whatever its share, so a prompt never starves behind decodes."""
-        chunked = sum(n for _, n in self.chunks)
+        first, chunked = not self.chunks, sum(n for _, n in self.chunks)
         held = math.floor(share * (self.token_budget + chunked)) - chunked
-        limit = max(0, min(remaining, self.token_budget, held if self.chunks else max(held, 1)))
+        limit = max(0, min(remaining, self.token_budget, max(held, 1) if first else held))
         if remaining == 1 or limit == 0 or not self.decode_tokens or math.isinf(self.max_decode_slowdown):
             return limit
         cost = self.cost()
@@ -76,7 +76,7 @@ class PlanDraft:
         prefill_s = sum(cost.chunk_seconds(c, n) for c, n in self.chunks)
         allowance_s = share * (self.max_decode_slowdown - 1) * decodes_s - prefill_s
         tokens = prefill_chunk_tokens(cost, allowance_s, context, limit)
-        return max(tokens, 1) if prefill_s == 0 else tokens
+        return max(tokens, 1) if first else tokens
 
     def add(self, context: int, num_new: int, num_lookahead: int = 0) -> None:
         """Counts ``num_new`` tokens after ``context`` computed ones, and ``num_lookahead`` slots for
