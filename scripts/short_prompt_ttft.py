@@ -5,11 +5,13 @@ alternated round by round (this VM's speed drifts within minutes). A measurement
 Each round: ``--streams`` greedy streams decode (random 32-token prompts, EOS ignored); once the engine has run
 ``--warm-steps`` steps (so that prefill chunks beside decodes are sized by its fitted step cost), one
 ``--long-prompt``-token prompt arrives, then a ``--short-prompt``-token prompt every ``--every`` steps, ``--shorts``
-of them; the round ends at the long prompt's first token and the shorts' answers (1 token each). Printed per
-engine: the shorts' time to first token (median, largest), the long prompt's, and the streams' p99 gap while it
-was prefilled.
+of them; the round ends at the long prompt's first token and the shorts' answers (1 token each). With
+``--long-prompts 2`` two long prompts arrive together (the second waits for the first's chunks: the shorts pass
+it). Printed per engine: the shorts' time to first token (median, largest), the long prompts', and the streams'
+p99 gap while the first was prefilled.
 
-    python scripts/short_prompt_ttft.py [--long-prompt 4000] [--shorts 5] [--every 4] [--rounds 2] [--share 0.5]
+    python scripts/short_prompt_ttft.py [--long-prompt 4000] [--long-prompts 1] [--shorts 5] [--every 4]
+        [--rounds 2] [--share 0.5]
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ def one_round(llm: LLM, args: argparse.Namespace, rng: random.Random) -> dict[st
     for _ in range(args.warm_steps):
         llm.step()
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    long_id = llm.add_request(prompt(args.long_prompt), one)
-    arrived, first, last_token, gaps, step = {long_id: (time.perf_counter(), 0)}, {}, {}, [], 0
-    while len(first) < len(arrived) or len(arrived) <= args.shorts:
+    long_ids = [llm.add_request(prompt(args.long_prompt), one) for _ in range(args.long_prompts)]
+    long_id, arrived = long_ids[0], {i: (time.perf_counter(), 0) for i in long_ids}
+    first, last_token, gaps, step = {}, {}, [], 0
+    while len(first) < len(arrived) or len(arrived) - len(long_ids) < args.shorts:
         step += 1
-        if step % args.every == 0 and len(arrived) <= args.shorts:
+        if step % args.every == 0 and len(arrived) - len(long_ids) < args.shorts:
             arrived[llm.add_request(prompt(args.short_prompt), one)] = (time.perf_counter(), step)
         outputs, now = llm.step(), time.perf_counter()
         for out in outputs:
@@ -50,9 +53,9 @@ def one_round(llm: LLM, args: argparse.Namespace, rng: random.Random) -> dict[st
     for request_id in streams:
         llm.abort(request_id)
     ttft = {r: first[r][0] - t for r, (t, _) in arrived.items()}
-    steps = [first[r][1] - s + 1 for r, (_, s) in arrived.items() if r != long_id]
-    return {"short": [t for r, t in ttft.items() if r != long_id], "long": [ttft[long_id]], "gaps": gaps,
-            "short steps": steps, "long steps": [first[long_id][1]]}
+    steps = [first[r][1] - s + 1 for r, (_, s) in arrived.items() if r not in long_ids]
+    return {"short": [t for r, t in ttft.items() if r not in long_ids], "long": [ttft[r] for r in long_ids],
+            "gaps": gaps, "short steps": steps, "long steps": [first[r][1] for r in long_ids]}
 
 
 def main() -> None:
@@ -62,6 +65,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8, help="decode streams (default %(default)s)")
     p.add_argument("--warm-steps", type=int, default=40, help="steps before the long prompt (default %(default)s)")
     p.add_argument("--long-prompt", type=int, default=4000, help="tokens of the long prompt (default %(default)s)")
+    p.add_argument("--long-prompts", type=int, default=1, help="long prompts arriving together (default %(default)s)")
     p.add_argument("--short-prompt", type=int, default=40, help="tokens of each short prompt (default %(default)s)")
     p.add_argument("--shorts", type=int, default=5, help="short prompts a round (default %(default)s)")
     p.add_argument("--every", type=int, default=4, help="steps between short prompts (default %(default)s)")

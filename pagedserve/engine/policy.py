@@ -31,6 +31,9 @@ class WaitingQueue(Protocol):
     def peek(self) -> Sequence:
         """The sequence to admit next. Raises IndexError when empty."""
 
+    def first(self, count: int) -> list[Sequence]:
+        """The first ``count`` sequences (fewer if fewer wait), in order."""
+
     def remove(self, seq_id: SequenceId) -> None:
         """Drops a sequence (aborted or admitted); unknown ids are ignored."""
 
@@ -56,6 +59,9 @@ class FcfsQueue:
         if not self._queue:
             raise IndexError("the waiting queue is empty")
         return next(iter(self._queue.values()))
+
+    def first(self, count: int) -> list[Sequence]:
+        return list(itertools.islice(self._queue.values(), count))
 
     def remove(self, seq_id: SequenceId) -> None:
         self._queue.pop(seq_id, None)
@@ -93,6 +99,19 @@ class PriorityQueue:
             raise IndexError("the waiting queue is empty")
         return self._heap[0][3]
 
+    def first(self, count: int) -> list[Sequence]:
+        # the smallest entries of a heap are found from its root down: O(k log k) for k entries looked at
+        found: list[Sequence] = []
+        frontier = [(self._heap[0], 0)] if self._heap else []
+        while frontier and len(found) < count:
+            entry, i = heapq.heappop(frontier)
+            if self._live.get(entry[3].seq_id) == entry[2]:
+                found.append(entry[3])
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < len(self._heap):
+                    heapq.heappush(frontier, (self._heap[child], child))
+        return found
+
     def remove(self, seq_id: SequenceId) -> None:
         self._live.pop(seq_id, None)
 
@@ -129,6 +148,11 @@ class Policy:
     make_queue: Callable[[], WaitingQueue]
     running_order: Callable[[OrderedDict[SequenceId, Sequence]], list[Sequence]]
     precedence: Callable[[Sequence], int]
+
+    def serves_before(self, first: Sequence, second: Sequence) -> bool:
+        """Whether ``first`` comes before ``second`` in this policy's order: by precedence, then arrival."""
+        return (self.precedence(first), first.request.arrival_time) < (self.precedence(second),
+                                                                       second.request.arrival_time)
 
 
 FCFS = Policy(SchedulingPolicy.FCFS, FcfsQueue, admission_order, lambda seq: 0)

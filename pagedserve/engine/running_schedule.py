@@ -62,14 +62,11 @@ class RunningSchedule:
         ordered = [s for s in schedulable if not waits_for_answer(s, sequence_lookahead(s, step_k, most))]
         prefills = [s for s in ordered if s.num_uncomputed_tokens > 1]
         queue = deque([s for s in ordered if s.num_uncomputed_tokens == 1] + prefills)
-        shortest: dict[int, int] = {}  # precedence -> fewest tokens left among the prompts being prefilled
-        for s in prefills:
-            rank = self._policy.precedence(s)
-            shortest[rank] = min(shortest.get(rank, s.num_uncomputed_tokens), s.num_uncomputed_tokens)
+        yielding = self._yielding(prefills)
         waiting = admissible_waiting() if prefills and self.config.short_prompt_share > 0 else None
         while queue and draft.token_budget > 0:
             seq = queue.popleft()
-            share = self._prefill_share(seq, draft, shortest, waiting) if seq.num_uncomputed_tokens > 1 else 1.0
+            share = self._prefill_share(seq, draft, seq in yielding, waiting) if seq.num_uncomputed_tokens > 1 else 1.0
             num_new = num_new_tokens(seq, draft, self.config, share=share)
             if num_new == 0:
                 continue
@@ -88,21 +85,32 @@ class RunningSchedule:
             worker.advance(seq, num_new, draft, lookahead)
         return None
 
-    def _prefill_share(self, seq: Sequence, draft: PlanDraft, shortest: dict[int, int],
+    def _yielding(self, prefills: list[Sequence]) -> set[Sequence]:
+        """The prompts being prefilled that a shorter one scheduled after them in this step, of their precedence
+        or an earlier one (``Policy.precedence``), takes room from (one scheduled before took its own already)."""
+        fewest: dict[int, int] = {}  # precedence -> fewest tokens left among the prompts after this one
+        yielding = set()
+        for seq in reversed(prefills):
+            rank, left = self._policy.precedence(seq), seq.num_uncomputed_tokens
+            if any(tokens < left for r, tokens in fewest.items() if r <= rank):
+                yielding.add(seq)
+            fewest[rank] = min(fewest.get(rank, left), left)
+        return yielding
+
+    def _prefill_share(self, seq: Sequence, draft: PlanDraft, yields_to_running: bool,
                        waiting: Sequence | None) -> float:
         """The share of the step's prefill room that ``seq``'s next chunk may take with the chunks before
         it (``PlanDraft.chunk_tokens``): all of it, unless a prompt of ``seq``'s precedence or an earlier one
-        (``Policy.precedence``) has fewer tokens left: one being prefilled (``shortest``: the fewest tokens
-        left per precedence) or ``waiting`` (the first waiting prompt, when it would be admitted on this
-        worker after the running sequences, ``Scheduler._admissible_head``; counted whole, its cached prefix
-        too); then ``1 - short_prompt_share``, and the rest is left to them. Shortest remaining prefill first,
-        as SRPT orders jobs, without starving the long prompt: a short request's first token is not queued
-        behind every chunk of a long one."""
+        (``Policy.precedence``) has fewer tokens left: one being prefilled after it in this step
+        (``yields_to_running``, ``_yielding``) or ``waiting`` (the waiting prompt admission takes next, when
+        it would be admitted on this worker after the running sequences, ``Scheduler._admissible_next``;
+        counted whole, its cached prefix too); then ``1 - short_prompt_share``, and the rest is left to them.
+        Shortest remaining prefill first, as SRPT orders jobs, without starving the long prompt: a short
+        request's first token is not queued behind every chunk of a long one."""
         left, rank = seq.num_uncomputed_tokens, self._policy.precedence(seq)
-        running_shorter = any(tokens < left for r, tokens in shortest.items() if r <= rank)
         waiting_shorter = (waiting is not None and not draft.preempted and waiting.num_tokens < left
                            and self._policy.precedence(waiting) <= rank)
-        return 1.0 - self.config.short_prompt_share if running_shorter or waiting_shorter else 1.0
+        return 1.0 - self.config.short_prompt_share if yields_to_running or waiting_shorter else 1.0
 
     def _lookahead(self, worker: WorkerState, schedulable: list[Sequence], token_budget: int) -> int:
         """The step's most draft slots per decode: ``num_speculative_tokens`` (fixed), or what

@@ -14,6 +14,7 @@ from collections.abc import Collection, Mapping, Sequence as Seq
 from functools import partial
 
 from pagedserve.engine.admission import AdmissionHeadroom
+from pagedserve.engine.admission_order import passing_head, queue_head
 from pagedserve.engine.block_manager import NO_PREFIX
 from pagedserve.engine.config import SchedulerConfig, SchedulerStats
 from pagedserve.engine.messages import (EngineRequest, FinishReason, RequestError, ResumedSample, SampledToken,
@@ -48,7 +49,9 @@ class Scheduler:
         # drafts verified and accepted so far (None: this scheduler does not speculate)
         k = speculative.num_lookahead_tokens
         self.spec_decode = SpecDecodeCounters.zero(k) if k else None
-        policy = POLICIES[config.policy]
+        policy = self._policy = POLICIES[config.policy]
+        # a shorter prompt may pass a head that waits for an earlier prompt's chunks (admission_order)
+        self._next_admission = passing_head if config.short_prompt_share > 0 else queue_head
         self._workers = WorkerPool(config)
         self._requests = RequestsInFlight(policy)
         self._outputs: list[RequestOutput] = []  # made while scheduling, returned by schedule()
@@ -158,7 +161,7 @@ class Scheduler:
         drafts = self._workers.new_drafts(worker_ids)
         for worker_id, draft in drafts.items():
             worker = self._workers[worker_id]
-            fills_cache = self._running.schedule(worker, draft, partial(self._admissible_head, worker, drafts))
+            fills_cache = self._running.schedule(worker, draft, partial(self._admissible_next, worker, drafts))
             if fills_cache is not None:
                 self._out_of_memory(fills_cache)  # alone, and the whole cache is its: like the end of the context
             worker.swap_in(draft, self.config.max_num_seqs)
@@ -209,19 +212,20 @@ class Scheduler:
                                    self._running.num_swap_preemptions, self.spec_decode)
 
     # ---- policy pieces -------------------------------------------------------------------
-    def _admissible_head(self, worker: WorkerState, drafts: dict[str, PlanDraft]) -> Sequence | None:
-        """The first waiting sequence if it would be admitted on ``worker`` now: placed there (``WorkerPool.place``:
-        not a worker at ``max_num_seqs``, a fork's parent's), its prompt in its free blocks with room kept for the
-        running sequences' growth (``admission``); else None. The chunks of the prompts running there leave a
-        shorter one a share of the step (``RunningSchedule``). A fork, which takes one token, gets none."""
-        waiting = self._requests.waiting
-        if not len(waiting) or (head := waiting.peek()).num_tokens_in_flight or head.fork_parent is not None:
+    def _admissible_next(self, worker: WorkerState, drafts: dict[str, PlanDraft]) -> Sequence | None:
+        """The waiting sequence admission takes next (``admission_order``) if it would be admitted on ``worker``
+        now: placed there (``WorkerPool.place``: not a worker at ``max_num_seqs``, a fork's parent's), its prompt
+        in its free blocks with room kept for the running sequences' growth (``admission``); else None. The
+        chunks of the prompts running there leave a shorter one a share of the step (``RunningSchedule``). A
+        fork, which takes one token, gets none."""
+        if not len(self._requests.waiting):
             return None
-        if self._workers.place(head, drafts) is not worker:
+        nxt = self._next_admission(self._requests.waiting, self._policy, self._workers, drafts)
+        if nxt.seq.num_tokens_in_flight or nxt.seq.fork_parent is not None or nxt.worker is not worker:
             return None
         kept = self._headroom.kept_blocks(worker.blocks, worker.running.values())
-        return head if self._headroom.admits(worker.blocks, head, head.num_tokens, NO_PREFIX, kept,
-                                             len(worker.running)) else None
+        return nxt.seq if self._headroom.admits(worker.blocks, nxt.seq, nxt.seq.num_tokens, NO_PREFIX, kept,
+                                                len(worker.running)) else None
 
     def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
         """Admits waiting sequences in the policy's order until one does not fit, with room left for the
@@ -229,12 +233,11 @@ class Scheduler:
         waiting = self._requests.waiting
         kept: dict[str, int] = {}  # per worker: free blocks kept for its running sequences' growth
         while len(waiting):
-            seq = waiting.peek()
+            seq, worker = self._next_admission(waiting, self._policy, self._workers, drafts)
             if seq.num_tokens_in_flight:
                 return  # preempted while a step of it ran: it is sent in full once all its tokens are known
             if not self._fits_any_worker(seq):
                 continue  # rejected and removed from the queue
-            worker = self._workers.place(seq, drafts)
             if worker is None:
                 return
             draft = drafts[worker.worker_id]

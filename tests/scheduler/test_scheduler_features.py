@@ -189,6 +189,58 @@ def test_a_lower_priority_short_prompt_takes_no_room_from_a_higher_priority_long
     assert chunks_per_plan(runners)[2] == {"long": 8}
 
 
+@pytest.mark.parametrize("share, first_plans", [
+    # the short prompt passes the second long one, which waits for the first's chunks anyway; the second is
+    # admitted with what is left over, and once the first has 3 tokens left it takes the 5 after them
+    (0.5, [{"long1": 8}, {"long1": 4, "short": 3, "long2": 1}, {"short": 1, "long1": 7}, {"long1": 8},
+           {"long1": 3, "long2": 5}, {"long1": 1, "long2": 7}]),
+    # first come, first served: the short prompt waits for both long ones
+    (0.0, [{"long1": 8}, {"long1": 8}, {"long1": 8}, {"long1": 6, "long2": 2}, {"long1": 1, "long2": 7},
+           {"long2": 8}, {"long2": 8}, {"long2": 5, "short": 3}]),
+])
+def test_a_short_prompt_passes_a_long_one_waiting_for_an_earlier_prompts_chunks(share, first_plans):
+    engine, runners = make({"w": 64}, max_num_batched_tokens=8, max_plans_in_flight=1, short_prompt_share=share)
+    outputs: dict = {}
+    engine.add_request(req("long1", prompt(30, 60), 2, t=0))
+    collect(engine, outputs)
+    engine.add_request(req("long2", prompt(30, 5), 2, t=1))
+    engine.add_request(req("short", prompt(3, 15), 2, t=2))
+    run(engine, outputs)
+    assert chunks_per_plan(runners)[:len(first_plans)] == first_plans
+    for rid, p in [("long1", prompt(30, 60)), ("long2", prompt(30, 5)), ("short", prompt(3, 15))]:
+        assert outputs[(rid, 0)] == reference_output(p, 2)
+    assert all_free(engine)
+
+
+def test_a_passed_prompt_is_admitted_as_soon_as_the_earlier_prompts_chunks_are_done():
+    engine, runners = make({"w": 64}, max_num_batched_tokens=8, max_plans_in_flight=1, max_num_seqs=32)
+    outputs: dict = {}
+    engine.add_request(req("long1", prompt(20, 60), 1, t=0))
+    collect(engine, outputs)
+    engine.add_request(req("long2", prompt(20, 300), 1, t=1))
+    for i in range(8):  # a 4-token prompt every step takes all the room long1 leaves
+        engine.add_request(req(f"short{i}", prompt(4, 5 + 10 * i), 1, t=2 + i))
+        collect(engine, outputs)
+    plans = chunks_per_plan(runners)
+    assert [plan.get("long1", 0) for plan in plans] == [8, 4, 4, 4, 0, 0, 0, 0, 0]
+    # admitted beside long1's last chunk; from then on first come, first served: no short prompt passes it
+    assert [plan.get("long2", 0) for plan in plans] == [0, 0, 0, 4, 4, 4, 4, 4, 0]
+    run(engine, outputs)
+    assert outputs[("long2", 0)] == reference_output(prompt(20, 300), 1)
+    assert all_free(engine)
+
+
+def test_a_lower_priority_short_prompt_does_not_pass_a_waiting_higher_priority_one():
+    engine, runners = make({"w": 64}, max_num_batched_tokens=8, max_plans_in_flight=1, policy="priority")
+    outputs: dict = {}
+    engine.add_request(req("long1", prompt(30, 60), 1, t=0, priority=0))
+    collect(engine, outputs)
+    engine.add_request(req("long2", prompt(30, 5), 1, t=1, priority=0))
+    engine.add_request(req("low", prompt(3, 15), 1, t=2, priority=5))
+    collect(engine, outputs)
+    assert chunks_per_plan(runners)[1] == {"long1": 8}
+
+
 def test_without_chunking_a_prompt_runs_whole_or_is_refused():
     engine, runners = make({"w": 64}, max_num_batched_tokens=8, enable_chunked_prefill=False)
     engine.add_request(req("too-long", prompt(9), 2))
