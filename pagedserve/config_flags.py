@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import functools
 import os
+import re
 import types
 import typing
 from typing import Any
@@ -162,7 +163,20 @@ def config_from_args(cls: type, args: argparse.Namespace, base: Any = None, **gi
         if opt.secret is not None:
             value = opt.secret.read(value or "", getattr(args, dest_of(field, opt) + "_file") or "")
         values[field.name] = value
-    return dataclasses.replace(base, **values) if base is not None else cls(**values)
+    try:
+        return dataclasses.replace(base, **values) if base is not None else cls(**values)
+    except ValueError as exc:
+        raise ValueError(_with_flags(str(exc), cls)) from exc
+
+
+def _with_flags(message: str, cls: type) -> str:
+    """``message`` (a config's validation error, which names fields: the config is built in-process too)
+    with each of ``cls``'s option fields whose name has an ``_`` written as its flag, as the user typed it."""
+    for field in dataclasses.fields(cls):
+        opt = option_of(field)
+        if opt is not None and "_" in field.name:
+            message = re.sub(rf"(?<![\w-]){field.name}(?!\w)", "--" + flag_name(field, opt), message)
+    return message
 
 
 def config_to_argv(config: Any) -> list[str]:

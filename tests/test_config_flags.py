@@ -46,6 +46,23 @@ def test_a_service_config_comes_back_equal_from_its_flags(monkeypatch, command, 
         assert config_from_args(type(config), parser.parse_args([command, *argv]), **given) == config
 
 
+@pytest.mark.parametrize("command, argv, message", [
+    ("scheduler", ["--short-prompt-share", "1.5"], "--short-prompt-share must be at least 0 and below 1, got 1.5"),
+    ("scheduler", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be at least 1, got 0"),
+    ("scheduler", ["--step-timeout", "0"], "--step-timeout must be positive, got 0.0"),  # a flag of another name
+    ("worker", ["--speculative-method", "ngram", "--prompt-lookup-min", "3", "--prompt-lookup-max", "2"],
+     "--prompt-lookup-min <= --prompt-lookup-max"),
+])
+def test_a_bad_value_is_named_by_its_flag(monkeypatch, command, argv, message):
+    """A config's own validation names its fields (it is built in-process too); from flags, the error names the
+    flags the user typed."""
+    monkeypatch.setenv("PAGEDSERVE_CLUSTER_TOKEN", TOKEN)
+    given = {"model": Path("/m")} if command == "worker" else {}
+    config_type = {"scheduler": SchedulerServiceConfig, "worker": WorkerConfig}[command]
+    with pytest.raises(ValueError, match=message):
+        config_from_args(config_type, build_parser(command).parse_args([command, *argv]), **given)
+
+
 def test_a_command_line_builds_only_its_commands_flags():
     """`pagedserve worker ...` builds the worker's flags alone: the other commands' configs and modules
     (the launcher, the benchmarks, the gateway's config) are not imported; `pagedserve` alone (or an

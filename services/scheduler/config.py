@@ -70,9 +70,10 @@ class SchedulerServiceConfig:
             object.__setattr__(self, "advertise_host", default_advertise_host(self.host))
         if not self.consumer_name or ":" in self.consumer_name or len(self.consumer_name) > 128:
             raise ValueError(f"--consumer-name must be 1-128 characters without ':', got {self.consumer_name!r}")
-        if min(self.step_timeout_s, self.worker_poll_interval_s, self.worker_gone_after_s,
-               self.no_worker_timeout_s, self.gateway_grace_s) <= 0:
-            raise ValueError("timeouts and intervals must be positive")
+        for name in ("step_timeout_s", "worker_poll_interval_s", "worker_gone_after_s", "no_worker_timeout_s",
+                     "gateway_grace_s"):
+            if not getattr(self, name) > 0:  # NaN too
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lease_ttl_s < 3 * self.worker_poll_interval_s:
             raise ValueError(f"--lease-ttl must be at least {3 * self.worker_poll_interval_s:g} s (three renewals), "
                              f"got {self.lease_ttl_s:g}")

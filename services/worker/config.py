@@ -70,7 +70,7 @@ class WorkerConfig:
             from pagedserve.engine.parallel.rank_link import RankPlacement
 
             RankPlacement(self.rank_address, self.local_ranks, self.cluster_token.encode()).spawned(self.runner.ranks)
-        if self.heartbeat_interval_s <= 0:
-            raise ValueError("heartbeat interval must be positive")
+        if not self.heartbeat_interval_s > 0:  # NaN too
+            raise ValueError(f"heartbeat_interval_s must be positive, got {self.heartbeat_interval_s}")
         if not self.cluster_token:
             raise ValueError(MISSING_CLUSTER_TOKEN)
