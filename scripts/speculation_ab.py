@@ -26,8 +26,8 @@ from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.llm import LLM
 from pagedserve.model_files import resolve_model
 
-ENGINES = {"none": {"method": "none"}, "fixed": {"method": "ngram", "control": "fixed"},
-           "goodput": {"method": "ngram", "control": "goodput"}}
+ENGINES = {"none": {"method": "none"}, "fixed": {"method": "ngram", "control": "fixed", "num_speculative_tokens": 4},
+           "goodput": {"method": "ngram", "control": "goodput", "num_speculative_tokens": 4}}
 
 
 def copy_prompt(answer: str) -> str:
@@ -60,7 +60,7 @@ def main() -> None:
     p.add_argument("--workloads", default="busy,mixed,copy,chat", help="comma-separated (default %(default)s)")
     args = p.parse_args()
     model = resolve_model(args.model)
-    engines = {name: LLM(model, speculative_config={**ENGINES[name], "num_speculative_tokens": 4},
+    engines = {name: LLM(model, speculative_config=ENGINES[name],
                          max_plans_in_flight=args.max_plans_in_flight) for name in args.engines.split(",")}
     tokenizer = AutoTokenizer.from_pretrained(model)
     requests = sample_requests(DatasetSpec("sharegpt", args.dataset_path, args.num_prompts), tokenizer)

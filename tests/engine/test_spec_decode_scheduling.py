@@ -96,7 +96,7 @@ def test_a_lookahead_that_does_not_fit_is_dropped_not_preempting():
 @pytest.mark.parametrize("k, runs_ahead", [(0, True), (4, False)])
 def test_a_speculating_sequence_waits_for_its_answer(k, runs_ahead):
     scheduler = Scheduler(SchedulerConfig(block_size=BLOCK_SIZE, max_plans_in_flight=2, enable_prefix_caching=False),
-                          SpeculativeConfig(method="ngram" if k else "none", control="fixed"))
+                          SpeculativeConfig(method="ngram", control="fixed") if k else SpeculativeConfig())
     scheduler.add_worker("w0", BLOCKS)
     add(scheduler)
     scheduler.schedule(["w0"])  # the prefill, its token in flight
@@ -108,6 +108,14 @@ def test_bad_speculative_configs_are_refused():
                    {"method": "eagle"}):
         with pytest.raises(ValueError):
             SpeculativeConfig(**{"method": "ngram", **fields})
+
+
+@pytest.mark.parametrize("fields", [{"num_speculative_tokens": 8}, {"control": "fixed"}, {"prompt_lookup_max": 3}])
+def test_a_speculative_setting_without_a_method_is_refused_not_ignored(fields):
+    name, value = next(iter(fields.items()))
+    with pytest.raises(ValueError, match=f"{name}={value} has no effect without a speculative method"):
+        SpeculativeConfig(**fields)
+    assert SpeculativeConfig(method="none").num_lookahead_tokens == 0  # the defaults alone are no speculation
 
 
 def test_the_step_cost_model_sees_a_speculative_decode_as_the_rows_it_verified(monkeypatch):

@@ -35,8 +35,8 @@ class SpeculativeConfig:
 
     Raises:
         ValueError: an unknown method, ``num_speculative_tokens`` < 1, not
-            ``1 <= prompt_lookup_min <= prompt_lookup_max``, ``draft_model`` without a ``model``, or a
-            ``model`` with another method.
+            ``1 <= prompt_lookup_min <= prompt_lookup_max``, a field other than its default without a method,
+            ``draft_model`` without a ``model``, or a ``model`` with another method.
     """
 
     method: SpeculativeMethod = option(
@@ -66,6 +66,11 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"speculative decoding needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method is SpeculativeMethod.NONE:
+            for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "control"):
+                if (value := getattr(self, name)) != getattr(SpeculativeConfig, name):
+                    raise ValueError(f"{name}={getattr(value, 'value', value)} has no effect without a speculative "
+                                     "method: give one (ngram or draft_model), or leave it out")
         if (self.method is SpeculativeMethod.DRAFT_MODEL) != (self.model is not None):
             raise ValueError(f"speculative method {self.method.value} with model={self.model!r}: the method "
                              "draft_model needs a model (--speculative-model), and only it takes one")
