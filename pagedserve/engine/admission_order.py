@@ -9,21 +9,24 @@ not have taken any of that room. vLLM's chunked prefill answers the same case wi
 prompts prefilled at once, letting "shorter prompts jump the queue in front of longer prompts"
 (``max_long_partial_prefills``); here the rule is relative and needs no length threshold:
 
-* the head **waits behind** a worker when it is placed there and a prompt ahead of it in the policy's
-  order (``Policy.serves_before``) is being prefilled there: it will not be admitted before that one's
-  chunks leave room;
+* the head **waits behind** a worker when it is placed there and a prompt that arrived before it
+  (``Sequence.arrival_order``: this scheduler's order, not the front ends' clocks) is being prefilled there:
+  it will not be admitted before that one's chunks leave room;
 * then the first waiting prompt within ``PASSING_WINDOW`` places of the head that is shorter than the
   head, of the head's precedence, not a fork and with no token in flight, **passes** it, if it is placed
-  on the same worker (one placement more per worker and step, at most).
+  on the same worker; the admission loop asks again after each admission, so several may pass in a step.
 
-Starvation-free: the head is passed only while prompts ahead of it are prefilled; once their chunks are
-done it is admitted before anything behind it, as first come, first served. Without a short-prompt share
+A fork (a sample of ``n > 1`` that takes one token beside its parent) and a sequence with tokens in flight
+are never passed. Starvation-free: the head is passed only while prompts that arrived before it are
+prefilled, a set that only shrinks (a higher-priority prompt arriving later lets nothing pass it); once
+their chunks are done it is admitted before anything behind it. Without a short-prompt share
 (``short_prompt_share`` 0) the head is never passed.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
 from pagedserve.engine.policy import Policy, WaitingQueue
 from pagedserve.engine.sequence import Sequence
 from pagedserve.engine.worker_pool import WorkerPool
@@ -52,7 +55,8 @@ def passing_head(waiting: WaitingQueue, policy: Policy, workers: WorkerPool,
                  drafts: dict[str, PlanDraft]) -> NextAdmission:
     """As :func:`queue_head`, or the shorter prompt that passes the head (module docstring)."""
     head = queue_head(waiting, policy, workers, drafts)
-    if head.worker is None or not _waits_behind(head.seq, head.worker, policy):
+    if (head.worker is None or head.seq.fork_parent is not None or head.seq.num_tokens_in_flight
+            or not _waits_behind(head.seq, head.worker)):
         return head
     for seq in waiting.first(PASSING_WINDOW + 1)[1:]:
         if (seq.num_tokens < head.seq.num_tokens and policy.precedence(seq) == policy.precedence(head.seq)
@@ -61,6 +65,6 @@ def passing_head(waiting: WaitingQueue, policy: Policy, workers: WorkerPool,
     return head
 
 
-def _waits_behind(head: Sequence, worker: WorkerState, policy: Policy) -> bool:
-    """Whether a prompt ahead of ``head`` in the policy's order is being prefilled on ``worker``."""
-    return any(s.num_uncomputed_tokens > 1 and policy.serves_before(s, head) for s in worker.running.values())
+def _waits_behind(head: Sequence, worker: WorkerState) -> bool:
+    """Whether a prompt that arrived before ``head`` is being prefilled on ``worker``."""
+    return any(s.num_uncomputed_tokens > 1 and s.arrival_order < head.arrival_order for s in worker.running.values())

@@ -26,15 +26,16 @@ def grammar_failure(reason: str) -> RequestError:
 
 
 def num_new_tokens(seq: Sequence, draft: PlanDraft, config: SchedulerConfig, num_computed: int | None = None,
-                   share: float = 1.0) -> int:
+                   share: float = 1.0, reserve: int = 0) -> int:
     """Tokens to compute now: with chunked prefill, ``PlanDraft.chunk_tokens`` (a decode, or a
-    chunk sized by ``share`` of the step's prefill room: token budget and time); without, all that
-    remain, or 0 when they do not fit in what is left of the budget."""
+    chunk sized by ``share`` of the step's prefill room, token budget and time, or by all of it but
+    ``reserve`` tokens when that is more); without, all that remain, or 0 when they do not fit in what
+    is left of the budget."""
     computed = seq.num_computed_tokens if num_computed is None else num_computed
     remaining = seq.num_tokens + seq.num_tokens_in_flight - computed
     if not config.enable_chunked_prefill:
         return remaining if remaining <= draft.token_budget else 0
-    return draft.chunk_tokens(computed, remaining, share)
+    return draft.chunk_tokens(computed, remaining, share, reserve)
 
 
 def rejection_reason(seq: Sequence, worker_blocks: Seq[int], config: SchedulerConfig) -> str | None:

@@ -100,7 +100,8 @@ class PriorityQueue:
         return self._heap[0][3]
 
     def first(self, count: int) -> list[Sequence]:
-        # the smallest entries of a heap are found from its root down: O(k log k) for k entries looked at
+        # the smallest entries of a heap are found from its root down: O(m log m) for the m entries looked at,
+        # removed ones among them (at most about half the heap: ``remove``)
         found: list[Sequence] = []
         frontier = [(self._heap[0], 0)] if self._heap else []
         while frontier and len(found) < count:
@@ -114,6 +115,9 @@ class PriorityQueue:
 
     def remove(self, seq_id: SequenceId) -> None:
         self._live.pop(seq_id, None)
+        if len(self._heap) > 2 * len(self._live) + 64:  # removed entries are dropped once they are half of it
+            self._heap = [entry for entry in self._heap if self._live.get(entry[3].seq_id) == entry[2]]
+            heapq.heapify(self._heap)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -148,11 +152,6 @@ class Policy:
     make_queue: Callable[[], WaitingQueue]
     running_order: Callable[[OrderedDict[SequenceId, Sequence]], list[Sequence]]
     precedence: Callable[[Sequence], int]
-
-    def serves_before(self, first: Sequence, second: Sequence) -> bool:
-        """Whether ``first`` comes before ``second`` in this policy's order: by precedence, then arrival."""
-        return (self.precedence(first), first.request.arrival_time) < (self.precedence(second),
-                                                                       second.request.arrival_time)
 
 
 FCFS = Policy(SchedulingPolicy.FCFS, FcfsQueue, admission_order, lambda seq: 0)

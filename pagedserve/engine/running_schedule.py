@@ -49,9 +49,9 @@ class RunningSchedule:
                  admissible_waiting: Callable[[], Sequence | None]) -> Sequence | None:
         """Decodes first, then prefill chunks, each in the policy's order; preempts from the back.
         A sequence whose tokens in flight must be known first (``Sequence.can_run_ahead``, or to
-        speculate: ``lookahead.waits_for_answer``) waits. ``admissible_waiting``: the first waiting
-        sequence if it could be admitted on this worker after them, else None (``_prefill_share``;
-        asked only when a prompt is being prefilled here).
+        speculate: ``lookahead.waits_for_answer``) waits. ``admissible_waiting``: the waiting
+        sequence admission takes next if it could be admitted on this worker after them, else None
+        (``Scheduler._admissible_next``, for ``_prefill_share``; asked only when a prompt is being prefilled here).
 
         Returns:
             The sequence alone on the worker whose blocks fill its whole cache, with no token in flight:
@@ -66,8 +66,9 @@ class RunningSchedule:
         waiting = admissible_waiting() if prefills and self.config.short_prompt_share > 0 else None
         while queue and draft.token_budget > 0:
             seq = queue.popleft()
-            share = self._prefill_share(seq, draft, seq in yielding, waiting) if seq.num_uncomputed_tokens > 1 else 1.0
-            num_new = num_new_tokens(seq, draft, self.config, share=share)
+            share, reserve = self._prefill_share(seq, draft, yielding, waiting) if seq.num_uncomputed_tokens > 1 \
+                else (1.0, 0)
+            num_new = num_new_tokens(seq, draft, self.config, share=share, reserve=reserve)
             if num_new == 0:
                 continue
             k = sequence_lookahead(seq, step_k, most)
@@ -85,32 +86,39 @@ class RunningSchedule:
             worker.advance(seq, num_new, draft, lookahead)
         return None
 
-    def _yielding(self, prefills: list[Sequence]) -> set[Sequence]:
+    def _yielding(self, prefills: list[Sequence]) -> dict[Sequence, int]:
         """The prompts being prefilled that a shorter one scheduled after them in this step, of their precedence
-        or an earlier one (``Policy.precedence``), takes room from (one scheduled before took its own already)."""
+        or an earlier one (``Policy.precedence``), takes room from (one scheduled before took its own already),
+        each with the tokens the prompts after it of such precedence have left (what they may take at most)."""
         fewest: dict[int, int] = {}  # precedence -> fewest tokens left among the prompts after this one
-        yielding = set()
+        left_after: dict[int, int] = {}  # precedence -> tokens left of the prompts after this one
+        yielding = {}
         for seq in reversed(prefills):
             rank, left = self._policy.precedence(seq), seq.num_uncomputed_tokens
             if any(tokens < left for r, tokens in fewest.items() if r <= rank):
-                yielding.add(seq)
+                yielding[seq] = sum(tokens for r, tokens in left_after.items() if r <= rank)
             fewest[rank] = min(fewest.get(rank, left), left)
+            left_after[rank] = left_after.get(rank, 0) + left
         return yielding
 
-    def _prefill_share(self, seq: Sequence, draft: PlanDraft, yields_to_running: bool,
-                       waiting: Sequence | None) -> float:
+    def _prefill_share(self, seq: Sequence, draft: PlanDraft, yielding: dict[Sequence, int],
+                       waiting: Sequence | None) -> tuple[float, int]:
         """The share of the step's prefill room that ``seq``'s next chunk may take with the chunks before
-        it (``PlanDraft.chunk_tokens``): all of it, unless a prompt of ``seq``'s precedence or an earlier one
-        (``Policy.precedence``) has fewer tokens left: one being prefilled after it in this step
-        (``yields_to_running``, ``_yielding``) or ``waiting`` (the waiting prompt admission takes next, when
-        it would be admitted on this worker after the running sequences, ``Scheduler._admissible_next``;
-        counted whole, its cached prefix too); then ``1 - short_prompt_share``, and the rest is left to them.
-        Shortest remaining prefill first, as SRPT orders jobs, without starving the long prompt: a short
-        request's first token is not queued behind every chunk of a long one."""
+        it, and the most tokens it leaves to others (``PlanDraft.chunk_tokens``): all of it, unless a prompt
+        of ``seq``'s precedence or an earlier one (``Policy.precedence``) has fewer tokens left: one being
+        prefilled after it in this step (``yielding``) or ``waiting`` (the waiting sequence admission takes
+        next, when it would be admitted on this worker after the running sequences,
+        ``Scheduler._admissible_next``: a prompt counted whole, its cached prefix too; a fork, one token);
+        then ``1 - short_prompt_share``, or more where they need less. Shortest remaining prefill first, as
+        SRPT orders jobs, without starving the long prompt: a short request's first token is not queued behind
+        every chunk of a long one."""
         left, rank = seq.num_uncomputed_tokens, self._policy.precedence(seq)
-        waiting_shorter = (waiting is not None and not draft.preempted and waiting.num_tokens < left
+        need = 0 if waiting is None else 1 if waiting.fork_parent is not None else waiting.num_tokens
+        waiting_shorter = (waiting is not None and not draft.preempted and need < left
                            and self._policy.precedence(waiting) <= rank)
-        return 1.0 - self.config.short_prompt_share if yields_to_running or waiting_shorter else 1.0
+        if seq not in yielding and not waiting_shorter:
+            return 1.0, 0
+        return 1.0 - self.config.short_prompt_share, yielding.get(seq, 0) + (need if waiting_shorter else 0)
 
     def _lookahead(self, worker: WorkerState, schedulable: list[Sequence], token_budget: int) -> int:
         """The step's most draft slots per decode: ``num_speculative_tokens`` (fixed), or what

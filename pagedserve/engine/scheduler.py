@@ -214,21 +214,24 @@ class Scheduler:
     # ---- policy pieces -------------------------------------------------------------------
     def _admissible_next(self, worker: WorkerState, drafts: dict[str, PlanDraft]) -> Sequence | None:
         """The waiting sequence admission takes next (``admission_order``) if it would be admitted on ``worker``
-        now: placed there (``WorkerPool.place``: not a worker at ``max_num_seqs``, a fork's parent's), its prompt
-        in its free blocks with room kept for the running sequences' growth (``admission``); else None. The
-        chunks of the prompts running there leave a shorter one a share of the step (``RunningSchedule``). A
-        fork, which takes one token, gets none."""
+        now: placed there (``WorkerPool.place``: not a worker at ``max_num_seqs``, a fork's parent's), and a
+        fork (one token beside its parent's blocks) or a prompt in its free blocks with room kept for the
+        running sequences' growth (``admission``); else None. The chunks of the prompts running there leave it
+        what it needs, up to a share of the step (``RunningSchedule._prefill_share``)."""
         if not len(self._requests.waiting):
             return None
-        nxt = self._next_admission(self._requests.waiting, self._policy, self._workers, drafts)
-        if nxt.seq.num_tokens_in_flight or nxt.seq.fork_parent is not None or nxt.worker is not worker:
+        seq, placed = self._next_admission(self._requests.waiting, self._policy, self._workers, drafts)
+        if seq.num_tokens_in_flight or placed is not worker:
             return None
+        if seq.fork_parent is not None:
+            return seq
         kept = self._headroom.kept_blocks(worker.blocks, worker.running.values())
-        return nxt.seq if self._headroom.admits(worker.blocks, nxt.seq, nxt.seq.num_tokens, NO_PREFIX, kept,
-                                                len(worker.running)) else None
+        return seq if self._headroom.admits(worker.blocks, seq, seq.num_tokens, NO_PREFIX, kept,
+                                            len(worker.running)) else None
 
     def _schedule_waiting(self, drafts: dict[str, PlanDraft]) -> None:
-        """Admits waiting sequences in the policy's order until one does not fit, with room left for the
+        """Admits waiting sequences in the policy's order, but for shorter prompts passing a head that waits
+        for an earlier prompt's chunks (``admission_order``), until one does not fit, with room left for the
         running sequences' growth (``admission``)."""
         waiting = self._requests.waiting
         kept: dict[str, int] = {}  # per worker: free blocks kept for its running sequences' growth

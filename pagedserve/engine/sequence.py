@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import enum
+import itertools
 
 from pagedserve.engine.messages import EngineRequest, FinishReason, PromptLogprobs, SequenceId, TokenLogprobs
 from pagedserve.engine.sampling_params import EngineSamplingParams
+
+
+_arrivals = itertools.count()
+"""Numbers sequences in the order they are made (``Sequence.arrival_order``)."""
 
 
 class SequenceStatus(enum.Enum):
@@ -45,6 +50,9 @@ class Sequence:
         num_worker_losses: how often the worker running it failed or went away.
         prompt_logprobs: for a request asking for ``prompt_logprobs``, until its first output:
             the entries received so far, for prompt positions 1, 2, ...
+        arrival_order: when this scheduler made it, counted over the process (``_arrivals``): which
+            of two sequences came first, whatever the clocks of the front ends that stamped
+            ``request.arrival_time`` (``admission_order``).
     """
 
     __slots__ = (
@@ -65,6 +73,7 @@ class Sequence:
         "num_preemptions",
         "num_worker_losses",
         "prompt_logprobs",
+        "arrival_order",
     )
 
     def __init__(self, request: EngineRequest, sample_index: int = 0,
@@ -86,6 +95,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_worker_losses = 0
         self.prompt_logprobs: list[TokenLogprobs] = []
+        self.arrival_order = next(_arrivals)
 
     @property
     def request_id(self) -> str:

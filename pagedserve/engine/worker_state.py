@@ -57,24 +57,26 @@ class PlanDraft:
     chunks: list[tuple[int, int]] = field(default_factory=list)
     sampling: list[Sequence] = field(default_factory=list)
 
-    def chunk_tokens(self, context: int, remaining: int, share: float = 1.0) -> int:
+    def chunk_tokens(self, context: int, remaining: int, share: float = 1.0, reserve: int = 0) -> int:
         """Tokens to compute now for a sequence with ``remaining`` tokens after ``context`` computed
         ones: a decode (``remaining`` 1) while the token budget lasts; a prefill chunk as long as
-        ``share`` of the step's prefill room allows, less the chunks scheduled before it: the room is
-        the token budget the decodes leave and, when the step runs decodes, the time they leave
-        (``prefill_chunk_tokens``, ``step_cost``). The step's first chunk gets at least one token
-        whatever its share, so a prompt never starves behind decodes."""
+        ``share`` of the step's prefill room allows, or all of it but what ``reserve`` tokens (those the
+        prompts it leaves room to may take; priced at context 0) need when that is more, less the
+        chunks scheduled before it: the room is the token budget the decodes leave and, when the step
+        runs decodes, the time they leave (``prefill_chunk_tokens``, ``step_cost``). The step's first
+        chunk gets at least one token whatever its share, so a prompt never starves behind decodes."""
         first, chunked = not self.chunks, sum(n for _, n in self.chunks)
-        held = math.floor(share * (self.token_budget + chunked)) - chunked
+        held = max(math.floor(share * (self.token_budget + chunked)) - chunked, self.token_budget - reserve)
         limit = max(0, min(remaining, self.token_budget, max(held, 1) if first else held))
         if remaining == 1 or limit == 0 or not self.decode_tokens or math.isinf(self.max_decode_slowdown):
             return limit
         cost = self.cost()
         if cost is None:
             return limit
-        decodes_s = cost.step_seconds(self.decode_tokens, self.decode_pairs, self.decode_tokens)
-        prefill_s = sum(cost.chunk_seconds(c, n) for c, n in self.chunks)
-        allowance_s = share * (self.max_decode_slowdown - 1) * decodes_s - prefill_s
+        room_s = (self.max_decode_slowdown - 1) * cost.step_seconds(self.decode_tokens, self.decode_pairs,
+                                                                    self.decode_tokens)
+        allowance_s = max(share * room_s, room_s - cost.chunk_seconds(0, reserve)) - sum(
+            cost.chunk_seconds(c, n) for c, n in self.chunks)
         tokens = prefill_chunk_tokens(cost, allowance_s, context, limit)
         return max(tokens, 1) if first else tokens
 

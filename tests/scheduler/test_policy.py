@@ -1,5 +1,5 @@
-"""The policies' waiting queues (``first``: the head and the prompts behind it that may pass it,
-``admission_order``) and their order of service (``Policy.serves_before``)."""
+"""The policies' waiting queues: ``first`` (the head and the prompts behind it that may pass it,
+``admission_order``), and removed entries dropped from the priority heap."""
 
 from __future__ import annotations
 
@@ -28,13 +28,6 @@ def test_first_lists_the_queue_in_its_order_without_removed_sequences(policy, ex
     assert queue.first(0) == []
 
 
-def test_serves_before_orders_by_precedence_then_arrival():
-    early_low, late_high = seq("a", 1.0, priority=5), seq("b", 2.0, priority=0)
-    assert FCFS.serves_before(early_low, late_high) and not FCFS.serves_before(late_high, early_low)
-    assert PRIORITY.serves_before(late_high, early_low) and not PRIORITY.serves_before(early_low, late_high)
-    assert not FCFS.serves_before(early_low, early_low)  # samples of one request: none before another
-
-
 def test_first_of_a_large_priority_queue_is_its_smallest_entries_in_order():
     import random
 
@@ -49,3 +42,14 @@ def test_first_of_a_large_priority_queue_is_its_smallest_entries_in_order():
     expected = sorted(live, key=lambda s: (s.request.priority, s.request.arrival_time))[:40]
     assert queue.first(40) == expected
     assert queue.first(40)[0] is queue.peek()
+
+
+def test_removed_entries_do_not_pile_up_in_the_priority_heap():
+    queue = PRIORITY.make_queue()
+    head = seq("head", 0.0)
+    queue.push(head)
+    for i in range(1000):  # prompts admitted from behind a head that stays: never popped at the root
+        passer = seq(f"p{i}", 1.0 + i)
+        queue.push(passer)
+        queue.remove(passer.seq_id)
+    assert len(queue._heap) <= 2 * len(queue) + 64 and queue.first(5) == [head] and queue.peek() is head

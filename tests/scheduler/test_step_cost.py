@@ -63,21 +63,30 @@ def test_prefill_without_decodes_or_without_a_slowdown_fills_the_token_budget():
 def test_a_share_of_the_prefill_room_caps_the_chunks_of_running_prompts_and_leaves_the_rest():
     cost = StepCost(fixed_s=0.1005, per_token_s=1e-3, per_pair_s=0.0, largest_step_tokens=256)
     draft = draft_with_decodes(cost, 2.0, decodes=8)  # 0.1085 s of prefill time, 248 tokens of budget
-    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5) == 54  # 0.054 s of the 0.05425 s share
+    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5, reserve=5000) == 54  # 0.054 of the 0.05425 s
     draft.add(context=0, num_new=54)
-    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5) == 0  # the running prompts' share is spent
+    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5, reserve=5000) == 0  # the running prompts' share
     assert draft.chunk_tokens(context=0, remaining=5000) == 54  # what is left is a waiting prompt's
     no_decodes = draft_with_decodes(cost, 2.0, decodes=0)  # the token budget is the room
-    assert no_decodes.chunk_tokens(context=0, remaining=5000, share=0.5) == 128
+    assert no_decodes.chunk_tokens(context=0, remaining=5000, share=0.5, reserve=5000) == 128
     no_decodes.add(context=0, num_new=128)
-    assert no_decodes.chunk_tokens(context=0, remaining=5000, share=0.5) == 0
+    assert no_decodes.chunk_tokens(context=0, remaining=5000, share=0.5, reserve=5000) == 0
     assert no_decodes.chunk_tokens(context=0, remaining=5000) == 128
+
+
+def test_a_prompt_leaves_others_no_more_room_than_they_need():
+    cost = StepCost(fixed_s=0.1005, per_token_s=1e-3, per_pair_s=0.0, largest_step_tokens=256)
+    draft = draft_with_decodes(cost, 2.0, decodes=8)  # 0.1085 s of prefill time, 248 tokens of budget
+    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5, reserve=20) == 88  # 0.1085 s less 20 tokens' 0.02
+    no_decodes = draft_with_decodes(cost, 2.0, decodes=0)
+    assert no_decodes.chunk_tokens(context=0, remaining=5000, share=0.5, reserve=20) == 236  # 256 less 20
+    assert no_decodes.chunk_tokens(context=0, remaining=5000, share=0.5, reserve=200) == 128  # half at least
 
 
 def test_the_first_chunk_gets_a_token_whatever_its_share():
     cost = StepCost(fixed_s=0.1005, per_token_s=1e-3, per_pair_s=0.0, largest_step_tokens=256)
     draft = draft_with_decodes(cost, 2.0, decodes=8, budget=9)  # one token of room: half of it rounds to 0
-    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5) == 1
+    assert draft.chunk_tokens(context=0, remaining=5000, share=0.5, reserve=5000) == 1
     draft.add(context=0, num_new=1)
     assert draft.chunk_tokens(context=0, remaining=5000) == 0  # the budget is spent
 
