@@ -38,8 +38,9 @@ def one_run(llm: LLM, args: argparse.Namespace, seed: int) -> str:
             if out.delta.finish_reason:
                 done.add(out.request_id)
     waits = [first[r][0] - s for r, s in arrived.items()]
+    ttfts = [round(first[r][1], 2) for r in longs]
     return (f"wall {time.perf_counter() - start:.1f} s, steps {step}, short prompts' wait in steps median "
-            f"{statistics.median(waits)} largest {max(waits)}, long prompts' TTFT s {[round(first[r][1], 2) for r in longs]}")
+            f"{statistics.median(waits)} largest {max(waits)}, long prompts' TTFT s {ttfts}")
 
 
 def main() -> None:

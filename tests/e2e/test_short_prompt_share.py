@@ -30,7 +30,8 @@ def test_a_short_request_passes_a_waiting_long_prompt_and_is_answered_during_the
     rng = random.Random(23)
     prompts = {name: [rng.randrange(1000, 20000) for _ in range(n)] for name, n in
                [("long1", LONG_PROMPT_TOKENS), ("long2", LONG_PROMPT_TOKENS), ("short", SHORT_PROMPT_TOKENS)]}
-    outputs = default_llm.generate(list(prompts.values()), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    outputs = default_llm.generate(list(prompts.values()), greedy)
     expected = {name: list(o.token_ids) for name, o in zip(prompts, outputs)}
     stack = start_stack(tmp_path, default_model, num_workers=1,
                         scheduler_args=("--max-num-batched-tokens", str(BUDGET)))
