@@ -134,12 +134,12 @@ class SchedulerConfig:
         "chunks beside them are sized to fit, so a long prompt does not stall running streams; inf: chunks "
         "fill the token budget", 2.0)
     short_prompt_share: float = option(
-        "with chunked prefill, the share of a step's prefill room (the token budget and time the decodes leave) "
-        "that a prompt being prefilled leaves to prompts with fewer tokens left (running, or waiting and admissible "
-        "on its worker now), so that a short request is not queued behind a long prompt's chunks (shortest "
-        "remaining first; the long prompt keeps 1 - this share of the room); a shorter prompt is admitted before a "
-        "longer one waiting for an earlier prompt's chunks (pagedserve/engine/admission_order.py); 0: first come, "
-        "first served", 0.5)
+        "with chunked prefill, the most of a step's prefill room (the token budget and time the decodes leave) "
+        "that a prompt being prefilled leaves to prompts with fewer tokens left (what they need; running, or "
+        "waiting and admissible on its worker now), so that a short request is not queued behind a long prompt's "
+        "chunks (shortest remaining first; the long prompt keeps at least 1 - this share of the room); a shorter "
+        "prompt is admitted before a longer one waiting for an earlier prompt's chunks "
+        "(pagedserve/engine/admission_order.py); 0: first come, first served", 0.5)
     admission_headroom: float = option(
         "a waiting request is admitted only if the free KV blocks then still hold this fraction of the tokens each "
         "running request may yet generate (max_tokens left), so that fewer are preempted and prefilled again; "
