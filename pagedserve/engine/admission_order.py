@@ -55,14 +55,15 @@ def passing_head(waiting: WaitingQueue, policy: Policy, workers: WorkerPool,
                  drafts: dict[str, PlanDraft]) -> NextAdmission:
     """As :func:`queue_head`, or the shorter prompt that passes the head (module docstring)."""
     head = queue_head(waiting, policy, workers, drafts)
-    if (head.worker is None or head.seq.fork_parent is not None or head.seq.num_tokens_in_flight
-            or not _waits_behind(head.seq, head.worker)):
+    if head.worker is None or head.seq.fork_parent is not None or head.seq.num_tokens_in_flight:
         return head
-    for seq in waiting.first(PASSING_WINDOW + 1)[1:]:
-        if (seq.num_tokens < head.seq.num_tokens and policy.precedence(seq) == policy.precedence(head.seq)
-                and seq.fork_parent is None and not seq.num_tokens_in_flight):
-            return NextAdmission(seq, head.worker) if workers.place(seq, drafts) is head.worker else head
-    return head
+    passer = next((seq for seq in waiting.first(PASSING_WINDOW + 1)[1:]
+                   if seq.num_tokens < head.seq.num_tokens and policy.precedence(seq) == policy.precedence(head.seq)
+                   and seq.fork_parent is None and not seq.num_tokens_in_flight), None)
+    # the scan of the worker's running sequences only when a prompt could pass
+    if passer is None or not _waits_behind(head.seq, head.worker) or workers.place(passer, drafts) is not head.worker:
+        return head
+    return NextAdmission(passer, head.worker)
 
 
 def _waits_behind(head: Sequence, worker: WorkerState) -> bool:

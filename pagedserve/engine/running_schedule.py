@@ -66,8 +66,8 @@ class RunningSchedule:
         waiting = admissible_waiting() if prefills and self.config.short_prompt_share > 0 else None
         while queue and draft.token_budget > 0:
             seq = queue.popleft()
-            share, reserve = self._prefill_share(seq, draft, yielding, waiting) if seq.num_uncomputed_tokens > 1 \
-                else (1.0, 0)
+            share, reserve = ((1.0, 0) if seq.num_uncomputed_tokens == 1
+                              else self._prefill_share(seq, draft, yielding, waiting))
             num_new = num_new_tokens(seq, draft, self.config, share=share, reserve=reserve)
             if num_new == 0:
                 continue
