@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <omp.h>
 #include <vector>
 
@@ -58,16 +59,7 @@ struct Shape {
 };
 
 #include "kv_rows.h"  // KvRows, strided_rows, paged_rows
-
-// Panel hp = h * P + p of K (P panels a head) into zeroed panels: panels[hp][d][j] = key[16p + j, h, d], 0 past L.
-void pack_panel(const KvRows& kv, const Shape& s, int64_t hp, float* panels) {
-  const int64_t P = s.panels_per_head(), h = hp / P, p = hp % P;
-  float* dst = panels + hp * s.D * kCols;
-  for (int64_t j = 0; j < kCols && p * kCols + j < s.L; ++j) {
-    const float* row = kv.key[p * kCols + j] + h * kv.key_head_stride;
-    for (int64_t d = 0; d < s.D; ++d) dst[d * kCols + j] = row[d];
-  }
-}
+#include "key_panels.h"  // pack_panel
 
 // scores[r][0..15] = sum over d of q[r][d] * panel[d][0..15], for kRows rows D floats apart.
 inline void score_block(const float* q, int64_t D, const float* panel, float* scores) {
@@ -216,15 +208,15 @@ void attend(at::Tensor& out, const at::Tensor& query, const KvRows& kv, const Sh
   for (int64_t first = (rows_per_head - 1) / rows_per_item * rows_per_item; first >= 0; first -= rows_per_item)
     for (int64_t h = 0; h < s.Hkv; ++h) items.push_back({h, first, std::min(rows_per_item, rows_per_head - first)});
   const int64_t num_panels = s.Hkv * s.panels_per_head(), n = static_cast<int64_t>(items.size());
-  std::vector<float> panels(num_panels * s.D * kCols);  // zeroed: the keys past L stay 0
+  std::unique_ptr<float[]> panels(new float[num_panels * s.D * kCols]);  // not zeroed: pack_panel writes all
   std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(threads)  // one team packs the panels, then runs the items
   {
 #pragma omp for schedule(static)
-    for (int64_t hp = 0; hp < num_panels; ++hp) pack_panel(kv, s, hp, panels.data());
+    for (int64_t hp = 0; hp < num_panels; ++hp) pack_panel(kv, s, hp, panels.get());
     Rows rows(s.D);  // the loop's implicit barrier: every panel is packed
     for (int64_t i = claimed.fetch_add(1); i < n; i = claimed.fetch_add(1))
-      run_item(items[i], s, query, kv, panels.data(), out, rows);
+      run_item(items[i], s, query, kv, panels.get(), out, rows);
   }
 }
 
