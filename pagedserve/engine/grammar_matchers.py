@@ -20,6 +20,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -178,6 +179,43 @@ def failure(matcher) -> str | None:
     return "the structured output's grammar failed: " + matcher.get_error().splitlines()[0][:300]
 
 
+@dataclass(frozen=True)
+class DraftMasks:
+    """A structured output's masks along a speculating sequence's drafts (:func:`draft_masks`).
+
+    Attributes:
+        bitmask: CPU int32 ``[d + 1, W]``: row ``j`` the tokens allowed after the first ``j`` drafts
+            (every token allowed in the rows past a draft its row refuses: never reached).
+        failures: per row, :func:`failure` of the matcher at that row (what the token chosen there carries).
+    """
+
+    bitmask: torch.Tensor
+    failures: tuple[str | None, ...]
+
+
+def draft_masks(matcher, draft_token_ids: Sequence[int], vocab_size: int) -> DraftMasks:
+    """The masks plain decoding would apply at a drafted sequence's ``d + 1`` rows had it sampled the
+    drafts: the matcher's as it is, then after each draft its row allows (:func:`advance`, on a copy:
+    ``matcher`` is not changed). A row's refused draft is never accepted, and a row whose matcher has
+    failed ends the sequence, so the rows after either are not reached and are left unmasked."""
+    bitmask = allocate_bitmask(len(draft_token_ids) + 1, vocab_size)      # (d + 1, W)
+    failures: list[str | None] = []
+    path = matcher.deep_copy()
+    for j, view in enumerate(bitmask):
+        path.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+        failures.append(failure(path))
+        if failures[-1] is not None or j == len(draft_token_ids) or not allows(view, draft_token_ids[j]):
+            break  # the sequence ends at this row's token, or the draft is refused: no later row is reached
+        advance(path, draft_token_ids[j])
+    failures += [None] * (len(bitmask) - len(failures))
+    return DraftMasks(bitmask, tuple(failures))
+
+
+def allows(row: torch.Tensor, token_id: int) -> bool:
+    """Whether a bitmask row (int32 ``[W]``) allows ``token_id``."""
+    return 0 <= token_id < row.numel() * 32 and bool((int(row[token_id // 32]) >> (token_id % 32)) & 1)
+
+
 def mask_grammar(logits: torch.Tensor, matchers: Sequence[object | None]) -> None:
     """Sets to ``-inf`` (in place) every token the row's matcher does not allow next; rows without
     a matcher are untouched and cost nothing (no bitmask when no row has one).
@@ -193,6 +231,12 @@ def mask_grammar(logits: torch.Tensor, matchers: Sequence[object | None]) -> Non
     for k, row in enumerate(rows):
         view = bitmask[k]
         matchers[row].unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+    apply_bitmask_rows(logits, rows, bitmask)
+
+
+def apply_bitmask_rows(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """:func:`~pagedserve.engine.token_bitmask.apply_bitmask` of ``bitmask`` (CPU int32 ``[R, W]``) to
+    the rows ``rows`` (``R`` indices) of ``logits`` (float32 ``[N, V]``), in place."""
     if len(rows) == logits.shape[0]:
         apply_bitmask(logits, bitmask)
         return

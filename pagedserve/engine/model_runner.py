@@ -22,7 +22,7 @@ from pagedserve.engine.messages import (BatchPlan, CachedRequestData, NewRequest
                                         SequenceId, StepResult)
 from pagedserve.engine.attention import AttentionBackend
 from pagedserve.engine.forward_batch import ForwardBatch
-from pagedserve.engine.grammar_matchers import GrammarCompiler, advance, built, failure
+from pagedserve.engine.grammar_matchers import GrammarCompiler, advance, built, draft_masks, failure
 from pagedserve.engine.kv_cache import KVCache
 from pagedserve.engine.logprobs import prompt_logprobs
 from pagedserve.engine.penalties import TokenHistory
@@ -196,8 +196,10 @@ class ModelRunner:
                 chunks.append(chunk)
             total += s.num_query_tokens
             if s.reaches_end and s.draft_token_ids:  # the last known token's row and each draft's
+                masks = (draft_masks(s.state.matcher, s.draft_token_ids, self.grammar.vocab_size)
+                         if s.state.matcher is not None else None)
                 drafted.append(Drafted(s.state.seq_id, list(s.state.token_ids), s.state.num_prompt_tokens,
-                                       s.state.sampling, s.draft_token_ids, s.draft_probs))
+                                       s.state.sampling, s.draft_token_ids, s.draft_probs, masks))
                 drafted_rows += range(total - s.num_query_tokens + s.num_scheduled_tokens - 1, total)
             elif s.reaches_end:
                 plain.append(s)
@@ -208,7 +210,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(drafted_rows, device=self.device)])  # (R, vocab)
             for token in self.verify(logits, drafted):
                 by_id[token.seq_id] = [token]
-                self.requests[token.seq_id].token_ids += [*(t.token_id for t in token.accepted), token.token_id]
+                state = self.requests[token.seq_id]
+                for token_id in [*(t.token_id for t in token.accepted), token.token_id]:
+                    state.token_ids.append(token_id)
+                    if state.matcher is not None:
+                        advance(state.matcher, token_id)
         if plain:
             self._sample(hidden, plain, plain_rows, by_id)
         return [t for s in scheduled for t in by_id.get(s.state.seq_id, ())], prompt

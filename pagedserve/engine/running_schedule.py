@@ -20,7 +20,7 @@ from pagedserve.engine.requests_in_flight import RequestsInFlight
 from pagedserve.engine.sequence import Sequence, SequenceStatus
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeControl
 from pagedserve.engine.spec_decode.goodput import best_lookahead
-from pagedserve.engine.spec_decode.lookahead import (lookahead_slots, repeats_draws, sequence_lookahead, speculates,
+from pagedserve.engine.spec_decode.lookahead import (lookahead_slots, repeats_draws, sequence_lookahead,
                                                     waits_for_answer)
 from pagedserve.engine.worker_pool import WorkerPool
 from pagedserve.engine.worker_state import PlanDraft, WorkerState
@@ -132,7 +132,7 @@ class RunningSchedule:
             return k
         decodes = [s for s in schedulable if s.num_uncomputed_tokens == 1]
         speculating = [s.num_computed_tokens for s in decodes if s.num_output_tokens + s.num_tokens_in_flight > 0
-                       and speculates(s.sampling) and not repeats_draws(s)]
+                       and not repeats_draws(s)]
         if not speculating:
             return 0
         room = token_budget - len(decodes) - k * sum(repeats_draws(s) for s in decodes)

@@ -1,6 +1,7 @@
 """Speculative decoding through the real services: a scheduler and a worker started with the same
-n-gram flags, or draft-model flags (a worker of one rank, or of three tensor-parallel ranks), give, greedy with n = 2, exactly the in-process engine's output
-without speculation, on a prompt that copies its input and on a plain one; the scheduler's /metrics
+n-gram flags, or draft-model flags (a worker of one rank, or of three tensor-parallel ranks), give, greedy with
+n = 2, exactly the in-process engine's output without speculation, on a prompt that copies its input, on a
+plain one and on a JSON copy with a schema (drafts verified under the grammar's masks); the scheduler's /metrics
 counts accepted drafts (and the gateway's HTTP /metrics the same, from GetStats; every draft when the
 draft model is the target itself, sampled requests' drafts included), a seeded sampled request gives the
 same tokens twice, and every KV block is free afterwards (the slots reserved for rejected drafts
@@ -8,11 +9,13 @@ included)."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from pagedserve.llm import LLM
 from services.common.pb import generate_pb2 as gen
 from tests.conftest import save_small_model
@@ -21,6 +24,7 @@ from tests.e2e.test_metrics import scrape, total
 from tests.e2e.test_stack import assert_all_blocks_free, stream
 from tests.engine.conftest import BASE_PROMPTS
 from tests.engine.test_speculative_decoding import COPY_PROMPT
+from tests.engine.test_structured_outputs import PERSON
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -29,6 +33,7 @@ SPECULATIVE = ("--speculative-method", "ngram", "--speculative-control", "fixed"
 """The same flags for the scheduler (which reserves the slots) and the worker (which drafts into them)."""
 
 MAX_TOKENS = 32
+RECORD = json.dumps({"name": "Ada Lovelace", "age": 36, "color": "green", "tags": ["math", "poetry"]})
 
 
 def samples_by_index(responses: list[gen.GenerateResponse]) -> list[tuple[int, ...]]:
@@ -50,6 +55,22 @@ def greedy_requests(model, llm) -> tuple[list[gen.GenerateRequest], list[list[tu
     requests = [gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=p), sampling_params=gen.SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, n=2)) for p in prompts]
     return requests, want
+
+
+def json_copy_request(model, llm) -> tuple[gen.GenerateRequest, list[tuple[int, ...]]]:
+    """A prompt that gives a JSON record to copy, with a schema the record fits (greedy, n = 2), and the
+    in-process engine ``llm``'s tokens for it: the record, whose tokens the n-gram drafts find in the prompt."""
+    from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer
+
+    tokenizer = PromptTokenizer.from_folder(model)
+    prompt = tokenizer.encode_chat([ChatTurn("user", f"Copy this JSON exactly: {RECORD}")])
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=2,
+                            structured_output=StructuredOutput(StructureKind.JSON, json.dumps(PERSON)))
+    want = [s.token_ids for s in llm.generate(prompt, params)[0].samples]
+    assert json.loads(tokenizer.decode(want[0], True)) == json.loads(RECORD)
+    return gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=prompt), sampling_params=gen.SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, n=2, structured_output=gen.StructuredOutput(json=json.dumps(PERSON)))), \
+        want
 
 
 def through_the_stack(tmp_path, model, flags: tuple[str, ...], requests: list[gen.GenerateRequest],
@@ -75,7 +96,9 @@ def test_speculative_stack_gives_plain_greedy_output_and_counts_accepted_drafts(
     # goodput: 4 sequences at once draft while the drafts pay for their rows (at first every slot does)
     flags = tuple(control if f == "fixed" else f for f in SPECULATIVE)
     requests, want = greedy_requests(default_model, default_llm)
-    got, metrics, cluster = through_the_stack(tmp_path, default_model, flags, requests)
+    structured, structured_want = json_copy_request(default_model, default_llm)
+    got, metrics, cluster = through_the_stack(tmp_path, default_model, flags, [*requests, structured])
+    want.append(structured_want)
     assert got == want
     assert total(metrics, "vllm:spec_decode_num_accepted_tokens_total") > 0
     assert total(metrics, "vllm:spec_decode_num_draft_tokens_total") >= total(

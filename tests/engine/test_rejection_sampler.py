@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.engine.grammar_matchers import DraftMasks
 from pagedserve.engine.messages import SequenceId
 from pagedserve.engine.sampler import Sampler
 from pagedserve.engine.sampling_params import EngineSamplingParams
@@ -117,3 +118,48 @@ def test_verify_keeps_the_targets_distribution_with_drawn_and_chosen_drafts_in_o
         assert all(t.accepted[0].token_id == int(drafts[i, 0]) for i, t in enumerate(half) if t.accepted)
         kept = sum(1 for t in half if t.accepted) / trials
         assert abs(kept - float(rate)) < 4 * (float(rate) * (1 - float(rate)) / trials) ** 0.5, (kept, float(rate))
+
+
+def masks(*allowed: set[int], failures: tuple[str | None, ...] = ()) -> DraftMasks:
+    """Bitmask rows allowing the given ids (VOCAB < 32: one word a row), and each row's failure."""
+    words = [sum(1 << t for t in ids) for ids in allowed]
+    return DraftMasks(torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w] for w in words], dtype=torch.int32),
+                      failures or (None,) * len(allowed))
+
+
+def test_verify_masks_each_row_by_the_grammar_after_the_drafts_before_it():
+    # drafts (1, 4): row 0 allows {1, 2, 3}, row 1 refuses 4, row 2 allows all; sampled rows keep the
+    # masked target's distribution and never accept the refused draft; greedy rows take the masked argmax
+    trials, g = 20_000, torch.Generator().manual_seed(9)
+    p = random_probs(g, 3)
+    sampling, greedy = (EngineSamplingParams(max_tokens=8, temperature=t) for t in (1.0, 0.0))
+    grammar = masks({1, 2, 3}, {0, 1, 2, 3, 5}, set(range(VOCAB)))
+    drafted = [Drafted(SequenceId(str(t)), [0, 1], 1, sampling, (1, 4), masks=grammar) for t in range(trials)]
+    drafted.append(Drafted(SequenceId("greedy"), [0, 1], 1, greedy, (1, 4), masks=grammar))
+    out = verify(Sampler(seed=4), p.log().repeat(trials + 1, 1), drafted)
+    first = torch.tensor([t.accepted[0].token_id if t.accepted else t.token_id for t in out[:trials]])
+    allowed = torch.tensor([1, 2, 3])
+    counts = torch.bincount(first, minlength=VOCAB).float()
+    assert counts.sum() == counts[allowed].sum()
+    assert chi_square(counts[allowed], p[0, allowed] / p[0, allowed].sum()) < 13.82  # 2 degrees of freedom
+    assert all(len(t.accepted) <= 1 and t.token_id != 4 for t in out[:trials] if t.accepted)
+    rate = float(p[0, 1] / p[0, allowed].sum())  # the first draft is kept with its masked probability
+    kept = sum(1 for t in out[:trials] if t.accepted) / trials
+    assert abs(kept - rate) < 4 * (rate * (1 - rate) / trials) ** 0.5, (kept, rate)
+    masked = p[:2].clone()
+    masked[0, [0, 4, 5]] = masked[1, 4] = 0
+    first, second = (int(row.argmax()) for row in masked)
+    assert [t.token_id for t in out[-1].accepted] + [out[-1].token_id] == ([1, second] if first == 1 else [first])
+
+
+@pytest.mark.parametrize("failed_row, tokens, error", [(0, [1], "failed"), (2, [1, 2], None), (None, [1, 2, 3, 5], None)])
+def test_a_failed_grammar_ends_the_drafts_where_plain_decoding_would(failed_row, tokens, error):
+    # greedy rows whose argmax is each draft: every draft is kept unless a row's matcher had failed; a
+    # failure before the step ends the sequence at its first token, a later one at the tokens before it
+    logits = torch.full((4, VOCAB), -5.0)
+    logits[[0, 1, 2, 3], [1, 2, 3, 5]] = 5.0
+    failures = tuple("failed" if j == failed_row else None for j in range(4))
+    d = Drafted(SequenceId("s"), [0, 1], 1, EngineSamplingParams(max_tokens=8, temperature=0.0), (1, 2, 3),
+                masks=masks(*[set(range(VOCAB))] * 4, failures=failures))
+    (out,) = verify(Sampler(seed=0), logits, [d])
+    assert ([a.token_id for a in out.accepted] + [out.token_id], out.grammar_error) == (tokens, error)

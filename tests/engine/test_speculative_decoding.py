@@ -1,16 +1,22 @@
 """Speculative decoding (n-gram prompt lookup) on the real model: greedy outputs are token-identical
 to plain decoding alone, batched, under recompute and swap preemption, after a prefix-cache hit and
 with n = 2; logprobs of accepted tokens equal plain decoding's; penalties, min_tokens and stop strings
-see the tokens in order; seeded sampled outputs repeat per seed; a prompt that repeats its input
-gets drafts accepted; every KV block is free at the end."""
+see the tokens in order; structured outputs speculate with plain decoding's tokens and errors; seeded
+sampled outputs repeat per seed; a prompt that repeats its input gets drafts accepted; every KV block is
+free at the end."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from pagedserve.llm import LLM
 from tests.engine.conftest import BASE_PROMPTS
+from tests.engine.test_grammar_builds import WIDE, ask, params, run
+from tests.engine.test_structured_outputs import PERSON, REGEXES
 from tests.engine.test_greedy_matches_hf import BLOCK_BYTES
 
 pytestmark = pytest.mark.model
@@ -131,6 +137,27 @@ def test_penalties_min_tokens_and_stop_strings_see_tokens_in_order(spec, plain, 
         assert [(s.token_ids, s.text, s.finish_reason, s.stop_reason) for s in got] == \
                [(s.token_ids, s.text, s.finish_reason, s.stop_reason) for s in expected]
     assert expected[-1].stop_reason == stop
+    assert_all_free(spec)
+
+
+def test_structured_outputs_speculate_with_plain_decodings_tokens_and_errors(spec, plain, tokenizer):
+    """Each draft is verified under the grammar's mask after the drafts before it: in one batch, a JSON copy
+    (drafts accepted), a JSON answer, a regex and a schema past llguidance's parser limit give plain
+    decoding's tokens and the same error."""
+    record = json.dumps({"name": "Ada Lovelace", "age": 36, "color": "green", "tags": ["math", "poetry"]})
+    person = params(StructuredOutput(StructureKind.JSON, json.dumps(PERSON)), 60)
+    requests = [(ask(tokenizer, f"Copy this JSON exactly: {record}"), person),
+                (ask(tokenizer, f"Here is a record: {record}. Give another person like it as JSON."), person),
+                (ask(tokenizer, "Write an email address."), params(StructuredOutput(StructureKind.REGEX,
+                                                                                    REGEXES["email"]), 20)),
+                (ask(tokenizer, "Fill the form as JSON."), params(StructuredOutput(StructureKind.JSON,
+                                                                                   json.dumps(WIDE)), 30))]
+    before = spec.stats().spec_decode.num_accepted_tokens
+    got = list(run(spec, requests).values())
+    assert spec.stats().spec_decode.num_accepted_tokens - before >= 10
+    assert got == list(run(plain, requests).values())
+    assert json.loads(tokenizer.decode(got[0][0], True)) == json.loads(record)
+    assert got[3][1] is not None and "max is 2000" in got[3][1], got[3]
     assert_all_free(spec)
 
 

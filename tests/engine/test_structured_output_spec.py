@@ -1,5 +1,5 @@
-"""Structured-output specs refused before they are queued, and a grammar that refuses a token ending
-only its own sequence (with EOS) instead of failing the step."""
+"""Structured-output specs refused before they are queued, a grammar that refuses a token ending
+only its own sequence (with EOS) instead of failing the step, and the masks along a sequence's drafts."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import json
 import pytest
 import torch
 
-from pagedserve.engine.grammar_matchers import advance, grammar_compiler_for, mask_grammar
+from pagedserve.engine.grammar_matchers import advance, allows, draft_masks, grammar_compiler_for, mask_grammar
 from pagedserve.engine.request_errors import InvalidRequestError
 from pagedserve.engine.sampling_params import CONFLICTS_WITH_STRUCTURE, SamplingParams
 from pagedserve.engine.structured_output import StructuredOutput, StructureKind
+from pagedserve.engine.token_bitmask import apply_bitmask
 
 YES_NO = StructuredOutput(StructureKind.CHOICE, choices=("yes", "no"))
 
@@ -53,6 +54,44 @@ def test_a_replayed_output_that_does_not_match_ends_with_eos(default_model):
     logits = torch.zeros(1, compiler.vocab_size)
     mask_grammar(logits, [matcher])
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == sorted(compiler.eos_token_ids)
+
+
+def mask_of(matcher, vocab_size: int) -> torch.Tensor:
+    logits = torch.zeros(1, vocab_size)
+    mask_grammar(logits, [matcher])
+    return torch.isfinite(logits[0])
+
+
+def allowed_by(bitmask: torch.Tensor, vocab_size: int) -> list[torch.Tensor]:
+    logits = torch.zeros(bitmask.shape[0], vocab_size)
+    apply_bitmask(logits, bitmask)
+    return list(torch.isfinite(logits))
+
+
+def test_draft_masks_follow_the_drafts_on_a_copy_and_stop_at_a_refused_one(default_model):
+    compiler = grammar_compiler_for(default_model)
+    matcher, vocab = compiler.matcher(YES_NO), compiler.vocab_size
+    before = mask_of(matcher, vocab)
+    first = int(before.nonzero()[0])                                       # a token that may start "yes" or "no"
+    after = compiler.matcher(YES_NO, output_token_ids=[first])
+    refused = int((~mask_of(after, vocab)).nonzero()[0])
+    masks = draft_masks(matcher, (first, refused, first), vocab)
+    assert masks.failures == (None, None, None, None)
+    rows = allowed_by(masks.bitmask, vocab)
+    assert torch.equal(rows[0], before) and torch.equal(rows[1], mask_of(after, vocab))
+    assert allows(masks.bitmask[0], first) and not allows(masks.bitmask[1], refused)
+    assert rows[2].all() and rows[3].all()                                  # past the refused draft: never reached
+    assert torch.equal(mask_of(matcher, vocab), before)                     # the matcher itself did not move
+
+
+def test_draft_masks_of_a_failed_matcher_carry_its_failure_from_the_first_row(default_model):
+    compiler = grammar_compiler_for(default_model)
+    matcher = compiler.matcher(YES_NO)
+    advance(matcher, 0)
+    masks = draft_masks(matcher, (0, 0), compiler.vocab_size)
+    assert masks.failures[0] is not None and masks.failures[1:] == (None, None)
+    rows = allowed_by(masks.bitmask, compiler.vocab_size)
+    assert rows[0].nonzero().flatten().tolist() == sorted(compiler.eos_token_ids) and rows[1].all()
 
 
 @pytest.mark.parametrize("meta", ["http://json-schema.org/draft-07/schema#", None])

@@ -1,12 +1,16 @@
-"""``LLM(tensor_parallel_size=2)``: greedy tokens equal TP=1 (prefix caching, preemption); a dead or
-stuck helper rank makes the step raise within a bound instead of hanging."""
+"""``LLM(tensor_parallel_size=2)``: greedy tokens equal TP=1 (prefix caching, preemption, speculation, a
+structured output's drafts); a dead or stuck helper rank makes the step raise within a bound instead of
+hanging."""
 
 from __future__ import annotations
 
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
+from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from pagedserve.llm import LLM
+from pagedserve.text.tokenizer import PromptTokenizer
+from tests.conftest import save_small_model
 from tests.worker.tp_helpers import (BLOCK, BLOCK_BYTES_ONE_RANK as BLOCK_BYTES_TP1, NUM_BLOCKS,
                                      assert_a_dead_or_stuck_rank_fails_the_step,
                                      assert_seeded_sampling_equal_one_rank, generated_tokens as _tokens,
@@ -82,3 +86,21 @@ def test_tp2_speculation_gives_plain_greedy_tokens_and_one_ranks_seeded_samples(
         stats = llm.stats()
         assert stats.spec_decode.num_draft_tokens > greedy.num_draft_tokens
         assert stats.workers[0].num_free_blocks == NUM_BLOCKS and stats.workers[0].num_running == 0
+
+
+@pytest.mark.model  # its tokenizer
+def test_tp2_speculation_on_a_structured_output_gives_plain_greedy_tokens(tmp_path, default_model):
+    """Rank 0 masks each verification row by the grammar after the drafts before it (its matcher; the other
+    rank has none): a random model that drafts for itself has drafts the regex refuses and drafts it keeps,
+    and its tokens are one rank's without speculation."""
+    folder = save_small_model(tmp_path / "small", default_model)
+    tokenizer = PromptTokenizer.from_folder(folder)
+    prompts = [tokenizer.encode_prompt(p) for p in ("aaa bbb aaa bbb", "hello world hello", "x y z x y z")]
+    params = SamplingParams(max_tokens=60, temperature=0.0,
+                            structured_output=StructuredOutput(StructureKind.REGEX, "[a-z ]{4,400}"))
+    want = [r.token_ids for r in LLM(folder, kv_cache_memory="16MiB").generate(prompts, params)]
+    draft = {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 3, "control": "fixed"}
+    with LLM(folder, kv_cache_memory="16MiB", tensor_parallel_size=2, speculative_config=draft) as llm:
+        assert [r.token_ids for r in llm.generate(prompts, params)] == want
+        stats = llm.stats().spec_decode
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

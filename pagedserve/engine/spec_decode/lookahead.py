@@ -8,14 +8,13 @@ as computed and frees the slots past them (``BlockManager.truncate``). The worke
 block table by the same rule (``kept_blocks``), so both keep ``blocks_for_tokens(computed)`` blocks.
 
 Which sequences speculate: decodes (one scheduled token) that have an output already, no token in
-flight, room for one more token after the
-bonus one (``max_tokens``), and no structured output (the grammar matcher's state is advanced per
-token on the worker; drafts are not replayed through it). Every other sampling parameter sees the
-drafts in order: the worker verifies each draft position with the history and output count it
-would have without speculation (penalties, bad words, ``min_tokens``, ``logit_bias``), the
+flight, and room for one more token after the bonus one (``max_tokens``). Every sampling parameter
+sees the drafts in order: the worker verifies each draft position with the history and output count it
+would have without speculation (penalties, bad words, ``min_tokens``, ``logit_bias``) and a structured
+output's mask after the drafts before it (``grammar_matchers.draft_masks``), the
 scheduler appends the emitted tokens one by one and stops at the first that ends the sequence
-(EOS, stop ids, ``max_tokens``), and the text side looks for stop strings token by token. A
-lookahead that does not fit in the free blocks or the token budget is dropped, never preempting.
+(EOS, stop ids, ``max_tokens``, a grammar failure), and the text side looks for stop strings token by
+token. A lookahead that does not fit in the free blocks or the token budget is dropped, never preempting.
 
 A sequence does not run ahead of the answer of a step that verified drafts (overlap scheduling,
 ``Sequence.can_run_ahead``): how many tokens that step yields is known from its answer only; nor,
@@ -26,13 +25,7 @@ known could not draft). How many slots a step gives: ``goodput``.
 from __future__ import annotations
 
 from pagedserve.engine.block_manager import BlockManager, blocks_for_tokens
-from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.sequence import Sequence
-
-
-def speculates(sampling: EngineSamplingParams) -> bool:
-    """Whether a sequence with these parameters may verify drafts (not with a structured output)."""
-    return sampling.structured_output is None
 
 
 def repeats_draws(seq: Sequence) -> bool:
@@ -54,7 +47,7 @@ def waits_for_answer(seq: Sequence, num_lookahead: int) -> bool:
     whose decodes get ``num_lookahead`` > 0 slots."""
     if seq.num_tokens_in_flight == 0:
         return False
-    return seq.num_lookahead_slots > 0 or (num_lookahead > 0 and speculates(seq.sampling))
+    return seq.num_lookahead_slots > 0 or num_lookahead > 0
 
 
 def lookahead_slots(seq: Sequence, num_new: int, num_speculative_tokens: int, blocks: BlockManager,
@@ -62,8 +55,7 @@ def lookahead_slots(seq: Sequence, num_new: int, num_speculative_tokens: int, bl
     """KV slots to reserve past ``seq``'s ``num_new`` scheduled tokens for drafts (see the module
     docstring for who speculates), at most ``num_speculative_tokens``; 0 when they do not fit in the
     free blocks or in ``token_budget`` (tokens left in the step after the scheduled ones)."""
-    if (num_new != 1 or num_speculative_tokens == 0 or seq.num_output_tokens == 0 or seq.num_tokens_in_flight
-            or not speculates(seq.sampling)):
+    if num_new != 1 or num_speculative_tokens == 0 or seq.num_output_tokens == 0 or seq.num_tokens_in_flight:
         return 0
     wanted = min(num_speculative_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1, token_budget - num_new)
     if wanted <= 0:

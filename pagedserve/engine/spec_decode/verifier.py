@@ -12,6 +12,12 @@ from (``sampling_probs``), with uniforms derived per output index like the sampl
 drafts the same positions (a drafted position's token comes from other draws than a plain one's).
 Drafts a proposer drew from its own distributions ``q`` (a draft model on a sampled sequence) are
 accepted with probability ``min(1, p / q)``; chosen ones (looked up, argmax) with ``p``.
+
+A structured output's rows are masked first, as plain decoding masks them, each by the grammar's state
+after the drafts before it (``grammar_matchers.draft_masks``, from rank 0's matcher, on a copy): a draft
+the grammar refuses has ``p = 0`` there and is never accepted, so the emitted tokens follow the grammar
+and a greedy row's are plain decoding's. A failed matcher (a parser limit) ends the sequence at the token
+drawn from it, with the failure (``SampledToken.grammar_error``), as plain decoding does.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from itertools import accumulate
 import torch
 
 from pagedserve.engine.argmax import row_argmax
+from pagedserve.engine.grammar_matchers import DraftMasks, apply_bitmask_rows
 from pagedserve.engine.messages import AcceptedDraft, SampledToken, SequenceId
 from pagedserve.engine.penalties import TokenHistory
 from pagedserve.engine.sampler import Draw, Sampler, process_logits, requested_logprobs, sampling_probs
@@ -38,11 +45,12 @@ class Drafted:
         seq_id: the sequence.
         token_ids: its known tokens (prompt and output) before the drafts.
         num_prompt_tokens: how many of them are the prompt.
-        sampling: its parameters (no structured output: ``lookahead.speculates``).
+        sampling: its parameters.
         draft_token_ids: the drafts (>= 1 in a verification; a proposer drawing the next one has
             those before it).
         draft_probs: float32 ``[len(draft_token_ids), V]``, the distributions the drafts were drawn
             from, or ``None``: chosen drafts (one-hot ``q``; ``proposer.Proposal``).
+        masks: a structured output's masks along the drafts (``grammar_matchers.draft_masks``), or ``None``.
     """
 
     seq_id: SequenceId
@@ -51,6 +59,7 @@ class Drafted:
     sampling: EngineSamplingParams
     draft_token_ids: tuple[int, ...]
     draft_probs: torch.Tensor | None = None
+    masks: DraftMasks | None = None
 
     @property
     def num_rows(self) -> int:
@@ -69,8 +78,12 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafted: Sequence[Drafted]) -
     Returns:
         One :class:`SampledToken` per sequence, in order, with ``accepted`` and ``num_draft_tokens`` set.
     """
-    params, counts = process_rows(logits, [(d, j) for d in drafted for j in range(d.num_rows)])
     starts = [0, *accumulate(d.num_rows for d in drafted)][:-1]
+    structured = [(d, start) for d, start in zip(drafted, starts) if d.masks is not None]
+    if structured:  # the grammar's mask first, as process_logits applies it
+        apply_bitmask_rows(logits, [start + j for d, start in structured for j in range(d.num_rows)],
+                           torch.cat([d.masks.bitmask for d, _ in structured]))
+    params, counts = process_rows(logits, [(d, j) for d in drafted for j in range(d.num_rows)])
     emitted = _greedy(logits, drafted, starts)
     sampled = [i for i, d in enumerate(drafted) if not d.sampling.is_greedy]
     probs: dict[int, torch.Tensor] = {}  # row -> the distribution a sampled row draws from, (V,)
@@ -83,7 +96,18 @@ def verify(sampler: Sampler, logits: torch.Tensor, drafted: Sequence[Drafted]) -
         chosen = _rejection_sample(row_probs, uniforms, [drafted[i] for i in sampled])
         for i, tokens in zip(sampled, chosen):
             emitted[i] = tokens
-    return _answers(logits, drafted, starts, emitted, probs, params)
+    return _answers(logits, drafted, starts, [_until_failure(d, tokens) for d, tokens in zip(drafted, emitted)],
+                    probs, params)
+
+
+def _until_failure(d: Drafted, tokens: list[int]) -> tuple[list[int], str | None]:
+    """``tokens`` and the failure the last one carries, as plain decoding would give them: where a row's
+    matcher had failed, the tokens before that row (the next step starts from the failed matcher and
+    reports it), or the first token alone with the failure when the matcher had failed before the step."""
+    for j, failed in enumerate(d.masks.failures[:len(tokens)] if d.masks is not None else ()):
+        if failed is not None:
+            return (tokens[:j], None) if j else (tokens[:1], failed)
+    return tokens, None
 
 
 def process_rows(logits: torch.Tensor,
@@ -132,18 +156,20 @@ def _rejection_sample(probs: torch.Tensor, uniforms: torch.Tensor, drafted: Sequ
                             uniforms[:, Draw.ACCEPT], uniforms[:, Draw.TOKEN], q).token_ids
 
 
-def _answers(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int], emitted: list[list[int]],
-             probs: dict[int, torch.Tensor], params: list[EngineSamplingParams]) -> list[SampledToken]:
-    """The sampled tokens with their logprobs: as plain decoding reports them at each emitted row."""
-    rows = [starts[i] + j for i, tokens in enumerate(emitted) for j in range(len(tokens))]
-    ids = [t for tokens in emitted for t in tokens]
+def _answers(logits: torch.Tensor, drafted: Sequence[Drafted], starts: list[int],
+             emitted: list[tuple[list[int], str | None]], probs: dict[int, torch.Tensor],
+             params: list[EngineSamplingParams]) -> list[SampledToken]:
+    """The sampled tokens (each sequence's, and the failure its last carries) with their logprobs: as
+    plain decoding reports them at each emitted row."""
+    rows = [starts[i] + j for i, (tokens, _) in enumerate(emitted) for j in range(len(tokens))]
+    ids = [t for tokens, _ in emitted for t in tokens]
     entries = requested_logprobs(logits[torch.tensor(rows, device=logits.device)], [params[r] for r in rows],
                                  torch.tensor(ids, device=logits.device))
     out, at = [], 0
-    for d, tokens in zip(drafted, emitted):
+    for d, (tokens, failed) in zip(drafted, emitted):
         lps = [float(probs[r][t].log()) if r in probs else 0.0 for r, t in zip(rows[at:at + len(tokens)], tokens)]
         drafts = tuple(AcceptedDraft(t, lp, e) for t, lp, e in zip(tokens[:-1], lps, entries[at:at + len(tokens) - 1]))
         out.append(SampledToken(d.seq_id, tokens[-1], lps[-1], d.seq_id.sample_index, entries[at + len(tokens) - 1],
-                                accepted=drafts, num_draft_tokens=len(d.draft_token_ids)))
+                                failed, accepted=drafts, num_draft_tokens=len(d.draft_token_ids)))
         at += len(tokens)
     return out
