@@ -195,8 +195,8 @@ class DraftMasks:
 
 def draft_masks(matcher, draft_token_ids: Sequence[int], vocab_size: int) -> DraftMasks:
     """The masks plain decoding would apply at a drafted sequence's ``d + 1`` rows had it sampled the
-    drafts: the matcher's as it is, then after each draft its row allows (:func:`advance`, on a copy:
-    ``matcher`` is not changed). A row's refused draft is never accepted, and a row whose matcher has
+    drafts: the matcher's as it is, then after each draft its row allows (:func:`advance`'s rule, on a
+    copy: ``matcher`` is not changed, and nothing is logged for a draft that may be rejected). A row's refused draft is never accepted, and a row whose matcher has
     failed ends the sequence, so the rows after either are not reached and are left unmasked."""
     bitmask = allocate_bitmask(len(draft_token_ids) + 1, vocab_size)      # (d + 1, W)
     failures: list[str | None] = []
@@ -206,7 +206,8 @@ def draft_masks(matcher, draft_token_ids: Sequence[int], vocab_size: int) -> Dra
         failures.append(failure(path))
         if failures[-1] is not None or j == len(draft_token_ids) or not allows(view, draft_token_ids[j]):
             break  # the sequence ends at this row's token, or the draft is refused: no later row is reached
-        advance(path, draft_token_ids[j])
+        if not path.is_stopped():  # advance's rule, without its warning: the draft may yet be rejected
+            path.consume_token(draft_token_ids[j])  # a refusal shows as the next row's failure
     failures += [None] * (len(bitmask) - len(failures))
     return DraftMasks(bitmask, tuple(failures))
 

@@ -94,6 +94,20 @@ def test_draft_masks_of_a_failed_matcher_carry_its_failure_from_the_first_row(de
     assert rows[0].nonzero().flatten().tolist() == sorted(compiler.eos_token_ids) and rows[1].all()
 
 
+def test_a_draft_past_the_parser_limit_fails_the_next_row_quietly(default_model, tokenizer, caplog):
+    # a schema past llguidance's parser limit fails at its first key: the walk's copy fails there, the row
+    # after it carries the failure, and the warning of a failed sequence waits for the token to be accepted
+    wide = {"type": "object", "properties": {f"key_{i}": {"type": "integer"} for i in range(600)},
+            "additionalProperties": False}
+    compiler = grammar_compiler_for(default_model)
+    matcher = compiler.matcher(StructuredOutput(StructureKind.JSON, json.dumps(wide)))
+    drafts = tokenizer.encode_prompt_without_special_tokens('{"key_0": 1}')[:3]
+    with caplog.at_level("WARNING", logger="pagedserve.worker"):
+        masks = draft_masks(matcher, drafts, compiler.vocab_size)
+    assert [f is not None for f in masks.failures] == [False, True, False, False]
+    assert "max is 2000" in masks.failures[1] and matcher.is_error() is False and not caplog.records
+
+
 @pytest.mark.parametrize("meta", ["http://json-schema.org/draft-07/schema#", None])
 def test_a_schema_is_checked_against_its_draft(meta):
     head = {} if meta is None else {"$schema": meta}
