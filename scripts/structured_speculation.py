@@ -5,8 +5,8 @@ process slow each other); alternate the methods in separate runs (this VM's spee
     for m in none ngram none ngram; do python scripts/structured_speculation.py --method $m --ids /tmp/ids-$m.json; done
 
 Workloads: `copy`, a JSON list of 3 people given in the prompt, to be copied under its schema (the drafts are
-found in the prompt); `invent`, a person described as JSON under a schema, nothing to copy (what speculation
-costs where it rarely pays). Printed: output tokens/s of each workload, tokens, drafts and accepted drafts;
+found in the prompt); `invent`, a person described as JSON under a schema of 4 keys, nothing to copy; `form`, a
+sign-up form of 8 required keys, nothing to copy (the keys are what the grammar forces: drafted as such). Printed: output tokens/s of each workload, tokens, drafts and accepted drafts;
 ``--ids`` writes the greedy ids, to compare the methods' (they must be equal). A measurement, not a test.
 """
 
@@ -29,6 +29,12 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "city": {"type": "string", "maxLength": 20}, "email": {"type": "string", "maxLength": 40}}}
 PEOPLE = {"type": "object", "additionalProperties": False, "required": ["people"],
           "properties": {"people": {"type": "array", "items": PERSON, "maxItems": 4}}}
+FORM = {"type": "object", "additionalProperties": False,
+        "properties": {"first_name": {"type": "string", "maxLength": 16}, "last_name": {"type": "string", "maxLength": 16},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120}, "is_student": {"type": "boolean"},
+                       "country": {"enum": ["UK", "US", "NL", "FR", "DE"]}, "newsletter": {"type": "boolean"},
+                       "favorite_color": {"enum": ["red", "green", "blue"]}, "plan": {"enum": ["free", "pro"]}}}
+FORM["required"] = list(FORM["properties"])
 NAMES = ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov", "Donald Knuth",
          "Frances Allen", "John McCarthy", "Radia Perlman", "Ken Thompson", "Leslie Lamport", "Shafi Goldwasser"]
 CITIES = ["London", "Manchester", "Arlington", "Rotterdam", "Boston", "Stanford", "Peru", "Seattle"]
@@ -55,7 +61,8 @@ def main() -> None:
     tokenizer, rng = PromptTokenizer.from_folder(model), random.Random(0)
     workloads = {
         "copy": [(f"Copy this JSON exactly: {people(rng)}", PEOPLE) for _ in range(args.requests)],
-        "invent": [(f"Describe {name} as JSON.", PERSON) for name in rng.sample(NAMES, args.requests)]}
+        "invent": [(f"Describe {name} as JSON.", PERSON) for name in rng.sample(NAMES, args.requests)],
+        "form": [(f"Fill in the sign-up form for {name} as JSON.", FORM) for name in rng.sample(NAMES, args.requests)]}
     llm.generate(tokenizer.encode_chat([ChatTurn("user", "Hello")]), SamplingParams(max_tokens=8))  # warm up
     ids = {}
     for name, requests in workloads.items():

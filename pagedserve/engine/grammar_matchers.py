@@ -212,6 +212,15 @@ def draft_masks(matcher, draft_token_ids: Sequence[int], vocab_size: int) -> Dra
     return DraftMasks(bitmask, tuple(failures))
 
 
+def forced_tokens(matcher, limit: int) -> list[int]:
+    """At most ``limit`` tokens ``matcher`` forces next, whatever the model would say (a JSON schema's next
+    key and its quotes, say: llguidance's fast-forward tokens, those whose tokenization cannot be otherwise);
+    none for ``None``, a matcher whose grammar has ended or failed, or a choice still open."""
+    if matcher is None or limit <= 0 or matcher.is_stopped() or matcher.is_error():
+        return []
+    return list(matcher.compute_ff_tokens()[:limit])
+
+
 def allows(row: torch.Tensor, token_id: int) -> bool:
     """Whether a bitmask row (int32 ``[W]``) allows ``token_id``."""
     return 0 <= token_id < row.numel() * 32 and bool((int(row[token_id // 32]) >> (token_id % 32)) & 1)

@@ -161,6 +161,21 @@ def test_structured_outputs_speculate_with_plain_decodings_tokens_and_errors(spe
     assert_all_free(spec)
 
 
+def test_a_forms_keys_are_drafted_and_accepted_with_nothing_to_copy(spec, plain, tokenizer):
+    """The grammar forces each required key after the value before it: drafted (nothing in the prompt to look
+    up) and accepted, with plain decoding's tokens."""
+    keys = ["first_name", "last_name", "home_city", "favorite_color", "zodiac_sign", "job_title"]
+    form = {"type": "object", "additionalProperties": False, "required": keys,
+            "properties": {key: {"type": "string", "maxLength": 12} for key in keys}}
+    request = [(ask(tokenizer, "Fill in the sign-up form for Ada Lovelace as JSON."),
+                params(StructuredOutput(StructureKind.JSON, json.dumps(form)), 80))]
+    before = spec.stats().spec_decode.num_accepted_tokens
+    (got,) = run(spec, request).values()
+    assert spec.stats().spec_decode.num_accepted_tokens - before >= 2 * len(keys)
+    assert [got] == list(run(plain, request).values())
+    assert list(json.loads(tokenizer.decode(got[0], True))) == keys
+
+
 def test_seeded_samples_repeat_per_seed(spec, prompts):
     def sample(seed: int) -> list[tuple[int, ...]]:
         params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)

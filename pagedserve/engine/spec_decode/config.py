@@ -41,7 +41,8 @@ class SpeculativeConfig:
 
     method: SpeculativeMethod = option(
         "speculative decoding: none, ngram (the worker drafts the tokens that followed the latest earlier "
-        "occurrence of the sequence's last n tokens) or draft_model (the worker drafts with --speculative-model: "
+        "occurrence of the sequence's last n tokens, after the tokens a structured output's grammar forces next) or "
+        "draft_model (the worker drafts with --speculative-model: "
         "its argmax for greedy requests, draws from its distribution for sampled ones); over pipeline stages the "
         "first stage drafts and passes the drafts on; one target step verifies the drafts; greedy outputs are the "
         "same as without, sampled ones keep their distribution", SpeculativeMethod.NONE, flag="speculative-method")

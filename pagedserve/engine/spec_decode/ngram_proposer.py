@@ -6,6 +6,11 @@ followed that earlier occurrence are proposed as the next ones. Workloads that c
 input (summarising, editing, answering from a document, code changes) repeat long runs, and each
 accepted draft is a token decoded without a step of its own. The longest ``n`` in
 ``[min_n, max_n]`` that matches wins; among its matches, the latest one (the nearest context).
+
+A structured output's drafts start with the tokens its grammar forces next
+(``grammar_matchers.forced_tokens``: a JSON schema's keys, quotes and colons), which verification under
+the grammar's mask accepts whenever the model's choice is their tokenization, and go on with the lookup
+over the sequence followed by them: SGLang's jump-forward decoding, done through the verification step.
 """
 
 from __future__ import annotations
@@ -47,9 +52,17 @@ class NgramProposer:
                              f"{self.num_speculative_tokens}, {self.min_n}, {self.max_n}")
 
     def propose(self, requests: Sequence[ScheduledRequest], sampler: Sampler) -> list[Proposal]:
-        """Per request, :meth:`draft` of its known tokens, at most its lookahead (chosen, not drawn:
-        no ``q``, and no use for ``sampler``)."""
-        return [Proposal(tuple(self.draft(r.state.token_ids, limit=r.num_lookahead_tokens))) for r in requests]
+        """Per request, the tokens its grammar forces next (none without a structured output), then
+        :meth:`draft` of its known tokens followed by those, at most its lookahead in all (chosen, not
+        drawn: no ``q``, and no use for ``sampler``)."""
+        from pagedserve.engine.grammar_matchers import forced_tokens  # torch: on the worker only
+
+        proposals = []
+        for r in requests:
+            forced = forced_tokens(r.state.matcher, r.num_lookahead_tokens)
+            looked_up = self.draft([*r.state.token_ids, *forced], limit=r.num_lookahead_tokens - len(forced))
+            proposals.append(Proposal(tuple(forced + looked_up)))
+        return proposals
 
     def observe(self, batch: ForwardBatch) -> None:
         """Nothing: drafts come from the tokens alone."""
