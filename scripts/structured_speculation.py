@@ -6,7 +6,8 @@ process slow each other); alternate the methods in separate runs (this VM's spee
 
 Workloads: `copy`, a JSON list of 3 people given in the prompt, to be copied under its schema (the drafts are
 found in the prompt); `invent`, a person described as JSON under a schema of 4 keys, nothing to copy; `form`, a
-sign-up form of 8 required keys, nothing to copy (the keys are what the grammar forces: drafted as such). Printed: output tokens/s of each workload, tokens, drafts and accepted drafts;
+sign-up form of 8 required keys, nothing to copy (the keys are what the grammar forces: drafted as such).
+Printed: output tokens/s of each workload, tokens, drafts and accepted drafts;
 ``--ids`` writes the greedy ids, to compare the methods' (they must be equal). A measurement, not a test.
 """
 
@@ -30,7 +31,8 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 PEOPLE = {"type": "object", "additionalProperties": False, "required": ["people"],
           "properties": {"people": {"type": "array", "items": PERSON, "maxItems": 4}}}
 FORM = {"type": "object", "additionalProperties": False,
-        "properties": {"first_name": {"type": "string", "maxLength": 16}, "last_name": {"type": "string", "maxLength": 16},
+        "properties": {"first_name": {"type": "string", "maxLength": 16},
+                       "last_name": {"type": "string", "maxLength": 16},
                        "age": {"type": "integer", "minimum": 0, "maximum": 120}, "is_student": {"type": "boolean"},
                        "country": {"enum": ["UK", "US", "NL", "FR", "DE"]}, "newsletter": {"type": "boolean"},
                        "favorite_color": {"enum": ["red", "green", "blue"]}, "plan": {"enum": ["free", "pro"]}}}

@@ -196,8 +196,9 @@ class DraftMasks:
 def draft_masks(matcher, draft_token_ids: Sequence[int], vocab_size: int) -> DraftMasks:
     """The masks plain decoding would apply at a drafted sequence's ``d + 1`` rows had it sampled the
     drafts: the matcher's as it is, then after each draft its row allows (:func:`advance`'s rule, on a
-    copy: ``matcher`` is not changed, and nothing is logged for a draft that may be rejected). A row's refused draft is never accepted, and a row whose matcher has
-    failed ends the sequence, so the rows after either are not reached and are left unmasked."""
+    copy: ``matcher`` is not changed, and nothing is logged for a draft that may be rejected). A row's
+    refused draft is never accepted, and a row whose matcher has failed ends the sequence, so the rows
+    after either are not reached and are left unmasked."""
     bitmask = allocate_bitmask(len(draft_token_ids) + 1, vocab_size)      # (d + 1, W)
     failures: list[str | None] = []
     path = matcher.deep_copy()

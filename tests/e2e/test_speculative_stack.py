@@ -68,9 +68,9 @@ def json_copy_request(model, llm) -> tuple[gen.GenerateRequest, list[tuple[int, 
                             structured_output=StructuredOutput(StructureKind.JSON, json.dumps(PERSON)))
     want = [s.token_ids for s in llm.generate(prompt, params)[0].samples]
     assert json.loads(tokenizer.decode(want[0], True)) == json.loads(RECORD)
+    structure = gen.StructuredOutput(json=json.dumps(PERSON))
     return gen.GenerateRequest(prompt_token_ids=gen.TokenIds(ids=prompt), sampling_params=gen.SamplingParams(
-        max_tokens=MAX_TOKENS, temperature=0.0, n=2, structured_output=gen.StructuredOutput(json=json.dumps(PERSON)))), \
-        want
+        max_tokens=MAX_TOKENS, temperature=0.0, n=2, structured_output=structure)), want
 
 
 def through_the_stack(tmp_path, model, flags: tuple[str, ...], requests: list[gen.GenerateRequest],

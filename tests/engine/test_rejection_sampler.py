@@ -152,7 +152,8 @@ def test_verify_masks_each_row_by_the_grammar_after_the_drafts_before_it():
     assert [t.token_id for t in out[-1].accepted] + [out[-1].token_id] == ([1, second] if first == 1 else [first])
 
 
-@pytest.mark.parametrize("failed_row, tokens, error", [(0, [1], "failed"), (2, [1, 2], None), (None, [1, 2, 3, 5], None)])
+@pytest.mark.parametrize("failed_row, tokens, error",
+                         [(0, [1], "failed"), (2, [1, 2], None), (None, [1, 2, 3, 5], None)])
 def test_a_failed_grammar_ends_the_drafts_where_plain_decoding_would(failed_row, tokens, error):
     # greedy rows whose argmax is each draft: every draft is kept unless a row's matcher had failed; a
     # failure before the step ends the sequence at its first token, a later one at the tokens before it
