@@ -207,10 +207,16 @@ def draft_masks(matcher, draft_token_ids: Sequence[int], vocab_size: int) -> Dra
         failures.append(failure(path))
         if failures[-1] is not None or j == len(draft_token_ids) or not allows(view, draft_token_ids[j]):
             break  # the sequence ends at this row's token, or the draft is refused: no later row is reached
-        if not path.is_stopped():  # advance's rule, without its warning: the draft may yet be rejected
-            path.consume_token(draft_token_ids[j])  # a refusal shows as the next row's failure
+        follow(path, draft_token_ids[j])
     failures += [None] * (len(bitmask) - len(failures))
     return DraftMasks(bitmask, tuple(failures))
+
+
+def follow(path, token_id: int) -> None:
+    """:func:`advance`'s rule for a copy of a matcher walking drafts, which may yet be rejected: no
+    warning (a token the copy refuses leaves it failed, which the next mask shows)."""
+    if not path.is_stopped():
+        path.consume_token(token_id)
 
 
 def forced_tokens(matcher, limit: int) -> list[int]:

@@ -90,9 +90,10 @@ def test_tp2_speculation_gives_plain_greedy_tokens_and_one_ranks_seeded_samples(
 
 @pytest.mark.model  # its tokenizer
 def test_tp2_speculation_on_a_structured_output_gives_plain_greedy_tokens(tmp_path, default_model):
-    """Rank 0 masks each verification row by the grammar after the drafts before it (its matcher; the other
-    rank has none): a random model that drafts for itself has drafts the regex refuses and drafts it keeps,
-    and its tokens are one rank's without speculation."""
+    """Rank 0 masks each draft and each verification row by the grammar after the drafts before it (its
+    matcher; the other rank has none): a random model that drafts for itself under the regex's masks has
+    every draft kept (unmasked, it had drafts the regex refuses), and its tokens are one rank's without
+    speculation."""
     folder = save_small_model(tmp_path / "small", default_model)
     tokenizer = PromptTokenizer.from_folder(folder)
     prompts = [tokenizer.encode_prompt(p) for p in ("aaa bbb aaa bbb", "hello world hello", "x y z x y z")]
@@ -103,4 +104,4 @@ def test_tp2_speculation_on_a_structured_output_gives_plain_greedy_tokens(tmp_pa
     with LLM(folder, kv_cache_memory="16MiB", tensor_parallel_size=2, speculative_config=draft) as llm:
         assert [r.token_ids for r in llm.generate(prompts, params)] == want
         stats = llm.stats().spec_decode
-        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0

@@ -17,7 +17,8 @@ no message changes. Its K/V stay in step with the target's:
   (fewer rows once a sequence's ``limit`` is reached), writing draft K/V at ``p .. p + limit - 1``:
   inside the decode's slot and the lookahead slots the scheduler reserved.
 
-The draft's logits get the target's processing (penalties, bias, allowed ids, ``min_tokens``). A
+The draft's logits get the target's processing (a structured output's mask, from a copy of the matcher
+walked along the drafts; penalties, bias, allowed ids, ``min_tokens``). A
 greedy request's drafts are then their argmax tokens (one-hot ``q``, as the n-gram ones); a sampled
 request's are drawn from the draft's distribution ``q`` (temperature, top-k/p, min-p as well), and
 ``q`` goes to the rejection sampler, which accepts with ``min(1, p / q)``. The sampler is exact for
@@ -41,6 +42,7 @@ from pagedserve.engine.attention import AttentionBackend
 from pagedserve.engine.argmax import row_argmax
 from pagedserve.engine.config import GemmBackend
 from pagedserve.engine.forward_batch import ForwardBatch
+from pagedserve.engine.grammar_matchers import follow, mask_grammar
 from pagedserve.engine.kv_cache import KVCache, KVCacheSpec
 from pagedserve.engine.messages import BatchPlan
 from pagedserve.engine.sampler import Draw, Sampler, inverse_transform, sampling_probs
@@ -139,14 +141,15 @@ class DraftModelProposer:
     def propose(self, requests: Sequence[ScheduledRequest], sampler: Sampler) -> list[Proposal]:
         """Per request, ``min(num_lookahead_tokens, k)`` drafts, each after its known tokens and the
         drafts before it (``max(limits)`` forwards of at most ``len(requests)`` rows), from the
-        draft's logits processed as the target's row at the same output index
-        (``verifier.process_rows``: penalties, bias, allowed ids, ``min_tokens``): a greedy request's
-        are their argmax; a sampled request's are drawn from ``q`` (``sampling_probs`` of them) with
-        ``sampler``'s ``Draw.DRAFT`` uniforms, and ``q`` comes with them
-        (the acceptance is then ``min(1, p / q)``: a draft that agrees with the target keeps most
+        draft's logits processed as the target's row at the same output index (a structured output's
+        mask after the drafts before it, then ``verifier.process_rows``: penalties, bias, allowed ids,
+        ``min_tokens``): a greedy request's are their argmax; a sampled request's are drawn from ``q``
+        (``sampling_probs`` of them) with ``sampler``'s ``Draw.DRAFT`` uniforms, and ``q`` comes with
+        them (the acceptance is then ``min(1, p / q)``: a draft that agrees with the target keeps most
         sampled drafts). Each request schedules its last known token only (``proposer.Proposer``)."""
         limits = [min(r.num_lookahead_tokens, self.num_speculative_tokens) for r in requests]
         drafts: list[list[int]] = [[] for _ in requests]
+        paths = [r.state.matcher.deep_copy() if r.state.matcher is not None else None for r in requests]
         q_rows: list[list[torch.Tensor]] = [[] for _ in requests]  # per sampled request, (V,) per draft
         for index in range(max(limits, default=0)):
             rows = [i for i, limit in enumerate(limits) if limit > index]
@@ -157,6 +160,7 @@ class DraftModelProposer:
                                        self.kv_cache.block_size, self.model.dtype, self.device)
             hidden = batch.run(self.model, self.kv_cache, self.attention_backend)   # (B, hidden)
             logits = self.model.compute_logits(hidden)                          # (B, V) float32
+            mask_grammar(logits, [paths[i] for i in rows])                      # first, as the target's rows
             params, counts = process_rows(logits, [_pending(requests[i], drafts[i]) for i in rows])
             chosen = row_argmax(logits).tolist()
             drawn = [j for j, p in enumerate(params) if not p.is_greedy]
@@ -168,6 +172,8 @@ class DraftModelProposer:
                     q_rows[rows[j]].append(row_q)
             for i, token in zip(rows, chosen):
                 drafts[i].append(token)
+                if paths[i] is not None:
+                    follow(paths[i], token)
         return [Proposal(tuple(d), torch.stack(q) if q else None) for d, q in zip(drafts, q_rows)]
 
     def observe(self, batch: ForwardBatch) -> None:
