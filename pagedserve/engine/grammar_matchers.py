@@ -56,7 +56,8 @@ class GrammarCompiler:
         tokenizer_path: the model's ``tokenizer.json``.
         vocab_size: width of the model's logits (may exceed the tokenizer's ids).
         eos_token_ids: the model's EOS ids: allowed where the grammar accepts, and alone once it ended.
-        cache_size: pristine matchers kept, least recently used dropped first.
+        cache_size: pristine matchers kept, least recently used dropped first; as many specs that did not
+            build are remembered with their error, so sending one again costs no second compile.
     """
 
     def __init__(self, tokenizer_path: str | Path, vocab_size: int, eos_token_ids: Sequence[int],
@@ -66,6 +67,7 @@ class GrammarCompiler:
         self.eos_token_ids = list(eos_token_ids)
         self.cache_size = cache_size
         self._pristine: OrderedDict[str, object] = OrderedDict()
+        self._failed: OrderedDict[str, str] = OrderedDict()  # cache key -> why its grammar did not build
         self._building: dict[str, Future] = {}  # cache key -> its build on the compile thread (-> the pristine)
         self._lock = threading.Lock()  # guards both: the model thread reads, the compile thread writes
         # llguidance's view of the vocabulary takes about half a second: built in the background from
@@ -84,8 +86,8 @@ class GrammarCompiler:
 
     def prepare(self, structure: StructuredOutput) -> Future:
         """Builds ``structure``'s pristine matcher on the compile thread, unless it is cached or
-        being built; returns the build's future (done at once for a cached spec; its result is
-        the pristine matcher, which callers outside this class ignore).
+        being built; returns the build's future (done at once for a cached spec, or one that did not
+        build before; its result is the pristine matcher, which callers outside this class ignore).
 
         The future raises :class:`GrammarError` if the grammar does not build.
         """
@@ -93,6 +95,10 @@ class GrammarCompiler:
         with self._lock:
             if key in self._pristine:
                 return built()
+            if key in self._failed:
+                failed: Future = Future()
+                failed.set_exception(GrammarError(self._failed[key]))
+                return failed
             if key not in self._building:
                 self._building[key] = self._compile_thread.submit(self._build_then_forget, structure)
             return self._building[key]
@@ -120,8 +126,11 @@ class GrammarCompiler:
         with self._lock:
             pristine = self._pristine.get(key)
             building = self._building.get(key)
+            failed = self._failed.get(key)
             if pristine is not None:
                 self._pristine.move_to_end(key)
+        if failed is not None:
+            raise GrammarError(failed)
         if pristine is None:
             pristine = building.result() if building is not None else self._build(structure)
         matcher = pristine.deep_copy()
@@ -131,8 +140,15 @@ class GrammarCompiler:
 
     def _build(self, structure: StructuredOutput):
         """Builds, caches and returns ``structure``'s pristine matcher (on any thread; GrammarError
-        if it fails)."""
-        pristine = self._new_pristine(structure)
+        if it fails, remembered for the spec)."""
+        try:
+            pristine = self._new_pristine(structure)
+        except GrammarError as exc:
+            with self._lock:
+                self._failed[structure.cache_key] = str(exc)
+                while len(self._failed) > self.cache_size:
+                    self._failed.popitem(last=False)
+            raise
         with self._lock:
             self._pristine[structure.cache_key] = pristine
             while len(self._pristine) > self.cache_size:

@@ -12,7 +12,7 @@ import pytest
 
 from pagedserve.engine.grammar_matchers import GrammarCompiler, llguidance_tokenizer
 from pagedserve.engine.sampling_params import SamplingParams
-from pagedserve.engine.structured_output import StructuredOutput, StructureKind
+from pagedserve.engine.structured_output import GrammarError, StructuredOutput, StructureKind
 from pagedserve.llm import LLM
 from pagedserve.text.tokenizer import ChatTurn
 
@@ -118,3 +118,17 @@ def test_grammars_that_fail_at_once_never_deadlock_the_compiler(default_model):
     thread.join(60)
     assert not thread.is_alive(), f"the compiler hung after {len(errors)} failing grammars"
     assert len(errors) == 100 and all("does not build" in e for e in errors), errors[:3]
+
+
+def test_a_grammar_that_did_not_build_is_not_compiled_again(default_model, monkeypatch):
+    """A client sending a spec that fails over and over costs one compile: the second prepare is done at once
+    with the same error, and so is a matcher asked for it."""
+    compiler = GrammarCompiler(str(default_model / "tokenizer.json"), 49152, [2])
+    builds, build = [], compiler._new_pristine
+    monkeypatch.setattr(compiler, "_new_pristine", lambda structure: builds.append(structure) or build(structure))
+    first = compiler.prepare(UNKNOWN_TOKEN).exception(timeout=30)
+    again = compiler.prepare(UNKNOWN_TOKEN)
+    assert again.done() and isinstance(again.exception(), GrammarError) and str(again.exception()) == str(first)
+    with pytest.raises(GrammarError, match="does not build"):
+        compiler.matcher(UNKNOWN_TOKEN)
+    assert len(builds) == 1
