@@ -57,8 +57,9 @@ def passing_head(waiting: WaitingQueue, policy: Policy, workers: WorkerPool,
     head = queue_head(waiting, policy, workers, drafts)
     if head.worker is None or head.seq.fork_parent is not None or head.seq.num_tokens_in_flight:
         return head
+    rank = policy.precedence(head.seq)
     passer = next((seq for seq in waiting.first(PASSING_WINDOW + 1)[1:]
-                   if seq.num_tokens < head.seq.num_tokens and policy.precedence(seq) == policy.precedence(head.seq)
+                   if seq.num_tokens < head.seq.num_tokens and policy.precedence(seq) == rank
                    and seq.fork_parent is None and not seq.num_tokens_in_flight), None)
     # the scan of the worker's running sequences only when a prompt could pass
     if passer is None or not _waits_behind(head.seq, head.worker) or workers.place(passer, drafts) is not head.worker:

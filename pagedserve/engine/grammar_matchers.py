@@ -69,7 +69,7 @@ class GrammarCompiler:
         self._pristine: OrderedDict[str, object] = OrderedDict()
         self._failed: OrderedDict[str, str] = OrderedDict()  # cache key -> why its grammar did not build
         self._building: dict[str, Future] = {}  # cache key -> its build on the compile thread (-> the pristine)
-        self._lock = threading.Lock()  # guards both: the model thread reads, the compile thread writes
+        self._lock = threading.Lock()  # guards the three: the model thread reads, the compile thread writes
         # llguidance's view of the vocabulary takes about half a second: built in the background from
         # the start, so that the first structured request does not stall a step for it
         builder = ThreadPoolExecutor(1, thread_name_prefix="grammar-vocabulary")
@@ -168,7 +168,7 @@ class GrammarCompiler:
         # its first mask builds the lexer states every copy starts from (up to ~30 ms for a large
         # schema): here, off the step, so that a copy's first mask takes ~0.1 ms
         scratch = allocate_bitmask(1, self.vocab_size)
-        pristine.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * scratch.element_size())
+        fill_mask(pristine, scratch[0])
         return pristine
 
 
@@ -180,9 +180,7 @@ def advance(matcher, token_id: int) -> None:
     llguidance's limits) leaves it in its error state, where it allows only EOS: the token drawn
     next carries the error (:func:`failure`), which ends the sequence; nothing else in the step fails.
     """
-    if matcher.is_stopped():
-        return
-    if not matcher.consume_token(token_id):
+    if not follow(matcher, token_id):
         log.warning("a structured output's grammar refused token %d (%s); the sequence ends with an error",
                     token_id, matcher.get_error()[:200])
 
@@ -219,7 +217,7 @@ def draft_masks(matcher, draft_token_ids: Sequence[int], vocab_size: int) -> Dra
     failures: list[str | None] = []
     path = matcher.deep_copy()
     for j, view in enumerate(bitmask):
-        path.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+        fill_mask(path, view)
         failures.append(failure(path))
         if failures[-1] is not None or j == len(draft_token_ids) or not allows(view, draft_token_ids[j]):
             break  # the sequence ends at this row's token, or the draft is refused: no later row is reached
@@ -228,11 +226,16 @@ def draft_masks(matcher, draft_token_ids: Sequence[int], vocab_size: int) -> Dra
     return DraftMasks(bitmask, tuple(failures))
 
 
-def follow(path, token_id: int) -> None:
-    """:func:`advance`'s rule for a copy of a matcher walking drafts, which may yet be rejected: no
-    warning (a token the copy refuses leaves it failed, which the next mask shows)."""
-    if not path.is_stopped():
-        path.consume_token(token_id)
+def follow(path, token_id: int) -> bool:
+    """:func:`advance` without its warning, for a copy of a matcher walking drafts, which may yet be
+    rejected (a token the copy refuses leaves it failed, which the next mask shows): feeds ``token_id``
+    unless the grammar has ended; False when the matcher refused it."""
+    return path.is_stopped() or path.consume_token(token_id)
+
+
+def fill_mask(matcher, row: torch.Tensor) -> None:
+    """Writes the tokens ``matcher`` allows next into ``row``, one bitmask row (CPU int32 ``[W]``)."""
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
 
 def forced_tokens(matcher, limit: int) -> list[int]:
@@ -263,7 +266,7 @@ def mask_grammar(logits: torch.Tensor, matchers: Sequence[object | None]) -> Non
     bitmask = allocate_bitmask(len(rows), logits.shape[1])                # (R, W) int32
     for k, row in enumerate(rows):
         view = bitmask[k]
-        matchers[row].unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+        fill_mask(matchers[row], view)
     apply_bitmask_rows(logits, rows, bitmask)
 
 
