@@ -148,6 +148,12 @@ class BlockManager:
             del table[keep:]
             self._pool.release(tail[::-1])
 
+    def fills_uncached_block(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the request's first ``num_tokens`` slots may fill a block not cached yet (never here):
+        the cheap question asked before ``cache_full_blocks``, which needs the tokens (and caches only
+        blocks the request holds)."""
+        return False
+
     def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
                           extra: bytes = b"", num_prompt_tokens: int | None = None) -> None:
         """Makes the request's full blocks among its first ``num_tokens`` slots findable (no-op here)."""

@@ -67,8 +67,8 @@ class RequestOutput:
         """The output of tokens a step emitted for a sample (accepted drafts, then the sampled token),
         with the logprobs entries they carry."""
         return cls(request_id=request_id, first_output_index=first_output_index,
-                   new_token_ids=tuple(t.token_id for t in tokens), finish_reason=finish_reason,
-                   sample_index=sample_index, logprobs=tuple(t.logprobs for t in tokens if t.logprobs is not None),
+                   new_token_ids=tuple([t.token_id for t in tokens]), finish_reason=finish_reason,
+                   sample_index=sample_index, logprobs=tuple([t.logprobs for t in tokens if t.logprobs is not None]),
                    prompt_logprobs=prompt_logprobs, stop_token_id=stop_token_id)
 
     @classmethod

@@ -53,6 +53,9 @@ class PrefixCachingBlockManager(BlockManager):
             self._hashes[request_id] = [block.block_hash for block in prefix.blocks]
         return new_block_ids
 
+    def fills_uncached_block(self, request_id: str, num_tokens: int) -> bool:
+        return len(self._hashes.get(request_id, ())) < num_tokens // self.block_size  # blocks it holds: see below
+
     def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
                           extra: bytes = b"", num_prompt_tokens: int | None = None) -> None:
         """Caches the request's blocks that ``num_tokens`` computed (or scheduled) slots fill (the first

@@ -66,11 +66,13 @@ class RunningSchedule:
         waiting = admissible_waiting() if prefills and self.config.short_prompt_share > 0 else None
         while queue and draft.token_budget > 0:
             seq = queue.popleft()
-            share, reserve = ((1.0, 0) if seq.num_uncomputed_tokens == 1
-                              else self._prefill_share(seq, draft, yielding, waiting))
-            num_new = num_new_tokens(seq, draft, self.config, share=share, reserve=reserve)
-            if num_new == 0:
-                continue
+            if seq.num_uncomputed_tokens == 1:
+                num_new = 1  # a decode: the budget has a token left
+            else:
+                share, reserve = self._prefill_share(seq, draft, yielding, waiting)
+                num_new = num_new_tokens(seq, draft, self.config, share=share, reserve=reserve)
+                if num_new == 0:
+                    continue
             k = sequence_lookahead(seq, step_k, most)
             lookahead = lookahead_slots(seq, num_new, k, worker.blocks, draft.token_budget)
             total = seq.num_computed_tokens + num_new + lookahead

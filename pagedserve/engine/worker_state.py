@@ -224,9 +224,10 @@ class WorkerState:
         and their token ids known: a block that ends in a token still in flight waits for it. With
         ``--prefix-cache-outputs own``, blocks past its prompt are keyed by its prompt's length too
         (:meth:`prompt_end`): only the same sequence resumed or recomputed finds them."""
-        if self.config.enable_prefix_caching:
-            self.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, min(seq.num_computed_tokens, seq.num_tokens),
-                                          seq.request.cache_salt.encode(), num_prompt_tokens=self.prompt_end(seq))
+        num_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+        if self.blocks.fills_uncached_block(seq.seq_id, num_tokens):
+            self.blocks.cache_full_blocks(seq.seq_id, seq.all_token_ids, num_tokens, seq.request.cache_salt.encode(),
+                                          num_prompt_tokens=self.prompt_end(seq))
 
     def cached_prefix(self, seq: Sequence) -> CachedPrefix:
         """The longest cached start of ``seq``'s tokens here (none when prefix caching is off)."""

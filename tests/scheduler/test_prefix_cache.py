@@ -145,3 +145,15 @@ def test_hash_chain_depends_on_the_whole_prefix():
     a = hash_full_blocks([1, 2, 3, 4], 2)
     b = hash_full_blocks([9, 9, 3, 4], 2)
     assert a[1].token_ids == b[1].token_ids and a[1].digest != b[1].digest
+
+
+def test_only_slots_reaching_an_uncached_block_s_end_may_fill_one():
+    bm, plain = PrefixCachingBlockManager(num_blocks=8, block_size=4), BlockManager(num_blocks=8, block_size=4)
+    admit(bm, "a", tokens(6))  # block 0 cached, block 1 holds 2 of its 4 slots
+    assert [bm.fills_uncached_block("a", n) for n in (4, 7, 8, 12)] == [False, False, True, True]
+    bm.allocate_slots("a", 8)
+    bm.cache_full_blocks("a", lambda: tokens(8), 8)
+    assert not bm.fills_uncached_block("a", 8) and bm.num_cached_blocks == 2
+    assert bm.fills_uncached_block("new", 4) and not bm.fills_uncached_block("new", 3)
+    plain.allocate_slots("a", 8)
+    assert not plain.fills_uncached_block("a", 8)  # nothing is cached without prefix caching
