@@ -77,11 +77,12 @@ class RunningSchedule:
             lookahead = lookahead_slots(seq, num_new, k, worker.blocks, draft.token_budget)
             total = seq.num_computed_tokens + num_new + lookahead
             needed = worker.blocks.num_new_blocks(seq.seq_id, total)
-            if not self._make_room(worker, seq, needed, queue, draft):
-                # alone, and nothing left to preempt (the queue is empty: this is the pass's last sequence)
-                return None if seq.num_tokens_in_flight else seq  # its last token in flight may still end it
-            if seq.status is not SequenceStatus.RUNNING or needed > worker.blocks.num_free_blocks:
-                continue
+            if needed > worker.blocks.num_free_blocks:
+                if not self._make_room(worker, seq, needed, queue, draft):
+                    # alone, and nothing left to preempt (the queue is empty: this is the pass's last sequence)
+                    return None if seq.num_tokens_in_flight else seq  # its last token in flight may still end it
+                if seq.status is not SequenceStatus.RUNNING or needed > worker.blocks.num_free_blocks:
+                    continue
             new_block_ids = worker.blocks.allocate_blocks(seq.seq_id, needed) if needed else ()
             draft.cached_requests.append(
                 CachedRequestData(seq.seq_id, new_block_ids, seq.num_computed_tokens, num_new, lookahead))

@@ -82,8 +82,7 @@ class WorkerPool:
         worker = self._workers.get(worker_id)
         if worker is None:
             return ()
-        own = {s.seq_id: s for s in result.sampled if s.sample_index == s.seq_id.sample_index}  # not forked samples
-        return worker.step_answered(result.step_id, own)
+        return worker.step_answered(result.step_id, result.sampled)
 
     def place(self, seq: Sequence, drafts: dict[str, PlanDraft]) -> WorkerState | None:
         """Where to admit ``seq`` now, among the workers being scheduled (``drafts``): a forked

@@ -164,11 +164,12 @@ class WorkerState:
         """An empty plan for this iteration, with the worker's fitted step cost."""
         return PlanDraft(self.config.max_num_batched_tokens, self.step_cost.cost, self.config.max_decode_slowdown)
 
-    def step_answered(self, step_id: int, sampled: Mapping[SequenceId, SampledToken]) -> tuple[Sequence, ...]:
+    def step_answered(self, step_id: int, sampled: tuple[SampledToken, ...]) -> tuple[Sequence, ...]:
         """Feeds the cost model the step's time: from when it was made, or from the previous
         answer if the worker was still busy with that one (plans queue up on a worker), to now;
-        and what it computed (``sampled``: the answer's tokens per sequence, with the drafts the
-        worker verified); feeds :attr:`drafts` the step's draft outcomes.
+        and what it computed (``sampled``: the answer's tokens, with the drafts the worker verified:
+        a speculative step's own samples' count, not forked ones'); feeds :attr:`drafts` the step's
+        draft outcomes.
 
         Returns:
             The sequences whose token the step sampled (none for a step unknown here).
@@ -176,8 +177,9 @@ class WorkerState:
         now = time.monotonic()
         sent = self._sent.pop(step_id, None)
         if sent is not None:
-            self.step_cost.observe(sent.computed(sampled), now - max(sent.made, self._last_answer))
-            self.drafts.observe(sent.draft_outcomes(sampled))
+            own = {s.seq_id: s for s in sampled if s.sample_index == s.seq_id.sample_index} if sent.lookahead else {}
+            self.step_cost.observe(sent.computed(own), now - max(sent.made, self._last_answer))
+            self.drafts.observe(sent.draft_outcomes(own))
         self._last_answer = now
         return sent.sampling if sent is not None else ()
 

@@ -38,7 +38,7 @@ def sequence_lookahead(seq: Sequence, step_lookahead: int, num_speculative_token
     """The most draft slots ``seq`` gets in a step whose decodes get ``step_lookahead``: every one of
     ``num_speculative_tokens`` for a seeded sampled sequence (:func:`repeats_draws`; as with
     ``--speculative-control fixed``), else ``step_lookahead``."""
-    return num_speculative_tokens if repeats_draws(seq) else step_lookahead
+    return num_speculative_tokens if num_speculative_tokens and repeats_draws(seq) else step_lookahead
 
 
 def waits_for_answer(seq: Sequence, num_lookahead: int) -> bool:
