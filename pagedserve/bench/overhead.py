@@ -1,8 +1,9 @@
 """`pagedserve bench overhead`: what the service split costs, measured in one run.
 
 1. The same workload (all requests at once) through the whole stack (gateway, Redis, scheduler,
-   one worker, over gRPC) and through the in-process engine with the same settings: the ratio of
-   output tokens/s.
+   one worker, over gRPC) and through the in-process engine with the same settings, the services'
+   scheduling policy included (the offline engine's own defaults fill every prefill chunk: a policy
+   difference, not a price of the split): the ratio of output tokens/s.
 2. TTFT of a single request through the stack and in-process (median of ``--ttft-repeats``
    prompts, each unique so that no prefix-cache hit shortens it).
 The two sides take turns, request by request for TTFT and pass by pass (``--rounds``) for
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -31,7 +33,7 @@ from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, data
 from pagedserve.bench.in_process import ttft_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.scheduler_cost import scheduler_iteration_ms
-from pagedserve.engine.config import SchedulerConfig
+from pagedserve.engine.config import SchedulerConfig, default_token_budget
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -59,15 +61,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 class _InProcess:
     """The in-process engine, on the cores the stack's worker gets."""
 
-    def __init__(self, model: Path, args: argparse.Namespace, plans_in_flight: int) -> None:
+    def __init__(self, model: Path, args: argparse.Namespace, policy: SchedulerConfig) -> None:
         import torch
 
         from pagedserve.llm import LLM
 
         self.cores = range(_threads(args))
         torch.set_num_threads(len(self.cores))
+        # the stack's policy, not the offline engine's defaults (full prefill chunks: llm.offline_config)
         self.llm = LLM(model, kv_cache_memory=args.kv_cache_memory, **kernel_options(args),
-                       max_plans_in_flight=plans_in_flight)
+                       **{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
 
     @contextlib.contextmanager
     def _on_worker_cores(self):
@@ -147,7 +150,8 @@ def _measure(sides: dict, requests: list[SampleRequest], args: argparse.Namespac
 def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Namespace,
                  plans_in_flight: list[int]) -> dict:
     """Starts a stack (Redis, scheduler, one worker, gateway) and an in-process engine per value of
-    ``plans_in_flight``; measures them all in turns. Sides are named ``stack/N`` and ``engine/N``."""
+    ``plans_in_flight``, both with the services' scheduling policy on this device; measures them all in
+    turns. Sides are named ``stack/N`` and ``engine/N``."""
     from pagedserve.launcher import Stack, free_port
     from pagedserve.stack_config import StackConfig
 
@@ -157,16 +161,18 @@ def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Name
             for n in plans_in_flight:
                 ports = [free_port() for _ in range(4)]
                 runner = RunnerConfig(kv_cache_memory=args.kv_cache_memory, **kernel_options(args))
+                policy = SchedulerConfig(max_num_batched_tokens=default_token_budget(runner.device),
+                                         max_plans_in_flight=n)
                 stack = Stack(StackConfig(
                     model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
                     redis_url=f"redis://127.0.0.1:{ports[2]}/0", runner=runner,
-                    policy=SchedulerConfig(max_plans_in_flight=n), threads_per_worker=_threads(args),
+                    policy=policy, threads_per_worker=_threads(args),
                     data_dir=Path(data_dir) / str(n), http_port=ports[3], metrics_port=0,
                 ))
                 stacks.append(stack)
                 stack.start()
                 sides[f"stack/{n}"] = _ThroughStack(f"127.0.0.1:{ports[0]}")
-                sides[f"engine/{n}"] = _InProcess(model, args, n)
+                sides[f"engine/{n}"] = _InProcess(model, args, policy)
             return _measure(sides, requests, args)
         finally:
             for stack in stacks:
