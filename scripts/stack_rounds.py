@@ -44,6 +44,18 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def context_switches(pid: int) -> int:
+    """Times the threads of a process were switched off a CPU so far (voluntary and not; /proc)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                total += sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+        except FileNotFoundError:
+            pass  # the thread ended
+    return total
+
+
 def scrape(port: int, names: tuple[str, ...]) -> dict[str, float]:
     """The named series of a Prometheus /metrics page, summed over their labels."""
     out = dict.fromkeys(names, 0.0)
@@ -69,6 +81,7 @@ def stack_rounds(model: Path, requests: list[SampleRequest], config: StackConfig
         pids = {p.pid: name for name, p in stack.children} | {os.getpid(): "client (this script)"}
         for i in range(rounds):
             before, metrics = {pid: cpu_seconds(pid) for pid in pids}, scrape(config.metrics_port + 2, steps)
+            switches = {pid: context_switches(pid) for pid in pids}
             start = time.perf_counter()
             records, _ = asyncio.run(run_load(target, fresh(requests, i), LoadSettings(float("inf")),
                                               temperature=0.0, ignore_eos=True, timeout_s=3600))
@@ -79,7 +92,8 @@ def stack_rounds(model: Path, requests: list[SampleRequest], config: StackConfig
             print(f"stack round {i}: {tokens / wall:.1f} output tok/s ({wall:.2f} s), {num_steps:.0f} worker steps, "
                   f"in steps {busy / wall:.0%} of the time", flush=True)
             for pid, name in pids.items():
-                print(f"    {name:22s} {cpu_seconds(pid) - before[pid]:6.2f} CPU-s")
+                print(f"    {name:22s} {cpu_seconds(pid) - before[pid]:6.2f} CPU-s, "
+                      f"{context_switches(pid) - switches[pid]:7d} context switches")
     finally:
         stack.stop()
 
