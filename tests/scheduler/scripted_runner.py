@@ -2,8 +2,9 @@
 
 It keeps worker-side state the way the real ModelRunner does (checking every delta against it),
 keeps a model of the KV cache in which a slot holds the whole prefix up to its token (as K/V
-depend on it), makes the plan's swap and copy-on-write copies, and checks in every step that each
-sequence's context reads back exactly its tokens. Its "sampled" token is a pure function of the
+depend on it), makes the plan's swap and copy-on-write copies, drafts nothing into lookahead slots
+(and gives their blocks back as a worker does), and checks in every step that each sequence's
+context reads back exactly its tokens. Its "sampled" token is a pure function of the
 sequence so far, so recompute after preemption must reproduce the same output. Integration tests
 use the real model instead.
 """
@@ -13,6 +14,7 @@ from concurrent.futures import Future
 
 from pagedserve.engine.grammar_matchers import built
 from pagedserve.engine.messages import BatchPlan, SampledToken, StepResult
+from pagedserve.engine.spec_decode.lookahead import kept_blocks
 
 TOKEN_COUNTS_ONLY = {"max_decode_slowdown": math.inf}
 """SchedulerConfig settings for tests that script exact token counts: prefill chunks fill the token
@@ -63,6 +65,7 @@ class ScriptedRunner:
             st = self.state[cached.seq_id]
             assert st["computed"] == cached.num_computed_tokens
             st["table"].extend(cached.new_block_ids)
+            st["lookahead"] = cached.num_lookahead_tokens  # slots it never drafts into (no drafts here)
         scheduled = [(r.seq_id, r.num_scheduled_tokens) for r in plan.new_requests + plan.cached_requests]
         for rid, num in scheduled:  # every layer writes the step's K/V before any attention reads
             self._write(self.state[rid], num)
@@ -70,6 +73,8 @@ class ScriptedRunner:
         for rid, num in scheduled:
             st = self.state[rid]
             st["computed"] += num
+            if st.pop("lookahead", 0):  # the blocks past its computed slots go back, as ModelRunner._settle drops them
+                del st["table"][kept_blocks(st["computed"], self.block_size):]
             self._check_context(rid, st)
             if st["computed"] == len(st["tokens"]):
                 first_of_many = len(st["tokens"]) == st["prompt"] and st["n"] > 1

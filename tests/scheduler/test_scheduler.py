@@ -11,6 +11,7 @@ from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.engine import Engine, LocalExecutor
 from pagedserve.engine.scheduler import Scheduler
+from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from tests.scheduler.scripted_runner import TOKEN_COUNTS_ONLY, ScriptedRunner, reference_output
 
 
@@ -21,9 +22,10 @@ def request(rid: str, prompt_len: int, max_tokens: int, t: float = 0.0) -> Engin
     return EngineRequest(rid, prompt, EngineSamplingParams(max_tokens=max_tokens, eos_token_ids=(2,)), t)
 
 
-def make_engine(workers: dict[str, int], **config) -> tuple[Engine, dict[str, ScriptedRunner]]:
+def make_engine(workers: dict[str, int], speculative: SpeculativeConfig = SpeculativeConfig(),
+                **config) -> tuple[Engine, dict[str, ScriptedRunner]]:
     cfg = SchedulerConfig(**{"block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 64, **TOKEN_COUNTS_ONLY, **config})
-    scheduler = Scheduler(cfg)
+    scheduler = Scheduler(cfg, speculative)
     runners = {}
     for wid, num_blocks in workers.items():
         scheduler.add_worker(wid, num_blocks)
@@ -80,6 +82,20 @@ def test_outputs_match_reference_and_blocks_are_freed():
     for i in range(6):
         req = request(f"r{i}", 3 + i, 5 + i)
         assert outputs[f"r{i}"] == reference_output(list(req.prompt_token_ids), 5 + i)
+    assert_all_free(engine)
+
+
+def test_lookahead_slots_left_empty_are_given_back_on_both_sides():
+    """Speculation reserves slots the scripted runner never drafts into; the scheduler frees the blocks
+    past the computed slots, and the runner drops them from its table as a worker does, so a block
+    freed there and taken by another sequence is never read or written twice (12 blocks, 4 requests)."""
+    engine, runners = make_engine({"w0": 12}, SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                                                control="fixed"))
+    for rid in "abcd":
+        engine.add_request(request(rid, 5, 14))
+    outputs = run_to_completion(engine)
+    assert outputs == {rid: reference_output(list(request(rid, 5, 14).prompt_token_ids), 14) for rid in "abcd"}
+    assert sum(c.num_lookahead_tokens for p in runners["w0"].plans for c in p.cached_requests) > 0
     assert_all_free(engine)
 
 
