@@ -2,18 +2,19 @@
 
 It keeps worker-side state the way the real ModelRunner does (checking every delta against it),
 keeps a model of the KV cache in which a slot holds the whole prefix up to its token (as K/V
-depend on it), makes the plan's swap and copy-on-write copies, drafts nothing into lookahead slots
-(and gives their blocks back as a worker does), and checks in every step that each sequence's
-context reads back exactly its tokens. Its "sampled" token is a pure function of the
+depend on it), makes the plan's swap and copy-on-write copies, drafts the sequence's own next tokens
+into lookahead slots and accepts some (giving the blocks past them back as a worker does), and
+checks in every step that each sequence's context reads back exactly its tokens. Its "sampled" token is a pure function of the
 sequence so far, so recompute after preemption must reproduce the same output. Integration tests
 use the real model instead.
 """
 
 import math
+import zlib
 from concurrent.futures import Future
 
 from pagedserve.engine.grammar_matchers import built
-from pagedserve.engine.messages import BatchPlan, SampledToken, StepResult
+from pagedserve.engine.messages import AcceptedDraft, BatchPlan, SampledToken, StepResult
 from pagedserve.engine.spec_decode.lookahead import kept_blocks
 
 TOKEN_COUNTS_ONLY = {"max_decode_slowdown": math.inf}
@@ -65,7 +66,7 @@ class ScriptedRunner:
             st = self.state[cached.seq_id]
             assert st["computed"] == cached.num_computed_tokens
             st["table"].extend(cached.new_block_ids)
-            st["lookahead"] = cached.num_lookahead_tokens  # slots it never drafts into (no drafts here)
+            st["lookahead"] = cached.num_lookahead_tokens
         scheduled = [(r.seq_id, r.num_scheduled_tokens) for r in plan.new_requests + plan.cached_requests]
         for rid, num in scheduled:  # every layer writes the step's K/V before any attention reads
             self._write(self.state[rid], num)
@@ -73,16 +74,38 @@ class ScriptedRunner:
         for rid, num in scheduled:
             st = self.state[rid]
             st["computed"] += num
-            if st.pop("lookahead", 0):  # the blocks past its computed slots go back, as ModelRunner._settle drops them
-                del st["table"][kept_blocks(st["computed"], self.block_size):]
+            lookahead = st.pop("lookahead", 0)
             self._check_context(rid, st)
             if st["computed"] == len(st["tokens"]):
                 first_of_many = len(st["tokens"]) == st["prompt"] and st["n"] > 1
                 indexes = range(st["n"]) if first_of_many else [rid.sample_index]
+                accepted = self._verify_drafts(rid, st, lookahead)
                 tokens = [next_token(st["tokens"], i if first_of_many else 0) for i in indexes]
-                sampled += [SampledToken(rid, t, 0.0, i) for i, t in zip(indexes, tokens)]
+                sampled += [SampledToken(rid, t, 0.0, i, accepted=accepted, num_draft_tokens=lookahead)
+                            for i, t in zip(indexes, tokens)]
                 st["tokens"].append(tokens[0])
+            if lookahead:  # the blocks past its computed slots go back, as ModelRunner._settle drops them
+                del st["table"][kept_blocks(st["computed"], self.block_size):]
         return StepResult(plan.step_id, tuple(sampled))
+
+    def _verify_drafts(self, rid, st: dict, lookahead: int) -> tuple[AcceptedDraft, ...]:
+        """Drafts the sequence's next ``lookahead`` tokens into its lookahead slots and accepts the first
+        0..lookahead of them (fixed per sequence and position): their K/V are computed; the slots of the
+        rejected ones hold garbage, as a worker's do."""
+        num_accepted = zlib.crc32(f"{rid}:{st['computed']}".encode()) % (lookahead + 1)
+        accepted = []
+        for i in range(lookahead):
+            block, offset = self._slot(st, st["computed"])
+            if i >= num_accepted:
+                block[offset] = ("rejected draft",)
+                st["computed"] += 1
+                continue
+            accepted.append(AcceptedDraft(next_token(st["tokens"]), 0.0))
+            st["tokens"].append(accepted[-1].token_id)
+            block[offset] = tuple(st["tokens"])
+            st["computed"] += 1
+        st["computed"] -= lookahead - num_accepted
+        return tuple(accepted)
 
     def _slot(self, st: dict, pos: int) -> tuple[list, int]:
         table = st["table"]

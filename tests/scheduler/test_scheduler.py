@@ -86,9 +86,9 @@ def test_outputs_match_reference_and_blocks_are_freed():
 
 
 def test_lookahead_slots_left_empty_are_given_back_on_both_sides():
-    """Speculation reserves slots the scripted runner never drafts into; the scheduler frees the blocks
-    past the computed slots, and the runner drops them from its table as a worker does, so a block
-    freed there and taken by another sequence is never read or written twice (12 blocks, 4 requests)."""
+    """Speculation reserves slots the scripted runner drafts into and accepts some of; the scheduler frees
+    the blocks past the computed slots, and the runner drops them from its table as a worker does, so a
+    block freed there and taken by another sequence is never read or written twice (12 blocks, 4 requests)."""
     engine, runners = make_engine({"w0": 12}, SpeculativeConfig(method="ngram", num_speculative_tokens=4,
                                                                 control="fixed"))
     for rid in "abcd":
@@ -211,8 +211,8 @@ def test_failed_worker_sequences_resume_elsewhere():
 )
 def test_random_workloads_are_exact_and_leak_nothing(specs, num_blocks, budget, plans_in_flight, lookahead):
     """Random arrivals, aborts, preemptions over two workers, and speculation's lookahead slots when
-    ``lookahead`` > 0 (the scripted runner drafts nothing: the slots' blocks go back after each step):
-    outputs equal the reference, no block is held twice or lost."""
+    ``lookahead`` > 0 (the scripted runner accepts 0..lookahead of its drafts; the blocks past the
+    computed slots go back after each step): outputs equal the reference, no block is held twice or lost."""
     speculative = SpeculativeConfig(method="ngram", num_speculative_tokens=lookahead, control="fixed") \
         if lookahead else SpeculativeConfig()
     engine, _ = make_engine({"w0": num_blocks, "w1": num_blocks // 2 + 2}, speculative, max_num_seqs=4,
