@@ -131,7 +131,9 @@ def _measure(sides: dict, requests: list[SampleRequest], args: argparse.Namespac
     """Alternates the sides so that a slow spell of a shared machine hits both alike.
 
     TTFT prompts are the workload's prompts, each made unique by a numbered first line so that no
-    prefix-cache hit shortens them; the first of them warms both sides up and is not counted.
+    prefix-cache hit shortens them; the first of them warms both sides up and is not counted. Each
+    throughput pass's prompts start with a line of their own too: no pass reads another's prefill
+    from the cache (both sides' second passes did).
     """
     ttfts: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(args.ttft_repeats + 1):
@@ -139,9 +141,10 @@ def _measure(sides: dict, requests: list[SampleRequest], args: argparse.Namespac
         for name, side in sides.items():
             ttfts[name].append(side.ttft_ms(prompt))
     totals = {name: [0, 0.0] for name in sides}
-    for _ in range(args.rounds):
+    for round_index in range(args.rounds):
+        fresh = [dataclasses.replace(r, prompt=f"Pass {round_index}.\n{r.prompt}") for r in requests]
         for name, side in sides.items():
-            tokens, seconds = side.run(requests)
+            tokens, seconds = side.run(fresh)
             totals[name][0] += tokens
             totals[name][1] += seconds
     return {name: (totals[name][0] / totals[name][1], ttfts[name][1:]) for name in sides}
