@@ -54,7 +54,8 @@ class PrefixCachingBlockManager(BlockManager):
         return new_block_ids
 
     def fills_uncached_block(self, request_id: str, num_tokens: int) -> bool:
-        return len(self._hashes.get(request_id, ())) < num_tokens // self.block_size  # blocks it holds: see below
+        # "may": cache_full_blocks caches only blocks the request holds (none once swapped out)
+        return len(self._hashes.get(request_id, ())) < num_tokens // self.block_size
 
     def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
                           extra: bytes = b"", num_prompt_tokens: int | None = None) -> None:

@@ -167,9 +167,9 @@ class WorkerState:
     def step_answered(self, step_id: int, sampled: tuple[SampledToken, ...]) -> tuple[Sequence, ...]:
         """Feeds the cost model the step's time: from when it was made, or from the previous
         answer if the worker was still busy with that one (plans queue up on a worker), to now;
-        and what it computed (``sampled``: the answer's tokens, with the drafts the worker verified:
-        a speculative step's own samples' count, not forked ones'); feeds :attr:`drafts` the step's
-        draft outcomes.
+        and what it computed (``sampled``: the answer's tokens; a speculative step's verified drafts
+        are read from its own samples', not forked ones'); feeds :attr:`drafts` the step's draft
+        outcomes.
 
         Returns:
             The sequences whose token the step sampled (none for a step unknown here).

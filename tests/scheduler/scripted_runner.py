@@ -4,9 +4,9 @@ It keeps worker-side state the way the real ModelRunner does (checking every del
 keeps a model of the KV cache in which a slot holds the whole prefix up to its token (as K/V
 depend on it), makes the plan's swap and copy-on-write copies, drafts the sequence's own next tokens
 into lookahead slots and accepts some (giving the blocks past them back as a worker does), and
-checks in every step that each sequence's context reads back exactly its tokens. Its "sampled" token is a pure function of the
-sequence so far, so recompute after preemption must reproduce the same output. Integration tests
-use the real model instead.
+checks in every step that each sequence's context reads back exactly its tokens. Its "sampled"
+token is a pure function of the sequence so far, so recompute after preemption must reproduce the
+same output. Integration tests use the real model instead.
 """
 
 import math
@@ -14,7 +14,7 @@ import zlib
 from concurrent.futures import Future
 
 from pagedserve.engine.grammar_matchers import built
-from pagedserve.engine.messages import AcceptedDraft, BatchPlan, SampledToken, StepResult
+from pagedserve.engine.messages import AcceptedDraft, BatchPlan, SampledToken, SequenceId, StepResult
 from pagedserve.engine.spec_decode.lookahead import kept_blocks
 
 TOKEN_COUNTS_ONLY = {"max_decode_slowdown": math.inf}
@@ -88,23 +88,21 @@ class ScriptedRunner:
                 del st["table"][kept_blocks(st["computed"], self.block_size):]
         return StepResult(plan.step_id, tuple(sampled))
 
-    def _verify_drafts(self, rid, st: dict, lookahead: int) -> tuple[AcceptedDraft, ...]:
+    def _verify_drafts(self, rid: SequenceId, st: dict, lookahead: int) -> tuple[AcceptedDraft, ...]:
         """Drafts the sequence's next ``lookahead`` tokens into its lookahead slots and accepts the first
         0..lookahead of them (fixed per sequence and position): their K/V are computed; the slots of the
         rejected ones hold garbage, as a worker's do."""
         num_accepted = zlib.crc32(f"{rid}:{st['computed']}".encode()) % (lookahead + 1)
         accepted = []
         for i in range(lookahead):
-            block, offset = self._slot(st, st["computed"])
-            if i >= num_accepted:
+            block, offset = self._slot(st, st["computed"] + i)
+            if i < num_accepted:
+                accepted.append(AcceptedDraft(next_token(st["tokens"]), 0.0))
+                st["tokens"].append(accepted[-1].token_id)
+                block[offset] = tuple(st["tokens"])  # the draft's K/V: its whole prefix
+            else:
                 block[offset] = ("rejected draft",)
-                st["computed"] += 1
-                continue
-            accepted.append(AcceptedDraft(next_token(st["tokens"]), 0.0))
-            st["tokens"].append(accepted[-1].token_id)
-            block[offset] = tuple(st["tokens"])
-            st["computed"] += 1
-        st["computed"] -= lookahead - num_accepted
+        st["computed"] += num_accepted
         return tuple(accepted)
 
     def _slot(self, st: dict, pos: int) -> tuple[list, int]:
