@@ -27,7 +27,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, dataset_spec_from_args, sample_requests
-from pagedserve.bench.overhead import _InProcess, _threads
+from pagedserve.bench.overhead import _InProcess, with_first_line
 from pagedserve.bench.serve import LoadSettings, run_load
 from pagedserve.engine.runner_config import RunnerConfig
 from pagedserve.launcher import Stack, free_port
@@ -66,10 +66,6 @@ def scrape(port: int, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def fresh(requests: list[SampleRequest], round_index: int) -> list[SampleRequest]:
-    return [dataclasses.replace(r, prompt=f"Round {round_index}.\n{r.prompt}") for r in requests]
-
-
 def stack_rounds(model: Path, requests: list[SampleRequest], config: StackConfig, rounds: int) -> None:
     steps = ("pagedserve_worker_step_seconds_count", "pagedserve_worker_step_seconds_sum")
     stack = Stack(config)
@@ -83,8 +79,9 @@ def stack_rounds(model: Path, requests: list[SampleRequest], config: StackConfig
             before, metrics = {pid: cpu_seconds(pid) for pid in pids}, scrape(config.metrics_port + 2, steps)
             switches = {pid: context_switches(pid) for pid in pids}
             start = time.perf_counter()
-            records, _ = asyncio.run(run_load(target, fresh(requests, i), LoadSettings(float("inf")),
-                                              temperature=0.0, ignore_eos=True, timeout_s=3600))
+            fresh = with_first_line(requests, f"Round {i}.")
+            records, _ = asyncio.run(run_load(target, fresh, LoadSettings(float("inf")), temperature=0.0,
+                                              ignore_eos=True, timeout_s=3600))
             wall = time.perf_counter() - start
             after = scrape(config.metrics_port + 2, steps)
             num_steps, busy = (after[n] - metrics[n] for n in steps)
@@ -106,7 +103,7 @@ def in_process_rounds(model: Path, requests: list[SampleRequest], config: StackC
     side.run(requests[:4])  # warm-up
     for i in range(rounds):
         steps = side.llm.stats().num_steps
-        tokens, seconds = side.run(fresh(requests, i))
+        tokens, seconds = side.run(with_first_line(requests, f"Round {i}."))
         print(f"in-process round {i}: {tokens / seconds:.1f} output tok/s ({seconds:.2f} s), "
               f"{side.llm.stats().num_steps - steps} steps", flush=True)
 
@@ -128,8 +125,7 @@ def main() -> None:
         config = dataclasses.replace(
             base, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1], http_port=ports[3],
             redis_url=f"redis://127.0.0.1:{ports[2]}/0", metrics_port=metrics, data_dir=Path(data_dir),
-            runner=RunnerConfig(kv_cache_memory="2GiB"), threads_per_worker=_threads(argparse.Namespace(
-                threads_per_worker=0)),
+            runner=RunnerConfig(kv_cache_memory="2GiB"),
             policy=dataclasses.replace(base.policy, **json.loads(args.policy)))
         print(f"{len(requests)} requests a round; policy {config.policy}", flush=True)
         (in_process_rounds if args.in_process else stack_rounds)(model, requests, config, args.rounds)

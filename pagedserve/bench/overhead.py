@@ -142,12 +142,17 @@ def _measure(sides: dict, requests: list[SampleRequest], args: argparse.Namespac
             ttfts[name].append(side.ttft_ms(prompt))
     totals = {name: [0, 0.0] for name in sides}
     for round_index in range(args.rounds):
-        fresh = [dataclasses.replace(r, prompt=f"Pass {round_index}.\n{r.prompt}") for r in requests]
+        fresh = with_first_line(requests, f"Pass {round_index}.")
         for name, side in sides.items():
             tokens, seconds = side.run(fresh)
             totals[name][0] += tokens
             totals[name][1] += seconds
     return {name: (totals[name][0] / totals[name][1], ttfts[name][1:]) for name in sides}
+
+
+def with_first_line(requests: list[SampleRequest], line: str) -> list[SampleRequest]:
+    """``requests`` with ``line`` before each prompt: a set no earlier pass left in the prefix cache."""
+    return [dataclasses.replace(r, prompt=f"{line}\n{r.prompt}") for r in requests]
 
 
 def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Namespace,

@@ -144,16 +144,18 @@ class GrammarCompiler:
         try:
             pristine = self._new_pristine(structure)
         except GrammarError as exc:
-            with self._lock:
-                self._failed[structure.cache_key] = str(exc)
-                while len(self._failed) > self.cache_size:
-                    self._failed.popitem(last=False)
+            self._remember(self._failed, structure.cache_key, str(exc))
             raise
-        with self._lock:
-            self._pristine[structure.cache_key] = pristine
-            while len(self._pristine) > self.cache_size:
-                self._pristine.popitem(last=False)
+        self._remember(self._pristine, structure.cache_key, pristine)
         return pristine
+
+    def _remember(self, cache: OrderedDict, key: str, value: object) -> None:
+        """Keeps ``key -> value`` in ``cache`` (``_pristine`` or ``_failed``), dropping the least recently
+        used past ``cache_size``."""
+        with self._lock:
+            cache[key] = value
+            while len(cache) > self.cache_size:
+                cache.popitem(last=False)
 
     def _new_pristine(self, structure: StructuredOutput):
         import llguidance

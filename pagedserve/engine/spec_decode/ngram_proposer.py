@@ -60,7 +60,8 @@ class NgramProposer:
         proposals = []
         for r in requests:
             forced = forced_tokens(r.state.matcher, r.num_lookahead_tokens)
-            looked_up = self.draft([*r.state.token_ids, *forced], limit=r.num_lookahead_tokens - len(forced))
+            history = [*r.state.token_ids, *forced] if forced else r.state.token_ids  # no copy without forced ones
+            looked_up = self.draft(history, limit=r.num_lookahead_tokens - len(forced))
             proposals.append(Proposal(tuple(forced + looked_up)))
         return proposals
 
