@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -56,11 +57,7 @@ class Stack:
         self._stop = threading.Event()
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None, stdin_text: str = "") -> None:
-        process = subprocess.Popen(argv, start_new_session=True, env=env,
-                                   stdin=subprocess.PIPE if stdin_text else None, text=bool(stdin_text))
-        if stdin_text:
-            process.stdin.write(stdin_text)
-            process.stdin.close()
+        process = spawn_child(argv, env, stdin_text)
         self._specs[name] = (argv, env, stdin_text)
         self.children = [(n, p) for n, p in self.children if n != name] + [(name, process)]
 
@@ -195,6 +192,31 @@ class Stack:
 
 MAX_RESTARTS = 5
 """Restarts of one child within a minute after which `pagedserve up` gives up."""
+
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option: the signal a process gets when the thread that started it ends (Linux, prctl(2))."""
+
+
+def spawn_child(argv: list[str], env: dict[str, str] | None = None, stdin_text: str = "") -> subprocess.Popen:
+    """Starts a child of `pagedserve up` in a session of its own (a Ctrl-C in the terminal reaches `up`
+    alone, which stops the children in order), writing ``stdin_text`` to its standard input. On Linux the
+    child gets SIGTERM when `up` ends in any way, a SIGKILL or the OOM killer included (``PR_SET_PDEATHSIG``):
+    no stack is left running with nobody to stop it. Call it from the thread that lives as long as `up`
+    (the signal follows the thread that started the child)."""
+    parent = os.getpid()
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform == "linux" else None
+
+    def die_with_parent() -> None:  # in the child, between fork and exec
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # `up` died before the line above: nothing would signal the child
+            os._exit(1)
+
+    process = subprocess.Popen(argv, start_new_session=True, env=env, stdin=subprocess.PIPE if stdin_text else None,
+                               text=bool(stdin_text), preexec_fn=die_with_parent if prctl is not None else None)
+    if stdin_text:
+        process.stdin.write(stdin_text)
+        process.stdin.close()
+    return process
 
 
 def num_workers(scheduler_address: str, cluster_token: str) -> int:
