@@ -15,7 +15,7 @@ from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfi
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.model_files import default_cache_dir
 from pagedserve.options import nested, option
-from pagedserve.stack_ports import Port
+from pagedserve.stack_ports import Port, same_port_twice
 from services.common.service_args import DEFAULT_HTTP_PORT, DEFAULT_PORT, model_option, redis_url_option
 
 
@@ -74,6 +74,9 @@ class StackConfig:
         if not 0 <= self.metrics_port <= 65535 - 1 - self.schedulers - self.workers:
             raise ValueError(f"--metrics-port must leave room for {self.workers + self.schedulers + 1} ports, "
                              f"got {self.metrics_port}")
+        clash = same_port_twice(self.listen_ports())
+        if clash is not None:
+            raise ValueError(clash)
 
     def scheduler_addresses(self) -> dict[str, str]:
         """Scheduler name (also its --consumer-name) -> host:port."""

@@ -90,6 +90,9 @@ def apply_port_offset(args: argparse.Namespace) -> argparse.Namespace:
     moved = {name: getattr(args, name) + offset for name in ("port", "http_port", "scheduler_port")}
     if args.metrics_port:
         moved["metrics_port"] = args.metrics_port + offset
+    past = [f"--{name.replace('_', '-')} {port - offset}" for name, port in moved.items() if port > 65535]
+    if past:
+        raise ValueError(f"--port-offset {offset} moves {', '.join(past)} past port 65535; use a smaller offset")
     return argparse.Namespace(**{**vars(args), **moved, "redis_url": moved_redis_url(args.redis_url, offset)})
 
 
@@ -115,7 +118,20 @@ def conflict_message(taken: list[Port], all_ports: list[Port]) -> str:
               "Redis's too; those are free now)" if offset is not None else
               "give this stack free ports with --port, --http-port, --scheduler-port, --metrics-port and --redis-url")
     return (f"ports in use: {', '.join(map(str, taken))}. A pagedserve stack (another `pagedserve up`) is probably "
-            f"running on them: stop it (Ctrl-C where it runs), or {beside}.")
+            f"running on them: stop it (Ctrl-C where it runs; `ss -ltnp` names the processes that hold them), "
+            f"or {beside}.")
+
+
+def same_port_twice(ports: list[Port]) -> str | None:
+    """What to tell the user when two of the stack's own ``ports`` are one port (whatever their hosts: one
+    bound to 0.0.0.0 takes it on every address); None when each has its own."""
+    first: dict[int, Port] = {}
+    for port in ports:
+        other = first.setdefault(port.port, port)
+        if other is not port:
+            return (f"{other.what} and {port.what} would both listen on port {port.port} (set by --port, --http-port, "
+                    f"--scheduler-port, --metrics-port and --port-offset): give each its own port")
+    return None
 
 
 def check_ports(ports: list[Port], redis_url: str) -> None:
