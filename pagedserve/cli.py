@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, config_from_args
-from services.common.service_args import DEFAULT_TARGET, env_default
+from services.common.service_args import DEFAULT_TARGET, env_default, grpc_target
 
 
 def _resolve_model(model: str) -> Path:
@@ -105,13 +105,20 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    """`pagedserve health`: exit 0 when the target answers SERVING."""
-    from pagedserve.client import tls_credentials
-    from services.common.grpc_server import check_health
+    """`pagedserve health`: prints the target's status and exits 0 when it is SERVING; UNREACHABLE (exit 1)
+    when no gRPC health service answers there."""
+    import grpc
 
-    serving = check_health(args.target, timeout_s=args.timeout, credentials=tls_credentials(args))
-    print("SERVING" if serving else "NOT_SERVING")
-    return 0 if serving else 1
+    from pagedserve.client import tls_credentials, unreachable_hint
+    from services.common.grpc_server import health_status
+
+    try:
+        status = health_status(args.target, timeout_s=args.timeout, credentials=tls_credentials(args))
+    except grpc.RpcError as exc:
+        print(f"UNREACHABLE: no gRPC service answers at {args.target} ({exc.code().name}). {unreachable_hint(exc)}")
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 def _add_up(sub) -> None:
@@ -163,7 +170,8 @@ def _add_complete(sub) -> None:
 
     complete = sub.add_parser("complete", help="stream a completion from a gateway (or in-process with --offline)",
                               description="Send one request and print the text as it arrives.")
-    complete.add_argument("--target", default=DEFAULT_TARGET, help="gateway HOST:PORT (default %(default)s)")
+    complete.add_argument("--target", default=DEFAULT_TARGET, type=grpc_target,
+                          help="the gateway's gRPC HOST:PORT (default %(default)s)")
     complete.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
     complete.add_argument("--chat", action="store_true", help="send the prompt as a chat message (chat template)")
     complete.add_argument("--system", help="with --chat: a system message before the user's")
@@ -202,7 +210,7 @@ def _add_health(sub) -> None:
 
     health = sub.add_parser("health", help="exit 0 when a service answers SERVING (grpc.health.v1)",
                             description="Check a pagedserve service's gRPC health (for container health checks).")
-    health.add_argument("--target", default=DEFAULT_TARGET,
+    health.add_argument("--target", default=DEFAULT_TARGET, type=grpc_target,
                         help="service HOST:PORT (default %(default)s, the gateway of `pagedserve up`)")
     health.add_argument("--timeout", type=float, default=2.0, help="seconds (default %(default)s)")
     add_client_tls_arguments(health)
@@ -257,7 +265,10 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `pagedserve` console script."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(build_parser(argv[0] if argv else None), argv)
+    if not argv:  # the commands and what each does, not only "the following arguments are required"
+        build_parser().print_help(sys.stderr)
+        sys.exit(2)
+    args = parse_args(build_parser(argv[0]), argv)
     try:
         sys.exit(args.func(args))
     except ValueError as exc:  # invalid configuration

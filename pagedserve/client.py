@@ -209,11 +209,24 @@ def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -
     return completion
 
 
-HINTS = {
-    grpc.StatusCode.UNAUTHENTICATED: " (pass the gateway's key with --api-key or PAGEDSERVE_API_KEY)",
-    grpc.StatusCode.UNAVAILABLE: " (is the stack up? `pagedserve up` starts it; --target names the gateway)",
-}
-"""What to do about a status, appended to its message."""
+NOT_GRPC = ("http1.x server", "Failed parsing HTTP/2")
+"""What gRPC's core says when the server at a target answered, but not in HTTP/2 (an HTTP/1 server, Redis, ...)."""
+
+
+def unreachable_hint(exc: grpc.RpcError) -> str:
+    """What to do when a client's call found no gateway: an HTTP server answered (--target named the OpenAI
+    API's port), or nothing did."""
+    if any(sign in (exc.details() or "") for sign in NOT_GRPC):
+        return ("Something answers at that port, but not gRPC (the OpenAI HTTP API's port?): --target takes the "
+                "gateway's gRPC port (50051 by default).")
+    return "Is the stack up? `pagedserve up` starts it; --target names the gateway's gRPC HOST:PORT."
+
+
+def hint(exc: grpc.RpcError) -> str:
+    """What to do about a failed call's status, to append to its message ("" when there is nothing to add)."""
+    if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+        return " (pass the gateway's key with --api-key or PAGEDSERVE_API_KEY)"
+    return f" ({unreachable_hint(exc)})" if exc.code() is grpc.StatusCode.UNAVAILABLE else ""
 
 
 class EngineRefusal(RuntimeError):
@@ -227,6 +240,8 @@ def run_complete(args: argparse.Namespace) -> int:
     echo = Echo()
     try:
         request = build_request(args)
+        if request.sampling_params.n > 1 and not args.json:
+            print("--- sample 0 ---")  # streamed as it comes; the others are printed after it
         if args.offline:
             completion = offline_completion(args, request)
             if not args.json:
@@ -240,8 +255,7 @@ def run_complete(args: argparse.Namespace) -> int:
         return 1
     except grpc.RpcError as exc:
         echo.end_line()
-        hint = HINTS.get(exc.code(), "")
-        print(f"error: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
+        print(f"error: {exc.code().name}: {exc.details()}{hint(exc)}", file=sys.stderr)
         return 1
     except OSError as exc:  # an unreadable --tls-ca-file
         print(f"error: {exc}", file=sys.stderr)

@@ -22,16 +22,24 @@ def set_serving(servicer: health.HealthServicer, serving: bool, service_name: st
     servicer.set(service_name, status)
 
 
-def check_health(target: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
-    """True when the gRPC server at ``target`` (host:port) answers SERVING.
+def health_status(target: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> str:
+    """The overall status the gRPC server at ``target`` (host:port) answers: ``SERVING``, ``NOT_SERVING``, ...
+    (``grpc.health.v1``'s names). ``credentials``: TLS credentials for a server that listens with TLS
+    (default: plaintext).
 
-    ``credentials``: TLS credentials for a server that listens with TLS (default: plaintext).
+    Raises:
+        grpc.RpcError: no health service answered (nothing listens there, or not gRPC, or a deadline).
     """
+    channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
+    with channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def check_health(target: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """True when the gRPC server at ``target`` (host:port) answers SERVING (see :func:`health_status`)."""
     try:
-        channel = grpc.secure_channel(target, credentials) if credentials else grpc.insecure_channel(target)
-        with channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return health_status(target, timeout_s, credentials) == "SERVING"
     except grpc.RpcError:
         return False
 

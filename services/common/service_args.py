@@ -5,6 +5,7 @@ Environment variables are read when the parser is built (at start), never at imp
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import socket
@@ -46,6 +47,27 @@ DEFAULT_HTTP_PORT = 8000
 
 DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORT}"
 """Where the clients (`complete`, `health`, `bench serve`) look for a gateway unless given ``--target``."""
+
+GRPC_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+"""Target name schemes gRPC resolves itself (gRPC's naming doc); other targets must be HOST:PORT."""
+
+
+def grpc_target(value: str) -> str:
+    """argparse type of a client's ``--target``: the gateway's gRPC HOST:PORT (or a target in one of
+    ``GRPC_TARGET_SCHEMES``).
+
+    Raises:
+        argparse.ArgumentTypeError: a URL (the OpenAI HTTP API's form), or no port (gRPC would take 443).
+    """
+    if value.startswith(GRPC_TARGET_SCHEMES):
+        return value
+    if "://" in value:
+        raise argparse.ArgumentTypeError(f"{value!r} is a URL: --target takes the gateway's gRPC HOST:PORT, "
+                                         f"e.g. {DEFAULT_TARGET} (the OpenAI HTTP API is another port)")
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} has no port: --target takes HOST:PORT, e.g. {DEFAULT_TARGET}")
+    return value
 
 
 def read_redis_url(value: str, path: str) -> str:
