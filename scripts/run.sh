@@ -42,4 +42,7 @@ pagedserve complete --target "$target" --chat --temperature 0 --max-tokens 128 \
   --prompt "Explain what a KV cache is in two sentences."
 echo
 echo "== the stack keeps running; Ctrl-C stops it"
+# `up` exits 0 only when asked to stop (1 when the stack fails, which set -e passes on); bash runs no INT
+# trap once its child has handled the Ctrl-C itself, so the status is set here
 wait "$stack"
+exit 130
