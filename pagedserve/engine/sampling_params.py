@@ -236,18 +236,17 @@ class SamplingParams:
             bad_words_token_ids: ``bad_words`` tokenized (``request_samples.bad_words_token_ids``).
 
         Raises:
-            InvalidRequestError: ``max_tokens`` beyond the context, a token id outside the
+            InvalidRequestError: ``max_tokens`` or ``min_tokens`` beyond the context, a token id outside the
                 vocabulary (``stop_token_ids[i]``, ``logit_bias[id]``), or more distinct ``allowed_token_ids``
                 times samples than ``MAX_ALLOWED_IDS_IN_ALL`` (the list is carried deduplicated and sorted), or
                 ``allowed_token_ids`` that may all be masked (``check_an_allowed_id_stays``).
         """
         room = max_model_len - num_prompt_tokens
         max_tokens = room if self.max_tokens is None else self.max_tokens
-        if max_tokens > room:
-            raise InvalidRequestError(
-                "max_tokens",
-                f"{max_tokens} + {num_prompt_tokens} prompt tokens exceeds the model's context of {max_model_len}",
-            )
+        for name, tokens in (("max_tokens", max_tokens), ("min_tokens", self.min_tokens)):
+            if tokens > room:  # min_tokens without max_tokens: it would hold EOS back to the end of the context
+                raise InvalidRequestError(
+                    name, f"{tokens} + {num_prompt_tokens} prompt tokens exceeds the model's context of {max_model_len}")
         _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
         _check_token_ids("logit_bias", self.logit_bias, vocab_size)
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
@@ -265,7 +264,7 @@ class SamplingParams:
         engine = EngineSamplingParams(**same | dict(
             max_tokens=max_tokens,
             temperature=0.0 if self.temperature < GREEDY_BELOW else self.temperature,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=self.min_tokens,
             stop_token_ids=tuple(self.stop_token_ids),
             eos_token_ids=tuple(eos_token_ids),
             n=self.num_samples,

@@ -100,6 +100,13 @@ def bearer_metadata(api_key: str) -> tuple[tuple[str, str], ...]:
     return ((API_KEY_KEY, f"Bearer {api_key}"),) if api_key else ()
 
 
+def canonical_authorization(value: bytes) -> bytes:
+    """``value`` with a leading ``bearer`` scheme, in any case, spelled ``Bearer``: authentication schemes are
+    case-insensitive (RFC 9110, 11.1), and clients send ``bearer KEY`` too."""
+    scheme, space, credentials = value.partition(b" ")
+    return b"Bearer " + credentials if space and scheme.lower() == b"bearer" else value
+
+
 class _Check:
     """Whether a call may proceed: an open method, or metadata ``key`` equal to ``expected``."""
 
@@ -113,7 +120,7 @@ class _Check:
         if method.startswith(OPEN_METHOD_PREFIXES):
             return True
         values = [v for k, v in (metadata or ()) if k == self.key and isinstance(v, str)]
-        return len(values) == 1 and hmac.compare_digest(values[0].encode(), self._expected)
+        return len(values) == 1 and hmac.compare_digest(canonical_authorization(values[0].encode()), self._expected)
 
 
 def _refusing_handler(handler: grpc.RpcMethodHandler, refuse) -> grpc.RpcMethodHandler:

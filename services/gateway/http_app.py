@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.request_limits import check_count
+from services.common.auth import canonical_authorization
 from services.common.grpc_server import CLIENT_API_MAX_MESSAGE_BYTES
 from services.gateway.openai_chat import chat_prompt_mode, create_chat_completion, encode_messages
 from services.gateway.openai_completions import create_completion
@@ -133,7 +134,7 @@ class _RequireApiKey:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             values = [value for name, value in scope["headers"] if name == b"authorization"]
-            if not (len(values) == 1 and hmac.compare_digest(values[0], self._expected)):
+            if not (len(values) == 1 and hmac.compare_digest(canonical_authorization(values[0]), self._expected)):
                 response = error_response(http_status(StatusKind.UNAUTHENTICATED),
                                           "missing or wrong API key (header Authorization: Bearer KEY)", headers=CLOSE)
                 await response(scope, receive, send)

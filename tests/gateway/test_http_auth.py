@@ -42,8 +42,23 @@ def test_a_request_without_exactly_the_key_is_401_before_its_body_is_read(header
     assert (status, body["error"]["code"], body["error"]["type"], reached) == (401, 401, "authentication_error", False)
 
 
-def test_the_key_lets_the_request_through():
-    assert _run("/v1/completions", [(b"authorization", f"Bearer {KEY}".encode())]) == (200, None, True)
+@pytest.mark.parametrize("scheme", ["Bearer", "bearer", "BEARER"])
+def test_the_key_lets_the_request_through_whatever_the_scheme_s_case(scheme):
+    """Review 68: `bearer KEY` got 401; authentication schemes are case-insensitive (RFC 9110, 11.1)."""
+    assert _run("/v1/completions", [(b"authorization", f"{scheme} {KEY}".encode())]) == (200, None, True)
+
+
+@pytest.mark.parametrize("value", [f"Bearerx {KEY}", f"Basic {KEY}", KEY, f"Bearer {KEY.upper()}"])
+def test_another_scheme_or_a_key_in_another_case_is_401(value):
+    assert _run("/v1/completions", [(b"authorization", value.encode())])[0] == 401
+
+
+def test_the_grpc_key_check_takes_the_scheme_in_any_case_and_the_key_as_it_is():
+    from services.common.auth import API_KEY_KEY, _Check
+
+    check = _Check(API_KEY_KEY, f"Bearer {KEY}")
+    assert check.allows("/pagedserve.v1.Generation/Generate", [(API_KEY_KEY, f"bearer {KEY}")])
+    assert not check.allows("/pagedserve.v1.Generation/Generate", [(API_KEY_KEY, f"bearer {KEY.upper()}")])
 
 
 @pytest.mark.parametrize("path", sorted(OPEN_PATHS))

@@ -47,3 +47,15 @@ def test_allowed_ids_that_may_all_be_masked_are_refused_and_a_bad_word_that_cann
     assert resolve(SamplingParams(max_tokens=4, allowed_token_ids=[7]), bad_words=((9, 7),)).allowed_token_ids == (7,)
     assert resolve(SamplingParams(max_tokens=4, allowed_token_ids=[0])).allowed_token_ids == (0,)  # no min_tokens
     assert resolve(SamplingParams(max_tokens=4, min_tokens=1, allowed_token_ids=[0, 7])).allowed_token_ids == (0, 7)
+
+
+def test_min_tokens_beyond_the_context_is_refused_with_or_without_max_tokens():
+    """Review 68: min_tokens 100000 without max_tokens was accepted and held EOS back to the end of the
+    context (a client's deadline ended it); with max_tokens it was refused already."""
+    from pagedserve.engine.sampling_params import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="^min_tokens: 98 \\+ 3 prompt tokens exceeds the model's context of 100"):
+        SamplingParams(min_tokens=98).to_engine(3, 100, 50, (2,))
+    with pytest.raises(InvalidRequestError, match="^min_tokens: 10 is more than max_tokens 4"):
+        SamplingParams(max_tokens=4, min_tokens=10)
+    assert SamplingParams(min_tokens=97).to_engine(3, 100, 50, (2,)).min_tokens == 97
