@@ -89,7 +89,8 @@ def sample_requests(spec: DatasetSpec, tokenizer: Tokenizer) -> list[SampleReque
     if spec.name == "random":
         return _sample_random(spec, tokenizer)
     if spec.path is None or not spec.path.is_file():
-        raise DatasetError(f"--dataset-path must name the {spec.name} file (got {spec.path})")
+        raise DatasetError(f"--dataset-path must name the {spec.name} file (got {spec.path}); or use "
+                           "--dataset-name random, which needs no file (--input-len, --output-len)")
     loaders: dict[str, Callable[[Path], list[tuple[str, str | None]]]] = {
         "sharegpt": _sharegpt_pairs,
         "alpaca": _alpaca_pairs,

@@ -99,7 +99,8 @@ class SchedulerConfig:
     max_num_seqs: int = option("most sequences running on one worker at once", 256)
     max_num_batched_tokens: int = option(
         "token budget of one iteration on one worker: decodes first, then prefill chunks within the time "
-        "--max-decode-slowdown leaves them; 256 suits CPU workers, 2048 GPU ones (see default_token_budget)",
+        "--max-decode-slowdown leaves them; 256 suits CPU workers (what `pagedserve up`, docker-compose.yml and the "
+        "Kubernetes manifests pass), 2048 GPU ones",
         GPU_TOKEN_BUDGET)
     enable_chunked_prefill: bool = option(
         "chunked prefill: a prompt longer than what is left of the budget is prefilled over several iterations "

@@ -129,7 +129,7 @@ def test_up_checks_the_model_folder_before_starting_anything(tmp_path):
     result = pagedserve("up", "--model", str(tmp_path / "no-such-model"), "--port", str(free_port()), env=env,
                         timeout=60)
     assert result.returncode == 2
-    assert "no-such-model has no config.json; --model takes a Hugging Face model folder" in result.stderr
+    assert "no-such-model is not a folder; --model takes a Hugging Face model folder" in result.stderr
     assert not (tmp_path / f"redis-{redis_port}").exists()  # no Redis was started
 
 

@@ -102,6 +102,9 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         ModelConfigError: the file is missing or describes an unsupported model.
     """
     path = Path(folder) / "config.json"
+    if not Path(folder).is_dir():
+        raise ModelConfigError(f"{Path(folder)} is not a folder; --model takes a Hugging Face model folder "
+                               "(without --model: the default model, built on first use)")
     if not path.is_file():
         raise ModelConfigError(f"{Path(folder)} has no config.json; --model takes a Hugging Face model folder")
     return parse_config(json.loads(path.read_text()))
