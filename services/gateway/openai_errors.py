@@ -85,10 +85,19 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
         return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')} at character "
                               f"{first.get('loc', ('', '?'))[-1]}")
     param = _param_of(tuple(first.get("loc", ())))
+    if not param and not _json_content(request):  # FastAPI parses only a JSON body as an object
+        return error_response(400, "send the body as a JSON object with the header Content-Type: application/json "
+                                   f"(got Content-Type: {request.headers.get('content-type', 'none')})")
     message = f"{param or 'body'}: {first.get('msg', 'invalid')}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem(s))"
     return error_response(400, message, param)
+
+
+def _json_content(request: Request) -> bool:
+    """Whether the request says its body is JSON (``application/json``, or a ``+json`` type)."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
 
 
 async def _on_generation_error(request: Request, exc: GenerationError) -> JSONResponse:

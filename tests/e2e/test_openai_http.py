@@ -217,6 +217,12 @@ def test_unknown_model_is_404_and_bad_json_is_400(stack, client):
         response = httpx.post(stack.http + "/v1/completions", content=body, timeout=60,
                               headers={"content-type": "application/json"})  # the reason, not only "an error"
         assert response.status_code == 400 and reason in response.json()["error"]["message"], response.text
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):  # review 68; curl -d's default
+        response = httpx.post(stack.http + "/v1/completions", content=b'{"prompt": "Hi"}', timeout=60,
+                              headers={"content-type": content_type})
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"] == ("send the body as a JSON object with the header Content-Type: "
+                                                       f"application/json (got Content-Type: {content_type})")
     assert httpx.get(stack.http + "/v1/nothing-here", timeout=60).json()["error"]["code"] == 404
     wrong_method = httpx.get(stack.http + "/v1/completions", timeout=60).json()["error"]
     assert (wrong_method["code"], wrong_method["type"]) == (405, "invalid_request_error")
