@@ -256,7 +256,8 @@ def add_parser(sub: "argparse._SubParsersAction") -> None:
                    help="the API to drive: grpc (pagedserve's Generation.Generate) or openai (POST /v1/completions "
                    "with stream: true, as vLLM's serving benchmark: any OpenAI-compatible server); a list such as "
                    "grpc,openai runs each in turn on the same requests and compares them (default: grpc)")
-    p.add_argument("--target", default=DEFAULT_TARGET, type=grpc_target, help="gRPC gateway HOST:PORT (default %(default)s)")
+    p.add_argument("--target", default=DEFAULT_TARGET, type=grpc_target,
+                   help="gRPC gateway HOST:PORT (default %(default)s)")
     p.add_argument("--base-url", default=f"http://127.0.0.1:{DEFAULT_HTTP_PORT}",
                    help="base URL of the OpenAI-compatible server (default %(default)s)")
     p.add_argument("--rounds", type=positive(int), default=1,

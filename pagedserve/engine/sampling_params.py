@@ -245,8 +245,8 @@ class SamplingParams:
         max_tokens = room if self.max_tokens is None else self.max_tokens
         for name, tokens in (("max_tokens", max_tokens), ("min_tokens", self.min_tokens)):
             if tokens > room:  # min_tokens without max_tokens: it would hold EOS back to the end of the context
-                raise InvalidRequestError(
-                    name, f"{tokens} + {num_prompt_tokens} prompt tokens exceeds the model's context of {max_model_len}")
+                raise InvalidRequestError(name, f"{tokens} + {num_prompt_tokens} prompt tokens exceeds the model's "
+                                                f"context of {max_model_len}")
         _check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
         _check_token_ids("logit_bias", self.logit_bias, vocab_size)
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
