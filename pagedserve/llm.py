@@ -90,7 +90,7 @@ class LLM:
         self._runners = runners
         scheduler = Scheduler(self.config.scheduler, self.config.speculative_config)
         for worker_id, runner in runners.items():
-            scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks)
+            scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks, self.config.runner.device)
         self.engine = Engine(scheduler, LocalExecutor(runners))  # a thread per worker id: virtual engines overlap
         self._states: dict[str, RequestSamples] = {}
         self._prompts: dict[str, tuple[int, ...]] = {}

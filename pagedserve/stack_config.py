@@ -10,7 +10,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from services.common.auth import api_key_option, cluster_token_option
-from pagedserve.engine.config import CPU_TOKEN_BUDGET, SchedulerConfig
+from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.model_files import default_cache_dir
@@ -49,8 +49,7 @@ class StackConfig:
                                metavar="PORT")
     threads_per_worker: int = option("torch threads per worker; each worker gets its own cores when they fit", 0,
                                      default_help="CPU cores / workers")
-    policy: SchedulerConfig = nested("scheduling (per worker and iteration)",
-                                     SchedulerConfig(max_num_batched_tokens=CPU_TOKEN_BUDGET))  # CPU workers
+    policy: SchedulerConfig = nested("scheduling (per worker and iteration)", SchedulerConfig())
     runner: RunnerConfig = nested("the workers' model runners", RunnerConfig(kv_cache_memory=DEFAULT_KV_CACHE_MEMORY),
                                   exclude=("dtype", "device", "attention_backend", "gpu_memory_utilization"))
     speculative_config: SpeculativeConfig = nested("speculative decoding (passed to the schedulers and the workers)",

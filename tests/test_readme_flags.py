@@ -15,9 +15,16 @@ def test_regenerating_the_readme_flag_tables_changes_nothing():
 
 def test_the_tables_give_each_command_its_own_defaults():
     tables = flag_tables(clean_parser())
-    up, scheduler = tables.split("<code>pagedserve up</code>")[1], tables.split("<code>pagedserve scheduler</code>")[1]
-    assert "| `--max-num-batched-tokens` |" in up and "(default 256) |" in up.split("--max-num-batched-tokens")[1].split("\n")[0]
-    assert "(default 2048) |" in scheduler.split("--max-num-batched-tokens")[1].split("\n")[0]
+    up, worker = tables.split("<code>pagedserve up</code>")[1], tables.split("<code>pagedserve worker</code>")[1]
+
+    def row(table: str, flag: str) -> str:
+        return table.split(f"| `{flag}` |")[1].split("\n")[0]
+
+    assert row(up, "--kv-cache-memory").endswith("default 1GiB) |")
+    assert row(worker, "--kv-cache-memory").endswith("default: 1GiB on CPU, on CUDA what --gpu-memory-utilization "
+                                                     "leaves after the weights) |")
+    assert "(default: each worker's by the device it registers: 256 on a CPU, 2048 on a GPU) |" in row(
+        up, "--max-num-batched-tokens")
 
 
 def test_complete_offline_takes_the_kv_cache_memory_its_help_speaks_of():

@@ -54,7 +54,7 @@ def independent_loops(llm, prompts: list[list[int]], params) -> int:
     engines = []
     for worker_id, runner in llm._runners.items():
         scheduler = Scheduler(llm.engine.scheduler.config)
-        scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks)
+        scheduler.add_worker(worker_id, runner.num_blocks, runner.num_cpu_blocks, llm.config.runner.device)
         engines.append(Engine(scheduler, LocalExecutor({worker_id: runner})))
     for i, prompt in enumerate(prompts):
         sampling = params.to_engine(len(prompt), info.max_model_len, info.vocab_size, info.eos_token_ids)

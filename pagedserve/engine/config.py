@@ -97,11 +97,11 @@ class SchedulerConfig:
 
     block_size: int = option("token slots per KV block; workers must use the same", 16)
     max_num_seqs: int = option("most sequences running on one worker at once", 256)
-    max_num_batched_tokens: int = option(
+    max_num_batched_tokens: int | None = option(
         "token budget of one iteration on one worker: decodes first, then prefill chunks within the time "
-        "--max-decode-slowdown leaves them; 256 suits CPU workers (what `pagedserve up`, docker-compose.yml and the "
-        "Kubernetes manifests pass), 2048 GPU ones",
-        GPU_TOKEN_BUDGET)
+        "--max-decode-slowdown leaves them", None,
+        default_help=f"each worker's by the device it registers: {CPU_TOKEN_BUDGET} on a CPU, {GPU_TOKEN_BUDGET} "
+                     "on a GPU")
     enable_chunked_prefill: bool = option(
         "chunked prefill: a prompt longer than what is left of the budget is prefilled over several iterations "
         "(off: each prompt whole in one iteration, and one longer than the budget is refused)", True)
@@ -149,7 +149,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_plans_in_flight"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_plans_in_flight > MAX_PLANS_IN_FLIGHT:
             raise ValueError(f"max_plans_in_flight must be at most {MAX_PLANS_IN_FLIGHT}, got {self.max_plans_in_flight}")
@@ -165,10 +165,15 @@ class SchedulerConfig:
         object.__setattr__(self, "policy", SchedulingPolicy(self.policy))
         object.__setattr__(self, "placement", Placement(self.placement))
 
+    def token_budget(self, device: str) -> int:
+        """The token budget of a worker on ``device`` (as it registers it: ``cpu``, ``cuda``, ``cuda:1``, ...):
+        ``max_num_batched_tokens`` when given, else :func:`default_token_budget` of the device."""
+        return default_token_budget(device) if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+
 
 @dataclass(frozen=True)
 class WorkerStats:
-    """KV-cache occupancy of one worker, in blocks."""
+    """KV-cache occupancy of one worker, in blocks, and its token budget."""
 
     worker_id: str
     num_blocks: int
@@ -176,6 +181,7 @@ class WorkerStats:
     num_running: int
     num_swapped: int = 0
     num_cached_blocks: int = 0
+    token_budget: int = 0  # tokens one of its steps computes at most
 
 
 @dataclass(frozen=True)

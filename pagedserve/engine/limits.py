@@ -38,26 +38,27 @@ def num_new_tokens(seq: Sequence, draft: PlanDraft, config: SchedulerConfig, num
     return draft.chunk_tokens(computed, remaining, share, reserve)
 
 
-def rejection_reason(seq: Sequence, worker_blocks: Seq[int], config: SchedulerConfig) -> str | None:
+def rejection_reason(seq: Sequence, workers: Seq[tuple[int, int]], config: SchedulerConfig) -> str | None:
     """Why no worker could ever run ``seq``, or ``None`` when one could (or none registered yet).
 
     Args:
-        worker_blocks: each registered worker's KV capacity in blocks.
+        workers: each registered worker's KV capacity in blocks and token budget.
     """
-    if not worker_blocks:
+    if not workers:
         return None  # wait for workers to register
-    capacity = max(worker_blocks) * config.block_size
+    capacity = max(blocks for blocks, _ in workers) * config.block_size
     if seq.num_tokens > capacity:
         return f"the prompt needs {seq.num_tokens} KV slots, more than the largest worker's KV cache holds ({capacity})"
-    if not config.enable_chunked_prefill and seq.num_tokens > config.max_num_batched_tokens:
-        return (f"the prompt has {seq.num_tokens} tokens, more than max_num_batched_tokens "
-                f"({config.max_num_batched_tokens}) and chunked prefill is off")
+    budget = max(budget for _, budget in workers)
+    if not config.enable_chunked_prefill and seq.num_tokens > budget:
+        return (f"the prompt has {seq.num_tokens} tokens, more than the largest worker's token budget "
+                f"(max_num_batched_tokens, {budget}) and chunked prefill is off")
     return None
 
 
-def rejection_error(seq: Sequence, worker_blocks: Seq[int], config: SchedulerConfig) -> RequestError | None:
+def rejection_error(seq: Sequence, workers: Seq[tuple[int, int]], config: SchedulerConfig) -> RequestError | None:
     """``rejection_reason`` as the error the request ends with (``RESOURCE_EXHAUSTED``), or ``None``."""
-    reason = rejection_reason(seq, worker_blocks, config)
+    reason = rejection_reason(seq, workers, config)
     return None if reason is None else RequestError(ErrorKind.RESOURCE_EXHAUSTED, reason)
 
 

@@ -60,9 +60,9 @@ class Scheduler:
         self._headroom = AdmissionHeadroom(config.admission_headroom)
 
     # ---- workers -------------------------------------------------------------------------
-    def add_worker(self, worker_id: str, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+    def add_worker(self, worker_id: str, num_blocks: int, num_cpu_blocks: int = 0, device: str = "cpu") -> None:
         """Registers a worker; as :meth:`WorkerPool.add` (ValueError if the id is registered)."""
-        self._workers.add(worker_id, num_blocks, num_cpu_blocks)
+        self._workers.add(worker_id, num_blocks, num_cpu_blocks, device)
 
     def remove_worker(self, worker_id: str) -> list[RequestOutput]:
         """Forgets a worker (gone or failed); its sequences go back to the front of the queue and

@@ -20,15 +20,16 @@ class WorkerPool:
         self.config = config
         self._workers: dict[str, WorkerState] = {}
 
-    def add(self, worker_id: str, num_blocks: int, num_cpu_blocks: int) -> None:
-        """Registers a worker with ``num_blocks`` KV blocks (and CPU blocks for swapping).
+    def add(self, worker_id: str, num_blocks: int, num_cpu_blocks: int, device: str) -> None:
+        """Registers a worker with ``num_blocks`` KV blocks (and CPU blocks for swapping) on ``device`` (its
+        token budget's default, ``SchedulerConfig.token_budget``).
 
         Raises:
             ValueError: the id is already registered.
         """
         if worker_id in self._workers:
             raise ValueError(f"worker {worker_id!r} is already registered")
-        self._workers[worker_id] = WorkerState(worker_id, num_blocks, num_cpu_blocks, self.config)
+        self._workers[worker_id] = WorkerState(worker_id, num_blocks, num_cpu_blocks, self.config, device)
 
     def remove(self, worker_id: str) -> list[Sequence]:
         """Forgets a worker (nothing if unknown).
@@ -99,7 +100,7 @@ class WorkerPool:
     def rejection_error(self, seq: Sequence) -> RequestError | None:
         """``limits.rejection_error`` against every registered worker's size: the error of a
         sequence none of them could ever run, or None."""
-        return rejection_error(seq, [w.blocks.num_blocks for w in self._workers.values()], self.config)
+        return rejection_error(seq, [(w.blocks.num_blocks, w.token_budget) for w in self._workers.values()], self.config)
 
     def cached_digests(self) -> frozenset[bytes]:
         """Content hashes of the prompt blocks cached on any worker (what peers route by)."""

@@ -145,9 +145,11 @@ class WorkerState:
     drops everything it holds.
     """
 
-    def __init__(self, worker_id: str, num_blocks: int, num_cpu_blocks: int, config: SchedulerConfig) -> None:
+    def __init__(self, worker_id: str, num_blocks: int, num_cpu_blocks: int, config: SchedulerConfig,
+                 device: str) -> None:
         self.worker_id = worker_id
         self.config = config
+        self.token_budget = config.token_budget(device)  # tokens one of its steps computes at most
         manager = PrefixCachingBlockManager if config.enable_prefix_caching else BlockManager
         self.blocks: BlockManager = manager(num_blocks, config.block_size, num_cpu_blocks)
         self.session_id = uuid.uuid4().hex
@@ -162,7 +164,7 @@ class WorkerState:
 
     def new_draft(self) -> PlanDraft:
         """An empty plan for this iteration, with the worker's fitted step cost."""
-        return PlanDraft(self.config.max_num_batched_tokens, self.step_cost.cost, self.config.max_decode_slowdown)
+        return PlanDraft(self.token_budget, self.step_cost.cost, self.config.max_decode_slowdown)
 
     def step_answered(self, step_id: int, sampled: tuple[SampledToken, ...]) -> tuple[Sequence, ...]:
         """Feeds the cost model the step's time: from when it was made, or from the previous
@@ -301,5 +303,6 @@ class WorkerState:
             num_running=len(self.running),
             num_swapped=len(self.swapped),
             num_cached_blocks=self.blocks.num_cached_blocks,
+            token_budget=self.token_budget,
         )
 

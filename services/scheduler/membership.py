@@ -184,11 +184,12 @@ class WorkerMembership:
 
     def _admit(self, reg: pb.WorkerRegistration, lease_epoch: int) -> None:
         self._executor.add_worker(reg.worker_id, reg.address, lease_epoch)
-        self._scheduler.add_worker(reg.worker_id, reg.num_blocks, reg.num_cpu_blocks)
+        self._scheduler.add_worker(reg.worker_id, reg.num_blocks, reg.num_cpu_blocks, reg.device)
         self._members[reg.worker_id] = _Member(reg.instance_id, reg.address, lease_epoch)
-        log.info("worker %s (instance %s, lease epoch %d) at %s admitted with %d blocks (%d CPU blocks); %d worker(s) "
-                 "now", reg.worker_id, reg.instance_id, lease_epoch, reg.address, reg.num_blocks, reg.num_cpu_blocks,
-                 len(self._members))
+        log.info("worker %s (instance %s, lease epoch %d) at %s admitted with %d blocks (%d CPU blocks) on %s, token "
+                 "budget %d; %d worker(s) now", reg.worker_id, reg.instance_id, lease_epoch, reg.address, reg.num_blocks,
+                 reg.num_cpu_blocks, reg.device or "an unnamed device",
+                 self._scheduler.config.token_budget(reg.device), len(self._members))
         if self._scheduler.config.preemption_mode is PreemptionMode.SWAP and not reg.num_cpu_blocks:
             log.warning("worker %s has no CPU blocks: --preemption-mode swap recomputes its preempted sequences "
                         "instead; start it with --swap-space (e.g. 4GiB)", reg.worker_id)

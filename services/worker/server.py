@@ -113,6 +113,7 @@ def _serve_engine(config: WorkerConfig, worker_id: str, runner, index: int, trac
         num_cpu_blocks=runner.num_cpu_blocks,
         instance_id=uuid.uuid4().hex,
         num_speculative_tokens=config.speculative_config.num_lookahead_tokens,
+        device=config.runner.device,
     )
     registrar = WorkerRegistrar(redis_client, registration, config.heartbeat_interval_s, config.cluster_token)
     registrar.start()

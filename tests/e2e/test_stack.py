@@ -79,3 +79,9 @@ def test_sixteen_concurrent_streams_complete_correctly(stack, offline_outputs):
     assert len(stats.workers) == 2
     assert_all_blocks_free(stack)
 
+
+
+def test_a_scheduler_given_no_token_budget_gives_each_cpu_worker_the_cpu_one(stack):
+    """Each worker registers its device and plans within that device's budget (256 on a CPU): a scheduler
+    started alone, as the README shows, gave CPU workers the GPU's 2048 (review 69)."""
+    assert [w.token_budget for w in scheduler_stats(stack.scheduler).workers] == [256, 256]

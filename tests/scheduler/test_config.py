@@ -32,8 +32,9 @@ def test_invalid_values_raise(bad):
 
 
 def test_token_budget_defaults_follow_the_device():
-    """CPU workers get the measured CPU budget (docs/benchmarks.md, bench token-budget): `up` (CPU
-    workers) and the offline engine on CPU; the standalone scheduler keeps the GPU-sized default."""
+    """Each worker's budget follows the device it registers (docs/benchmarks.md, bench token-budget), in `up`,
+    a scheduler alone and the offline engine alike, unless --max-num-batched-tokens sets one for all. The
+    standalone scheduler used to keep the GPU's 2048 for CPU workers (review 69: the README's example did)."""
     from pagedserve.cli import build_parser
     from pagedserve.engine.config import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, default_token_budget
 
@@ -42,10 +43,25 @@ def test_token_budget_defaults_follow_the_device():
 
     assert (default_token_budget("cpu"), default_token_budget("cuda"), default_token_budget("cuda:1")) == (
         CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET) == (256, 2048, 2048)
-    up = build_parser().parse_args(["up"])
-    assert policy_from_args(up).max_num_batched_tokens == 256
-    assert policy_from_args(build_parser().parse_args(["up", "--max-num-batched-tokens", "1024"])
-                            ).max_num_batched_tokens == 1024
-    parser = argparse.ArgumentParser()
-    add_config_arguments(parser, SchedulerConfig)
-    assert policy_from_args(parser.parse_args([])).max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
+    for command in (["up"], ["scheduler"]):
+        policy = policy_from_args(build_parser().parse_args(command))
+        assert (policy.token_budget("cpu"), policy.token_budget("cuda:0")) == (256, 2048)
+        given = policy_from_args(build_parser().parse_args([*command, "--max-num-batched-tokens", "1024"]))
+        assert (given.token_budget("cpu"), given.token_budget("cuda:0")) == (1024, 1024)
+
+
+def test_each_worker_plans_within_its_own_device_s_budget():
+    from pagedserve.engine.messages import EngineRequest
+    from pagedserve.engine.sampling_params import EngineSamplingParams
+    from pagedserve.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(block_size=16, max_decode_slowdown=float("inf")))
+    scheduler.add_worker("cpu-worker", 512, device="cpu")
+    scheduler.add_worker("gpu-worker", 512, device="cuda:0")
+    assert {w.worker_id: w.token_budget for w in scheduler.stats().workers} == {"cpu-worker": 256, "gpu-worker": 2048}
+    params = EngineSamplingParams(max_tokens=4, ignore_eos=True)
+    for i in range(2):
+        scheduler.add_request(EngineRequest(f"r{i}", tuple(range(3000)), params, float(i)))
+    plans = scheduler.schedule(["cpu-worker", "gpu-worker"]).plans
+    chunks = {w: [r.num_scheduled_tokens for r in plan.new_requests] for w, plan in plans.items()}
+    assert chunks == {"cpu-worker": [256], "gpu-worker": [2048]}

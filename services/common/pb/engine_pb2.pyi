@@ -166,7 +166,7 @@ class SchedulerRegistration(_message.Message):
     def __init__(self, scheduler_id: _Optional[str] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., signature: _Optional[bytes] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("worker_id", "address", "num_blocks", "block_size", "model", "num_cpu_blocks", "instance_id", "signature", "heartbeat", "num_speculative_tokens")
+    __slots__ = ("worker_id", "address", "num_blocks", "block_size", "model", "num_cpu_blocks", "instance_id", "signature", "heartbeat", "num_speculative_tokens", "device")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class WorkerRegistration(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     num_blocks: int
@@ -187,7 +188,8 @@ class WorkerRegistration(_message.Message):
     signature: bytes
     heartbeat: int
     num_speculative_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., heartbeat: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., instance_id: _Optional[str] = ..., signature: _Optional[bytes] = ..., heartbeat: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class GrammarBuilt(_message.Message):
     __slots__ = ()
@@ -427,20 +429,22 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "num_blocks", "num_free_blocks", "num_running", "num_swapped", "num_cached_blocks")
+    __slots__ = ("worker_id", "num_blocks", "num_free_blocks", "num_running", "num_swapped", "num_cached_blocks", "token_budget")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_blocks: int
     num_free_blocks: int
     num_running: int
     num_swapped: int
     num_cached_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    token_budget: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class SchedulerStats(_message.Message):
     __slots__ = ("num_waiting", "num_running", "num_preemptions", "num_steps", "workers", "num_swapped", "num_swap_preemptions", "prefix_cache_queries", "prefix_cache_hits", "spec_decode")
