@@ -106,7 +106,7 @@ def cmd_prepare_model(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     """`pagedserve health`: prints the target's status and exits 0 when it is SERVING; UNREACHABLE (exit 1)
-    when no gRPC health service answers there."""
+    when no gRPC server answers there, the call's status when one answered without a health status."""
     import grpc
 
     from pagedserve.client import tls_credentials, unreachable_hint
@@ -115,7 +115,10 @@ def cmd_health(args: argparse.Namespace) -> int:
     try:
         status = health_status(args.target, timeout_s=args.timeout, credentials=tls_credentials(args))
     except grpc.RpcError as exc:
-        print(f"UNREACHABLE: no gRPC service answers at {args.target} ({exc.code().name}). {unreachable_hint(exc)}")
+        if exc.code() is grpc.StatusCode.UNAVAILABLE:
+            print(f"UNREACHABLE: no gRPC service answers at {args.target}. {unreachable_hint(exc)}")
+        else:  # something answered: a server without the health service, or one too busy to answer in time
+            print(f"{exc.code().name}: {exc.details()}")
         return 1
     print(status)
     return 0 if status == "SERVING" else 1

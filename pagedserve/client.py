@@ -219,7 +219,7 @@ def unreachable_hint(exc: grpc.RpcError) -> str:
     if any(sign in (exc.details() or "") for sign in NOT_GRPC):
         return ("Something answers at that port, but not gRPC (the OpenAI HTTP API's port?): --target takes the "
                 "gateway's gRPC port (50051 by default).")
-    return "Is the stack up? `pagedserve up` starts it; --target names the gateway's gRPC HOST:PORT."
+    return "Is the stack up? `pagedserve up` starts it; --target names the service's gRPC HOST:PORT."
 
 
 def hint(exc: grpc.RpcError) -> str:

@@ -91,6 +91,9 @@ def apply_port_offset(args: argparse.Namespace) -> argparse.Namespace:
     if args.metrics_port:
         moved["metrics_port"] = args.metrics_port + offset
     past = [f"--{name.replace('_', '-')} {port - offset}" for name, port in moved.items() if port > 65535]
+    redis_port = local_redis_port(args.redis_url)
+    if redis_port is not None and redis_port + offset > 65535:
+        past.append(f"the local Redis's port {redis_port}")
     if past:
         raise ValueError(f"--port-offset {offset} moves {', '.join(past)} past port 65535; use a smaller offset")
     return argparse.Namespace(**{**vars(args), **moved, "redis_url": moved_redis_url(args.redis_url, offset)})
@@ -130,7 +133,7 @@ def same_port_twice(ports: list[Port]) -> str | None:
         other = first.setdefault(port.port, port)
         if other is not port:
             return (f"{other.what} and {port.what} would both listen on port {port.port} (set by --port, --http-port, "
-                    f"--scheduler-port, --metrics-port and --port-offset): give each its own port")
+                    f"--scheduler-port, --metrics-port, --redis-url and --port-offset): give each its own port")
     return None
 
 

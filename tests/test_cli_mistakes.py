@@ -58,8 +58,41 @@ def test_two_ports_of_one_stack_that_clash_are_refused_before_anything_starts(tm
         StackConfig(model=tmp_path, port=8700, http_port=8700)
     with pytest.raises(ValueError, match="scheduler-0 and gateway metrics would both listen on port 50752"):
         StackConfig(model=tmp_path, port=50751, http_port=8700, scheduler_port=50752, metrics_port=50752)
+    with pytest.raises(ValueError, match="gateway gRPC and Redis would both listen on port 6379"):
+        StackConfig(model=tmp_path, port=6379, redis_url="redis://127.0.0.1:6379/0")
     assert len(StackConfig(model=tmp_path, port=50751, http_port=8700, scheduler_port=50752,
                            metrics_port=10150).listen_ports()) == 6
+    assert StackConfig(model=tmp_path, port=6379, redis_url="redis://10.0.0.5:6379/0")  # a remote Redis: no clash
+
+
+def test_an_offset_that_moves_redis_past_65535_says_so():
+    args = argparse.Namespace(port_offset=1000, port=50051, http_port=8000, scheduler_port=50052, metrics_port=0,
+                              redis_url="redis://127.0.0.1:65000/0")
+    with pytest.raises(ValueError, match="moves the local Redis's port 65000 past port 65535"):
+        apply_port_offset(args)
+
+
+@pytest.mark.parametrize(("target", "said"), [("::1", "write an IPv6 address in brackets"),
+                                              ("::1:50051", "in brackets"),
+                                              ("127.0.0.1:99999", "the port must be in 1..65535")])
+def test_a_target_an_ipv6_address_or_port_gRPC_would_misread_is_refused(capsys, target, said):
+    code, _, err = run_cli(capsys, "health", "--target", target)
+    assert code == 2 and said in err
+
+
+def test_a_server_that_answers_without_a_health_service_is_not_called_unreachable(capsys):
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        code, out, _ = run_cli(capsys, "health", "--target", f"127.0.0.1:{port}", "--timeout", "5")
+        assert code == 1 and out.startswith("UNIMPLEMENTED")
+    finally:
+        server.stop(0)
 
 
 def test_an_offset_that_moves_a_port_past_65535_names_the_flag():

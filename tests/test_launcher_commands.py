@@ -24,7 +24,7 @@ def up_commands(tmp_path, monkeypatch, policy: SchedulerConfig, runner: RunnerCo
                 speculative: SpeculativeConfig = SpeculativeConfig()) -> list:
     """The parsed command lines `up` starts its services with (two schedulers, two workers)."""
     config = StackConfig(model=tmp_path, workers=2, host="127.0.0.1", port=1, scheduler_port=2,
-                         redis_url="redis://127.0.0.1:3/0", policy=policy, threads_per_worker=1, data_dir=tmp_path,
+                         redis_url="redis://127.0.0.1:9/0", policy=policy, threads_per_worker=1, data_dir=tmp_path,
                          runner=runner, schedulers=2, speculative_config=speculative)
     stack, commands = Stack(config), []
     monkeypatch.setattr(stack, "_start_redis", lambda: None)  # nothing is started: only the commands are read

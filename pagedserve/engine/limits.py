@@ -38,22 +38,28 @@ def num_new_tokens(seq: Sequence, draft: PlanDraft, config: SchedulerConfig, num
     return draft.chunk_tokens(computed, remaining, share, reserve)
 
 
+def fits_worker(num_tokens: int, num_blocks: int, token_budget: int, config: SchedulerConfig) -> bool:
+    """Whether a worker of ``num_blocks`` KV blocks and ``token_budget`` could ever run a prompt of ``num_tokens``:
+    its KV cache holds it, and with chunked prefill off its budget takes the prompt in one step."""
+    holds = num_tokens <= num_blocks * config.block_size
+    return holds and (config.enable_chunked_prefill or num_tokens <= token_budget)
+
+
 def rejection_reason(seq: Sequence, workers: Seq[tuple[int, int]], config: SchedulerConfig) -> str | None:
-    """Why no worker could ever run ``seq``, or ``None`` when one could (or none registered yet).
+    """Why no worker could ever run ``seq`` (:func:`fits_worker`), or ``None`` when one could (or none
+    registered yet).
 
     Args:
         workers: each registered worker's KV capacity in blocks and token budget.
     """
-    if not workers:
-        return None  # wait for workers to register
-    capacity = max(blocks for blocks, _ in workers) * config.block_size
-    if seq.num_tokens > capacity:
+    if not workers or any(fits_worker(seq.num_tokens, blocks, budget, config) for blocks, budget in workers):
+        return None  # one can, or wait for workers to register
+    holding = [budget for blocks, budget in workers if seq.num_tokens <= blocks * config.block_size]
+    if not holding:
+        capacity = max(blocks for blocks, _ in workers) * config.block_size
         return f"the prompt needs {seq.num_tokens} KV slots, more than the largest worker's KV cache holds ({capacity})"
-    budget = max(budget for _, budget in workers)
-    if not config.enable_chunked_prefill and seq.num_tokens > budget:
-        return (f"the prompt has {seq.num_tokens} tokens, more than the largest worker's token budget "
-                f"(max_num_batched_tokens, {budget}) and chunked prefill is off")
-    return None
+    return (f"the prompt has {seq.num_tokens} tokens, more than the token budget (max_num_batched_tokens) of every "
+            f"worker whose KV cache holds it (at most {max(holding)}), and chunked prefill is off")
 
 
 def rejection_error(seq: Sequence, workers: Seq[tuple[int, int]], config: SchedulerConfig) -> RequestError | None:

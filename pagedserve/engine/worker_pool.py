@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 
 from pagedserve.engine.config import Placement, SchedulerConfig, SchedulerStats
-from pagedserve.engine.limits import rejection_error
+from pagedserve.engine.limits import fits_worker, rejection_error
 from pagedserve.engine.messages import BatchPlan, RequestError, SequenceId, StepResult
 from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from pagedserve.engine.sequence import Sequence, SequenceStatus
@@ -100,7 +100,8 @@ class WorkerPool:
     def rejection_error(self, seq: Sequence) -> RequestError | None:
         """``limits.rejection_error`` against every registered worker's size: the error of a
         sequence none of them could ever run, or None."""
-        return rejection_error(seq, [(w.blocks.num_blocks, w.token_budget) for w in self._workers.values()], self.config)
+        workers = [(w.blocks.num_blocks, w.token_budget) for w in self._workers.values()]
+        return rejection_error(seq, workers, self.config)
 
     def cached_digests(self) -> frozenset[bytes]:
         """Content hashes of the prompt blocks cached on any worker (what peers route by)."""
@@ -152,7 +153,7 @@ def pick_worker(workers: Iterable[WorkerState], drafts: dict[str, PlanDraft], co
     it. Ties go to the most free blocks."""
     def eligible(w: WorkerState) -> bool:  # (a worker too small for it could win on prefix and never take it)
         draft = drafts.get(w.worker_id)
-        fits = seq.num_tokens <= w.blocks.num_blocks * config.block_size
+        fits = fits_worker(seq.num_tokens, w.blocks.num_blocks, w.token_budget, config)
         return fits and len(w.running) < config.max_num_seqs and (
             draft is None or (not draft.preempted and draft.token_budget > 0))
 

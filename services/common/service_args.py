@@ -48,7 +48,7 @@ DEFAULT_HTTP_PORT = 8000
 DEFAULT_TARGET = f"127.0.0.1:{DEFAULT_PORT}"
 """Where the clients (`complete`, `health`, `bench serve`) look for a gateway unless given ``--target``."""
 
-GRPC_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+GRPC_TARGET_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
 """Target name schemes gRPC resolves itself (gRPC's naming doc); other targets must be HOST:PORT."""
 
 
@@ -67,6 +67,10 @@ def grpc_target(value: str) -> str:
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit():
         raise argparse.ArgumentTypeError(f"{value!r} has no port: --target takes HOST:PORT, e.g. {DEFAULT_TARGET}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise argparse.ArgumentTypeError(f"{value!r}: write an IPv6 address in brackets, e.g. [::1]:{DEFAULT_PORT}")
+    if not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"{value!r}: the port must be in 1..65535")
     return value
 
 

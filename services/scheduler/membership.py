@@ -187,9 +187,13 @@ class WorkerMembership:
         self._scheduler.add_worker(reg.worker_id, reg.num_blocks, reg.num_cpu_blocks, reg.device)
         self._members[reg.worker_id] = _Member(reg.instance_id, reg.address, lease_epoch)
         log.info("worker %s (instance %s, lease epoch %d) at %s admitted with %d blocks (%d CPU blocks) on %s, token "
-                 "budget %d; %d worker(s) now", reg.worker_id, reg.instance_id, lease_epoch, reg.address, reg.num_blocks,
-                 reg.num_cpu_blocks, reg.device or "an unnamed device",
+                 "budget %d; %d worker(s) now", reg.worker_id, reg.instance_id, lease_epoch, reg.address,
+                 reg.num_blocks, reg.num_cpu_blocks, reg.device or "an unnamed device",
                  self._scheduler.config.token_budget(reg.device), len(self._members))
+        if not reg.device and self._scheduler.config.max_num_batched_tokens is None:
+            log.warning("worker %s registers no device (it is older than this scheduler): it gets a CPU's token "
+                        "budget; for an older GPU worker start the scheduler with --max-num-batched-tokens 2048",
+                        reg.worker_id)
         if self._scheduler.config.preemption_mode is PreemptionMode.SWAP and not reg.num_cpu_blocks:
             log.warning("worker %s has no CPU blocks: --preemption-mode swap recomputes its preempted sequences "
                         "instead; start it with --swap-space (e.g. 4GiB)", reg.worker_id)

@@ -113,6 +113,30 @@ def test_without_chunking_a_prompt_runs_whole_or_is_refused():
     assert run(engine, outputs)[("fits", 0)] == reference_output(prompt(8), 2)
 
 
+def test_without_chunking_a_prompt_goes_to_a_worker_whose_own_budget_takes_it_whole():
+    """Review 71: with workers of different budgets (a CPU's 256 beside a GPU's 2048), placement looked at KV
+    capacity only: a 1,000-token prompt went to the CPU worker, which could never take it whole, and waited
+    there for ever with the queue behind it; and a prompt that one worker's cache holds and only another's
+    budget takes whole was not refused either."""
+    config = SchedulerConfig(block_size=16, max_num_seqs=8, enable_chunked_prefill=False, **TOKEN_COUNTS_ONLY)
+    scheduler = Scheduler(config)
+    runners = {"cpu": ScriptedRunner(200, 16), "gpu": ScriptedRunner(100, 16)}
+    scheduler.add_worker("cpu", 200, device="cpu")
+    scheduler.add_worker("gpu", 100, device="cuda")
+    engine = Engine(scheduler, LocalExecutor(runners))
+    engine.add_request(req("long", prompt(1000), 2))
+    engine.add_request(req("short", prompt(10, 30), 2))
+    outputs = run(engine)
+    assert outputs == {("long", 0): reference_output(prompt(1000), 2),
+                       ("short", 0): reference_output(prompt(10, 30), 2)}
+    assert [n.request_id for p in runners["gpu"].plans for n in p.new_requests] == ["long"]
+    engine.add_request(req("nowhere", prompt(2000), 2))  # the CPU worker's cache holds it, the GPU's budget would
+    refused = engine.step()
+    assert refused[0].request_id == "nowhere" and refused[0].error.kind is ErrorKind.RESOURCE_EXHAUSTED
+    assert "every worker whose KV cache holds it (at most 256)" in refused[0].error.message
+    assert all_free(engine)
+
+
 def test_priority_orders_admission_and_picks_the_lowest_priority_victim():
     engine, runners = make({"w": 6}, policy="priority", max_num_seqs=8, admission_headroom=0.0)  # all three admitted
     engine.add_request(req("low", prompt(4, 1), 12, t=0, priority=5))
