@@ -207,7 +207,7 @@ def spawn_child(argv: list[str], env: dict[str, str] | None = None, stdin_text: 
     prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform == "linux" else None
 
     def die_with_parent() -> None:  # in the child, between fork and exec
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM))  # prctl(2) reads an unsigned long
         if os.getppid() != parent:  # `up` died before the line above: nothing would signal the child
             os._exit(1)
 
