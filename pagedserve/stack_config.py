@@ -15,7 +15,7 @@ from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfi
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.model_files import default_cache_dir
 from pagedserve.options import nested, option
-from pagedserve.stack_ports import Port, local_redis_port, same_port_twice
+from pagedserve.stack_ports import Port, local_redis, same_port_twice
 from services.common.service_args import DEFAULT_HTTP_PORT, DEFAULT_PORT, model_option, redis_url_option
 
 
@@ -73,8 +73,8 @@ class StackConfig:
         if not 0 <= self.metrics_port <= 65535 - 1 - self.schedulers - self.workers:
             raise ValueError(f"--metrics-port must leave room for {self.workers + self.schedulers + 1} ports, "
                              f"got {self.metrics_port}")
-        redis = local_redis_port(self.redis_url)  # a Redis that `up` would start on it
-        clash = same_port_twice(self.listen_ports() + ([Port("Redis", "127.0.0.1", redis)] if redis else []))
+        redis = local_redis(self.redis_url)  # a Redis that `up` would start on it
+        clash = same_port_twice(self.listen_ports() + ([redis] if redis else []))
         if clash is not None:
             raise ValueError(clash)
 

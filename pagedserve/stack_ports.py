@@ -65,6 +65,12 @@ def local_redis_port(redis_url: str) -> int | None:
     return (url.port or 6379) if url.hostname in LOCAL_HOSTS else None
 
 
+def local_redis(redis_url: str) -> Port | None:
+    """The port of a Redis `up` would start for ``redis_url`` (a local address), as one of the stack's ports."""
+    port = local_redis_port(redis_url)
+    return None if port is None else Port("Redis", "127.0.0.1", port)
+
+
 def moved_redis_url(redis_url: str, offset: int) -> str:
     """``redis_url`` with its port moved by ``offset`` when it is local (a remote Redis stays)."""
     port = local_redis_port(redis_url)
@@ -141,11 +147,10 @@ def check_ports(ports: list[Port], redis_url: str) -> None:
     """Raises ``PortsInUseError`` with ``conflict_message`` when a port of the stack is in use, or when a
     local Redis port is in use by a Redis that does not answer at ``redis_url`` (another stack's,
     with its own password). A Redis answering at ``redis_url`` is used, as `up` always did."""
-    redis_port = local_redis_port(redis_url)
+    redis = local_redis(redis_url)
     all_ports = list(ports)
     taken = ports_in_use(ports)
-    if redis_port is not None:
-        redis = Port("Redis", "127.0.0.1", redis_port)
+    if redis is not None:
         all_ports.append(redis)
         if port_in_use(redis.host, redis.port) and not redis_answers(redis_url):
             taken.append(redis)

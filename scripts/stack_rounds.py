@@ -7,8 +7,8 @@ the prefix cache of another.
     PYTHONPATH=. python scripts/stack_rounds.py --rounds 2 \
         --policy '{"max_decode_slowdown": Infinity, "short_prompt_share": 0}'
 
-``--policy``: ``SchedulerConfig`` fields as JSON, over the CPU stack's own policy (``StackConfig.policy``:
-a 256-token budget, prefill chunks paced beside decodes, a short-prompt share). The in-process engine's
+``--policy``: ``SchedulerConfig`` fields as JSON, over the stack's own policy (``StackConfig.policy``: the
+worker's device's token budget, 256 on a CPU; prefill chunks paced beside decodes; a short-prompt share). The in-process engine's
 rounds for comparison: ``--in-process`` (the same policy, the same cores).
 """
 

@@ -33,7 +33,7 @@ from pagedserve.bench.datasets import SampleRequest, add_dataset_arguments, data
 from pagedserve.bench.in_process import ttft_ms
 from pagedserve.bench.machine import machine_info, machine_line
 from pagedserve.bench.scheduler_cost import scheduler_iteration_ms
-from pagedserve.engine.config import SchedulerConfig, default_token_budget
+from pagedserve.engine.config import SchedulerConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -169,8 +169,7 @@ def _measure_all(model: Path, requests: list[SampleRequest], args: argparse.Name
             for n in plans_in_flight:
                 ports = [free_port() for _ in range(4)]
                 runner = RunnerConfig(kv_cache_memory=args.kv_cache_memory, **kernel_options(args))
-                policy = SchedulerConfig(max_num_batched_tokens=default_token_budget(runner.device),
-                                         max_plans_in_flight=n)
+                policy = SchedulerConfig(max_plans_in_flight=n)  # each side's worker: its device's token budget
                 stack = Stack(StackConfig(
                     model=model, workers=1, host="127.0.0.1", port=ports[0], scheduler_port=ports[1],
                     redis_url=f"redis://127.0.0.1:{ports[2]}/0", runner=runner,

@@ -38,11 +38,15 @@ def num_new_tokens(seq: Sequence, draft: PlanDraft, config: SchedulerConfig, num
     return draft.chunk_tokens(computed, remaining, share, reserve)
 
 
+def cache_holds(num_tokens: int, num_blocks: int, config: SchedulerConfig) -> bool:
+    """Whether a KV cache of ``num_blocks`` blocks holds ``num_tokens`` slots."""
+    return num_tokens <= num_blocks * config.block_size
+
+
 def fits_worker(num_tokens: int, num_blocks: int, token_budget: int, config: SchedulerConfig) -> bool:
     """Whether a worker of ``num_blocks`` KV blocks and ``token_budget`` could ever run a prompt of ``num_tokens``:
     its KV cache holds it, and with chunked prefill off its budget takes the prompt in one step."""
-    holds = num_tokens <= num_blocks * config.block_size
-    return holds and (config.enable_chunked_prefill or num_tokens <= token_budget)
+    return cache_holds(num_tokens, num_blocks, config) and (config.enable_chunked_prefill or num_tokens <= token_budget)
 
 
 def rejection_reason(seq: Sequence, workers: Seq[tuple[int, int]], config: SchedulerConfig) -> str | None:
@@ -54,7 +58,7 @@ def rejection_reason(seq: Sequence, workers: Seq[tuple[int, int]], config: Sched
     """
     if not workers or any(fits_worker(seq.num_tokens, blocks, budget, config) for blocks, budget in workers):
         return None  # one can, or wait for workers to register
-    holding = [budget for blocks, budget in workers if seq.num_tokens <= blocks * config.block_size]
+    holding = [budget for blocks, budget in workers if cache_holds(seq.num_tokens, blocks, config)]
     if not holding:
         capacity = max(blocks for blocks, _ in workers) * config.block_size
         return f"the prompt needs {seq.num_tokens} KV slots, more than the largest worker's KV cache holds ({capacity})"
