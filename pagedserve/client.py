@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagedserve.sampling_flags import sampling_pb_from_args
-from services.common.auth import bearer_metadata
-from services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.auth import bearer_metadata
+from pagedserve.services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
 
 @dataclass
 class Sample:
@@ -186,10 +186,10 @@ def offline_completion(args: argparse.Namespace, request: gen.GenerateRequest) -
     from pagedserve.engine.runner_config import EngineConfig
     from pagedserve.llm import LLM
     from pagedserve.text.tool_parsers import ToolCallParserKind
-    from services.gateway.grpc_tools import SampleCalls
+    from pagedserve.services.gateway.grpc_tools import SampleCalls
 
     llm = LLM(args.model or None, config_from_args(EngineConfig, args, EngineConfig.of()))
-    from services.gateway.request_parser import parse_generate_request
+    from pagedserve.services.gateway.request_parser import parse_generate_request
 
     try:
         given = parse_generate_request(request, llm.tokenizer)  # validated exactly as the gateway does

@@ -15,14 +15,14 @@ from urllib.parse import urlparse
 
 import grpc
 
-from services.common.auth import cluster_channel
-from services.common.grpc_server import check_health
-from services.common.pb import engine_pb2 as pb
-from services.common.pb import engine_pb2_grpc
+from pagedserve.services.common.auth import cluster_channel
+from pagedserve.services.common.grpc_server import check_health
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.pb import engine_pb2_grpc
 from pagedserve.config_flags import config_to_argv
 from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
 from pagedserve.stack_config import StackConfig
-from services.common.service_args import redact_url
+from pagedserve.services.common.service_args import redact_url
 
 
 STOP_TIMEOUT_S = 15.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 from pagedserve.engine.sampling_params import InvalidRequestError
 
 

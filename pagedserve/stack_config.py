@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-from services.common.auth import api_key_option, cluster_token_option
+from pagedserve.services.common.auth import api_key_option, cluster_token_option
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.model_files import default_cache_dir
 from pagedserve.options import nested, option
 from pagedserve.stack_ports import Port, local_redis, same_port_twice
-from services.common.service_args import DEFAULT_HTTP_PORT, DEFAULT_PORT, model_option, redis_url_option
+from pagedserve.services.common.service_args import DEFAULT_HTTP_PORT, DEFAULT_PORT, model_option, redis_url_option
 
 
 @dataclass(frozen=True)

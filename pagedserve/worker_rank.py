@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 def add_worker_rank_parser(sub) -> None:
     """Adds the ``worker-rank`` command to the subcommands ``sub``."""
     from pagedserve.config_flags import add_config_arguments
-    from services.common.auth import ClusterAuth
+    from pagedserve.services.common.auth import ClusterAuth
 
     p = sub.add_parser(
         "worker-rank", help="join a tensor/pipeline-parallel worker as one of its ranks, from another machine",
@@ -46,7 +46,7 @@ def cmd_worker_rank(args: argparse.Namespace) -> int:
 
     from pagedserve.engine.parallel.group import CollectiveError
     from pagedserve.config_flags import config_from_args
-    from services.common.auth import ClusterAuth
+    from pagedserve.services.common.auth import ClusterAuth
 
     token = config_from_args(ClusterAuth, args).cluster_token
     try:

@@ -17,9 +17,9 @@ import time
 
 import grpc
 
-from services.common.auth import bearer_metadata
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.auth import bearer_metadata
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
 
 TARGET = "127.0.0.1:50051"
 TOKENS_BEFORE_STREAMING = 4

@@ -13,9 +13,9 @@ from pagedserve.config_flags import config_from_args, config_to_argv
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.runner_config import EngineConfig, RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
-from services.gateway.config import GatewayConfig
-from services.scheduler.config import SchedulerServiceConfig
-from services.worker.config import WorkerConfig
+from pagedserve.services.gateway.config import GatewayConfig
+from pagedserve.services.scheduler.config import SchedulerServiceConfig
+from pagedserve.services.worker.config import WorkerConfig
 
 TOKEN = "a-long-enough-cluster-token"
 
@@ -70,7 +70,8 @@ def test_a_command_line_builds_only_its_commands_flags():
     import subprocess
     import sys
 
-    others = ("pagedserve.launcher", "pagedserve.stack_config", "pagedserve.bench.cli", "services.gateway.config")
+    others = ("pagedserve.launcher", "pagedserve.stack_config", "pagedserve.bench.cli",
+              "pagedserve.services.gateway.config")
     code = ("import sys; from pagedserve.cli import build_parser; build_parser('worker').parse_args(['worker']); "
             f"print([m for m in {others!r} if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

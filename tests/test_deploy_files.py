@@ -52,7 +52,8 @@ def test_every_service_command_parses_with_the_cli(compose):
         assert args.command == command[0]
         health = svc.get("healthcheck", {}).get("test")
         if name != "model":  # the long-running services probe their own port, in milliseconds
-            assert health == ["CMD", "python", "-m", "services.common.health_probe", f"127.0.0.1:{args.port}"], name
+            probe = ["CMD", "python", "-m", "pagedserve.services.common.health_probe", f"127.0.0.1:{args.port}"]
+            assert health == probe, name
 
 
 def test_services_reach_each_other_by_compose_names(compose):
@@ -134,7 +135,7 @@ def test_services_listen_in_their_container_and_need_a_cluster_token(compose):
 
 
 def test_the_gateway_has_time_to_drain_before_docker_compose_kills_it(compose):
-    from services.gateway.config import SHUTDOWN_CLOSE_S
+    from pagedserve.services.gateway.config import SHUTDOWN_CLOSE_S
 
     gateway = compose["services"]["gateway"]
     grace_s = build_parser().parse_args(gateway["command"]).shutdown_grace_s

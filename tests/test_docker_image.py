@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.grpc_server import add_health, set_serving
-from services.common.health_probe import main as probe
+from pagedserve.services.common.grpc_server import add_health, set_serving
+from pagedserve.services.common.health_probe import main as probe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +88,7 @@ def test_every_kernel_source_and_header_is_package_data():
     (models/csrc/l2_prefetch.h was, after a99da5e) fails its kernels' builds there, and the worker falls back
     to slower GEMMs with only a warning."""
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    tracked = subprocess.run(["git", "ls-files", "pagedserve", "services", "pagedserve_kernels"], cwd=ROOT,
+    tracked = subprocess.run(["git", "ls-files", "pagedserve", "pagedserve_kernels"], cwd=ROOT,
                              check=True, capture_output=True, text=True).stdout.split()
     runtime_files = [Path(f) for f in tracked if Path(f).suffix not in (".py", ".pyi")]
     assert any(f.suffix == ".h" for f in runtime_files)
@@ -145,9 +145,9 @@ def test_the_health_probe_imports_only_grpc_and_costs_a_fraction_of_the_cli(heal
     servicer, target = health_server
     set_serving(servicer, True)
     check = ("import runpy, sys; sys.argv = ['probe', %r]\n"
-             "try: runpy.run_module('services.common.health_probe', run_name='__main__')\n"
-             "except SystemExit as exit: print(exit.code, sorted({m.split('.')[0] for m in sys.modules} & "
-             "{'torch', 'transformers', 'pagedserve', 'redis', 'numpy'}))") % target
+             "try: runpy.run_module('pagedserve.services.common.health_probe', run_name='__main__')\n"
+             "except SystemExit as exit: print(exit.code, sorted(set(sys.modules) & {'torch', 'transformers', "
+             "'pagedserve.engine', 'pagedserve.text', 'pagedserve.cli', 'redis', 'numpy'}))") % target
     began = children_cpu_s()
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, check=True).stdout
     probe_cpu_s = children_cpu_s() - began

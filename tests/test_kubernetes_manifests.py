@@ -117,7 +117,7 @@ def test_services_budgets_and_autoscaler_point_at_the_workloads(objects):
 
 
 def test_the_gateway_has_time_to_drain_before_kubernetes_kills_it(objects):
-    from services.gateway.config import SHUTDOWN_CLOSE_S
+    from pagedserve.services.gateway.config import SHUTDOWN_CLOSE_S
 
     pod = by_kind(objects, "Deployment")["pagedserve-gateway"]["spec"]["template"]["spec"]
     grace_s = build_parser().parse_args([expand(a) for a in pod["containers"][0]["args"]]).shutdown_grace_s

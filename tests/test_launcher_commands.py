@@ -13,7 +13,7 @@ from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.launcher import STOP_TIMEOUT_S, Stack
 from pagedserve.stack_config import StackConfig
 from pagedserve.llm import offline_config
-from services.gateway.config import SHUTDOWN_CLOSE_S
+from pagedserve.services.gateway.config import SHUTDOWN_CLOSE_S
 
 
 RANK_GRID = RunnerConfig(kv_cache_memory="64MiB", tensor_parallel_size=2, pipeline_parallel_size=2, virtual_engines=1,

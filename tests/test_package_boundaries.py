@@ -1,4 +1,4 @@
-"""The engine core imports no service: ``services/*`` are shells around ``pagedserve.engine``."""
+"""The engine core imports no service: ``pagedserve/services/*`` are shells around ``pagedserve.engine``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ for package in (pagedserve.engine, pagedserve.text):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)
 import pagedserve.llm
-print(sorted({m.split(".")[0] for m in sys.modules if m.split(".")[0] in ("services", "grpc", "redis")}))
+print(sorted(m for m in ("pagedserve.services", "grpc", "redis") if m in sys.modules))
 """
 
 
@@ -24,7 +24,7 @@ def test_engine_text_and_llm_import_no_service_grpc_or_redis():
 
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pagedserve", "services")
+PACKAGES = ("pagedserve",)
 
 
 def _module_files() -> dict[str, Path]:
@@ -153,7 +153,7 @@ def test_model_registry_and_model_info_import_without_torch():
 
 GATEWAY_TORCH_FREE = """
 import sys
-import services.gateway.server
+import pagedserve.services.gateway.server
 from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer
 tokenizer = PromptTokenizer.from_folder(sys.argv[1])
 assert tokenizer.encode_chat([ChatTurn("user", "hi")])

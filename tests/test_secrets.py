@@ -14,13 +14,12 @@ from pagedserve.stack_config import StackConfig
 from pagedserve.local_redis import redis_settings
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.runner_config import RunnerConfig
-from services.common.auth import read_secret
-from services.common.grpc_server import (
-    CLIENT_API_SERVER_OPTIONS, INTERNAL_CHANNEL_OPTIONS, INTERNAL_SERVER_OPTIONS, MiB,
-)
-from services.common.redis_wait import connect_redis
-from services.common.service_args import redact_url
-from services.scheduler.config import SchedulerServiceConfig
+from pagedserve.services.common.auth import read_secret
+from pagedserve.services.common.grpc_server import (CLIENT_API_SERVER_OPTIONS, INTERNAL_CHANNEL_OPTIONS,
+                                                    INTERNAL_SERVER_OPTIONS, MiB)
+from pagedserve.services.common.redis_wait import connect_redis
+from pagedserve.services.common.service_args import redact_url
+from pagedserve.services.scheduler.config import SchedulerServiceConfig
 
 
 @pytest.mark.parametrize("url, shown", [
@@ -114,7 +113,7 @@ def test_message_size_limits_are_explicit():
 def test_short_cluster_tokens_are_refused():
     import argparse
 
-    from services.common.auth import read_cluster_token
+    from pagedserve.services.common.auth import read_cluster_token
 
     with pytest.raises(ValueError, match="fewer than 16"):
         read_cluster_token("x", "")

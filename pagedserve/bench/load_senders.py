@@ -60,10 +60,10 @@ async def grpc_sender(target: str, settings: SendSettings) -> AsyncIterator[Send
     """
     import grpc
 
-    from services.common.auth import gateway_aio_interceptors
-    from services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
-    from services.common.pb import generate_pb2 as gen
-    from services.common.pb import generate_pb2_grpc
+    from pagedserve.services.common.auth import gateway_aio_interceptors
+    from pagedserve.services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
+    from pagedserve.services.common.pb import generate_pb2 as gen
+    from pagedserve.services.common.pb import generate_pb2_grpc
 
     async with grpc.aio.insecure_channel(target, options=CLIENT_API_CHANNEL_OPTIONS,
                                          interceptors=gateway_aio_interceptors(settings.api_key)) as channel:

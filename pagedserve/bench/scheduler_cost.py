@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.convert import plan_from_pb, plan_to_pb, step_result_from_pb, step_result_to_pb
+from pagedserve.services.common.convert import plan_from_pb, plan_to_pb, step_result_from_pb, step_result_to_pb
 from pagedserve.engine.messages import BatchPlan, EngineRequest, SampledToken, StepResult
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.config import SchedulerConfig
@@ -70,7 +70,7 @@ def scheduler_iteration_ms(num_running: int, iterations: int, prompt_len: int = 
 
 
 def plan_from_pb_bytes(wire: bytes) -> BatchPlan:
-    from services.common.pb import engine_pb2 as pb
+    from pagedserve.services.common.pb import engine_pb2 as pb
 
     msg = pb.BatchPlan()
     msg.ParseFromString(wire)
@@ -78,7 +78,7 @@ def plan_from_pb_bytes(wire: bytes) -> BatchPlan:
 
 
 def step_result_from_pb_bytes(wire: bytes) -> StepResult:
-    from services.common.pb import engine_pb2 as pb
+    from pagedserve.services.common.pb import engine_pb2 as pb
 
     msg = pb.StepResult()
     msg.ParseFromString(wire)

@@ -28,7 +28,7 @@ from pagedserve.bench.load_senders import Backend, SendSettings, sender
 from pagedserve.bench.metrics import RequestRecord, ServeMetrics, compute_metrics, error_counts
 from pagedserve.bench.serve_compare import format_backend_comparison, parse_backends
 from pagedserve.units import positive
-from services.common.service_args import DEFAULT_HTTP_PORT, DEFAULT_TARGET, grpc_target
+from pagedserve.services.common.service_args import DEFAULT_HTTP_PORT, DEFAULT_TARGET, grpc_target
 
 
 @dataclass(frozen=True)

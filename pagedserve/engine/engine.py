@@ -6,7 +6,7 @@ applies each answer when it comes. It drives any :class:`Executor`: ``LocalExecu
 runners in this process (``pagedserve.llm.LLM``, the tests, the benchmarks), and the scheduler
 service's ``GrpcExecutor`` sends plans to worker services. The offline path calls :meth:`Engine.step`,
 which waits for the oldest answer; the service calls :meth:`Engine.send_plans`, and as each answer
-arrives :meth:`Engine.arrived` then :meth:`Engine.apply` (``services/scheduler/loop.py``).
+arrives :meth:`Engine.arrived` then :meth:`Engine.apply` (``pagedserve/services/scheduler/loop.py``).
 
 Answers of one worker session are applied in the order their plans were sent: a plan's tokens in
 flight resolve oldest first, and the next plan continues from the tokens the one before sampled.

@@ -5,7 +5,7 @@ The scheduler produces a ``BatchPlan`` per worker per iteration; the worker answ
 (``outputs.py``).
 The plan carries deltas, as vLLM V1's scheduler output does: a request travels in full once
 (``NewRequestData``), then only as ``CachedRequestData`` (new block ids, tokens scheduled now).
-``services/common/convert.py`` maps these to and from protobuf at process boundaries.
+``pagedserve/services/common/convert.py`` maps these to and from protobuf at process boundaries.
 """
 
 from __future__ import annotations

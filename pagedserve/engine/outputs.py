@@ -1,7 +1,7 @@
 """What the engine hands its front ends: per request and step, one ``RequestOutput`` per sample.
 
 Built by keyword or through the named constructors (:meth:`RequestOutput.taken`,
-:meth:`RequestOutput.aborted`); ``services/common/convert.py`` maps them to ``TokenEvent``
+:meth:`RequestOutput.aborted`); ``pagedserve/services/common/convert.py`` maps them to ``TokenEvent``
 messages between the scheduler and the gateway.
 """
 

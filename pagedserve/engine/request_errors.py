@@ -2,7 +2,7 @@
 
 The engine knows no wire: field names are bare (``top_p``, ``logit_bias[5]``), and each front end
 names them as its own API spells them and maps each kind to its own status (gRPC in
-``services/gateway/generation_core.py``, HTTP in ``services/gateway/openai_errors.py``).
+``pagedserve/services/gateway/generation_core.py``, HTTP in ``pagedserve/services/gateway/openai_errors.py``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The engine's parameters are split by who uses them, as TGI splits them: ``Choosi
 the worker's sampler chooses the next token) and ``StoppingParams`` (when the scheduler ends a
 sequence); ``EngineSamplingParams`` is both, plus the number of samples. Field names and defaults
 follow vLLM's ``SamplingParams`` and the OpenAI API; the services map each dataclass to its
-protobuf message by field name (``services/common/pb_fields.py``).
+protobuf message by field name (``pagedserve/services/common/pb_fields.py``).
 """
 
 from __future__ import annotations

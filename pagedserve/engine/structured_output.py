@@ -62,7 +62,7 @@ class StructuredOutput:
     @property
     def value(self) -> str | bool | tuple[str, ...]:
         """The kind's one value (the choices, the spec text, or ``True`` for ``JSON_OBJECT``): what a
-        ``oneof`` member carries on the wire (``services/common/pb_fields.py``)."""
+        ``oneof`` member carries on the wire (``pagedserve/services/common/pb_fields.py``)."""
         if self.kind is StructureKind.CHOICE:
             return self.choices
         return True if self.kind is StructureKind.JSON_OBJECT else self.spec

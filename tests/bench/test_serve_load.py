@@ -12,8 +12,8 @@ import pytest
 
 from pagedserve.bench.datasets import SampleRequest
 from pagedserve.bench.serve import LoadSettings, arrival_offsets, parse_rates, run_load
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
 
 
 class FakeGateway(generate_pb2_grpc.GenerationServicer):

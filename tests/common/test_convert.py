@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from services.common import convert
+from pagedserve.services.common import convert
 from pagedserve.engine.messages import (BatchPlan, CachedRequestData, EngineRequest, FinishReason, NewRequestData,
                                         RequestError, SampledToken, SequenceId, StepResult)
 from pagedserve.engine.outputs import OutputKind, RequestOutput
@@ -57,8 +57,8 @@ def test_results_outputs_and_stats_round_trip():
 
 def test_sampling_logprobs_and_stop_reason_round_trip():
     from pagedserve.engine.messages import PromptLogprobs, TokenLogprobs
-    from services.common.convert import (output_from_pb, output_to_pb, sampling_from_pb, sampling_to_pb,
-                                         step_result_from_pb, step_result_to_pb)
+    from pagedserve.services.common.convert import (output_from_pb, output_to_pb, sampling_from_pb, sampling_to_pb,
+                                                    step_result_from_pb, step_result_to_pb)
 
     params = EngineSamplingParams(max_tokens=5, logprobs=3, prompt_logprobs=0, presence_penalty=0.5,
                                   frequency_penalty=-1.0, repetition_penalty=1.25, logit_bias=((3, 2.5), (9, -100.0)))

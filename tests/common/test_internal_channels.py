@@ -15,7 +15,7 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.auth import cluster_aio_channel, cluster_channel
+from pagedserve.services.common.auth import cluster_aio_channel, cluster_channel
 from tests.e2e.ports import free_port
 
 STALL_S = 0.5  # the server stops this long while the channel connects (gRPC once gave it 0.1 s)

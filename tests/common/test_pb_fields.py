@@ -12,8 +12,8 @@ from pagedserve.engine.messages import (AcceptedDraft, CachedRequestData, Sample
                                         TokenLogprobs)
 from pagedserve.engine.sampling_params import EngineSamplingParams, SamplingParams
 from pagedserve.engine.structured_output import StructuredOutput, StructureKind
-from services.common.pb import engine_pb2, generate_pb2
-from services.common.pb_fields import from_pb, same_fields, to_pb
+from pagedserve.services.common.pb import engine_pb2, generate_pb2
+from pagedserve.services.common.pb_fields import from_pb, same_fields, to_pb
 
 MAPPED = [(EngineSamplingParams, engine_pb2.EngineSamplingParams), (SamplingParams, generate_pb2.SamplingParams),
           (CachedRequestData, engine_pb2.CachedRequest), (SampledToken, engine_pb2.SampledToken),

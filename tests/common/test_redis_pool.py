@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from services.common.redis_pool import PoolExhaustedError, async_redis_client, threaded_redis_client
+from pagedserve.services.common.redis_pool import PoolExhaustedError, async_redis_client, threaded_redis_client
 from tests.e2e.processes import start_redis
 
 HOLD_S = 0.05  # each BLPOP below holds its connection this long (the list stays empty)

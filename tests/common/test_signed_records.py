@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from services.common.pb import engine_pb2 as pb
-from services.common.signed_records import (
-    BlockDigestKey, RecordCheck, RecordKind, SignedHash, record_is_signed, sign_record,
-)
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.signed_records import (BlockDigestKey, RecordCheck, RecordKind, SignedHash,
+                                                       record_is_signed, sign_record)
 
 TOKEN = "t" * 32
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import redis
 
-from services.common import redis_keys
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import Process, Stack, healthy, pagedserve, scheduler_stats, start_stack, wait_until
 from tests.e2e.test_stack import QUESTIONS, chat_request
 

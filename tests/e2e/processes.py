@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagedserve.model_files import default_cache_dir
-from services.common.auth import cluster_channel
-from services.common.grpc_server import check_health
-from services.common.pb import engine_pb2 as pb
-from services.common.pb import engine_pb2_grpc
-from services.common.signed_records import RecordCheck
+from pagedserve.services.common.auth import cluster_channel
+from pagedserve.services.common.grpc_server import check_health
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.pb import engine_pb2_grpc
+from pagedserve.services.common.signed_records import RecordCheck
 from tests.e2e import zygote
 from tests.e2e.ports import free_port
 

@@ -12,11 +12,11 @@ import pytest
 import redis
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from services.common.auth import CLUSTER_TOKEN_KEY, bearer_metadata
-from services.common.grpc_server import check_health
-from services.common.pb import engine_pb2 as pb
-from services.common.pb import engine_pb2_grpc, generate_pb2_grpc
-from services.common.redis_keys import WORKERS_HASH
+from pagedserve.services.common.auth import CLUSTER_TOKEN_KEY, bearer_metadata
+from pagedserve.services.common.grpc_server import check_health
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.pb import engine_pb2_grpc, generate_pb2_grpc
+from pagedserve.services.common.redis_keys import WORKERS_HASH
 from tests.e2e.ports import free_port
 from tests.e2e.processes import pagedserve, scheduler_stats, status_of, wait_until
 from tests.e2e.test_stack import QUESTIONS, chat_request, stream

@@ -8,8 +8,8 @@ import grpc
 import httpx
 import pytest
 
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
 from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 

@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.faults import assert_no_leak, finish_streams, kill, own_stack, probe, start_streams, start_worker
 from tests.e2e.processes import scheduler_stats
 from tests.e2e.test_chaos import (MAX_TOKENS, RESULTS, pause, reference, reference_outputs,  # noqa: F401 (fixtures)

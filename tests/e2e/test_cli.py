@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import redis
 
-from services.common.grpc_server import check_health
+from pagedserve.services.common.grpc_server import check_health
 from tests.e2e.ports import free_port
 from tests.e2e.processes import cache_dir
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.pb import generate_pb2_grpc
-from services.gateway.config import SHUTDOWN_CLOSE_S
+from pagedserve.services.common.pb import generate_pb2_grpc
+from pagedserve.services.gateway.config import SHUTDOWN_CLOSE_S
 from tests.e2e.processes import gateway_in_flight, http_health, scheduler_stats, start_gateway, wait_until
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request
 

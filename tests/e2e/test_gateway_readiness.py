@@ -11,10 +11,10 @@ import pytest
 
 import grpc
 
-from services.common.grpc_server import check_health
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
-from services.gateway.generation_core import ENQUEUE_TIMEOUT_S
+from pagedserve.services.common.grpc_server import check_health
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
+from pagedserve.services.gateway.generation_core import ENQUEUE_TIMEOUT_S
 from tests.e2e.faults import blocks_free
 from tests.e2e.ports import free_port
 from tests.e2e.processes import http_health, pagedserve, start_redis, start_stack, stop_all, wait_until

@@ -27,7 +27,7 @@ import grpc
 import pytest
 
 from pagedserve.bench.grammar_schemas import slow_schemas
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import start_stack, wait_until
 from tests.e2e.timed_streams import TimedStreams, token_request
 

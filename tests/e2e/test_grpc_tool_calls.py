@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 from tests.e2e.test_stack import stream
 from tests.e2e.test_tool_calls import QUESTION, SCHEMAS, TOOLS
 

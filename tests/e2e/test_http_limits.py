@@ -15,8 +15,8 @@ import httpx
 import openai
 import pytest
 
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import gateway_in_flight, start_gateway, wait_until
 from tests.e2e.stalled_grpc import StalledCall
 from tests.e2e.test_openai_http import API_KEY, PROMPTS

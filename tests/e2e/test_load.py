@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

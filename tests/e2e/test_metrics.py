@@ -115,7 +115,7 @@ def test_the_gateway_http_port_offers_the_cluster_s_queue_and_kv_series(stack, d
     the gateway's own metrics port leaves them to the schedulers, so scraping every port counts them once."""
     import grpc
 
-    from services.common.pb import generate_pb2_grpc
+    from pagedserve.services.common.pb import generate_pb2_grpc
 
     model = default_model.name
     http_address = stack.http.removeprefix("http://")

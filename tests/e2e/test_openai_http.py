@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

@@ -7,7 +7,7 @@ import grpc
 import httpx
 import pytest
 
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 from tests.e2e.processes import scheduler_stats
 from tests.e2e.test_openai_http import PROMPTS, client, model_name  # noqa: F401 (module fixtures)
 from tests.e2e.test_stack import QUESTIONS, chat_request, stream

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from tests.e2e.processes import scheduler_stats, wait_until
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 from tests.e2e.test_stack import assert_all_blocks_free, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import wait_until
 from tests.e2e.timed_streams import TimedStreams, token_request
 

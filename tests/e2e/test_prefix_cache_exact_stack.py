@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 from tests.e2e.processes import start_stack
 from tests.e2e.test_recompute_exact_stack import generated
 from tests.e2e.test_stack import stream

@@ -13,10 +13,10 @@ import uuid
 import pytest
 import redis
 
-from services.common import redis_keys
-from services.common.pb import engine_pb2 as pb
-from services.common.pb import engine_pb2_grpc
-from services.common.signed_records import sign_record
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.pb import engine_pb2_grpc
+from pagedserve.services.common.signed_records import sign_record
 from tests.e2e.processes import scheduler_stats, stranger_server
 from tests.e2e.test_scheduler_migration import metric
 from tests.e2e.test_stack import QUESTIONS, chat_request, stream

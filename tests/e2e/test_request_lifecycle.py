@@ -16,14 +16,14 @@ import grpc
 import pytest
 import redis
 
-from services.common import redis_keys
-from services.common.auth import CLUSTER_TOKEN_KEY
-from services.common.limits import MAX_HELD_QUERY_IDS
-from services.common.pb import engine_pb2 as pb
-from services.common.pb import engine_pb2_grpc
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
-from services.common.signed_records import sign_record
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.auth import CLUSTER_TOKEN_KEY
+from pagedserve.services.common.limits import MAX_HELD_QUERY_IDS
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.pb import engine_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.signed_records import sign_record
 from tests.e2e.faults import Call
 from tests.e2e.processes import CLUSTER_TOKEN, scheduler_stats, stranger_server, status_of, wait_until
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
@@ -244,7 +244,7 @@ def test_a_second_output_stream_for_a_gateway_does_not_wedge_it(small_stack):
         intruder.cancel()
     thread.join(120)
     # The victim may lose tokens to the intruder (who holds the token): then it ends with ABORTED; had it lost its
-    # last output, UNAVAILABLE within 60 s (services/gateway/held_check.py).
+    # last output, UNAVAILABLE within 60 s (pagedserve/services/gateway/held_check.py).
     assert not thread.is_alive() and victim.code in (None, grpc.StatusCode.ABORTED, grpc.StatusCode.UNAVAILABLE), (
         victim.code, victim.details)
     time.sleep(11.0)  # past the scheduler's 10 s grace for a gateway whose stream closed

@@ -14,8 +14,8 @@ import grpc
 import pytest
 import redis
 
-from services.common import redis_keys
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import healthy, pagedserve, scheduler_stats, start_stack, wait_until
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 

@@ -16,7 +16,7 @@ import pytest
 from tests.e2e.ports import free_port
 
 from pagedserve.model_files import default_cache_dir
-from services.common.grpc_server import check_health
+from pagedserve.services.common.grpc_server import check_health
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 

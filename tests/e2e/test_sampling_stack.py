@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 from tests.e2e.test_stack import assert_all_blocks_free, stream
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

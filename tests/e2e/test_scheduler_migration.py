@@ -31,9 +31,9 @@ import redis
 from pagedserve.engine.block_hash import hash_full_blocks
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.text.tokenizer import PromptTokenizer
-from services.common import redis_keys
-from services.common.pb import generate_pb2 as gen
-from services.common.signed_records import BlockDigestKey
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.signed_records import BlockDigestKey
 from tests.e2e.faults import Call, finish_streams, kill, redis_clean, start_redis_on
 from tests.e2e.processes import CLUSTER_TOKEN, Stack, scheduler_stats, wait_until
 from tests.e2e.test_stack import QUESTIONS, chat_request

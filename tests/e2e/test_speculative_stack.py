@@ -17,7 +17,7 @@ import pytest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from pagedserve.llm import LLM
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 from tests.conftest import save_small_model
 from tests.e2e.processes import start_stack
 from tests.e2e.test_metrics import scrape, total

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import scheduler_stats, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]

@@ -20,8 +20,8 @@ import pytest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from pagedserve.text.tokenizer import ChatTurn
-from services.common.pb import generate_pb2 as gen
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import scheduler_stats, start_stack, wait_until
 from tests.e2e.test_stack import QUESTIONS, assert_all_blocks_free, chat_request, stream
 from tests.engine.test_structured_outputs import PERSON, REGEXES

@@ -7,7 +7,7 @@ import secrets
 import grpc
 import pytest
 
-from services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.pb import generate_pb2_grpc
 from tests.e2e.processes import wait_until
 from tests.e2e.test_stack import QUESTIONS, chat_request
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import redis
 
-from services.common import redis_keys
+from pagedserve.services.common import redis_keys
 from tests.e2e.processes import CLUSTER_TOKEN, pagedserve, start_redis, thread_cores, wait_until
 from tests.e2e.zygote import EXEC_VARIABLE
 

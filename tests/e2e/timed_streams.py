@@ -8,7 +8,7 @@ import time
 
 import grpc
 
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 
 
 def token_request(token_ids: list[int], max_tokens: int) -> gen.GenerateRequest:

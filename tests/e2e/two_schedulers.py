@@ -9,7 +9,7 @@ import re
 import threading
 import urllib.request
 
-from services.common.pb import generate_pb2 as gen
+from pagedserve.services.common.pb import generate_pb2 as gen
 from tests.e2e.faults import Call
 from tests.e2e.ports import free_port
 from tests.e2e.processes import (CLUSTER_TOKEN, Stack, healthy, num_workers_known, pagedserve, scheduler_stats,

@@ -15,7 +15,8 @@ import sys
 import threading
 from pathlib import Path
 
-PRELOADED = ("pagedserve.cli", "services.scheduler.server", "services.worker.server", "services.gateway.server")
+PRELOADED = ("pagedserve.cli", "pagedserve.services.scheduler.server", "pagedserve.services.worker.server",
+             "pagedserve.services.gateway.server")
 """The modules every service's start imports (torch with the worker's, grpc with all of them)."""
 
 

@@ -14,17 +14,17 @@ import redis
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.request_samples import ParsedRequest
-from services.common import redis_keys
-from services.common.auth import CLUSTER_TOKEN_KEY, AioMetadataAuthInterceptor
-from services.common.pb import engine_pb2 as pb
-from services.common.pb import engine_pb2_grpc
-from services.common.redis_pool import async_redis_client
-from services.common.signed_records import sign_record
-from services.gateway.generation_core import GenerationCore, Submission
-from services.gateway.generation_errors import GenerationError
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.queue_producer import RequestQueueProducer
-from services.gateway.router import OutputRouter
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.auth import CLUSTER_TOKEN_KEY, AioMetadataAuthInterceptor
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.pb import engine_pb2_grpc
+from pagedserve.services.common.redis_pool import async_redis_client
+from pagedserve.services.common.signed_records import sign_record
+from pagedserve.services.gateway.generation_core import GenerationCore, Submission
+from pagedserve.services.gateway.generation_errors import GenerationError
+from pagedserve.services.gateway.metrics import GatewayMetrics
+from pagedserve.services.gateway.queue_producer import RequestQueueProducer
+from pagedserve.services.gateway.router import OutputRouter
 
 TOKEN = "test-cluster-token"
 STOP_WAIT_S = 2.0

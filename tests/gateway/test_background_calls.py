@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from services.gateway.background import BackgroundCalls
+from pagedserve.services.gateway.background import BackgroundCalls
 
 
 def test_settle_waits_for_the_running_calls_and_those_they_start():

@@ -8,8 +8,8 @@ import pytest
 
 from pagedserve.engine.request_errors import InvalidRequestError
 from pagedserve.text.chat_encoding import ChatPromptMode
-from services.gateway.openai_chat import encode_messages
-from services.gateway.openai_protocol import ChatMessage
+from pagedserve.services.gateway.openai_chat import encode_messages
+from pagedserve.services.gateway.openai_protocol import ChatMessage
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
 QUESTION = {"role": "user", "content": "Weather in Paris?"}

@@ -6,7 +6,7 @@ import pytest
 
 from pagedserve.cli import build_parser
 from pagedserve.config_flags import config_from_args
-from services.gateway.config import GatewayConfig
+from pagedserve.services.gateway.config import GatewayConfig
 
 
 def test_the_gateway_takes_no_scheduler_address(tmp_path, monkeypatch, capsys):

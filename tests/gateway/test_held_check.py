@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
-from services.gateway.generation_errors import StatusKind
-from services.gateway.held_check import HeldCheck
+from pagedserve.services.gateway.generation_errors import StatusKind
+from pagedserve.services.gateway.held_check import HeldCheck
 from tests.gateway.scheduler_doubles import Gateway, event, run_scenario, until
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.gateway.http_app import OPEN_PATHS, _RequireApiKey
+from pagedserve.services.gateway.http_app import OPEN_PATHS, _RequireApiKey
 
 KEY = "k" * 32
 
@@ -54,7 +54,7 @@ def test_another_scheme_or_a_key_in_another_case_is_401(value):
 
 
 def test_the_grpc_key_check_takes_the_scheme_in_any_case_and_the_key_as_it_is():
-    from services.common.auth import API_KEY_KEY, _Check
+    from pagedserve.services.common.auth import API_KEY_KEY, _Check
 
     check = _Check(API_KEY_KEY, f"Bearer {KEY}")
     assert check.allows("/pagedserve.v1.Generation/Generate", [(API_KEY_KEY, f"bearer {KEY}")])

@@ -9,8 +9,8 @@ import socket
 import threading
 import time
 
-from services.gateway.http_app import _BodyLimit
-from services.gateway.http_server import listening_socket, new_http_server
+from pagedserve.services.gateway.http_app import _BodyLimit
+from pagedserve.services.gateway.http_server import listening_socket, new_http_server
 
 
 async def _echo(scope, receive, send) -> None:

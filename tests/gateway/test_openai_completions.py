@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.openai_completions import parse_completion
-from services.gateway.openai_protocol import CompletionRequest
+from pagedserve.services.gateway.openai_completions import parse_completion
+from pagedserve.services.gateway.openai_protocol import CompletionRequest
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ import math
 from pagedserve.engine.messages import FinishReason, TokenLogprobs
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.output_processor import TextDelta
-from services.gateway.generation_core import SampleDelta
-from services.gateway.openai_logprobs import (
-    MIN_LOGPROB, CompletionOffsets, TokenNames, chat_logprobs, prompt_logprobs_out,
-)
-from services.gateway.openai_samples import EchoPrompt, StreamEcho, collect_samples
+from pagedserve.services.gateway.generation_core import SampleDelta
+from pagedserve.services.gateway.openai_logprobs import (MIN_LOGPROB, CompletionOffsets, TokenNames, chat_logprobs,
+                                                         prompt_logprobs_out)
+from pagedserve.services.gateway.openai_samples import EchoPrompt, StreamEcho, collect_samples
 from pagedserve.text.request_samples import ParsedRequest
 
 

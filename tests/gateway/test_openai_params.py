@@ -8,10 +8,10 @@ import pytest
 from pagedserve.engine.sampling_params import InvalidRequestError, SamplingParams
 from pagedserve.engine.structured_output import StructuredOutput, StructureKind
 from pagedserve.text.chat_encoding import ChatPromptMode
-from services.gateway.openai_chat import chat_prompt_mode
-from services.gateway.openai_errors import _param_of
-from services.gateway.openai_params import SUPPORTED_FIELDS, sampling_params_from_openai
-from services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.services.gateway.openai_chat import chat_prompt_mode
+from pagedserve.services.gateway.openai_errors import _param_of
+from pagedserve.services.gateway.openai_params import SUPPORTED_FIELDS, sampling_params_from_openai
+from pagedserve.services.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 
 def completion(**fields) -> CompletionRequest:
@@ -123,7 +123,7 @@ def test_validation_error_locations_become_param_names():
 
 
 def test_unimplemented_fields_are_refused_and_the_listed_ones_ignored():
-    from services.gateway.openai_protocol import IGNORED_FIELDS
+    from pagedserve.services.gateway.openai_protocol import IGNORED_FIELDS
 
     history = [{"role": "user", "content": "Hi"},
                {"role": "assistant", "content": "Hello", "refusal": None, "annotations": [], "audio": None}]

@@ -8,8 +8,8 @@ import pytest
 
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.engine.structured_output import MAX_SPEC_BYTES, StructuredOutput, StructureKind
-from services.gateway.openai_params import sampling_params_from_openai
-from services.gateway.openai_protocol import ChatCompletionRequest
+from pagedserve.services.gateway.openai_params import sampling_params_from_openai
+from pagedserve.services.gateway.openai_protocol import ChatCompletionRequest
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

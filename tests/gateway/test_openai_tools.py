@@ -1,4 +1,4 @@
-"""The HTTP chat API's calls of an answer (services/gateway/openai_tools.py): whole and streamed, the finish
+"""The HTTP chat API's calls of an answer (pagedserve/services/gateway/openai_tools.py): whole and streamed, the finish
 reason ``tool_calls`` only for an answer whose calls are all complete and that ended by itself."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from pagedserve.engine.messages import FinishReason
 from pagedserve.text.tool_parsers import ToolCallParserKind
 from pagedserve.text.tool_use import ToolChoiceMode, ToolUse
-from services.gateway.openai_tools import ToolCallStream, answer_message, finish_reason_of
+from pagedserve.services.gateway.openai_tools import ToolCallStream, answer_message, finish_reason_of
 
 HERMES = ToolCallParserKind.HERMES
 CALL = '<tool_call>\n{"name": "w", "arguments": {"city": "Paris"}}\n</tool_call>'

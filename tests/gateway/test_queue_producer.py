@@ -10,9 +10,9 @@ import pytest
 
 from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.sampling_params import EngineSamplingParams
-from services.common import redis_keys
-from services.common.redis_pool import async_redis_client
-from services.gateway.queue_producer import RequestQueueProducer
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.redis_pool import async_redis_client
+from pagedserve.services.gateway.queue_producer import RequestQueueProducer
 
 TOKEN = "q" * 32
 

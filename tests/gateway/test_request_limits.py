@@ -10,8 +10,8 @@ import pytest
 from pagedserve.engine.sampling_params import InvalidRequestError
 from pagedserve.text.request_limits import RequestLimits
 from pagedserve.text.tokenizer import ChatTurn, PromptTokenizer
-from services.common.pb import generate_pb2 as gen
-from services.gateway.request_parser import parse_generate_request
+from pagedserve.services.common.pb import generate_pb2 as gen
+from pagedserve.services.gateway.request_parser import parse_generate_request
 
 LIMITS = RequestLimits()
 

@@ -13,14 +13,14 @@ import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.request_samples import ParsedRequest
-from services.common import redis_keys
-from services.common.redis_pool import async_redis_client
-from services.common.pb import engine_pb2 as pb
-from services.gateway.generation_core import GenerationCore, Submission
-from services.gateway.generation_errors import GenerationError, StatusKind
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.queue_producer import RequestQueueProducer
-from services.gateway.router import OutputRouter
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.redis_pool import async_redis_client
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.gateway.generation_core import GenerationCore, Submission
+from pagedserve.services.gateway.generation_errors import GenerationError, StatusKind
+from pagedserve.services.gateway.metrics import GatewayMetrics
+from pagedserve.services.gateway.queue_producer import RequestQueueProducer
+from pagedserve.services.gateway.router import OutputRouter
 from tests.gateway.scheduler_doubles import TOKEN, Gateway, Letters, event, register, until, run_scenario
 
 pytestmark = pytest.mark.timeout(60)

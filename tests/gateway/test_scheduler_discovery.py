@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from services.common.redis_pool import async_redis_client
-from services.gateway.scheduler_discovery import SchedulerDiscovery
+from pagedserve.services.common.redis_pool import async_redis_client
+from pagedserve.services.gateway.scheduler_discovery import SchedulerDiscovery
 from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, register, until, run_scenario
 
 pytestmark = pytest.mark.timeout(60)

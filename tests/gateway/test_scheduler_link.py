@@ -10,8 +10,8 @@ import time
 import grpc
 import pytest
 
-from services.common.pb import engine_pb2 as pb
-from services.gateway.scheduler_link import SchedulerLink
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.gateway.scheduler_link import SchedulerLink
 from tests.gateway.scheduler_doubles import TOKEN, FakeScheduler, until, run_scenario
 
 

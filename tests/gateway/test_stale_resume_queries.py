@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from pagedserve.engine.sampling_params import SamplingParams
-from services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.pb import engine_pb2 as pb
 from tests.gateway import scheduler_doubles
 from tests.gateway.scheduler_doubles import FakeScheduler, Gateway, event, until, run_scenario
 

@@ -14,9 +14,9 @@ from pagedserve.engine.config import SchedulerConfig, SchedulerStats, WorkerStat
 from pagedserve.engine.spec_decode.counters import SpecDecodeCounters
 from pagedserve.engine.runner_config import RunnerConfig
 from pagedserve.text.output_processor import TextDelta
-from services.common.metrics import serve_metrics
-from services.gateway.metrics import GatewayMetrics
-from services.worker.metrics import WorkerMetrics
+from pagedserve.services.common.metrics import serve_metrics
+from pagedserve.services.gateway.metrics import GatewayMetrics
+from pagedserve.services.worker.metrics import WorkerMetrics
 
 
 class Clock:
@@ -116,7 +116,7 @@ def test_a_call_that_ends_early_counts_its_unfinished_samples_as_aborted():
 
 def test_the_cluster_view_sums_schedulers_and_counts_a_worker_listed_twice_once():
     """During a takeover two schedulers may list the same worker: its blocks count once."""
-    from services.gateway.cluster_metrics import cluster_gauges
+    from pagedserve.services.gateway.cluster_metrics import cluster_gauges
 
     shared = WorkerStats("w-0", num_blocks=100, num_free_blocks=40, num_running=3)
     stats = [SchedulerStats(1, 3, 0, 0, (shared,)),
@@ -131,7 +131,7 @@ def test_the_cluster_counters_sum_schedulers_and_count_one_missing_from_a_scrape
     """A scheduler that misses a scrape (GetStats timed out) adds only what it counted since when it
     answers again; a restarted one (a new id) adds from zero; spec-decode series appear once a
     speculating scheduler answers, with every draft position."""
-    from services.gateway.cluster_metrics import ClusterView
+    from pagedserve.services.gateway.cluster_metrics import ClusterView
 
     def stats(hits: int, spec: SpecDecodeCounters | None = None) -> SchedulerStats:
         return SchedulerStats(0, 0, 0, 0, (), prefix_cache_queries=2 * hits, prefix_cache_hits=hits, spec_decode=spec)

@@ -7,8 +7,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.messages import FinishReason
 from pagedserve.engine.scheduler import Scheduler
-from services.common.metrics import render
-from services.scheduler.metrics import SchedulerMetrics
+from pagedserve.services.common.metrics import render
+from pagedserve.services.scheduler.metrics import SchedulerMetrics
 from tests.scheduler.scripted_runner import ScriptedRunner
 from tests.scheduler.test_scheduler import request
 

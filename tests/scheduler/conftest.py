@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from services.scheduler.queue_consumer import RequestQueueConsumer
+from pagedserve.services.scheduler.queue_consumer import RequestQueueConsumer
 from tests.e2e.processes import RECORDS, start_redis
 
 

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from services.common import redis_keys
-from services.common.pb import engine_pb2 as pb
-from services.scheduler.leases import Leases
-from services.scheduler.queue_consumer import QueueEntry, RequestQueueConsumer
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.scheduler.leases import Leases
+from pagedserve.services.scheduler.queue_consumer import QueueEntry, RequestQueueConsumer
 from tests.e2e.processes import RECORDS
 from tests.scheduler.test_leases import TTL_S, Watcher, register_worker, two_schedulers_with_a_worker_each
 
@@ -83,7 +83,7 @@ def test_a_hand_off_that_fails_on_a_redis_error_is_made_again():
     and the entries stay in Redis until the scheduler restarts."""
     import redis as redis_lib
 
-    from services.scheduler.redis_io import RedisWrites
+    from pagedserve.services.scheduler.redis_io import RedisWrites
 
     calls: list[list[QueueEntry]] = []
 
@@ -181,7 +181,7 @@ def test_a_worker_whose_lease_was_lost_is_dropped_as_such_not_as_missing(client,
     timeout and then logged that the registration "has been missing", which was false."""
     from pagedserve.engine.config import SchedulerConfig
     from pagedserve.engine.scheduler import Scheduler
-    from services.scheduler.membership import WorkerMembership
+    from pagedserve.services.scheduler.membership import WorkerMembership
     from tests.scheduler.test_membership import Clock, Connections
 
     register_worker(client, "w0", 10)

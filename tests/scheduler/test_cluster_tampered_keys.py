@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from services.common import redis_keys
-from services.common.pb import engine_pb2 as pb
-from services.common.signed_records import RecordKind
-from services.scheduler.leases import Leases
-from services.scheduler.queue_consumer import RequestQueueConsumer
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.signed_records import RecordKind
+from pagedserve.services.scheduler.leases import Leases
+from pagedserve.services.scheduler.queue_consumer import RequestQueueConsumer
 from tests.e2e.processes import RECORDS
 from tests.scheduler.test_cluster_failure_orders import pending, queue_request
 from tests.scheduler.test_leases import TTL_S, Watcher, register_worker, two_schedulers_with_a_worker_each

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.common.pb import engine_pb2 as pb
-from services.scheduler.gateway_streams import GatewayStreams
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.scheduler.gateway_streams import GatewayStreams
 
 
 def batch(n: int) -> pb.TokenEventBatch:

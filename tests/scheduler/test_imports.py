@@ -8,7 +8,7 @@ import sys
 
 
 def test_the_scheduler_service_does_not_import_torch():
-    code = "import sys, services.scheduler.server; print('torch' in sys.modules)"
+    code = "import sys, pagedserve.services.scheduler.server; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "False"

@@ -9,15 +9,15 @@ import time
 import pytest
 import redis
 
-from services.common import redis_keys
-from services.common.pb import engine_pb2 as pb
-from services.common.signed_records import RecordCheck, RecordKind, sign_record
-from services.scheduler.cluster import ClusterWatch
-from services.scheduler.commands import ClaimedEntries, ClusterView
-from services.scheduler.leases import Leases, OwnLeaseLost
-from services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
-from services.scheduler.worker_registry import WorkerRegistry
-from services.worker.service import LeaseFence, PlanOutOfOrder
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.common.signed_records import RecordCheck, RecordKind, sign_record
+from pagedserve.services.scheduler.cluster import ClusterWatch
+from pagedserve.services.scheduler.commands import ClaimedEntries, ClusterView
+from pagedserve.services.scheduler.leases import Leases, OwnLeaseLost
+from pagedserve.services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
+from pagedserve.services.scheduler.worker_registry import WorkerRegistry
+from pagedserve.services.worker.service import LeaseFence, PlanOutOfOrder
 from tests.e2e.processes import CLUSTER_TOKEN, RECORDS
 
 TTL_S = 1.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.load_balance import BALANCE_SLACK, PeerLoads
+from pagedserve.services.scheduler.load_balance import BALANCE_SLACK, PeerLoads
 
 
 def test_a_request_moves_only_when_this_scheduler_is_heavier_by_more_than_the_slack():

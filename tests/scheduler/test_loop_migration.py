@@ -13,14 +13,14 @@ from opentelemetry import trace
 from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.scheduler import Scheduler
-from services.common.convert import request_to_pb
-from services.common.pb import engine_pb2 as pb
-from services.scheduler import request_table
-from services.scheduler.commands import ClaimedEntries, ClusterView, GatewayBack, GatewayGone, NewEntries
-from services.scheduler.config import SchedulerServiceConfig
-from services.scheduler.loop import SchedulerLoop
-from services.scheduler.queue_consumer import Delivery, QueueEntry
-from services.scheduler.redis_io import RedisWrites
+from pagedserve.services.common.convert import request_to_pb
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.scheduler import request_table
+from pagedserve.services.scheduler.commands import ClaimedEntries, ClusterView, GatewayBack, GatewayGone, NewEntries
+from pagedserve.services.scheduler.config import SchedulerServiceConfig
+from pagedserve.services.scheduler.loop import SchedulerLoop
+from pagedserve.services.scheduler.queue_consumer import Delivery, QueueEntry
+from pagedserve.services.scheduler.redis_io import RedisWrites
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -175,9 +175,9 @@ def test_a_sample_abort_while_waiting_for_the_resume_does_not_drop_the_request_l
     no resume query goes out, and the gateway (owner: this scheduler, stream up) waits for ever."""
     from concurrent.futures import Future
 
-    from services.scheduler import loop as loop_module
+    from pagedserve.services.scheduler import loop as loop_module
     from pagedserve.engine.messages import SequenceId
-    from services.scheduler.commands import AbortSample, Resume
+    from pagedserve.services.scheduler.commands import AbortSample, Resume
 
     monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
     with Loop() as sched:
@@ -211,7 +211,7 @@ def test_a_resume_query_withdrawn_while_its_gateway_was_away_is_not_delivered_wh
     this scheduler the owner again, drops the peer's tokens and aborts it there, and waits for ever
     (this scheduler answers the Resume with found=False). Queries of requests still waiting are
     sent again on every reconnect anyway (GatewayBack), so the queued ones need not be carried over."""
-    from services.scheduler import loop as loop_module
+    from pagedserve.services.scheduler import loop as loop_module
 
     monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
     with Loop() as sched:

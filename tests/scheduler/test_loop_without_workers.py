@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from services.common.pb import engine_pb2 as pb
-from services.scheduler.commands import ClusterView, NewEntries
-from services.scheduler.queue_consumer import Delivery
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.scheduler.commands import ClusterView, NewEntries
+from pagedserve.services.scheduler.queue_consumer import Delivery
 from tests.scheduler.test_loop_migration import Loop, entry, next_batch, view_without_workers
 
 pytestmark = pytest.mark.timeout(30)
@@ -47,7 +47,7 @@ def test_a_scheduler_without_workers_beside_a_peer_with_one_does_not_fail_a_requ
     counted its own workers, not the cluster's (the worker had been gone 7 s). Expected: no failure while the
     cluster has been without workers for less than the timeout; the request is handed off once the peer
     announces its worker."""
-    from services.scheduler import loop as loop_module
+    from pagedserve.services.scheduler import loop as loop_module
 
     monkeypatch.setattr(loop_module, "HANDOFF_AFTER_S", 0.2)
     with Loop(no_worker_timeout_s=1.0) as sched:

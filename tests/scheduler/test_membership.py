@@ -8,9 +8,9 @@ from pagedserve.engine.request_errors import ErrorKind
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.scheduler import Scheduler
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
-from services.common.pb import engine_pb2 as pb
-from services.scheduler.commands import ClusterView
-from services.scheduler.membership import WorkerMembership
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.scheduler.commands import ClusterView
+from pagedserve.services.scheduler.membership import WorkerMembership
 
 
 class Connections:

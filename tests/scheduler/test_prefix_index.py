@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from pagedserve.engine.block_hash import hash_block, hash_full_blocks
 from pagedserve.engine.prefix_caching import PrefixCachingBlockManager
-from services.common import redis_keys
-from services.common.pb import engine_pb2 as pb
-from services.scheduler.leases import Leases
-from services.scheduler.prefix_index import MIN_GAIN_BLOCKS, PrefixIndex, cached_prefix_blocks
-from services.scheduler.queue_consumer import RequestQueueConsumer
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.scheduler.leases import Leases
+from pagedserve.services.scheduler.prefix_index import MIN_GAIN_BLOCKS, PrefixIndex, cached_prefix_blocks
+from pagedserve.services.scheduler.queue_consumer import RequestQueueConsumer
 from tests.e2e.processes import CLUSTER_TOKEN, RECORDS
 
 BLOCK = 4

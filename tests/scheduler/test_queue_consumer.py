@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import redis
 
-from services.common import redis_keys
-from services.common.pb import engine_pb2 as pb
-from services.scheduler.queue_consumer import RequestQueueConsumer
-from services.common.signed_records import RecordCheck, RecordKind, sign_record
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.scheduler.queue_consumer import RequestQueueConsumer
+from pagedserve.services.common.signed_records import RecordCheck, RecordKind, sign_record
 from tests.e2e.processes import CLUSTER_TOKEN, RECORDS, start_redis
 
 

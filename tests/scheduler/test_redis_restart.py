@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common import redis_keys
-from services.common.pb import engine_pb2 as pb
-from services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
 from tests.e2e.processes import RECORDS
 from tests.scheduler.test_cluster_failure_orders import pending, queue_request
 from tests.scheduler.test_leases import Watcher, register_worker, two_schedulers_with_a_worker_each

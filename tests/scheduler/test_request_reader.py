@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import redis
 
-from services.common import redis_keys
-from services.common.pb import engine_pb2 as pb
-from services.scheduler.leases import Leases
-from services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
-from services.scheduler.request_reader import RequestReader
+from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.scheduler.leases import Leases
+from pagedserve.services.scheduler.queue_consumer import Delivery, RequestQueueConsumer
+from pagedserve.services.scheduler.request_reader import RequestReader
 from tests.e2e.processes import RECORDS, start_redis
 
 
@@ -88,7 +88,7 @@ def test_an_entry_read_before_a_redis_error_is_handed_over_again_to_be_resumed(c
 
 
 def test_an_entry_whose_read_reply_was_lost_is_found_by_the_periodic_reread(client, monkeypatch):
-    monkeypatch.setattr("services.scheduler.request_reader.BACKLOG_REREAD_S", 0.5)
+    monkeypatch.setattr("pagedserve.services.scheduler.request_reader.BACKLOG_REREAD_S", 0.5)
 
     def read_with_its_reply_lost(loop: Loop) -> None:
         time.sleep(0.3)  # past the start's read of the backlog

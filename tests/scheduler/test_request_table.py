@@ -10,11 +10,11 @@ from pagedserve.engine.messages import EngineRequest
 from pagedserve.engine.outputs import RequestOutput
 from pagedserve.engine.sampling_params import EngineSamplingParams
 from pagedserve.engine.scheduler import Scheduler
-from services.common.convert import request_from_pb, request_to_pb
-from services.scheduler.gateway_streams import GatewayStreams
-from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.queue_consumer import Delivery, QueueEntry
-from services.scheduler.request_table import RESUME_TIMEOUT_S, Phase, RequestTable
+from pagedserve.services.common.convert import request_from_pb, request_to_pb
+from pagedserve.services.scheduler.gateway_streams import GatewayStreams
+from pagedserve.services.scheduler.metrics import SchedulerMetrics
+from pagedserve.services.scheduler.queue_consumer import Delivery, QueueEntry
+from pagedserve.services.scheduler.request_table import RESUME_TIMEOUT_S, Phase, RequestTable
 
 
 class Clock:

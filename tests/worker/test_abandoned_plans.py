@@ -10,8 +10,8 @@ import pytest
 from opentelemetry import trace
 
 from pagedserve.engine.messages import StepResult
-from services.common.pb import engine_pb2 as pb
-from services.worker.service import WorkerServicer
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.worker.service import WorkerServicer
 
 pytestmark = pytest.mark.timeout(30)
 

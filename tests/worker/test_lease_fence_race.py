@@ -10,9 +10,9 @@ import pytest
 from opentelemetry import trace
 
 from pagedserve.engine.messages import StepResult
-from services.common.pb import engine_pb2 as pb
-from services.worker import service
-from services.worker.service import WorkerServicer
+from pagedserve.services.common.pb import engine_pb2 as pb
+from pagedserve.services.worker import service
+from pagedserve.services.worker.service import WorkerServicer
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import pytest
 
 from pagedserve.engine.messages import BatchPlan
-from services.worker.service import PlanOrder, PlanOutOfOrder
+from pagedserve.services.worker.service import PlanOrder, PlanOutOfOrder
 
 
 def _started(order: PlanOrder, plan: BatchPlan, log: list, timeout_s: float = 5.0) -> Future:

@@ -118,7 +118,7 @@ def test_a_placement_is_checked_before_anything_starts():
 def test_worker_rank_flags_and_the_worker_s_checks(monkeypatch, tmp_path):
     from pagedserve.cli import build_parser
     from pagedserve.engine.runner_config import RunnerConfig
-    from services.worker.config import WorkerConfig
+    from pagedserve.services.worker.config import WorkerConfig
 
     monkeypatch.setenv("PAGEDSERVE_CLUSTER_TOKEN", "tok-from-env-0123456789")
     parser = build_parser()
