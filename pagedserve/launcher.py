@@ -11,10 +11,12 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlparse
 
 import grpc
 
+import pagedserve
 from pagedserve.services.common.auth import cluster_channel
 from pagedserve.services.common.grpc_server import check_health
 from pagedserve.services.common.pb import engine_pb2 as pb
@@ -68,7 +70,7 @@ class Stack:
         env.pop("PAGEDSERVE_API_KEY", None)
         if name == "gateway" and self.config.api_key:
             env["PAGEDSERVE_API_KEY"] = self.config.api_key
-        self._spawn(name, [sys.executable, "-m", "pagedserve", *args], env)
+        self._spawn(name, service_argv(*args), with_package_root(env))
 
     def start(self, stop: threading.Event | None = None) -> None:
         """Starts every process and waits until the stack serves, or until ``stop`` is set.
@@ -192,6 +194,24 @@ class Stack:
 
 MAX_RESTARTS = 5
 """Restarts of one child within a minute after which `pagedserve up` gives up."""
+
+
+def service_argv(*args: str) -> list[str]:
+    """The command line of a service under `up`: this Python with ``-P``, so the folder `up` was started
+    in is not on the service's import path (``python -m`` puts it first: a ``redis.py`` or ``grpc/`` there
+    would replace that dependency in every service)."""
+    return [sys.executable, "-P", "-m", "pagedserve", *args]
+
+
+def with_package_root(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the folder this process imported ``pagedserve`` from first on ``PYTHONPATH`` when that
+    folder is not on the import path otherwise (an editable install, or a source checkout run as ``python
+    -m pagedserve`` from its root): a service imports the same ``pagedserve`` as `up`."""
+    root = Path(pagedserve.__file__).resolve().parents[1]
+    if any(entry and Path(entry).resolve() == root for entry in sys.path[1:]):
+        return env
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))}
+
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option: the signal a process gets when the thread that started it ends (Linux, prctl(2))."""
