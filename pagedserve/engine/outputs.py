@@ -65,11 +65,23 @@ class RequestOutput:
                 tokens: tuple[AcceptedDraft | SampledToken, ...], finish_reason: FinishReason | None,
                 stop_token_id: int | None, prompt_logprobs: tuple[TokenLogprobs, ...] | None) -> RequestOutput:
         """The output of tokens a step emitted for a sample (accepted drafts, then the sampled token),
-        with the logprobs entries they carry."""
-        return cls(request_id=request_id, first_output_index=first_output_index,
-                   new_token_ids=tuple([t.token_id for t in tokens]), finish_reason=finish_reason,
-                   sample_index=sample_index, logprobs=tuple([t.logprobs for t in tokens if t.logprobs is not None]),
-                   prompt_logprobs=prompt_logprobs, stop_token_id=stop_token_id)
+        with the logprobs entries they carry.
+
+        Made once per running sample and step, so it skips the generated ``__init__``, which sets each of a
+        frozen dataclass's ten fields through ``object.__setattr__``: one ``__dict__`` update of the fields that
+        may differ from their defaults (class attributes: ``kind`` and ``error`` keep theirs) makes an equal,
+        as frozen, output; 0.53 us against 1.88 on the Zen 4 EPYC, the scheduler 1.18x faster at 256 running
+        (docs/benchmarks.md). A field added with a ``default_factory`` must be set here."""
+        if len(tokens) == 1:  # no draft accepted
+            token_ids, logprobs = (tokens[0].token_id,), () if tokens[0].logprobs is None else (tokens[0].logprobs,)
+        else:
+            token_ids = tuple([t.token_id for t in tokens])
+            logprobs = tuple([t.logprobs for t in tokens if t.logprobs is not None])
+        output = object.__new__(cls)
+        output.__dict__.update(request_id=request_id, first_output_index=first_output_index, new_token_ids=token_ids,
+                               finish_reason=finish_reason, sample_index=sample_index, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs, stop_token_id=stop_token_id)
+        return output
 
     @classmethod
     def aborted(cls, request_id: str, error: RequestError | None = None, *, sample_index: int = 0,
