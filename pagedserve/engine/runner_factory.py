@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.config import CompileMode, GemmBackend, KVCacheDtype
 from pagedserve.engine.cpu_features import check_cpu_dtype, cpu_flags
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
-from pagedserve.engine.kv_cache import KVCacheSpec, cache_dtype, sized_cache
+from pagedserve.engine.kv_cache import KVCacheSpec, cache_dtype, context_shortfall, sized_cache
 from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.openmp_threads import release_openmp_team
 from pagedserve.engine.models.onednn import pack_linear_layers, resolve_gemm_backend
@@ -19,6 +20,8 @@ from pagedserve.engine.runner_config import RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.draft_model import build_proposer, speculative_caches
 from pagedserve.engine.weight_loader import load_model
+
+log = logging.getLogger("pagedserve.worker")
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -81,7 +84,10 @@ def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | N
     spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, kv_dtype)
     if kv_cache_memory_bytes is None:
         kv_cache_memory_bytes = _default_kv_memory(torch.device(device), gpu_memory_utilization)
-    kv_cache = sized_cache(spec, kv_cache_memory_bytes, swap_space_bytes, device, *speculative_caches(speculative, spec))
+    beside = speculative_caches(speculative, spec)
+    kv_cache = sized_cache(spec, kv_cache_memory_bytes, swap_space_bytes, device, *beside)
+    if (shortfall := context_shortfall(spec, kv_cache.num_blocks, config.max_model_len, *beside)) is not None:
+        log.warning(shortfall)
     proposer = build_proposer(speculative, model, gemm, kv_cache, backend)
     forward = None
     if CompileMode(compile_mode) is CompileMode.INDUCTOR:

@@ -53,5 +53,8 @@ def test_a_request_waits_while_the_running_ones_growth_is_kept_free(tmp_path, sm
         second.join(300)
         assert tokens == {"first": reference, "second": reference}
         assert_all_blocks_free(stack)
+        # 64 blocks hold 1,024 of the model's 8,192-token context: the worker said so when it started
+        assert ("the KV cache holds 1024 tokens (64 blocks of 16), fewer than the model's context of 8192"
+                in stack.processes["worker-0"].log_text())
     finally:
         stack.stop()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pagedserve_kernels.reference import paged_attention_ref
 from pagedserve.engine.attention import TorchAttentionBackend, build_attention_metadata, compute_positions
-from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, num_blocks_for_memory
+from pagedserve.engine.kv_cache import KVCache, KVCacheSpec, context_shortfall, num_blocks_for_memory
 
 
 def test_metadata_conventions():
@@ -132,3 +132,15 @@ def test_kv_cache_sizing():
     key, value = cache.layer(2)
     assert key.shape == value.shape == (10, 4, 2, 8) and cache.block_size == 4
     assert len(cache.key_caches) == 3 and float(key.abs().sum()) == 0.0
+
+
+def test_a_cache_short_of_one_context_is_named_with_the_memory_that_holds_one():
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)  # 8 KiB a block
+    draft = KVCacheSpec(num_layers=1, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)  # 4 KiB
+    assert context_shortfall(spec, 512, 8192) is None  # 512 blocks of 16: exactly one context
+    assert context_shortfall(spec, 511, 8192) == (
+        "the KV cache holds 8176 tokens (511 blocks of 16), fewer than the model's context of 8192: a request that "
+        "grows past 8176 tokens ends with finish_reason 'length'; give --kv-cache-memory 4MiB or more to hold a "
+        "whole context")
+    assert "--kv-cache-memory 6MiB or more" in context_shortfall(spec, 64, 8192, draft)  # the draft's blocks too
+    assert "--kv-cache-memory 1MiB or more" in context_shortfall(spec, 1, 100)  # 7 blocks: 56 KiB, rounded up

@@ -12,6 +12,7 @@ the drafts' rows, and rank 0 verifies and broadcasts what was accepted.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
 from pagedserve.engine.config import GemmBackend, KVCacheDtype
 from pagedserve.engine.forward_batch import ForwardBatch
-from pagedserve.engine.kv_cache import (KVCache, KVCacheSpec, cache_dtype, num_blocks_for_memory,
+from pagedserve.engine.kv_cache import (KVCache, KVCacheSpec, cache_dtype, context_shortfall, num_blocks_for_memory,
                                        num_cpu_blocks_for_memory, sized_cache)
 from pagedserve.engine.messages import BatchPlan, SampledToken
 from pagedserve.engine.model_runner import ModelRunner
@@ -39,6 +40,8 @@ from pagedserve.engine.spec_decode.draft_model import build_proposer, build_prop
 from pagedserve.engine.spec_decode.proposer import Proposal, Proposer
 from pagedserve.engine.spec_decode.verifier import Drafted, verify
 from pagedserve.engine.worker_requests import ScheduledRequest
+
+log = logging.getLogger("pagedserve.worker")
 
 T = TypeVar("T")
 
@@ -213,10 +216,12 @@ def build_rank_runner(config: RankConfig, group: TensorParallelGroup) -> ModelRu
     model = load_model_shard(config.model_path, group, dtype, config.device)
     c = model.config  # this rank's heads
     spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, config.block_size, kv_dtype)
-    kv_cache = sized_cache(spec, config.kv_cache_memory_bytes, config.swap_space_bytes, config.device,
-                           *speculative_caches(config.speculative, spec))
+    beside = speculative_caches(config.speculative, spec)
+    kv_cache = sized_cache(spec, config.kv_cache_memory_bytes, config.swap_space_bytes, config.device, *beside)
     speculates = config.speculative.method is not SpeculativeMethod.NONE
     if group.rank == 0:  # only the rank that samples holds grammar matchers (and drafts)
+        if (shortfall := context_shortfall(spec, kv_cache.num_blocks, c.max_model_len, *beside)) is not None:
+            log.warning(shortfall)  # every rank has as many blocks
         sampler = Sampler(seed=config.sampler_seed, device=config.device)
         leader = LeaderSampler(sampler, group)
         proposer = build_proposer(config.speculative, model, GemmBackend.TORCH, kv_cache, backend)
