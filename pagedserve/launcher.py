@@ -141,7 +141,7 @@ class Stack:
         self._wait(lambda: all(check_health(s) for s in schedulers), "the scheduler(s)", cfg.startup_timeout_s)
         self._wait(lambda: sum(num_workers(s, cfg.cluster_token) for s in schedulers) >= cfg.workers,
                    f"{cfg.workers} worker(s)", cfg.startup_timeout_s)
-        self._wait(lambda: check_health(f"127.0.0.1:{cfg.port}"), "the gateway", cfg.startup_timeout_s)
+        self._wait(lambda: check_health(cfg.gateway_address(cfg.port)), "the gateway", cfg.startup_timeout_s)
 
     def _wait(self, ready, what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

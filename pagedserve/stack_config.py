@@ -78,6 +78,12 @@ class StackConfig:
         if clash is not None:
             raise ValueError(clash)
 
+    def gateway_address(self, port: int) -> str:
+        """host:port at which this machine reaches the gateway's ``port`` (its gRPC, HTTP or metrics port):
+        at ``--host``, or at the loopback address when the gateway listens on every address (0.0.0.0, ::)."""
+        host = WILDCARD_TO_LOOPBACK.get(self.host, self.host)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     def scheduler_addresses(self) -> dict[str, str]:
         """Scheduler name (also its --consumer-name) -> host:port."""
         return {f"scheduler-{i}": f"127.0.0.1:{self.scheduler_port + i}" for i in range(self.schedulers)}
@@ -100,6 +106,10 @@ class StackConfig:
             return {}
         names = ["gateway", *self.scheduler_addresses(), *(f"worker-{i}" for i in range(self.workers))]
         return {name: self.metrics_port + i for i, name in enumerate(names)}
+
+
+WILDCARD_TO_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+"""A listen address meaning "every address of this machine" -> the one to dial it at from this machine."""
 
 
 def default_threads_per_worker(workers: int) -> int:

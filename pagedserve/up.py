@@ -45,8 +45,8 @@ def _metrics_note(config: StackConfig) -> str:
     ports = config.metrics_ports()
     if not ports:
         return ""
-    hosts = {name: config.host if name == "gateway" else "127.0.0.1" for name in ports}
-    return "Prometheus metrics: " + ", ".join(f"{n} http://{hosts[n]}:{p}/metrics" for n, p in ports.items()) + "\n"
+    address = {name: config.gateway_address(p) if name == "gateway" else f"127.0.0.1:{p}" for name, p in ports.items()}
+    return "Prometheus metrics: " + ", ".join(f"{n} http://{address[n]}/metrics" for n in ports) + "\n"
 
 
 def _redis_note(stack: Stack) -> str:
@@ -68,9 +68,10 @@ def ready_message(config: StackConfig, redis_note: str = "") -> str:
         f"pagedserve is up ({config.schedulers} scheduler(s), {config.workers} worker(s), model {config.model.name}):\n"
         f"  gRPC API:   {config.host}:{config.port}\n"
         f"  OpenAI API: http://{config.host}:{config.http_port}/v1\n"
-        f"Try{key_note}:\n  pagedserve complete --target 127.0.0.1:{config.port} --chat "
+        f"Try{key_note}:\n  pagedserve complete --target {config.gateway_address(config.port)} --chat "
         f"--temperature 0 --prompt 'What is the capital of France?'\n"
-        f"  curl http://127.0.0.1:{config.http_port}/v1/chat/completions{auth} -H 'Content-Type: application/json' "
+        f"  curl http://{config.gateway_address(config.http_port)}/v1/chat/completions{auth} "
+        f"-H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{config.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
         f"{_metrics_note(config)}{redis_note}Ctrl-C stops everything."
     )

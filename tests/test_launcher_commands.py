@@ -82,3 +82,13 @@ def test_up_gives_the_schedulers_and_the_workers_the_same_speculative_config(tmp
     services = [p for p in parsed if p.command in ("scheduler", "worker")]
     assert len(services) == 4
     assert all(config_from_args(SpeculativeConfig, p) == speculative for p in services)
+
+
+def test_up_dials_its_gateway_where_it_listens(tmp_path):
+    """Loopback for an every-address listen, else ``--host`` itself (IPv6 in brackets)."""
+    def address(host: str) -> str:
+        return StackConfig(model=tmp_path, host=host, port=7, redis_url="redis://127.0.0.1:9/0",
+                           data_dir=tmp_path).gateway_address(8)
+
+    assert [address(h) for h in ("127.0.0.1", "0.0.0.0", "::", "::1", "10.1.2.3", "gw.local")] == [
+        "127.0.0.1:8", "127.0.0.1:8", "[::1]:8", "[::1]:8", "10.1.2.3:8", "gw.local:8"]

@@ -27,12 +27,15 @@ def pagedserve(*args: str, env: dict, timeout: float = 300) -> subprocess.Comple
 
 
 API_KEY = "cli-api-key-77e1"
+GATEWAY_HOST = "127.0.0.2"
+"""`up --host`: a loopback address other than 127.0.0.1, where the gateway alone listens (up waited on 127.0.0.1
+for a gateway given another address, and timed out with the stack serving)."""
 
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory, small_model):
     """`pagedserve up` with an API key given through the environment, starting its own Redis (which
-    gets a password up makes, as it makes the cluster token)."""
+    gets a password up makes, as it makes the cluster token), its gateway on ``GATEWAY_HOST``."""
     tmp = cache_dir(tmp_path_factory.mktemp("up"))  # the C++ op shared: not built again (25 s)
     port, scheduler_port, redis_port, http_port = free_port(), free_port(), free_port(), free_port()
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp), "PYTHONUNBUFFERED": "1", "PAGEDSERVE_API_KEY": API_KEY,
@@ -41,7 +44,7 @@ def up(tmp_path_factory, small_model):
     log = open(tmp / "up.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "pagedserve", "up", "--workers", "1", "--schedulers", "2", "--port", str(port),
-         "--http-port", str(http_port),
+         "--http-port", str(http_port), "--host", GATEWAY_HOST,
          "--scheduler-port", str(scheduler_port), "--model", str(small_model), "--kv-cache-memory", "64MiB",
          "--metrics-port", "0"],  # no fixed metrics ports: tests run side by side
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -51,8 +54,8 @@ def up(tmp_path_factory, small_model):
         assert process.poll() is None, (tmp / "up.log").read_text()
         assert time.monotonic() < deadline, "pagedserve up did not come up"
         time.sleep(0.5)
-    yield {"process": process, "target": f"127.0.0.1:{port}", "env": env, "log": tmp / "up.log", "cache_dir": tmp,
-           "ports": (port, scheduler_port, redis_port), "http": f"http://127.0.0.1:{http_port}"}
+    yield {"process": process, "target": f"{GATEWAY_HOST}:{port}", "env": env, "log": tmp / "up.log", "cache_dir": tmp,
+           "ports": (port, scheduler_port, redis_port), "http": f"http://{GATEWAY_HOST}:{http_port}"}
     if process.poll() is None:
         process.terminate()  # up stops its services; SIGKILL would leave them running as orphans
         try:
@@ -79,6 +82,12 @@ def test_complete_streams_text_from_the_stack(up, capital_offline):
     result = pagedserve(*CAPITAL, "--target", up["target"], env=up["env"])
     assert result.returncode == 0, result.stderr
     assert result.stdout == capital_offline
+
+
+def test_the_commands_up_prints_reach_its_gateway(up):
+    log = up["log"].read_text()
+    assert f"pagedserve complete --target {up['target']} --chat" in log
+    assert f"curl {up['http']}/v1/chat/completions" in log
 
 
 def test_up_runs_two_schedulers(up):
@@ -265,7 +274,7 @@ def test_ctrl_c_stops_every_process(up):
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=60) == 0, up["log"].read_text()
     port, scheduler_port, _ = up["ports"]
-    assert not check_health(f"127.0.0.1:{port}") and not check_health(f"127.0.0.1:{scheduler_port}")
+    assert not check_health(f"{GATEWAY_HOST}:{port}") and not check_health(f"127.0.0.1:{scheduler_port}")
     leftovers = subprocess.run(["pgrep", "-f", f"--port {scheduler_port}"], capture_output=True, text=True).stdout
     assert leftovers.strip() == ""
 
