@@ -24,6 +24,7 @@ from pagedserve.services.common.pb import engine_pb2_grpc
 from pagedserve.config_flags import config_to_argv
 from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
 from pagedserve.stack_config import StackConfig
+from pagedserve.stack_ports import LOCAL_HOSTS
 from pagedserve.services.common.service_args import redact_url
 
 
@@ -118,7 +119,7 @@ class Stack:
         if redis_answers(cfg.redis_url):
             return
         url = urlparse(cfg.redis_url)
-        if url.hostname not in ("127.0.0.1", "localhost", "::1"):
+        if url.hostname not in LOCAL_HOSTS:
             raise LaunchError(f"no Redis answers at {redact_url(cfg.redis_url)}, and it is not a local address to "
                               "start one on")
         binary = shutil.which("redis-server")

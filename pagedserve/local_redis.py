@@ -7,6 +7,10 @@ from urllib.parse import unquote
 
 import redis
 
+BIND_ADDRESSES = {"127.0.0.1": "127.0.0.1", "localhost": "127.0.0.1 -::1", "::1": "::1"}
+"""The hosts `pagedserve up` starts a Redis on when none answers there -> the addresses that Redis binds (redis.conf
+``bind``; ``-``: where this machine has it), so that the services reach it at the URL's host."""
+
 
 def redis_answers(url: str) -> bool:
     """Whether a Redis answers PING at ``url`` within a second (one wanting another password does not)."""
@@ -24,9 +28,9 @@ def write_secret_file(path: Path, secret: str) -> None:
 
 
 def redis_settings(port: int, data_dir: Path, url) -> str:
-    """redis-server configuration (file syntax) for a local Redis at ``port`` that requires the
-    password of the parsed ``url``, if it has one (for its user name, if not ``default``)."""
-    lines = ["bind 127.0.0.1", f"port {port}", f"dir {_quoted(str(data_dir))}", "appendonly yes", 'save ""',
+    """redis-server configuration (file syntax) for a local Redis at ``port`` on the host of the parsed ``url``
+    (one of ``BIND_ADDRESSES``) that requires its password, if it has one (for its user name, if not ``default``)."""
+    lines = [f"bind {BIND_ADDRESSES[url.hostname]}", f"port {port}", f"dir {_quoted(str(data_dir))}", "appendonly yes", 'save ""',
              "loglevel warning"]
     if url.password:
         password, user = unquote(url.password), unquote(url.username or "")

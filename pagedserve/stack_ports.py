@@ -10,9 +10,9 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from pagedserve.local_redis import redis_answers
+from pagedserve.local_redis import BIND_ADDRESSES, redis_answers
 
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOCAL_HOSTS = tuple(BIND_ADDRESSES)
 """Redis hosts `pagedserve up` starts a Redis on when none answers."""
 
 OFFSET_STEP = 100
