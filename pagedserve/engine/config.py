@@ -85,6 +85,10 @@ def default_token_budget(device: str) -> int:
     return GPU_TOKEN_BUDGET if device.startswith("cuda") else CPU_TOKEN_BUDGET
 
 
+DEFAULT_BLOCK_SIZE = 16
+"""Token slots per KV block unless told: the scheduler's and every worker's (they must agree)."""
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one iteration on one worker (its fields' ``help`` documents them).
@@ -95,7 +99,7 @@ class SchedulerConfig:
             headroom outside [0, 1], an unknown mode or policy.
     """
 
-    block_size: int = option("token slots per KV block; workers must use the same", 16)
+    block_size: int = option("token slots per KV block; workers must use the same", DEFAULT_BLOCK_SIZE)
     max_num_seqs: int = option("most sequences running on one worker at once", 256)
     max_num_batched_tokens: int | None = option(
         "token budget of one iteration on one worker: decodes first, then prefill chunks within the time "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from pagedserve.engine.runner_config import EngineConfig
 
 
 def build_local_runners(path: Path, config: EngineConfig, rank_placement=None) -> dict:
@@ -36,18 +36,13 @@ def _parallel_runners(path: Path, config: EngineConfig, rank_placement=None) -> 
     from pagedserve.engine.parallel.launch import check_rank_kernels, start_tensor_parallel_runner
     from pagedserve.engine.parallel.rank import RankConfig
     from pagedserve.engine.parallel.rank_link import LOCAL
-    from pagedserve.engine.runner_factory import resolve_dtype
 
     runner = config.runner
     check_rank_kernels(runner.gemm_backend, runner.compile_mode)
     if config.num_workers > 1:  # rank 0 of each worker would need its own torch.distributed default group
         raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 takes one worker per process "
                          "(num_workers=1)")
-    ranks = RankConfig(str(path), runner.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, config.scheduler.block_size,
-                       resolve_dtype(runner.dtype, runner.device), runner.device, runner.attention_backend,
-                       runner.swap_space, pipeline_parallel_size=runner.pipeline_parallel_size,
-                       num_virtual_engines=runner.num_virtual_engines, kv_cache_dtype=runner.kv_cache_dtype,
-                       speculative=config.speculative_config)
+    ranks = RankConfig.of(path, runner, config.scheduler.block_size, config.speculative_config)
     leader = start_tensor_parallel_runner(ranks, runner.tensor_parallel_size, placement=rank_placement or LOCAL)
     if runner.pipeline_parallel_size == 1:
         return {"worker-0": leader}

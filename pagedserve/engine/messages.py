@@ -145,7 +145,8 @@ class BatchPlan:
     """One iteration's work for one worker.
 
     Attributes:
-        step_id: the scheduler's iteration counter.
+        step_id: this plan's number in its worker session (1, 2, ...: ``WorkerState.num_steps``); the worker
+            runs a session's plans in this order whatever order they arrive in (``PlanOrder``).
         new_requests: requests sent in full.
         cached_requests: deltas for requests the worker holds.
         finished_seq_ids: sequences whose worker state must be dropped (finished, aborted,

@@ -8,9 +8,13 @@ Freed cached blocks stay findable until evicted, least recently used first (``bl
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from pagedserve.engine.block_hash import BlockHash, hash_full_blocks, sha256
 from pagedserve.engine.block_manager import NO_PREFIX, BlockManager, CachedPrefix
+
+if TYPE_CHECKING:
+    from pagedserve.engine.messages import SequenceId
 
 
 class PrefixCachingBlockManager(BlockManager):
@@ -24,7 +28,7 @@ class PrefixCachingBlockManager(BlockManager):
                  hash_fn: Callable[[bytes], bytes] = sha256) -> None:
         super().__init__(num_blocks, block_size, num_cpu_blocks)
         self._hash_fn = hash_fn
-        self._hashes: dict[str, list[BlockHash]] = {}  # per request: hashes of its cached blocks
+        self._hashes: dict[SequenceId, list[BlockHash]] = {}  # per sequence: hashes of its cached blocks
 
     def find_cached_prefix(self, token_ids: Sequence[int], extra: bytes = b"",
                            num_prompt_tokens: int | None = None) -> CachedPrefix:
@@ -47,22 +51,22 @@ class PrefixCachingBlockManager(BlockManager):
         hits = self._pool.lookup(hashes)
         return hits[:-1] if len(hits) * self.block_size >= len(token_ids) else hits
 
-    def allocate_slots(self, request_id: str, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> tuple[int, ...]:
-        new_block_ids = super().allocate_slots(request_id, num_tokens, prefix)
-        if prefix.blocks and request_id not in self._hashes:
-            self._hashes[request_id] = [block.block_hash for block in prefix.blocks]
+    def allocate_slots(self, seq_id: SequenceId, num_tokens: int, prefix: CachedPrefix = NO_PREFIX) -> tuple[int, ...]:
+        new_block_ids = super().allocate_slots(seq_id, num_tokens, prefix)
+        if prefix.blocks and seq_id not in self._hashes:
+            self._hashes[seq_id] = [block.block_hash for block in prefix.blocks]
         return new_block_ids
 
-    def fills_uncached_block(self, request_id: str, num_tokens: int) -> bool:
+    def fills_uncached_block(self, seq_id: SequenceId, num_tokens: int) -> bool:
         # "may": cache_full_blocks caches only blocks the request holds (none once swapped out)
-        return len(self._hashes.get(request_id, ())) < num_tokens // self.block_size
+        return len(self._hashes.get(seq_id, ())) < num_tokens // self.block_size
 
-    def cache_full_blocks(self, request_id: str, token_ids: Callable[[], Sequence[int]], num_tokens: int,
+    def cache_full_blocks(self, seq_id: SequenceId, token_ids: Callable[[], Sequence[int]], num_tokens: int,
                           extra: bytes = b"", num_prompt_tokens: int | None = None) -> None:
         """Caches the request's blocks that ``num_tokens`` computed (or scheduled) slots fill (the first
         ``num_prompt_tokens`` tokens its prompt, by default all: see ``hash_full_blocks``)."""
-        table = self._tables.get(request_id, [])
-        hashes = self._hashes.setdefault(request_id, [])
+        table = self._tables.get(seq_id, [])
+        hashes = self._hashes.setdefault(seq_id, [])
         num_full = min(num_tokens // self.block_size, len(table))
         if num_full <= len(hashes):
             return
@@ -74,10 +78,10 @@ class PrefixCachingBlockManager(BlockManager):
             self._pool.cache(table[index], block_hash, table[index - 1] if index else None)
         hashes.extend(new)
 
-    def free(self, request_id: str) -> None:
-        self._hashes.pop(request_id, None)
-        super().free(request_id)
+    def free(self, seq_id: SequenceId) -> None:
+        self._hashes.pop(seq_id, None)
+        super().free(seq_id)
 
-    def swap_out(self, request_id: str) -> tuple[tuple[int, int], ...]:
-        self._hashes.pop(request_id, None)  # its device blocks are no longer its own
-        return super().swap_out(request_id)
+    def swap_out(self, seq_id: SequenceId) -> tuple[tuple[int, int], ...]:
+        self._hashes.pop(seq_id, None)  # its device blocks are no longer its own
+        return super().swap_out(seq_id)

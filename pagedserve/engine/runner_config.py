@@ -18,6 +18,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 """Weight and KV-cache dtypes a runner may be built with."""
 
 
+DEFAULT_KV_CACHE_MEMORY = 1 << 30
+"""KV-cache bytes per worker unless told: of ``LLM`` and `pagedserve up` on every device, of a lone
+`pagedserve worker` on CPU."""
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """The model runners of one worker: kernels, memory and the rank grid (fields documented by their
@@ -30,7 +35,8 @@ class RunnerConfig:
     kv_cache_memory: int | None = option(
         "bytes of K and V cache per worker, e.g. 2GiB or 512MiB; per rank with T*P > 1 ranks",
         None, env="PAGEDSERVE_KV_CACHE_MEMORY", parse=parse_bytes, show=format_bytes,
-        default_help="1GiB on CPU, on CUDA what --gpu-memory-utilization leaves after the weights")
+        default_help=f"{format_bytes(DEFAULT_KV_CACHE_MEMORY)} on CPU, on CUDA what --gpu-memory-utilization "
+        "leaves after the weights")
     swap_space: int = option("bytes of CPU memory for swapped-out KV blocks (scheduler --preemption-mode swap), "
                              "e.g. 4GiB; 0: none", 0, parse=parse_bytes_or_zero, show=format_bytes)
     dtype: str = option(
@@ -116,10 +122,6 @@ def kernel_options(flags: Any) -> dict[str, Any]:
     """The :data:`KERNELS` fields of parsed flags (an ``argparse.Namespace`` with them), by name: the
     options a benchmark passes on to ``LLM`` or ``RunnerConfig``."""
     return {name: getattr(flags, name) for name in KERNELS}
-
-
-DEFAULT_KV_CACHE_MEMORY = 1 << 30
-"""KV-cache bytes per worker of ``LLM`` and `pagedserve up` unless told (on every device)."""
 
 
 @dataclass(frozen=True)

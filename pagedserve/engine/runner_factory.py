@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.engine.attention import make_attention_backend
-from pagedserve.engine.config import CompileMode, GemmBackend, KVCacheDtype
+from pagedserve.engine.config import DEFAULT_BLOCK_SIZE, CompileMode, GemmBackend, KVCacheDtype
 from pagedserve.engine.cpu_features import check_cpu_dtype, cpu_flags
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
 from pagedserve.engine.kv_cache import KVCacheSpec, cache_dtype, context_shortfall, sized_cache
@@ -16,7 +16,7 @@ from pagedserve.engine.model_runner import ModelRunner
 from pagedserve.engine.openmp_threads import release_openmp_team
 from pagedserve.engine.models.onednn import pack_linear_layers, resolve_gemm_backend
 from pagedserve.engine.sampler import Sampler
-from pagedserve.engine.runner_config import RunnerConfig
+from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.engine.spec_decode.draft_model import build_proposer, speculative_caches
 from pagedserve.engine.weight_loader import load_model
@@ -36,7 +36,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return resolved
 
 
-def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | None = None, block_size: int = 16,
+def build_model_runner(model_path: str | Path, *, kv_cache_memory_bytes: int | None = None,
+                       block_size: int = DEFAULT_BLOCK_SIZE,
                        dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
                        attention_backend: str = "auto", gemm_backend: GemmBackend | str = GemmBackend.AUTO,
                        compile_mode: CompileMode | str = CompileMode.EAGER,
@@ -119,7 +120,7 @@ def build_configured_runner(model_path: str | Path, runner: RunnerConfig, block_
 def _default_kv_memory(device: torch.device, gpu_memory_utilization: float) -> int:
     """Bytes left for the KV cache: on CUDA the share of the GPU not yet used (as vLLM sizes it)."""
     if device.type != "cuda":
-        return 1 << 30
+        return DEFAULT_KV_CACHE_MEMORY
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     free, total = torch.cuda.mem_get_info(device)

@@ -88,10 +88,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for device_block, cpu_block in self.bm.swap_out(rid):
                 self.cpu[cpu_block] = list(self.device[device_block])
 
-    @precondition(lambda self: self.bm.swapped_request_ids())
+    @precondition(lambda self: self.bm.swapped_seq_ids())
     @rule(data=st.data())
     def swap_in(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.bm.swapped_request_ids())))
+        rid = data.draw(st.sampled_from(sorted(self.bm.swapped_seq_ids())))
         if self.bm.can_swap_in(rid):
             for cpu_block, device_block in self.bm.swap_in(rid):
                 self.device[device_block] = list(self.cpu[cpu_block])
@@ -99,8 +99,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def blocks_are_accounted_for(self):
         for pool_size, tables, free in (
-            (DEVICE, [self.bm.block_table(r) for r in self.bm.request_ids()], self.bm.free_block_ids()),
-            (CPU, [self.bm.cpu_block_table(r) for r in self.bm.swapped_request_ids()], self.bm.free_cpu_block_ids()),
+            (DEVICE, [self.bm.block_table(r) for r in self.bm.seq_ids()], self.bm.free_block_ids()),
+            (CPU, [self.bm.cpu_block_table(r) for r in self.bm.swapped_seq_ids()], self.bm.free_cpu_block_ids()),
         ):
             held: dict[int, int] = {}
             for table in tables:
@@ -110,7 +110,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert sorted(set(held) | set(free)) == list(range(pool_size)), "a block leaked"
             assert len(free) == len(set(free))
         for b in range(DEVICE):
-            holders = sum(self.bm.block_table(r).count(b) for r in self.bm.request_ids())
+            holders = sum(self.bm.block_table(r).count(b) for r in self.bm.seq_ids())
             assert self.bm.ref_count(b) == holders
 
     @invariant()

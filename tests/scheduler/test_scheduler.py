@@ -236,7 +236,7 @@ def test_random_workloads_are_exact_and_leak_nothing(specs, num_blocks, budget, 
         sched = engine.scheduler
         for wid in sched.worker_ids:
             bm = sched.block_manager(wid)
-            held = [b for rid in bm.request_ids() for b in bm.block_table(rid)]
+            held = [b for rid in bm.seq_ids() for b in bm.block_table(rid)]
             assert sorted(set(held) | set(bm.free_block_ids())) == list(range(bm.num_blocks))
             assert not set(held) & set(bm.free_block_ids())
             assert all(bm.ref_count(b) == held.count(b) for b in set(held))  # shared prefix blocks

@@ -23,7 +23,7 @@ from torch import nn
 
 from pagedserve.engine.attention import make_attention_backend
 from pagedserve.engine.grammar_matchers import grammar_compiler_for
-from pagedserve.engine.config import GemmBackend, KVCacheDtype
+from pagedserve.engine.config import DEFAULT_BLOCK_SIZE, GemmBackend, KVCacheDtype
 from pagedserve.engine.forward_batch import ForwardBatch
 from pagedserve.engine.kv_cache import (KVCache, KVCacheSpec, cache_dtype, context_shortfall, num_blocks_for_memory,
                                        num_cpu_blocks_for_memory, sized_cache)
@@ -33,6 +33,8 @@ from pagedserve.engine.models.registry import load_model_config, model_class_for
 from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
 from pagedserve.engine.parallel.pipeline import RankPosition, StageForward, StageRunner, pipeline_stage
 from pagedserve.engine.parallel.sharding import ShardingError, shard_layout
+from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
+from pagedserve.engine.runner_factory import resolve_dtype
 from pagedserve.engine.parallel.stage_drafts import StageDrafts, draft_seed
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
@@ -66,8 +68,8 @@ class RankConfig:
     """
 
     model_path: str
-    kv_cache_memory_bytes: int = 1 << 30
-    block_size: int = 16
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_MEMORY
+    block_size: int = DEFAULT_BLOCK_SIZE
     dtype: str = "float32"
     device: str = "cpu"
     attention_backend: str = "auto"
@@ -78,6 +80,17 @@ class RankConfig:
     num_virtual_engines: int = 1
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     speculative: SpeculativeConfig = SpeculativeConfig()
+
+    @classmethod
+    def of(cls, model_path: str | Path, runner: RunnerConfig, block_size: int, speculative: SpeculativeConfig,
+           num_threads: int = 0) -> RankConfig:
+        """The ranks' config of a worker run with ``runner``'s settings: the one place that maps RunnerConfig's
+        fields onto RankConfig (the worker service and the offline engine build theirs here)."""
+        return cls(str(model_path), runner.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY, block_size,
+                   resolve_dtype(runner.dtype, runner.device), runner.device, runner.attention_backend,
+                   runner.swap_space, num_threads=num_threads, pipeline_parallel_size=runner.pipeline_parallel_size,
+                   num_virtual_engines=runner.num_virtual_engines, kv_cache_dtype=runner.kv_cache_dtype,
+                   speculative=speculative)
 
 
 def check_shardable(model_path: str | Path, world_size: int, pipeline_parallel_size: int = 1) -> None:

@@ -16,14 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from pagedserve.engine.sampling_checks import BOUNDS, MAX_LOGIT_BIAS
 from pagedserve.text.request_limits import RequestLimits
+from pagedserve.services.gateway.config import MAX_SERVED_MODEL_NAME_CHARS
 from pagedserve.services.gateway.openai_structured import StructuredFields
 from pagedserve.services.gateway.openai_tools import CallId, ToolCallIn, ToolFields
 
 _LIMITS = RequestLimits()
 MAX_PROMPTS = 64
 """Most prompts in one completions request (each is its own engine request)."""
-MAX_NAME_CHARS = 256
-"""Longest model name or user."""
+MAX_NAME_CHARS = MAX_SERVED_MODEL_NAME_CHARS
+"""Longest model name (the served one's bound) or user."""
 
 IGNORED_MESSAGE_FIELDS = ("refusal", "annotations", "audio", "function_call")
 """Message fields accepted when null or empty (the openai client sends them back in an assistant

@@ -94,7 +94,8 @@ class _ReadOrCut(StreamingResponse):
 
 
 def invalid(exc: InvalidRequestError) -> GenerationError:
-    """An ``InvalidRequestError`` as an ``INVALID_ARGUMENT`` error naming its field."""
+    """An ``InvalidRequestError`` as a ``GenerationError`` of its kind's status (``STATUS_OF_ERROR``:
+    ``INVALID_ARGUMENT`` for most kinds), naming its field."""
     return GenerationError(STATUS_OF_ERROR[exc.kind], str(exc), exc.field_name)
 
 

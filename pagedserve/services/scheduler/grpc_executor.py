@@ -21,8 +21,9 @@ from pagedserve.services.common.pb_fields import union_to_pb
 
 class GrpcExecutor:
     """Sends each plan with ``Worker.Execute`` without waiting; its future gets the worker's
-    ``StepResult`` or ``StepFailed`` (gRPC status and details). One channel per worker keeps a
-    worker's plans in the order they were sent.
+    ``StepResult`` or ``StepFailed`` (gRPC status and details). One channel per worker; two calls may
+    still reach the worker's handlers in either order, and the worker runs them by ``step_id``
+    (``PlanOrder``).
 
     Args:
         step_timeout_s: longest one step may take on a worker before it counts as failed, seconds.

@@ -7,11 +7,12 @@ token once (request migration as NVIDIA Dynamo does it: resume from the tokens a
 from __future__ import annotations
 
 from pagedserve.engine.messages import ResumedSample
+from pagedserve.engine.sampling_checks import MAX_N
 from pagedserve.services.common.pb import engine_pb2 as pb
 from pagedserve.services.scheduler.queue_consumer import QueueEntry
 
-MAX_RESUMED_SAMPLES = 1024
-"""Most samples one Resume may list (a request has at most this many, see request limits)."""
+MAX_RESUMED_SAMPLES = MAX_N
+"""Most samples one Resume may list: a request has at most ``MAX_N`` (``n``, ``best_of``)."""
 
 
 def resume_query(entry: QueueEntry) -> pb.ResumeQuery:

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve.engine.config import DEFAULT_BLOCK_SIZE
 from pagedserve.engine.runner_config import RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.options import nested, option
@@ -36,7 +37,7 @@ class WorkerConfig:
     advertise_host: str = advertise_host_option(env="PAGEDSERVE_ADVERTISE_HOST")
     worker_id: str = option("unique worker id", default_factory=lambda: f"worker-{uuid.uuid4().hex[:8]}",
                             default_help="worker-<random>")
-    block_size: int = option("token slots per KV block (the scheduler's --block-size)", 16)
+    block_size: int = option("token slots per KV block (the scheduler's --block-size)", DEFAULT_BLOCK_SIZE)
     runner: RunnerConfig = nested("model runners", RunnerConfig())
     speculative_config: SpeculativeConfig = nested(
         "speculative decoding (the worker drafts and verifies; its schedulers need the same method and k)",

@@ -17,7 +17,6 @@ from pagedserve.services.common.metrics import serve_metrics
 from pagedserve.services.common.pb import engine_pb2 as pb
 from pagedserve.services.common.pb import engine_pb2_grpc
 from pagedserve.services.common.redis_wait import connect_redis
-from pagedserve.engine.runner_factory import resolve_dtype
 from pagedserve.services.worker.config import WorkerConfig
 from pagedserve.services.worker.metrics import WorkerMetrics
 from pagedserve.services.worker.registration import WorkerRegistrar
@@ -142,11 +141,7 @@ def _build_engines(config: WorkerConfig) -> dict:
     local = config.local_ranks or ranks
     threads = max(1, (config.num_threads or torch.get_num_threads()) // local)
     torch.set_num_threads(threads)  # the worker's threads are shared among its ranks on this machine
-    rank = RankConfig(str(config.model), config.runner.kv_cache_memory or (1 << 30), config.block_size,
-                      resolve_dtype(config.runner.dtype, config.runner.device), config.runner.device, config.runner.attention_backend,
-                      config.runner.swap_space, num_threads=threads, pipeline_parallel_size=config.runner.pipeline_parallel_size,
-                      num_virtual_engines=config.runner.virtual_engines or config.runner.pipeline_parallel_size,
-                      kv_cache_dtype=config.runner.kv_cache_dtype, speculative=config.speculative_config)
+    rank = RankConfig.of(config.model, config.runner, config.block_size, config.speculative_config, num_threads=threads)
     placement = RankPlacement(config.rank_address, config.local_ranks, config.cluster_token.encode(),
                               config.rank_join_timeout_s)
     runner = start_tensor_parallel_runner(rank, config.runner.tensor_parallel_size, placement=placement)
