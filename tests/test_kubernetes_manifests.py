@@ -93,6 +93,29 @@ def test_pagedserve_containers_probe_their_own_grpc_port_and_read_their_secrets(
             assert ref[0] == "pagedserve-secrets" and ref[1] in SECRET_KEYS
 
 
+def test_every_port_a_manifest_names_is_the_one_its_container_listens_on(objects):
+    """Container ports, the Prometheus annotation and each Service's ports against the flags the container runs
+    with: a port changed in one place only would leave a Service, a probe or the scraper at a closed port."""
+    parser, listening = build_parser(), {}
+    for workload, container in pagedserve_containers(objects):
+        if container["args"][0] == "prepare-model":
+            continue
+        args = parser.parse_args([expand(a) for a in container["args"]])
+        flags = {"grpc": args.port, "http": getattr(args, "http_port", None), "metrics": args.metrics_port}
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        name = workload["metadata"]["name"]
+        assert ports == {k: v for k, v in flags.items() if v is not None}, name
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        assert int(annotations["prometheus.io/port"]) == args.metrics_port, name
+        listening[name] = ports
+    assert set(listening) == {"pagedserve-gateway", "pagedserve-scheduler", "pagedserve-worker"}
+    for name, service in by_kind(objects, "Service").items():
+        if name in listening:
+            for port in service["spec"]["ports"]:
+                assert port["targetPort"] in listening[name], (name, port)
+                assert port["port"] == listening[name][port["targetPort"]], (name, port)
+
+
 def test_services_budgets_and_autoscaler_point_at_the_workloads(objects):
     deployments, services = by_kind(objects, "Deployment"), by_kind(objects, "Service")
     labels = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in deployments.items()}
