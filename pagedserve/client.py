@@ -15,6 +15,7 @@ from pagedserve.services.common.auth import bearer_metadata
 from pagedserve.services.common.grpc_server import CLIENT_API_CHANNEL_OPTIONS
 from pagedserve.services.common.pb import generate_pb2 as gen
 from pagedserve.services.common.pb import generate_pb2_grpc
+from pagedserve.services.common.service_args import DEFAULT_PORT
 
 @dataclass
 class Sample:
@@ -218,7 +219,7 @@ def unreachable_hint(exc: grpc.RpcError) -> str:
     API's port), or nothing did."""
     if any(sign in (exc.details() or "") for sign in NOT_GRPC):
         return ("Something answers at that port, but not gRPC (the OpenAI HTTP API's port?): --target takes the "
-                "gateway's gRPC port (50051 by default).")
+                f"gateway's gRPC port ({DEFAULT_PORT} by default).")
     return "Is the stack up? `pagedserve up` starts it; --target names the service's gRPC HOST:PORT."
 
 

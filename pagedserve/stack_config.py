@@ -16,7 +16,8 @@ from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.model_files import default_cache_dir
 from pagedserve.options import nested, option
 from pagedserve.stack_ports import Port, local_redis, same_port_twice
-from pagedserve.services.common.service_args import DEFAULT_HTTP_PORT, DEFAULT_PORT, model_option, redis_url_option
+from pagedserve.services.common.service_args import (DEFAULT_HTTP_PORT, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT,
+                                                     model_option, redis_url_option)
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class StackConfig:
     host: str = option("gateway listen address; 0.0.0.0 serves other machines too", "127.0.0.1")
     port: int = option("gateway gRPC port", DEFAULT_PORT)
     http_port: int = option("gateway OpenAI-compatible HTTP API port", DEFAULT_HTTP_PORT)
-    scheduler_port: int = option("port of the first scheduler; scheduler i listens on PORT+i", 50052)
+    scheduler_port: int = option("port of the first scheduler; scheduler i listens on PORT+i", DEFAULT_SCHEDULER_PORT)
     metrics_port: int = option("Prometheus /metrics of the gateway at PORT (on --host), scheduler i at PORT+1+i and "
                                "worker i after them, on 127.0.0.1 (with one scheduler: PORT+2+i); 0: none", 9450,
                                metavar="PORT")

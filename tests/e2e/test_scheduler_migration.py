@@ -32,6 +32,7 @@ from pagedserve.engine.block_hash import hash_full_blocks
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.text.tokenizer import PromptTokenizer
 from pagedserve.services.common import redis_keys
+from pagedserve.services.common.pb import engine_pb2 as pb
 from pagedserve.services.common.pb import generate_pb2 as gen
 from pagedserve.services.common.signed_records import BlockDigestKey
 from tests.e2e.faults import Call, finish_streams, kill, redis_clean, start_redis_on
@@ -117,6 +118,9 @@ def test_kill_one_of_two_schedulers_mid_generation(tmp_path, small_model, refere
     survivor ends with both workers, nothing running, every block free, Redis clean; both workers serve
     new requests under it."""
     with two_schedulers(tmp_path, small_model) as (stack, schedulers):
+        registered = redis.Redis.from_url(stack.redis_url).hgetall(redis_keys.SCHEDULERS_HASH).values()
+        # each says its lease TTL: the gateway waits that (plus the takeover) before failing a dead one's requests
+        assert [pb.SchedulerRegistration.FromString(r).lease_ttl_s for r in registered] == [LEASE_TTL_S] * 2
         calls = start_calls(stack.gateway)
         victim, survivor, _ = busier_scheduler(schedulers)
         fault_at = time.monotonic()

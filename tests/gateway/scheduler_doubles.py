@@ -136,10 +136,11 @@ def event(request_id: str, first: int, token_ids: list[int], sample_index: int =
 
 
 def register(client: redis.Redis, scheduler_id: str, address: str, lease_ms: int = 60_000,
-             token: str | None = TOKEN) -> pb.SchedulerRegistration:
-    """Writes a scheduler's registration (signed with ``token``; None: unsigned) and its lease."""
+             token: str | None = TOKEN, lease_ttl_s: float = 0.0) -> pb.SchedulerRegistration:
+    """Writes a scheduler's registration (signed with ``token``; None: unsigned; ``lease_ttl_s`` the TTL it
+    says its leases have, 0: none said) and its lease."""
     registration = pb.SchedulerRegistration(scheduler_id=scheduler_id, address=address,
-                                            instance_id=uuid.uuid4().hex, num_blocks=64)
+                                            instance_id=uuid.uuid4().hex, num_blocks=64, lease_ttl_s=lease_ttl_s)
     if token is not None:
         sign_record(registration, token)
     client.hset(redis_keys.SCHEDULERS_HASH, scheduler_id, registration.SerializeToString())
@@ -218,14 +219,14 @@ class Gateway:
     """A gateway's core and router over two fake schedulers registered in Redis; one request's
     deltas are collected as its client would receive them."""
 
-    def __init__(self, client: redis.Redis, redis_url: str, grace_s: float = 10.0) -> None:
-        self.client, self.redis_url, self.grace_s = client, redis_url, grace_s
+    def __init__(self, client: redis.Redis, redis_url: str, grace_s: float = 10.0, lease_ttl_s: float = 0.0) -> None:
+        self.client, self.redis_url, self.grace_s, self.lease_ttl_s = client, redis_url, grace_s, lease_ttl_s
         self.deltas: list = []
 
     async def __aenter__(self) -> Gateway:
         self.s1, self.s2 = await FakeScheduler("s1").start(), await FakeScheduler("s2").start()
-        register(self.client, "s1", self.s1.address)
-        register(self.client, "s2", self.s2.address)
+        register(self.client, "s1", self.s1.address, lease_ttl_s=self.lease_ttl_s)
+        register(self.client, "s2", self.s2.address, lease_ttl_s=self.lease_ttl_s)
         aclient = async_redis_client(self.redis_url, 8)
         self.metrics = GatewayMetrics("m")
         self.router = OutputRouter(aclient, TOKEN, "gw-1", self.metrics.requests_migrated.inc, poll_interval_s=0.1)

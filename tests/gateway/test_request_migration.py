@@ -16,7 +16,7 @@ from pagedserve.text.request_samples import ParsedRequest
 from pagedserve.services.common import redis_keys
 from pagedserve.services.common.redis_pool import async_redis_client
 from pagedserve.services.common.pb import engine_pb2 as pb
-from pagedserve.services.gateway.generation_core import GenerationCore, Submission
+from pagedserve.services.gateway.generation_core import TAKEOVER_S, GenerationCore, Submission
 from pagedserve.services.gateway.generation_errors import GenerationError, StatusKind
 from pagedserve.services.gateway.metrics import GatewayMetrics
 from pagedserve.services.gateway.queue_producer import RequestQueueProducer
@@ -179,6 +179,28 @@ def test_a_request_fails_when_its_owner_stays_unreachable_even_if_another_schedu
             gw.core.check_scheduler()  # s2 is up: new requests are accepted
 
     caplog.set_level(logging.WARNING, logger="pagedserve.gateway")
+
+    run_scenario(scenario)
+
+
+def test_a_request_waits_out_its_dead_schedulers_lease_for_the_takeover(client, redis_url):
+    """The gateway waits at least the longest lease TTL the schedulers registered plus ``TAKEOVER_S``: the survivor
+    that takes the request over once the dead one's 2-s lease expired finds it waiting (with the configured 1 s
+    alone it had ended UNAVAILABLE, as a scheduler started with --lease-ttl over the gateway's grace made them)."""
+    async def scenario():
+        async with Gateway(client, redis_url, grace_s=1.0, lease_ttl_s=2.0) as gw:
+            assert gw.core.grace_s() == 2.0 + TAKEOVER_S
+            key = await gw.submit(SamplingParams(max_tokens=2))
+            gw.s1.send(event(key, 0, [0]))
+            await until(lambda: gw.token_ids() == [0], "the first token")
+            gw.s1.refuse_streams()  # s1 died
+            await asyncio.sleep(2.5)  # its lease expires; s2 notices and claims the request
+            assert not getattr(gw, "done", False), gw.error.message
+            gw.s2.send(resume_queries=(key,))
+            await until(lambda: gw.s2.resumes, "the resume")
+            gw.s2.send(event(key, 1, [1], finish=LENGTH))
+            await until(lambda: getattr(gw, "done", False), "the request to finish")
+            assert gw.token_ids() == [0, 1] and not hasattr(gw, "error")
 
     run_scenario(scenario)
 

@@ -42,6 +42,9 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PORT = 50051
 """The gateway's gRPC port unless told otherwise (`gateway`, `up`, and the clients' ``--target``)."""
 
+DEFAULT_SCHEDULER_PORT = 50052
+"""The scheduler's gRPC port unless told otherwise (`scheduler`; `up`'s first scheduler)."""
+
 DEFAULT_HTTP_PORT = 8000
 """The gateway's OpenAI-compatible HTTP API port unless told otherwise (`gateway`, `up`)."""
 

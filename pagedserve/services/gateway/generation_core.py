@@ -42,6 +42,10 @@ ENQUEUE_TIMEOUT_S = SOCKET_TIMEOUT_S
 while the gateway's health already said NOT_SERVING. The request then fails with ``UNAVAILABLE``; its entry,
 should Redis queue it later, is deleted."""
 
+TAKEOVER_S = 7.0
+"""Time a surviving scheduler may take, after a dead peer's lease expired, to notice it and claim its
+requests (its ticks and the claim), seconds: the gateway waits a request's scheduler's lease TTL plus this."""
+
 MAX_REQUEUES = 3
 """How often a request whose stream entry vanished before any scheduler took it (Redis restarted
 empty) is queued again before it fails with ``UNAVAILABLE``."""
@@ -113,10 +117,10 @@ class GenerationCore:
         metrics: the gateway's Prometheus series; every request's deltas are recorded there.
         scheduler_grace_s: how long a request waits for its scheduler's lost stream to come back,
             or (before a scheduler took it) for any scheduler stream, before failing with
-            ``UNAVAILABLE``, seconds. When a scheduler dies, a survivor takes its requests over
-            once the dead one's lease expires and sends a resume query, which makes the survivor
-            the owner: the grace must exceed the scheduler lease's TTL plus the survivors'
-            detection and claim time (a few seconds), or requests fail that would have moved.
+            ``UNAVAILABLE``, seconds, at least: when a scheduler dies, a survivor takes its requests
+            over once the dead one's lease expires and sends a resume query, which makes the survivor
+            the owner, so the gateway waits no less than the longest lease TTL the schedulers
+            registered plus ``TAKEOVER_S`` (:meth:`grace_s`), or requests would fail that would have moved.
     """
 
     def __init__(self, tokenizer: PromptTokenizer, producer: RequestQueueProducer, router: OutputRouter,
@@ -127,12 +131,19 @@ class GenerationCore:
         self._router = router
         self._max_concurrent = max_concurrent_requests
         self._unreachable_logged: dict[str | None, float] = {}  # scheduler -> when a failure for it was logged
-        self._grace_s = scheduler_grace_s
+        self._min_grace_s = scheduler_grace_s
 
     @property
     def num_in_flight(self) -> int:
         """Requests being generated for now."""
         return self._router.num_in_flight
+
+    def grace_s(self) -> float:
+        """How long a request waits for a lost scheduler stream before failing, seconds: the configured grace,
+        or the longest lease TTL a scheduler registered plus ``TAKEOVER_S`` when that is longer (none registered
+        one: the configured grace)."""
+        ttl_s = self._router.discovery.longest_lease_ttl_s
+        return max(self._min_grace_s, ttl_s + TAKEOVER_S) if ttl_s > 0 else self._min_grace_s
 
     def check_capacity(self, num_requests: int = 1) -> None:
         """Raises ``GenerationError(RESOURCE_EXHAUSTED)`` when ``num_requests`` more would exceed
@@ -150,7 +161,7 @@ class GenerationCore:
     def check_scheduler(self) -> None:
         """Raises ``GenerationError(UNAVAILABLE)`` when no scheduler stream has been open for
         longer than the grace period."""
-        if self._router.discovery.none_connected_for_s() > self._grace_s:
+        if self._router.discovery.none_connected_for_s() > self.grace_s():
             raise GenerationError(StatusKind.UNAVAILABLE, "no scheduler is reachable; retry later")
 
     async def generate(self, submission: Submission) -> AsyncIterator[SampleDelta]:
@@ -253,7 +264,7 @@ class GenerationCore:
                     return await outputs.get()
             except TimeoutError:
                 waited_s += 1
-                if (unreachable_s := self._router.unreachable_for_s(submission.key)) > self._grace_s:
+                if (unreachable_s := self._router.unreachable_for_s(submission.key)) > self.grace_s():
                     self._fail_unreachable(submission.key, unreachable_s)
                 if unread is not None and waited_s % LOST_CHECK_S == 0 and await self._producer.lost(unread.entry_id):
                     await self._requeue(submission, unread)
@@ -262,17 +273,17 @@ class GenerationCore:
         """Raises UNAVAILABLE for a request without a scheduler stream for ``unreachable_s`` seconds (``inf``:
         its scheduler is unknown or forgotten), logging why once per scheduler per grace period (the
         other requests of a scheduler that died fail in the same second)."""
-        owner = self._router.owner_of(key)
+        owner, grace_s = self._router.owner_of(key), self.grace_s()
         now = time.monotonic()
-        if now - self._unreachable_logged.get(owner, -math.inf) > self._grace_s:
+        if now - self._unreachable_logged.get(owner, -math.inf) > grace_s:
             self._unreachable_logged[owner] = now
             log.warning("request %s (and any other of %s failing in the next %g s): no stream for %.1f s, over the "
                         "grace of %g s; it ends UNAVAILABLE. Links: %s", key,
-                        f"scheduler {owner}" if owner is not None else "no scheduler yet", self._grace_s,
-                        unreachable_s, self._grace_s, self._router.discovery.describe())
+                        f"scheduler {owner}" if owner is not None else "no scheduler yet", grace_s,
+                        unreachable_s, grace_s, self._router.discovery.describe())
         waited = f"for {unreachable_s:.1f} s" if math.isfinite(unreachable_s) else "(it left the cluster)"
         message = f"lost the connection to the request's scheduler {waited}, longer than the gateway waits"
-        raise GenerationError(StatusKind.UNAVAILABLE, f"{message} ({self._grace_s:g} s); retry") from None
+        raise GenerationError(StatusKind.UNAVAILABLE, f"{message} ({grace_s:g} s); retry") from None
 
     async def _requeue(self, submission: Submission, entry: _QueuedEntry) -> None:
         """Queues a request whose entry Redis lost again (updating ``entry``).

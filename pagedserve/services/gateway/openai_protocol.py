@@ -125,7 +125,8 @@ class CompletionRequest(SamplingFields):
     prompt: (Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
     max_tokens: StrictInt | None = Field(16, description="most tokens to generate per choice (default 16)")
-    logprobs: StrictInt | None = Field(None, description="logprobs of each token and this many top alternatives, [0, 20]")
+    logprobs: StrictInt | None = Field(None, description="logprobs of each token and this many top alternatives, "
+                                       f"{BOUNDS['logprobs'].describe()}")
     echo: StrictBool = Field(False, description="the prompt before the completion (with logprobs: its logprobs too)")
     suffix: Text | None = Field(None, description="not supported")
     add_special_tokens: StrictBool = Field(True, description="text prompts get the tokenizer's special tokens (BOS)")
@@ -175,7 +176,8 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     add_generation_prompt: StrictBool = Field(True, description="open an assistant turn after the messages")
     continue_final_message: StrictBool = Field(False, description="leave the last message open and continue it")
     logprobs: StrictBool = Field(False, description="logprobs of each output token")
-    top_logprobs: StrictInt | None = Field(None, description="top alternatives per token, [0, 20]; needs logprobs")
+    top_logprobs: StrictInt | None = Field(
+        None, description=f"top alternatives per token, {BOUNDS['logprobs'].describe()}; needs logprobs")
 
 
 class TokenizeRequest(StrictRequest):

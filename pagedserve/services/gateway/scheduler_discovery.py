@@ -59,6 +59,9 @@ class SchedulerDiscovery:
         self._none_connected_since: float | None = time.monotonic()
         self._registrations = scheduler_registrations(RecordCheck(cluster_token, on_refused))
         self._redis_answers = True
+        self.longest_lease_ttl_s = 0.0
+        """The longest lease TTL a live scheduler has registered (0 before any), seconds: how long after a
+        scheduler dies its peers may wait before taking its requests over."""
 
     def connected_links(self) -> list[SchedulerLink]:
         """The links whose stream is open now."""
@@ -112,6 +115,7 @@ class SchedulerDiscovery:
             if moved or (registration is None and not link.connected):
                 await self._drop(scheduler_id)
         for scheduler_id, registration in live.items():
+            self.longest_lease_ttl_s = max(self.longest_lease_ttl_s, registration.lease_ttl_s)
             if scheduler_id not in self.links:
                 self._add(registration)
 

@@ -202,7 +202,8 @@ class ClusterWatch:
     def _register(self, num_blocks: int, load: LoadSnapshot) -> None:
         reg = pb.SchedulerRegistration(scheduler_id=self._leases.scheduler_id, address=self._address,
                                        instance_id=self._leases.instance_id, num_blocks=num_blocks,
-                                       num_waiting=load.num_waiting, num_running=load.num_running)
+                                       num_waiting=load.num_waiting, num_running=load.num_running,
+                                       lease_ttl_s=self._ttl_s)
         self._client.hset(redis_keys.SCHEDULERS_HASH, reg.scheduler_id, self._check.sign(reg))
 
     def _keep_and_take_workers(self, workers: Mapping[str, pb.WorkerRegistration],

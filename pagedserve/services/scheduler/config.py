@@ -10,8 +10,8 @@ from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.options import nested, option
 from pagedserve.services.common.auth import MISSING_CLUSTER_TOKEN, cluster_token_option
 from pagedserve.services.common.metrics import check_metrics_port, metrics_port_option
-from pagedserve.services.common.service_args import (advertise_host_option, default_advertise_host, host_option,
-                                                     port_option, redis_url_option)
+from pagedserve.services.common.service_args import (DEFAULT_SCHEDULER_PORT, advertise_host_option,
+                                                     default_advertise_host, host_option, port_option, redis_url_option)
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class SchedulerServiceConfig:
     redis_url: str = redis_url_option()
     cluster_token: str = cluster_token_option()
     host: str = host_option()
-    port: int = port_option(50052)
+    port: int = port_option(DEFAULT_SCHEDULER_PORT)
     metrics_port: int | None = metrics_port_option()
     policy: SchedulerConfig = nested("scheduling (per worker and iteration)", SchedulerConfig())
     speculative_config: SpeculativeConfig = nested(

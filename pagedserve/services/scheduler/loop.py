@@ -63,14 +63,14 @@ class SchedulerLoop:
         self.membership = WorkerMembership(scheduler, self.executor, config.worker_gone_after_s)
         self._set_ready = set_ready
         self._commands: queue.Queue[Command] = queue.Queue()
-        self.acks = redis_writes  # runs on a thread of its own: the loop never waits on Redis
+        self.redis_writes = redis_writes  # runs on a thread of its own: the loop never waits on Redis
         self.accepting = threading.Event()  # read new requests: this scheduler has workers, or no peer has
         self.accepting.set()
         self.has_workers = threading.Event()  # a worker is admitted (as of the latest ClusterView): claims may run
         self._peers_have_workers = False
         self._no_workers_since: float | None = time.monotonic()  # none of its own (hand-offs)
         self._none_in_cluster_since: float | None = time.monotonic()  # none of its own and no peer with one (failing)
-        table = RequestTable(scheduler, self.streams, redis_writes.put, self.metrics, tracer)
+        table = RequestTable(scheduler, self.streams, redis_writes.ack, self.metrics, tracer)
         self.requests = RequestIntake(config, self.engine, table, self.streams, redis_writes, self.metrics)
         self._deliver = table.deliver
         self.error: Exception | None = None
@@ -218,7 +218,7 @@ class SchedulerLoop:
         if entries:
             log.warning("no worker for %g s while peers have some: handing %d request(s) to them", HANDOFF_AFTER_S,
                         len(entries))
-            self.acks.hand_off(entries)
+            self.redis_writes.hand_off(entries)
 
     # ---- workers -------------------------------------------------------------------------
     def _update_workers(self, view: ClusterView) -> None:

@@ -49,7 +49,7 @@ class RedisWrites:
         self._hand_off = hand_off
         self._writes: queue.SimpleQueue[_Ack | _HandOff] = queue.SimpleQueue()
 
-    def put(self, entry_id: bytes) -> None:
+    def ack(self, entry_id: bytes) -> None:
         """Queues an entry to acknowledge (thread-safe, never blocks)."""
         self._writes.put(_Ack(entry_id))
 

@@ -34,18 +34,18 @@ class RequestIntake:
             for its grammar) and its scheduler, which the running requests are in.
         table: the requests held.
         streams: the gateways' output queues.
-        acks: acknowledges and hands off stream entries (never blocks).
+        redis_writes: acknowledges and hands off stream entries (never blocks).
         metrics: the scheduler's series.
     """
 
     def __init__(self, config: SchedulerServiceConfig, engine: Engine, table: RequestTable,
-                 streams: GatewayStreams, acks: RedisWrites, metrics: SchedulerMetrics) -> None:
+                 streams: GatewayStreams, redis_writes: RedisWrites, metrics: SchedulerMetrics) -> None:
         self.config = config
         self.engine = engine
         self.scheduler = engine.scheduler
         self.table = table
         self.streams = streams
-        self.acks = acks
+        self.redis_writes = redis_writes
         self.metrics = metrics
         self.gateways = GatewayPresence(config.gateway_grace_s)
         self._deliver = table.deliver
@@ -74,7 +74,7 @@ class RequestIntake:
             if parked:
                 log.info("dropping %d request(s) of gateway %s, which never connected", len(parked), gateway_id)
             for request_id in [*parked, *self.table.of_gateway(gateway_id, Phase.AWAITING_RESUME)]:
-                self.acks.put(self.table.remove(request_id).entry.entry_id)
+                self.redis_writes.ack(self.table.remove(request_id).entry.entry_id)
             for request_id in self.table.of_gateway(gateway_id, Phase.RUNNING):
                 log.info("aborting %s: its gateway %s is gone", request_id, gateway_id)
                 self.abort(request_id)
@@ -87,17 +87,17 @@ class RequestIntake:
         row = self.table.row(entry.request.request_id)
         if row is not None and row.phase is not Phase.ABORTED_UNREAD:  # in flight: its own entry read again
             if row.entry.entry_id != entry.entry_id:  # is kept; another entry of it (a replay) is acknowledged
-                self.acks.put(entry.entry_id)
+                self.redis_writes.ack(entry.entry_id)
             return
         try:
             request = request_from_pb(entry.request)
         except ValueError as exc:  # a record no gateway of ours writes: drop it, keep serving
             log.error("dropping stream entry %r: %s", entry.entry_id, exc)
-            self.acks.put(entry.entry_id)
+            self.redis_writes.ack(entry.entry_id)
             return
         if row is not None:  # its client gave up before we read it
             self.table.remove(request.request_id)
-            self.acks.put(entry.entry_id)
+            self.redis_writes.ack(entry.entry_id)
         elif not self.gateways.is_live(entry.request.gateway_id):  # orphans cost nothing until it listens
             self.gateways.request_read(entry.request.gateway_id)
             self.table.park(entry, request)
@@ -148,7 +148,7 @@ class RequestIntake:
         for entry in self.table.expired_resumes():
             request_id, gateway_id = entry.request.request_id, entry.request.gateway_id
             log.warning("dropping %s: its gateway %s did not answer the resume query", request_id, gateway_id)
-            self.acks.put(entry.entry_id)
+            self.redis_writes.ack(entry.entry_id)
             error = RequestError(ErrorKind.UNAVAILABLE, "the request was taken over by another scheduler, which got no "
                                               "answer to its resume query in time; retry")
             output = RequestOutput.aborted(request_id, error)
@@ -159,7 +159,7 @@ class RequestIntake:
         scheduler held it."""
         row = self.table.row(request_id)
         if row is not None and row.phase in (Phase.PARKED, Phase.AWAITING_RESUME):  # its client is gone: nothing
-            self.acks.put(self.table.remove(request_id).entry.entry_id)        # to run or resume
+            self.redis_writes.ack(self.table.remove(request_id).entry.entry_id)        # to run or resume
             return True
         outputs = self.scheduler.abort_request(request_id)
         if row is None:  # not read yet: its entry is acknowledged unread when it comes

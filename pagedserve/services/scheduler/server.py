@@ -73,7 +73,7 @@ def serve_scheduler(config: SchedulerServiceConfig, stop: threading.Event) -> No
                          daemon=True),
         threading.Thread(target=watch.run, args=(config.worker_poll_interval_s, stop), name="cluster-watch",
                          daemon=True),
-        threading.Thread(target=loop.acks.run, args=(stop,), name="redis-writes", daemon=True),
+        threading.Thread(target=loop.redis_writes.run, args=(stop,), name="redis-writes", daemon=True),
     ]
     for thread in threads:
         thread.start()

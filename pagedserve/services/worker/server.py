@@ -69,16 +69,16 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
     if threads:
         torch.set_num_threads(threads)
     ranks = config.runner.tensor_parallel_size * config.runner.pipeline_parallel_size
-    engines = _build_engines(config) if ranks > 1 else {config.worker_id: build_configured_runner(
+    runners = _build_runners(config) if ranks > 1 else {config.worker_id: build_configured_runner(
         config.model, config.runner, config.block_size, config.speculative_config)}
-    runner = next(iter(engines.values()))
+    runner = next(iter(runners.values()))
     if hasattr(runner, "on_failure"):  # a tensor/pipeline-parallel worker whose rank died cannot recover: stop
         runner.on_failure = stop.set
     metrics = WorkerMetrics(config.model.name, config.worker_id)
     metrics_server = serve_metrics(metrics.registry, config.host, config.metrics_port, f"worker {config.worker_id}")
     redis_client = connect_redis(config.redis_url, stop)
-    served = [_serve_engine(config, worker_id, engine, index, tracer, metrics, redis_client)
-              for index, (worker_id, engine) in enumerate(engines.items())]
+    served = [_serve_runner(config, worker_id, each, index, tracer, metrics, redis_client)
+              for index, (worker_id, each) in enumerate(runners.items())]
     stop.wait()
     for server, health, registrar in served:
         set_serving(health, False)
@@ -93,7 +93,7 @@ def serve_worker(config: WorkerConfig, stop: threading.Event) -> None:
             raise SystemExit(f"worker {config.worker_id}: a tensor-parallel rank failed: {runner.broken}")
 
 
-def _serve_engine(config: WorkerConfig, worker_id: str, runner, index: int, tracer, metrics: WorkerMetrics,
+def _serve_runner(config: WorkerConfig, worker_id: str, runner, index: int, tracer, metrics: WorkerMetrics,
                   redis_client) -> tuple[grpc.Server, object, WorkerRegistrar]:
     """Serves Worker.Execute for one runner (the worker, or one of its virtual engines: port
     ``config.port + index`` when a port is given) and registers it as ``worker_id``."""
@@ -124,7 +124,7 @@ def _serve_engine(config: WorkerConfig, worker_id: str, runner, index: int, trac
     return server, health, registrar
 
 
-def _build_engines(config: WorkerConfig) -> dict:
+def _build_runners(config: WorkerConfig) -> dict:
     """Rank 0 of a tensor- and/or pipeline-parallel worker (``pagedserve.engine.parallel.launch``;
     helpers spawned here, or dialing ``--rank-address``), by worker id: the worker itself, or its
     virtual engines ``<id>/ve<i>``."""

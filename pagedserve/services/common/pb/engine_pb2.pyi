@@ -148,7 +148,7 @@ class QueuedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., gateway_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class SchedulerRegistration(_message.Message):
-    __slots__ = ("scheduler_id", "address", "instance_id", "num_blocks", "signature", "num_waiting", "num_running")
+    __slots__ = ("scheduler_id", "address", "instance_id", "num_blocks", "signature", "num_waiting", "num_running", "lease_ttl_s")
     SCHEDULER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class SchedulerRegistration(_message.Message):
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     scheduler_id: str
     address: str
     instance_id: str
@@ -163,7 +164,8 @@ class SchedulerRegistration(_message.Message):
     signature: bytes
     num_waiting: int
     num_running: int
-    def __init__(self, scheduler_id: _Optional[str] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., signature: _Optional[bytes] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, scheduler_id: _Optional[str] = ..., address: _Optional[str] = ..., instance_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., signature: _Optional[bytes] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
     __slots__ = ("worker_id", "address", "num_blocks", "block_size", "model", "num_cpu_blocks", "instance_id", "signature", "heartbeat", "num_speculative_tokens", "device")
