@@ -97,3 +97,42 @@ def test_speculative_fields_survive_the_plan_and_the_result():
     first, second = message.sampled[0].accepted
     assert first.HasField("logprobs") and not second.HasField("logprobs")
     assert convert.step_result_from_pb(message) == result
+
+
+def left_at_default(obj) -> list[str]:
+    """The fields of the dataclass ``obj`` still at their default: a round trip does not show they travel."""
+    left = []
+    for f in dataclasses.fields(obj):
+        if f.default is not dataclasses.MISSING and getattr(obj, f.name) == f.default:
+            left.append(f.name)
+        elif f.default_factory is not dataclasses.MISSING and getattr(obj, f.name) == f.default_factory():
+            left.append(f.name)
+    return left
+
+
+def test_every_field_of_every_hand_mapped_message_travels():
+    """The converters that copy fields by hand (convert.py, convert_logprobs.py): each message built with every
+    field away from its default survives the round trip, so a field added to a dataclass and not to its
+    converter fails here (a round trip of defaults passes whatever the converter drops)."""
+    from pagedserve.engine.messages import AcceptedDraft, PromptLogprobs, TokenLogprobs
+
+    entry = TokenLogprobs(7, -0.5, 2, (4, 7), (-0.25, -0.5))
+    seq = SequenceId("r", 1)
+    request = EngineRequest("r", (1, 2, 3), SAMPLING, 12.5, {"traceparent": "00-ab"}, priority=-3, cache_salt="s")
+    new = NewRequestData(seq, (1, 2), 1, (4, 5), 1, 1, SAMPLING, {"k": "v"})
+    cached = CachedRequestData(seq, (9,), 16, 1, 3)
+    plan = BatchPlan(7, (new,), (cached,), (SequenceId("c", 3),), ((1, 2),), ((3, 4),), ((7, 8),), "s1")
+    sampled = SampledToken(seq, 7, -0.5, 1, entry, "not the schema's", (AcceptedDraft(5, -0.25, entry),), 2)
+    result = StepResult(3, (sampled,), (PromptLogprobs(seq, 1, (entry,)),))
+    output = RequestOutput(request_id="r", kind=OutputKind.TAKEN, first_output_index=4, new_token_ids=(7,),
+                           finish_reason=FinishReason.STOP, error=RequestError(ErrorKind.RESOURCE_EXHAUSTED, "big"),
+                           sample_index=1, logprobs=(entry,), prompt_logprobs=(entry,), stop_token_id=7)
+    stats = SchedulerStats(1, 2, 3, 4, (WorkerStats("w", 10, 5, 2, 1, 3, 256),), 1, 2, 100, 40,
+                           SpecDecodeCounters(5, 17, 9, (5, 3, 1, 0)))
+    for message in (request, new, cached, plan, sampled, result, output, stats, stats.workers[0], entry):
+        assert left_at_default(message) == [], type(message).__name__
+    assert convert.request_from_pb(convert.request_to_pb(request, "g")) == request
+    assert convert.plan_from_pb(convert.plan_to_pb(plan)) == plan
+    assert convert.step_result_from_pb(convert.step_result_to_pb(result)) == result
+    assert convert.output_from_pb(convert.output_to_pb(output)) == output
+    assert convert.stats_from_pb(convert.stats_to_pb(stats)) == stats
