@@ -45,9 +45,9 @@ def test_a_running_request_is_acknowledged_once_its_last_sample_leaves_the_engin
     _, events = streams.subscribe("gw")
     e = entry("a")
     scheduler.add_request(requests.hold(e, request_from_pb(e.request)))
-    assert requests.row("a").phase is Phase.RUNNING and requests.entry_id("a") == b"a-0"
+    assert requests.row("a").phase is Phase.IN_ENGINE and requests.entry_id("a") == b"a-0"
     requests.deliver([RequestOutput.taken("a")])
-    assert acked == [] and requests.row("a").phase is Phase.RUNNING  # still in the engine
+    assert acked == [] and requests.row("a").phase is Phase.IN_ENGINE  # still in the engine
     requests.deliver(scheduler.abort_request("a"))
     assert acked == [b"a-0"] and requests.row("a") is None
     assert [len(events.get_nowait().events), len(events.get_nowait().events)] == [1, 1]
@@ -63,7 +63,7 @@ def test_parked_and_resumed_requests_leave_by_remove_or_run_never_through_the_en
     assert [q.request_id for q in requests.resume_queries("gw").resume_queries] == ["r"]
     assert requests.remove("p").entry.entry_id == b"p-0" and requests.row("p") is None
     request = requests.run("r")
-    assert requests.row("r").phase is Phase.RUNNING and request.prompt_token_ids == (1, 2, 3)
+    assert requests.row("r").phase is Phase.IN_ENGINE and request.prompt_token_ids == (1, 2, 3)
     assert acked == []
 
 

@@ -204,7 +204,7 @@ class SchedulerLoop:
             return
         error = RequestError(ErrorKind.UNAVAILABLE, f"no worker has been available for {timeout:g} s; "
                                                     "start a worker (pagedserve worker) and retry")
-        for request_id in self.requests.table.running_longer_than(self.scheduler.waiting_requests(), timeout):
+        for request_id in self.requests.table.in_engine_longer_than(self.scheduler.waiting_requests(), timeout):
             log.warning("failing %s: no worker is up", request_id)
             self._deliver(self.scheduler.abort_request(request_id, error=error))
 

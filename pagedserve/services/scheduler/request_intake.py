@@ -75,7 +75,7 @@ class RequestIntake:
                 log.info("dropping %d request(s) of gateway %s, which never connected", len(parked), gateway_id)
             for request_id in [*parked, *self.table.of_gateway(gateway_id, Phase.AWAITING_RESUME)]:
                 self.redis_writes.ack(self.table.remove(request_id).entry.entry_id)
-            for request_id in self.table.of_gateway(gateway_id, Phase.RUNNING):
+            for request_id in self.table.of_gateway(gateway_id, Phase.IN_ENGINE):
                 log.info("aborting %s: its gateway %s is gone", request_id, gateway_id)
                 self.abort(request_id)
             self.streams.retire(gateway_id, now + self.config.gateway_grace_s)  # with the aborts' finals

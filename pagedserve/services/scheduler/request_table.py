@@ -9,7 +9,7 @@ or handed off:
 - ``AWAITING_RESUME``: taken over from another scheduler (or this one's backlog after a restart);
   waits for its gateway's account of the tokens its client already received (request migration
   as NVIDIA Dynamo does it), at most ``RESUME_TIMEOUT_S``.
-- ``RUNNING``: in the engine; its outputs go to its gateway, and the row closes (span ended, entry
+- ``IN_ENGINE``: handed to the engine (waiting in its queue or running); its outputs go to its gateway, and the row closes (span ended, entry
   acknowledged) once no sample of it is in flight in the engine.
 - ``ABORTED_UNREAD``: its client gave up before this scheduler read its entry: the entry is
   acknowledged unread when it comes (no entry is held).
@@ -49,14 +49,14 @@ grace period, seconds (its entry comes within that unless it was lost)."""
 class Phase(enum.Enum):
     PARKED = "parked"
     AWAITING_RESUME = "awaiting_resume"
-    RUNNING = "running"
+    IN_ENGINE = "in_engine"
     ABORTED_UNREAD = "aborted_unread"
 
 
 @dataclass
 class Row:
     """One request. ``entry`` and ``request`` are set in every phase but ``ABORTED_UNREAD``;
-    ``span`` only while ``RUNNING``.
+    ``span`` only while ``IN_ENGINE``.
 
     Attributes:
         since: when it entered its phase, monotonic seconds.
@@ -106,9 +106,9 @@ class RequestTable:
         row = self._rows.get(request_id)
         return None if row is None or row.entry is None else row.entry.entry_id
 
-    def running_longer_than(self, request_ids: Iterable[str], seconds: float) -> list[str]:
+    def in_engine_longer_than(self, request_ids: Iterable[str], seconds: float) -> list[str]:
         """Those of ``request_ids`` that have been running here (held by the engine) for more than ``seconds``."""
-        return self._in_phase_longer_than(Phase.RUNNING, seconds, request_ids)
+        return self._in_phase_longer_than(Phase.IN_ENGINE, seconds, request_ids)
 
     def of_gateway(self, gateway_id: str, phase: Phase) -> list[str]:
         """Ids of the requests of ``gateway_id`` in ``phase``."""
@@ -133,7 +133,7 @@ class RequestTable:
         self._rows[request_id] = Row(Phase.ABORTED_UNREAD, self._clock())
 
     def run(self, request_id: str) -> EngineRequest:
-        """Moves a parked or resumed request to ``RUNNING`` and opens its span; returns the request
+        """Moves a parked or resumed request to ``IN_ENGINE`` and opens its span; returns the request
         carrying the span's context, for the engine.
 
         Raises:
@@ -147,7 +147,7 @@ class RequestTable:
             "scheduler.request", context=telemetry.extract(request.trace_context),
             attributes={"request_id": request_id, "prompt_tokens": len(request.prompt_token_ids)},
         )
-        row.phase, row.since = Phase.RUNNING, self._clock()
+        row.phase, row.since = Phase.IN_ENGINE, self._clock()
         self._metrics.request_added(request_id)
         return replace(request, trace_context=telemetry.inject(trace.set_span_in_context(row.span)))
 
@@ -162,7 +162,7 @@ class RequestTable:
         Raises:
             KeyError: the table does not hold it, or it runs (it leaves through the engine).
         """
-        if self._rows[request_id].phase is Phase.RUNNING:
+        if self._rows[request_id].phase is Phase.IN_ENGINE:
             raise KeyError(request_id)
         return self._rows.pop(request_id)
 
@@ -175,7 +175,7 @@ class RequestTable:
         self._metrics.outputs(outputs)
         for output in outputs:
             row = self._rows.get(output.request_id)
-            if row is None or row.phase is not Phase.RUNNING:
+            if row is None or row.phase is not Phase.IN_ENGINE:
                 continue
             batches.setdefault(row.gateway_id, []).append(output_to_pb(output))
             if output.first_output_index == 0 and output.new_token_ids:
@@ -190,7 +190,7 @@ class RequestTable:
     def close_if_done(self, request_id: str) -> None:
         """Closes a running request's row if none of its samples is in flight in the engine."""
         row = self._rows.get(request_id)
-        if row is not None and row.phase is Phase.RUNNING and not self._scheduler.has_request(request_id):
+        if row is not None and row.phase is Phase.IN_ENGINE and not self._scheduler.has_request(request_id):
             del self._rows[request_id]
             row.span.end()
             self._ack(row.entry.entry_id)
@@ -205,7 +205,7 @@ class RequestTable:
         for request_id, row in list(self._rows.items()):
             if row.entry is None:
                 continue
-            if row.phase is Phase.RUNNING:
+            if row.phase is Phase.IN_ENGINE:
                 self._scheduler.abort_request(request_id)
                 row.span.end()
                 self._metrics.request_closed(request_id)
