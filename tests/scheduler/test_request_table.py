@@ -44,7 +44,7 @@ def test_a_running_request_is_acknowledged_once_its_last_sample_leaves_the_engin
     requests, scheduler, acked, _, streams = table()
     _, events = streams.subscribe("gw")
     e = entry("a")
-    scheduler.add_request(requests.hold(e, request_from_pb(e.request)))
+    scheduler.add_request(requests.enter_engine_now(e, request_from_pb(e.request)))
     assert requests.row("a").phase is Phase.IN_ENGINE and requests.entry_id("a") == b"a-0"
     requests.deliver([RequestOutput.taken("a")])
     assert acked == [] and requests.row("a").phase is Phase.IN_ENGINE  # still in the engine
@@ -62,7 +62,7 @@ def test_parked_and_resumed_requests_leave_by_remove_or_run_never_through_the_en
     assert requests.of_gateway("gw", Phase.AWAITING_RESUME) == ["r"]
     assert [q.request_id for q in requests.resume_queries("gw").resume_queries] == ["r"]
     assert requests.remove("p").entry.entry_id == b"p-0" and requests.row("p") is None
-    request = requests.run("r")
+    request = requests.enter_engine("r")
     assert requests.row("r").phase is Phase.IN_ENGINE and request.prompt_token_ids == (1, 2, 3)
     assert acked == []
 
@@ -81,7 +81,7 @@ def test_give_up_all_returns_every_held_entry_and_empties_the_engine():
     requests, scheduler, acked, _, _ = table()
     for rid in ("a", "b"):
         e = entry(rid)
-        scheduler.add_request(requests.hold(e, request_from_pb(e.request)))
+        scheduler.add_request(requests.enter_engine_now(e, request_from_pb(e.request)))
     e = entry("c")
     requests.await_resume(e, request_from_pb(e.request))
     assert sorted(e.entry_id for e in requests.give_up_all()) == [b"a-0", b"b-0", b"c-0"]

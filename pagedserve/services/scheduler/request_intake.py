@@ -111,7 +111,7 @@ class RequestIntake:
             self.table.await_resume(entry, request)
             self.streams.publish(entry.request.gateway_id, pb.TokenEventBatch(resume_queries=[resume_query(entry)]))
             return
-        self.engine.add_request(self.table.hold(entry, request))
+        self.engine.add_request(self.table.enter_engine_now(entry, request))
         self._deliver([RequestOutput.taken(request.request_id)])
 
     def resume(self, command: Resume) -> None:
@@ -122,7 +122,7 @@ class RequestIntake:
         if row is None or row.phase is not Phase.AWAITING_RESUME or row.gateway_id != message.gateway_id:
             command.done.set_result(False)
             return
-        request = self.table.run(message.request_id)
+        request = self.table.enter_engine(message.request_id)
         if message.num_migrations > self.config.migration_limit:
             command.done.set_result(True)
             self._fail(request.request_id, RequestError(ErrorKind.UNAVAILABLE, (

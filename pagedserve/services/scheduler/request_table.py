@@ -132,7 +132,7 @@ class RequestTable:
         """Remembers that the client of a request not read yet gave up."""
         self._rows[request_id] = Row(Phase.ABORTED_UNREAD, self._clock())
 
-    def run(self, request_id: str) -> EngineRequest:
+    def enter_engine(self, request_id: str) -> EngineRequest:
         """Moves a parked or resumed request to ``IN_ENGINE`` and opens its span; returns the request
         carrying the span's context, for the engine.
 
@@ -151,10 +151,10 @@ class RequestTable:
         self._metrics.request_added(request_id)
         return replace(request, trace_context=telemetry.inject(trace.set_span_in_context(row.span)))
 
-    def hold(self, entry: QueueEntry, request: EngineRequest) -> EngineRequest:
-        """Holds a request read now and runs it at once (see :meth:`run`)."""
+    def enter_engine_now(self, entry: QueueEntry, request: EngineRequest) -> EngineRequest:
+        """Takes a request read now and hands it to the engine at once (see :meth:`enter_engine`)."""
         self.park(entry, request)
-        return self.run(request.request_id)
+        return self.enter_engine(request.request_id)
 
     def remove(self, request_id: str) -> Row:
         """Forgets a request that is not running (its caller acknowledges or hands off its entry).
