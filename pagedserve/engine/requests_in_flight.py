@@ -123,7 +123,7 @@ class RequestsInFlight:
             if seq.in_flight_worker_id == worker_id:
                 seq.tokens_lost()
 
-    def lost_tokens(self, worker_id: str, step_id: int, sampling: Seq[Sequence]) -> list[Sequence]:
+    def missing_from_answer(self, worker_id: str, step_id: int, sampling: Seq[Sequence]) -> list[Sequence]:
         """The sequences of ``sampling`` (a step's, ``PlanDraft.sampling``) still in flight and
         waiting for a token of that step, whose answer is applied: none will come (a scheduler bug,
         logged as an error)."""

@@ -92,9 +92,9 @@ class Scheduler:
         """The session the worker's plans carry now (new at every ``add_worker``); None if unknown."""
         return self._workers.session_id(worker_id)
 
-    def requests_on(self, worker_id: str) -> list[SequenceId]:
+    def sequences_on(self, worker_id: str) -> list[SequenceId]:
         """The sequences running on a worker."""
-        return self._workers.requests_on(worker_id)
+        return self._workers.sequences_on(worker_id)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:
@@ -180,7 +180,7 @@ class Scheduler:
         """
         outputs = []
         for worker_id, result in results.items():
-            sampling = self._workers.step_answered(worker_id, result)
+            expected = self._workers.step_answered(worker_id, result)  # the sequences the step samples for
             if self.spec_decode is not None:
                 self.spec_decode += SpecDecodeCounters.of(result.sampled)
             for chunk in result.prompt_logprobs:
@@ -199,7 +199,7 @@ class Scheduler:
                     outputs += self.abort_sample(seq.seq_id, grammar_failure(sampled.grammar_error))
                     continue
                 outputs.append(self._append(seq, sampled))
-            for seq in self._requests.lost_tokens(worker_id, result.step_id, sampling):  # none will come
+            for seq in self._requests.missing_from_answer(worker_id, result.step_id, expected):  # none will come
                 outputs += self.abort_sample(seq.seq_id, LOST_TOKEN_ERROR)
         return outputs
 
@@ -239,8 +239,8 @@ class Scheduler:
             seq, worker = self._next_admission(waiting, self._policy, self._workers, drafts)
             if seq.num_tokens_in_flight:
                 return  # preempted while a step of it ran: it is sent in full once all its tokens are known
-            if not self._fits_any_worker(seq):
-                continue  # rejected and removed from the queue
+            if self._refused_as_too_large(seq):
+                continue  # ended, and removed from the queue
             if worker is None:
                 return
             draft = drafts[worker.worker_id]
@@ -263,12 +263,12 @@ class Scheduler:
             worker.start(seq, draft, num_new)
             kept[worker.worker_id] += worker.blocks.num_new_blocks(seq.seq_id, self._headroom.target_tokens(seq))
 
-    def _fits_any_worker(self, seq: Sequence) -> bool:
-        """Ends (with RESOURCE_EXHAUSTED) a sequence no worker could ever run; True if it fits."""
+    def _refused_as_too_large(self, seq: Sequence) -> bool:
+        """Ends (with RESOURCE_EXHAUSTED) a sequence no worker could ever run, and says whether it did."""
         error = self._workers.rejection_error(seq)
         if error is not None:
             self._outputs += self.abort_sample(seq.seq_id, error)
-        return error is None
+        return error is not None
 
     # ---- state changes -------------------------------------------------------------------
     def _append(self, seq: Sequence, sampled: SampledToken) -> RequestOutput:

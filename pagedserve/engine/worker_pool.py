@@ -54,7 +54,7 @@ class WorkerPool:
         worker = self._workers.get(worker_id)
         return worker.session_id if worker else None
 
-    def requests_on(self, worker_id: str) -> list[SequenceId]:
+    def sequences_on(self, worker_id: str) -> list[SequenceId]:
         """The sequences running on a worker. Raises KeyError if it is unknown."""
         return list(self._workers[worker_id].running)
 

@@ -192,7 +192,7 @@ def test_failed_worker_sequences_resume_elsewhere():
     outputs: dict[str, list[int]] = {}
     for out in engine.step() + engine.step():
         outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert engine.scheduler.requests_on("w1")
+    assert engine.scheduler.sequences_on("w1")
     engine.scheduler.remove_worker("w1")
     del engine.executor.runners["w1"]
     run_to_completion(engine, outputs)
