@@ -22,7 +22,7 @@ from pagedserve.services.common.grpc_server import check_health
 from pagedserve.services.common.pb import engine_pb2 as pb
 from pagedserve.services.common.pb import engine_pb2_grpc
 from pagedserve.config_flags import config_to_argv
-from pagedserve.local_redis import redis_answers, redis_settings, write_secret_file
+from pagedserve.local_redis import REDIS_PORT, redis_answers, redis_settings, write_secret_file
 from pagedserve.stack_config import StackConfig
 from pagedserve.stack_ports import LOCAL_HOSTS
 from pagedserve.services.common.service_args import redact_url
@@ -133,7 +133,7 @@ class Stack:
             self.generated_redis_password = True
             write_secret_file(cfg.redis_password_file, cfg.redis_password)
         # "-": the settings come on stdin, so that a password never shows in `ps`
-        self._spawn("redis", [binary, "-"], stdin_text=redis_settings(url.port or 6379, cfg.data_dir, url))
+        self._spawn("redis", [binary, "-"], stdin_text=redis_settings(url.port or REDIS_PORT, cfg.data_dir, url))
         self._wait(lambda: redis_answers(self.redis_url), "redis-server", 30)
 
     def _wait_ready(self) -> None:

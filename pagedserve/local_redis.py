@@ -7,6 +7,9 @@ from urllib.parse import unquote
 
 import redis
 
+REDIS_PORT = 6379
+"""Redis's port when a URL names none."""
+
 BIND_ADDRESSES = {"127.0.0.1": "127.0.0.1", "localhost": "127.0.0.1 -::1", "::1": "::1"}
 """The hosts `pagedserve up` starts a Redis on when none answers there -> the addresses that Redis binds (redis.conf
 ``bind``; ``-``: where this machine has it), so that the services reach it at the URL's host."""

@@ -13,6 +13,7 @@ from pagedserve.services.common.auth import api_key_option, cluster_token_option
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
+from pagedserve.local_redis import REDIS_PORT
 from pagedserve.model_files import default_cache_dir
 from pagedserve.options import nested, option
 from pagedserve.stack_ports import Port, local_redis, same_port_twice
@@ -65,7 +66,7 @@ class StackConfig:
         if not self.cluster_token:
             object.__setattr__(self, "cluster_token", secrets.token_hex(32))
         if self.data_dir is None:
-            port = urlparse(self.redis_url).port or 6379
+            port = urlparse(self.redis_url).port or REDIS_PORT
             object.__setattr__(self, "data_dir", default_cache_dir() / f"redis-{port}")
         if not self.threads_per_worker:
             object.__setattr__(self, "threads_per_worker", default_threads_per_worker(self.workers))

@@ -10,7 +10,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
-from pagedserve.local_redis import BIND_ADDRESSES, redis_answers
+from pagedserve.local_redis import BIND_ADDRESSES, REDIS_PORT, redis_answers
 
 LOCAL_HOSTS = tuple(BIND_ADDRESSES)
 """Redis hosts `pagedserve up` starts a Redis on when none answers."""
@@ -62,7 +62,7 @@ def port_in_use(host: str, port: int) -> bool:
 def local_redis_port(redis_url: str) -> int | None:
     """The port of a Redis `up` would start for ``redis_url`` (a local address), else None."""
     url = urlparse(redis_url)
-    return (url.port or 6379) if url.hostname in LOCAL_HOSTS else None
+    return (url.port or REDIS_PORT) if url.hostname in LOCAL_HOSTS else None
 
 
 def local_redis(redis_url: str) -> Port | None:

@@ -8,6 +8,7 @@ import threading
 from urllib.parse import urlparse
 
 from pagedserve.launcher import LaunchError, Stack, StartStopped
+from pagedserve.local_redis import REDIS_PORT
 from pagedserve.stack_config import StackConfig
 from pagedserve.stack_ports import check_ports
 
@@ -54,7 +55,7 @@ def _redis_note(stack: Stack) -> str:
     if not stack.generated_redis_password:
         return ""
     config = stack.config
-    port = urlparse(config.redis_url).port or 6379
+    port = urlparse(config.redis_url).port or REDIS_PORT
     return (f"Redis: 127.0.0.1:{port}, password in {config.redis_password_file} "
             f"(REDISCLI_AUTH=$(cat {config.redis_password_file}) redis-cli -p {port})\n")
 
