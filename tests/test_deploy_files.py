@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from pagedserve.cli import build_parser
+from pagedserve.model_files import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVICE_COMMANDS = {"gateway", "scheduler", "worker", "prepare-model"}
@@ -83,7 +84,7 @@ def test_worker_can_be_scaled_and_sees_the_model(compose):
         assert any(model.startswith(m + "/") for m in mounts), (name, model, mounts)
     prepare = pagedserve_services(compose)["model"]
     cache_dir = build_parser().parse_args(prepare["command"]).cache_dir
-    assert model == f"{cache_dir}/models/SmolLM2-135M-Instruct"
+    assert Path(model) == default_model_dir(Path(cache_dir))  # where prepare-model puts it
 
 
 def dockerfile_instructions() -> list[tuple[str, str]]:

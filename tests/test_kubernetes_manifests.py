@@ -93,6 +93,15 @@ def test_pagedserve_containers_probe_their_own_grpc_port_and_read_their_secrets(
             assert ref[0] == "pagedserve-secrets" and ref[1] in SECRET_KEYS
 
 
+def test_the_model_path_is_where_the_workers_init_container_prepares_it(objects):
+    from pagedserve.model_files import default_model_dir
+
+    model = by_kind(objects, "ConfigMap")["pagedserve-config"]["data"]["PAGEDSERVE_MODEL"]
+    worker = by_kind(objects, "Deployment")["pagedserve-worker"]["spec"]["template"]["spec"]
+    (prepare,) = [c for c in worker["initContainers"] if c["args"][0] == "prepare-model"]
+    assert Path(model) == default_model_dir(Path(build_parser().parse_args(prepare["args"]).cache_dir))
+
+
 def test_every_port_a_manifest_names_is_the_one_its_container_listens_on(objects):
     """Container ports, the Prometheus annotation and each Service's ports against the flags the container runs
     with: a port changed in one place only would leave a Service, a probe or the scraper at a closed port."""
