@@ -209,7 +209,8 @@ def with_package_root(env: dict[str, str]) -> dict[str, str]:
     folder is not on the import path otherwise (an editable install, or a source checkout run as ``python
     -m pagedserve`` from its root): a service imports the same ``pagedserve`` as `up`."""
     root = Path(pagedserve.__file__).resolve().parents[1]
-    if any(entry and Path(entry).resolve() == root for entry in sys.path[1:]):
+    entries = sys.path if sys.flags.safe_path else sys.path[1:]  # [0]: the script's folder or the current one
+    if any(entry and Path(entry).resolve() == root for entry in entries):
         return env
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))}
 
