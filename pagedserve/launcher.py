@@ -11,12 +11,10 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlparse
 
 import grpc
 
-import pagedserve
 from pagedserve.services.common.auth import cluster_channel
 from pagedserve.services.common.grpc_server import check_health
 from pagedserve.services.common.pb import engine_pb2 as pb
@@ -71,7 +69,7 @@ class Stack:
         env.pop("PAGEDSERVE_API_KEY", None)
         if name == "gateway" and self.config.api_key:
             env["PAGEDSERVE_API_KEY"] = self.config.api_key
-        self._spawn(name, service_argv(*args), with_package_root(env))
+        self._spawn(name, service_argv(*args), env)
 
     def start(self, stop: threading.Event | None = None) -> None:
         """Starts every process and waits until the stack serves, or until ``stop`` is set.
@@ -200,19 +198,9 @@ MAX_RESTARTS = 5
 def service_argv(*args: str) -> list[str]:
     """The command line of a service under `up`: this Python with ``-P``, so the folder `up` was started
     in is not on the service's import path (``python -m`` puts it first: a ``redis.py`` or ``grpc/`` there
-    would replace that dependency in every service)."""
+    would replace that dependency in every service). The service imports pagedserve as installed (a wheel or
+    ``pip install -e``, as scripts/setup.sh does), or from ``PYTHONPATH``, which it inherits."""
     return [sys.executable, "-P", "-m", "pagedserve", *args]
-
-
-def with_package_root(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with the folder this process imported ``pagedserve`` from first on ``PYTHONPATH`` when that
-    folder is not on the import path otherwise (an editable install, or a source checkout run as ``python
-    -m pagedserve`` from its root): a service imports the same ``pagedserve`` as `up`."""
-    root = Path(pagedserve.__file__).resolve().parents[1]
-    entries = sys.path if sys.flags.safe_path else sys.path[1:]  # [0]: the script's folder or the current one
-    if any(entry and Path(entry).resolve() == root for entry in entries):
-        return env
-    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))}
 
 
 PR_SET_PDEATHSIG = 1

@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from pagedserve.services.common.auth import api_key_option, cluster_token_option
+from pagedserve.services.common.grpc_server import host_port
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
@@ -83,8 +84,7 @@ class StackConfig:
     def gateway_address(self, port: int) -> str:
         """host:port at which this machine reaches the gateway's ``port`` (its gRPC, HTTP or metrics port):
         at ``--host``, or at the loopback address when the gateway listens on every address (0.0.0.0, ::)."""
-        host = WILDCARD_TO_LOOPBACK.get(self.host, self.host)
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return host_port(WILDCARD_TO_LOOPBACK.get(self.host, self.host), port)
 
     def scheduler_addresses(self) -> dict[str, str]:
         """Scheduler name (also its --consumer-name) -> host:port."""
@@ -110,7 +110,7 @@ class StackConfig:
         return {name: self.metrics_port + i for i, name in enumerate(names)}
 
 
-WILDCARD_TO_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+WILDCARD_TO_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}
 """A listen address meaning "every address of this machine" -> the one to dial it at from this machine."""
 
 

@@ -9,6 +9,7 @@ from urllib.parse import urlparse
 
 from pagedserve.launcher import LaunchError, Stack, StartStopped
 from pagedserve.local_redis import REDIS_PORT
+from pagedserve.services.common.grpc_server import host_port
 from pagedserve.stack_config import StackConfig
 from pagedserve.stack_ports import check_ports
 
@@ -55,9 +56,10 @@ def _redis_note(stack: Stack) -> str:
     if not stack.generated_redis_password:
         return ""
     config = stack.config
-    port = urlparse(config.redis_url).port or REDIS_PORT
-    return (f"Redis: 127.0.0.1:{port}, password in {config.redis_password_file} "
-            f"(REDISCLI_AUTH=$(cat {config.redis_password_file}) redis-cli -p {port})\n")
+    url = urlparse(config.redis_url)
+    host, port = url.hostname or "127.0.0.1", url.port or REDIS_PORT
+    return (f"Redis: {host_port(host, port)}, password in {config.redis_password_file} "
+            f"(REDISCLI_AUTH=$(cat {config.redis_password_file}) redis-cli -h {host} -p {port})\n")
 
 
 def ready_message(config: StackConfig, redis_note: str = "") -> str:
@@ -67,8 +69,8 @@ def ready_message(config: StackConfig, redis_note: str = "") -> str:
     auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if config.api_key else ""
     return (
         f"pagedserve is up ({config.schedulers} scheduler(s), {config.workers} worker(s), model {config.model.name}):\n"
-        f"  gRPC API:   {config.host}:{config.port}\n"
-        f"  OpenAI API: http://{config.host}:{config.http_port}/v1\n"
+        f"  gRPC API:   {host_port(config.host, config.port)}\n"
+        f"  OpenAI API: http://{host_port(config.host, config.http_port)}/v1\n"
         f"Try{key_note}:\n  pagedserve complete --target {config.gateway_address(config.port)} --chat "
         f"--temperature 0 --prompt 'What is the capital of France?'\n"
         f"  curl http://{config.gateway_address(config.http_port)}/v1/chat/completions{auth} "

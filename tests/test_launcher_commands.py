@@ -90,5 +90,5 @@ def test_up_dials_its_gateway_where_it_listens(tmp_path):
         return StackConfig(model=tmp_path, host=host, port=7, redis_url="redis://127.0.0.1:9/0",
                            data_dir=tmp_path).gateway_address(8)
 
-    assert [address(h) for h in ("127.0.0.1", "0.0.0.0", "::", "::1", "10.1.2.3", "gw.local")] == [
-        "127.0.0.1:8", "127.0.0.1:8", "[::1]:8", "[::1]:8", "10.1.2.3:8", "gw.local:8"]
+    assert [address(h) for h in ("127.0.0.1", "0.0.0.0", "::", "[::]", "::1", "[::1]", "10.1.2.3", "gw.local")] == [
+        "127.0.0.1:8", "127.0.0.1:8", "[::1]:8", "[::1]:8", "[::1]:8", "[::1]:8", "10.1.2.3:8", "gw.local:8"]

@@ -4,21 +4,17 @@ replace the dependency in every service."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
-import pagedserve
-from pagedserve.launcher import service_argv, with_package_root
+from pagedserve.launcher import service_argv
 
 SHADOW = 'raise SystemExit("imported the grpc.py of the folder `up` runs in")\n'
 
 
 def test_a_service_started_in_a_folder_with_a_grpc_py_imports_the_real_grpc(tmp_path: Path):
     (tmp_path / "grpc.py").write_text(SHADOW)
-    env = with_package_root(dict(os.environ))
-    result = subprocess.run(service_argv("health", "--target", "127.0.0.1:1"), cwd=tmp_path, env=env,
+    result = subprocess.run(service_argv("health", "--target", "127.0.0.1:1"), cwd=tmp_path,
                             capture_output=True, text=True, timeout=120)
     assert "grpc.py" not in result.stdout + result.stderr
     assert result.stdout.startswith("UNREACHABLE: no gRPC service answers at 127.0.0.1:1"), result
@@ -29,15 +25,5 @@ def test_plain_python_m_would_have_imported_it(tmp_path: Path):
     """The hazard the ``-P`` guards against, shown on the command line `up` used before."""
     (tmp_path / "grpc.py").write_text(SHADOW)
     argv = [arg for arg in service_argv("health", "--target", "127.0.0.1:1") if arg != "-P"]
-    result = subprocess.run(argv, cwd=tmp_path, env=with_package_root(dict(os.environ)),
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert "imported the grpc.py of the folder `up` runs in" in result.stderr
-
-
-def test_a_service_imports_the_same_pagedserve_as_up(tmp_path: Path):
-    (tmp_path / "pagedserve").mkdir()
-    (tmp_path / "pagedserve" / "__init__.py").write_text("")
-    env = with_package_root({**os.environ, "PYTHONPATH": ""})
-    argv = [sys.executable, "-P", "-c", "import pagedserve; print(pagedserve.__file__)"]
-    out = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
-    assert Path(out.strip()) == Path(pagedserve.__file__).resolve()

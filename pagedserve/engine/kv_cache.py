@@ -121,15 +121,18 @@ def num_blocks_for_memory(spec: KVCacheSpec, memory_bytes: int, *beside: KVCache
     return num_blocks
 
 
-def context_shortfall(spec: KVCacheSpec, num_blocks: int, max_model_len: int, *beside: KVCacheSpec) -> str | None:
+def context_shortfall(spec: KVCacheSpec, num_blocks: int, max_model_len: int, *beside: KVCacheSpec,
+                      num_caches: int = 1) -> str | None:
     """What to tell the operator when ``num_blocks`` blocks (each with a block of every cache ``beside`` it)
     hold fewer token slots than one context of ``max_model_len`` tokens: a request that grows past them,
     even alone on the worker, ends with finish reason ``length`` before its ``max_tokens`` (vLLM refuses to
-    start instead). None when a whole context fits."""
+    start instead). ``num_caches``: caches of this size sharing the ``--kv-cache-memory`` (a pipeline-parallel
+    worker's virtual engines). None when a whole context fits."""
     slots = num_blocks * spec.block_size
     if slots >= max_model_len:
         return None
-    needed = -(-max_model_len // spec.block_size) * (spec.bytes_per_block + sum(s.bytes_per_block for s in beside))
+    block_bytes = spec.bytes_per_block + sum(s.bytes_per_block for s in beside)
+    needed = -(-max_model_len // spec.block_size) * block_bytes * num_caches
     return (f"the KV cache holds {slots} tokens ({num_blocks} blocks of {spec.block_size}), fewer than the model's "
             f"context of {max_model_len}: a request that grows past {slots} tokens ends with finish_reason "
             f"'length'; give --kv-cache-memory {-(-needed // (1 << 20))}MiB or more to hold a whole context")

@@ -20,7 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30
 """KV-cache bytes per worker unless told: of ``LLM`` and `pagedserve up` on every device, of a lone
-`pagedserve worker` on CPU."""
+`pagedserve worker` on CPU, and of each rank of a tensor- or pipeline-parallel worker on any device."""
 
 
 @dataclass(frozen=True)

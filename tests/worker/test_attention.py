@@ -144,3 +144,4 @@ def test_a_cache_short_of_one_context_is_named_with_the_memory_that_holds_one():
         "whole context")
     assert "--kv-cache-memory 6MiB or more" in context_shortfall(spec, 64, 8192, draft)  # the draft's blocks too
     assert "--kv-cache-memory 1MiB or more" in context_shortfall(spec, 1, 100)  # 7 blocks: 56 KiB, rounded up
+    assert "--kv-cache-memory 8MiB or more" in context_shortfall(spec, 64, 8192, num_caches=2)  # 2 virtual engines

@@ -284,6 +284,9 @@ def build_stage_runners(config: RankConfig, world: TensorParallelGroup) -> list[
     backend = make_attention_backend(config.attention_backend, config.device)
     forward = StageForward(model, position, world)
     samples = stage.is_last and (tp is None or tp.rank == 0)  # only the rank that samples holds matchers
+    shortfall = context_shortfall(sized, num_blocks, c.max_model_len, *beside, num_caches=engines)
+    if samples and shortfall is not None:  # said once, by the sampling rank
+        log.warning(shortfall)
     grammar = grammar_compiler_for(config.model_path) if samples else None
     proposers = _stage_proposers(config.speculative, model, caches, backend, forward, tp, raw_sampler)
     verify = sampler.verify if tp is not None else None

@@ -86,6 +86,11 @@ INTERNAL_CHANNEL_OPTIONS = message_size_options(INTERNAL_MAX_MESSAGE_BYTES) + RE
 """Channels between services (gateway to scheduler, scheduler to workers, GetStats callers)."""
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as gRPC targets and URLs write it: an IPv6 address in brackets (``[::1]:50051``)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def bind(server: grpc.Server | grpc.aio.Server, host: str, port: int,
          credentials: grpc.ServerCredentials | None = None) -> int:
     """Binds a port (with TLS when ``credentials`` is given) and returns the port actually bound
@@ -94,11 +99,11 @@ def bind(server: grpc.Server | grpc.aio.Server, host: str, port: int,
     Raises:
         OSError: the address cannot be bound.
     """
-    address = f"{host}:{port}"
+    address = host_port(host, port)
     try:
         bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc's way of saying the address is taken
-        raise OSError(f"cannot listen on {host}:{port}: the port is in use or the address is not local") from exc
+        raise OSError(f"cannot listen on {address}: the port is in use or the address is not local") from exc
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(f"cannot listen on {address}")
     return bound

@@ -60,8 +60,10 @@ class SchedulerDiscovery:
         self._registrations = scheduler_registrations(RecordCheck(cluster_token, on_refused))
         self._redis_answers = True
         self.longest_lease_ttl_s = 0.0
-        """The longest lease TTL a live scheduler has registered (0 before any), seconds: how long after a
-        scheduler dies its peers may wait before taking its requests over."""
+        """The longest lease TTL any scheduler has registered since this gateway started (0 before any), seconds:
+        how long after a scheduler dies its peers may wait before taking its requests over. It never shrinks (a
+        dead scheduler's TTL still bounds its takeover), so one scheduler run with a long TTL lengthens every
+        request's wait for a lost stream until the gateway restarts."""
 
     def connected_links(self) -> list[SchedulerLink]:
         """The links whose stream is open now."""
