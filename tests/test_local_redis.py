@@ -4,7 +4,6 @@ answered and `up` gave up after 30 s)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from urllib.parse import urlparse
@@ -12,16 +11,7 @@ from urllib.parse import urlparse
 import pytest
 
 from pagedserve.local_redis import redis_answers, redis_settings
-from tests.e2e.ports import free_port
-
-
-def has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
+from tests.e2e.ports import free_port, has_ipv6_loopback
 
 
 @pytest.mark.parametrize("host", ["[::1]", "localhost", "127.0.0.1"])

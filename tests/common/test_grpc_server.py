@@ -3,22 +3,13 @@
 
 from __future__ import annotations
 
-import socket
 from concurrent import futures
 
 import grpc
 import pytest
 
 from pagedserve.services.common.grpc_server import add_health, bind, check_health, host_port, set_serving
-
-
-def has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
+from tests.e2e.ports import has_ipv6_loopback
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "[::1]"])

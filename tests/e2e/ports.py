@@ -50,3 +50,13 @@ def free_port(span: int = 1) -> int:
         _handed_out.update(range(port, port + span))
         return port
     raise RuntimeError(f"no {span} free port(s) in {ports}")
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this machine can listen on ``::1`` (some containers have no IPv6)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
