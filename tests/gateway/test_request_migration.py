@@ -14,6 +14,7 @@ import pytest
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.request_samples import ParsedRequest
 from pagedserve.services.common import redis_keys
+from pagedserve.services.common.limits import MAX_LEASE_TTL_S
 from pagedserve.services.common.redis_pool import async_redis_client
 from pagedserve.services.common.pb import engine_pb2 as pb
 from pagedserve.services.gateway.generation_core import TAKEOVER_S, GenerationCore, Submission
@@ -201,6 +202,14 @@ def test_a_request_waits_out_its_dead_schedulers_lease_for_the_takeover(client, 
             gw.s2.send(event(key, 1, [1], finish=LENGTH))
             await until(lambda: getattr(gw, "done", False), "the request to finish")
             assert gw.token_ids() == [0, 1] and not hasattr(gw, "error")
+
+    run_scenario(scenario)
+
+
+def test_a_registered_lease_ttl_counts_at_most_the_longest_a_scheduler_accepts(client, redis_url):
+    async def scenario():
+        async with Gateway(client, redis_url, grace_s=1.0, lease_ttl_s=1e9) as gw:
+            assert gw.core.grace_s() == MAX_LEASE_TTL_S + TAKEOVER_S
 
     run_scenario(scenario)
 

@@ -65,3 +65,16 @@ def test_each_worker_plans_within_its_own_device_s_budget():
     plans = scheduler.schedule(["cpu-worker", "gpu-worker"]).plans
     chunks = {w: [r.num_scheduled_tokens for r in plan.new_requests] for w, plan in plans.items()}
     assert chunks == {"cpu-worker": [256], "gpu-worker": [2048]}
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), 600.5, 1.0])
+def test_the_lease_ttl_is_bounded(ttl):
+    """A lease that never expires (inf, NaN) would leave a dead scheduler's requests to nobody, and a gateway
+    waits a registered TTL before failing them: --lease-ttl lies in [3 renewals, MAX_LEASE_TTL_S]."""
+    from pagedserve.services.common.limits import MAX_LEASE_TTL_S
+    from pagedserve.services.scheduler.config import SchedulerServiceConfig
+
+    with pytest.raises(ValueError, match="--lease-ttl must be in"):
+        SchedulerServiceConfig(redis_url="redis://unused", cluster_token="t" * 16, lease_ttl_s=ttl)
+    assert SchedulerServiceConfig(redis_url="redis://unused", cluster_token="t" * 16,
+                                  lease_ttl_s=MAX_LEASE_TTL_S).lease_ttl_s == 600.0

@@ -14,6 +14,7 @@ import redis
 import redis.asyncio as aioredis
 
 from pagedserve.services.common import redis_keys
+from pagedserve.services.common.limits import MAX_LEASE_TTL_S
 from pagedserve.services.common.pb import engine_pb2 as pb
 from pagedserve.services.common.scheduler_directory import live_only, scheduler_registrations
 from pagedserve.services.common.signed_records import RecordCheck, RecordKind
@@ -117,7 +118,7 @@ class SchedulerDiscovery:
             if moved or (registration is None and not link.connected):
                 await self._drop(scheduler_id)
         for scheduler_id, registration in live.items():
-            self.longest_lease_ttl_s = max(self.longest_lease_ttl_s, registration.lease_ttl_s)
+            self.longest_lease_ttl_s = max(self.longest_lease_ttl_s, min(registration.lease_ttl_s, MAX_LEASE_TTL_S))
             if scheduler_id not in self.links:
                 self._add(registration)
 

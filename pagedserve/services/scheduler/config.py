@@ -9,6 +9,7 @@ from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.spec_decode.config import SpeculativeConfig
 from pagedserve.options import nested, option
 from pagedserve.services.common.auth import MISSING_CLUSTER_TOKEN, cluster_token_option
+from pagedserve.services.common.limits import MAX_LEASE_TTL_S
 from pagedserve.services.common.metrics import check_metrics_port, metrics_port_option
 from pagedserve.services.common.service_args import (DEFAULT_SCHEDULER_PORT, advertise_host_option,
                                                      default_advertise_host, host_option, port_option, redis_url_option)
@@ -47,7 +48,7 @@ class SchedulerServiceConfig:
     advertise_host: str = advertise_host_option()
     lease_ttl_s: float = option(
         "seconds a scheduler's lease (and its leases on workers) lasts without renewal: a scheduler that dies is "
-        "taken over this long after its last renewal", 3.0, flag="lease-ttl")
+        f"taken over this long after its last renewal (at most {MAX_LEASE_TTL_S:g})", 3.0, flag="lease-ttl")
     migration_limit: int = option(
         "most times one request may move to another scheduler (after a scheduler died or gave it up); beyond "
         "it the request fails with UNAVAILABLE", 3)
@@ -74,9 +75,9 @@ class SchedulerServiceConfig:
                      "gateway_grace_s"):
             if not getattr(self, name) > 0:  # NaN too
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.lease_ttl_s < 3 * self.worker_poll_interval_s:
-            raise ValueError(f"--lease-ttl must be at least {3 * self.worker_poll_interval_s:g} s (three renewals), "
-                             f"got {self.lease_ttl_s:g}")
+        if not 3 * self.worker_poll_interval_s <= self.lease_ttl_s <= MAX_LEASE_TTL_S:  # NaN too
+            raise ValueError(f"--lease-ttl must be in [{3 * self.worker_poll_interval_s:g}, {MAX_LEASE_TTL_S:g}] s (at "
+                             f"least three renewals), got {self.lease_ttl_s:g}")
         if self.migration_limit < 0:
             raise ValueError(f"--migration-limit must be >= 0, got {self.migration_limit}")
         if not self.cluster_token:
