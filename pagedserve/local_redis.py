@@ -33,8 +33,8 @@ def write_secret_file(path: Path, secret: str) -> None:
 def redis_settings(port: int, data_dir: Path, url) -> str:
     """redis-server configuration (file syntax) for a local Redis at ``port`` on the host of the parsed ``url``
     (one of ``BIND_ADDRESSES``) that requires its password, if it has one (for its user name, if not ``default``)."""
-    lines = [f"bind {BIND_ADDRESSES[url.hostname]}", f"port {port}", f"dir {_quoted(str(data_dir))}", "appendonly yes", 'save ""',
-             "loglevel warning"]
+    lines = [f"bind {BIND_ADDRESSES[url.hostname]}", f"port {port}", f"dir {_quoted(str(data_dir))}", "appendonly yes",
+             'save ""', "loglevel warning"]
     if url.password:
         password, user = unquote(url.password), unquote(url.username or "")
         if user and user != "default":

@@ -9,8 +9,8 @@ or handed off:
 - ``AWAITING_RESUME``: taken over from another scheduler (or this one's backlog after a restart);
   waits for its gateway's account of the tokens its client already received (request migration
   as NVIDIA Dynamo does it), at most ``RESUME_TIMEOUT_S``.
-- ``IN_ENGINE``: handed to the engine (waiting in its queue or running); its outputs go to its gateway, and the row closes (span ended, entry
-  acknowledged) once no sample of it is in flight in the engine.
+- ``IN_ENGINE``: handed to the engine (waiting in its queue or running); its outputs go to its gateway, and the
+  row closes (span ended, entry acknowledged) once no sample of it is in flight in the engine.
 - ``ABORTED_UNREAD``: its client gave up before this scheduler read its entry: the entry is
   acknowledged unread when it comes (no entry is held).
 
