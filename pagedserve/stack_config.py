@@ -19,7 +19,7 @@ from pagedserve.model_files import default_cache_dir
 from pagedserve.options import nested, option
 from pagedserve.stack_ports import Port, local_redis, same_port_twice
 from pagedserve.services.common.service_args import (DEFAULT_HTTP_PORT, DEFAULT_PORT, DEFAULT_SCHEDULER_PORT,
-                                                     model_option, redis_url_option)
+                                                     bare_host, model_option, redis_url_option)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class StackConfig:
     workers: int = option("number of worker processes", 1)
     schedulers: int = option("number of scheduler processes: each owns some workers, and the others take over "
                              "the requests and workers of one that dies", 1)
-    host: str = option("gateway listen address; 0.0.0.0 serves other machines too", "127.0.0.1")
+    host: str = option("gateway listen address; 0.0.0.0 serves other machines too", "127.0.0.1", parse=bare_host)
     port: int = option("gateway gRPC port", DEFAULT_PORT)
     http_port: int = option("gateway OpenAI-compatible HTTP API port", DEFAULT_HTTP_PORT)
     scheduler_port: int = option("port of the first scheduler; scheduler i listens on PORT+i", DEFAULT_SCHEDULER_PORT)
@@ -110,7 +110,7 @@ class StackConfig:
         return {name: self.metrics_port + i for i, name in enumerate(names)}
 
 
-WILDCARD_TO_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}
+WILDCARD_TO_LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 """A listen address meaning "every address of this machine" -> the one to dial it at from this machine."""
 
 

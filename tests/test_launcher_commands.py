@@ -90,5 +90,15 @@ def test_up_dials_its_gateway_where_it_listens(tmp_path):
         return StackConfig(model=tmp_path, host=host, port=7, redis_url="redis://127.0.0.1:9/0",
                            data_dir=tmp_path).gateway_address(8)
 
-    assert [address(h) for h in ("127.0.0.1", "0.0.0.0", "::", "[::]", "::1", "[::1]", "10.1.2.3", "gw.local")] == [
-        "127.0.0.1:8", "127.0.0.1:8", "[::1]:8", "[::1]:8", "[::1]:8", "[::1]:8", "10.1.2.3:8", "gw.local:8"]
+    assert [address(h) for h in ("127.0.0.1", "0.0.0.0", "::", "::1", "10.1.2.3", "gw.local")] == [
+        "127.0.0.1:8", "127.0.0.1:8", "[::1]:8", "[::1]:8", "10.1.2.3:8", "gw.local:8"]
+
+
+def test_a_host_flag_in_brackets_is_the_bare_address(tmp_path):
+    """``--host [::1]`` (as URLs write it) listens on ``::1``: the HTTP and metrics sockets take no brackets."""
+    from pagedserve.services.scheduler.config import SchedulerServiceConfig
+
+    up = build_parser().parse_args(["up", "--host", "[::1]", "--model", str(tmp_path)])
+    assert config_from_args(StackConfig, up).host == "::1"
+    scheduler = build_parser().parse_args(["scheduler", "--host", "[::]", "--cluster-token", "t" * 16])
+    assert config_from_args(SchedulerServiceConfig, scheduler).host == "::"

@@ -115,9 +115,15 @@ class ModelChoice:
     model: str = model_option("")
 
 
+def bare_host(text: str) -> str:
+    """A ``--host`` as the sockets take it: an IPv6 address without the brackets URLs put around it
+    (``[::1]`` -> ``::1``; gRPC's addresses get them back from ``grpc_server.host_port``)."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+
+
 def host_option() -> Any:
     """The ``host`` field of a service's config: where its gRPC service listens."""
-    return option("address to listen on; 0.0.0.0 serves other machines too", "127.0.0.1")
+    return option("address to listen on; 0.0.0.0 serves other machines too", "127.0.0.1", parse=bare_host)
 
 
 def port_option(default: int) -> Any:
