@@ -144,6 +144,22 @@ def test_kill_one_of_two_schedulers_mid_generation(tmp_path, small_model, refere
             "tokens_computed_again": int(metric(stack.metrics[survivor], "pagedserve_resumed_tokens_total"))}
 
 
+def test_a_lease_longer_than_the_gateways_own_grace_still_moves_every_stream(tmp_path, small_model, reference):
+    """kill -9 the busier of two schedulers run with ``--lease-ttl 12``, longer than the gateway's own 10-s grace:
+    the gateway waits the registered TTL plus the takeover (``GenerationCore.grace_s``; before, every stream of
+    the dead scheduler ended UNAVAILABLE at 10 s), the survivor resumes them, all 16 complete token-identical."""
+    with two_schedulers(tmp_path, small_model, lease_ttl_s=12.0) as (stack, schedulers):
+        calls = start_calls(stack.gateway)
+        victim, survivor, _ = busier_scheduler(schedulers)
+        fault_at = time.monotonic()
+        kill(stack, victim)
+        figures = finish_streams(calls, reference, fault_at, allowed=set())
+        assert figures["completed_identical"] == NUM_STREAMS, figures
+        assert figures["longest_token_gap_s"] > 10.0, figures  # the streams did wait out the lease
+        assert metric(stack.metrics[survivor], "pagedserve_requests_resumed_total") >= 1
+        RESULTS[f"kill -9 one of two schedulers with 12-s leases, {NUM_STREAMS} streams"] = figures
+
+
 def test_a_scheduler_whose_only_worker_dies_hands_its_requests_to_the_peer(tmp_path, small_model, reference):
     """First, requests sharing a prompt prefix (``requests_sharing_a_prefix``); then kill -9 the busier
     scheduler's worker while 16 streams decode. Expected: the scheduler that owned it has no worker

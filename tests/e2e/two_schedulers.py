@@ -22,10 +22,10 @@ LEASE_TTL_S = 2.0
 
 
 @contextlib.contextmanager
-def two_schedulers(tmp_path, model):
-    """redis-server, schedulers s0 and s1, workers w0 and w1 (one core each), a gateway; waits until
-    each scheduler owns one worker. Yields the stack (its ``metrics`` addresses by process name) and the
-    scheduler addresses by name."""
+def two_schedulers(tmp_path, model, lease_ttl_s: float = LEASE_TTL_S):
+    """redis-server, schedulers s0 and s1 (``--lease-ttl lease_ttl_s``), workers w0 and w1 (one core each), a
+    gateway; waits until each scheduler owns one worker. Yields the stack (its ``metrics`` addresses by process
+    name) and the scheduler addresses by name."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PAGEDSERVE_CLUSTER_TOKEN": CLUSTER_TOKEN}
     redis_proc, redis_url = start_redis(tmp_path)
     processes = {"redis": redis_proc}
@@ -36,7 +36,7 @@ def two_schedulers(tmp_path, model):
         for name, address in schedulers.items():
             processes[name] = pagedserve(name, ["scheduler", *common, "--host", "127.0.0.1", "--port",
                                                 address.rsplit(":", 1)[1], "--consumer-name", name, "--lease-ttl",
-                                                str(LEASE_TTL_S), "--metrics-port", metrics[name].rsplit(":", 1)[1]],
+                                                str(lease_ttl_s), "--metrics-port", metrics[name].rsplit(":", 1)[1]],
                                          tmp_path, env)
         for i in range(2):
             processes[f"w{i}"] = pagedserve(f"w{i}", [
