@@ -44,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pagedserve.engine.config import SchedulerStats
 from pagedserve.options import option
+from pagedserve.services.common.grpc_server import host_port
 
 log = logging.getLogger("pagedserve.metrics")
 
@@ -209,7 +210,7 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int | None, serv
         return None
     server, thread = start_http_server(port, addr=host, registry=registry)
     running = MetricsServer(server, thread)
-    log.info("%s metrics at http://%s:%d/metrics", service, host, running.port)
+    log.info("%s metrics at http://%s/metrics", service, host_port(host, running.port))
     return running
 
 

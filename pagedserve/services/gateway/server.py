@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedserve.services.common import telemetry
 from pagedserve.services.common.auth import API_KEY_KEY, AioMetadataAuthInterceptor
-from pagedserve.services.common.grpc_server import CLIENT_API_SERVER_OPTIONS, bind
+from pagedserve.services.common.grpc_server import CLIENT_API_SERVER_OPTIONS, bind, host_port
 from pagedserve.services.common.metrics import serve_metrics
 from pagedserve.services.common.open_files import raise_open_files_limit
 from pagedserve.services.common.redis_pool import async_redis_client
@@ -124,11 +124,11 @@ async def _close(server: grpc.aio.Server, http_task: asyncio.Task, router: Outpu
 
 def _log_started(config: GatewayConfig, port: int, http_port: int, tls: bool) -> None:
     """Logs where the gateway listens, and warns when it serves other machines without an API key."""
-    log.info("gateway %s listening on %s:%d (%s, %s), schedulers from Redis %s, model %s", config.gateway_id,
-             config.host, port, "TLS" if tls else "plaintext",
+    log.info("gateway %s listening on %s (%s, %s), schedulers from Redis %s, model %s", config.gateway_id,
+             host_port(config.host, port), "TLS" if tls else "plaintext",
              "API key required" if config.api_key else "no API key", redact_url(config.redis_url), config.model.name)
-    log.info("gateway %s OpenAI-compatible HTTP API listening on %s:%d (http_port=%d), model name %r",
-             config.gateway_id, config.host, http_port, http_port, config.model_name)
+    log.info("gateway %s OpenAI-compatible HTTP API listening on %s (http_port=%d), model name %r",
+             config.gateway_id, host_port(config.host, http_port), http_port, config.model_name)
     if not config.api_key and config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s without an API key: anyone who reaches this port can generate "
                     "(set --api-key-file or PAGEDSERVE_API_KEY)", config.host)
