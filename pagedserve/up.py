@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
 import threading
@@ -71,9 +72,9 @@ def ready_message(config: StackConfig, redis_note: str = "") -> str:
         f"pagedserve is up ({config.schedulers} scheduler(s), {config.workers} worker(s), model {config.model.name}):\n"
         f"  gRPC API:   {host_port(config.host, config.port)}\n"
         f"  OpenAI API: http://{host_port(config.host, config.http_port)}/v1\n"
-        f"Try{key_note}:\n  pagedserve complete --target {config.gateway_address(config.port)} --chat "
+        f"Try{key_note}:\n  pagedserve complete --target {shlex.quote(config.gateway_address(config.port))} --chat "
         f"--temperature 0 --prompt 'What is the capital of France?'\n"
-        f"  curl http://{config.gateway_address(config.http_port)}/v1/chat/completions{auth} "
+        f"  curl {shlex.quote(f'http://{config.gateway_address(config.http_port)}/v1/chat/completions')}{auth} "
         f"-H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{config.model.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}]}}'\n"
         f"{_metrics_note(config)}{redis_note}Ctrl-C stops everything."
