@@ -15,8 +15,9 @@ from pagedserve.local_redis import redis_settings
 from pagedserve.engine.config import SchedulerConfig
 from pagedserve.engine.runner_config import RunnerConfig
 from pagedserve.services.common.auth import read_secret
-from pagedserve.services.common.grpc_server import (CLIENT_API_SERVER_OPTIONS, INTERNAL_CHANNEL_OPTIONS,
-                                                    INTERNAL_SERVER_OPTIONS, MiB)
+from pagedserve.services.common.grpc_server import (
+    CLIENT_API_SERVER_OPTIONS, INTERNAL_CHANNEL_OPTIONS, INTERNAL_SERVER_OPTIONS, MiB,
+)
 from pagedserve.services.common.redis_wait import connect_redis
 from pagedserve.services.common.service_args import redact_url
 from pagedserve.services.scheduler.config import SchedulerServiceConfig

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 
 from pagedserve.services.common.pb import engine_pb2 as pb
-from pagedserve.services.common.signed_records import (BlockDigestKey, RecordCheck, RecordKind, SignedHash,
-                                                       record_is_signed, sign_record)
+from pagedserve.services.common.signed_records import (
+    BlockDigestKey, RecordCheck, RecordKind, SignedHash, record_is_signed, sign_record,
+)
 
 TOKEN = "t" * 32
 

@@ -9,8 +9,9 @@ from pagedserve.engine.messages import FinishReason, TokenLogprobs
 from pagedserve.engine.sampling_params import SamplingParams
 from pagedserve.text.output_processor import TextDelta
 from pagedserve.services.gateway.generation_core import SampleDelta
-from pagedserve.services.gateway.openai_logprobs import (MIN_LOGPROB, CompletionOffsets, TokenNames, chat_logprobs,
-                                                         prompt_logprobs_out)
+from pagedserve.services.gateway.openai_logprobs import (
+    MIN_LOGPROB, CompletionOffsets, TokenNames, chat_logprobs, prompt_logprobs_out,
+)
 from pagedserve.services.gateway.openai_samples import EchoPrompt, StreamEcho, collect_samples
 from pagedserve.text.request_samples import ParsedRequest
 

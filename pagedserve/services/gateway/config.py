@@ -10,8 +10,9 @@ from pagedserve.options import option
 from pagedserve.text.tool_parsers import ToolCallParserKind
 from pagedserve.services.common.auth import MISSING_CLUSTER_TOKEN, api_key_option, cluster_token_option
 from pagedserve.services.common.metrics import check_metrics_port, metrics_port_option
-from pagedserve.services.common.service_args import (DEFAULT_HTTP_PORT, DEFAULT_PORT, host_option, model_option,
-                                                     port_option, redis_url_option)
+from pagedserve.services.common.service_args import (
+    DEFAULT_HTTP_PORT, DEFAULT_PORT, host_option, model_option, port_option, redis_url_option,
+)
 
 
 MAX_SERVED_MODEL_NAME_CHARS = 256

@@ -28,8 +28,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedserve.engine.messages import FinishReason
 from pagedserve.text.output_processor import TextDelta
-from pagedserve.services.common.metrics import (INTER_TOKEN_BUCKETS_S, MODEL_NAME, REQUEST_LATENCY_BUCKETS_S,
-                                                TTFT_BUCKETS_S, new_registry, refused_records_counter, render)
+from pagedserve.services.common.metrics import (
+    INTER_TOKEN_BUCKETS_S, MODEL_NAME, REQUEST_LATENCY_BUCKETS_S, TTFT_BUCKETS_S, new_registry, refused_records_counter,
+    render,
+)
 from pagedserve.services.common.signed_records import RecordKind
 
 

@@ -26,12 +26,15 @@ from pagedserve.services.gateway.openai_samples import collect_samples
 from pagedserve.services.gateway.openai_params import sampling_params_from_openai
 from pagedserve.services.gateway.openai_structured import structured_output_of
 from pagedserve.services.gateway.openai_protocol import ChatCompletionRequest, ChatMessage, StreamOptions
-from pagedserve.services.gateway.openai_responses import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                                                          ChatCompletionResponse, DeltaMessage, ResponseMeta, UsageInfo)
-from pagedserve.services.gateway.openai_serving import (SSE_DONE, OpenAIServing, StreamUsage, invalid, open_generation,
-                                                        sse_event, unless_disconnected, with_first)
-from pagedserve.services.gateway.openai_tools import (ToolCallStream, ToolUse, answer_message, finish_reason_of,
-                                                      history_calls, tool_use_of)
+from pagedserve.services.gateway.openai_responses import (
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, DeltaMessage, ResponseMeta, UsageInfo,
+)
+from pagedserve.services.gateway.openai_serving import (
+    SSE_DONE, OpenAIServing, StreamUsage, invalid, open_generation, sse_event, unless_disconnected, with_first,
+)
+from pagedserve.services.gateway.openai_tools import (
+    ToolCallStream, ToolUse, answer_message, finish_reason_of, history_calls, tool_use_of,
+)
 
 
 def chat_prompt_mode(add_generation_prompt: bool, continue_final_message: bool) -> ChatPromptMode:

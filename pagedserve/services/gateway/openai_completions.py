@@ -26,13 +26,15 @@ from pagedserve.services.gateway.generation_core import SampleDelta
 from pagedserve.services.gateway.generation_errors import GenerationError, naming_failures
 from pagedserve.services.gateway.openai_params import sampling_params_from_openai
 from pagedserve.services.gateway.openai_protocol import CompletionRequest, StreamOptions
-from pagedserve.services.gateway.openai_responses import (CompletionChoice, CompletionChunk, CompletionResponse,
-                                                          CompletionWholeChoice, ResponseMeta, UsageInfo,
-                                                          finish_reason_name)
+from pagedserve.services.gateway.openai_responses import (
+    CompletionChoice, CompletionChunk, CompletionResponse, CompletionWholeChoice, ResponseMeta, UsageInfo,
+    finish_reason_name,
+)
 from pagedserve.services.gateway.openai_logprobs import CompletionOffsets, TokenNames, prompt_logprobs_out
 from pagedserve.services.gateway.openai_samples import EchoPrompt, StreamEcho, collect_samples, prompt_only
-from pagedserve.services.gateway.openai_serving import (SSE_DONE, OpenAIServing, StreamUsage, open_generation,
-                                                        sse_event, unless_disconnected, with_first)
+from pagedserve.services.gateway.openai_serving import (
+    SSE_DONE, OpenAIServing, StreamUsage, open_generation, sse_event, unless_disconnected, with_first,
+)
 from pagedserve.services.gateway.openai_errors import error_event
 from pagedserve.services.gateway.openai_structured import structured_output_of
 

@@ -21,8 +21,9 @@ from pagedserve.text.tool_use import (
 from pagedserve.text.tool_parsers import (
     PARSERS, ArgumentsPiece, CallCut, CallStart, ContentPiece, ToolCallParserKind, parse_tool_calls,
 )
-from pagedserve.services.gateway.openai_responses import (ChatMessageOut, DeltaFunction, DeltaToolCall, FunctionCallOut,
-                                                          ToolCallOut, finish_reason_name)
+from pagedserve.services.gateway.openai_responses import (
+    ChatMessageOut, DeltaFunction, DeltaToolCall, FunctionCallOut, ToolCallOut, finish_reason_name,
+)
 
 _LIMITS = RequestLimits()
 FunctionName = Annotated[StrictStr, Field(min_length=1, max_length=_LIMITS.max_function_name_chars,

@@ -25,9 +25,10 @@ from prometheus_client.registry import Collector
 from pagedserve.engine.config import SchedulerStats
 from pagedserve.engine.messages import BatchPlan
 from pagedserve.engine.outputs import RequestOutput
-from pagedserve.services.common.metrics import (MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S,
-                                                MonotonicTotals, engine_counters, kv_cache_usage, new_registry,
-                                                queue_gauges, refused_records_counter)
+from pagedserve.services.common.metrics import (
+    MODEL_NAME, PLAN_BYTES_BUCKETS, REQUEST_LATENCY_BUCKETS_S, MonotonicTotals, engine_counters, kv_cache_usage,
+    new_registry, queue_gauges, refused_records_counter,
+)
 from pagedserve.services.common.signed_records import RecordKind
 
 
