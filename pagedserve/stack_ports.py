@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from urllib.parse import urlparse
 
 from pagedserve.local_redis import BIND_ADDRESSES, REDIS_PORT, redis_answers
+from pagedserve.services.common.grpc_server import host_port
 
 LOCAL_HOSTS = tuple(BIND_ADDRESSES)
 """Redis hosts `pagedserve up` starts a Redis on when none answers."""
@@ -38,7 +39,7 @@ class Port:
     port: int
 
     def __str__(self) -> str:
-        return f"{self.host}:{self.port} ({self.what})"
+        return f"{host_port(self.host, self.port)} ({self.what})"
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -66,9 +67,10 @@ def local_redis_port(redis_url: str) -> int | None:
 
 
 def local_redis(redis_url: str) -> Port | None:
-    """The port of a Redis `up` would start for ``redis_url`` (a local address), as one of the stack's ports."""
+    """The port of a Redis `up` would start for ``redis_url`` (a local address), as one of the stack's ports, on
+    the URL's host (where that Redis listens: ``local_redis.BIND_ADDRESSES``)."""
     port = local_redis_port(redis_url)
-    return None if port is None else Port("Redis", "127.0.0.1", port)
+    return None if port is None else Port("Redis", urlparse(redis_url).hostname, port)
 
 
 def moved_redis_url(redis_url: str, offset: int) -> str:
@@ -77,9 +79,8 @@ def moved_redis_url(redis_url: str, offset: int) -> str:
     if port is None or not offset:
         return redis_url
     url = urlparse(redis_url)
-    host = f"[{url.hostname}]" if ":" in url.hostname else url.hostname
-    userinfo = url.netloc.rpartition("@")[0]
-    return url._replace(netloc=f"{userinfo}@{host}:{port + offset}" if userinfo else f"{host}:{port + offset}").geturl()
+    address, userinfo = host_port(url.hostname, port + offset), url.netloc.rpartition("@")[0]
+    return url._replace(netloc=f"{userinfo}@{address}" if userinfo else address).geturl()
 
 
 def apply_port_offset(args: argparse.Namespace) -> argparse.Namespace:

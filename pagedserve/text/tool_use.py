@@ -1,8 +1,8 @@
 """What a chat request's tools ask of the engine, and the calls found in its answers, for every API.
 
 The HTTP API (``pagedserve/services/gateway/openai_tools``) and the gRPC API
-(``pagedserve/services/gateway/request_parser``, ``grpc_tools``) read their own request shapes, then call :func:`tool_use_of`, which checks the tools
-and maps ``tool_choice`` to what decoding must do: ``none`` offers the tools but parses no call;
+(``pagedserve/services/gateway/request_parser``, ``grpc_tools``) read their own request shapes, then call
+:func:`tool_use_of`, which checks the tools and maps ``tool_choice`` to what decoding must do: ``none`` offers the tools but parses no call;
 ``auto`` (the default with tools) generates freely and parses the calls afterwards; ``required``
 and a named function constrain decoding to calls (``tool_calls.calls_grammar``: every call parses
 and its arguments validate against the function's schema). Calls are read by the parser

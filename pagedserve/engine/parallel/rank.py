@@ -33,9 +33,9 @@ from pagedserve.engine.models.registry import load_model_config, model_class_for
 from pagedserve.engine.parallel.group import Collectives, CollectiveError, TensorParallelGroup
 from pagedserve.engine.parallel.pipeline import RankPosition, StageForward, StageRunner, pipeline_stage
 from pagedserve.engine.parallel.sharding import ShardingError, shard_layout
+from pagedserve.engine.parallel.stage_drafts import StageDrafts, draft_seed
 from pagedserve.engine.runner_config import DEFAULT_KV_CACHE_MEMORY, RunnerConfig
 from pagedserve.engine.runner_factory import resolve_dtype
-from pagedserve.engine.parallel.stage_drafts import StageDrafts, draft_seed
 from pagedserve.engine.sampler import Sampler, SamplerOutput
 from pagedserve.engine.spec_decode.config import SpeculativeConfig, SpeculativeMethod
 from pagedserve.engine.spec_decode.draft_model import build_proposer, build_proposers, speculative_caches
